@@ -1,0 +1,55 @@
+"""Advantage estimators: pure tensor functions over a whole batch (computed at batch assembly).
+
+Computing advantages where the batch is assembled, not per group as rewards arrive, lets batch-level
+normalisation and filters see the whole batch. Samples whose reward failed (`valid` False) get
+advantage 0 and are left out of their group's statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+AdvantageFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample mean and (unbiased) std of the valid rewards of its group."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    w = valid.to(rewards.dtype)
+    r = torch.where(valid, rewards, torch.zeros_like(rewards))
+    count = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, inverse, w)
+    total = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, inverse, r)
+    mean = total / count.clamp(min=1)
+    sq = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, inverse, w * (r - mean[inverse]) ** 2)
+    std = (sq / (count - 1).clamp(min=1)).sqrt()
+    return mean[inverse], std[inverse]
+
+
+def compute_grpo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO: (r - group mean) / (group std + eps). A group whose rewards are all equal gets 0."""
+    mean, std = _group_stats(rewards, group_ids, valid)
+    centred = rewards - mean
+    adv = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+    return torch.where(valid, adv, torch.zeros_like(adv))
+
+
+def compute_dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Dr.GRPO: r - group mean, without the std division (which up-weights easy and hard groups)."""
+    mean, _ = _group_stats(rewards, group_ids, valid)
+    return torch.where(valid, rewards - mean, torch.zeros_like(rewards))
+
+
+ADVANTAGES: dict[str, AdvantageFn] = {"grpo": compute_grpo_advantages, "dr_grpo": compute_dr_grpo_advantages}
+
+
+def make_advantage_fn(name: str) -> AdvantageFn:
+    """The advantage estimator registered under `name`."""
+    try:
+        return ADVANTAGES[name]
+    except KeyError:
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(ADVANTAGES)}") from None

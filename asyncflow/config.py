@@ -1,0 +1,395 @@
+"""The typed configuration tree: defaults, YAML loading, `--set` overrides and validation.
+
+Precedence (lowest first): the defaults below < the task pack's defaults < the YAML file < `--set`.
+Every field has a docstring (`doc` metadata) so the reference in docs/ is generated from here.
+Validation happens before torch/transformers/ray are imported, so a typo costs milliseconds: an
+unknown key is an error that suggests the closest known key, and a wrong type, an out-of-range value
+or a contradictory pair of settings names the key. Nothing is ever silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from asyncflow.errors import UserError
+
+
+def _f(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None) -> Any:
+    """A config field with its docstring and optional numeric bounds (inclusive)."""
+    return field(default=default, metadata={"doc": doc, "lo": lo, "hi": hi})
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    path: str | None = _f(None, "Hugging Face causal-LM folder. null: the task pack prepares (and caches) its model.")
+    cache_dir: str | None = _f(None, "Where prepared task models are cached. null: $ASYNCFLOW_CACHE or ~/.cache/asyncflow.")
+    dtype: Literal["float32", "bfloat16"] = _f("float32", "Parameter dtype for training and rollout (float32 keeps behaviour and trainer log-probs equal).")
+
+
+@dataclass
+class DatasetConfig:
+    """Training prompts."""
+
+    path: str | None = _f(None, "jsonl, parquet or a saved `datasets` folder. null: the task pack's train split.")
+    prompt_key: str = _f("prompt", "Column holding the prompt (text, or a list of chat messages).")
+    label_key: str | None = _f("answer", "Column passed to the reward function under its own name (null: none required).")
+    shuffle: bool = _f(True, "Shuffle the prompt order (seeded by `seed`) once per epoch.")
+
+
+@dataclass
+class RewardConfig:
+    """The reward function."""
+
+    fn: str | None = _f(None, "`module:function` with TRL's signature fn(prompts, completions, **columns) -> list[float|None]. null: the task pack's verifier.")
+    timeout_s: float = _f(60.0, "Longest one reward call may take before its samples are marked as failed.", lo=0.001)
+    fail_fast_calls: int = _f(32, "If this many first reward calls of a run all fail, stop the run (exit 2).", lo=1)
+
+
+@dataclass
+class RolloutConfig:
+    """Generation."""
+
+    engine: Literal["hf"] = _f("hf", "Inference engine adapter: hf (transformers with continuous batching).")
+    workers: int = _f(1, "Number of rollout workers (one engine each).", lo=1)
+    n: int = _f(8, "Samples per prompt (a GRPO group). Each is its own request (prompt replication).", lo=1)
+    max_new_tokens: int = _f(16, "Longest response, in tokens.", lo=1)
+    temperature: float = _f(1.0, "Sampling temperature. The trainer divides logits by it too.", lo=1e-3)
+    max_batch: int = _f(256, "Most sequences one engine decodes at once (continuous-batching slots).", lo=1)
+    request_timeout_s: float = _f(600.0, "Longest one generation request may take before it is failed.", lo=0.001)
+
+
+@dataclass
+class TrainConfig:
+    """The trainer."""
+
+    engine: Literal["torch"] = _f("torch", "Train engine adapter: torch (plain PyTorch, one process).")
+    batch_size: int = _f(64, "Samples per train step; must be divisible by rollout.n (whole groups).", lo=1)
+    mini_batches: int = _f(1, "Optimizer steps per train step (the batch is split into this many parts).", lo=1)
+    micro_batch_size: int | None = _f(None, "Samples per forward/backward pass (gradient accumulation). null: the whole mini-batch.", lo=1)
+    lr: float = _f(1e-6, "AdamW learning rate (task packs set one that suits their model).", lo=0.0)
+    weight_decay: float = _f(0.0, "AdamW weight decay.", lo=0.0)
+    max_steps: int = _f(100, "Train steps (weight publications) in the run.", lo=1)
+    max_grad_norm: float = _f(1.0, "Gradient-norm clip per optimizer step (0: no clipping).", lo=0.0)
+    threads: int | None = _f(None, "torch CPU threads. null: all cores.", lo=1)
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimator and policy loss."""
+
+    advantage: Literal["grpo", "dr_grpo"] = _f("grpo", "grpo: (r - group mean) / group std; dr_grpo: r - group mean.")
+    loss: Literal["ppo"] = _f("ppo", "Policy loss. ppo: clipped ratio against the behavior policy.")
+    clip_low: float = _f(0.2, "PPO lower clip: ratio >= 1 - clip_low.", lo=0.0, hi=1.0)
+    clip_high: float = _f(0.28, "PPO upper clip: ratio <= 1 + clip_high (clip-higher).", lo=0.0)
+    kl_coef: float = _f(0.0, "Weight of the k3 KL penalty to the frozen initial policy (0: no reference model).", lo=0.0)
+
+
+@dataclass
+class WorkflowConfig:
+    """How the stages overlap."""
+
+    mode: Literal["async", "sync"] = _f("async", "async: rollout and training overlap within max_staleness; sync: a barrier, staleness 0.")
+    max_staleness: int | None = _f(None, "Async ratio: most policy versions a trained sample may lag. null: 1 in async, 0 in sync.", lo=0)
+    weight_update: Literal["drain", "swap"] = _f("swap", "drain: finish in-flight requests on old weights, then load; swap: load between decode steps.")
+    store_capacity: int = _f(8192, "Most samples the store holds; producers block beyond it (backpressure).", lo=1)
+    lease_timeout_s: float = _f(600.0, "A taken sample not acked within this returns to the queue.", lo=0.001)
+    step_timeout_s: float = _f(1800.0, "Longest the trainer waits for one batch before failing with a message.", lo=0.001)
+
+
+@dataclass
+class EvalConfig:
+    """Greedy evaluation on held-out prompts."""
+
+    path: str | None = _f(None, "Eval prompts. null: the task's eval split, else a held-out slice (<= 10%) of the dataset.")
+    every: int = _f(10, "Evaluate every this many train steps (0: only before and after).", lo=0)
+    size: int = _f(1000, "Most eval prompts used.", lo=1)
+    success_threshold: float = _f(1.0, "A prompt counts as solved when its greedy reward >= this.")
+
+
+@dataclass
+class RuntimeConfig:
+    """Where components run."""
+
+    kind: Literal["local"] = _f("local", "local: one process, asyncio + threads.")
+    address: str | None = _f(None, "Ray cluster address (runtime.kind: ray).")
+
+
+@dataclass
+class LoggingConfig:
+    """Outputs besides the run folder's files."""
+
+    progress: bool = _f(True, "Live progress display (plain lines when not a terminal).")
+    tensorboard: bool = _f(False, "Also write TensorBoard scalars.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints."""
+
+    every: int = _f(0, "Save a checkpoint every this many train steps (0: never; final/ is always written).", lo=0)
+    resume: Literal[False, "auto"] = _f(False, "auto: resume from the newest checkpoint in --out.")
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    task: str | None = _f("arith", "Built-in task pack supplying what is not given (model, data, reward, defaults).")
+    seed: int = _f(0, "Seed for data order, sampling and initialisation.")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": ModelConfig.__doc__})
+    dataset: DatasetConfig = field(default_factory=DatasetConfig, metadata={"doc": DatasetConfig.__doc__})
+    reward: RewardConfig = field(default_factory=RewardConfig, metadata={"doc": RewardConfig.__doc__})
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"doc": RolloutConfig.__doc__})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": TrainConfig.__doc__})
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig, metadata={"doc": AlgorithmConfig.__doc__})
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig, metadata={"doc": WorkflowConfig.__doc__})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"doc": EvalConfig.__doc__})
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig, metadata={"doc": RuntimeConfig.__doc__})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"doc": LoggingConfig.__doc__})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": CheckpointConfig.__doc__})
+
+    @property
+    def staleness(self) -> int:
+        """The effective staleness bound (0 in sync mode)."""
+        if self.workflow.max_staleness is not None:
+            return self.workflow.max_staleness
+        return 0 if self.workflow.mode == "sync" else 1
+
+
+# --------------------------------------------------------------------------------------------------
+# loading
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Recursively merge `over` into a copy of `base` (dicts merge, everything else replaces)."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """Turn `["a.b=1", "c=x"]` into a nested dict; values are parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise UserError(f"--set {item!r}: expected key.path=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise UserError(f"--set {item!r}: empty key segment")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"--set {item!r}: {part} is set both as a value and as a section")
+        node[parts[-1]] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a dict, with clear errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: config file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "malformed YAML"
+        raise UserError(f"{p}:{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: expected a mapping of config sections at the top level")
+    return data
+
+
+def task_defaults(task: str | None) -> dict[str, Any]:
+    """The task pack's config defaults (light import: no torch)."""
+    if task is None:
+        return {}
+    from asyncflow.tasks import TASK_NAMES, task_default_config
+
+    if task not in TASK_NAMES:
+        hint = _closest(task, list(TASK_NAMES))
+        raise UserError(f"task: unknown task pack {task!r}{hint}; known: {', '.join(TASK_NAMES)}")
+    return task_default_config(task)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> tuple[Config, set[str]]:
+    """Build the resolved config. Returns it with the set of dotted keys the user set explicitly."""
+    user = read_yaml(path) if path is not None else {}
+    cli = parse_set(overrides or [])
+    explicit = merge(user, cli)
+    task = explicit.get("task", Config.task)
+    if task is not None and not isinstance(task, str):
+        raise UserError(f"task: expected a task name or null, got {task!r}")
+    raw = merge(task_defaults(task), explicit)
+    cfg = from_dict(raw)
+    validate(cfg, _flatten(explicit))
+    return cfg, _flatten(explicit)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        out.add(name)
+        if isinstance(value, dict):
+            out |= _flatten(value, name + ".")
+    return out
+
+
+def _closest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Build a Config from nested dicts, checking keys, types and bounds."""
+    return typing.cast(Config, _build(Config, raw, ""))
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            raise UserError(f"{prefix}{key}: unknown key{_closest(str(key), list(fields))}")
+    values: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            values[name] = _build(tp, raw[name], f"{prefix}{name}.")  # type: ignore[arg-type]
+        else:
+            values[name] = _check_value(f"{prefix}{name}", raw[name], tp, f.metadata)
+    return cls(**values)
+
+
+def _check_value(key: str, value: Any, tp: Any, meta: Any) -> Any:
+    value = _coerce(key, value, tp)
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if lo is not None and value < lo:
+            raise UserError(f"{key}: {value} is below the minimum {lo}")
+        if hi is not None and value > hi:
+            raise UserError(f"{key}: {value} is above the maximum {hi}")
+    return value
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except UserError as exc:
+                errors.append(str(exc))
+        raise UserError(errors[0] if len(errors) == 1 else f"{key}: {value!r} is not valid here ({_type_name(tp)})")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        for choice in choices:
+            if value == choice and type(value) is type(choice):
+                return value
+        shown = ", ".join(repr(c) for c in choices)
+        hint = _closest(str(value), [str(c) for c in choices]) if isinstance(value, str) else ""
+        raise UserError(f"{key}: {value!r} is not one of {shown}{hint}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise UserError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise UserError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise UserError(f"{key}: expected a string, got {value!r}")
+    raise TypeError(f"config type {tp} of {key} is not supported")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def validate(cfg: Config, explicit: set[str]) -> None:
+    """Cross-field checks: settings that cannot be honoured together are refused, never ignored."""
+    if cfg.train.batch_size % cfg.rollout.n:
+        raise UserError(
+            f"train.batch_size: {cfg.train.batch_size} is not divisible by rollout.n={cfg.rollout.n} (a batch is whole groups)"
+        )
+    if cfg.train.batch_size < cfg.train.mini_batches:
+        raise UserError(f"train.mini_batches: {cfg.train.mini_batches} is more than train.batch_size={cfg.train.batch_size}")
+    if cfg.workflow.mode == "sync" and cfg.workflow.max_staleness not in (None, 0):
+        raise UserError(
+            f"workflow.max_staleness: {cfg.workflow.max_staleness} contradicts workflow.mode=sync (sync is staleness 0)"
+        )
+    if cfg.task is None:
+        for key in ("model.path", "dataset.path", "reward.fn"):
+            section, name = key.split(".")
+            if getattr(getattr(cfg, section), name) is None:
+                raise UserError(f"{key}: required when task is null (no task pack to supply it)")
+    if cfg.reward.fn is not None and ":" not in cfg.reward.fn:
+        raise UserError(f"reward.fn: {cfg.reward.fn!r} must be 'module:function'")
+    if cfg.rollout.n == 1 and cfg.algorithm.advantage in ("grpo", "dr_grpo"):
+        raise UserError("rollout.n: group advantages (algorithm.advantage=grpo/dr_grpo) need n >= 2")
+    if cfg.runtime.address is not None and cfg.runtime.kind == "local":
+        raise UserError("runtime.address: only used with runtime.kind=ray")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain nested dicts (for config.yaml)."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    """The fully resolved config as YAML."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type, default, doc) for every leaf field: the generated configuration reference."""
+    rows: list[tuple[str, str, Any, str]] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows += field_docs(tp, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        else:
+            rows.append((f"{prefix}{f.name}", _type_name(tp), f.default, f.metadata.get("doc", "")))
+    return rows

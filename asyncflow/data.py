@@ -1,0 +1,93 @@
+"""Datasets: reading prompt rows (jsonl, parquet, a saved `datasets` folder) and tokenizing prompts.
+
+Plain-text prompts are tokenized as they are (the tokenizer's own defaults, as TRL does); a chat
+template is applied only to conversational prompts (a list of {"role", "content"} messages). Prompts
+are tokenized once, here; nothing downstream ever re-tokenizes decoded text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from asyncflow.errors import UserError
+
+
+def read_rows(path: str | Path, *, key: str = "dataset.path") -> list[dict[str, Any]]:
+    """All rows of a jsonl / parquet file or a `datasets.save_to_disk` folder."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{key}: {p} does not exist")
+    if p.is_dir():
+        rows = _read_datasets_dir(p, key)
+    elif p.suffix in (".jsonl", ".json"):
+        rows = _read_jsonl(p)
+    elif p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(p).to_pylist()
+        except Exception as exc:
+            raise UserError(f"{p}: not a readable parquet file ({exc})") from None
+    else:
+        raise UserError(f"{key}: {p} must be .jsonl, .parquet or a saved datasets folder")
+    if not rows:
+        raise UserError(f"{p}: the dataset is empty")
+    return rows
+
+
+def _read_jsonl(p: Path) -> list[dict[str, Any]]:
+    rows = []
+    with p.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{p}:{lineno}: malformed JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{p}:{lineno}: expected a JSON object per line")
+            rows.append(row)
+    return rows
+
+
+def _read_datasets_dir(p: Path, key: str) -> list[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(f"{key}: {p} is a folder; reading saved datasets needs `pip install datasets`") from None
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as exc:
+        raise UserError(f"{key}: {p} is not a saved datasets folder ({exc})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise UserError(f"{key}: {p} holds splits {list(ds)} but no 'train'")
+        ds = ds["train"]
+    return list(ds)
+
+
+def check_columns(rows: list[dict[str, Any]], path: str, prompt_key: str, label_key: str | None) -> None:
+    """Every row has the prompt column (and the label column if one is configured)."""
+    for i, row in enumerate(rows):
+        if prompt_key not in row:
+            raise UserError(f"{path}: row {i} has no column {prompt_key!r} (dataset.prompt_key); columns: {sorted(row)}")
+        prompt = row[prompt_key]
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not all(isinstance(m, dict) for m in prompt)):
+            raise UserError(f"{path}: row {i} column {prompt_key!r} must be text or a list of chat messages")
+        if label_key is not None and label_key not in row:
+            raise UserError(f"{path}: row {i} has no column {label_key!r} (dataset.label_key); columns: {sorted(row)}")
+
+
+def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
+    """Token ids of a prompt: text as it is, chat messages through the chat template."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError("dataset: conversational prompts need a tokenizer with a chat template")
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)

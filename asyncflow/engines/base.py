@@ -1,0 +1,127 @@
+"""Engine interfaces: the only thing the workflow knows about inference and training back-ends.
+
+AsyncFlow's point is that the core is engine-agnostic: the workflow talks to an `InferenceEngine`
+(one request in, token ids + behavior log-probs + per-token versions out, weights loaded in one of
+three modes) and to a `TrainEngine` (log-probs of a batch, optimizer steps with a given loss, weight
+export). Adapters for transformers, vLLM, HTTP servers or simulators implement these.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+WeightUpdateMode = Literal["drain", "swap", "abort"]
+
+
+@dataclass
+class GenRequest:
+    """One generation request: one sample (prompt replication makes n of these per prompt)."""
+
+    uid: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0  # 0: greedy
+
+
+@dataclass
+class GenResult:
+    """What the engine generated for one request."""
+
+    uid: int
+    response_ids: list[int]
+    behavior_logprobs: list[float]  # log p(token) under the temperature-scaled distribution sampled from
+    token_versions: list[int]  # policy version that produced each token
+    finish_reason: Literal["stop", "length", "cancelled"]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class InferenceEngine(abc.ABC):
+    """Asynchronous generation with continuous batching and versioned weight loading."""
+
+    version: int
+
+    @abc.abstractmethod
+    async def generate(self, request: GenRequest) -> GenResult:
+        """Generate one response; requests join and leave the running batch between decode steps."""
+
+    @abc.abstractmethod
+    async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
+        """Load new weights as `version`. Returns seconds until they were in use."""
+
+    @abc.abstractmethod
+    def cancel_older_than(self, min_version: int) -> int:
+        """Cancel in-flight requests whose oldest token version is below `min_version`; returns the count."""
+
+    @abc.abstractmethod
+    def load(self) -> int:
+        """Requests admitted and not yet finished (running + waiting)."""
+
+    @property
+    @abc.abstractmethod
+    def capacity(self) -> int:
+        """Most requests worth keeping in flight (continuous-batching slots)."""
+
+    def busy_seconds(self) -> float:
+        """Cumulative seconds spent computing (for busy fractions)."""
+        return 0.0
+
+    async def close(self) -> None:
+        """Stop background work."""
+        await asyncio.sleep(0)
+
+
+@dataclass
+class TrainBatch:
+    """A padded batch of sequences for the trainer (right-padded; response tokens marked by mask)."""
+
+    input_ids: torch.Tensor  # [B, L] prompt + response, right-padded
+    attention_mask: torch.Tensor  # [B, L] 1 on real tokens
+    response_mask: torch.Tensor  # [B, L-1] float, 1 where target token t+1 is a trained response token
+    advantages: torch.Tensor  # [B]
+    behavior_logprobs: torch.Tensor  # [B, L-1] aligned with response_mask (0 elsewhere)
+    ref_logprobs: torch.Tensor | None = None  # [B, L-1]
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, idx: list[int]) -> TrainBatch:
+        """Rows `idx` as a new batch."""
+        ix = torch.tensor(idx, dtype=torch.long)
+        return TrainBatch(
+            input_ids=self.input_ids[ix],
+            attention_mask=self.attention_mask[ix],
+            response_mask=self.response_mask[ix],
+            advantages=self.advantages[ix],
+            behavior_logprobs=self.behavior_logprobs[ix],
+            ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[ix],
+        )
+
+
+# loss_fn(logprobs, batch, token_normalizer) -> (scalar loss contribution, metric sums)
+LossFn = Callable[[torch.Tensor, TrainBatch, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class TrainEngine(abc.ABC):
+    """Log-probs, optimizer steps and weight export for the policy."""
+
+    @abc.abstractmethod
+    def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        """Per-token log-probs [B, L-1] of the batch's target tokens (logits / temperature), no grad."""
+
+    @abc.abstractmethod
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
+        """`mini_batches` optimizer steps over the batch; returns averaged metrics."""
+
+    @abc.abstractmethod
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """A detached copy of the weights to publish to inference engines."""
+
+    @abc.abstractmethod
+    def save(self, path: str, *, with_optimizer: bool) -> None:
+        """Write a Hugging Face folder (and the optimizer state if asked)."""

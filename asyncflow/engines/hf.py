@@ -1,0 +1,351 @@
+"""Inference over a transformers causal LM with continuous batching and a KV cache.
+
+Why not `model.generate`: static generation holds a batch until its longest response ends, and queue
+scheduling needs free slots to be refilled at once. Why not transformers' `generate_batch`: at the
+tiny-model sizes this project tests on, its fixed overhead dominates (measured 6.8 s vs 0.03 s for 64
+prompts x 8 tokens). So this module runs its own decode loop in a dedicated thread:
+
+    waiting ──prefill (batched)──► running rows ──decode step──► finished (future resolved)
+                   ▲                    │   (one token per row per step; rows join/leave between steps)
+                   └── abort: re-prefill prompt + tokens so far with the new weights
+
+The running batch shares one KV cache, always left-padded: a joining row (or the batch) is padded on
+the left to the longer length, finished rows are dropped, and columns that are padding in every row
+are trimmed. Position ids are explicit per row, so padding never shifts positions.
+
+Weight updates (`load_weights`): `swap` loads between two decode steps and keeps the KV cache;
+`drain` stops admitting, lets running rows finish on the old weights, then loads; `abort` evicts
+running rows, loads, and re-admits them first, re-prefilling their prompt plus the tokens generated so
+far. Every token records the version that sampled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
+
+
+@dataclass
+class _Row:
+    """One request in the engine."""
+
+    req: GenRequest
+    future: cf.Future[GenResult]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    cancelled: bool = False
+
+    def context(self) -> list[int]:
+        """Tokens that must be in the KV cache before the next token is sampled."""
+        return self.req.prompt_ids + self.tokens[:-1] if self.tokens else list(self.req.prompt_ids)
+
+
+@dataclass
+class _PendingWeights:
+    state: dict[str, torch.Tensor]
+    version: int
+    mode: WeightUpdateMode
+    done: cf.Future[float]
+    requested_at: float
+
+
+class HFEngine(InferenceEngine):
+    """Continuous-batching generation over a transformers model (CPU or one GPU)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel | str | Path,
+        *,
+        eos_token_id: int | list[int],
+        pad_token_id: int = 0,
+        max_batch: int = 256,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        version: int = 0,
+        name: str = "rollout",
+    ) -> None:
+        if isinstance(model, (str, Path)):
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+        self.model = model.to(device).eval()  # type: ignore[arg-type]
+        self.device = torch.device(device)
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos = torch.tensor(eos, device=self.device)
+        self.pad_token_id = pad_token_id
+        self.max_batch = max_batch
+        self.version = version
+        self.name = name
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        self._cv = threading.Condition()
+        self._waiting: deque[_Row] = deque()
+        self._rows: list[_Row] = []
+        self._pending: _PendingWeights | None = None
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [B, T] 1 where the cache holds a real token
+        self._stop = False
+        self.error: BaseException | None = None
+        self._admitting: list[_Row] = []
+        self._busy = 0.0
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name=f"asyncflow-{name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API (any thread)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_batch
+
+    def submit(self, request: GenRequest) -> cf.Future[GenResult]:
+        """Queue a request; the future resolves when it finishes."""
+        row = _Row(req=request, future=cf.Future())
+        with self._cv:
+            if self._stop:
+                raise RuntimeError(f"engine {self.name} is closed" + (f" after an error: {self.error!r}" if self.error else ""))
+            self._waiting.append(row)
+            self._cv.notify()
+        return row.future
+
+    async def generate(self, request: GenRequest) -> GenResult:
+        return await asyncio.wrap_future(self.submit(request))
+
+    def generate_many(self, requests: list[GenRequest], timeout: float | None = None) -> list[GenResult]:
+        """Blocking helper: run a list of requests through the engine and wait for all."""
+        futures = [self.submit(r) for r in requests]
+        return [f.result(timeout=timeout) for f in futures]
+
+    def request_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> cf.Future[float]:
+        """Ask the decode thread to load `state` as `version`; the future gives seconds until in use."""
+        done: cf.Future[float] = cf.Future()
+        with self._cv:
+            if self._pending is not None:  # a newer version supersedes one not yet loaded
+                self._pending.done.set_result(0.0)
+            self._pending = _PendingWeights(state, version, mode, done, time.monotonic())
+            self._cv.notify()
+        return done
+
+    async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
+        return await asyncio.wrap_future(self.request_weights(state, version, mode))
+
+    def cancel_older_than(self, min_version: int) -> int:
+        n = 0
+        with self._cv:
+            for row in self._rows:
+                if row.versions and row.versions[0] < min_version and not row.cancelled:
+                    row.cancelled = True
+                    n += 1
+        return n
+
+    def load(self) -> int:
+        with self._cv:
+            return len(self._rows) + len(self._waiting)
+
+    def busy_seconds(self) -> float:
+        return self._busy
+
+    def shutdown(self) -> None:
+        """Stop the decode thread; unfinished requests end as cancelled."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    # ------------------------------------------------------------------ decode thread
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and not self._rows and not self._waiting and self._pending is None:
+                        self._cv.wait(timeout=1.0)
+                    if self._stop:
+                        break
+                    pending = self._pending
+                    admit = self._take_admissions(pending)
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    if pending is not None:
+                        self._maybe_load(pending)
+                    if admit:
+                        self._admitting = admit
+                        self._prefill(admit)
+                        self._admitting = []
+                    if self._rows:
+                        self._decode_step()
+                self._busy += time.perf_counter() - t0
+        except BaseException as exc:  # fail every request loudly rather than hang callers
+            self.error = exc
+            with self._cv:
+                self._stop = True
+            self._fail_all(exc)
+            return
+        self._fail_all(None)
+
+    def _take_admissions(self, pending: _PendingWeights | None) -> list[_Row]:
+        if pending is not None and pending.mode == "drain":
+            return []  # drain: no new work until the running rows finish and weights load
+        free = self.max_batch - len(self._rows)
+        admit: list[_Row] = []
+        while self._waiting and len(admit) < free:
+            admit.append(self._waiting.popleft())
+        return admit
+
+    def _maybe_load(self, pending: _PendingWeights) -> None:
+        if pending.mode == "drain" and self._rows:
+            return
+        if pending.mode == "abort" and self._rows:
+            evicted = self._rows
+            self._rows, self._cache, self._mask = [], None, None
+            with self._cv:
+                self._waiting.extendleft(reversed(evicted))  # re-prefilled first, with tokens so far
+        self.model.load_state_dict(pending.state, strict=True)
+        self.version = pending.version
+        with self._cv:
+            if self._pending is pending:
+                self._pending = None
+        pending.done.set_result(time.monotonic() - pending.requested_at)
+
+    def _prefill(self, rows: list[_Row]) -> None:
+        contexts = [r.context() for r in rows]
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, ctx in enumerate(contexts):
+            ids[i, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
+            mask[i, width - len(ctx) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        cache = out.past_key_values
+        fresh = [not r.tokens for r in rows]
+        # rows re-prefilled after an abort already hold their next input token: no new sample
+        logits = out.logits[:, -1, :]
+        self._merge(rows, cache, mask)
+        new_idx = [len(self._rows) - len(rows) + i for i, f in enumerate(fresh) if f]
+        if new_idx:
+            sel = torch.tensor([i for i, f in enumerate(fresh) if f], device=self.device)
+            self._sample_into([self._rows[i] for i in new_idx], logits[sel])
+        self._retire()
+
+    def _merge(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
+        if self._cache is None or not self._rows:
+            self._rows, self._cache, self._mask = list(rows), cache, mask
+            return
+        assert self._mask is not None
+        width = max(self._mask.shape[1], mask.shape[1])
+        old_mask, new_mask = _left_pad(self._mask, width), _left_pad(mask, width)
+        old_layers: list[Any] = list(self._cache.layers)
+        new_layers: list[Any] = list(cache.layers)
+        for old_layer, new_layer in zip(old_layers, new_layers, strict=True):
+            assert old_layer.keys is not None and new_layer.keys is not None
+            assert old_layer.values is not None and new_layer.values is not None
+            old_layer.keys = torch.cat([_left_pad(old_layer.keys, width, dim=2), _left_pad(new_layer.keys, width, dim=2)])
+            old_layer.values = torch.cat(
+                [_left_pad(old_layer.values, width, dim=2), _left_pad(new_layer.values, width, dim=2)]
+            )
+        self._mask = torch.cat([old_mask, new_mask])
+        self._rows.extend(rows)
+
+    def _decode_step(self) -> None:
+        assert self._cache is not None and self._mask is not None
+        last = torch.tensor([[r.tokens[-1]] for r in self._rows], dtype=torch.long, device=self.device)
+        pos = self._mask.sum(-1, keepdim=True)
+        self._mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
+        out = self.model(
+            input_ids=last, attention_mask=self._mask, position_ids=pos, past_key_values=self._cache, use_cache=True
+        )
+        self._cache = out.past_key_values
+        self._sample_into(self._rows, out.logits[:, -1, :])
+        self.steps += 1
+        self._retire()
+
+    def _sample_into(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        temps = torch.tensor([r.req.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+        greedy = temps <= 0
+        scaled = logits.float() / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)
+        logp = torch.log_softmax(scaled, dim=-1)
+        sampled = torch.multinomial(logp.exp(), 1, generator=self._gen).squeeze(-1)
+        tokens = torch.where(greedy, scaled.argmax(-1), sampled)
+        chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        for row, tok, lp in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
+            row.tokens.append(tok)
+            row.logprobs.append(lp)
+            row.versions.append(self.version)
+
+    def _retire(self) -> None:
+        """Resolve finished rows and drop them (and all-padding columns) from the running batch."""
+        eos = set(self.eos.tolist())
+        keep: list[int] = []
+        for i, row in enumerate(self._rows):
+            reason = None
+            if row.cancelled:
+                reason = "cancelled"
+            elif row.tokens and row.tokens[-1] in eos:
+                reason = "stop"
+            elif len(row.tokens) >= row.req.max_new_tokens:
+                reason = "length"
+            if reason is None:
+                keep.append(i)
+            else:
+                row.future.set_result(
+                    GenResult(row.req.uid, row.tokens, row.logprobs, row.versions, reason)  # type: ignore[arg-type]
+                )
+        if len(keep) == len(self._rows):
+            return
+        self._rows = [self._rows[i] for i in keep]
+        if not self._rows:
+            self._cache, self._mask = None, None
+            return
+        assert self._cache is not None and self._mask is not None
+        idx = torch.tensor(keep, device=self.device)
+        mask = self._mask[idx]
+        first = int(mask.any(0).nonzero()[0])
+        self._mask = mask[:, first:]
+        layers: list[Any] = list(self._cache.layers)
+        for layer in layers:
+            assert layer.keys is not None and layer.values is not None
+            layer.keys = layer.keys[idx, :, first:]
+            layer.values = layer.values[idx, :, first:]
+
+    def _fail_all(self, exc: BaseException | None) -> None:
+        with self._cv:
+            rows = self._admitting + self._rows + list(self._waiting)
+            self._rows, self._waiting, self._admitting = [], deque(), []
+            pending, self._pending = self._pending, None
+        for row in rows:
+            if row.future.done():
+                continue
+            if exc is None:
+                row.future.set_result(GenResult(row.req.uid, row.tokens, row.logprobs, row.versions, "cancelled"))
+            else:
+                row.future.set_exception(exc)
+        if pending is not None and not pending.done.done():
+            if exc is None:
+                pending.done.set_exception(RuntimeError(f"engine {self.name} closed before loading weights"))
+            else:
+                pending.done.set_exception(exc)
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    """Pad `t` with zeros on the left of `dim` up to `width`."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)

@@ -1,0 +1,104 @@
+"""Plain-PyTorch train engine: one process, one device, AdamW, gradient accumulation.
+
+A train step is `mini_batches` optimizer steps over one batch. Each mini-batch is split into
+micro-batches of `micro_batch_size` rows; every micro-batch's loss is already divided by the token
+count of the whole mini-batch (see algorithms/losses.py), so gradients simply accumulate and the
+result does not depend on the micro-batch size.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine
+
+
+def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs [B, L-1] of each next token under logits / temperature, and per-token entropy."""
+    pos = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=pos).logits
+    logits = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    targets = batch.input_ids[:, 1:]
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+class TorchTrainEngine(TrainEngine):
+    """The policy on one device, trained with AdamW."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel | str | Path,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        mini_batches: int = 1,
+        micro_batch_size: int | None = None,
+        max_grad_norm: float = 1.0,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if isinstance(model, (str, Path)):
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+        self.model = model.to(device).train()  # type: ignore[arg-type]
+        self.device = torch.device(device)
+        self.mini_batches = mini_batches
+        self.micro_batch_size = micro_batch_size
+        self.max_grad_norm = max_grad_norm
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+
+    def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        with torch.no_grad():
+            parts = [token_logprobs(self.model, mb, temperature)[0] for mb in self._micro(batch)]
+        return torch.cat(parts)
+
+    def _micro(self, batch: TrainBatch) -> list[TrainBatch]:
+        size = self.micro_batch_size or len(batch)
+        return [batch.select(list(range(i, min(i + size, len(batch))))) for i in range(0, len(batch), size)]
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
+        order = list(range(len(batch)))
+        parts = [order[i :: self.mini_batches] for i in range(self.mini_batches)]
+        totals: dict[str, float] = {}
+        for part in parts:
+            if not part:
+                continue
+            for key, value in self._optimizer_step(batch.select(part), loss_fn, temperature).items():
+                totals[key] = totals.get(key, 0.0) + value / len(parts)
+        return totals
+
+    def _optimizer_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        normalizer = float(batch.response_mask.sum())
+        sums: dict[str, float] = {"loss": 0.0, "entropy": 0.0}
+        for mb in self._micro(batch):
+            logp, entropy = token_logprobs(self.model, mb, temperature)
+            loss, metrics = loss_fn(logp, mb, normalizer)
+            loss.backward()
+            sums["loss"] += float(loss.detach())
+            sums["entropy"] += float((entropy.detach() * mb.response_mask).sum()) / max(normalizer, 1.0)
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        self.optimizer.step()
+        return sums
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def save(self, path: str, *, with_optimizer: bool) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.model.save_pretrained(path)
+        if with_optimizer:
+            torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+
+    def load_optimizer(self, path: str) -> None:
+        """Restore the optimizer state written by `save(..., with_optimizer=True)`."""
+        self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True))

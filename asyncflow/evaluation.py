@@ -1,0 +1,75 @@
+"""Greedy evaluation on held-out prompts, written as `kind: "eval"` rows.
+
+Eval requests go through a rollout engine like any other request (they join its continuous batch),
+at temperature 0, so evaluating does not need a second copy of the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from asyncflow.config import Config
+from asyncflow.data import tokenize_prompt
+from asyncflow.engines.base import GenRequest, InferenceEngine
+from asyncflow.rewards import RewardFn, call_reward_fn
+from asyncflow.telemetry.runlog import RunLog, Tracer
+
+
+class Evaluator:
+    """Scores greedy completions of the eval prompts with the run's reward function."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        rows: list[dict[str, Any]],
+        tokenizer: Any,
+        reward_fn: RewardFn,
+        engine: InferenceEngine,
+        log: RunLog,
+        tracer: Tracer,
+    ) -> None:
+        self.cfg = cfg
+        self.rows = rows
+        self.tok = tokenizer
+        self.reward_fn = reward_fn
+        self.engine = engine
+        self.log = log
+        self.tracer = tracer
+        self.prompt_ids = [tokenize_prompt(tokenizer.hf, r[cfg.dataset.prompt_key]) for r in rows]
+        self.history: list[dict[str, Any]] = []
+
+    async def run(self, step: int) -> dict[str, Any]:
+        """Evaluate the engine's current weights; log and return the eval row."""
+        start = time.monotonic()
+        version = self.engine.version
+        requests = [
+            GenRequest(-(i + 1), ids, self.cfg.rollout.max_new_tokens, temperature=0.0) for i, ids in enumerate(self.prompt_ids)
+        ]
+        results = await asyncio.gather(*(self.engine.generate(r) for r in requests))
+        key = self.cfg.dataset.prompt_key
+        completions_ids = [r.response_ids for r in results]
+        texts = [self.tok.decode(ids[:-1] if ids and ids[-1] == self.tok.eos_token_id else ids) for ids in completions_ids]
+        conversational = bool(self.rows) and isinstance(self.rows[0][key], list)
+        completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {c: [r.get(c) for r in self.rows] for c in self.rows[0] if c != key} if self.rows else {}
+        outcome = await asyncio.to_thread(
+            call_reward_fn, self.reward_fn, [r[key] for r in self.rows], completions, completions_ids, columns
+        )
+        rewards = outcome.rewards or [0.0] * len(self.rows)
+        threshold = self.cfg.eval.success_threshold
+        row = {
+            "kind": "eval",
+            "step": step,
+            "policy_version": version,
+            "eval_reward": sum(rewards) / max(len(rewards), 1),
+            "eval_accuracy": sum(r >= threshold for r in rewards) / max(len(rewards), 1),
+            "eval_size": len(rewards),
+            "eval_error": outcome.error,
+            "eval_seconds": time.monotonic() - start,
+        }
+        self.tracer.span("eval", f"eval step {step}", start, time.monotonic())
+        self.log.metric(row)
+        self.history.append(row)
+        return row

@@ -1,0 +1,85 @@
+"""Reward functions: loading `module:function` plugins and calling them safely, one call per group.
+
+The signature is TRL's, so TRL users' reward functions work unchanged:
+`fn(prompts: list, completions: list, completion_ids: list[list[int]], **columns) -> list[float | None]`,
+where every dataset column is passed as a list aligned with the completions.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncflow.errors import UserError
+
+RewardFn = Callable[..., Sequence[Any]]
+
+
+def load_reward_fn(path: str, search_dirs: Sequence[str | Path] = ()) -> RewardFn:
+    """Import `module:function`. The current directory and `search_dirs` are importable."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise UserError(f"reward.fn: {path!r} must be 'module:function'")
+    for d in [Path.cwd(), *map(Path, search_dirs)]:
+        if str(d) not in sys.path:
+            sys.path.insert(0, str(d))
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import failure is the user's plugin: name it, one line
+        raise UserError(f"reward.fn: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise UserError(f"reward.fn: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+@dataclass
+class RewardOutcome:
+    """Per-completion rewards of one call, or the error that marks all of its samples."""
+
+    rewards: list[float] | None
+    error: str | None
+
+
+def call_reward_fn(
+    fn: RewardFn, prompts: list[Any], completions: list[str], completion_ids: list[list[int]], columns: dict[str, list[Any]]
+) -> RewardOutcome:
+    """Call `fn` for one group and validate what it returns (one finite number per completion)."""
+    kwargs: dict[str, Any] = dict(columns)
+    kwargs["completion_ids"] = completion_ids
+    try:
+        params = inspect.signature(fn).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+    except (TypeError, ValueError):
+        pass
+    try:
+        out = fn(prompts=prompts, completions=completions, **kwargs)
+    except Exception as exc:  # the plugin failed: mark its samples, never crash the run for one call
+        return RewardOutcome(None, f"reward function raised {type(exc).__name__}: {exc}")
+    return validate_rewards(out, len(completions))
+
+
+def validate_rewards(out: Any, expected: int) -> RewardOutcome:
+    """One finite float per completion, else an error message saying what was wrong."""
+    if not isinstance(out, (list, tuple)) and not hasattr(out, "tolist"):
+        return RewardOutcome(None, f"reward function returned {type(out).__name__}, expected a list of {expected} numbers")
+    values = out.tolist() if hasattr(out, "tolist") else list(out)
+    if len(values) != expected:
+        return RewardOutcome(None, f"reward function returned {len(values)} values for {expected} completions")
+    rewards: list[float] = []
+    for i, v in enumerate(values):
+        if v is None:
+            return RewardOutcome(None, f"reward function returned None for completion {i}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return RewardOutcome(None, f"reward function returned {type(v).__name__} {v!r} for completion {i}, expected a number")
+        if not math.isfinite(float(v)):
+            return RewardOutcome(None, f"reward function returned {v} for completion {i}")
+        rewards.append(float(v))
+    return RewardOutcome(rewards, None)

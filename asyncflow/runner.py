@@ -1,0 +1,237 @@
+"""Builds a run from a resolved config and runs it: the local runtime's composition root.
+
+This is the only module that knows every component: it resolves the task pack, loads model,
+tokenizer, data and reward function, creates engines and the trainer, writes the run folder, runs
+the pipeline with periodic greedy evaluation, and saves `final/`. Components never import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncflow.config import Config, dump_yaml
+from asyncflow.errors import UserError
+
+RUN_MARKERS = ("config.yaml", "metrics.jsonl")
+
+
+def check_out_dir(out: Path, cfg: Config) -> None:
+    """Refuse an --out folder that already holds a run (resume is explicit)."""
+    if out.exists() and any((out / m).exists() for m in RUN_MARKERS):
+        if cfg.checkpoint.resume == "auto":
+            raise UserError(f"checkpoint.resume: auto is not supported yet; {out} already holds a run (use a new --out)")
+        raise UserError(f"--out: {out} already holds a run; choose another folder or set checkpoint.resume=auto")
+
+
+@dataclass
+class Inputs:
+    """Everything resolved from the config before training starts."""
+
+    model_dir: Path
+    train_rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+    reward_fn_path: str
+
+
+def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
+    """Model folder, train/eval rows and reward function: from the config, else from the task pack."""
+    from asyncflow.data import check_columns, read_rows
+
+    task = None
+    if cfg.task is not None:
+        from asyncflow.tasks import get_task
+
+        task = get_task(cfg.task)
+    if cfg.model.path is not None:
+        model_dir = Path(cfg.model.path)
+        if not (model_dir / "config.json").is_file():
+            raise UserError(f"model.path: {model_dir} is not a Hugging Face model folder (no config.json)")
+    else:
+        assert task is not None
+        model_dir = task.prepare(cfg.model.cache_dir, seed=cfg.seed, log=log)
+    if cfg.dataset.path is not None:
+        data_path = cfg.dataset.path
+    else:
+        data_path = str(model_dir / "train.jsonl")
+    rows = read_rows(data_path)
+    check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key)
+    if cfg.eval.path is not None:
+        eval_rows = read_rows(cfg.eval.path, key="eval.path")
+        check_columns(eval_rows, cfg.eval.path, cfg.dataset.prompt_key, cfg.dataset.label_key)
+    elif cfg.dataset.path is None and (model_dir / "eval.jsonl").is_file():
+        eval_rows = read_rows(model_dir / "eval.jsonl", key="eval.path")
+    else:  # a held-out slice of the dataset, at most 10% of it
+        rng = random.Random(cfg.seed + 1)
+        idx = list(range(len(rows)))
+        rng.shuffle(idx)
+        n_eval = min(cfg.eval.size, len(rows) // 10)
+        held = set(idx[:n_eval])
+        eval_rows = [rows[i] for i in sorted(held)]
+        rows = [r for i, r in enumerate(rows) if i not in held]
+    reward_path = cfg.reward.fn or (task.reward_fn_path if task is not None else "")
+    return Inputs(model_dir, rows, eval_rows[: cfg.eval.size], reward_path)
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The model folder's tokenizer, with a pad token (EOS if it has none)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise UserError(f"model.path: cannot load a tokenizer from {model_dir}: {exc}") from None
+    if tok.eos_token_id is None:
+        raise UserError(f"model.path: the tokenizer in {model_dir} has no EOS token; generation could never stop")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> dict[str, Any]:
+    """Run training as configured; returns a summary (final eval accuracy, samples/s, ...)."""
+    check_out_dir(out, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_yaml(cfg))
+    from asyncflow.telemetry.progress import Progress
+
+    show = cfg.logging.progress if progress_enabled is None else progress_enabled
+    progress = Progress(cfg.train.max_steps, enabled=show)
+    try:
+        return asyncio.run(_train(cfg, out, progress))
+    finally:
+        progress.close()
+
+
+async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
+    import torch
+
+    from asyncflow.algorithms.losses import PPOSettings, make_loss_fn
+    from asyncflow.engines.hf import HFEngine
+    from asyncflow.engines.torch_train import TorchTrainEngine, token_logprobs
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.rewards import load_reward_fn
+    from asyncflow.runtime.clock import RealClock
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.workflow.pipeline import Pipeline, StepResult, Tokenizer
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if cfg.train.threads is not None:
+        torch.set_num_threads(cfg.train.threads)
+    inputs = resolve_inputs(cfg, progress.message)
+    reward_fn = load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
+    hf_tok = load_tokenizer(inputs.model_dir)
+    tok = Tokenizer(hf_tok, int(hf_tok.eos_token_id), int(hf_tok.pad_token_id))
+    dtype = getattr(torch, cfg.model.dtype)
+    trainer = TorchTrainEngine(
+        inputs.model_dir,
+        lr=cfg.train.lr,
+        weight_decay=cfg.train.weight_decay,
+        mini_batches=cfg.train.mini_batches,
+        micro_batch_size=cfg.train.micro_batch_size,
+        max_grad_norm=cfg.train.max_grad_norm,
+        dtype=dtype,
+    )
+    engines = [
+        HFEngine(inputs.model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                 max_batch=cfg.rollout.max_batch, dtype=dtype, seed=cfg.seed + i, name=f"rollout-{i}")
+        for i in range(cfg.rollout.workers)
+    ]
+    ref_fn = None
+    if cfg.algorithm.kl_coef > 0:
+        from transformers import AutoModelForCausalLM
+
+        ref_model = AutoModelForCausalLM.from_pretrained(str(inputs.model_dir), dtype=dtype).eval()
+
+        def ref_fn(batch: Any) -> Any:
+            with torch.no_grad():
+                return token_logprobs(ref_model, batch, cfg.rollout.temperature)[0]
+
+    settings = PPOSettings(cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.kl_coef)
+    log = RunLog(out)
+    tracer = Tracer()
+    clock = RealClock()
+    evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer)
+    last_eval: dict[str, float] = await evaluator.run(step=0)
+    progress.message(f"[asyncflow] eval before training: accuracy={last_eval['eval_accuracy']:.3f}")
+    pending_eval: asyncio.Task[dict[str, float]] | None = None
+    pipeline: Pipeline
+
+    async def on_step(result: StepResult) -> None:
+        nonlocal pending_eval, last_eval
+        c = pipeline.counters
+        now = clock.now()
+        rollout_busy, train_busy = pipeline.busy_fractions()
+        row = {
+            "kind": "train",
+            "step": result.step,
+            "policy_version": result.version,
+            "samples": c.trained,
+            "tokens": c.tokens,
+            "time_s": now - pipeline.t_start,
+            "samples_per_s": c.trained / max(now - pipeline.t_start, 1e-9),
+            **{k: v for k, v in result.metrics.items()},
+            "kl": result.metrics.get("kl", 0.0),
+            "rollout_busy_frac": rollout_busy,
+            "train_busy_frac": train_busy,
+            "dropped_stale": c.dropped_stale,
+            "reward_errors": c.reward_errors,
+            "cancelled": c.cancelled,
+            **{f"store/{k}": v for k, v in pipeline.store.metrics().items()},
+        }
+        log.metric(row)
+        due = cfg.eval.every > 0 and result.step % cfg.eval.every == 0 and result.step < cfg.train.max_steps
+        if due and (pending_eval is None or pending_eval.done()):
+            if pending_eval is not None:
+                last_eval = pending_eval.result()
+            pending_eval = asyncio.create_task(evaluator.run(step=result.step))
+        progress.update(
+            result.step,
+            {"samples/s": row["samples_per_s"], "reward": row["reward_mean"], "stale": row["staleness_mean"],
+             "eval": last_eval["eval_accuracy"], "depth": pipeline.store.size()},
+        )
+
+    pipeline = Pipeline(
+        cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
+        loss_fn=make_loss_fn(cfg.algorithm.loss, settings), clock=clock, log=log, tracer=tracer,
+        ref_logprobs=ref_fn, on_step=on_step,
+    )
+    t0 = time.monotonic()
+    try:
+        await pipeline.run()
+        train_seconds = time.monotonic() - t0
+        if pending_eval is not None:
+            await pending_eval
+        final_eval = await evaluator.run(step=cfg.train.max_steps)
+    finally:
+        for e in engines:
+            await e.close()
+        tracer.write(out / "trace.json")
+        log.close()
+    final = out / "final"
+    trainer.save(str(final), with_optimizer=False)
+    hf_tok.save_pretrained(str(final))
+    summary = {
+        "steps": cfg.train.max_steps,
+        "samples": pipeline.counters.trained,
+        "train_seconds": train_seconds,
+        "samples_per_s": pipeline.counters.trained / max(train_seconds, 1e-9),
+        "eval_accuracy_before": evaluator.history[0]["eval_accuracy"],
+        "eval_accuracy_after": final_eval["eval_accuracy"],
+        "dropped_stale": pipeline.counters.dropped_stale,
+        "reward_errors": pipeline.counters.reward_errors,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    progress.message(
+        f"[asyncflow] done: {summary['samples']} samples in {train_seconds:.1f} s "
+        f"({summary['samples_per_s']:.0f}/s); eval accuracy {summary['eval_accuracy_before']:.3f} -> "
+        f"{summary['eval_accuracy_after']:.3f}; run folder {out}"
+    )
+    return summary

@@ -1,0 +1,757 @@
+"""TransferQueue: the in-process streaming store where RL stages meet.
+
+Samples are rows, fields are columns. A stage (rollout, reward, train, ...) registers the fields it
+reads; a sample becomes *ready* for that stage the moment its written fields cover them, so every
+stage can start on partial data instead of waiting for a batch barrier.
+
+Why it is built this way:
+- **Event-driven readiness.** `put`/`write`/`release` update, per stage, a heap of ready
+  `(priority, uid)` entries (in group mode `(group's min priority, group_id)`, pushed when a
+  per-(stage, group) ready counter reaches the group's size). `take` pops from that heap and skips
+  stale entries lazily, so no call ever scans all samples. Waiters sleep until a change makes enough
+  samples available for their stage: asyncio waiters on futures resolved with
+  `loop.call_soon_threadsafe`, threads on `threading.Event`s; both may be mixed on one store.
+- **Leases, not pops.** `take` hands out a lease with a deadline. `ack` marks the samples consumed
+  by that stage (they stay for the other stages, or are deleted with `remove=True`); `release`, or
+  the lease running out, gives them back with their original priority, so they are served before
+  newer ones. A consumer that dies therefore loses nothing, and an expired lease can no longer ack
+  samples that were handed to someone else, so nothing is trained twice. Expiry is reaped lazily at
+  every call and waits are bounded by the next deadline, so samples come back even if nobody writes.
+- **Backpressure.** `put` blocks while the store is full; deleting samples wakes producers.
+- **One clock.** Lease deadlines and waits read time only through the injectable `Clock`.
+
+Sampling: sequential (oldest first) is the default; group-complete sampling (whole GRPO groups only)
+is `register_stage(..., groups=True)`; length-balanced splitting of a taken batch is in `samplers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import heapq
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from asyncflow.errors import WaitTimeout
+from asyncflow.runtime.clock import Clock, RealClock
+
+T = TypeVar("T")
+_STATE_FORMAT = 1
+
+
+class QueueClosed(Exception):
+    """The store was closed: `take` and `put` are refused and every waiter is woken with this."""
+
+
+@dataclass
+class NewSample:
+    """A sample to admit with `put`."""
+
+    group_id: int
+    """The prompt this sample answers."""
+    group_size: int
+    """Number of samples in the group (`rollout.n`), >= 1."""
+    fields: dict[str, Any]
+    """Initial fields (e.g. `prompt_ids` tensor, prompt text, answer)."""
+    priority: float | None = None
+    """Lower is served first; default is the admission sequence number (the uid)."""
+
+
+@dataclass
+class SampleView:
+    """What a consumer gets: one sample with the fields its stage asked for."""
+
+    uid: int
+    group_id: int
+    version: int | None
+    """Oldest policy version that produced any of its tokens; None until written."""
+    fields: dict[str, Any]
+    """The stage's registered fields plus any written `fields_extra` (a shallow copy)."""
+
+
+@dataclass
+class Lease:
+    """Samples taken by one stage until `ack`, `release` or `deadline`."""
+
+    id: int
+    stage: str
+    samples: list[SampleView]
+    """Ready and within the version floor, lowest priority first."""
+    expired: list[SampleView]
+    """Taken because their version is below `min_version`; still need an ack (usually with remove)."""
+    deadline: float
+
+
+@dataclass(eq=False)
+class _Waiter:
+    need: int  # wake once this many samples are available (or this much room, for producers)
+    wake: Callable[[], None]
+    home: list[_Waiter]
+
+
+@dataclass(eq=False)
+class _Sample:
+    uid: int
+    group_id: int
+    priority: float
+    fields: dict[str, Any]
+    version: int | None = None
+    ready: set[str] = field(default_factory=set)  # stages whose fields are all written
+    avail: set[str] = field(default_factory=set)  # non-group stages counting it in their depth
+    taken: dict[str, int] = field(default_factory=dict)  # stage -> lease id
+    consumed: set[str] = field(default_factory=set)  # stages that acked it
+
+
+@dataclass(eq=False)
+class _Group:
+    size: int
+    put: int = 0
+    removed: int = 0
+    uids: list[int] = field(default_factory=list)  # live members, admission order
+    ready: dict[str, int] = field(default_factory=dict)  # group stage -> live members ready
+    avail: dict[str, int] = field(default_factory=dict)  # group stage -> samples counted in depth
+    leased: dict[str, int] = field(default_factory=dict)  # group stage -> lease id
+    consumed: set[str] = field(default_factory=set)
+
+    def available(self, stage: str) -> int:
+        """Samples this group offers `stage` now: all of them when complete and free, else 0."""
+        expected = self.size - self.removed
+        n = len(self.uids)
+        complete = n > 0 and n == expected and self.ready.get(stage, 0) == expected
+        free = stage not in self.leased and stage not in self.consumed
+        return n if complete and free else 0
+
+
+@dataclass(eq=False)
+class _Stage:
+    name: str
+    fields: tuple[str, ...]
+    groups: bool
+    heap: list[tuple[float, int]] = field(default_factory=list)  # (priority, uid or group_id)
+    queued: set[int] = field(default_factory=set)  # keys with an entry in heap
+    depth: int = 0  # samples available (in complete groups, for group stages)
+    leased: int = 0
+    wait_s: float = 0.0
+    waiters: list[_Waiter] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _LeaseRec:
+    id: int
+    stage: str
+    uids: list[int]
+    groups: list[int]
+    deadline: float
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _payload_bytes(fields: dict[str, Any]) -> int:
+    """Bytes of tensor/array values (anything with an integer `nbytes`); Python values count 0."""
+    sizes = (getattr(v, "nbytes", None) for v in fields.values())
+    return sum(n for n in sizes if isinstance(n, int))
+
+
+class TransferQueue:
+    """Thread-safe streaming store with per-stage readiness, leases and backpressure."""
+
+    def __init__(self, capacity: int = 4096, lease_timeout_s: float = 600.0, clock: Clock | None = None):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.lease_timeout_s = lease_timeout_s
+        self._clock: Clock = clock if clock is not None else RealClock()
+        self._lock = threading.Lock()
+        self._samples: dict[int, _Sample] = {}
+        self._groups: dict[int, _Group] = {}
+        self._stages: dict[str, _Stage] = {}
+        self._leases: dict[int, _LeaseRec] = {}
+        self._expiries: list[tuple[float, int]] = []  # (deadline, lease id), stale entries skipped
+        self._put_waiters: list[_Waiter] = []
+        self._next_uid = 0
+        self._next_lease = 1
+        self._max_group_size = 1
+        self._bytes_put = 0
+        self._expired_leases = 0
+        self._closed = False
+
+    # ----------------------------------------------------------------------------- stages
+    def register_stage(self, stage: str, fields: Sequence[str], *, groups: bool = False) -> None:
+        """Declare a consumer: a sample is ready for `stage` once all `fields` are written.
+
+        `groups=True` delivers whole groups only. Existing samples are indexed once.
+        """
+        with self._lock:
+            old = self._stages.get(stage)
+            if old is not None:
+                if set(old.fields) != set(fields) or old.groups != groups:
+                    raise ValueError(f"stage {stage!r} is already registered with other fields/mode")
+                return
+            st = _Stage(stage, tuple(dict.fromkeys(fields)), groups)
+            self._stages[stage] = st
+            for s in self._samples.values():
+                self._check_ready(st, s)
+
+    def _stage(self, stage: str) -> _Stage:
+        st = self._stages.get(stage)
+        if st is None:
+            raise ValueError(f"stage {stage!r} is not registered (known: {sorted(self._stages)})")
+        return st
+
+    # ----------------------------------------------------------------------------- producers
+    async def put(self, samples: list[NewSample], timeout: float | None = None) -> list[int]:
+        """Admit samples and return their uids; waits while the store is too full (backpressure)."""
+        return await self._wait_async(
+            lambda wake: self._put_or_wait(samples, wake), timeout, "room in the store"
+        )
+
+    def put_blocking(self, samples: list[NewSample], timeout: float | None = None) -> list[int]:
+        """`put` for plain threads."""
+        return self._wait_thread(lambda wake: self._put_or_wait(samples, wake), timeout, "room in the store")
+
+    def _put_or_wait(
+        self, samples: list[NewSample], wake: Callable[[], None] | None
+    ) -> tuple[list[int] | None, _Waiter | None, float | None]:
+        with self._lock:
+            self._check_open()
+            self._reap()
+            self._validate_new(samples)
+            if len(self._samples) + len(samples) <= self.capacity:
+                return [self._insert(ns) for ns in samples], None, None
+            assert wake is not None
+            w = _Waiter(len(samples), wake, self._put_waiters)
+            self._put_waiters.append(w)
+            return None, w, self._next_expiry()
+
+    def _validate_new(self, samples: list[NewSample]) -> None:
+        if len(samples) > self.capacity:
+            raise ValueError(f"cannot put {len(samples)} samples into a store of capacity {self.capacity}")
+        counts: dict[int, int] = {}
+        for ns in samples:
+            if ns.group_size < 1:
+                raise ValueError(f"group {ns.group_id}: group_size must be >= 1, got {ns.group_size}")
+            g = self._groups.get(ns.group_id)
+            if g is not None and g.size != ns.group_size:
+                raise ValueError(f"group {ns.group_id}: group_size {ns.group_size} != {g.size} put before")
+            counts[ns.group_id] = counts.get(ns.group_id, 0) + 1
+            if counts[ns.group_id] + (g.put if g else 0) > ns.group_size:
+                raise ValueError(f"group {ns.group_id}: more than group_size={ns.group_size} samples put")
+
+    def _insert(self, ns: NewSample) -> int:
+        uid = self._next_uid
+        self._next_uid += 1
+        priority = float(uid) if ns.priority is None else float(ns.priority)
+        s = _Sample(uid, ns.group_id, priority, dict(ns.fields))
+        g = self._groups.setdefault(ns.group_id, _Group(ns.group_size))
+        g.put += 1
+        g.uids.append(uid)
+        self._max_group_size = max(self._max_group_size, ns.group_size)
+        self._samples[uid] = s
+        self._bytes_put += _payload_bytes(s.fields)
+        for st in self._stages.values():
+            self._check_ready(st, s)
+        return uid
+
+    def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None:
+        """Set fields of a live sample; `version` lowers the sample's version to min(current, version)."""
+        with self._lock:
+            self._reap()
+            s = self._samples.get(uid)
+            if s is None:
+                raise KeyError(uid)
+            s.fields.update(fields)
+            self._bytes_put += _payload_bytes(fields)
+            if version is not None:
+                s.version = version if s.version is None else min(s.version, version)
+            for st in self._stages.values():
+                self._check_ready(st, s)
+
+    # ----------------------------------------------------------------------------- readiness index
+    def _check_ready(self, st: _Stage, s: _Sample) -> None:
+        """Index `s` for `st` the first time its fields cover the stage's fields."""
+        if st.name in s.ready or not all(f in s.fields for f in st.fields):
+            return
+        s.ready.add(st.name)
+        if st.groups:
+            g = self._groups[s.group_id]
+            g.ready[st.name] = g.ready.get(st.name, 0) + 1
+            self._sync_group(st, s.group_id, g)
+        else:
+            self._sync_sample(st, s)
+
+    def _sync_sample(self, st: _Stage, s: _Sample) -> None:
+        """Bring the stage's depth, heap and waiters in line with whether `s` is available now."""
+        now = st.name in s.ready and st.name not in s.taken and st.name not in s.consumed
+        if now == (st.name in s.avail):
+            return
+        if not now:
+            s.avail.discard(st.name)
+            st.depth -= 1
+            return
+        s.avail.add(st.name)
+        st.depth += 1
+        self._push(st, s.priority, s.uid)
+        self._notify(st)
+
+    def _sync_group(self, st: _Stage, gid: int, g: _Group) -> None:
+        """Same as `_sync_sample` for a group (pushed once all its live members are ready)."""
+        now, was = g.available(st.name), g.avail.get(st.name, 0)
+        if now == was:
+            return
+        st.depth += now - was
+        g.avail[st.name] = now
+        if now > 0:
+            self._push(st, min(self._samples[u].priority for u in g.uids), gid)
+        if now > was:
+            self._notify(st)
+
+    def _push(self, st: _Stage, priority: float, key: int) -> None:
+        if key not in st.queued:
+            st.queued.add(key)
+            heapq.heappush(st.heap, (priority, key))
+
+    def _offers(self, st: _Stage, key: int) -> int:
+        """Samples the heap entry `key` offers now (0 means the entry is stale)."""
+        if st.groups:
+            g = self._groups.get(key)
+            return g.avail.get(st.name, 0) if g is not None else 0
+        s = self._samples.get(key)
+        return 1 if s is not None and st.name in s.avail else 0
+
+    def _compact(self, st: _Stage) -> None:
+        """Drop stale heap entries once they dominate (removed samples are only dropped lazily)."""
+        if len(st.heap) > 2 * st.depth + 64:
+            st.heap = [e for e in st.heap if self._offers(st, e[1]) > 0]
+            heapq.heapify(st.heap)
+            st.queued = {key for _, key in st.heap}
+
+    # ----------------------------------------------------------------------------- consumers
+    async def take(
+        self,
+        stage: str,
+        max_samples: int,
+        *,
+        min_samples: int = 1,
+        timeout: float | None = None,
+        lease_s: float | None = None,
+        min_version: int | None = None,
+        fields_extra: Sequence[str] = (),
+    ) -> Lease:
+        """Lease up to `max_samples` samples ready for `stage`; wait until `min_samples` are available.
+
+        Counts are in samples and include `lease.expired`. Group stages never split a group, so when
+        groups shrank by removals the lease may hold fewer than `min_samples`. Raises `WaitTimeout`
+        naming the stage after `timeout` seconds, `QueueClosed` once closed.
+        """
+        args = (stage, max_samples, min_samples, lease_s, min_version, tuple(fields_extra))
+        what = f"{min_samples} sample(s) ready for stage {stage!r}"
+        start = self._clock.now()
+        try:
+            return await self._wait_async(lambda wake: self._take_or_wait(*args, wake), timeout, what)
+        finally:
+            self._add_wait(stage, start)
+
+    def take_blocking(
+        self,
+        stage: str,
+        max_samples: int,
+        *,
+        min_samples: int = 1,
+        timeout: float | None = None,
+        lease_s: float | None = None,
+        min_version: int | None = None,
+        fields_extra: Sequence[str] = (),
+    ) -> Lease:
+        """`take` for plain threads."""
+        args = (stage, max_samples, min_samples, lease_s, min_version, tuple(fields_extra))
+        what = f"{min_samples} sample(s) ready for stage {stage!r}"
+        start = self._clock.now()
+        try:
+            return self._wait_thread(lambda wake: self._take_or_wait(*args, wake), timeout, what)
+        finally:
+            self._add_wait(stage, start)
+
+    def take_nowait(
+        self,
+        stage: str,
+        max_samples: int,
+        *,
+        min_samples: int = 1,
+        lease_s: float | None = None,
+        min_version: int | None = None,
+        fields_extra: Sequence[str] = (),
+    ) -> Lease | None:
+        """`take` without waiting: None when fewer than `min_samples` are available."""
+        args = (stage, max_samples, min_samples, lease_s, min_version, tuple(fields_extra))
+        return self._take_or_wait(*args, None)[0]
+
+    def _add_wait(self, stage: str, start: float) -> None:
+        with self._lock:
+            if stage in self._stages:
+                self._stages[stage].wait_s += self._clock.now() - start
+
+    def _take_or_wait(
+        self,
+        stage: str,
+        max_samples: int,
+        min_samples: int,
+        lease_s: float | None,
+        min_version: int | None,
+        extra: tuple[str, ...],
+        wake: Callable[[], None] | None,
+    ) -> tuple[Lease | None, _Waiter | None, float | None]:
+        with self._lock:
+            self._check_open()
+            st = self._stage(stage)
+            self._validate_take(st, max_samples, min_samples)
+            self._reap()
+            lease = None
+            if st.depth >= min_samples:
+                lease = self._lease(st, max_samples, lease_s, min_version, extra)
+            if lease is not None or wake is None:
+                return lease, None, None
+            w = _Waiter(min_samples, wake, st.waiters)
+            st.waiters.append(w)
+            return None, w, self._next_expiry()
+
+    def _validate_take(self, st: _Stage, max_samples: int, min_samples: int) -> None:
+        if not 1 <= min_samples <= max_samples:
+            raise ValueError(f"take({st.name!r}): need 1 <= min_samples <= max_samples")
+        if min_samples > self.capacity:
+            raise ValueError(f"take({st.name!r}): min_samples {min_samples} > capacity {self.capacity}")
+        if st.groups and self._max_group_size > max_samples:
+            raise ValueError(
+                f"take({st.name!r}): max_samples {max_samples} < group_size {self._max_group_size}"
+            )
+
+    def _pop_keys(self, st: _Stage, max_samples: int) -> list[int]:
+        """Pop the lowest-priority available uids (or whole groups) that fit in `max_samples`."""
+        keys: list[int] = []
+        total = 0
+        while st.heap and total < max_samples:
+            priority, key = st.heap[0]
+            n = self._offers(st, key)
+            if n > 0 and total + n > max_samples:
+                break  # never split a group, never skip an older group for a newer one
+            heapq.heappop(st.heap)
+            st.queued.discard(key)
+            if n > 0:
+                keys.append(key)
+                total += n
+        return keys
+
+    def _lease(
+        self,
+        st: _Stage,
+        max_samples: int,
+        lease_s: float | None,
+        min_version: int | None,
+        extra: tuple[str, ...],
+    ) -> Lease | None:
+        keys = self._pop_keys(st, max_samples)
+        if not keys:
+            return None
+        rec = _LeaseRec(self._next_lease, st.name, [], [], 0.0)
+        self._next_lease += 1
+        rec.deadline = self._clock.now() + (self.lease_timeout_s if lease_s is None else lease_s)
+        names = st.fields + tuple(f for f in extra if f not in st.fields)
+        lease = Lease(rec.id, st.name, [], [], rec.deadline)
+        for key in keys:
+            uids = list(self._groups[key].uids) if st.groups else [key]
+            views = [self._claim(st, rec, uid, names) for uid in uids]
+            if st.groups:
+                rec.groups.append(key)
+                self._groups[key].leased[st.name] = rec.id
+                self._sync_group(st, key, self._groups[key])
+            versions = [v.version for v in views if v.version is not None]
+            old = min_version is not None and bool(versions) and min(versions) < min_version
+            (lease.expired if old else lease.samples).extend(views)
+        self._leases[rec.id] = rec
+        heapq.heappush(self._expiries, (rec.deadline, rec.id))
+        return lease
+
+    def _claim(self, st: _Stage, rec: _LeaseRec, uid: int, names: tuple[str, ...]) -> SampleView:
+        s = self._samples[uid]
+        s.taken[st.name] = rec.id
+        rec.uids.append(uid)
+        st.leased += 1
+        if not st.groups:
+            self._sync_sample(st, s)
+        return SampleView(uid, s.group_id, s.version, {f: s.fields[f] for f in names if f in s.fields})
+
+    # ----------------------------------------------------------------------------- lease ends
+    def ack(self, lease: Lease, *, remove: bool = False) -> bool:
+        """Mark the lease's samples consumed by its stage (`remove=True` deletes them).
+
+        Returns False, touching nothing, when the lease had already ended (expired, released or
+        acked): its samples may since have been leased to someone else.
+        """
+        with self._lock:
+            self._reap()
+            rec = self._leases.pop(lease.id, None)
+            if rec is None:
+                return False
+            live = self._end_lease(rec)
+            for s in live:
+                s.consumed.add(rec.stage)
+            for g in self._lease_groups(rec):
+                g.consumed.add(rec.stage)
+            if remove:
+                self._remove_many(s.uid for s in live)
+            return True
+
+    def release(self, lease: Lease) -> bool:
+        """Give the samples back to the lease's stage, keeping their priority. False if already ended."""
+        with self._lock:
+            rec = self._leases.pop(lease.id, None)
+            if rec is None:
+                return False
+            self._release(rec)
+            return True
+
+    def _release(self, rec: _LeaseRec) -> None:
+        st = self._stages[rec.stage]
+        for s in self._end_lease(rec):
+            if not st.groups:
+                self._sync_sample(st, s)
+        for gid in rec.groups:
+            g = self._groups.get(gid)
+            if g is not None:
+                self._sync_group(st, gid, g)
+
+    def _end_lease(self, rec: _LeaseRec) -> list[_Sample]:
+        """Clear the lease's marks on its live samples and groups; return those samples."""
+        st = self._stages[rec.stage]
+        live = []
+        for uid in rec.uids:
+            s = self._samples.get(uid)
+            if s is not None and s.taken.get(rec.stage) == rec.id:
+                del s.taken[rec.stage]
+                st.leased -= 1
+                live.append(s)
+        for gid in rec.groups:
+            g = self._groups.get(gid)
+            if g is not None and g.leased.get(rec.stage) == rec.id:
+                del g.leased[rec.stage]
+        return live
+
+    def _lease_groups(self, rec: _LeaseRec) -> list[_Group]:
+        groups = (self._groups.get(gid) for gid in rec.groups)
+        return [g for g in groups if g is not None and g.uids]
+
+    def _reap(self) -> None:
+        """Release every lease whose deadline has passed (lazy expiry)."""
+        now = self._clock.now()
+        while self._expiries and self._expiries[0][0] <= now:
+            _, lid = heapq.heappop(self._expiries)
+            rec = self._leases.pop(lid, None)
+            if rec is not None:
+                self._expired_leases += 1
+                self._release(rec)
+
+    def _next_expiry(self) -> float | None:
+        while self._expiries and self._expiries[0][1] not in self._leases:
+            heapq.heappop(self._expiries)
+        return self._expiries[0][0] if self._expiries else None
+
+    # ----------------------------------------------------------------------------- removal
+    def remove(self, uids: Iterable[int]) -> None:
+        """Delete samples regardless of stage (unknown uids are ignored); wakes producers."""
+        with self._lock:
+            self._remove_many(uids)
+
+    def _remove_many(self, uids: Iterable[int]) -> None:
+        removed = [self._remove_one(uid) for uid in list(uids)]
+        if any(removed):
+            for st in self._stages.values():
+                self._compact(st)
+            self._notify_put()
+
+    def _remove_one(self, uid: int) -> bool:
+        s = self._samples.pop(uid, None)
+        if s is None:
+            return False
+        for name in s.avail:
+            self._stages[name].depth -= 1
+        for name in s.taken:
+            self._stages[name].leased -= 1
+        g = self._groups[s.group_id]
+        g.uids.remove(uid)
+        g.removed += 1
+        for st in self._stages.values():
+            if st.groups:
+                if st.name in s.ready:
+                    g.ready[st.name] -= 1
+                self._sync_group(st, s.group_id, g)
+        if not g.uids and g.put == g.size:
+            del self._groups[s.group_id]
+        return True
+
+    # ----------------------------------------------------------------------------- waiting
+    def _notify(self, st: _Stage) -> None:
+        self._wake(st.waiters, st.depth)
+
+    def _notify_put(self) -> None:
+        self._wake(self._put_waiters, self.capacity - len(self._samples))
+
+    @staticmethod
+    def _wake(waiters: list[_Waiter], have: int) -> None:
+        keep = []
+        for w in waiters:
+            if w.need <= have:
+                w.wake()
+            else:
+                keep.append(w)
+        waiters[:] = keep
+
+    def _drop(self, w: _Waiter | None) -> None:
+        if w is not None:
+            with self._lock:
+                if w in w.home:
+                    w.home.remove(w)
+
+    def _delay(self, deadline: float | None, wake_at: float | None) -> float | None:
+        ends = [t for t in (deadline, wake_at) if t is not None]
+        return max(0.0, min(ends) - self._clock.now()) if ends else None
+
+    def _timed_out(self, deadline: float | None, timeout: float | None, what: str) -> None:
+        if deadline is not None and self._clock.now() >= deadline:
+            raise WaitTimeout(f"timed out after {timeout:.1f} s waiting for {what}")
+
+    async def _wait_async(
+        self,
+        attempt: Callable[[Callable[[], None]], tuple[T | None, _Waiter | None, float | None]],
+        timeout: float | None,
+        what: str,
+    ) -> T:
+        """Retry `attempt` until it returns a result, sleeping on a future between tries."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else self._clock.now() + timeout
+        while True:
+            fut: asyncio.Future[None] = loop.create_future()
+            result, waiter, wake_at = attempt(functools.partial(_call_soon, loop, fut))
+            if result is not None:
+                return result
+            try:
+                self._timed_out(deadline, timeout, what)
+                # Timing out here means a lease may have expired or the caller's deadline passed: retry.
+                with contextlib.suppress(WaitTimeout):
+                    await self._clock.wait_for(fut, self._delay(deadline, wake_at), what)
+            finally:
+                self._drop(waiter)
+
+    def _wait_thread(
+        self,
+        attempt: Callable[[Callable[[], None]], tuple[T | None, _Waiter | None, float | None]],
+        timeout: float | None,
+        what: str,
+    ) -> T:
+        """`_wait_async` for threads, sleeping on a `threading.Event`."""
+        deadline = None if timeout is None else self._clock.now() + timeout
+        while True:
+            event = threading.Event()
+            result, waiter, wake_at = attempt(event.set)
+            if result is not None:
+                return result
+            try:
+                self._timed_out(deadline, timeout, what)
+                event.wait(self._delay(deadline, wake_at))
+            finally:
+                self._drop(waiter)
+
+    def close(self) -> None:
+        """Refuse further takes and puts and wake every waiter (they raise `QueueClosed`)."""
+        with self._lock:
+            self._closed = True
+            for st in self._stages.values():
+                self._wake(st.waiters, 1 << 62)
+            self._wake(self._put_waiters, 1 << 62)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise QueueClosed("the transfer queue is closed")
+
+    # ----------------------------------------------------------------------------- introspection
+    def size(self) -> int:
+        with self._lock:
+            return len(self._samples)
+
+    def ready_count(self, stage: str) -> int:
+        """Samples available to `stage` now (in complete groups, for group stages)."""
+        with self._lock:
+            return self._stage(stage).depth
+
+    def in_flight(self, stage: str) -> int:
+        """Live samples currently leased by `stage`."""
+        with self._lock:
+            return self._stage(stage).leased
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            out: dict[str, float] = {}
+            for st in self._stages.values():
+                out[f"depth/{st.name}"] = float(st.depth)
+                out[f"leased/{st.name}"] = float(st.leased)
+                out[f"wait_s/{st.name}"] = st.wait_s
+            out["samples"] = float(len(self._samples))
+            out["bytes_put"] = float(self._bytes_put)
+            out["expired_leases"] = float(self._expired_leases)
+            return out
+
+    # ----------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """All live samples with fields, versions, priorities and consumed marks; leases are dropped."""
+        with self._lock:
+            samples = [
+                {
+                    "uid": s.uid,
+                    "group_id": s.group_id,
+                    "priority": s.priority,
+                    "version": s.version,
+                    "fields": dict(s.fields),
+                    "consumed": sorted(s.consumed),
+                }
+                for s in self._samples.values()
+            ]
+            groups = [
+                {"group_id": gid, "size": g.size, "put": g.put, "removed": g.removed}
+                for gid, g in self._groups.items()
+            ]
+            return {"format": _STATE_FORMAT, "next_uid": self._next_uid, "samples": samples, "groups": groups}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore into an empty store; samples leased at save time become available again."""
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"unknown transfer queue state format {state.get('format')!r}")
+        with self._lock:
+            if self._samples or self._leases:
+                raise ValueError("load_state_dict needs an empty transfer queue")
+            self._next_uid = int(state["next_uid"])
+            for gs in state["groups"]:
+                self._groups[gs["group_id"]] = _Group(gs["size"], gs["put"], gs["removed"])
+                self._max_group_size = max(self._max_group_size, gs["size"])
+            for d in state["samples"]:
+                self._restore_sample(d)
+            for s in self._samples.values():
+                for st in self._stages.values():
+                    self._check_ready(st, s)
+
+    def _restore_sample(self, d: dict[str, Any]) -> None:
+        s = _Sample(d["uid"], d["group_id"], d["priority"], dict(d["fields"]), d["version"])
+        s.consumed = set(d["consumed"])
+        g = self._groups[s.group_id]
+        g.uids.append(s.uid)
+        g.consumed |= s.consumed
+        self._samples[s.uid] = s
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+    """Resolve `fut` on its loop from any thread (a closed loop means the waiter is gone)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_resolve, fut)

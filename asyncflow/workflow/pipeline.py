@@ -1,0 +1,509 @@
+"""The producer–consumer RL workflow: four stage loops that meet only in the TransferQueue.
+
+```
+             admission credit (StalenessGate: live groups <= (max_staleness+1) x groups/step)
+                   │
+ dataset ──► feeder ──put n samples/prompt──►┌──────────────── TransferQueue ────────────────┐
+                                             │ prompt_ids ─► rollout  (per sample, no batch   │
+  rollout workers ◄──take 1 sample/free slot─┤                barrier; a free slot refills)  │
+  (continuous batching) ──write response────►│ response_ids ─► reward (whole group, one call) │
+  reward worker ◄──take complete groups──────┤                                                │
+               ──write reward───────────────►│ reward ─► train (whole groups, oldest first)   │
+  trainer ◄──take groups within staleness────┘────────────────────────────────────────────────┘
+     │ advantages, log-probs, loss, `mini_batches` optimizer steps
+     └─► publish v+1 ─► weight sync (drain | swap | abort) ─► every engine ─► gate.publish(v+1)
+```
+
+What unblocks what: the feeder waits for admission credit (freed by a publication or a dropped
+group); a rollout worker waits for an admitted sample and a free engine slot; the reward worker
+waits for a group whose responses are all written; the trainer waits for `batch_size / n` groups
+with rewards. Sync mode is the same code with `max_staleness = 0`: the next step's prompts are
+admitted only after the new weights are loaded, which is the barrier.
+
+Every wait is bounded (`workflow.step_timeout_s`, `rollout.request_timeout_s`, `reward.timeout_s`)
+and says what it waited for. All time and waiting goes through the injected `Clock`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncflow.algorithms.advantages import make_advantage_fn
+from asyncflow.config import Config
+from asyncflow.data import tokenize_prompt
+from asyncflow.engines.base import GenRequest, InferenceEngine, LossFn, TrainBatch, TrainEngine
+from asyncflow.errors import UserError, WaitTimeout
+from asyncflow.rewards import RewardFn, RewardOutcome, call_reward_fn
+from asyncflow.runtime.clock import Clock
+from asyncflow.telemetry.runlog import RunLog, Tracer
+from asyncflow.transfer_queue import Lease, NewSample, QueueClosed, SampleView, TransferQueue
+from asyncflow.workflow.gate import StalenessGate
+
+TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "reward_error", "row", "finish_reason")
+
+
+@dataclass
+class Counters:
+    """Cumulative counts of what happened to samples."""
+
+    trained: int = 0
+    tokens: int = 0
+    dropped_stale: int = 0
+    reward_errors: int = 0
+    cancelled: int = 0
+    reward_calls: int = 0
+    reward_call_failures: int = 0
+    train_busy_s: float = 0.0
+
+
+@dataclass
+class StepResult:
+    """What the trainer hands to the logger after a step."""
+
+    step: int
+    version: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Tokenizer:
+    """The few tokenizer facts the workflow needs (kept apart so tests can pass a plain object)."""
+
+    hf: Any
+    eos_token_id: int
+    pad_token_id: int
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=True))
+
+
+class Pipeline:
+    """Runs feeder, rollout workers, reward worker and trainer until `train.max_steps` steps."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        rows: list[dict[str, Any]],
+        tokenizer: Tokenizer,
+        reward_fn: RewardFn,
+        engines: Sequence[InferenceEngine],
+        trainer: TrainEngine,
+        loss_fn: LossFn,
+        clock: Clock,
+        log: RunLog,
+        tracer: Tracer,
+        ref_logprobs: Callable[[TrainBatch], torch.Tensor] | None = None,
+        on_step: Callable[[StepResult], Awaitable[None]] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.rows = rows
+        self.tok = tokenizer
+        self.reward_fn = reward_fn
+        self.engines = list(engines)
+        self.trainer = trainer
+        self.loss_fn = loss_fn
+        self.clock = clock
+        self.log = log
+        self.tracer = tracer
+        self.ref_logprobs = ref_logprobs
+        self.on_step = on_step
+        self.n = cfg.rollout.n
+        self.groups_per_step = cfg.train.batch_size // self.n
+        self.k = cfg.staleness
+        self.gate = StalenessGate(self.groups_per_step, self.k, cfg.train.max_steps, clock)
+        self.store = TransferQueue(
+            capacity=max(cfg.workflow.store_capacity, (self.k + 2) * cfg.train.batch_size),
+            lease_timeout_s=cfg.workflow.lease_timeout_s,
+            clock=clock,
+        )
+        self.store.register_stage("rollout", ["prompt_ids"])
+        self.store.register_stage("reward", ["response_ids"], groups=True)
+        self.store.register_stage("train", ["reward"], groups=True)
+        self.advantage_fn = make_advantage_fn(cfg.algorithm.advantage)
+        self.counters = Counters()
+        self.version = 0
+        self.t_start = clock.now()
+        self._last_row_time = self.t_start
+        self._last_busy = (0.0, 0.0)
+        self._order = self._row_order()
+
+    # ------------------------------------------------------------------ feeder
+
+    def _row_order(self) -> Any:
+        rng = random.Random(self.cfg.seed)
+        epoch = 0
+        while True:
+            idx = list(range(len(self.rows)))
+            if self.cfg.dataset.shuffle:
+                rng.shuffle(idx)
+            yield from idx
+            epoch += 1
+
+    async def feeder(self) -> None:
+        """Admit prompts as `n` single-sample requests each, while the staleness gate allows."""
+        group_id = 0
+        while not self.gate.closed:
+            if not await self.gate.wait_for_credit(self.cfg.workflow.step_timeout_s):
+                continue  # the trainer is slow; credit comes with the next publication
+            row_index = next(self._order)
+            prompt = self.rows[row_index][self.cfg.dataset.prompt_key]
+            ids = tokenize_prompt(self.tok.hf, prompt)
+            fields = {"prompt_ids": ids, "row": row_index}
+            samples = [NewSample(group_id, self.n, dict(fields), priority=float(group_id)) for _ in range(self.n)]
+            self.gate.admit()
+            try:
+                await self.store.put(samples, timeout=self.cfg.workflow.step_timeout_s)
+            except QueueClosed:
+                return
+            group_id += 1
+
+    # ------------------------------------------------------------------ rollout
+
+    async def rollout_worker(self, index: int, engine: InferenceEngine) -> None:
+        """Pull one admitted sample per free engine slot; write its response when it ends."""
+        slots = asyncio.Semaphore(engine.capacity)
+        tasks: set[asyncio.Task[None]] = set()
+        track = f"rollout/{index}"
+        active_since: list[float] = []
+        try:
+            while True:
+                await slots.acquire()
+                try:
+                    lease = await self.store.take("rollout", 1, timeout=self.cfg.workflow.step_timeout_s)
+                except WaitTimeout:
+                    slots.release()
+                    continue  # nothing admitted for a while: normal while the trainer catches up
+                except QueueClosed:
+                    return
+                if not tasks:
+                    active_since.append(time.monotonic())
+                task = asyncio.create_task(self._generate(engine, lease, slots))
+                tasks.add(task)
+
+                def _done(t: asyncio.Task[None]) -> None:
+                    tasks.discard(t)
+                    if not tasks and active_since:
+                        self.tracer.span(track, "generating", active_since.pop(), time.monotonic())
+
+                task.add_done_callback(_done)
+        finally:
+            for t in list(tasks):
+                t.cancel()
+
+    async def _generate(self, engine: InferenceEngine, lease: Lease, slots: asyncio.Semaphore) -> None:
+        sample = lease.samples[0]
+        req = GenRequest(sample.uid, sample.fields["prompt_ids"], self.cfg.rollout.max_new_tokens, self.cfg.rollout.temperature)
+        try:
+            res = await self.clock.wait_for(
+                engine.generate(req), self.cfg.rollout.request_timeout_s, f"generation of sample {sample.uid}"
+            )
+            if res.finish_reason == "cancelled":
+                self.counters.cancelled += 1
+                self._log_samples([(sample, None, "cancelled", "cancelled: could no longer meet max_staleness")])
+                self.store.ack(lease, remove=True)
+                return
+            fields = {
+                "response_ids": res.response_ids,
+                "behavior_logprobs": res.behavior_logprobs,
+                "token_versions": res.token_versions,
+                "finish_reason": res.finish_reason,
+            }
+            self.store.write(sample.uid, fields, version=min(res.token_versions))
+            self.store.ack(lease)
+        except (QueueClosed, KeyError):
+            return
+        finally:
+            slots.release()
+
+    # ------------------------------------------------------------------ reward
+
+    async def reward_worker(self) -> None:
+        """Score each group as soon as all its responses are written: one reward call per group."""
+        while True:
+            try:
+                lease = await self.store.take(
+                    "reward", self.n * 8, timeout=self.cfg.workflow.step_timeout_s, fields_extra=["row", "prompt_ids"]
+                )
+            except WaitTimeout:
+                continue
+            except QueueClosed:
+                return
+            for group in _by_group(lease.samples):
+                outcome = await self._score_group(group)
+                for i, s in enumerate(group):
+                    reward = None if outcome.rewards is None else outcome.rewards[i]
+                    with contextlib.suppress(KeyError):  # removed meanwhile (cancelled)
+                        self.store.write(s.uid, {"reward": reward, "reward_error": outcome.error})
+            self.store.ack(lease)
+
+    async def _score_group(self, group: list[SampleView]) -> RewardOutcome:
+        row = self.rows[group[0].fields["row"]]
+        key = self.cfg.dataset.prompt_key
+        completions_ids = [list(s.fields["response_ids"]) for s in group]
+        texts = [self.tok.decode(_strip_eos(ids, self.tok.eos_token_id)) for ids in completions_ids]
+        conversational = isinstance(row[key], list)
+        completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {c: [v] * len(group) for c, v in row.items() if c != key}
+        start = time.monotonic()
+        try:
+            outcome = await self.clock.wait_for(
+                asyncio.to_thread(call_reward_fn, self.reward_fn, [row[key]] * len(group), completions, completions_ids, columns),
+                self.cfg.reward.timeout_s,
+                f"reward function on group {group[0].group_id}",
+            )
+        except WaitTimeout as exc:
+            outcome = RewardOutcome(None, str(exc))
+        self.tracer.span("reward", "reward", start, time.monotonic(), group=group[0].group_id)
+        self.counters.reward_calls += 1
+        if outcome.error is not None:
+            self.counters.reward_call_failures += 1
+            limit = self.cfg.reward.fail_fast_calls
+            if self.counters.reward_calls == limit and self.counters.reward_call_failures == limit:
+                raise UserError(f"reward.fn: the first {limit} reward calls all failed; last error: {outcome.error}")
+        return outcome
+
+    # ------------------------------------------------------------------ trainer
+
+    async def trainer_loop(self) -> None:
+        """Assemble batches of whole groups within the staleness bound, train, publish."""
+        for step in range(1, self.cfg.train.max_steps + 1):
+            groups, leases = await self._collect_batch()
+            result = await self._train_on(step, groups)
+            for lease in leases:
+                self.store.ack(lease, remove=True)
+            if self.on_step is not None:
+                await self.on_step(result)
+
+    async def _collect_batch(self) -> tuple[list[list[SampleView]], list[Lease]]:
+        groups: list[list[SampleView]] = []
+        leases: list[Lease] = []
+        have = 0
+        start = time.monotonic()
+        while len(groups) < self.groups_per_step:
+            lease = await self.store.take(
+                "train",
+                max(self.n, self.cfg.train.batch_size - have),
+                timeout=self.cfg.workflow.step_timeout_s,
+                min_version=self.gate.min_version(self.version),
+                fields_extra=TRAIN_FIELDS,
+            )
+            self._drop_stale(lease)
+            for group in _by_group(lease.samples):
+                if all(s.fields["reward_error"] is not None for s in group):
+                    self.counters.reward_errors += len(group)
+                    self._log_samples([(s, None, "reward_error", s.fields["reward_error"]) for s in group])
+                    self.gate.drop()
+                    continue
+                groups.append(group)
+                have += len(group)
+            leases.append(lease)
+        self.tracer.span("trainer", "wait for batch", start, time.monotonic())
+        return groups, leases
+
+    def _drop_stale(self, lease: Lease) -> None:
+        if not lease.expired:
+            return
+        self.counters.dropped_stale += len(lease.expired)
+        msg = f"older than max_staleness={self.k} at trainer version {self.version}"
+        self._log_samples([(s, None, "dropped_stale", msg) for s in lease.expired])
+        self.gate.drop(len(_by_group(lease.expired)))
+
+    async def _train_on(self, step: int, groups: list[list[SampleView]]) -> StepResult:
+        samples = [s for g in groups for s in g]
+        valid = [s.fields["reward_error"] is None for s in samples]
+        batch, rewards = self._make_batch(samples, valid)
+        temperature = self.cfg.rollout.temperature
+        t0 = time.monotonic()
+        with self.tracer.timed("trainer", f"train step {step}", samples=len(samples)):
+            metrics = await asyncio.to_thread(self._compute_step, batch, temperature, samples)
+        self.counters.train_busy_s += time.monotonic() - t0
+        sync_s = await self._publish()
+        staleness = [self.version - 1 - min(s.fields["token_versions"]) for s, ok in zip(samples, valid, strict=True) if ok]
+        trained_version = self.version - 1
+        logged: list[tuple[SampleView, int | None, str, str | None]] = []
+        for s, ok in zip(samples, valid, strict=True):
+            if ok:
+                logged.append((s, trained_version, "trained", None))
+            else:
+                logged.append((s, None, "reward_error", s.fields["reward_error"]))
+        self._log_samples(logged, rewards={s.uid: r for s, r in zip(samples, rewards, strict=True)})
+        n_valid = sum(valid)
+        self.counters.trained += n_valid
+        self.counters.reward_errors += len(samples) - n_valid
+        self.counters.tokens += int(batch.response_mask.sum())
+        valid_rewards = [r for r, ok in zip(rewards, valid, strict=True) if ok]
+        metrics.update(
+            reward_mean=sum(valid_rewards) / max(len(valid_rewards), 1),
+            staleness_mean=sum(staleness) / max(len(staleness), 1),
+            staleness_max=float(max(staleness, default=0)),
+            weight_sync_s=sync_s,
+            response_len_mean=sum(len(s.fields["response_ids"]) for s in samples) / len(samples),
+        )
+        return StepResult(step, self.version, metrics)
+
+    def _make_batch(self, samples: list[SampleView], valid: list[bool]) -> tuple[TrainBatch, list[float]]:
+        rewards = [float(s.fields["reward"]) if ok else 0.0 for s, ok in zip(samples, valid, strict=True)]
+        valid_t = torch.tensor(valid)
+        adv = self.advantage_fn(
+            torch.tensor(rewards, dtype=torch.float32), torch.tensor([s.group_id for s in samples]), valid_t
+        )
+        batch = build_train_batch(
+            [s.fields["prompt_ids"] for s in samples],
+            [s.fields["response_ids"] for s in samples],
+            [s.fields["behavior_logprobs"] for s in samples],
+            adv,
+            valid,
+            self.tok.pad_token_id,
+        )
+        if self.ref_logprobs is not None:
+            batch.ref_logprobs = self.ref_logprobs(batch)
+        return batch, rewards
+
+    def _compute_step(self, batch: TrainBatch, temperature: float, samples: list[SampleView]) -> dict[str, Any]:
+        """Runs in a worker thread: mismatch diagnostics, then the optimizer steps."""
+        current = self.trainer.logprobs(batch, temperature)
+        same = torch.zeros_like(batch.response_mask)
+        for i, s in enumerate(samples):
+            versions = s.fields["token_versions"]
+            p = len(s.fields["prompt_ids"])
+            row = torch.tensor([1.0 if v == self.version else 0.0 for v in versions])
+            same[i, p - 1 : p - 1 + len(versions)] = row
+        same = same * batch.response_mask
+        metrics: dict[str, Any] = dict(self.trainer.train_step(batch, self.loss_fn, temperature))
+        d = (current - batch.behavior_logprobs) * same
+        n = float(same.sum())
+        # None (null in metrics.jsonl) when no token of the batch came from the trainer's own version
+        metrics["mismatch_kl"] = float((torch.exp(d) - d - 1).mul(same).sum() / n) if n else None
+        return metrics
+
+    async def _publish(self) -> float:
+        """Version v -> v+1: export weights and load them into every engine."""
+        start = time.monotonic()
+        state = self.trainer.export_weights()
+        new_version = self.version + 1
+        await self.clock.wait_for(
+            asyncio.gather(*(e.load_weights(state, new_version, self.cfg.workflow.weight_update) for e in self.engines)),
+            self.cfg.workflow.step_timeout_s,
+            f"weight sync of version {new_version}",
+        )
+        self.version = new_version
+        self.gate.publish(new_version)
+        floor = self.gate.min_version(new_version)
+        for e in self.engines:
+            e.cancel_older_than(floor)
+        self.tracer.span("weight sync", f"v{new_version}", start, time.monotonic())
+        return time.monotonic() - start
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _log_samples(
+        self, items: list[tuple[SampleView, int | None, str, str | None]], rewards: dict[int, float] | None = None
+    ) -> None:
+        key = self.cfg.dataset.prompt_key
+        out = []
+        for s, trained_version, status, error in items:
+            row = self.rows[s.fields["row"]] if "row" in s.fields else {}
+            resp = s.fields.get("response_ids")
+            versions = s.fields.get("token_versions")
+            reward = (rewards or {}).get(s.uid, s.fields.get("reward"))
+            out.append(
+                {
+                    "uid": s.uid,
+                    "group_id": s.group_id,
+                    "prompt": row.get(key),
+                    "response": None if resp is None else self.tok.decode(resp),
+                    "reward": None if reward is None or (isinstance(reward, float) and math.isnan(reward)) else reward,
+                    "behavior_version": None if not versions else min(versions),
+                    "trained_version": trained_version,
+                    "status": status,
+                    "error": error,
+                }
+            )
+        self.log.samples(out)
+
+    def busy_fractions(self) -> tuple[float, float]:
+        """Fractions of wall time since the last call that rollout engines / the trainer computed."""
+        now = self.clock.now()
+        wall = max(now - self._last_row_time, 1e-9)
+        rollout_busy = sum(e.busy_seconds() for e in self.engines)
+        train_busy = self.counters.train_busy_s
+        r = (rollout_busy - self._last_busy[0]) / (wall * len(self.engines))
+        t = (train_busy - self._last_busy[1]) / wall
+        self._last_row_time, self._last_busy = now, (rollout_busy, train_busy)
+        return min(r, 1.0), min(t, 1.0)
+
+    async def run(self) -> None:
+        """Run every stage until the trainer finishes; the first failing stage stops them all."""
+        tasks = [
+            asyncio.create_task(self.feeder(), name="feeder"),
+            asyncio.create_task(self.reward_worker(), name="reward"),
+            *(asyncio.create_task(self.rollout_worker(i, e), name=f"rollout/{i}") for i, e in enumerate(self.engines)),
+        ]
+        trainer = asyncio.create_task(self.trainer_loop(), name="trainer")
+        try:
+            done, _ = await asyncio.wait([trainer, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            if trainer not in done:
+                raise RuntimeError(f"stage {next(iter(done)).get_name()} stopped before the trainer finished")
+        finally:
+            # Close first, then cancel: a loop whose cancellation was swallowed by a wait that completed
+            # at the same moment still sees the closed gate/store and exits.
+            self.gate.close()
+            self.store.close()
+            for t in [*tasks, trainer]:
+                t.cancel()
+            stopped, stuck = await asyncio.wait([*tasks, trainer], timeout=60)
+            for t in stopped:  # retrieve shutdown errors (QueueClosed, ...) so asyncio does not log them
+                if not t.cancelled():
+                    t.exception()
+            if stuck:
+                raise RuntimeError(f"stages did not stop within 60 s: {sorted(t.get_name() for t in stuck)}")
+
+
+def build_train_batch(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    behavior: list[list[float]],
+    advantages: torch.Tensor,
+    valid: list[bool],
+    pad_token_id: int,
+) -> TrainBatch:
+    """Right-padded prompt+response rows; the mask marks response tokens (EOS included) of valid rows."""
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    width = max(lengths)
+    b = len(prompts)
+    ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    mask = torch.zeros((b, width - 1), dtype=torch.float32)
+    blp = torch.zeros((b, width - 1), dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, behavior, strict=True)):
+        ids[i, : lengths[i]] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        attn[i, : lengths[i]] = 1
+        start = len(p) - 1  # logits at position t predict token t+1
+        if valid[i]:
+            mask[i, start : start + len(r)] = 1.0
+        blp[i, start : start + len(r)] = torch.tensor(lp, dtype=torch.float32)
+    return TrainBatch(ids, attn, mask, advantages, blp)
+
+
+def _by_group(samples: list[SampleView]) -> list[list[SampleView]]:
+    groups: dict[int, list[SampleView]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    return list(groups.values())
+
+
+def _strip_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == eos else ids

@@ -1,0 +1,29 @@
+"""Shared fixtures: a tiny random Qwen2 (for engine tests) and a quickly prepared arith folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A random 2-layer Qwen2 over a 32-token vocabulary (eos=1, pad=0), float32, eval mode."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def arith_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The arith task pack prepared with a short warm start (fast; accuracy is not the point)."""
+    from asyncflow.tasks.arith import prepare
+
+    return prepare(tmp_path_factory.mktemp("arith") / "arith-quick", seed=0, sft_steps=30)

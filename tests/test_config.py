@@ -1,0 +1,79 @@
+"""Config loading, precedence and validation; CLI errors are one line with exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncflow.config import field_docs, load_config, parse_set
+from asyncflow.errors import UserError
+
+
+def test_precedence_defaults_task_file_then_set(tmp_path: Path) -> None:
+    cfg, _ = load_config()
+    assert cfg.train.lr == pytest.approx(1e-3)  # the arith task pack's lr beats the built-in default
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lr: 0.5\n  max_steps: 7\nrollout: {n: 4}\n")
+    cfg, explicit = load_config(f, ["train.lr=0.25"])
+    assert cfg.train.lr == 0.25 and cfg.train.max_steps == 7 and cfg.rollout.n == 4
+    assert "train.lr" in explicit and "rollout.n" in explicit and "eval.every" not in explicit
+
+
+def test_set_values_are_parsed_as_yaml_scalars() -> None:
+    assert parse_set(["a.b=3", "a.c=true", "d=null", "e=x"]) == {"a": {"b": 3, "c": True}, "d": None, "e": "x"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.batchsize=3"], "train.batchsize: unknown key (did you mean 'batch_size'?)"),
+        (["trian.lr=3"], "trian: unknown key (did you mean 'train'?)"),
+        (["train.lr=fast"], "train.lr: expected a number"),
+        (["train.max_steps=1.5"], "train.max_steps: expected an integer"),
+        (["rollout.n=0"], "rollout.n: 0 is below the minimum 1"),
+        (["workflow.mode=fast"], "workflow.mode: 'fast' is not one of"),
+        (["workflow.mode=sync", "workflow.max_staleness=2"], "workflow.max_staleness: 2 contradicts"),
+        (["train.batch_size=12", "rollout.n=8"], "train.batch_size: 12 is not divisible"),
+        (["task=null"], "model.path: required when task is null"),
+        (["task=nope"], "task: unknown task pack 'nope'"),
+        (["reward.fn=mymodule"], "reward.fn: 'mymodule' must be 'module:function'"),
+    ],
+)
+def test_bad_values_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(UserError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("train:\n  lr: [1, 2\n")
+    with pytest.raises(UserError, match=r"bad.yaml: line \d+"):
+        load_config(f)
+
+
+def test_sync_mode_means_staleness_zero() -> None:
+    assert load_config(None, ["workflow.mode=sync"])[0].staleness == 0
+    assert load_config(None, [])[0].staleness == 1
+
+
+def test_every_field_has_a_docstring() -> None:
+    rows = field_docs()
+    assert len(rows) > 40
+    assert all(doc for _, _, _, doc in rows), [k for k, _, _, d in rows if not d]
+
+
+def test_cli_bad_input_is_one_line_exit_2_without_torch(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("rollout:\n  tempreature: 0.5\n")
+    code = "import sys; from asyncflow.cli import main; rc = main(sys.argv[1:]); print('torch' in sys.modules); sys.exit(rc)"
+    proc = subprocess.run([sys.executable, "-c", code, "train", str(f)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "asyncflow: error: rollout.tempreature: unknown key (did you mean 'temperature'?)"
+    assert proc.stdout.strip() == "False"  # validated before importing torch
+    proc = subprocess.run([sys.executable, "-m", "asyncflow", "bogus"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

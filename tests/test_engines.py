@@ -1,0 +1,224 @@
+"""The transformers engine (continuous batching, log-probs, weight-update modes) and the train engine."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from asyncflow.algorithms.losses import PPOSettings, make_loss_fn
+from asyncflow.engines.base import GenRequest
+from asyncflow.engines.hf import HFEngine
+from asyncflow.engines.torch_train import TorchTrainEngine
+from asyncflow.workflow.pipeline import build_train_batch
+
+
+def _requests(n: int, max_new: int = 10, temperature: float = 1.0, seed: int = 0) -> list[GenRequest]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        GenRequest(i, torch.randint(2, 32, (2 + i % 6,), generator=g).tolist(), max_new, temperature) for i in range(n)
+    ]
+
+
+def _full_forward_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    return [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(response)]
+
+
+def test_continuous_batching_refills_slots_and_matches_full_forward_logprobs(tiny_model) -> None:
+    engine = HFEngine(tiny_model, eos_token_id=1, max_batch=4, seed=1)
+    try:
+        reqs = _requests(23, temperature=0.7)
+        results = engine.generate_many(reqs, timeout=60)
+    finally:
+        engine.shutdown()
+    assert [r.uid for r in results] == list(range(23))
+    # 23 requests through 4 slots: new ones joined while others were still decoding
+    assert engine.steps < sum(len(r.response_ids) for r in results)
+    worst = 0.0
+    for req, res in zip(reqs, results, strict=True):
+        assert 1 <= len(res.response_ids) <= req.max_new_tokens
+        assert res.finish_reason == ("stop" if res.response_ids[-1] == 1 else "length")
+        assert res.token_versions == [0] * len(res.response_ids)
+        ref = _full_forward_logprobs(tiny_model, req.prompt_ids, res.response_ids, 0.7)
+        worst = max(worst, max(abs(a - b) for a, b in zip(ref, res.behavior_logprobs, strict=True)))
+    assert worst < 1e-4
+
+
+def test_running_batch_never_exceeds_max_batch(tiny_model) -> None:
+    engine = HFEngine(tiny_model, eos_token_id=1, max_batch=3)
+    seen: list[int] = []
+    original = engine._decode_step
+
+    def spy() -> None:
+        seen.append(len(engine._rows))
+        original()
+
+    engine._decode_step = spy  # type: ignore[method-assign]
+    try:
+        engine.generate_many(_requests(12), timeout=60)
+    finally:
+        engine.shutdown()
+    assert seen and max(seen) <= 3
+
+
+def test_greedy_requests_are_deterministic_and_argmax(tiny_model) -> None:
+    engine = HFEngine(tiny_model, eos_token_id=1, max_batch=8)
+    try:
+        a = engine.generate_many(_requests(6, temperature=0.0), timeout=60)
+        b = engine.generate_many(_requests(6, temperature=0.0), timeout=60)
+    finally:
+        engine.shutdown()
+    assert [r.response_ids for r in a] == [r.response_ids for r in b]
+    with torch.no_grad():
+        req = _requests(1, temperature=0.0)[0]
+        first = int(tiny_model(torch.tensor([req.prompt_ids])).logits[0, -1].argmax())
+    assert a[0].response_ids[0] == first
+
+
+def _perturbed(model) -> dict[str, torch.Tensor]:
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for k in state:
+        if k.endswith("weight") and state[k].dim() == 2:
+            state[k] += 0.5 * torch.randn_like(state[k])
+    return state
+
+
+def _slow_engine(model, **kw) -> HFEngine:
+    engine = HFEngine(copy.deepcopy(model), eos_token_id=[], max_batch=16, **kw)
+    original = engine._decode_step
+
+    def slow() -> None:
+        time.sleep(0.01)
+        original()
+
+    engine._decode_step = slow  # type: ignore[method-assign]
+    return engine
+
+
+@pytest.mark.parametrize("mode", ["swap", "drain", "abort"])
+def test_weight_update_modes_keep_per_token_versions_right(tiny_model, mode: str) -> None:
+    engine = _slow_engine(tiny_model)
+    try:
+        futures = [engine.submit(r) for r in _requests(4, max_new=30)]
+        time.sleep(0.1)  # a few tokens in
+        loaded = engine.request_weights(_perturbed(tiny_model), 1, mode)  # type: ignore[arg-type]
+        late = engine.submit(GenRequest(99, [3, 4, 5], 5, 1.0))
+        results = [f.result(timeout=60) for f in futures]
+        assert loaded.result(timeout=60) >= 0
+        late_result = late.result(timeout=60)
+    finally:
+        engine.shutdown()
+    for res in results:
+        assert len(res.response_ids) == 30
+        v = res.token_versions
+        assert v == sorted(v) and v[0] == 0  # versions never go back; the first tokens are old
+        if mode == "drain":
+            assert set(v) == {0}  # in-flight requests finish on the old weights
+        else:
+            assert v[-1] == 1  # the rest of the request continued on the new weights
+    assert set(late_result.token_versions) == {1}  # admitted after the load (drain: waited for it)
+    assert engine.version == 1
+
+
+def test_abort_mode_continues_with_tokens_so_far_and_new_weights(tiny_model) -> None:
+    engine = _slow_engine(tiny_model)
+    new_state = _perturbed(tiny_model)
+    try:
+        req = GenRequest(0, [5, 6, 7], 20, 1.0)
+        fut = engine.submit(req)
+        time.sleep(0.08)
+        engine.request_weights(new_state, 1, "abort").result(timeout=60)
+        res = fut.result(timeout=60)
+    finally:
+        engine.shutdown()
+    k = res.token_versions.index(1)
+    assert 0 < k < 20
+    # tokens after the abort are scored by the new weights on the full context (prompt + tokens so far)
+    new_model = copy.deepcopy(tiny_model)
+    new_model.load_state_dict(new_state)
+    ref = _full_forward_logprobs(new_model, req.prompt_ids, res.response_ids)
+    assert max(abs(a - b) for a, b in zip(ref[k:], res.behavior_logprobs[k:], strict=True)) < 1e-4
+
+
+def test_cancel_older_than_ends_stale_requests(tiny_model) -> None:
+    engine = _slow_engine(tiny_model)
+    try:
+        fut = engine.submit(GenRequest(0, [5, 6], 200, 1.0))
+        time.sleep(0.05)
+        assert engine.cancel_older_than(1) == 1
+        res = fut.result(timeout=60)
+    finally:
+        engine.shutdown()
+    assert res.finish_reason == "cancelled" and len(res.response_ids) < 200
+
+
+def test_engine_and_trainer_logprobs_agree_at_staleness_zero(tiny_model) -> None:
+    engine = HFEngine(copy.deepcopy(tiny_model), eos_token_id=1, max_batch=8, seed=3)
+    try:
+        reqs = _requests(16, max_new=8, temperature=0.9)
+        results = engine.generate_many(reqs, timeout=60)
+    finally:
+        engine.shutdown()
+    batch = build_train_batch(
+        [r.prompt_ids for r in reqs], [r.response_ids for r in results], [r.behavior_logprobs for r in results],
+        torch.zeros(16), [True] * 16, pad_token_id=0,
+    )
+    trainer = TorchTrainEngine(copy.deepcopy(tiny_model), lr=1e-3)
+    current = trainer.logprobs(batch, temperature=0.9)
+    d = (current - batch.behavior_logprobs) * batch.response_mask
+    mismatch_kl = float((torch.exp(d) - d - 1).sum() / batch.response_mask.sum())
+    assert mismatch_kl < 1e-5
+    # EOS is a trained action: a response that stopped has its EOS inside the loss mask
+    stopped = [i for i, r in enumerate(results) if r.finish_reason == "stop"]
+    assert stopped
+    i = stopped[0]
+    eos_pos = len(reqs[i].prompt_ids) - 1 + len(results[i].response_ids) - 1
+    assert batch.input_ids[i, eos_pos + 1] == 1 and batch.response_mask[i, eos_pos] == 1
+
+
+def _grads_after_step(model, batch, micro: int | None) -> dict[str, torch.Tensor]:
+    trainer = TorchTrainEngine(copy.deepcopy(model), lr=0.0, micro_batch_size=micro, max_grad_norm=0.0)
+    metrics = trainer.train_step(batch, make_loss_fn("ppo", PPOSettings()), temperature=1.0)
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    grads["__loss__"] = torch.tensor(metrics["loss"])
+    return grads
+
+
+def test_loss_and_gradients_do_not_depend_on_micro_batch_size(tiny_model) -> None:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 32, (3 + i % 3,), generator=g).tolist() for i in range(6)]
+    responses = [torch.randint(2, 32, (1 + (i * 5) % 7,), generator=g).tolist() for i in range(6)]
+    behavior = [(-torch.rand(len(r), generator=g)).tolist() for r in responses]
+    batch = build_train_batch(prompts, responses, behavior, torch.randn(6, generator=g), [True] * 6, 0)
+    full = _grads_after_step(tiny_model, batch, None)
+    for micro in (1, 4):
+        part = _grads_after_step(tiny_model, batch, micro)
+        for name, grad in full.items():
+            torch.testing.assert_close(part[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_train_step_changes_weights_and_export_is_a_copy(tiny_model) -> None:
+    trainer = TorchTrainEngine(copy.deepcopy(tiny_model), lr=1e-2, mini_batches=2)
+    batch = build_train_batch([[3, 4], [5, 6]], [[7, 1], [8]], [[-1.0, -1.0], [-1.0]], torch.tensor([1.0, -1.0]), [True, True], 0)
+    before = trainer.export_weights()
+    metrics = trainer.train_step(batch, make_loss_fn("ppo", PPOSettings()), 1.0)
+    after = trainer.export_weights()
+    assert {"loss", "grad_norm", "entropy", "clip_frac"} <= set(metrics)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    after[next(iter(after))].add_(1.0)  # mutating the export leaves the model alone
+    assert not torch.equal(after[next(iter(after))], trainer.model.state_dict()[next(iter(after))])
+
+
+def test_engine_failure_reaches_the_caller_instead_of_hanging(tiny_model) -> None:
+    engine = HFEngine(copy.deepcopy(tiny_model), eos_token_id=1, max_batch=4)
+    fut = engine.submit(GenRequest(0, [40, 41], 4, 1.0))  # token ids beyond the vocabulary
+    with pytest.raises(IndexError):
+        fut.result(timeout=30)
+    with pytest.raises(RuntimeError, match="closed after an error"):
+        engine.submit(GenRequest(1, [3], 4, 1.0))
+    engine.shutdown()

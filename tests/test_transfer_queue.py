@@ -1,0 +1,598 @@
+"""TransferQueue: readiness, groups, leases, backpressure, concurrency, checkpoint; samplers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import numpy as np
+import pytest
+import torch
+
+from asyncflow.errors import WaitTimeout
+from asyncflow.runtime.clock import RealClock
+from asyncflow.transfer_queue import (
+    Lease,
+    NewSample,
+    QueueClosed,
+    TransferQueue,
+    balance_by_length,
+    split_sequential,
+)
+
+T = TypeVar("T")
+
+
+class FakeClock:
+    """A clock whose now() the test sets; waits use real asyncio."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    async def wait_for(self, aw: Awaitable[T], timeout: float | None, what: str) -> T:
+        return await RealClock().wait_for(aw, timeout, what)
+
+
+def prompts(n: int, group_size: int = 1, first_group: int = 0) -> list[NewSample]:
+    return [
+        NewSample(group_id=first_group + i // group_size, group_size=group_size, fields={"prompt": i})
+        for i in range(n)
+    ]
+
+
+def uids_of(lease: Lease | None) -> list[int]:
+    assert lease is not None
+    return [s.uid for s in lease.samples]
+
+
+def test_sample_not_delivered_until_all_registered_fields_written() -> None:
+    q = TransferQueue()
+    q.register_stage("reward", ["response", "logprobs"])
+    (uid,) = q.put_blocking(prompts(1))
+    assert q.take_nowait("reward", 4) is None
+    q.write(uid, {"response": "r"})
+    assert q.take_nowait("reward", 4) is None
+    q.write(uid, {"logprobs": [0.1]}, version=3)
+    lease = q.take_nowait("reward", 4, fields_extra=["prompt"])
+    assert lease is not None and uids_of(lease) == [uid]
+    assert lease.samples[0].fields == {"response": "r", "logprobs": [0.1], "prompt": 0}
+    assert lease.samples[0].version == 3
+
+
+def test_each_stage_gets_a_sample_once() -> None:
+    q = TransferQueue()
+    q.register_stage("a", ["prompt"])
+    q.register_stage("b", ["prompt"])
+    uids = q.put_blocking(prompts(3))
+    for stage in ("a", "b"):
+        lease = q.take_nowait(stage, 10)
+        assert uids_of(lease) == uids
+        assert lease is not None and q.ack(lease)
+        assert q.take_nowait(stage, 10) is None
+    assert q.size() == 3
+
+
+def test_stage_registered_late_indexes_existing_samples() -> None:
+    q = TransferQueue()
+    uids = q.put_blocking(prompts(2))
+    q.write(uids[1], {"x": 1})
+    q.register_stage("late", ["x"])
+    assert uids_of(q.take_nowait("late", 5)) == [uids[1]]
+
+
+def test_write_to_unknown_uid_raises_key_error() -> None:
+    q = TransferQueue()
+    with pytest.raises(KeyError, match="42"):
+        q.write(42, {"x": 1})
+    (uid,) = q.put_blocking(prompts(1))
+    q.remove([uid])
+    with pytest.raises(KeyError):
+        q.write(uid, {"x": 1})
+
+
+def test_write_version_keeps_the_oldest() -> None:
+    q = TransferQueue()
+    q.register_stage("s", ["prompt"])
+    (uid,) = q.put_blocking(prompts(1))
+    q.write(uid, {}, version=5)
+    q.write(uid, {}, version=3)
+    q.write(uid, {}, version=4)
+    lease = q.take_nowait("s", 1)
+    assert lease is not None and lease.samples[0].version == 3
+
+
+def test_group_mode_delivers_whole_groups_only() -> None:
+    q = TransferQueue()
+    q.register_stage("reward", ["response"], groups=True)
+    uids = q.put_blocking(prompts(8, group_size=4))  # groups 0 and 1
+    for uid in uids[:3] + uids[4:]:
+        q.write(uid, {"response": 1})
+    lease = q.take_nowait("reward", 8)
+    assert uids_of(lease) == uids[4:]  # group 0 lacks one response
+    assert q.ready_count("reward") == 0
+    q.write(uids[3], {"response": 1})
+    assert q.ready_count("reward") == 4
+    assert uids_of(q.take_nowait("reward", 8)) == uids[:4]
+
+
+def test_group_mode_never_splits_a_group_and_counts_samples() -> None:
+    q = TransferQueue()
+    q.register_stage("train", ["prompt"], groups=True)
+    uids = q.put_blocking(prompts(8, group_size=4))
+    assert q.take_nowait("train", 12, min_samples=12) is None  # min_samples counts samples
+    uids += q.put_blocking(prompts(4, group_size=4, first_group=2))
+    assert uids_of(q.take_nowait("train", 10)) == uids[:8]  # a third group would not fit
+    with pytest.raises(ValueError, match="group_size"):
+        q.take_nowait("train", 3)
+
+
+def test_group_with_removed_member_still_completes() -> None:
+    q = TransferQueue()
+    q.register_stage("reward", ["response"], groups=True)
+    uids = q.put_blocking(prompts(4, group_size=4))
+    for uid in uids[:3]:
+        q.write(uid, {"response": 1})
+    assert q.take_nowait("reward", 4) is None
+    q.remove([uids[3]])
+    assert uids_of(q.take_nowait("reward", 4)) == uids[:3]
+
+
+def test_group_members_put_separately_complete_the_group() -> None:
+    q = TransferQueue()
+    q.register_stage("s", ["prompt"], groups=True)
+    first = q.put_blocking([NewSample(7, 2, {"prompt": 0})])
+    assert q.take_nowait("s", 2) is None
+    second = q.put_blocking([NewSample(7, 2, {"prompt": 1})])
+    assert uids_of(q.take_nowait("s", 2)) == first + second
+    with pytest.raises(ValueError, match="group_size"):
+        q.put_blocking([NewSample(7, 2, {"prompt": 2})])
+
+
+def test_lowest_priority_is_served_first() -> None:
+    q = TransferQueue()
+    q.register_stage("s", ["prompt"])
+    uids = q.put_blocking([NewSample(i, 1, {"prompt": i}, priority=p) for i, p in enumerate([5.0, 1.0, 3.0])])
+    assert uids_of(q.take_nowait("s", 3)) == [uids[1], uids[2], uids[0]]
+
+
+def test_release_keeps_priority_and_serves_before_newer() -> None:
+    q = TransferQueue()
+    q.register_stage("s", ["prompt"])
+    old = q.put_blocking(prompts(2))
+    lease = q.take_nowait("s", 2)
+    assert lease is not None
+    new = q.put_blocking(prompts(2, first_group=10))
+    assert q.release(lease)
+    assert uids_of(q.take_nowait("s", 4)) == old + new
+    assert not q.release(lease)  # already ended
+
+
+def test_release_of_group_lease_returns_the_group() -> None:
+    q = TransferQueue()
+    q.register_stage("s", ["prompt"], groups=True)
+    uids = q.put_blocking(prompts(4, group_size=2))
+    lease = q.take_nowait("s", 2)
+    assert uids_of(lease) == uids[:2]
+    assert lease is not None and q.release(lease)
+    assert uids_of(q.take_nowait("s", 4)) == uids
+
+
+def test_ack_remove_deletes_and_plain_ack_keeps_for_other_stages() -> None:
+    q = TransferQueue()
+    q.register_stage("a", ["prompt"])
+    q.register_stage("b", ["prompt"])
+    uids = q.put_blocking(prompts(2))
+    lease = q.take_nowait("a", 2)
+    assert lease is not None and q.in_flight("a") == 2
+    q.ack(lease)
+    assert q.in_flight("a") == 0 and q.size() == 2 and q.ready_count("b") == 2
+    lease_b = q.take_nowait("b", 2)
+    assert lease_b is not None and q.ack(lease_b, remove=True)
+    assert q.size() == 0 and uids_of(lease_b) == uids
+
+
+def test_lease_expiry_returns_samples_to_queue() -> None:
+    clock = FakeClock()
+    q = TransferQueue(lease_timeout_s=10.0, clock=clock)
+    q.register_stage("s", ["prompt"])
+    uids = q.put_blocking(prompts(2))
+    first = q.take_nowait("s", 2)
+    assert first is not None and first.deadline == clock.t + 10.0
+    clock.t += 9.0
+    assert q.take_nowait("s", 2) is None
+    clock.t += 1.0
+    second = q.take_nowait("s", 2, lease_s=100.0)
+    assert uids_of(second) == uids
+    assert q.metrics()["expired_leases"] == 1.0
+    assert not q.ack(first, remove=True)  # expired: must not touch samples now leased by `second`
+    assert q.size() == 2 and q.in_flight("s") == 2
+    assert second is not None and q.ack(second)
+
+
+def test_lease_ids_are_unique() -> None:
+    q = TransferQueue()
+    q.register_stage("s", ["prompt"])
+    q.put_blocking(prompts(50))
+    ids = set()
+    for _ in range(50):
+        lease = q.take_nowait("s", 1)
+        assert lease is not None
+        ids.add(lease.id)
+        q.release(lease)
+    assert len(ids) == 50
+
+
+def test_waiting_take_wakes_when_a_real_short_lease_expires() -> None:
+    q = TransferQueue()
+    q.register_stage("s", ["prompt"])
+    (uid,) = q.put_blocking(prompts(1))
+    assert uids_of(q.take_nowait("s", 1, lease_s=0.05)) == [uid]
+    start = time.monotonic()
+    assert uids_of(q.take_blocking("s", 1, timeout=5.0)) == [uid]
+    assert time.monotonic() - start < 2.0
+
+
+def test_async_take_wakes_when_a_real_short_lease_expires() -> None:
+    q = TransferQueue()
+    q.register_stage("s", ["prompt"])
+    (uid,) = q.put_blocking(prompts(1))
+
+    async def run() -> Lease:
+        assert uids_of(await q.take("s", 1, lease_s=0.05)) == [uid]
+        return await q.take("s", 1, timeout=5.0)
+
+    assert uids_of(asyncio.run(run())) == [uid]
+    assert q.metrics()["wait_s/s"] > 0.0
+
+
+def test_producer_blocks_when_full_and_unblocks_on_ack_remove() -> None:
+    q = TransferQueue(capacity=4)
+    q.register_stage("s", ["prompt"])
+    q.put_blocking(prompts(4))
+    done = threading.Event()
+
+    def produce() -> None:
+        q.put_blocking(prompts(2, first_group=100), timeout=5.0)
+        done.set()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    assert not done.wait(0.1)
+    lease = q.take_nowait("s", 1)
+    assert lease is not None
+    q.ack(lease, remove=True)
+    assert not done.wait(0.05)  # room for 1, needs 2
+    lease = q.take_nowait("s", 1)
+    assert lease is not None
+    q.ack(lease, remove=True)
+    assert done.wait(5.0)
+    t.join()
+    assert q.size() == 4
+
+
+def test_async_put_blocks_until_remove() -> None:
+    q = TransferQueue(capacity=2)
+    uids = q.put_blocking(prompts(2))
+
+    async def run() -> list[int]:
+        task = asyncio.ensure_future(q.put(prompts(1, first_group=9), timeout=5.0))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        q.remove(uids[:1])
+        return await task
+
+    assert asyncio.run(run()) == [2]
+
+
+def test_put_timeout_raises_wait_timeout() -> None:
+    q = TransferQueue(capacity=1)
+    q.put_blocking(prompts(1))
+    with pytest.raises(WaitTimeout, match="room"):
+        q.put_blocking(prompts(1, first_group=1), timeout=0.05)
+    with pytest.raises(WaitTimeout):
+        asyncio.run(q.put(prompts(1, first_group=1), timeout=0.05))
+    with pytest.raises(ValueError, match="capacity"):
+        q.put_blocking(prompts(2))
+
+
+def test_take_timeout_names_the_stage() -> None:
+    q = TransferQueue()
+    q.register_stage("reward", ["response"])
+    with pytest.raises(WaitTimeout, match="reward"):
+        q.take_blocking("reward", 1, timeout=0.05)
+    with pytest.raises(WaitTimeout, match="reward"):
+        asyncio.run(q.take("reward", 1, timeout=0.05))
+
+
+def test_close_wakes_waiters_with_queue_closed() -> None:
+    q = TransferQueue(capacity=1)
+    q.register_stage("s", ["missing"])
+    q.put_blocking(prompts(1))
+    errors: list[BaseException] = []
+
+    def wait_take() -> None:
+        try:
+            q.take_blocking("s", 1, timeout=10.0)
+        except QueueClosed as exc:
+            errors.append(exc)
+
+    def wait_put() -> None:
+        try:
+            q.put_blocking(prompts(1, first_group=1), timeout=10.0)
+        except QueueClosed as exc:
+            errors.append(exc)
+
+    async def async_take() -> None:
+        with pytest.raises(QueueClosed):
+            await q.take("s", 1, timeout=10.0)
+
+    threads = [threading.Thread(target=wait_take), threading.Thread(target=wait_put)]
+    for t in threads:
+        t.start()
+
+    async def run() -> None:
+        task = asyncio.ensure_future(async_take())
+        await asyncio.sleep(0.1)
+        q.close()
+        await asyncio.wait_for(task, 5.0)
+
+    asyncio.run(run())
+    for t in threads:
+        t.join(5.0)
+    assert len(errors) == 2
+    with pytest.raises(QueueClosed):
+        q.take_nowait("s", 1)
+
+
+def test_min_version_routes_old_samples_to_expired() -> None:
+    q = TransferQueue()
+    q.register_stage("train", ["response"])
+    uids = q.put_blocking(prompts(3))
+    for uid, v in zip(uids, [1, 4, 2], strict=True):
+        q.write(uid, {"response": 1}, version=v)
+    lease = q.take_nowait("train", 3, min_version=2)
+    assert lease is not None
+    assert [s.uid for s in lease.samples] == [uids[1], uids[2]]
+    assert [s.uid for s in lease.expired] == [uids[0]]
+    assert q.in_flight("train") == 3
+
+
+def test_min_version_uses_the_groups_oldest_version() -> None:
+    q = TransferQueue()
+    q.register_stage("train", ["response"], groups=True)
+    uids = q.put_blocking(prompts(4, group_size=2))
+    for uid, v in zip(uids, [5, 1, 5, 5], strict=True):
+        q.write(uid, {"response": 1}, version=v)
+    lease = q.take_nowait("train", 4, min_version=3)
+    assert lease is not None
+    assert [s.uid for s in lease.expired] == uids[:2]
+    assert [s.uid for s in lease.samples] == uids[2:]
+
+
+def test_metrics_report_depth_leases_and_bytes() -> None:
+    q = TransferQueue()
+    q.register_stage("s", ["x"])
+    (uid,) = q.put_blocking([NewSample(0, 1, {"x": torch.zeros(4, dtype=torch.float32), "t": "abc"})])
+    q.write(uid, {"y": np.zeros(2, dtype=np.int64)})
+    m = q.metrics()
+    assert m["bytes_put"] == 16 + 16 and m["depth/s"] == 1 and m["samples"] == 1
+    q.take_nowait("s", 1)
+    m = q.metrics()
+    assert m["depth/s"] == 0 and m["leased/s"] == 1 and m["expired_leases"] == 0
+
+
+def test_state_dict_round_trip_redelivers_unacked_leases() -> None:
+    q = TransferQueue()
+    q.register_stage("reward", ["prompt"])
+    q.register_stage("train", ["prompt"], groups=True)
+    uids = q.put_blocking(prompts(6, group_size=2))
+    q.write(uids[0], {"r": 1}, version=2)
+    acked = q.take_nowait("reward", 2)
+    assert acked is not None and q.ack(acked)
+    leased = q.take_nowait("reward", 2)  # never acked
+    train = q.take_nowait("train", 2)
+    assert train is not None and q.ack(train)
+    state = q.state_dict()
+
+    r = TransferQueue()
+    r.register_stage("reward", ["prompt"])
+    r.load_state_dict(state)
+    r.register_stage("train", ["prompt"], groups=True)  # registering after the restore also works
+    assert r.size() == 6
+    assert uids_of(r.take_nowait("reward", 10)) == uids_of(leased) + uids[4:]
+    assert uids_of(r.take_nowait("train", 10)) == uids[2:]
+    r.remove(uids[:1])
+    (new,) = r.put_blocking(prompts(1, first_group=50))
+    assert new == 6
+    with pytest.raises(ValueError, match="empty"):
+        r.load_state_dict(state)
+
+
+def test_remove_drops_samples_lazily_from_ready_queues() -> None:
+    q = TransferQueue()
+    q.register_stage("s", ["prompt"])
+    uids = q.put_blocking(prompts(300))
+    q.remove(uids[:250])
+    assert q.ready_count("s") == 50
+    assert uids_of(q.take_nowait("s", 100)) == uids[250:]
+    q.remove([12345])  # unknown uids are ignored
+
+
+# ----------------------------------------------------------------------------- concurrency
+N_SAMPLES = 6144  # 8 producers x 48 batches of 16
+
+
+def check_consumption(acked: list[int], n: int) -> None:
+    assert sorted(acked) == list(range(n)), "every uid acked exactly once"
+
+
+def test_threads_many_producers_consumers_every_uid_acked_once() -> None:
+    q = TransferQueue(capacity=512, lease_timeout_s=600.0)
+    q.register_stage("s", ["prompt"])
+    per_producer = N_SAMPLES // 8
+    acked: list[int] = []
+    holding: set[int] = set()
+    guard = threading.Lock()
+    failures: list[str] = []
+
+    def produce(p: int) -> None:
+        for i in range(0, per_producer, 16):
+            q.put_blocking(prompts(16, first_group=p * per_producer + i), timeout=30.0)
+
+    def consume(seed: int) -> None:
+        rng = random.Random(seed)
+        while True:
+            roll = rng.random()
+            expire = roll < 0.05  # take with a short lease and let it run out
+            try:
+                lease = q.take_blocking(
+                    "s", rng.randint(1, 32), timeout=30.0, lease_s=0.01 if expire else 30.0
+                )
+            except QueueClosed:
+                return
+            mine = {s.uid for s in lease.samples}
+            if expire:
+                time.sleep(0.03)
+                assert not q.ack(lease, remove=True)
+                continue
+            with guard:
+                if mine & holding:
+                    failures.append(f"delivered twice concurrently: {mine & holding}")
+                holding.update(mine)
+            if roll < 0.15:
+                with guard:
+                    holding.difference_update(mine)
+                q.release(lease)
+                continue
+            with guard:
+                holding.difference_update(mine)
+                if q.ack(lease, remove=True):
+                    acked.extend(mine)
+
+    producers = [threading.Thread(target=produce, args=(p,)) for p in range(8)]
+    consumers = [threading.Thread(target=consume, args=(c,)) for c in range(8)]
+    for t in producers + consumers:
+        t.start()
+    for t in producers:
+        t.join(60)
+    deadline = time.monotonic() + 60
+    while q.size() > 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    q.close()
+    for t in consumers:
+        t.join(60)
+    assert not failures
+    check_consumption(acked, N_SAMPLES)
+    assert q.metrics()["expired_leases"] > 0
+
+
+def test_asyncio_many_producers_consumers_every_uid_acked_once() -> None:
+    async def run() -> list[int]:
+        q = TransferQueue(capacity=256)
+        q.register_stage("s", ["response"])
+        acked: list[int] = []
+        holding: set[int] = set()
+
+        async def produce(p: int) -> None:
+            for i in range(0, N_SAMPLES // 8, 8):
+                uids = await q.put(prompts(8, first_group=p * 10**6 + i), timeout=30.0)
+                await asyncio.sleep(0)
+                for uid in uids:
+                    q.write(uid, {"response": uid}, version=0)
+
+        async def consume(seed: int) -> None:
+            rng = random.Random(seed)
+            while True:
+                roll = rng.random()
+                expire = roll < 0.03  # take with a short lease and let it run out
+                try:
+                    lease = await q.take(
+                        "s", rng.randint(1, 16), timeout=30.0, lease_s=0.01 if expire else 30.0
+                    )
+                except QueueClosed:
+                    return
+                mine = {s.uid for s in lease.samples}
+                if expire:
+                    await asyncio.sleep(0.03)
+                    assert not q.ack(lease, remove=True)
+                    continue
+                assert not mine & holding, "delivered twice concurrently"
+                holding.update(mine)
+                await asyncio.sleep(0)
+                holding.difference_update(mine)
+                if roll < 0.13:
+                    q.release(lease)
+                elif q.ack(lease, remove=True):
+                    acked.extend(mine)
+
+        consumers = [asyncio.ensure_future(consume(c)) for c in range(16)]
+        await asyncio.gather(*(produce(p) for p in range(8)))
+        while q.size() > 0:
+            await asyncio.sleep(0.01)
+        q.close()
+        await asyncio.wait_for(asyncio.gather(*consumers), 30)
+        return acked
+
+    check_consumption(asyncio.run(run()), N_SAMPLES)
+
+
+def test_thread_producers_feed_asyncio_consumers() -> None:
+    q = TransferQueue(capacity=128)
+    q.register_stage("s", ["response"])
+
+    def produce(p: int) -> None:
+        for i in range(0, N_SAMPLES // 8, 8):
+            uids = q.put_blocking(prompts(8, first_group=p * 10**6 + i), timeout=30.0)
+            for uid in uids:
+                q.write(uid, {"response": uid})
+
+    async def run() -> list[int]:
+        acked: list[int] = []
+
+        async def consume() -> None:
+            while True:
+                try:
+                    lease = await q.take("s", 16, timeout=30.0)
+                except QueueClosed:
+                    return
+                assert q.ack(lease, remove=True)
+                acked.extend(s.uid for s in lease.samples)
+
+        consumers = [asyncio.ensure_future(consume()) for _ in range(8)]
+        producers = [threading.Thread(target=produce, args=(p,)) for p in range(8)]
+        for t in producers:
+            t.start()
+        await asyncio.to_thread(lambda: [t.join(60) for t in producers])
+        while q.size() > 0:
+            await asyncio.sleep(0.01)
+        q.close()
+        await asyncio.wait_for(asyncio.gather(*consumers), 30)
+        return acked
+
+    check_consumption(asyncio.run(run()), N_SAMPLES)
+
+
+# ----------------------------------------------------------------------------- samplers
+def test_balance_by_length_balances_sums_and_fills_every_bin() -> None:
+    lengths = [10, 9, 8, 7, 6, 5, 4, 3, 2, 1]
+    bins = balance_by_length(lengths, 3)
+    assert sorted(i for b in bins for i in b) == list(range(10))
+    sums = [sum(lengths[i] for i in b) for b in bins]
+    assert max(sums) - min(sums) <= 1
+    assert all(balance_by_length([0, 0, 0, 5], 4))
+    assert balance_by_length([3, 1], 3) == [[0], [1], []]
+
+
+def test_split_sequential_keeps_order_and_sizes_within_one() -> None:
+    assert split_sequential(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split_sequential(2, 3) == [[0], [1], []]

@@ -1,0 +1,145 @@
+"""End-to-end runs of the real pipeline on a tiny prepared model (marked slow; CI runs them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncflow.config import load_config
+from asyncflow.errors import UserError
+from asyncflow.runner import train
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "train.max_steps=4", "train.batch_size=32", "rollout.n=4", "rollout.max_new_tokens=4", "eval.size=64",
+    "eval.every=2", "logging.progress=false",
+]
+
+
+def _run(arith_dir: Path, out: Path, extra: list[str]) -> dict[str, Any]:
+    cfg, _ = load_config(None, [*SMALL, f"model.path={arith_dir}", *extra])
+    return train(cfg, out, progress_enabled=False)
+
+
+def _rows(out: Path, name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / name).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_short_run_writes_the_run_folder_and_respects_staleness(arith_dir: Path, tmp_path: Path, mode: str) -> None:
+    out = tmp_path / mode
+    summary = _run(arith_dir, out, [f"workflow.mode={mode}"])
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", "final/config.json"):
+        assert (out / name).exists(), name
+    metrics = _rows(out, "metrics.jsonl")
+    train_rows = [r for r in metrics if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    required = {"step", "policy_version", "samples", "tokens", "time_s", "samples_per_s", "reward_mean", "staleness_mean",
+                "staleness_max", "loss", "kl", "entropy", "grad_norm", "weight_sync_s", "rollout_busy_frac",
+                "train_busy_frac", "dropped_stale", "reward_errors"}
+    for r in train_rows:
+        assert required <= set(r)
+        assert r["staleness_max"] <= (0 if mode == "sync" else 1)
+        assert r["policy_version"] == r["step"]
+    assert train_rows[-1]["samples"] == 4 * 32 == summary["samples"]
+    evals = [r for r in metrics if r["kind"] == "eval"]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 4 and {"eval_reward", "eval_accuracy"} <= set(evals[0])
+    samples = _rows(out, "samples.jsonl")
+    trained = [s for s in samples if s["status"] == "trained"]
+    assert len(trained) == 128 and len({s["uid"] for s in trained}) == 128
+    for s in trained:
+        assert 0 <= s["trained_version"] - s["behavior_version"] <= (0 if mode == "sync" else 1)
+        assert set(s) == {"uid", "group_id", "prompt", "response", "reward", "behavior_version", "trained_version",
+                          "status", "error"}
+    trace = json.loads((out / "trace.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"trainer", "reward", "weight sync", "rollout/0"} <= names
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(str(out / "final"))
+    AutoTokenizer.from_pretrained(str(out / "final"))
+
+
+def test_existing_run_folder_is_refused(arith_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match="already holds a run"):
+        _run(arith_dir, out, [])
+
+
+def _write_reward_module(tmp_path: Path, name: str, body: str) -> None:
+    (tmp_path / f"{name}.py").write_text(body)
+
+
+def test_failing_reward_calls_mark_their_samples_and_are_kept_out_of_the_loss(
+    arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write_reward_module(
+        tmp_path,
+        "flaky_rewards",
+        "calls = 0\n"
+        "def score(prompts, completions, answer, **kw):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls % 3 == 0:\n"
+        "        raise ValueError('flaky verifier')\n"
+        "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n",
+    )
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    summary = _run(arith_dir, out, ["reward.fn=flaky_rewards:score", "eval.every=0"])
+    samples = _rows(out, "samples.jsonl")
+    errors = [s for s in samples if s["status"] == "reward_error"]
+    assert errors and all("flaky verifier" in s["error"] for s in errors)
+    assert all(s["trained_version"] is None for s in errors)
+    assert summary["samples"] == 128  # failed groups were replaced, every step still trained a full batch
+    assert _rows(out, "metrics.jsonl")[-2]["reward_errors"] == len(errors)
+
+
+def test_reward_function_that_always_fails_stops_the_run_with_exit_2(arith_dir: Path, tmp_path: Path) -> None:
+    _write_reward_module(tmp_path, "broken_rewards", "def score(prompts, completions, **kw):\n    raise RuntimeError('boom')\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncflow", "demo", "--out", str(tmp_path / "run"), "--set", f"model.path={arith_dir}",
+         "--set", "reward.fn=broken_rewards:score", "--set", "reward.fail_fast_calls=4", *sum((["--set", s] for s in SMALL), [])],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("asyncflow: error: reward.fn: the first 4 reward calls all failed") and "boom" in last
+    assert "Traceback" not in proc.stderr
+
+
+def test_bring_your_own_model_dataset_and_reward(arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in (arith_dir / "train.jsonl").read_text().splitlines()[:400]]
+    table = pa.table({"question": [r["prompt"] for r in rows], "solution": [r["answer"] for r in rows],
+                      "level": [r["level"] for r in rows]})
+    pq.write_table(table, tmp_path / "data.parquet")
+    _write_reward_module(
+        tmp_path,
+        "byo_rewards",
+        "seen = set()\n"
+        "def score(prompts, completions, completion_ids, solution, level, **kw):\n"
+        "    seen.update(kw)\n"
+        "    assert len(completion_ids) == len(completions) == len(solution) == len(level)\n"
+        "    return [1.0 if c.strip() == s else 0.0 for c, s in zip(completions, solution)]\n",
+    )
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    summary = _run(
+        arith_dir, out,
+        ["task=null", f"dataset.path={tmp_path / 'data.parquet'}", "dataset.prompt_key=question",
+         "dataset.label_key=solution", "reward.fn=byo_rewards:score", "train.lr=0.001"],
+    )
+    assert summary["samples"] == 128
+    evals = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals[0]["eval_size"] == 40  # a held-out 10% slice of the 400 rows
