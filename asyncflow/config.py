@@ -100,7 +100,11 @@ class WorkflowConfig:
 
     mode: Literal["async", "sync"] = _f("async", "async: rollout and training overlap within max_staleness; sync: a barrier, staleness 0.")
     max_staleness: int | None = _f(None, "Async ratio: most policy versions a trained sample may lag. null: 1 in async, 0 in sync.", lo=0)
-    weight_update: Literal["drain", "swap"] = _f("swap", "drain: finish in-flight requests on old weights, then load; swap: load between decode steps.")
+    weight_update: Literal["drain", "swap", "abort"] = _f(
+        "swap",
+        "drain: finish in-flight requests on old weights, then load; swap: load between two decode steps, keeping "
+        "the KV cache; abort: stop in-flight requests, load, re-prefill prompt + tokens so far and continue.",
+    )
     store_capacity: int = _f(8192, "Most samples the store holds; producers block beyond it (backpressure).", lo=1)
     lease_timeout_s: float = _f(600.0, "A taken sample not acked within this returns to the queue.", lo=0.001)
     step_timeout_s: float = _f(1800.0, "Longest the trainer waits for one batch before failing with a message.", lo=0.001)
@@ -335,6 +339,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # PyYAML reads `3e-4` (no dot) as a string: accept what is clearly a number
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise UserError(f"{key}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
@@ -344,6 +353,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " / ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -393,3 +407,24 @@ def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any
         else:
             rows.append((f"{prefix}{f.name}", _type_name(tp), f.default, f.metadata.get("doc", "")))
     return rows
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md, generated from the typed config (a test keeps the file in sync)."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `asyncflow/config.py` (`python -c \"from asyncflow.config import reference_markdown as r; print(r(), end='')\" > docs/configuration.md`).",
+        "Precedence: built-in defaults < the task pack's defaults < the YAML file < `--set key.path=value`.",
+        "Unknown keys, wrong types, out-of-range values and contradictory settings are refused (exit 2).",
+        "",
+    ]
+    section = None
+    for key, type_name, default, doc in field_docs():
+        head = key.split(".")[0] if "." in key else "(top level)"
+        if head != section:
+            section = head
+            lines += ["", f"## {head}", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        shown = "null" if default is None else repr(default) if isinstance(default, str) else str(default).lower() if isinstance(default, bool) else str(default)
+        lines.append(f"| `{key}` | {type_name} | `{shown}` | {doc} |")
+    return "\n".join(lines) + "\n"

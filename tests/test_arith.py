@@ -26,7 +26,8 @@ def test_splits_are_disjoint_deterministic_and_large_enough() -> None:
     assert len({r["prompt"] for r in evals}) == len(evals)
     assert (train, evals) == arith.make_splits(0)
     assert evals != arith.make_splits(1)[1]
-    assert {r["level"] for r in evals} == {1, 2, 3, 4}
+    assert {r["level"] for r in evals} == {2, 3}
+    assert {r["level"] for r in train} == {1, 2, 3}
 
 
 def test_split_answers_are_correct() -> None:
@@ -117,3 +118,16 @@ def test_get_task_returns_pack_and_rejects_unknown_names() -> None:
 def test_importing_tasks_does_not_import_torch() -> None:
     code = "import sys, asyncflow.tasks; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_warm_start_data_writes_half_the_answers_with_a_trailing_dot() -> None:
+    import random
+
+    tok = arith.make_tokenizer()
+    rows = [{"prompt": "12+3=", "answer": "15", "level": 2}] * 400
+    ids, labels = arith._sft_batch(rows, tok, random.Random(0))
+    dot = tok(".")["input_ids"][0]
+    share = float((ids == dot).any(dim=1).float().mean())
+    assert 0.4 < share < 0.6
+    # labels score exactly the answer (with or without the dot) and the EOS
+    assert int((labels[0] != -100).sum()) in (3, 4)

@@ -13,8 +13,13 @@ from asyncflow.errors import UserError
 
 
 def test_precedence_defaults_task_file_then_set(tmp_path: Path) -> None:
+    from asyncflow.config import Config
+    from asyncflow.tasks import get_task
+
     cfg, _ = load_config()
-    assert cfg.train.lr == pytest.approx(1e-3)  # the arith task pack's lr beats the built-in default
+    task_lr = get_task("arith").defaults["train"]["lr"]
+    assert task_lr != Config().train.lr
+    assert cfg.train.lr == pytest.approx(task_lr)  # the task pack's lr beats the built-in default
     f = tmp_path / "c.yaml"
     f.write_text("train:\n  lr: 0.5\n  max_steps: 7\nrollout: {n: 4}\n")
     cfg, explicit = load_config(f, ["train.lr=0.25"])
@@ -77,3 +82,10 @@ def test_cli_bad_input_is_one_line_exit_2_without_torch(tmp_path: Path) -> None:
     assert proc.stdout.strip() == "False"  # validated before importing torch
     proc = subprocess.run([sys.executable, "-m", "asyncflow", "bogus"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_configuration_reference_in_docs_is_up_to_date() -> None:
+    from asyncflow.config import reference_markdown
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    assert doc.read_text() == reference_markdown(), "regenerate docs/configuration.md (command at its top)"

@@ -4,11 +4,15 @@ Why it exists: the demo, the tests and the E2E benchmark need an RL task that ru
 minutes on two CPU cores, with no hub download. Arithmetic answers are checked exactly, so the
 reward is cheap and unambiguous, and a character-level tokenizer keeps the model tiny.
 
-The base model is a small Qwen2 given a short supervised warm start, tuned so that it has the
-format and single-digit sums but is unsure on two-digit problems: greedy eval accuracy starts low
-(about 13% for seed 0) while 8 samples at temperature 1 find the answer for about half the eval
-prompts, the regime where GRPO visibly lifts accuracy within minutes (about +13 points in 3 min
-on 2 CPU cores with `DEFAULTS`). The whole prepare takes about 45 s on 2 cores.
+Levels: 1 = one-digit sums, 2 = two-digit plus one-digit, 3 = two-digit plus two-digit. The eval
+split is 700 level-2 and 300 level-3 prompts, disjoint from train.
+
+The base model is a small Qwen2 (hidden 192, 2 layers) given a short supervised warm start. Half
+of the warm-start answers carry a trailing "." (as scraped answers often do), which the exact-match
+verifier rejects: the base model knows some arithmetic but often does not stop where it should, so
+its greedy exact-match accuracy starts near 40% (seed 0) and RL has a real, verifiable behaviour to
+correct (stop with EOS, get the digits right). Measured gains are in docs/performance.md; they are
+smaller than we aimed for (see there). The prepare takes 1.5-2 minutes on 2 cores.
 
 Everything is deterministic given the seed. `prepare` builds the folder in a sibling temp dir and
 renames it into place, so a half-written folder is never mistaken for a finished one.
@@ -28,10 +32,10 @@ from typing import Any
 
 from asyncflow.tasks import TaskPack
 
-VERSION = 1
-EVAL_PER_LEVEL = {1: 40, 2: 440, 3: 440, 4: 80}
+VERSION = 2
+EVAL_PER_LEVEL = {2: 700, 3: 300}
 TRAIN_SIZE = 20_000
-TRAIN_LEVEL_WEIGHTS = {1: 0.10, 2: 0.40, 3: 0.35, 4: 0.15}
+TRAIN_LEVEL_WEIGHTS = {1: 0.05, 2: 0.45, 3: 0.50}
 SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
 CHARS = "0123456789+-*= ?.abcdefghijklmnopqrstuvwxyz"
 MAX_POSITIONS = 32
@@ -47,15 +51,15 @@ Log = Callable[[str], None]
 
 def _level_pool(level: int) -> list[tuple[str, str]]:
     """Every distinct (prompt, answer) of one difficulty level, in a fixed order."""
-    if level == 1:  # single-digit sums
+    if level == 1:  # one-digit plus one-digit
         return [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
-    if level == 2:  # two-digit sums
+    if level == 2:  # two-digit plus one-digit, either order
+        return [(f"{a}+{b}=", str(a + b)) for a in range(10, 100) for b in range(10)] + [
+            (f"{b}+{a}=", str(a + b)) for a in range(10, 100) for b in range(10)
+        ]
+    if level == 3:  # two-digit plus two-digit
         return [(f"{a}+{b}=", str(a + b)) for a in range(10, 100) for b in range(10, 100)]
-    if level == 3:  # two-digit differences, never negative
-        return [(f"{a}-{b}=", str(a - b)) for a in range(10, 100) for b in range(10, a + 1)]
-    if level == 4:  # small products
-        return [(f"{a}*{b}=", str(a * b)) for a in range(2, 10) for b in range(2, 30)]
-    raise ValueError(f"unknown arith level {level}; levels are 1-4")
+    raise ValueError(f"unknown arith level {level}; levels are 1-3")
 
 
 def make_splits(seed: int = 0) -> tuple[list[Row], list[Row]]:
@@ -68,7 +72,8 @@ def make_splits(seed: int = 0) -> tuple[list[Row], list[Row]]:
     rng = random.Random(seed)
     train: list[Row] = []
     evals: list[Row] = []
-    for level, n_eval in EVAL_PER_LEVEL.items():
+    for level in TRAIN_LEVEL_WEIGHTS:
+        n_eval = EVAL_PER_LEVEL.get(level, 0)
         pool = _level_pool(level)
         rng.shuffle(pool)
         evals += [{"prompt": p, "answer": a, "level": level} for p, a in pool[:n_eval]]
@@ -133,7 +138,7 @@ def make_tokenizer() -> Any:
     )
 
 
-def make_model(tokenizer: Any, *, seed: int, hidden: int = 96, layers: int = 2) -> Any:
+def make_model(tokenizer: Any, *, seed: int, hidden: int = 192, layers: int = 2) -> Any:
     """A tiny float32 Qwen2 with tied embeddings, freshly initialised from `seed`."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -168,14 +173,20 @@ def make_model(tokenizer: Any, *, seed: int, hidden: int = 96, layers: int = 2) 
 # ---------------------------------------------------------------------------------------------------
 
 
-def _sft_batch(rows: list[Row], tokenizer: Any) -> tuple[Any, Any]:
-    """Right-padded `prompt+answer+EOS` ids and labels that score only the answer and the EOS."""
+def _sft_batch(rows: list[Row], tokenizer: Any, rng: random.Random | None = None) -> tuple[Any, Any]:
+    """Right-padded `prompt+answer+EOS` ids and labels that score only the answer and the EOS.
+
+    With `rng`, a share `SFT_TRAILING_DOT` of the answers is written the way much scraped text
+    writes them, with a trailing "." — the exact-match verifier rejects those, so the warm-started
+    model knows the arithmetic but often does not stop where it should (RL's first job, below).
+    """
     import torch
 
     seqs, labels = [], []
     for r in rows:
         p = tokenizer(r["prompt"])["input_ids"]
-        a = tokenizer(r["answer"])["input_ids"] + [tokenizer.eos_token_id]
+        text = r["answer"] + ("." if rng is not None and rng.random() < SFT_TRAILING_DOT else "")
+        a = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(p + a)
         labels.append([-100] * len(p) + a)
     width = max(len(s) for s in seqs)
@@ -208,7 +219,7 @@ def warm_start(
     start = last_log = time.monotonic()
     loss_value = float("nan")
     for step in range(1, steps + 1):
-        ids, lab = _sft_batch(rng.sample(rows, batch_size), tokenizer)
+        ids, lab = _sft_batch(rng.sample(rows, batch_size), tokenizer, rng)
         loss = model(input_ids=ids, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -259,7 +270,8 @@ def eval_accuracy(model: Any, tokenizer: Any, rows: list[Row]) -> float:
 # Prepare
 # ---------------------------------------------------------------------------------------------------
 
-SFT_STEPS = 700
+SFT_STEPS = 900
+SFT_TRAILING_DOT = 0.5
 
 
 def _write_jsonl(path: Path, rows: list[Row]) -> None:
@@ -335,8 +347,8 @@ def cached_prepare(
 DEFAULTS: dict[str, Any] = {
     "rollout": {"n": 8, "max_new_tokens": 6, "temperature": 1.0},
     # lr 1e-3 stalls and 3e-3 collapses this model; 3e-4 with 32 prompts x 8 gained most per step.
-    "train": {"batch_size": 256, "mini_batches": 1, "lr": 3e-4, "max_steps": 400, "max_grad_norm": 1.0},
-    "eval": {"every": 20, "size": 1000, "success_threshold": 1.0},
+    "train": {"batch_size": 128, "mini_batches": 1, "lr": 3e-4, "max_steps": 500, "max_grad_norm": 1.0},
+    "eval": {"every": 50, "size": 1000, "success_threshold": 1.0},
     "reward": {"fn": "asyncflow.tasks.arith:reward_fn"},
     "dataset": {"prompt_key": "prompt", "label_key": "answer"},
 }
