@@ -80,7 +80,6 @@ class TrainConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay.", lo=0.0)
     max_steps: int = _f(100, "Train steps (weight publications) in the run.", lo=1)
     max_grad_norm: float = _f(1.0, "Gradient-norm clip per optimizer step (0: no clipping).", lo=0.0)
-    threads: int | None = _f(None, "torch CPU threads. null: all cores.", lo=1)
 
 
 @dataclass
@@ -126,6 +125,12 @@ class RuntimeConfig:
 
     kind: Literal["local"] = _f("local", "local: one process, asyncio + threads.")
     address: str | None = _f(None, "Ray cluster address (runtime.kind: ray).")
+    torch_threads: int | None = _f(
+        None,
+        "torch CPU threads of the process. null: all cores in sync mode (each phase has the machine to "
+        "itself); half of them in async mode (rollout and training run at once and split the cores).",
+        lo=1,
+    )
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from collections.abc import Callable
@@ -94,6 +95,14 @@ def load_tokenizer(model_dir: Path) -> Any:
     return tok
 
 
+def torch_threads(cfg: Config) -> int:
+    """CPU threads for torch: measured best placement per mode (docs/performance.md, E2E)."""
+    if cfg.runtime.torch_threads is not None:
+        return cfg.runtime.torch_threads
+    cores = os.cpu_count() or 1
+    return cores if cfg.workflow.mode == "sync" else max(1, cores // 2)
+
+
 def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> dict[str, Any]:
     """Run training as configured; returns a summary (final eval accuracy, samples/s, ...)."""
     check_out_dir(out, cfg)
@@ -123,8 +132,7 @@ async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    if cfg.train.threads is not None:
-        torch.set_num_threads(cfg.train.threads)
+    torch.set_num_threads(torch_threads(cfg))
     inputs = resolve_inputs(cfg, progress.message)
     reward_fn = load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
     hf_tok = load_tokenizer(inputs.model_dir)

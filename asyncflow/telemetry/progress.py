@@ -17,7 +17,7 @@ class Progress:
         self.tty = self.stream.isatty()
         self._bar: Any = None
         self._last_line = 0.0
-        self.t0 = time.monotonic()
+        self._first: tuple[int, float] | None = None  # (step, time) of the first update: ETA excludes set-up
         if enabled and self.tty:
             from tqdm import tqdm
 
@@ -33,10 +33,14 @@ class Progress:
             self._bar.set_postfix_str(text, refresh=True)
             return
         now = time.monotonic()
+        if self._first is None:
+            self._first = (step, now)
         if now - self._last_line >= 2.0 or step >= self.total:
             self._last_line = now
-            eta = (now - self.t0) / max(step, 1) * (self.total - step)
-            print(f"[asyncflow] step {step}/{self.total} {text} eta={eta:.0f}s", file=self.stream, flush=True)
+            first_step, first_time = self._first
+            rate = (now - first_time) / max(step - first_step, 1)
+            eta = f" eta={rate * (self.total - step):.0f}s" if step > first_step else ""
+            print(f"[asyncflow] step {step}/{self.total} {text}{eta}", file=self.stream, flush=True)
 
     def message(self, text: str) -> None:
         """A line that does not disturb the bar."""

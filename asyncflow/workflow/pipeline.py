@@ -370,20 +370,26 @@ class Pipeline:
         return batch, rewards
 
     def _compute_step(self, batch: TrainBatch, temperature: float, samples: list[SampleView]) -> dict[str, Any]:
-        """Runs in a worker thread: mismatch diagnostics, then the optimizer steps."""
-        current = self.trainer.logprobs(batch, temperature)
+        """Runs in a worker thread: the optimizer steps, plus train/inference mismatch diagnostics.
+
+        `mismatch_kl` compares behavior log-probs with the trainer's, on the tokens that the
+        trainer's own version generated (elsewhere the two policies differ by design). It needs
+        one extra forward pass, so it is computed only when the batch holds such tokens.
+        """
         same = torch.zeros_like(batch.response_mask)
         for i, s in enumerate(samples):
             versions = s.fields["token_versions"]
             p = len(s.fields["prompt_ids"])
-            row = torch.tensor([1.0 if v == self.version else 0.0 for v in versions])
-            same[i, p - 1 : p - 1 + len(versions)] = row
+            same[i, p - 1 : p - 1 + len(versions)] = torch.tensor([float(v == self.version) for v in versions])
         same = same * batch.response_mask
-        metrics: dict[str, Any] = dict(self.trainer.train_step(batch, self.loss_fn, temperature))
-        d = (current - batch.behavior_logprobs) * same
         n = float(same.sum())
+        current = self.trainer.logprobs(batch, temperature) if n else None
+        metrics: dict[str, Any] = dict(self.trainer.train_step(batch, self.loss_fn, temperature))
         # None (null in metrics.jsonl) when no token of the batch came from the trainer's own version
-        metrics["mismatch_kl"] = float((torch.exp(d) - d - 1).mul(same).sum() / n) if n else None
+        metrics["mismatch_kl"] = None
+        if current is not None:
+            d = (current - batch.behavior_logprobs) * same
+            metrics["mismatch_kl"] = float((torch.exp(d) - d - 1).mul(same).sum() / n)
         return metrics
 
     async def _publish(self) -> float:
