@@ -153,9 +153,16 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 
 def _payload_bytes(fields: dict[str, Any]) -> int:
-    """Bytes of tensor/array values (anything with an integer `nbytes`); Python values count 0."""
-    sizes = (getattr(v, "nbytes", None) for v in fields.values())
-    return sum(n for n in sizes if isinstance(n, int))
+    """Payload bytes: tensors/arrays by `nbytes`; lists of numbers (token ids, log-probs) at 8 bytes
+    an element, as they would be as int64/float64 tensors; other Python values count 0."""
+    total = 0
+    for v in fields.values():
+        n = getattr(v, "nbytes", None)
+        if isinstance(n, int):
+            total += n
+        elif isinstance(v, (list, tuple)):
+            total += 8 * len(v)
+    return total
 
 
 class TransferQueue:

@@ -1,0 +1,30 @@
+"""Thread placement per mode, and the progress display's plain-line fallback."""
+
+from __future__ import annotations
+
+import io
+import os
+
+from asyncflow.config import load_config
+from asyncflow.runner import torch_threads
+from asyncflow.telemetry.progress import Progress
+
+
+def test_async_splits_the_cores_and_sync_uses_them_all() -> None:
+    cores = os.cpu_count() or 1
+    assert torch_threads(load_config(None, ["workflow.mode=sync"])[0]) == cores
+    assert torch_threads(load_config(None, ["workflow.mode=async"])[0]) == max(1, cores // 2)
+    assert torch_threads(load_config(None, ["runtime.torch_threads=3"])[0]) == 3
+
+
+def test_progress_prints_plain_lines_with_eta_when_not_a_terminal() -> None:
+    stream = io.StringIO()
+    progress = Progress(10, stream=stream)
+    progress.update(1, {"reward": 0.5})
+    progress.update(10, {"reward": 0.75})
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "[asyncflow] step 1/10 reward=0.5"
+    assert lines[-1].startswith("[asyncflow] step 10/10 reward=0.75 eta=0s")
+    quiet = io.StringIO()
+    Progress(10, enabled=False, stream=quiet).update(1, {"x": 1})
+    assert quiet.getvalue() == ""
