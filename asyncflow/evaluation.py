@@ -7,7 +7,6 @@ at temperature 0, so evaluating does not need a second copy of the model.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from asyncflow.config import Config
@@ -42,7 +41,7 @@ class Evaluator:
 
     async def run(self, step: int) -> dict[str, Any]:
         """Evaluate the engine's current weights; log and return the eval row."""
-        start = time.monotonic()
+        start = self.tracer.now()
         version = self.engine.version
         requests = [
             GenRequest(-(i + 1), ids, self.cfg.rollout.max_new_tokens, temperature=0.0) for i, ids in enumerate(self.prompt_ids)
@@ -67,9 +66,9 @@ class Evaluator:
             "eval_accuracy": sum(r >= threshold for r in rewards) / max(len(rewards), 1),
             "eval_size": len(rewards),
             "eval_error": outcome.error,
-            "eval_seconds": time.monotonic() - start,
+            "eval_seconds": self.tracer.now() - start,
         }
-        self.tracer.span("eval", f"eval step {step}", start, time.monotonic())
+        self.tracer.span("eval", f"eval step {step}", start, self.tracer.now())
         self.log.metric(row)
         self.history.append(row)
         return row

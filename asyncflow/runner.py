@@ -164,8 +164,8 @@ async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
 
     settings = PPOSettings(cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.kl_coef)
     log = RunLog(out)
-    tracer = Tracer()
     clock = RealClock()
+    tracer = Tracer(now=clock.now)
     evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer)
     last_eval: dict[str, float] = await evaluator.run(step=0)
     progress.message(f"[asyncflow] eval before training: accuracy={last_eval['eval_accuracy']:.3f}")

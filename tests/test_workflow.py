@@ -143,3 +143,11 @@ def test_bring_your_own_model_dataset_and_reward(arith_dir: Path, tmp_path: Path
     assert summary["samples"] == 128
     evals = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "eval"]
     assert evals[0]["eval_size"] == 40  # a held-out 10% slice of the 400 rows
+
+
+def test_kl_to_the_frozen_reference_is_logged_when_enabled(arith_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "kl"
+    _run(arith_dir, out, ["algorithm.kl_coef=0.05", "train.lr=0.01", "eval.every=0"])
+    train_rows = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"]
+    assert train_rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 trains from the reference weights
+    assert train_rows[-1]["kl"] > 0  # later steps have moved away from it

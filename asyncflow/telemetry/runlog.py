@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -47,10 +47,15 @@ class RunLog:
 
 
 class Tracer:
-    """Collects spans per track and writes Chrome trace JSON."""
+    """Collects spans per track and writes Chrome trace JSON.
 
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
+    `now` is the run's clock (`Clock.now`), so spans share the workflow's time line — virtual time
+    included, when the PIPE benchmark drives the workflow on a virtual clock.
+    """
+
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        self.now = now
+        self.t0 = now()
         self._events: list[dict[str, Any]] = []
         self._tracks: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -61,7 +66,7 @@ class Tracer:
         return self._tracks[track]
 
     def span(self, track: str, name: str, start: float, end: float, **args: Any) -> None:
-        """A finished span on `track`, times from time.monotonic()."""
+        """A finished span on `track`, times from the tracer's clock."""
         with self._lock:
             self._events.append(
                 {"ph": "X", "name": name, "pid": 1, "tid": self._tid(track), "ts": (start - self.t0) * 1e6,
@@ -71,11 +76,11 @@ class Tracer:
     @contextmanager
     def timed(self, track: str, name: str, **args: Any) -> Iterator[None]:
         """Context manager recording a span around its body."""
-        start = time.monotonic()
+        start = self.now()
         try:
             yield
         finally:
-            self.span(track, name, start, time.monotonic(), **args)
+            self.span(track, name, start, self.now(), **args)
 
     def write(self, path: Path) -> None:
         with self._lock:

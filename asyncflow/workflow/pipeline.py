@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import math
 import random
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,14 +185,14 @@ class Pipeline:
                 except QueueClosed:
                     return
                 if not tasks:
-                    active_since.append(time.monotonic())
+                    active_since.append(self.clock.now())
                 task = asyncio.create_task(self._generate(engine, lease, slots))
                 tasks.add(task)
 
                 def _done(t: asyncio.Task[None]) -> None:
                     tasks.discard(t)
                     if not tasks and active_since:
-                        self.tracer.span(track, "generating", active_since.pop(), time.monotonic())
+                        self.tracer.span(track, "generating", active_since.pop(), self.clock.now())
 
                 task.add_done_callback(_done)
         finally:
@@ -254,7 +253,7 @@ class Pipeline:
         conversational = isinstance(row[key], list)
         completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         columns = {c: [v] * len(group) for c, v in row.items() if c != key}
-        start = time.monotonic()
+        start = self.clock.now()
         try:
             outcome = await self.clock.wait_for(
                 asyncio.to_thread(call_reward_fn, self.reward_fn, [row[key]] * len(group), completions, completions_ids, columns),
@@ -263,7 +262,7 @@ class Pipeline:
             )
         except WaitTimeout as exc:
             outcome = RewardOutcome(None, str(exc))
-        self.tracer.span("reward", "reward", start, time.monotonic(), group=group[0].group_id)
+        self.tracer.span("reward", "reward", start, self.clock.now(), group=group[0].group_id)
         self.counters.reward_calls += 1
         if outcome.error is not None:
             self.counters.reward_call_failures += 1
@@ -288,7 +287,7 @@ class Pipeline:
         groups: list[list[SampleView]] = []
         leases: list[Lease] = []
         have = 0
-        start = time.monotonic()
+        start = self.clock.now()
         while len(groups) < self.groups_per_step:
             lease = await self.store.take(
                 "train",
@@ -307,7 +306,7 @@ class Pipeline:
                 groups.append(group)
                 have += len(group)
             leases.append(lease)
-        self.tracer.span("trainer", "wait for batch", start, time.monotonic())
+        self.tracer.span("trainer", "wait for batch", start, self.clock.now())
         return groups, leases
 
     def _drop_stale(self, lease: Lease) -> None:
@@ -323,10 +322,10 @@ class Pipeline:
         valid = [s.fields["reward_error"] is None for s in samples]
         batch, rewards = self._make_batch(samples, valid)
         temperature = self.cfg.rollout.temperature
-        t0 = time.monotonic()
+        t0 = self.clock.now()
         with self.tracer.timed("trainer", f"train step {step}", samples=len(samples)):
             metrics = await asyncio.to_thread(self._compute_step, batch, temperature, samples)
-        self.counters.train_busy_s += time.monotonic() - t0
+        self.counters.train_busy_s += self.clock.now() - t0
         sync_s = await self._publish()
         staleness = [self.version - 1 - min(s.fields["token_versions"]) for s, ok in zip(samples, valid, strict=True) if ok]
         trained_version = self.version - 1
@@ -394,7 +393,7 @@ class Pipeline:
 
     async def _publish(self) -> float:
         """Version v -> v+1: export weights and load them into every engine."""
-        start = time.monotonic()
+        start = self.clock.now()
         state = self.trainer.export_weights()
         new_version = self.version + 1
         await self.clock.wait_for(
@@ -407,8 +406,8 @@ class Pipeline:
         floor = self.gate.min_version(new_version)
         for e in self.engines:
             e.cancel_older_than(floor)
-        self.tracer.span("weight sync", f"v{new_version}", start, time.monotonic())
-        return time.monotonic() - start
+        self.tracer.span("weight sync", f"v{new_version}", start, self.clock.now())
+        return self.clock.now() - start
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -1,0 +1,54 @@
+"""Reading datasets (jsonl, parquet, saved datasets folders) and tokenizing prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncflow.data import check_columns, read_rows, tokenize_prompt
+from asyncflow.errors import UserError
+
+
+def test_jsonl_parquet_and_datasets_folder_give_the_same_rows(tmp_path: Path) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"q": "1+1=", "a": "2"}, {"q": "2+2=", "a": "4"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    for name in ("d.jsonl", "d.parquet", "ds"):
+        assert read_rows(tmp_path / name) == rows, name
+
+
+def test_bad_datasets_name_the_file_and_row(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="does not exist"):
+        read_rows(tmp_path / "missing.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(UserError, match="empty.jsonl: the dataset is empty"):
+        read_rows(tmp_path / "empty.jsonl")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{"prompt": \n')
+    with pytest.raises(UserError, match=r"bad.jsonl:2: malformed JSON"):
+        read_rows(tmp_path / "bad.jsonl")
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(UserError, match="must be .jsonl, .parquet"):
+        read_rows(tmp_path / "d.csv")
+    with pytest.raises(UserError, match=r"row 1 has no column 'prompt' \(dataset.prompt_key\)"):
+        check_columns([{"prompt": "a", "answer": "1"}, {"question": "b"}], "f.jsonl", "prompt", "answer")
+    with pytest.raises(UserError, match=r"row 0 has no column 'answer'"):
+        check_columns([{"prompt": "a"}], "f.jsonl", "prompt", "answer")
+
+
+def test_text_prompts_are_tokenized_as_they_are_and_chats_use_the_template() -> None:
+    from asyncflow.tasks.arith import make_tokenizer
+
+    tok = make_tokenizer()
+    assert tokenize_prompt(tok, "12+3=") == tok("12+3=")["input_ids"]
+    assert len(tokenize_prompt(tok, "12+3=")) == 5  # nothing added: no BOS, no template
+    with pytest.raises(UserError, match="chat template"):
+        tokenize_prompt(tok, [{"role": "user", "content": "12+3="}])
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    assert tokenize_prompt(tok, [{"role": "user", "content": "12+3"}]) == tok("12+3=")["input_ids"]
