@@ -31,10 +31,14 @@ def _rows(out: Path, name: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_short_run_writes_the_run_folder_and_respects_staleness(arith_dir: Path, tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "update"), [("async", "swap"), ("sync", "swap"), ("async", "drain"), ("async", "abort")]
+)
+def test_short_run_writes_the_run_folder_and_respects_staleness(
+    arith_dir: Path, tmp_path: Path, mode: str, update: str
+) -> None:
     out = tmp_path / mode
-    summary = _run(arith_dir, out, [f"workflow.mode={mode}"])
+    summary = _run(arith_dir, out, [f"workflow.mode={mode}", f"workflow.weight_update={update}"])
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", "final/config.json"):
         assert (out / name).exists(), name
     metrics = _rows(out, "metrics.jsonl")
