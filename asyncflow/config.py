@@ -387,6 +387,11 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError(f"reward.fn: {cfg.reward.fn!r} must be 'module:function'")
     if cfg.rollout.n == 1 and cfg.algorithm.advantage in ("grpo", "dr_grpo"):
         raise UserError("rollout.n: group advantages (algorithm.advantage=grpo/dr_grpo) need n >= 2")
+    # Accepted keys whose feature is not built yet are refused, never silently ignored.
+    if cfg.logging.tensorboard:
+        raise UserError("logging.tensorboard: TensorBoard logging is not available in this version")
+    if cfg.checkpoint.every > 0:
+        raise UserError("checkpoint.every: periodic checkpoints are not available in this version (final/ is always written)")
     if cfg.runtime.address is not None and cfg.runtime.kind == "local":
         raise UserError("runtime.address: only used with runtime.kind=ray")
 

@@ -45,6 +45,8 @@ def test_set_values_are_parsed_as_yaml_scalars() -> None:
         (["task=null"], "model.path: required when task is null"),
         (["task=nope"], "task: unknown task pack 'nope'"),
         (["reward.fn=mymodule"], "reward.fn: 'mymodule' must be 'module:function'"),
+        (["logging.tensorboard=true"], "logging.tensorboard: TensorBoard logging is not available"),
+        (["checkpoint.every=5"], "checkpoint.every: periodic checkpoints are not available"),
     ],
 )
 def test_bad_values_name_the_key(overrides: list[str], message: str) -> None:
