@@ -1,0 +1,70 @@
+"""Reward plugins: loading by `module:function`, TRL-signature calls, validation of what they return."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncflow.errors import UserError
+from asyncflow.rewards import call_reward_fn, load_reward_fn, validate_rewards
+
+
+def test_trl_style_function_gets_prompts_completions_ids_and_columns() -> None:
+    seen: dict[str, object] = {}
+
+    def fn(prompts, completions, completion_ids, answer, **kwargs):
+        seen.update(prompts=prompts, completion_ids=completion_ids, answer=answer, extra=sorted(kwargs))
+        return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+    out = call_reward_fn(fn, ["1+1="] * 2, ["2", "3"], [[5], [6]], {"answer": ["2", "2"], "level": [1, 1]})
+    assert out.rewards == [1.0, 0.0] and out.error is None
+    assert seen == {"prompts": ["1+1="] * 2, "completion_ids": [[5], [6]], "answer": ["2", "2"], "extra": ["level"]}
+
+
+def test_columns_the_function_does_not_take_are_not_passed() -> None:
+    def narrow(prompts, completions):
+        return [1.0] * len(completions)
+
+    assert call_reward_fn(narrow, ["p"], ["c"], [[1]], {"answer": ["x"]}).rewards == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([1.0], "returned 1 values for 2 completions"),
+        ([1.0, None], "returned None for completion 1"),
+        ([1.0, "yes"], "returned str 'yes' for completion 1"),
+        ([1.0, math.nan], "returned nan for completion 1"),
+        ([True, 1.0], "returned bool True for completion 0"),
+        (0.5, "returned float, expected a list of 2 numbers"),
+    ],
+)
+def test_bad_return_values_become_an_error_for_the_group(value: object, message: str) -> None:
+    out = validate_rewards(value, 2)
+    assert out.rewards is None and message in str(out.error)
+
+
+def test_a_raising_function_marks_its_samples_instead_of_crashing() -> None:
+    def boom(prompts, completions, **kw):
+        raise KeyError("missing")
+
+    out = call_reward_fn(boom, ["p"], ["c"], [[1]], {})
+    assert out.rewards is None and out.error == "reward function raised KeyError: 'missing'"
+
+
+def test_loading_names_the_module_or_function_at_fault(tmp_path: Path) -> None:
+    (tmp_path / "plug_ok.py").write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    (tmp_path / "plug_broken.py").write_text("import does_not_exist\n")
+    try:
+        assert load_reward_fn("plug_ok:score", [tmp_path])(["p"], ["c"]) == [0.0]
+        with pytest.raises(UserError, match="module 'plug_ok' has no function 'nope'"):
+            load_reward_fn("plug_ok:nope", [tmp_path])
+        with pytest.raises(UserError, match="cannot import module 'plug_broken': ModuleNotFoundError"):
+            load_reward_fn("plug_broken:score", [tmp_path])
+        with pytest.raises(UserError, match="must be 'module:function'"):
+            load_reward_fn("plug_ok", [tmp_path])
+    finally:
+        sys.path.remove(str(tmp_path))
