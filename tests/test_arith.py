@@ -120,13 +120,18 @@ def test_importing_tasks_does_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_warm_start_data_writes_half_the_answers_with_a_trailing_dot() -> None:
+def test_trailing_dot_share_is_honoured_and_does_not_change_the_data_order(monkeypatch) -> None:
     import random
 
     tok = arith.make_tokenizer()
     rows = [{"prompt": "12+3=", "answer": "15", "level": 2}] * 400
-    ids, labels = arith._sft_batch(rows, tok, random.Random(0))
+    rng_off, rng_on = random.Random(0), random.Random(0)
+    plain, _ = arith._sft_batch(rows, tok, rng_off)
+    monkeypatch.setattr(arith, "SFT_TRAILING_DOT", 0.5)
+    ids, labels = arith._sft_batch(rows, tok, rng_on)
+    assert rng_off.random() == rng_on.random()  # same number of draws either way
     dot = tok(".")["input_ids"][0]
+    assert not (plain == dot).any()
     share = float((ids == dot).any(dim=1).float().mean())
     assert 0.4 < share < 0.6
     # labels score exactly the answer (with or without the dot) and the EOS

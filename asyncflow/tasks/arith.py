@@ -7,12 +7,19 @@ reward is cheap and unambiguous, and a character-level tokenizer keeps the model
 Levels: 1 = one-digit sums, 2 = two-digit plus one-digit, 3 = two-digit plus two-digit. The eval
 split is 700 level-2 and 300 level-3 prompts, disjoint from train.
 
-The base model is a small Qwen2 (hidden 192, 2 layers) given a short supervised warm start; its
-greedy exact-match accuracy starts at 40% (seed 0). Half of the warm-start answers carry a trailing
-"." (as scraped answers often do), which the exact-match verifier rejects. Measured: the greedy
-answers carry no "." anyway, only ~19% of T=1 samples do, and RL removes those within a few dozen
-steps — so this does not widen RL's headroom as intended; the demo's gain is digit accuracy
-(docs/performance.md). The prepare takes 1.5-2 minutes on 2 cores.
+The base model is a small Qwen2 (hidden 192, 2 layers) given a supervised warm start of 900 steps.
+This model learns two-digit addition in a sharp transition, and for seed 0 the 900th step lands
+inside it (measured on 400 eval prompts: step 750 greedy 10% / pass@8 at T=1 54%; step 900 31% /
+74%; step 1,050 48% / 85%): greedy accuracy is still low while sampling often finds the answer —
+the headroom GRPO turns into greedy accuracy within the demo. Where the transition falls depends
+on the data order: a variant that drew its batches differently reached it only at ~1,700 steps, and
+a model stopped before it (8% greedy) does not improve under RL in the demo's budget (both measured;
+docs/performance.md). So other seeds may need more warm-start steps. Prepare: ~1.5 min on 2 cores.
+
+The warm start can also write a share of answers with a trailing "." (`SFT_TRAILING_DOT`), which
+the exact-match verifier rejects; it is off, because measured it only lowered the base model's
+pass@8. Its per-row coin is drawn either way, so the data order (and the seed-0 model) does not
+depend on the share.
 
 Everything is deterministic given the seed. `prepare` builds the folder in a sibling temp dir and
 renames it into place, so a half-written folder is never mistaken for a finished one.
@@ -32,7 +39,7 @@ from typing import Any
 
 from asyncflow.tasks import TaskPack
 
-VERSION = 2
+VERSION = 3
 EVAL_PER_LEVEL = {2: 700, 3: 300}
 TRAIN_SIZE = 20_000
 TRAIN_LEVEL_WEIGHTS = {1: 0.05, 2: 0.45, 3: 0.50}
@@ -177,15 +184,16 @@ def _sft_batch(rows: list[Row], tokenizer: Any, rng: random.Random | None = None
     """Right-padded `prompt+answer+EOS` ids and labels that score only the answer and the EOS.
 
     With `rng`, a share `SFT_TRAILING_DOT` of the answers is written the way much scraped text
-    writes them, with a trailing "." — the exact-match verifier rejects those (see the module
-    docstring for what this measurably does).
+    writes them, with a trailing "." (off by default; see the module docstring). One coin is drawn
+    per row whatever the share, so the share never changes the data order.
     """
     import torch
 
     seqs, labels = [], []
     for r in rows:
         p = tokenizer(r["prompt"])["input_ids"]
-        text = r["answer"] + ("." if rng is not None and rng.random() < SFT_TRAILING_DOT else "")
+        coin = rng.random() if rng is not None else 1.0
+        text = r["answer"] + ("." if coin < SFT_TRAILING_DOT else "")
         a = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(p + a)
         labels.append([-100] * len(p) + a)
@@ -271,7 +279,7 @@ def eval_accuracy(model: Any, tokenizer: Any, rows: list[Row]) -> float:
 # ---------------------------------------------------------------------------------------------------
 
 SFT_STEPS = 900
-SFT_TRAILING_DOT = 0.5
+SFT_TRAILING_DOT = 0.0  # off: measured to hurt RL headroom (docs/performance.md); kept as a knob
 
 
 def _write_jsonl(path: Path, rows: list[Row]) -> None:
@@ -346,8 +354,9 @@ def cached_prepare(
 
 DEFAULTS: dict[str, Any] = {
     "rollout": {"n": 8, "max_new_tokens": 6, "temperature": 1.0},
-    # lr 1e-3 stalls and 3e-3 collapses this model; 3e-4 with 32 prompts x 8 gained most per step.
-    "train": {"batch_size": 128, "mini_batches": 1, "lr": 3e-4, "max_steps": 500, "max_grad_norm": 1.0},
+    # Measured (docs/performance.md): lr 2e-4 x 600 steps of 16 prompts x 8 gave +30 points; 4e-4 was
+    # unstable (+24) and 1e-3 collapses this model.
+    "train": {"batch_size": 128, "mini_batches": 1, "lr": 2e-4, "max_steps": 600, "max_grad_norm": 1.0},
     "eval": {"every": 50, "size": 1000, "success_threshold": 1.0},
     "reward": {"fn": "asyncflow.tasks.arith:reward_fn"},
     "dataset": {"prompt_key": "prompt", "label_key": "answer"},
