@@ -149,9 +149,16 @@ def test_bring_your_own_model_dataset_and_reward(arith_dir: Path, tmp_path: Path
     assert evals[0]["eval_size"] == 40  # a held-out 10% slice of the 400 rows
 
 
-def test_kl_to_the_frozen_reference_is_logged_when_enabled(arith_dir: Path, tmp_path: Path) -> None:
+def test_kl_to_the_frozen_reference_is_logged_when_enabled(
+    arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a reward that varies within groups even for the barely-trained test model, so the policy moves
+    _write_reward_module(
+        tmp_path, "digit_rewards", "def score(prompts, completions, **kw):\n    return [float(c[:1] in '13579') for c in completions]\n"
+    )
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "kl"
-    _run(arith_dir, out, ["algorithm.kl_coef=0.05", "train.lr=0.01", "eval.every=0"])
+    _run(arith_dir, out, ["algorithm.kl_coef=0.05", "train.lr=0.01", "eval.every=0", "reward.fn=digit_rewards:score"])
     train_rows = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"]
     assert train_rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 trains from the reference weights
     assert train_rows[-1]["kl"] > 0  # later steps have moved away from it
