@@ -49,9 +49,8 @@ class Evaluator:
         results = await asyncio.gather(*(self.engine.generate(r) for r in requests))
         key = self.cfg.dataset.prompt_key
         completions_ids = [r.response_ids for r in results]
-        texts = [self.tok.decode(ids[:-1] if ids and ids[-1] == self.tok.eos_token_id else ids) for ids in completions_ids]
         conversational = bool(self.rows) and isinstance(self.rows[0][key], list)
-        completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        completions = self.tok.completions(completions_ids, conversational)
         columns = {c: [r.get(c) for r in self.rows] for c in self.rows[0] if c != key} if self.rows else {}
         outcome = await asyncio.to_thread(
             call_reward_fn, self.reward_fn, [r[key] for r in self.rows], completions, completions_ids, columns

@@ -84,6 +84,12 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=True))
 
+    def completions(self, responses: Sequence[Sequence[int]], conversational: bool) -> list[Any]:
+        """Completions as a TRL reward function receives them: text without the final EOS, or for
+        conversational prompts a one-message assistant turn."""
+        texts = [self.decode(ids[:-1] if ids and ids[-1] == self.eos_token_id else ids) for ids in responses]
+        return [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+
 
 class Pipeline:
     """Runs feeder, rollout workers, reward worker and trainer until `train.max_steps` steps."""
@@ -249,9 +255,7 @@ class Pipeline:
         row = self.rows[group[0].fields["row"]]
         key = self.cfg.dataset.prompt_key
         completions_ids = [list(s.fields["response_ids"]) for s in group]
-        texts = [self.tok.decode(_strip_eos(ids, self.tok.eos_token_id)) for ids in completions_ids]
-        conversational = isinstance(row[key], list)
-        completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        completions = self.tok.completions(completions_ids, conversational=isinstance(row[key], list))
         columns = {c: [v] * len(group) for c, v in row.items() if c != key}
         start = self.clock.now()
         try:
@@ -508,7 +512,3 @@ def _by_group(samples: list[SampleView]) -> list[list[SampleView]]:
     for s in samples:
         groups.setdefault(s.group_id, []).append(s)
     return list(groups.values())
-
-
-def _strip_eos(ids: list[int], eos: int) -> list[int]:
-    return ids[:-1] if ids and ids[-1] == eos else ids
