@@ -123,8 +123,22 @@ class EvalConfig:
 class RuntimeConfig:
     """Where components run."""
 
-    kind: Literal["local"] = _f("local", "local: one process, asyncio + threads.")
-    address: str | None = _f(None, "Ray cluster address (runtime.kind: ray).")
+    kind: Literal["local", "ray"] = _f(
+        "local",
+        "local: one process, asyncio + threads (fastest on one small machine). ray: every rollout worker, "
+        "reward worker and the trainer is a Ray actor in its own process, placed with a placement group; "
+        "the store is a controller actor with data in Ray's object store.",
+    )
+    address: str | None = _f(None, "Ray cluster address to join (runtime.kind: ray); null starts a local Ray (loopback, no dashboard).")
+    rollout_cpus: float = _f(1.0, "CPUs reserved per rollout worker actor (ray).", lo=0.0)
+    rollout_gpus: float = _f(0.0, "GPUs per rollout worker actor (ray).", lo=0.0)
+    train_cpus: float = _f(1.0, "CPUs reserved for the trainer actor (ray).", lo=0.0)
+    train_gpus: float = _f(0.0, "GPUs for the trainer actor (ray).", lo=0.0)
+    reward_workers: int = _f(1, "Reward worker actors (ray); each scores whole groups as they complete.", lo=1)
+    reward_cpus: float = _f(0.0, "CPUs reserved per reward worker actor (ray); 0 for light verifiers.", lo=0.0)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _f(
+        "PACK", "Ray placement-group strategy for the worker bundles."
+    )
     torch_threads: int | None = _f(
         None,
         "torch CPU threads of the process. null: all cores in sync mode (each phase has the machine to "

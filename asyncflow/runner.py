@@ -121,14 +121,10 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
 async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
     import torch
 
-    from asyncflow.algorithms.losses import PPOSettings, make_loss_fn
     from asyncflow.engines.hf import HFEngine
-    from asyncflow.engines.torch_train import TorchTrainEngine, token_logprobs
-    from asyncflow.evaluation import Evaluator
+    from asyncflow.engines.torch_train import TorchTrainEngine
     from asyncflow.rewards import load_reward_fn
-    from asyncflow.runtime.clock import RealClock
-    from asyncflow.telemetry.runlog import RunLog, Tracer
-    from asyncflow.workflow.pipeline import Pipeline, StepResult, Tokenizer
+    from asyncflow.workflow.pipeline import Tokenizer
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -138,20 +134,49 @@ async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
     hf_tok = load_tokenizer(inputs.model_dir)
     tok = Tokenizer(hf_tok, int(hf_tok.eos_token_id), int(hf_tok.pad_token_id))
     dtype = getattr(torch, cfg.model.dtype)
-    trainer = TorchTrainEngine(
-        inputs.model_dir,
-        lr=cfg.train.lr,
-        weight_decay=cfg.train.weight_decay,
-        mini_batches=cfg.train.mini_batches,
-        micro_batch_size=cfg.train.micro_batch_size,
-        max_grad_norm=cfg.train.max_grad_norm,
-        dtype=dtype,
-    )
-    engines = [
-        HFEngine(inputs.model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                 max_batch=cfg.rollout.max_batch, dtype=dtype, seed=cfg.seed + i, name=f"rollout-{i}")
-        for i in range(cfg.rollout.workers)
-    ]
+    workers: Any = None
+    engines: list[Any]
+    trainer: Any
+    if cfg.runtime.kind == "ray":
+        from asyncflow.runtime.ray_runtime import RayWorkers
+
+        workers = RayWorkers.start(cfg, inputs.model_dir, inputs.train_rows, out, inputs.reward_fn_path,
+                                   torch_threads(cfg), log=progress.message)
+        engines, trainer = list(workers.engines), workers.trainer
+    else:
+        trainer = TorchTrainEngine(
+            inputs.model_dir,
+            lr=cfg.train.lr,
+            weight_decay=cfg.train.weight_decay,
+            mini_batches=cfg.train.mini_batches,
+            micro_batch_size=cfg.train.micro_batch_size,
+            max_grad_norm=cfg.train.max_grad_norm,
+            dtype=dtype,
+        )
+        engines = [
+            HFEngine(inputs.model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                     max_batch=cfg.rollout.max_batch, dtype=dtype, seed=cfg.seed + i, name=f"rollout-{i}")
+            for i in range(cfg.rollout.workers)
+        ]
+    try:
+        return await _run(cfg, out, progress, inputs, reward_fn, hf_tok, tok, trainer, engines, workers)
+    finally:
+        if workers is not None:
+            workers.shutdown()
+
+
+async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any, tok: Any,
+               trainer: Any, engines: list[Any], workers: Any) -> dict[str, Any]:
+    import torch
+
+    from asyncflow.algorithms.losses import PPOSettings, make_loss_fn
+    from asyncflow.engines.torch_train import token_logprobs
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.runtime.clock import RealClock
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.workflow.pipeline import Pipeline, StepResult
+
+    dtype = getattr(torch, cfg.model.dtype)
     ref_fn = None
     if cfg.algorithm.kl_coef > 0:
         from transformers import AutoModelForCausalLM
@@ -191,7 +216,7 @@ async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
             "train_busy_frac": train_busy,
             "dropped_stale": c.dropped_stale,
             "reward_errors": c.reward_errors,
-            "cancelled": c.cancelled,
+            "cancelled": c.cancelled if workers is None else workers.cancelled(),
             **{f"store/{k}": v for k, v in pipeline.store.metrics().items()},
         }
         log.metric(row)
@@ -209,16 +234,18 @@ async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
     pipeline = Pipeline(
         cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
         loss_fn=make_loss_fn(cfg.algorithm.loss, settings), clock=clock, log=log, tracer=tracer,
-        ref_logprobs=ref_fn, on_step=on_step,
+        ref_logprobs=ref_fn, on_step=on_step, store=None if workers is None else workers.store,
     )
     t0 = time.monotonic()
     try:
-        await pipeline.run()
+        await pipeline.run(remote=None if workers is None else workers.stages())
         train_seconds = time.monotonic() - t0
         if pending_eval is not None:
             await pending_eval
         final_eval = await evaluator.run(step=cfg.train.max_steps)
     finally:
+        if workers is not None:
+            workers.collect(tracer, pipeline.counters)
         for e in engines:
             await e.close()
         tracer.write(out / "trace.json")

@@ -6,6 +6,8 @@ import json
 
 from asyncflow.errors import UserError
 
+_NAMES = {"store": "STORE-1", "pipeline": "PIPE", "e2e": "E2E"}
+
 
 def run_bench(workload: str, *, as_json: bool, overrides: list[str]) -> int:
     """Run one workload; with `as_json` the last line printed is `{"workload": ..., "rows": [...]}`."""
@@ -13,10 +15,14 @@ def run_bench(workload: str, *, as_json: bool, overrides: list[str]) -> int:
         from asyncflow.bench.e2e import run_e2e
 
         rows = run_e2e(overrides)
+    elif workload == "store":
+        from asyncflow.bench.store import run_store
+
+        rows = run_store(overrides)
     else:
-        raise UserError(f"bench {workload}: not available in this version (only e2e is)")
+        raise UserError(f"bench {workload}: not available in this version (store and e2e are)")
     for row in rows:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     if as_json:
-        print(json.dumps({"workload": workload.upper() if workload != "e2e" else "E2E", "rows": rows}))
+        print(json.dumps({"workload": _NAMES[workload], "rows": rows}))
     return 0

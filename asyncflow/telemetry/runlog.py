@@ -8,6 +8,7 @@ one complete ("X") event per span, times in microseconds since the run started.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,17 +18,23 @@ from typing import Any
 
 
 class RunLog:
-    """Appends metric and sample rows to the run folder."""
+    """Appends metric and sample rows to the run folder.
 
-    def __init__(self, out: Path) -> None:
+    `samples.jsonl` may be appended to by several processes at once (Ray actors log the samples they
+    end): each batch of rows is one `write` on an O_APPEND descriptor, so lines never interleave.
+    """
+
+    def __init__(self, out: Path, *, metrics: bool = True) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
-        self._metrics = (out / "metrics.jsonl").open("a")
-        self._samples = (out / "samples.jsonl").open("a")
+        self._metrics = (out / "metrics.jsonl").open("a") if metrics else None
+        self._samples_fd: int | None = os.open(out / "samples.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
 
     def metric(self, row: dict[str, Any]) -> None:
         """One `metrics.jsonl` row (must carry `kind`)."""
+        if self._metrics is None:
+            raise RuntimeError("this RunLog was opened without metrics.jsonl")
         with self._lock:
             self._metrics.write(json.dumps(row) + "\n")
             self._metrics.flush()
@@ -36,14 +43,21 @@ class RunLog:
         """Finished samples (`samples.jsonl`)."""
         if not rows:
             return
+        data = "".join(json.dumps(r) + "\n" for r in rows).encode()
         with self._lock:
-            self._samples.write("".join(json.dumps(r) + "\n" for r in rows))
-            self._samples.flush()
+            if self._samples_fd is None:
+                raise RuntimeError("samples.jsonl is closed")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._samples_fd, view):]
 
     def close(self) -> None:
         with self._lock:
-            self._metrics.close()
-            self._samples.close()
+            if self._metrics is not None:
+                self._metrics.close()
+            if self._samples_fd is not None:
+                os.close(self._samples_fd)
+                self._samples_fd = None
 
 
 class Tracer:
@@ -81,6 +95,15 @@ class Tracer:
             yield
         finally:
             self.span(track, name, start, self.now(), **args)
+
+    def raw(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
+        """Spans as (track, name, start, end, args) on this tracer's clock (to merge into another)."""
+        names = {tid: track for track, tid in self._tracks.items()}
+        with self._lock:
+            return [
+                (names[e["tid"]], e["name"], e["ts"] / 1e6 + self.t0, (e["ts"] + e["dur"]) / 1e6 + self.t0, e["args"])
+                for e in self._events
+            ]
 
     def write(self, path: Path) -> None:
         with self._lock:

@@ -1,13 +1,21 @@
 """The streaming data store where stages meet (see `store` for the why)."""
 
 from asyncflow.transfer_queue.samplers import balance_by_length, split_sequential
-from asyncflow.transfer_queue.store import Lease, NewSample, QueueClosed, SampleView, TransferQueue
+from asyncflow.transfer_queue.store import (
+    Lease,
+    NewSample,
+    QueueClosed,
+    SampleView,
+    StoreClient,
+    TransferQueue,
+)
 
 __all__ = [
     "Lease",
     "NewSample",
     "QueueClosed",
     "SampleView",
+    "StoreClient",
     "TransferQueue",
     "balance_by_length",
     "split_sequential",

@@ -33,7 +33,7 @@ import heapq
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from asyncflow.errors import WaitTimeout
 from asyncflow.runtime.clock import Clock, RealClock
@@ -83,6 +83,46 @@ class Lease:
     expired: list[SampleView]
     """Taken because their version is below `min_version`; still need an ack (usually with remove)."""
     deadline: float
+
+
+class StoreClient(Protocol):
+    """What the workflow uses of a store: `TransferQueue` (in process) and `RayTransferQueue`
+    (a controller actor shared by processes) both provide it."""
+
+    def register_stage(self, stage: str, fields: Sequence[str], *, groups: bool = False) -> None: ...
+
+    async def put(self, samples: list[NewSample], timeout: float | None = None) -> list[int]: ...
+
+    async def take(
+        self,
+        stage: str,
+        max_samples: int,
+        *,
+        min_samples: int = 1,
+        timeout: float | None = None,
+        lease_s: float | None = None,
+        min_version: int | None = None,
+        fields_extra: Sequence[str] = (),
+    ) -> Lease: ...
+
+    def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None: ...
+
+    def complete(
+        self, lease: Lease, writes: dict[int, dict[str, Any]], *, versions: dict[int, int] | None = None,
+        remove: bool = False,
+    ) -> bool: ...
+
+    def ack(self, lease: Lease, *, remove: bool = False) -> bool: ...
+
+    def release(self, lease: Lease) -> bool: ...
+
+    def remove(self, uids: Iterable[int]) -> None: ...
+
+    def close(self) -> None: ...
+
+    def size(self) -> int: ...
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 @dataclass(eq=False)
@@ -168,7 +208,15 @@ def _payload_bytes(fields: dict[str, Any]) -> int:
 class TransferQueue:
     """Thread-safe streaming store with per-stage readiness, leases and backpressure."""
 
-    def __init__(self, capacity: int = 4096, lease_timeout_s: float = 600.0, clock: Clock | None = None):
+    def __init__(
+        self,
+        capacity: int = 4096,
+        lease_timeout_s: float = 600.0,
+        clock: Clock | None = None,
+        on_remove: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        """`on_remove(fields)` is called (under the store's lock) for every deleted sample; the Ray
+        placement uses it to drop object-store references once no live sample needs them."""
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
@@ -187,6 +235,7 @@ class TransferQueue:
         self._bytes_put = 0
         self._expired_leases = 0
         self._closed = False
+        self._on_remove = on_remove
 
     # ----------------------------------------------------------------------------- stages
     def register_stage(self, stage: str, fields: Sequence[str], *, groups: bool = False) -> None:
@@ -272,12 +321,15 @@ class TransferQueue:
             s = self._samples.get(uid)
             if s is None:
                 raise KeyError(uid)
-            s.fields.update(fields)
-            self._bytes_put += _payload_bytes(fields)
-            if version is not None:
-                s.version = version if s.version is None else min(s.version, version)
-            for st in self._stages.values():
-                self._check_ready(st, s)
+            self._write_locked(s, fields, version)
+
+    def _write_locked(self, s: _Sample, fields: dict[str, Any], version: int | None) -> None:
+        s.fields.update(fields)
+        self._bytes_put += _payload_bytes(fields)
+        if version is not None:
+            s.version = version if s.version is None else min(s.version, version)
+        for st in self._stages.values():
+            self._check_ready(st, s)
 
     # ----------------------------------------------------------------------------- readiness index
     def _check_ready(self, st: _Stage, s: _Sample) -> None:
@@ -513,6 +565,37 @@ class TransferQueue:
                 self._remove_many(s.uid for s in live)
             return True
 
+    def complete(
+        self,
+        lease: Lease,
+        writes: dict[int, dict[str, Any]],
+        *,
+        versions: dict[int, int] | None = None,
+        remove: bool = False,
+    ) -> bool:
+        """Write each sample's results, then ack the lease: one atomic step (one round trip on Ray).
+
+        Nothing is written when the lease had already ended (its samples may be someone else's by
+        now), so a result lands exactly once. Samples deleted meanwhile are skipped.
+        """
+        with self._lock:
+            self._reap()
+            rec = self._leases.pop(lease.id, None)
+            if rec is None:
+                return False
+            for uid, fields in writes.items():
+                s = self._samples.get(uid)
+                if s is not None:
+                    self._write_locked(s, fields, None if versions is None else versions.get(uid))
+            live = self._end_lease(rec)
+            for s in live:
+                s.consumed.add(rec.stage)
+            for g in self._lease_groups(rec):
+                g.consumed.add(rec.stage)
+            if remove:
+                self._remove_many(s.uid for s in live)
+            return True
+
     def release(self, lease: Lease) -> bool:
         """Give the samples back to the lease's stage, keeping their priority. False if already ended."""
         with self._lock:
@@ -598,6 +681,8 @@ class TransferQueue:
                 self._sync_group(st, s.group_id, g)
         if not g.uids and g.put == g.size:
             del self._groups[s.group_id]
+        if self._on_remove is not None:
+            self._on_remove(s.fields)
         return True
 
     # ----------------------------------------------------------------------------- waiting

@@ -44,7 +44,7 @@ from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.rewards import RewardFn, RewardOutcome, call_reward_fn
 from asyncflow.runtime.clock import Clock
 from asyncflow.telemetry.runlog import RunLog, Tracer
-from asyncflow.transfer_queue import Lease, NewSample, QueueClosed, SampleView, TransferQueue
+from asyncflow.transfer_queue import Lease, NewSample, QueueClosed, SampleView, StoreClient, TransferQueue
 from asyncflow.workflow.gate import StalenessGate
 
 TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "reward_error", "row", "finish_reason")
@@ -109,7 +109,11 @@ class Pipeline:
         tracer: Tracer,
         ref_logprobs: Callable[[TrainBatch], torch.Tensor] | None = None,
         on_step: Callable[[StepResult], Awaitable[None]] | None = None,
+        store: StoreClient | None = None,
     ) -> None:
+        """`store`: a store client shared with other processes (the Ray runtime); default: a new
+        in-process `TransferQueue`. A Ray actor that hosts a single stage builds a Pipeline with
+        only what that stage uses (e.g. no trainer in a rollout actor) and runs that stage's loop."""
         self.cfg = cfg
         self.rows = rows
         self.tok = tokenizer
@@ -126,10 +130,8 @@ class Pipeline:
         self.groups_per_step = cfg.train.batch_size // self.n
         self.k = cfg.staleness
         self.gate = StalenessGate(self.groups_per_step, self.k, cfg.train.max_steps, clock)
-        self.store = TransferQueue(
-            capacity=max(cfg.workflow.store_capacity, (self.k + 2) * cfg.train.batch_size),
-            lease_timeout_s=cfg.workflow.lease_timeout_s,
-            clock=clock,
+        self.store: StoreClient = store if store is not None else TransferQueue(
+            capacity=store_capacity(cfg), lease_timeout_s=cfg.workflow.lease_timeout_s, clock=clock
         )
         self.store.register_stage("rollout", ["prompt_ids"])
         self.store.register_stage("reward", ["response_ids"], groups=True)
@@ -223,8 +225,7 @@ class Pipeline:
                 "token_versions": res.token_versions,
                 "finish_reason": res.finish_reason,
             }
-            self.store.write(sample.uid, fields, version=min(res.token_versions))
-            self.store.ack(lease)
+            self.store.complete(lease, {sample.uid: fields}, versions={sample.uid: min(res.token_versions)})
         except (QueueClosed, KeyError):
             return
         finally:
@@ -451,13 +452,22 @@ class Pipeline:
         self._last_row_time, self._last_busy = now, (rollout_busy, train_busy)
         return min(r, 1.0), min(t, 1.0)
 
-    async def run(self) -> None:
-        """Run every stage until the trainer finishes; the first failing stage stops them all."""
-        tasks = [
-            asyncio.create_task(self.feeder(), name="feeder"),
-            asyncio.create_task(self.reward_worker(), name="reward"),
-            *(asyncio.create_task(self.rollout_worker(i, e), name=f"rollout/{i}") for i, e in enumerate(self.engines)),
-        ]
+    async def run(self, remote: dict[str, Awaitable[None]] | None = None) -> None:
+        """Run every stage until the trainer finishes; the first failing stage stops them all.
+
+        `remote`: stages that run elsewhere (Ray actors), by name, as awaitables that end when the
+        stage ends; they replace the local rollout and reward loops and are supervised the same way.
+        """
+        if remote is None:
+            stages = [
+                asyncio.create_task(self.reward_worker(), name="reward"),
+                *(asyncio.create_task(self.rollout_worker(i, e), name=f"rollout/{i}") for i, e in enumerate(self.engines)),
+            ]
+        else:
+            stages = [asyncio.ensure_future(aw) for aw in remote.values()]
+            for name, t in zip(remote, stages, strict=True):
+                t.set_name(name)
+        tasks = [asyncio.create_task(self.feeder(), name="feeder"), *stages]
         trainer = asyncio.create_task(self.trainer_loop(), name="trainer")
         try:
             done, _ = await asyncio.wait([trainer, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -479,6 +489,11 @@ class Pipeline:
                     t.exception()
             if stuck:
                 raise RuntimeError(f"stages did not stop within 60 s: {sorted(t.get_name() for t in stuck)}")
+
+
+def store_capacity(cfg: Config) -> int:
+    """Room for every admitted sample: the gate admits at most (k+1) steps' worth, plus slack."""
+    return max(cfg.workflow.store_capacity, (cfg.staleness + 2) * cfg.train.batch_size)
 
 
 def build_train_batch(

@@ -1,0 +1,189 @@
+"""`asyncflow bench store`: STORE-1 (see `store1`) on asyncflow's store, in both placements and modes.
+
+- `local`: one process; the producer and the consumer are two threads on one `TransferQueue`.
+- `ray`: the producer and the consumer are two Ray actors (two processes) on one `RayTransferQueue`
+  (controller actor + object store), so every byte crosses a process boundary.
+
+Each measurement starts from warmed-up processes: a short untimed round (256 samples) runs first on
+the same actors. The timed window runs from the producer's first put to the consumer's last
+verified checksum (`time.monotonic()` is one clock for every process on a machine).
+`--set transferqueue=true` adds the `transferqueue` 0.1.11 package on the same workload, side by side
+(needs `pip install transferqueue==0.1.11`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from asyncflow.bench.store1 import FIELDS, Store1Spec, checksum, expected_checksums, make_batches, row
+from asyncflow.errors import UserError
+from asyncflow.transfer_queue import NewSample
+
+TIMEOUT_S = 120.0
+
+
+def _samples(batch: dict[str, np.ndarray]) -> list[NewSample]:
+    idx = batch["idx"].tolist()
+    return [
+        NewSample(i, 1, {"idx": i, **{f: batch[f][j] for f in FIELDS}})
+        for j, i in enumerate(idx)
+    ]
+
+
+def produce(store: Any, batches: list[dict[str, np.ndarray]]) -> float:
+    """Put every batch; returns the monotonic time of the first put."""
+    start = time.monotonic()
+    for b in batches:
+        store.put_blocking(_samples(b), timeout=TIMEOUT_S)
+    return start
+
+
+def consume(store: Any, total: int, take_batch: int, expected: dict[int, int]) -> float:
+    """Take batches of `take_batch` until `total` samples are verified; returns the end time."""
+    seen: set[int] = set()
+    while len(seen) < total:
+        want = min(take_batch, total - len(seen))
+        lease = store.take_blocking("train", want, min_samples=want, timeout=TIMEOUT_S, fields_extra=["idx"])
+        for s in lease.samples:
+            f = s.fields
+            if checksum(f["prompt_ids"], f["response_ids"], f["behavior_logprobs"], f["reward"]) != expected[f["idx"]]:
+                raise RuntimeError(f"STORE-1: checksum mismatch on sample {f['idx']}")
+            if f["idx"] in seen:
+                raise RuntimeError(f"STORE-1: sample {f['idx']} delivered twice")
+            seen.add(f["idx"])
+        store.ack(lease, remove=True)
+    return time.monotonic()
+
+
+def _local(mode: str, spec: Store1Spec) -> dict[str, Any]:
+    from asyncflow.transfer_queue import TransferQueue
+
+    batches = make_batches(spec)
+    expected = expected_checksums(batches)
+    store = TransferQueue(capacity=spec.samples)
+    store.register_stage("train", list(FIELDS))
+    if mode == "sequential":
+        start = produce(store, batches)
+        end = consume(store, spec.samples, spec.take_batch, expected)
+    else:
+        out: dict[str, float] = {}
+        t = threading.Thread(target=lambda: out.setdefault("end", consume(store, spec.samples, spec.take_batch, expected)))
+        t.start()
+        start = produce(store, batches)
+        t.join(TIMEOUT_S)
+        if "end" not in out:
+            raise RuntimeError("STORE-1 local streaming: the consumer did not finish")
+        end = out["end"]
+    return row("local", mode, spec.samples, end - start)
+
+
+class _Producer:
+    def __init__(self, spec: Store1Spec) -> None:
+        self.batches = make_batches(spec)
+
+    def run(self, store: Any, limit: int | None = None) -> float:
+        batches = self.batches if limit is None else self.batches[: max(1, limit // len(self.batches[0]["idx"]))]
+        return produce(store, batches)
+
+
+class _Consumer:
+    def __init__(self, spec: Store1Spec) -> None:
+        self.expected = expected_checksums(make_batches(spec))
+        self.spec = spec
+
+    def run(self, store: Any, total: int) -> float:
+        return consume(store, total, self.spec.take_batch, self.expected)
+
+
+def _ray(mode: str, spec: Store1Spec, actors: tuple[Any, Any]) -> dict[str, Any]:
+    import ray
+
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    producer, consumer = actors
+    store = RayTransferQueue.create(capacity=spec.samples)
+    try:
+        store.register_stage("train", list(FIELDS))
+        if mode == "sequential":
+            start = ray.get(producer.run.remote(store), timeout=TIMEOUT_S * 2)
+            end = ray.get(consumer.run.remote(store, spec.samples), timeout=TIMEOUT_S * 2)
+        else:
+            end_ref = consumer.run.remote(store, spec.samples)
+            start = ray.get(producer.run.remote(store), timeout=TIMEOUT_S * 2)
+            end = ray.get(end_ref, timeout=TIMEOUT_S * 2)
+        return row("ray", mode, spec.samples, end - start)
+    finally:
+        store.kill()
+
+
+def _warm(actors: tuple[Any, Any], spec: Store1Spec) -> None:
+    import ray
+
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    producer, consumer = actors
+    store = RayTransferQueue.create(capacity=spec.samples)
+    try:
+        store.register_stage("train", list(FIELDS))
+        n = min(256, spec.samples)
+        ray.get(producer.run.remote(store, n), timeout=TIMEOUT_S)
+        ray.get(consumer.run.remote(store, n), timeout=TIMEOUT_S)
+    finally:
+        store.kill()
+
+
+def run_store(overrides: list[str]) -> list[dict[str, Any]]:
+    """STORE-1: local and Ray placements x sequential and streaming modes (best of `repeats`)."""
+    opts = _parse(overrides)
+    spec = Store1Spec(samples=int(opts.get("samples", 4096)))
+    repeats = int(opts.get("repeats", 3))
+    placements = str(opts.get("placements", "local,ray")).split(",")
+    rows: list[dict[str, Any]] = []
+    for mode in ("sequential", "streaming"):
+        if "local" in placements:
+            _local(mode, Store1Spec(samples=256))  # warm caches and allocators
+            rows.append(_best([_local(mode, spec) for _ in range(repeats)]))
+    if "ray" in placements or opts.get("transferqueue") in ("true", "1"):
+        from asyncflow.runtime.ray_init import ensure_ray
+
+        ensure_ray(None)
+    if "ray" in placements:
+        import ray
+
+        actors: tuple[Any, Any] = (
+            ray.remote(_Producer).options(num_cpus=0).remote(spec),
+            ray.remote(_Consumer).options(num_cpus=0).remote(spec),
+        )
+        _warm(actors, spec)
+        for mode in ("sequential", "streaming"):
+            rows.append(_best([_ray(mode, spec, actors) for _ in range(repeats)]))
+        for a in actors:
+            ray.kill(a)
+    if opts.get("transferqueue") in ("true", "1"):
+        from asyncflow.bench.tq_baseline import run_transferqueue
+
+        for mode in ("sequential", "streaming"):
+            rows.append(run_transferqueue(mode, spec, repeats=repeats))
+    return rows
+
+
+def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    best = max(rows, key=lambda r: r["samples_per_s"])
+    return {**best, "repeats": len(rows), "worst_samples_per_s": min(r["samples_per_s"] for r in rows)}
+
+
+_KNOWN = ("samples", "repeats", "placements", "transferqueue")
+
+
+def _parse(overrides: list[str]) -> dict[str, str]:
+    out = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in _KNOWN:
+            raise UserError(f"bench store --set: expected one of {', '.join(k + '=...' for k in _KNOWN)}, got {item!r}")
+        out[key] = value
+    return out

@@ -1,0 +1,522 @@
+"""TransferQueue across processes: a controller actor for metadata, Ray's object store for data.
+
+```
+ producer process                   controller actor (metadata only)           consumer process
+ put(samples) ─ ray.put(payload) ─► [uid, group, readiness, leases, versions] ◄─ take(stage, B)
+              ─ put(meta, ref) ───►  fields = slots (blob id, row)          ──► lease + blob refs
+                                                                               ray.get(refs): zero-copy
+```
+
+Why this split (measured with `asyncflow bench store`, docs/performance.md): the controller is one
+single-threaded actor that every stage talks to, so it must never touch bulk data. A producer puts
+a payload large enough to matter (`inline_max_bytes`, default 16 KiB) into the object store once, and
+the controller keeps only a *slot* (blob id, row) per field; a consumer receives the blob refs its
+lease needs and reads the arrays zero-copy from shared memory. Small payloads (one response's token
+ids) travel inline in the call, which is cheaper than a `ray.put`. A blob is released when the last
+live sample that points into it is deleted.
+
+The client has the in-process `TransferQueue`'s API, so the workflow code is the same on both
+placements. Mutations that need no answer (`write`, `complete`, `ack`, `release`, `remove`) are
+sent without waiting; a failure inside them is counted in `metrics()["op_errors"]`. Takes and puts
+wait in the controller with the caller's timeout, and the client waits at most `rpc_grace_s` longer
+before deciding the controller is gone.
+
+Leases of a dead consumer: a client created inside an actor registers that actor as the owner of
+its leases; the controller pings owners that hold leases every `owner_check_s` seconds and releases
+everything a dead owner held, so a consumer actor that dies loses nothing. The lease deadline
+remains the backstop (e.g. for a driver that hangs rather than dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from asyncflow.errors import WaitTimeout
+from asyncflow.transfer_queue.store import Lease, NewSample, QueueClosed, SampleView, TransferQueue
+
+_ERRORS_PASSED_THROUGH = (WaitTimeout, QueueClosed, KeyError, ValueError)
+
+
+class _Slot(NamedTuple):
+    """Where a field's value lives: row `row` of blob `blob` in the object store. A tuple, not a
+    dataclass, because thousands of them are pickled per take; `nbytes` feeds the bytes metric."""
+
+    blob: int
+    row: int
+    nbytes: int
+
+
+def _nbytes(v: Any) -> int:
+    n = getattr(v, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    if isinstance(v, (list, tuple)):
+        return 8 * len(v)
+    if isinstance(v, (bytes, str)):
+        return len(v)
+    return 8
+
+
+class StoreController:
+    """The Ray actor behind `RayTransferQueue`: a `TransferQueue` of metadata and slots."""
+
+    def __init__(self, capacity: int, lease_timeout_s: float, owner_check_s: float = 2.0) -> None:
+        self.q = TransferQueue(capacity=capacity, lease_timeout_s=lease_timeout_s, on_remove=self._unref)
+        self.blobs: dict[int, list[Any]] = {}  # blob id -> [ObjectRef, live rows]
+        self.next_blob = 0
+        self.owners: dict[str, Any] = {}  # owner id -> actor handle
+        self.lease_owner: dict[int, str] = {}
+        self.leases: dict[int, Lease] = {}
+        self.op_errors = 0
+        self.last_error = ""
+        self.owner_check_s = owner_check_s
+        self.released_from_dead = 0
+        self._watch: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ data slots
+    def _add_blob(self, ref: Any, rows: int) -> int:
+        bid = self.next_blob
+        self.next_blob += 1
+        self.blobs[bid] = [ref[0], rows]
+        return bid
+
+    def _unref(self, fields: dict[str, Any]) -> None:
+        seen = set()
+        for v in fields.values():
+            if isinstance(v, _Slot) and v.blob not in seen:
+                seen.add(v.blob)
+                b = self.blobs.get(v.blob)
+                if b is not None:
+                    b[1] -= 1
+                    if b[1] <= 0:
+                        del self.blobs[v.blob]
+
+    def _materialize(self, payload: list[dict[str, Any]] | None, names: list[list[str]], nbytes: list[list[int]],
+                     ref: Any) -> list[dict[str, Any]]:
+        if payload is not None:
+            return payload
+        bid = self._add_blob(ref, len(names))
+        return [{n: _Slot(bid, i, b) for n, b in zip(ns, bs, strict=True)} for i, (ns, bs) in enumerate(zip(names, nbytes, strict=True))]
+
+    # ------------------------------------------------------------------ API
+    def ping(self) -> bool:
+        return True
+
+    def register_stage(self, stage: str, fields: Sequence[str], groups: bool) -> None:
+        self.q.register_stage(stage, fields, groups=groups)
+
+    def register_owner(self, owner: str, handle: Any) -> None:
+        self.owners[owner] = handle
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_owners())
+
+    async def put(self, meta: list[tuple[int, int, float | None]], payload: list[dict[str, Any]] | None,
+                  names: list[list[str]], nbytes: list[list[int]], ref: Any, timeout: float | None) -> list[int]:
+        fields = self._materialize(payload, names, nbytes, ref)
+        samples = [NewSample(g, n, f, p) for (g, n, p), f in zip(meta, fields, strict=True)]
+        return await self.q.put(samples, timeout=timeout)
+
+    async def take(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
+                   lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
+                   owner: str | None) -> tuple[Any, dict[int, Any]]:
+        lease = await self.q.take(stage, max_samples, min_samples=min_samples, timeout=timeout, lease_s=lease_s,
+                                  min_version=min_version, fields_extra=fields_extra)
+        return self._hand_out(lease, owner)
+
+    def take_nowait(self, stage: str, max_samples: int, min_samples: int, lease_s: float | None,
+                    min_version: int | None, fields_extra: Sequence[str], owner: str | None) -> tuple[Any, dict[int, Any]] | None:
+        lease = self.q.take_nowait(stage, max_samples, min_samples=min_samples, lease_s=lease_s,
+                                   min_version=min_version, fields_extra=fields_extra)
+        return None if lease is None else self._hand_out(lease, owner)
+
+    def _hand_out(self, lease: Lease, owner: str | None) -> tuple[Any, dict[int, Any]]:
+        """The lease in a compact, fast-to-pickle form, plus the refs of the blobs it points into."""
+        refs: dict[int, Any] = {}
+        for s in itertools.chain(lease.samples, lease.expired):
+            for v in s.fields.values():
+                if isinstance(v, _Slot) and v.blob not in refs:
+                    refs[v.blob] = self.blobs[v.blob][0]
+        if owner is not None:
+            self.lease_owner[lease.id] = owner
+            self.leases[lease.id] = Lease(lease.id, lease.stage, [], [], lease.deadline)
+        return (lease.id, lease.stage, lease.deadline, _compact(lease.samples), _compact(lease.expired)), refs
+
+    def _run(self, what: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # fire-and-forget call: count it, the caller is not waiting
+            self.op_errors += 1
+            self.last_error = f"{what}: {type(exc).__name__}: {exc}"
+            return None
+
+    def _forget(self, lease_id: int) -> None:
+        self.lease_owner.pop(lease_id, None)
+        self.leases.pop(lease_id, None)
+
+    def write(self, uid: int, payload: dict[str, Any] | None, names: list[str], nbytes: list[int], ref: Any,
+              version: int | None) -> None:
+        fields = self._materialize(None if payload is None else [payload], [names], [nbytes], ref)[0]
+        try:
+            self.q.write(uid, fields, version=version)
+        except KeyError:
+            self._unref(fields)  # the sample was deleted meanwhile (e.g. cancelled): nothing to keep
+
+    def complete(self, lease_id: int, stage: str, uids: list[int], payload: list[dict[str, Any]] | None,
+                 names: list[list[str]], nbytes: list[list[int]], ref: Any, versions: dict[int, int] | None,
+                 remove: bool) -> bool:
+        self._forget(lease_id)
+        fields = self._materialize(payload, names, nbytes, ref)
+        writes = dict(zip(uids, fields, strict=True))
+        ok = self._run("complete", lambda: self.q.complete(Lease(lease_id, stage, [], [], 0.0), writes,
+                                                           versions=versions, remove=remove))
+        if not ok:
+            for f in fields:
+                self._unref(f)
+        return bool(ok)
+
+    def ack(self, lease_id: int, stage: str, remove: bool) -> bool:
+        self._forget(lease_id)
+        return bool(self._run("ack", lambda: self.q.ack(Lease(lease_id, stage, [], [], 0.0), remove=remove)))
+
+    def release(self, lease_id: int, stage: str) -> bool:
+        self._forget(lease_id)
+        return bool(self._run("release", lambda: self.q.release(Lease(lease_id, stage, [], [], 0.0))))
+
+    def remove(self, uids: list[int]) -> None:
+        self._run("remove", lambda: self.q.remove(uids))
+
+    def release_owner(self, owner: str) -> int:
+        """Give back every live lease held by `owner`; returns how many leases that was."""
+        ids = [lid for lid, o in self.lease_owner.items() if o == owner]
+        n = 0
+        for lid in ids:
+            lease = self.leases.pop(lid)
+            self.lease_owner.pop(lid, None)
+            n += bool(self.q.release(lease))
+        self.owners.pop(owner, None)
+        self.released_from_dead += n
+        return n
+
+    async def _watch_owners(self) -> None:
+        import ray
+
+        while True:
+            await asyncio.sleep(self.owner_check_s)
+            holding = {o for o in self.lease_owner.values()}
+            for owner in list(holding):
+                handle = self.owners.get(owner)
+                if handle is None:
+                    continue
+                try:
+                    await asyncio.wait_for(handle.__ray_ready__.remote(), timeout=max(self.owner_check_s, 5.0))
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
+                    self.release_owner(owner)
+                except asyncio.TimeoutError:
+                    pass  # busy, not dead: the lease deadline still applies
+
+    def close(self) -> None:
+        self.q.close()
+
+    def size(self) -> int:
+        return self.q.size()
+
+    def ready_count(self, stage: str) -> int:
+        return self.q.ready_count(stage)
+
+    def in_flight(self, stage: str) -> int:
+        return self.q.in_flight(stage)
+
+    def metrics(self) -> dict[str, float]:
+        m = self.q.metrics()
+        m["op_errors"] = float(self.op_errors)
+        m["blobs"] = float(len(self.blobs))
+        m["released_from_dead_owners"] = float(self.released_from_dead)
+        return m
+
+    def errors(self) -> tuple[int, str]:
+        return self.op_errors, self.last_error
+
+    def state_dict(self) -> tuple[dict[str, Any], dict[int, Any]]:
+        state = self.q.state_dict()
+        refs = {v.blob: self.blobs[v.blob][0] for d in state["samples"] for v in d["fields"].values() if isinstance(v, _Slot)}
+        return state, refs
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.q.load_state_dict(state)
+
+
+def _compact(views: list[SampleView]) -> list[tuple[Any, ...]]:
+    """Sample views as plain tuples: (uid, group, version, inline fields, [(field, blob, row)]).
+    Plain tuples pickle ~10x faster than dataclasses or named tuples, and a take moves thousands."""
+    out = []
+    for v in views:
+        inline = {k: x for k, x in v.fields.items() if type(x) is not _Slot}
+        slots = [(k, x[0], x[1]) for k, x in v.fields.items() if type(x) is _Slot]
+        out.append((v.uid, v.group_id, v.version, inline, slots))
+    return out
+
+
+def _expand(rows: list[tuple[Any, ...]], values: dict[int, Any]) -> list[SampleView]:
+    views = []
+    for uid, gid, version, fields, slots in rows:
+        for k, blob_id, row in slots:
+            blob = values[blob_id]
+            fields[k] = blob[k][row] if isinstance(blob, dict) else blob[row][k]
+        views.append(SampleView(uid, gid, version, fields))
+    return views
+
+
+def _columns(dicts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Stack rows into columns when every row has the same keys and each array field has one shape
+    and dtype: one buffer per field instead of one per row makes put and get several times cheaper."""
+    keys = list(dicts[0])
+    cols: dict[str, Any] = {}
+    for k in keys:
+        first = dicts[0].get(k)
+        if isinstance(first, np.ndarray):
+            try:
+                if any(list(d) != keys or d[k].shape != first.shape or d[k].dtype != first.dtype for d in dicts):
+                    return None
+            except AttributeError:
+                return None
+            cols[k] = np.stack([d[k] for d in dicts])
+        else:
+            cols[k] = [d[k] for d in dicts]
+    return cols
+
+
+def _pack(dicts: list[dict[str, Any]], inline_max_bytes: int) -> tuple[list[dict[str, Any]] | None, list[list[str]], list[list[int]], Any]:
+    """Inline payload for small data; else one `ray.put` of all of it (wrapped so Ray does not
+    resolve the ref when it is passed as an argument)."""
+    import ray
+
+    names = [list(d) for d in dicts]
+    nbytes = [[_nbytes(v) for v in d.values()] for d in dicts]
+    if sum(map(sum, nbytes)) <= inline_max_bytes:
+        return dicts, names, nbytes, None
+    cols = _columns(dicts) if len(dicts) > 1 and all(list(d) == names[0] for d in dicts) else None
+    return None, names, nbytes, [ray.put(dicts if cols is None else cols)]
+
+
+class RayTransferQueue:
+    """Client of a `StoreController` actor with the same API as the in-process `TransferQueue`.
+
+    Picklable: pass it to actors; each process's copy talks to the same controller.
+    """
+
+    def __init__(self, handle: Any, *, inline_max_bytes: int = 16 * 1024, rpc_grace_s: float = 60.0) -> None:
+        self.handle = handle
+        self.inline_max_bytes = inline_max_bytes
+        self.rpc_grace_s = rpc_grace_s
+        self._owner: str | None = None
+        self._owner_known = False
+
+    @classmethod
+    def create(cls, capacity: int = 4096, lease_timeout_s: float = 600.0, *, owner_check_s: float = 2.0,
+               num_cpus: float = 0.0, name: str | None = None, **kwargs: Any) -> RayTransferQueue:
+        """Start a controller actor (max_concurrency high: every waiting take is a pending call)."""
+        import ray
+
+        opts: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 10_000}
+        if name is not None:
+            opts["name"] = name
+        actor: Any = ray.remote(StoreController)
+        handle = actor.options(**opts).remote(capacity, lease_timeout_s, owner_check_s)
+        ray.get(handle.ping.remote(), timeout=120)
+        return cls(handle, **kwargs)
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (self.handle, self.inline_max_bytes, self.rpc_grace_s))
+
+    # ------------------------------------------------------------------ helpers
+    def _get_owner(self) -> str | None:
+        """The current actor's id, registered with the controller once (None in a driver)."""
+        if not self._owner_known:
+            import ray
+
+            self._owner_known = True
+            ctx = ray.get_runtime_context()
+            actor_id = ctx.get_actor_id()
+            if actor_id is not None:
+                self._owner = actor_id
+                self.handle.register_owner.remote(actor_id, ctx.current_actor)
+        return self._owner
+
+    def _limit(self, timeout: float | None) -> float | None:
+        return None if timeout is None else timeout + self.rpc_grace_s
+
+    def _get(self, ref: Any, timeout: float | None, what: str) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self._limit(timeout))
+        except ray.exceptions.GetTimeoutError:
+            raise WaitTimeout(f"the store controller did not answer {what} within {self._limit(timeout):.0f} s") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise _unwrap(exc) from None
+
+    async def _aget(self, ref: Any, timeout: float | None, what: str) -> Any:
+        import ray
+
+        try:
+            return await asyncio.wait_for(ref, self._limit(timeout))
+        except asyncio.TimeoutError:
+            raise WaitTimeout(f"the store controller did not answer {what} within {self._limit(timeout):.0f} s") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise _unwrap(exc) from None
+
+    @staticmethod
+    def _fill(compact: Any, values: dict[int, Any]) -> Lease:
+        lid, stage, deadline, samples, expired = compact
+        return Lease(lid, stage, _expand(samples, values), _expand(expired, values), deadline)
+
+    def _put_args(self, samples: list[NewSample]) -> tuple[Any, ...]:
+        meta = [(s.group_id, s.group_size, s.priority) for s in samples]
+        return (meta, *_pack([s.fields for s in samples], self.inline_max_bytes))
+
+    # ------------------------------------------------------------------ API (same as TransferQueue)
+    def register_stage(self, stage: str, fields: Sequence[str], *, groups: bool = False) -> None:
+        self._get(self.handle.register_stage.remote(stage, list(fields), groups), 60, "register_stage")
+
+    async def put(self, samples: list[NewSample], timeout: float | None = None) -> list[int]:
+        ref = self.handle.put.remote(*self._put_args(samples), timeout)
+        return list(await self._aget(ref, timeout, "put"))
+
+    def put_blocking(self, samples: list[NewSample], timeout: float | None = None) -> list[int]:
+        return list(self._get(self.handle.put.remote(*self._put_args(samples), timeout), timeout, "put"))
+
+    async def take(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
+                   lease_s: float | None = None, min_version: int | None = None,
+                   fields_extra: Sequence[str] = ()) -> Lease:
+        ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
+                                      list(fields_extra), self._get_owner())
+        lease, refs = await self._aget(ref, timeout, f"take({stage!r})")
+        blobs = list(refs)
+        values = await asyncio.gather(*(refs[b] for b in blobs))
+        return self._fill(lease, dict(zip(blobs, values, strict=True)))
+
+    def take_blocking(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
+                      lease_s: float | None = None, min_version: int | None = None,
+                      fields_extra: Sequence[str] = ()) -> Lease:
+        import ray
+
+        ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
+                                      list(fields_extra), self._get_owner())
+        lease, refs = self._get(ref, timeout, f"take({stage!r})")
+        blobs = list(refs)
+        values = ray.get([refs[b] for b in blobs], timeout=self.rpc_grace_s) if blobs else []
+        return self._fill(lease, dict(zip(blobs, values, strict=True)))
+
+    def take_nowait(self, stage: str, max_samples: int, *, min_samples: int = 1, lease_s: float | None = None,
+                    min_version: int | None = None, fields_extra: Sequence[str] = ()) -> Lease | None:
+        import ray
+
+        ref = self.handle.take_nowait.remote(stage, max_samples, min_samples, lease_s, min_version,
+                                             list(fields_extra), self._get_owner())
+        got = self._get(ref, 0.0, f"take_nowait({stage!r})")
+        if got is None:
+            return None
+        lease, refs = got
+        blobs = list(refs)
+        values = ray.get([refs[b] for b in blobs], timeout=self.rpc_grace_s) if blobs else []
+        return self._fill(lease, dict(zip(blobs, values, strict=True)))
+
+    def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None:
+        """Sent without waiting; a write to a deleted sample is dropped (as `complete` does)."""
+        payload, names, nbytes, ref = _pack([fields], self.inline_max_bytes)
+        self.handle.write.remote(uid, None if payload is None else payload[0], names[0], nbytes[0], ref, version)
+
+    def complete(self, lease: Lease, writes: dict[int, dict[str, Any]], *, versions: dict[int, int] | None = None,
+                 remove: bool = False) -> bool:
+        """Sent without waiting (returns True); see `TransferQueue.complete`."""
+        uids = list(writes)
+        payload, names, nbytes, ref = _pack([writes[u] for u in uids], self.inline_max_bytes)
+        self.handle.complete.remote(lease.id, lease.stage, uids, payload, names, nbytes, ref, versions, remove)
+        return True
+
+    def ack(self, lease: Lease, *, remove: bool = False) -> bool:
+        """Sent without waiting (returns True); an ack of an ended lease is a no-op, as in process."""
+        self.handle.ack.remote(lease.id, lease.stage, remove)
+        return True
+
+    def release(self, lease: Lease) -> bool:
+        self.handle.release.remote(lease.id, lease.stage)
+        return True
+
+    def remove(self, uids: Iterable[int]) -> None:
+        self.handle.remove.remote(list(uids))
+
+    def release_owner(self, owner: str) -> int:
+        """Release every lease held by `owner` (an actor id) now, e.g. when a supervisor saw it die."""
+        return int(self._get(self.handle.release_owner.remote(owner), 60, "release_owner"))
+
+    def close(self) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            self._get(self.handle.close.remote(), 60, "close")
+
+    def size(self) -> int:
+        return int(self._get(self.handle.size.remote(), 60, "size"))
+
+    def ready_count(self, stage: str) -> int:
+        return int(self._get(self.handle.ready_count.remote(stage), 60, "ready_count"))
+
+    def in_flight(self, stage: str) -> int:
+        return int(self._get(self.handle.in_flight.remote(stage), 60, "in_flight"))
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._get(self.handle.metrics.remote(), 60, "metrics"))
+
+    def errors(self) -> tuple[int, str]:
+        """(count, last message) of failed fire-and-forget operations."""
+        n, msg = self._get(self.handle.errors.remote(), 60, "errors")
+        return int(n), str(msg)
+
+    def state_dict(self) -> dict[str, Any]:
+        """As `TransferQueue.state_dict`, with every field's value fetched from the object store."""
+        import ray
+
+        state, refs = self._get(self.handle.state_dict.remote(), 600, "state_dict")
+        blobs = list(refs)
+        values = dict(zip(blobs, ray.get([refs[b] for b in blobs], timeout=600), strict=True)) if blobs else {}
+        for d in state["samples"]:
+            d["fields"] = {k: _value(values, v, k) for k, v in d["fields"].items()}
+        return dict(state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._get(self.handle.load_state_dict.remote(state), 600, "load_state_dict")
+
+    def kill(self) -> None:
+        """Stop the controller actor (its data goes with it)."""
+        import ray
+
+        ray.kill(self.handle)
+
+
+def _rebuild(handle: Any, inline_max_bytes: int, rpc_grace_s: float) -> RayTransferQueue:
+    return RayTransferQueue(handle, inline_max_bytes=inline_max_bytes, rpc_grace_s=rpc_grace_s)
+
+
+def _value(values: dict[int, Any], v: Any, k: str) -> Any:
+    if not isinstance(v, _Slot):
+        return v
+    blob = values[v.blob]
+    return blob[k][v.row] if isinstance(blob, dict) else blob[v.row][k]
+
+
+def _unwrap(exc: Exception) -> Exception:
+    """The original store exception (timeout, closed, ...) out of Ray's task-error wrapper."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, _ERRORS_PASSED_THROUGH):
+        return cause
+    return exc
+
+
+__all__ = ["RayTransferQueue", "SampleView", "StoreController"]
