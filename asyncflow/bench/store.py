@@ -39,6 +39,8 @@ def produce(store: Any, batches: list[dict[str, np.ndarray]]) -> float:
     start = time.monotonic()
     for b in batches:
         store.put_blocking(_samples(b), timeout=TIMEOUT_S)
+    if hasattr(store, "flush"):
+        store.flush()  # pipelined puts (Ray client): all landed
     return start
 
 

@@ -30,8 +30,8 @@ remains the backstop (e.g. for a driver that hangs rather than dies).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -68,7 +68,7 @@ class StoreController:
 
     def __init__(self, capacity: int, lease_timeout_s: float, owner_check_s: float = 2.0) -> None:
         self.q = TransferQueue(capacity=capacity, lease_timeout_s=lease_timeout_s, on_remove=self._unref)
-        self.blobs: dict[int, list[Any]] = {}  # blob id -> [ObjectRef, live rows]
+        self.blobs: dict[int, list[Any]] = {}  # blob id -> [ObjectRef or None, live rows, held data or None]
         self.next_blob = 0
         self.owners: dict[str, Any] = {}  # owner id -> actor handle
         self.lease_owner: dict[int, str] = {}
@@ -80,10 +80,10 @@ class StoreController:
         self._watch: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ data slots
-    def _add_blob(self, ref: Any, rows: int) -> int:
+    def _add_blob(self, ref: Any, rows: int, held: Any = None) -> int:
         bid = self.next_blob
         self.next_blob += 1
-        self.blobs[bid] = [ref[0], rows]
+        self.blobs[bid] = [None if ref is None else ref[0], rows, held]
         return bid
 
     def _unref(self, fields: dict[str, Any]) -> None:
@@ -97,11 +97,17 @@ class StoreController:
                     if b[1] <= 0:
                         del self.blobs[v.blob]
 
-    def _materialize(self, payload: list[dict[str, Any]] | None, names: list[list[str]], nbytes: list[list[int]],
-                     ref: Any) -> list[dict[str, Any]]:
+    def _materialize(self, payload: list[dict[str, Any]] | None, names: Any, nbytes: Any, ref: Any,
+                     held: Any = None) -> list[dict[str, Any]]:
+        """Field dicts for `put`/`complete`: the payload itself, or one slot per field into a new blob.
+        `names` is one list shared by all rows (then `nbytes` is an int array [rows, fields]) or a
+        list per row (then `nbytes` is a list per row)."""
         if payload is not None:
             return payload
-        bid = self._add_blob(ref, len(names))
+        if names and isinstance(names[0], str):
+            bid = self._add_blob(ref, len(nbytes), held)
+            return [{n: _Slot(bid, i, b) for n, b in zip(names, row.tolist(), strict=True)} for i, row in enumerate(nbytes)]
+        bid = self._add_blob(ref, len(names), held)
         return [{n: _Slot(bid, i, b) for n, b in zip(ns, bs, strict=True)} for i, (ns, bs) in enumerate(zip(names, nbytes, strict=True))]
 
     # ------------------------------------------------------------------ API
@@ -116,10 +122,14 @@ class StoreController:
         if self._watch is None:
             self._watch = asyncio.get_running_loop().create_task(self._watch_owners())
 
-    async def put(self, meta: list[tuple[int, int, float | None]], payload: list[dict[str, Any]] | None,
-                  names: list[list[str]], nbytes: list[list[int]], ref: Any, timeout: float | None) -> list[int]:
-        fields = self._materialize(payload, names, nbytes, ref)
-        samples = [NewSample(g, n, f, p) for (g, n, p), f in zip(meta, fields, strict=True)]
+    def reserve_uids(self, n: int) -> int:
+        return self.q.reserve_uids(n)
+
+    async def put(self, meta: tuple[list[int], list[int], list[float | None], list[int | None]],
+                  payload: list[dict[str, Any]] | None, names: Any, nbytes: Any, ref: Any, timeout: float | None,
+                  held: Any = None) -> list[int]:
+        fields = self._materialize(payload, names, nbytes, ref, held)
+        samples = [NewSample(g, n, f, p, u) for g, n, p, u, f in zip(*meta, fields, strict=True)]
         return await self.q.put(samples, timeout=timeout)
 
     async def take(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
@@ -136,16 +146,35 @@ class StoreController:
         return None if lease is None else self._hand_out(lease, owner)
 
     def _hand_out(self, lease: Lease, owner: str | None) -> tuple[Any, dict[int, Any]]:
-        """The lease in a compact, fast-to-pickle form, plus the refs of the blobs it points into."""
-        refs: dict[int, Any] = {}
-        for s in itertools.chain(lease.samples, lease.expired):
-            for v in s.fields.values():
-                if isinstance(v, _Slot) and v.blob not in refs:
-                    refs[v.blob] = self.blobs[v.blob][0]
+        """The lease in a compact, fast-to-pickle form, plus what its slots point into: the blob's
+        object-store ref, or for blobs held here the needed rows (slots renumbered into them)."""
         if owner is not None:
             self.lease_owner[lease.id] = owner
             self.leases[lease.id] = Lease(lease.id, lease.stage, [], [], lease.deadline)
-        return (lease.id, lease.stage, lease.deadline, _compact(lease.samples), _compact(lease.expired)), refs
+        samples, expired = _compact(lease.samples), _compact(lease.expired)
+        out: dict[int, Any] = {}
+        for part in (samples, expired):
+            names, slots = part[3], part[4]
+            for bid in np.unique(slots[:, :, 0]).tolist() if slots.size else []:
+                if bid < 0:
+                    continue
+                ref, _, held = self.blobs[bid]
+                if held is None:
+                    out[bid] = ref
+                    continue
+                mask = slots[:, :, 0] == bid
+                rows = np.unique(slots[:, :, 1][mask])
+                got: Any
+                if isinstance(held, dict):
+                    got = {k: held[k][rows] if isinstance(held[k], np.ndarray) else [held[k][r] for r in rows.tolist()]
+                           for k in names if k in held}
+                else:
+                    got = [held[r] for r in rows.tolist()]
+                key = -2 - len(out)  # a fresh id for this lease's gathered rows
+                out[key] = got
+                slots[:, :, 1][mask] = np.searchsorted(rows, slots[:, :, 1][mask])
+                slots[:, :, 0][mask] = key
+        return (lease.id, lease.stage, lease.deadline, samples, expired), out
 
     def _run(self, what: str, fn: Any) -> Any:
         try:
@@ -159,16 +188,16 @@ class StoreController:
         self.lease_owner.pop(lease_id, None)
         self.leases.pop(lease_id, None)
 
-    def write(self, uid: int, payload: dict[str, Any] | None, names: list[str], nbytes: list[int], ref: Any,
+    def write(self, uid: int, payload: dict[str, Any] | None, names: Any, nbytes: Any, ref: Any,
               version: int | None) -> None:
-        fields = self._materialize(None if payload is None else [payload], [names], [nbytes], ref)[0]
+        fields = self._materialize(None if payload is None else [payload], names, nbytes, ref)[0]
         try:
             self.q.write(uid, fields, version=version)
         except KeyError:
             self._unref(fields)  # the sample was deleted meanwhile (e.g. cancelled): nothing to keep
 
     def complete(self, lease_id: int, stage: str, uids: list[int], payload: list[dict[str, Any]] | None,
-                 names: list[list[str]], nbytes: list[list[int]], ref: Any, versions: dict[int, int] | None,
+                 names: Any, nbytes: Any, ref: Any, versions: dict[int, int] | None,
                  remove: bool) -> bool:
         self._forget(lease_id)
         fields = self._materialize(payload, names, nbytes, ref)
@@ -244,31 +273,53 @@ class StoreController:
 
     def state_dict(self) -> tuple[dict[str, Any], dict[int, Any]]:
         state = self.q.state_dict()
-        refs = {v.blob: self.blobs[v.blob][0] for d in state["samples"] for v in d["fields"].values() if isinstance(v, _Slot)}
+        refs = {}
+        for d in state["samples"]:
+            for v in d["fields"].values():
+                if isinstance(v, _Slot) and v.blob not in refs:
+                    ref, _, held = self.blobs[v.blob]
+                    refs[v.blob] = ref if held is None else held
         return state, refs
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.q.load_state_dict(state)
 
 
-def _compact(views: list[SampleView]) -> list[tuple[Any, ...]]:
-    """Sample views as plain tuples: (uid, group, version, inline fields, [(field, blob, row)]).
-    Plain tuples pickle ~10x faster than dataclasses or named tuples, and a take moves thousands."""
-    out = []
+def _compact(views: list[SampleView]) -> tuple[Any, ...]:
+    """Sample views in a form that pickles fast (a take moves thousands): id lists, one field-name
+    list, an int array [samples, fields, 2] of (blob, row) slots (blob -1: inline), and inline values."""
+    names: dict[str, int] = {}
     for v in views:
-        inline = {k: x for k, x in v.fields.items() if type(x) is not _Slot}
-        slots = [(k, x[0], x[1]) for k, x in v.fields.items() if type(x) is _Slot]
-        out.append((v.uid, v.group_id, v.version, inline, slots))
-    return out
+        for k in v.fields:
+            names.setdefault(k, len(names))
+    slots = np.full((len(views), len(names), 2), -1, dtype=np.int64)
+    inline: list[dict[str, Any] | None] = []
+    for i, v in enumerate(views):
+        own: dict[str, Any] | None = None
+        for k, x in v.fields.items():
+            if type(x) is _Slot:
+                slots[i, names[k]] = x[0], x[1]
+            else:
+                if own is None:
+                    own = {}
+                own[k] = x
+        inline.append(own)
+    return ([v.uid for v in views], [v.group_id for v in views], [v.version for v in views], list(names), slots, inline)
 
 
-def _expand(rows: list[tuple[Any, ...]], values: dict[int, Any]) -> list[SampleView]:
+def _expand(compact: tuple[Any, ...], values: dict[int, Any]) -> list[SampleView]:
+    uids, gids, versions, names, slots, inline = compact
     views = []
-    for uid, gid, version, fields, slots in rows:
-        for k, blob_id, row in slots:
-            blob = values[blob_id]
-            fields[k] = blob[k][row] if isinstance(blob, dict) else blob[row][k]
-        views.append(SampleView(uid, gid, version, fields))
+    present = slots[:, :, 0] != -1
+    rows = slots.tolist()
+    for i, uid in enumerate(uids):
+        fields = {} if inline[i] is None else inline[i]
+        for j, k in enumerate(names):
+            if present[i, j]:
+                blob_id, row = rows[i][j]
+                blob = values[blob_id]
+                fields[k] = blob[k][row] if isinstance(blob, dict) else blob[row][k]
+        views.append(SampleView(uid, gids[i], versions[i], fields))
     return views
 
 
@@ -291,16 +342,24 @@ def _columns(dicts: list[dict[str, Any]]) -> dict[str, Any] | None:
     return cols
 
 
-def _pack(dicts: list[dict[str, Any]], inline_max_bytes: int) -> tuple[list[dict[str, Any]] | None, list[list[str]], list[list[int]], Any]:
-    """Inline payload for small data; else one `ray.put` of all of it (wrapped so Ray does not
-    resolve the ref when it is passed as an argument)."""
+def _pack(dicts: list[dict[str, Any]], inline_max_bytes: int, put: bool = True) -> tuple[list[dict[str, Any]] | None, Any, Any, Any]:
+    """(inline payload | None, names, nbytes, [ref] | None): small data travels inline; larger data
+    goes into the object store with one `ray.put`, columnar when the rows allow it. The ref is
+    wrapped in a list so Ray passes it on instead of resolving it."""
     import ray
 
-    names = [list(d) for d in dicts]
-    nbytes = [[_nbytes(v) for v in d.values()] for d in dicts]
-    if sum(map(sum, nbytes)) <= inline_max_bytes:
+    keys = list(dicts[0]) if dicts else []
+    if all(len(d) == len(keys) and list(d) == keys for d in dicts):
+        nbytes: Any = np.array([[_nbytes(v) for v in d.values()] for d in dicts], dtype=np.int64).reshape(len(dicts), len(keys))
+        names: Any = keys
+        total = int(nbytes.sum())
+    else:
+        names = [list(d) for d in dicts]
+        nbytes = [[_nbytes(v) for v in d.values()] for d in dicts]
+        total = sum(map(sum, nbytes))
+    if total <= inline_max_bytes or not put:
         return dicts, names, nbytes, None
-    cols = _columns(dicts) if len(dicts) > 1 and all(list(d) == names[0] for d in dicts) else None
+    cols = _columns(dicts) if len(dicts) > 1 and names is keys else None
     return None, names, nbytes, [ray.put(dicts if cols is None else cols)]
 
 
@@ -310,8 +369,16 @@ class RayTransferQueue:
     Picklable: pass it to actors; each process's copy talks to the same controller.
     """
 
-    def __init__(self, handle: Any, *, inline_max_bytes: int = 16 * 1024, rpc_grace_s: float = 60.0) -> None:
+    def __init__(self, handle: Any, *, inline_max_bytes: int = 16 * 1024, rpc_grace_s: float = 60.0,
+                 data_plane: str = "object_store", put_window: int = 2) -> None:
+        if data_plane not in ("controller", "object_store"):
+            raise ValueError(f"data_plane must be 'controller' or 'object_store', got {data_plane!r}")
         self.handle = handle
+        self.data_plane = data_plane
+        self.put_window = put_window
+        self._pending: collections.deque[tuple[Any, float | None]] = collections.deque()
+        self._uid_next = 0
+        self._uid_end = 0
         self.inline_max_bytes = inline_max_bytes
         self.rpc_grace_s = rpc_grace_s
         self._owner: str | None = None
@@ -332,7 +399,7 @@ class RayTransferQueue:
         return cls(handle, **kwargs)
 
     def __reduce__(self) -> Any:
-        return (_rebuild, (self.handle, self.inline_max_bytes, self.rpc_grace_s))
+        return (_rebuild, (self.handle, self.inline_max_bytes, self.rpc_grace_s, self.data_plane, self.put_window))
 
     # ------------------------------------------------------------------ helpers
     def _get_owner(self) -> str | None:
@@ -371,25 +438,78 @@ class RayTransferQueue:
         except ray.exceptions.RayTaskError as exc:
             raise _unwrap(exc) from None
 
+    def _fetch(self, refs: dict[int, Any]) -> dict[int, Any]:
+        """Blob values: object-store refs fetched (zero-copy), rows sent by the controller as they are."""
+        import ray
+
+        fetch = [b for b, r in refs.items() if isinstance(r, ray.ObjectRef)]
+        got = ray.get([refs[b] for b in fetch], timeout=self.rpc_grace_s) if fetch else []
+        return {**refs, **dict(zip(fetch, got, strict=True))}
+
     @staticmethod
     def _fill(compact: Any, values: dict[int, Any]) -> Lease:
         lid, stage, deadline, samples, expired = compact
         return Lease(lid, stage, _expand(samples, values), _expand(expired, values), deadline)
 
-    def _put_args(self, samples: list[NewSample]) -> tuple[Any, ...]:
-        meta = [(s.group_id, s.group_size, s.priority) for s in samples]
-        return (meta, *_pack([s.fields for s in samples], self.inline_max_bytes))
+    def _uids(self, n: int) -> list[int]:
+        """Client-assigned uids from a reserved range, so a put can return before the controller answers."""
+        if self._uid_end - self._uid_next < n:
+            block = max(n, 4096)
+            self._uid_next = int(self._get(self.handle.reserve_uids.remote(block), 60, "reserve_uids"))
+            self._uid_end = self._uid_next + block
+        start = self._uid_next
+        self._uid_next += n
+        return list(range(start, start + n))
+
+    def _put_args(self, samples: list[NewSample], timeout: float | None) -> tuple[Any, ...]:
+        uids = [s.uid for s in samples] if all(s.uid is not None for s in samples) else self._uids(len(samples))
+        meta = ([s.group_id for s in samples], [s.group_size for s in samples], [s.priority for s in samples], uids)
+        dicts = [s.fields for s in samples]
+        if self.data_plane == "object_store":
+            return (meta, *_pack(dicts, self.inline_max_bytes), timeout)
+        payload, names, nbytes, _ = _pack(dicts, 1 << 62, put=False)
+        if sum(map(sum, nbytes)) if isinstance(nbytes, list) else int(nbytes.sum()) <= self.inline_max_bytes:
+            return (meta, payload, names, nbytes, None, timeout)
+        cols = _columns(dicts) if len(dicts) > 1 and isinstance(names[0], str) else None
+        return (meta, None, names, nbytes, None, timeout, dicts if cols is None else cols)
 
     # ------------------------------------------------------------------ API (same as TransferQueue)
     def register_stage(self, stage: str, fields: Sequence[str], *, groups: bool = False) -> None:
         self._get(self.handle.register_stage.remote(stage, list(fields), groups), 60, "register_stage")
 
     async def put(self, samples: list[NewSample], timeout: float | None = None) -> list[int]:
-        ref = self.handle.put.remote(*self._put_args(samples), timeout)
-        return list(await self._aget(ref, timeout, "put"))
+        """Admit samples; returns their uids as soon as at most `put_window` puts are in flight.
+
+        Pipelined: the uids come from a reserved range, so the call does not wait for the controller
+        unless `put_window` earlier puts are still unanswered (that wait is the backpressure). An
+        error of a pipelined put (closed store, timeout) is raised by a later put or by `flush`.
+        """
+        args = self._put_args(samples, timeout)
+        self._pending.append((self.handle.put.remote(*args), timeout))
+        while len(self._pending) > self.put_window:
+            ref, t = self._pending.popleft()
+            await self._aget(ref, t, "put")
+        return list(args[0][3])
 
     def put_blocking(self, samples: list[NewSample], timeout: float | None = None) -> list[int]:
-        return list(self._get(self.handle.put.remote(*self._put_args(samples), timeout), timeout, "put"))
+        """`put` for plain threads."""
+        args = self._put_args(samples, timeout)
+        self._pending.append((self.handle.put.remote(*args), timeout))
+        while len(self._pending) > self.put_window:
+            ref, t = self._pending.popleft()
+            self._get(ref, t, "put")
+        return list(args[0][3])
+
+    def flush(self) -> None:
+        """Wait until every put of this client has landed (raises the first error among them)."""
+        while self._pending:
+            ref, t = self._pending.popleft()
+            self._get(ref, t, "put")
+
+    async def flush_async(self) -> None:
+        while self._pending:
+            ref, t = self._pending.popleft()
+            await self._aget(ref, t, "put")
 
     async def take(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                    lease_s: float | None = None, min_version: int | None = None,
@@ -397,25 +517,23 @@ class RayTransferQueue:
         ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
                                       list(fields_extra), self._get_owner())
         lease, refs = await self._aget(ref, timeout, f"take({stage!r})")
-        blobs = list(refs)
-        values = await asyncio.gather(*(refs[b] for b in blobs))
-        return self._fill(lease, dict(zip(blobs, values, strict=True)))
+        import ray
+
+        fetch = [b for b, r in refs.items() if isinstance(r, ray.ObjectRef)]
+        got = await asyncio.gather(*(refs[b] for b in fetch))
+        return self._fill(lease, {**refs, **dict(zip(fetch, got, strict=True))})
 
     def take_blocking(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                       lease_s: float | None = None, min_version: int | None = None,
                       fields_extra: Sequence[str] = ()) -> Lease:
-        import ray
 
         ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
                                       list(fields_extra), self._get_owner())
         lease, refs = self._get(ref, timeout, f"take({stage!r})")
-        blobs = list(refs)
-        values = ray.get([refs[b] for b in blobs], timeout=self.rpc_grace_s) if blobs else []
-        return self._fill(lease, dict(zip(blobs, values, strict=True)))
+        return self._fill(lease, self._fetch(refs))
 
     def take_nowait(self, stage: str, max_samples: int, *, min_samples: int = 1, lease_s: float | None = None,
                     min_version: int | None = None, fields_extra: Sequence[str] = ()) -> Lease | None:
-        import ray
 
         ref = self.handle.take_nowait.remote(stage, max_samples, min_samples, lease_s, min_version,
                                              list(fields_extra), self._get_owner())
@@ -423,14 +541,12 @@ class RayTransferQueue:
         if got is None:
             return None
         lease, refs = got
-        blobs = list(refs)
-        values = ray.get([refs[b] for b in blobs], timeout=self.rpc_grace_s) if blobs else []
-        return self._fill(lease, dict(zip(blobs, values, strict=True)))
+        return self._fill(lease, self._fetch(refs))
 
     def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None:
         """Sent without waiting; a write to a deleted sample is dropped (as `complete` does)."""
         payload, names, nbytes, ref = _pack([fields], self.inline_max_bytes)
-        self.handle.write.remote(uid, None if payload is None else payload[0], names[0], nbytes[0], ref, version)
+        self.handle.write.remote(uid, None if payload is None else payload[0], names, nbytes, ref, version)
 
     def complete(self, lease: Lease, writes: dict[int, dict[str, Any]], *, versions: dict[int, int] | None = None,
                  remove: bool = False) -> bool:
@@ -459,10 +575,13 @@ class RayTransferQueue:
     def close(self) -> None:
         import ray
 
+        with contextlib.suppress(ray.exceptions.RayActorError, QueueClosed, WaitTimeout):
+            self.flush()
         with contextlib.suppress(ray.exceptions.RayActorError):
             self._get(self.handle.close.remote(), 60, "close")
 
     def size(self) -> int:
+        self.flush()
         return int(self._get(self.handle.size.remote(), 60, "size"))
 
     def ready_count(self, stage: str) -> int:
@@ -481,11 +600,9 @@ class RayTransferQueue:
 
     def state_dict(self) -> dict[str, Any]:
         """As `TransferQueue.state_dict`, with every field's value fetched from the object store."""
-        import ray
 
         state, refs = self._get(self.handle.state_dict.remote(), 600, "state_dict")
-        blobs = list(refs)
-        values = dict(zip(blobs, ray.get([refs[b] for b in blobs], timeout=600), strict=True)) if blobs else {}
+        values = self._fetch(refs)
         for d in state["samples"]:
             d["fields"] = {k: _value(values, v, k) for k, v in d["fields"].items()}
         return dict(state)
@@ -500,8 +617,9 @@ class RayTransferQueue:
         ray.kill(self.handle)
 
 
-def _rebuild(handle: Any, inline_max_bytes: int, rpc_grace_s: float) -> RayTransferQueue:
-    return RayTransferQueue(handle, inline_max_bytes=inline_max_bytes, rpc_grace_s=rpc_grace_s)
+def _rebuild(handle: Any, inline_max_bytes: int, rpc_grace_s: float, data_plane: str, put_window: int) -> RayTransferQueue:
+    return RayTransferQueue(handle, inline_max_bytes=inline_max_bytes, rpc_grace_s=rpc_grace_s, data_plane=data_plane,
+                            put_window=put_window)
 
 
 def _value(values: dict[int, Any], v: Any, k: str) -> Any:

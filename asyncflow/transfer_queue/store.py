@@ -58,6 +58,8 @@ class NewSample:
     """Initial fields (e.g. `prompt_ids` tensor, prompt text, answer)."""
     priority: float | None = None
     """Lower is served first; default is the admission sequence number (the uid)."""
+    uid: int | None = None
+    """Normally assigned by the store; a client may pass one it got from `reserve_uids`."""
 
 
 @dataclass
@@ -286,6 +288,9 @@ class TransferQueue:
             return None, w, self._next_expiry()
 
     def _validate_new(self, samples: list[NewSample]) -> None:
+        for ns in samples:
+            if ns.uid is not None and (ns.uid in self._samples or ns.uid >= self._next_uid):
+                raise ValueError(f"uid {ns.uid} is in use or was never reserved")
         if len(samples) > self.capacity:
             raise ValueError(f"cannot put {len(samples)} samples into a store of capacity {self.capacity}")
         counts: dict[int, int] = {}
@@ -299,9 +304,19 @@ class TransferQueue:
             if counts[ns.group_id] + (g.put if g else 0) > ns.group_size:
                 raise ValueError(f"group {ns.group_id}: more than group_size={ns.group_size} samples put")
 
+    def reserve_uids(self, n: int) -> int:
+        """Reserve `n` consecutive uids for a client to assign itself (pipelined puts); returns the first."""
+        with self._lock:
+            start = self._next_uid
+            self._next_uid += n
+            return start
+
     def _insert(self, ns: NewSample) -> int:
-        uid = self._next_uid
-        self._next_uid += 1
+        if ns.uid is None:
+            uid = self._next_uid
+            self._next_uid += 1
+        else:
+            uid = ns.uid
         priority = float(uid) if ns.priority is None else float(ns.priority)
         s = _Sample(uid, ns.group_id, priority, dict(ns.fields))
         g = self._groups.setdefault(ns.group_id, _Group(ns.group_size))
