@@ -377,6 +377,7 @@ class RayTransferQueue:
         self.data_plane = data_plane
         self.put_window = put_window
         self._pending: collections.deque[tuple[Any, float | None]] = collections.deque()
+        self._ops: list[Any] = []  # unanswered fire-and-forget calls (write, complete, ack, ...)
         self._uid_next = 0
         self._uid_end = 0
         self.inline_max_bytes = inline_max_bytes
@@ -501,19 +502,36 @@ class RayTransferQueue:
         return list(args[0][3])
 
     def flush(self) -> None:
-        """Wait until every put of this client has landed (raises the first error among them)."""
+        """Wait until every earlier call of this client has been applied (read-your-writes: reads
+        call it first); raises the first error of a pipelined put."""
         while self._pending:
             ref, t = self._pending.popleft()
             self._get(ref, t, "put")
+        ops, self._ops = self._ops, []
+        if ops:
+            self._get(ops, 0.0, "earlier updates")
 
     async def flush_async(self) -> None:
         while self._pending:
             ref, t = self._pending.popleft()
             await self._aget(ref, t, "put")
+        ops, self._ops = self._ops, []
+        if ops:
+            await self._aget(asyncio.gather(*ops), 0.0, "earlier updates")
+
+    def _send(self, ref: Any) -> None:
+        """Track a call sent without waiting; the controller may run calls out of order (it is an
+        async actor), so later reads of this client wait for these first."""
+        self._ops.append(ref)
+        if len(self._ops) >= 256:
+            import ray
+
+            _, self._ops = ray.wait(self._ops, num_returns=len(self._ops), timeout=0)
 
     async def take(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                    lease_s: float | None = None, min_version: int | None = None,
                    fields_extra: Sequence[str] = ()) -> Lease:
+        await self.flush_async()
         ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
                                       list(fields_extra), self._get_owner())
         lease, refs = await self._aget(ref, timeout, f"take({stage!r})")
@@ -527,6 +545,7 @@ class RayTransferQueue:
                       lease_s: float | None = None, min_version: int | None = None,
                       fields_extra: Sequence[str] = ()) -> Lease:
 
+        self.flush()
         ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
                                       list(fields_extra), self._get_owner())
         lease, refs = self._get(ref, timeout, f"take({stage!r})")
@@ -535,6 +554,7 @@ class RayTransferQueue:
     def take_nowait(self, stage: str, max_samples: int, *, min_samples: int = 1, lease_s: float | None = None,
                     min_version: int | None = None, fields_extra: Sequence[str] = ()) -> Lease | None:
 
+        self.flush()
         ref = self.handle.take_nowait.remote(stage, max_samples, min_samples, lease_s, min_version,
                                              list(fields_extra), self._get_owner())
         got = self._get(ref, 0.0, f"take_nowait({stage!r})")
@@ -546,30 +566,31 @@ class RayTransferQueue:
     def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None:
         """Sent without waiting; a write to a deleted sample is dropped (as `complete` does)."""
         payload, names, nbytes, ref = _pack([fields], self.inline_max_bytes)
-        self.handle.write.remote(uid, None if payload is None else payload[0], names, nbytes, ref, version)
+        self._send(self.handle.write.remote(uid, None if payload is None else payload[0], names, nbytes, ref, version))
 
     def complete(self, lease: Lease, writes: dict[int, dict[str, Any]], *, versions: dict[int, int] | None = None,
                  remove: bool = False) -> bool:
         """Sent without waiting (returns True); see `TransferQueue.complete`."""
         uids = list(writes)
         payload, names, nbytes, ref = _pack([writes[u] for u in uids], self.inline_max_bytes)
-        self.handle.complete.remote(lease.id, lease.stage, uids, payload, names, nbytes, ref, versions, remove)
+        self._send(self.handle.complete.remote(lease.id, lease.stage, uids, payload, names, nbytes, ref, versions, remove))
         return True
 
     def ack(self, lease: Lease, *, remove: bool = False) -> bool:
         """Sent without waiting (returns True); an ack of an ended lease is a no-op, as in process."""
-        self.handle.ack.remote(lease.id, lease.stage, remove)
+        self._send(self.handle.ack.remote(lease.id, lease.stage, remove))
         return True
 
     def release(self, lease: Lease) -> bool:
-        self.handle.release.remote(lease.id, lease.stage)
+        self._send(self.handle.release.remote(lease.id, lease.stage))
         return True
 
     def remove(self, uids: Iterable[int]) -> None:
-        self.handle.remove.remote(list(uids))
+        self._send(self.handle.remove.remote(list(uids)))
 
     def release_owner(self, owner: str) -> int:
         """Release every lease held by `owner` (an actor id) now, e.g. when a supervisor saw it die."""
+        self.flush()
         return int(self._get(self.handle.release_owner.remote(owner), 60, "release_owner"))
 
     def close(self) -> None:
@@ -585,21 +606,26 @@ class RayTransferQueue:
         return int(self._get(self.handle.size.remote(), 60, "size"))
 
     def ready_count(self, stage: str) -> int:
+        self.flush()
         return int(self._get(self.handle.ready_count.remote(stage), 60, "ready_count"))
 
     def in_flight(self, stage: str) -> int:
+        self.flush()
         return int(self._get(self.handle.in_flight.remote(stage), 60, "in_flight"))
 
     def metrics(self) -> dict[str, float]:
+        self.flush()
         return dict(self._get(self.handle.metrics.remote(), 60, "metrics"))
 
     def errors(self) -> tuple[int, str]:
         """(count, last message) of failed fire-and-forget operations."""
+        self.flush()
         n, msg = self._get(self.handle.errors.remote(), 60, "errors")
         return int(n), str(msg)
 
     def state_dict(self) -> dict[str, Any]:
         """As `TransferQueue.state_dict`, with every field's value fetched from the object store."""
+        self.flush()
 
         state, refs = self._get(self.handle.state_dict.remote(), 600, "state_dict")
         values = self._fetch(refs)

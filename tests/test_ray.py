@@ -1,0 +1,256 @@
+"""The Ray runtime: the store across processes, dead consumers, weight sync through the object store,
+and a short end-to-end run. One Ray instance for the whole session (`ray_session`)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from asyncflow.engines.base import GenRequest
+from asyncflow.errors import WaitTimeout
+from asyncflow.transfer_queue import NewSample, QueueClosed
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+    from ray import cloudpickle
+
+    from asyncflow.runtime.ray_init import ensure_ray
+
+    started = not ray.is_initialized()
+    ensure_ray(None, num_cpus=2)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test-only actor classes below
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+class _Producer:
+    def put(self, store, n: int, group: int) -> list[int]:
+        rng = np.random.default_rng(n)
+        samples = [
+            NewSample(i // group, group, {"big": rng.random(4096), "small": [i, i + 1], "i": i}) for i in range(n)
+        ]
+        uids = []
+        for k in range(0, n, 8):
+            uids += store.put_blocking(samples[k : k + 8], timeout=30)
+        store.flush()
+        return uids
+
+
+class _Consumer:
+    def __init__(self) -> None:
+        self.lease = None
+
+    def take(self, store, stage: str, n: int, lease_s: float | None = None) -> list[int]:
+        self.lease = store.take_blocking(stage, n, min_samples=n, timeout=30, lease_s=lease_s, fields_extra=["i"])
+        return [s.uid for s in self.lease.samples]
+
+    def sums(self) -> dict[int, float]:
+        return {s.fields["i"]: float(np.sum(s.fields["big"])) + sum(s.fields["small"]) for s in self.lease.samples}
+
+    def complete(self, store) -> None:
+        store.complete(self.lease, {s.uid: {"score": float(s.fields["i"])} for s in self.lease.samples})
+
+
+@pytest.mark.parametrize("data_plane", ["object_store", "controller"])
+def test_store_moves_exact_data_between_processes(ray_session, data_plane: str) -> None:
+    ray = ray_session
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64, data_plane=data_plane)
+    try:
+        store.register_stage("score", ["big", "small"], groups=True)
+        store.register_stage("train", ["score"], groups=True)
+        producer = ray.remote(_Producer).options(num_cpus=0).remote()
+        consumer = ray.remote(_Consumer).options(num_cpus=0).remote()
+        uids = ray.get(producer.put.remote(store, 32, 4), timeout=60)
+        assert sorted(uids) == list(range(min(uids), min(uids) + 32))
+        taken = ray.get(consumer.take.remote(store, "score", 16), timeout=60)
+        assert len(taken) == 16
+        rng = np.random.default_rng(32)
+        expected = {i: float(np.sum(rng.random(4096))) + 2 * i + 1 for i in range(32)}
+        got = ray.get(consumer.sums.remote(), timeout=60)
+        assert got and all(abs(v - expected[i]) < 1e-6 for i, v in got.items())
+        ray.get(consumer.complete.remote(store), timeout=60)
+        lease = store.take_blocking("train", 16, min_samples=16, timeout=30, fields_extra=["i"])
+        assert {s.fields["i"] for s in lease.samples} == set(got)  # only the scored groups are ready
+        assert all(s.fields["score"] == float(s.fields["i"]) for s in lease.samples)
+        store.ack(lease, remove=True)
+        assert store.size() == 16
+        assert store.errors() == (0, "")
+    finally:
+        store.kill()
+
+
+def test_errors_come_out_as_the_store_s_own(ray_session) -> None:
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=8)
+    try:
+        store.register_stage("s", ["x"])
+        with pytest.raises(WaitTimeout, match="stage 's'"):
+            store.take_blocking("s", 1, timeout=0.2)
+        store.close()
+        with pytest.raises(QueueClosed):
+            store.take_blocking("s", 1, timeout=5)
+    finally:
+        store.kill()
+
+
+def test_a_consumer_actor_killed_while_holding_a_lease_loses_nothing(ray_session) -> None:
+    ray = ray_session
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64, owner_check_s=0.3)
+    try:
+        store.register_stage("score", ["big"], groups=True)
+        producer = ray.remote(_Producer).options(num_cpus=0).remote()
+        ray.get(producer.put.remote(store, 16, 4), timeout=60)
+        victim = ray.remote(_Consumer).options(num_cpus=0).remote()
+        held = ray.get(victim.take.remote(store, "score", 8, 3600.0), timeout=60)  # an hour-long lease
+        assert store.in_flight("score") == 8
+        ray.kill(victim)
+        # the controller notices the dead owner and gives its samples back, long before the lease ends
+        lease = store.take_blocking("score", 16, min_samples=16, timeout=30)
+        assert set(held) <= {s.uid for s in lease.samples}
+        assert store.metrics()["released_from_dead_owners"] == 1
+    finally:
+        store.kill()
+
+
+def test_lease_deadline_is_the_backstop(ray_session) -> None:
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=8)
+    try:
+        store.register_stage("s", ["x"])
+        store.put_blocking([NewSample(0, 1, {"x": 1}), NewSample(1, 1, {"x": 2})], timeout=10)
+        first = store.take_blocking("s", 2, min_samples=2, timeout=10, lease_s=0.3)
+        again = store.take_blocking("s", 2, min_samples=2, timeout=10)
+        assert [s.uid for s in again.samples] == [s.uid for s in first.samples]
+    finally:
+        store.kill()
+
+
+# ---------------------------------------------------------------------------- weight sync on Ray
+
+
+def _perturbed_state(model) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for k in state:
+        if k.endswith("weight") and state[k].dim() == 2:
+            state[k] += 0.5 * torch.randn_like(state[k])
+    return state
+
+
+def _slow_rollout_worker(model):
+    """The real `RolloutWorker` methods over an engine whose decode steps take 10 ms (so a load
+    lands mid-request) and that never stops at EOS."""
+    from asyncflow.engines.hf import HFEngine
+    from asyncflow.runtime.ray_runtime import RolloutWorker
+    from asyncflow.workflow.pipeline import Counters
+
+    class SlowRolloutWorker(RolloutWorker):
+        def __init__(self, model) -> None:  # noqa: D107 - bypasses the model-folder set-up
+            self.index = 0
+            self.engine = HFEngine(copy.deepcopy(model), eos_token_id=[], max_batch=16)
+            original = self.engine._decode_step
+
+            def slow() -> None:
+                time.sleep(0.01)
+                original()
+
+            self.engine._decode_step = slow  # type: ignore[method-assign]
+            self.pipeline = types.SimpleNamespace(counters=Counters())
+
+    return SlowRolloutWorker
+
+
+@pytest.mark.parametrize("mode", ["swap", "drain", "abort"])
+def test_weight_modes_through_the_object_store_keep_versions_right(ray_session, tiny_model, mode: str) -> None:
+    import asyncio
+
+    ray = ray_session
+    from asyncflow.runtime.ray_runtime import RemoteEngine
+
+    actor = ray.remote(_slow_rollout_worker(tiny_model)).options(num_cpus=0, max_concurrency=100).remote(tiny_model)
+    engine = RemoteEngine(actor, capacity=16, timeout_s=60)
+    state_ref = ray.put(_perturbed_state(tiny_model))  # published once; the actor fetches it
+    ray.get(actor.__ray_ready__.remote(), timeout=120)
+
+    async def scenario():
+        reqs = [GenRequest(i, [3 + i, 4, 5], 30, 1.0) for i in range(4)]
+        running = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
+        for _ in range(500):  # wait until all four are decoding, then let a few tokens come out
+            if (await actor.stats.remote())["load"] == 4:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        seconds = await engine.load_weights(state_ref, 1, mode)
+        late = await engine.generate(GenRequest(99, [3, 4, 5], 5, 1.0))
+        return await asyncio.gather(*running), late, seconds
+
+    try:
+        results, late, seconds = asyncio.run(scenario())
+    finally:
+        ray.kill(actor)
+    assert seconds >= 0 and engine.version == 1
+    for res in results:
+        v = res.token_versions
+        assert len(res.response_ids) == len(res.behavior_logprobs) == len(v) == 30
+        assert v == sorted(v) and v[0] == 0
+        if mode == "drain":
+            assert set(v) == {0}
+        else:
+            assert v[-1] == 1
+    assert set(late.token_versions) == {1}
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_short_training_run_on_ray(ray_session, arith_dir: Path, tmp_path: Path) -> None:
+    from asyncflow.config import load_config
+    from asyncflow.runner import train
+
+    cfg, _ = load_config(None, [
+        "runtime.kind=ray", f"model.path={arith_dir}", "train.max_steps=4", "train.batch_size=32", "rollout.n=4",
+        "eval.every=2", "eval.size=40", "logging.progress=false", "workflow.weight_update=abort",
+        "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5",
+    ])
+    out = tmp_path / "run"
+    summary = train(cfg, out, progress_enabled=False)
+    assert summary["samples"] == 4 * 32
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["policy_version"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["weight_sync_s"] > 0 and r["staleness_max"] <= 1 for r in steps)
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 2, 4]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    trained = [s for s in samples if s["status"] == "trained"]
+    assert len(trained) == 4 * 32 and len({s["uid"] for s in trained}) == len(trained)
+    # no sample both trained and logged otherwise; every row is whole JSON (actors append concurrently)
+    others = {s["uid"] for s in samples if s["status"] != "trained"}
+    assert not others & {s["uid"] for s in trained}
+    trace = json.loads((out / "trace.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"rollout/0", "reward/0", "trainer", "weight sync"} <= names
+    assert (out / "final" / "config.json").is_file()
+    assert not ray_session.util.placement_group_table() or all(
+        pg["state"] == "REMOVED" for pg in ray_session.util.placement_group_table().values()
+    )
