@@ -596,3 +596,43 @@ def test_balance_by_length_balances_sums_and_fills_every_bin() -> None:
 def test_split_sequential_keeps_order_and_sizes_within_one() -> None:
     assert split_sequential(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert split_sequential(2, 3) == [[0], [1], []]
+
+
+def test_take_each_gives_one_lease_per_sample_in_one_call() -> None:
+    q = TransferQueue()
+    q.register_stage("rollout", ["prompt"])
+    q.put_blocking(prompts(5))
+
+    async def scenario() -> list[Lease]:
+        return await q.take_each("rollout", 3, timeout=5)
+
+    leases = asyncio.run(scenario())
+    assert [uids_of(lease) for lease in leases] == [[0], [1], [2]]
+    # each lease ends on its own: completing one leaves the others leased
+    assert q.complete(leases[1], {1: {"response": "x"}})
+    assert q.in_flight("rollout") == 2 and q.ready_count("rollout") == 2
+    q.release(leases[0])
+    assert q.ready_count("rollout") == 3
+
+    async def rest() -> list[Lease]:
+        return await q.take_each("rollout", 10, timeout=5)
+
+    assert [uids_of(lease) for lease in asyncio.run(rest())] == [[0], [3], [4]]  # priority order
+
+
+def test_complete_writes_then_acks_and_refuses_an_ended_lease() -> None:
+    clock = FakeClock()
+    q = TransferQueue(clock=clock, lease_timeout_s=10)
+    q.register_stage("rollout", ["prompt"])
+    q.register_stage("reward", ["response"])
+    q.put_blocking(prompts(2))
+    lease = q.take_nowait("rollout", 1)
+    assert lease is not None and q.complete(lease, {0: {"response": "a"}}, versions={0: 3})
+    got = q.take_nowait("reward", 5)
+    assert got is not None and [(s.uid, s.version) for s in got.samples] == [(0, 3)]
+    q.ack(got)
+    late = q.take_nowait("rollout", 1)
+    assert late is not None
+    clock.t += 11  # the lease ran out: its result must not land (the sample may be someone else's)
+    assert not q.complete(late, {1: {"response": "b"}})
+    assert q.ready_count("reward") == 0 and q.ready_count("rollout") == 1

@@ -139,6 +139,12 @@ class StoreController:
                                   min_version=min_version, fields_extra=fields_extra)
         return self._hand_out(lease, owner)
 
+    async def take_each(self, stage: str, max_samples: int, timeout: float | None, lease_s: float | None,
+                        min_version: int | None, fields_extra: Sequence[str], owner: str | None) -> list[tuple[Any, dict[int, Any]]]:
+        leases = await self.q.take_each(stage, max_samples, timeout=timeout, lease_s=lease_s, min_version=min_version,
+                                        fields_extra=fields_extra)
+        return [self._hand_out(lease, owner) for lease in leases]
+
     def take_nowait(self, stage: str, max_samples: int, min_samples: int, lease_s: float | None,
                     min_version: int | None, fields_extra: Sequence[str], owner: str | None) -> tuple[Any, dict[int, Any]] | None:
         lease = self.q.take_nowait(stage, max_samples, min_samples=min_samples, lease_s=lease_s,
@@ -540,6 +546,23 @@ class RayTransferQueue:
         fetch = [b for b, r in refs.items() if isinstance(r, ray.ObjectRef)]
         got = await asyncio.gather(*(refs[b] for b in fetch))
         return self._fill(lease, {**refs, **dict(zip(fetch, got, strict=True))})
+
+    async def take_each(self, stage: str, max_samples: int, *, timeout: float | None = None,
+                        lease_s: float | None = None, min_version: int | None = None,
+                        fields_extra: Sequence[str] = ()) -> list[Lease]:
+        """See `TransferQueue.take_each`: one call, one lease per sample (or group)."""
+        import ray
+
+        await self.flush_async()
+        ref = self.handle.take_each.remote(stage, max_samples, timeout, lease_s, min_version, list(fields_extra),
+                                           self._get_owner())
+        got = await self._aget(ref, timeout, f"take_each({stage!r})")
+        refs: dict[int, Any] = {}
+        for _, r in got:
+            refs.update(r)
+        fetch = [b for b, r in refs.items() if isinstance(r, ray.ObjectRef)]
+        values = dict(zip(fetch, await asyncio.gather(*(refs[b] for b in fetch)), strict=True))
+        return [self._fill(compact, {**r, **values}) for compact, r in got]
 
     def take_blocking(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                       lease_s: float | None = None, min_version: int | None = None,

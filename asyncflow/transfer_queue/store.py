@@ -107,6 +107,17 @@ class StoreClient(Protocol):
         fields_extra: Sequence[str] = (),
     ) -> Lease: ...
 
+    async def take_each(
+        self,
+        stage: str,
+        max_samples: int,
+        *,
+        timeout: float | None = None,
+        lease_s: float | None = None,
+        min_version: int | None = None,
+        fields_extra: Sequence[str] = (),
+    ) -> list[Lease]: ...
+
     def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None: ...
 
     def complete(
@@ -430,6 +441,34 @@ class TransferQueue:
             return await self._wait_async(lambda wake: self._take_or_wait(*args, wake), timeout, what)
         finally:
             self._add_wait(stage, start)
+
+    async def take_each(
+        self,
+        stage: str,
+        max_samples: int,
+        *,
+        timeout: float | None = None,
+        lease_s: float | None = None,
+        min_version: int | None = None,
+        fields_extra: Sequence[str] = (),
+    ) -> list[Lease]:
+        """Up to `max_samples` samples (whole groups for group stages) as one lease each, so each can
+        be completed on its own: waits for the first, then takes what is ready. One call instead of
+        one per free slot (a round trip each on Ray)."""
+        first = await self.take(stage, 1, timeout=timeout, lease_s=lease_s, min_version=min_version,
+                                fields_extra=fields_extra)
+        return [first, *self._take_more(stage, max_samples - _count(first), lease_s, min_version, fields_extra)]
+
+    def _take_more(self, stage: str, budget: int, lease_s: float | None, min_version: int | None,
+                   fields_extra: Sequence[str]) -> list[Lease]:
+        out = []
+        while budget > 0:
+            lease = self.take_nowait(stage, 1, lease_s=lease_s, min_version=min_version, fields_extra=fields_extra)
+            if lease is None:
+                break
+            out.append(lease)
+            budget -= _count(lease)
+        return out
 
     def take_blocking(
         self,
@@ -856,6 +895,10 @@ class TransferQueue:
         g.uids.append(s.uid)
         g.consumed |= s.consumed
         self._samples[s.uid] = s
+
+
+def _count(lease: Lease) -> int:
+    return len(lease.samples) + len(lease.expired)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:

@@ -177,7 +177,8 @@ class Pipeline:
     # ------------------------------------------------------------------ rollout
 
     async def rollout_worker(self, index: int, engine: InferenceEngine) -> None:
-        """Pull one admitted sample per free engine slot; write its response when it ends."""
+        """Pull one admitted sample per free engine slot (all free slots' worth in one store call,
+        one lease each); write each response the moment it ends."""
         slots = asyncio.Semaphore(engine.capacity)
         tasks: set[asyncio.Task[None]] = set()
         track = f"rollout/{index}"
@@ -185,24 +186,30 @@ class Pipeline:
         try:
             while True:
                 await slots.acquire()
+                free = 1
+                while not slots.locked():  # every other free slot, without waiting
+                    await slots.acquire()
+                    free += 1
                 try:
-                    lease = await self.store.take("rollout", 1, timeout=self.cfg.workflow.step_timeout_s)
+                    leases = await self.store.take_each("rollout", free, timeout=self.cfg.workflow.step_timeout_s)
                 except WaitTimeout:
-                    slots.release()
-                    continue  # nothing admitted for a while: normal while the trainer catches up
+                    leases = []  # nothing admitted for a while: normal while the trainer catches up
                 except QueueClosed:
                     return
-                if not tasks:
-                    active_since.append(self.clock.now())
-                task = asyncio.create_task(self._generate(engine, lease, slots))
-                tasks.add(task)
+                for _ in range(free - len(leases)):
+                    slots.release()
+                for lease in leases:
+                    if not tasks:
+                        active_since.append(self.clock.now())
+                    task = asyncio.create_task(self._generate(engine, lease, slots))
+                    tasks.add(task)
 
-                def _done(t: asyncio.Task[None]) -> None:
-                    tasks.discard(t)
-                    if not tasks and active_since:
-                        self.tracer.span(track, "generating", active_since.pop(), self.clock.now())
+                    def _done(t: asyncio.Task[None]) -> None:
+                        tasks.discard(t)
+                        if not tasks and active_since:
+                            self.tracer.span(track, "generating", active_since.pop(), self.clock.now())
 
-                task.add_done_callback(_done)
+                    task.add_done_callback(_done)
         finally:
             for t in list(tasks):
                 t.cancel()
