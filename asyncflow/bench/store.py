@@ -8,7 +8,7 @@ Each measurement starts from warmed-up processes: a short untimed round (256 sam
 the same actors. The timed window runs from the producer's first put to the consumer's last
 verified checksum (`time.monotonic()` is one clock for every process on a machine).
 `--set transferqueue=true` adds the `transferqueue` 0.1.11 package on the same workload, side by side
-(needs `pip install transferqueue==0.1.11`).
+(needs `pip install -e .[bench]`, i.e. `transferqueue==0.1.11`).
 """
 
 from __future__ import annotations
