@@ -91,3 +91,19 @@ def test_configuration_reference_in_docs_is_up_to_date() -> None:
 
     doc = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
     assert doc.read_text() == reference_markdown(), "regenerate docs/configuration.md (command at its top)"
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["bench", "store", "--set", "placements=gpu"], "unknown placement"),
+        (["bench", "store", "--set", "bogus=1"], "expected one of"),
+        (["bench", "pipeline"], "not available"),
+    ],
+)
+def test_bench_arguments_fail_with_one_line_and_exit_2(args: list[str], needle: str, capsys) -> None:
+    from asyncflow.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and "Traceback" not in err

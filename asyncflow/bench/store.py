@@ -144,6 +144,15 @@ def run_store(overrides: list[str]) -> list[dict[str, Any]]:
     spec = Store1Spec(samples=int(opts.get("samples", 4096)))
     repeats = int(opts.get("repeats", 3))
     placements = str(opts.get("placements", "local,ray")).split(",")
+    if opts.get("transferqueue") in ("true", "1"):
+        import importlib.util
+
+        if importlib.util.find_spec("transfer_queue") is None:
+            raise UserError("bench store --set transferqueue=true: the transferqueue package is not installed "
+                            "(pip install -e '.[bench]')")
+    unknown = set(placements) - {"local", "ray"}
+    if unknown:
+        raise UserError(f"bench store --set placements: unknown placement(s) {sorted(unknown)}; use local, ray")
     rows: list[dict[str, Any]] = []
     for mode in ("sequential", "streaming"):
         if "local" in placements:
