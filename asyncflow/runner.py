@@ -95,6 +95,18 @@ def load_tokenizer(model_dir: Path) -> Any:
     return tok
 
 
+def _engine_batching(engines: list[Any]) -> dict[str, float]:
+    """Mean decode batch and mean rows per prefill over all engines so far (how well requests batch)."""
+    total: dict[str, float] = {}
+    for e in engines:
+        for k, v in e.stats().items():
+            total[k] = total.get(k, 0.0) + v
+    if not total.get("decode_steps") or not total.get("prefills"):
+        return {}
+    return {"engine/decode_batch_mean": total["decode_rows"] / total["decode_steps"],
+            "engine/prefill_rows_mean": total["prefill_rows"] / total["prefills"]}
+
+
 def torch_threads(cfg: Config) -> int:
     """CPU threads for torch: measured best placement per mode (docs/performance.md, E2E)."""
     if cfg.runtime.torch_threads is not None:
@@ -212,6 +224,7 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
             "samples_per_s": c.trained / max(now - pipeline.t_start, 1e-9),
             **{k: v for k, v in result.metrics.items()},
             "kl": result.metrics.get("kl", 0.0),
+            **_engine_batching(engines),
             "rollout_busy_frac": rollout_busy,
             "train_busy_frac": train_busy,
             "dropped_stale": c.dropped_stale,

@@ -71,6 +71,10 @@ class InferenceEngine(abc.ABC):
         """Cumulative seconds spent computing (for busy fractions)."""
         return 0.0
 
+    def stats(self) -> dict[str, float]:
+        """Cumulative batching counters (`decode_steps`, `decode_rows`, `prefills`, `prefill_rows`)."""
+        return {}
+
     async def close(self) -> None:
         """Stop background work."""
         await asyncio.sleep(0)

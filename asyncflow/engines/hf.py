@@ -99,6 +99,7 @@ class HFEngine(InferenceEngine):
         self._admitting: list[_Row] = []
         self._busy = 0.0
         self.steps = 0
+        self.counts = {"prefills": 0, "prefill_rows": 0, "decode_rows": 0}  # batching diagnostics
         self._thread = threading.Thread(target=self._loop, name=f"asyncflow-{name}", daemon=True)
         self._thread.start()
 
@@ -154,6 +155,9 @@ class HFEngine(InferenceEngine):
 
     def busy_seconds(self) -> float:
         return self._busy
+
+    def stats(self) -> dict[str, float]:
+        return {"decode_steps": float(self.steps), **{k: float(v) for k, v in self.counts.items()}}
 
     def shutdown(self) -> None:
         """Stop the decode thread; unfinished requests end as cancelled."""
@@ -221,6 +225,8 @@ class HFEngine(InferenceEngine):
         pending.done.set_result(time.monotonic() - pending.requested_at)
 
     def _prefill(self, rows: list[_Row]) -> None:
+        self.counts["prefills"] += 1
+        self.counts["prefill_rows"] += len(rows)
         contexts = [r.context() for r in rows]
         width = max(len(c) for c in contexts)
         ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -272,6 +278,7 @@ class HFEngine(InferenceEngine):
         self._cache = out.past_key_values
         self._sample_into(self._rows, out.logits[:, -1, :])
         self.steps += 1
+        self.counts["decode_rows"] += len(self._rows)
         self._retire()
 
     def _sample_into(self, rows: list[_Row], logits: torch.Tensor) -> None:

@@ -177,9 +177,11 @@ class Pipeline:
     # ------------------------------------------------------------------ rollout
 
     async def rollout_worker(self, index: int, engine: InferenceEngine) -> None:
-        """Pull one admitted sample per free engine slot (all free slots' worth in one store call,
-        one lease each); write each response the moment it ends."""
-        slots = asyncio.Semaphore(engine.capacity)
+        """Keep up to twice the engine's batch slots in flight, taking all free slots' worth in one
+        store call (one lease each); write each response the moment it ends. The extra half waits
+        in the engine's own queue, so a batch slot that frees is refilled at the next decode step
+        instead of after a store round trip (measured: local sync 253-308 -> 320-327 samples/s)."""
+        slots = asyncio.Semaphore(engine.capacity * 2)
         tasks: set[asyncio.Task[None]] = set()
         track = f"rollout/{index}"
         active_since: list[float] = []
