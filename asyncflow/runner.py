@@ -248,6 +248,7 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
         cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
         loss_fn=make_loss_fn(cfg.algorithm.loss, settings), clock=clock, log=log, tracer=tracer,
         ref_logprobs=ref_fn, on_step=on_step, store=None if workers is None else workers.store,
+        gate=None if workers is None else workers.gate,
     )
     t0 = time.monotonic()
     try:

@@ -1,16 +1,18 @@
 """The Ray runtime: every rollout worker, reward worker and the trainer is an actor in its own process.
 
 ```
- driver (feeder, staleness gate, trainer loop, eval)        placement group (PACK by default)
-   │ put prompts ─────────────► StoreController actor ◄──── take/complete ──── RolloutWorker i
+ FeederWorker (feeder + staleness gate) ── put prompts ─┐    placement group (PACK by default)
+ driver (trainer loop, eval) ── publish/drop ─► gate    ▼
+   │                             StoreController actor ◄──── take/complete ──── RolloutWorker i
    │ take batches ◄───────────  (metadata; data in        ◄─ take/write ───── RewardWorker j
    │                             Ray's object store)
    │ train_step(batch) ───────► TrainerWorker ── export_weights() ─► object store (once per version)
    └ load_weights(ref, v, mode) ─► every RolloutWorker (fetches the ref itself; drain | swap | abort)
 ```
 
-The workflow code is the same as in process: the driver runs `Pipeline.feeder` and
-`Pipeline.trainer_loop`; each rollout actor runs `Pipeline.rollout_worker` on its own engine and each
+The workflow code is the same as in process: the feeder actor runs `Pipeline.feeder` with the
+staleness gate, the driver runs `Pipeline.trainer_loop` (talking to that gate through `RemoteGate`);
+each rollout actor runs `Pipeline.rollout_worker` on its own engine and each
 reward actor runs `Pipeline.reward_worker`, all against one `RayTransferQueue`. Per-sample traffic
 (take a prompt, write a response, score a group) goes between the actors and the store controller,
 never through the driver. The trainer's weights go into the object store once per version as the
@@ -112,6 +114,53 @@ class RolloutWorker:
 
     async def close(self) -> None:
         await self.engine.close()
+
+
+class FeederWorker:
+    """Actor: the feeder and the staleness gate it admits against (the trainer loop in the driver
+    publishes versions and drops to it through `RemoteGate`)."""
+
+    def __init__(self, cfg: Config, model_dir: str, rows: list[dict[str, Any]], out: str, store: Any) -> None:
+        torch.set_num_threads(1)
+        self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [])
+
+    def ready(self) -> bool:
+        return True
+
+    async def run(self) -> None:
+        await self.pipeline.feeder()
+
+    def publish(self, version: int) -> None:
+        self.pipeline.gate.publish(version)
+
+    def drop(self, groups: int) -> None:
+        self.pipeline.gate.drop(groups)
+
+    def close(self) -> None:
+        self.pipeline.gate.close()
+
+
+class RemoteGate:
+    """The trainer loop's view of the feeder actor's `StalenessGate` (updates sent without waiting;
+    the gate's `publish` never goes back, so their order does not matter)."""
+
+    def __init__(self, handle: Any, max_staleness: int) -> None:
+        self.handle = handle
+        self.max_staleness = max_staleness
+        self.closed = False
+
+    def drop(self, groups: int = 1) -> None:
+        self.handle.drop.remote(groups)
+
+    def publish(self, version: int) -> None:
+        self.handle.publish.remote(version)
+
+    def min_version(self, trainer_version: int) -> int:
+        return trainer_version - self.max_staleness
+
+    def close(self) -> None:
+        self.closed = True
+        self.handle.close.remote()
 
 
 class RewardWorker:
@@ -258,6 +307,8 @@ class RayWorkers:
     rollout_actors: list[Any]
     reward_actors: list[Any]
     trainer_actor: Any
+    feeder_actor: Any
+    gate: RemoteGate
     placement_group: Any
     runs: dict[str, Any] = field(default_factory=dict)
 
@@ -304,20 +355,22 @@ class RayWorkers:
         rollout_cls: Any = ray.remote(RolloutWorker)
         reward_cls: Any = ray.remote(RewardWorker)
         trainer_cls: Any = ray.remote(TrainerWorker)
+        feeder_cls: Any = ray.remote(FeederWorker)
         rollout_actors = [
             rollout_cls.options(**opts(i)).remote(i, cfg, str(model_dir), rows_ref, str(out), store, threads)
             for i in range(w)
         ]
         trainer_actor = trainer_cls.options(**opts(w)).remote(cfg, str(model_dir), threads)
+        feeder_actor = feeder_cls.options(num_cpus=0, max_concurrency=1000).remote(cfg, str(model_dir), rows_ref, str(out), store)
         reward_actors = [
             reward_cls.options(**opts(w + 1 + j)).remote(j, cfg, str(model_dir), rows_ref, str(out), store, reward_fn_path)
             for j in range(rt.reward_workers)
         ]
         try:
             capacities = _ready([a.ready.remote() for a in rollout_actors])
-            _ready([trainer_actor.ready.remote(), *(a.ready.remote() for a in reward_actors)])
+            _ready([trainer_actor.ready.remote(), feeder_actor.ready.remote(), *(a.ready.remote() for a in reward_actors)])
         except BaseException:
-            for a in [*rollout_actors, trainer_actor, *reward_actors]:
+            for a in [*rollout_actors, trainer_actor, feeder_actor, *reward_actors]:
                 ray.kill(a)
             store.kill()
             if pg is not None:
@@ -325,12 +378,15 @@ class RayWorkers:
             raise
         timeout = cfg.workflow.step_timeout_s
         engines = [RemoteEngine(a, int(c), timeout) for a, c in zip(rollout_actors, capacities, strict=True)]
-        log(f"[asyncflow] ray: {w} rollout, 1 trainer, {rt.reward_workers} reward actor(s) ready in {time.monotonic() - t0:.1f} s")
-        return cls(store, engines, RemoteTrainEngine(trainer_actor, timeout), rollout_actors, reward_actors, trainer_actor, pg)
+        log(f"[asyncflow] ray: feeder, {w} rollout, 1 trainer, {rt.reward_workers} reward actor(s) ready in "
+            f"{time.monotonic() - t0:.1f} s")
+        return cls(store, engines, RemoteTrainEngine(trainer_actor, timeout), rollout_actors, reward_actors,
+                   trainer_actor, feeder_actor, RemoteGate(feeder_actor, cfg.staleness), pg)
 
     def stages(self) -> dict[str, Any]:
         """Start the remote stage loops; awaitables by stage name for `Pipeline.run(remote=...)`."""
-        runs = {f"rollout/{i}": a.run.remote() for i, a in enumerate(self.rollout_actors)}
+        runs = {"feeder": self.feeder_actor.run.remote()}
+        runs.update({f"rollout/{i}": a.run.remote() for i, a in enumerate(self.rollout_actors)})
         runs.update({f"reward/{j}": a.run.remote() for j, a in enumerate(self.reward_actors)})
         self.runs = runs
         return {name: _stage(name, ref) for name, ref in runs.items()}
@@ -362,7 +418,7 @@ class RayWorkers:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for a in [*self.rollout_actors, *self.reward_actors, self.trainer_actor]:
+        for a in [*self.rollout_actors, *self.reward_actors, self.trainer_actor, self.feeder_actor]:
             ray.kill(a)
         self.store.kill()
         if self.placement_group is not None:

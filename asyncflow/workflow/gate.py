@@ -43,8 +43,8 @@ class StalenessGate:
         self._notify()
 
     def publish(self, version: int) -> None:
-        """All engines now run `version`."""
-        self.version = version
+        """All engines now run `version` (never goes back, so publications may arrive out of order)."""
+        self.version = max(self.version, version)
         self._notify()
 
     def min_version(self, trainer_version: int) -> int:

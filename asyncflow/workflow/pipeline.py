@@ -110,6 +110,7 @@ class Pipeline:
         ref_logprobs: Callable[[TrainBatch], torch.Tensor] | None = None,
         on_step: Callable[[StepResult], Awaitable[None]] | None = None,
         store: StoreClient | None = None,
+        gate: Any = None,
     ) -> None:
         """`store`: a store client shared with other processes (the Ray runtime); default: a new
         in-process `TransferQueue`. A Ray actor that hosts a single stage builds a Pipeline with
@@ -129,7 +130,8 @@ class Pipeline:
         self.n = cfg.rollout.n
         self.groups_per_step = cfg.train.batch_size // self.n
         self.k = cfg.staleness
-        self.gate = StalenessGate(self.groups_per_step, self.k, cfg.train.max_steps, clock)
+        # `gate`: the feeder's gate when the feeder runs elsewhere (a Ray actor); see RemoteGate
+        self.gate = gate if gate is not None else StalenessGate(self.groups_per_step, self.k, cfg.train.max_steps, clock)
         self.store: StoreClient = store if store is not None else TransferQueue(
             capacity=store_capacity(cfg), lease_timeout_s=cfg.workflow.lease_timeout_s, clock=clock
         )
@@ -476,7 +478,9 @@ class Pipeline:
             stages = [asyncio.ensure_future(aw) for aw in remote.values()]
             for name, t in zip(remote, stages, strict=True):
                 t.set_name(name)
-        tasks = [asyncio.create_task(self.feeder(), name="feeder"), *stages]
+        if remote is None or "feeder" not in remote:
+            stages.append(asyncio.create_task(self.feeder(), name="feeder"))
+        tasks = stages
         trainer = asyncio.create_task(self.trainer_loop(), name="trainer")
         try:
             done, _ = await asyncio.wait([trainer, *tasks], return_when=asyncio.FIRST_COMPLETED)
