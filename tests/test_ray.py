@@ -254,3 +254,27 @@ def test_short_training_run_on_ray(ray_session, arith_dir: Path, tmp_path: Path)
     assert not ray_session.util.placement_group_table() or all(
         pg["state"] == "REMOVED" for pg in ray_session.util.placement_group_table().values()
     )
+
+
+def test_columnar_put_lands_row_by_row_in_another_process(ray_session) -> None:
+    ray = ray_session
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64)
+    try:
+        store.register_stage("score", ["big", "small"], groups=True)
+        rng = np.random.default_rng(32)
+        big = rng.random((8, 4096))
+        uids = store.put_columns_blocking(
+            {"big": big, "small": [[i, i + 1] for i in range(8)], "i": list(range(8))}, [0, 0, 0, 0, 1, 1, 1, 1], 4,
+            timeout=30,
+        )
+        assert len(uids) == 8
+        consumer = ray.remote(_Consumer).options(num_cpus=0).remote()
+        assert len(ray.get(consumer.take.remote(store, "score", 8), timeout=60)) == 8
+        got = ray.get(consumer.sums.remote(), timeout=60)
+        assert got == {i: pytest.approx(float(big[i].sum()) + 2 * i + 1) for i in range(8)}
+        with pytest.raises(ValueError, match="column 'b' has 2 rows"):
+            store.put_columns_blocking({"b": [1, 2]}, [0, 1, 2], 1)
+    finally:
+        store.kill()

@@ -21,24 +21,16 @@ import numpy as np
 
 from asyncflow.bench.store1 import FIELDS, Store1Spec, checksum, expected_checksums, make_batches, row
 from asyncflow.errors import UserError
-from asyncflow.transfer_queue import NewSample
 
 TIMEOUT_S = 120.0
-
-
-def _samples(batch: dict[str, np.ndarray]) -> list[NewSample]:
-    idx = batch["idx"].tolist()
-    return [
-        NewSample(i, 1, {"idx": i, **{f: batch[f][j] for f in FIELDS}})
-        for j, i in enumerate(idx)
-    ]
 
 
 def produce(store: Any, batches: list[dict[str, np.ndarray]]) -> float:
     """Put every batch; returns the monotonic time of the first put."""
     start = time.monotonic()
-    for b in batches:
-        store.put_blocking(_samples(b), timeout=TIMEOUT_S)
+    for b in batches:  # columnar, as the batches come (both stores take columns; so does transferqueue)
+        idx = b["idx"]
+        store.put_columns_blocking({"idx": idx, **{f: b[f] for f in FIELDS}}, idx.tolist(), 1, timeout=TIMEOUT_S)
     if hasattr(store, "flush"):
         store.flush()  # pipelined puts (Ray client): all landed
     return start

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from asyncflow.errors import WaitTimeout
-from asyncflow.transfer_queue.store import Lease, NewSample, QueueClosed, SampleView, TransferQueue
+from asyncflow.transfer_queue.store import Lease, NewSample, QueueClosed, SampleView, TransferQueue, rows_of
 
 _ERRORS_PASSED_THROUGH = (WaitTimeout, QueueClosed, KeyError, ValueError)
 
@@ -521,6 +521,32 @@ class RayTransferQueue:
             ref, t = self._pending.popleft()
             self._get(ref, t, "put")
         return list(args[0][3])
+
+    def put_columns_blocking(self, columns: dict[str, Any], group_ids: Sequence[int], group_size: int,
+                             timeout: float | None = None) -> list[int]:
+        """`TransferQueue.put_columns_blocking`: the columns go into the object store as they are
+        (one `ray.put`, no per-sample dicts, no re-stacking), pipelined like `put_blocking`."""
+        import ray
+
+        n = len(group_ids)
+        names = list(columns)
+        per_row = []
+        for k in names:
+            col = columns[k]
+            if len(col) != n:
+                raise ValueError(f"column {k!r} has {len(col)} rows, expected {n} (one per group id)")
+            per_row.append(int(col.nbytes) // max(n, 1) if isinstance(col, np.ndarray) else _nbytes(col[0]) if n else 0)
+        nbytes = np.tile(np.array(per_row, dtype=np.int64), (n, 1))
+        if int(nbytes.sum()) <= self.inline_max_bytes:
+            return self.put_blocking(rows_of(columns, group_ids, group_size), timeout=timeout)
+        uids = self._uids(n)
+        meta = (list(group_ids), [group_size] * n, [None] * n, uids)
+        cols = {k: (v if isinstance(v, np.ndarray) else list(v)) for k, v in columns.items()}
+        self._pending.append((self.handle.put.remote(meta, None, names, nbytes, [ray.put(cols)], timeout), timeout))
+        while len(self._pending) > self.put_window:
+            ref, t = self._pending.popleft()
+            self._get(ref, t, "put")
+        return uids
 
     def flush(self) -> None:
         """Wait until every earlier call of this client has been applied (read-your-writes: reads
