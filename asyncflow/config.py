@@ -91,6 +91,18 @@ class AlgorithmConfig:
     clip_low: float = _f(0.2, "PPO lower clip: ratio >= 1 - clip_low.", lo=0.0, hi=1.0)
     clip_high: float = _f(0.28, "PPO upper clip: ratio <= 1 + clip_high (clip-higher).", lo=0.0)
     kl_coef: float = _f(0.0, "Weight of the k3 KL penalty to the frozen initial policy (0: no reference model).", lo=0.0)
+    filter_groups: bool = _f(
+        False,
+        "Dynamic sampling (DAPO): drop groups whose rewards are all equal (zero advantage, no learning "
+        "signal) and admit replacements. Logged as status `filtered`; metrics compare their response "
+        "lengths with the trained ones, since the filter biases what is trained.",
+    )
+    filter_max_groups_per_step: int = _f(
+        0,
+        "Most groups one step may filter before it trains on equal-reward groups anyway (0: 4 x groups per "
+        "step), so a run where nothing varies cannot stall.",
+        lo=0,
+    )
 
 
 @dataclass

@@ -228,6 +228,9 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
             "rollout_busy_frac": rollout_busy,
             "train_busy_frac": train_busy,
             "dropped_stale": c.dropped_stale,
+            "filtered": c.filtered,
+            "filter_overflow": c.filter_overflow,
+            **{f"response_len/{k}": c.response_tokens[k] / n for k, n in c.response_count.items() if n},
             "reward_errors": c.reward_errors,
             "cancelled": c.cancelled if workers is None else workers.cancelled(),
             **{f"store/{k}": v for k, v in pipeline.store.metrics().items()},
@@ -275,6 +278,7 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
         "eval_accuracy_before": evaluator.history[0]["eval_accuracy"],
         "eval_accuracy_after": final_eval["eval_accuracy"],
         "dropped_stale": pipeline.counters.dropped_stale,
+        "filtered": pipeline.counters.filtered,
         "reward_errors": pipeline.counters.reward_errors,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

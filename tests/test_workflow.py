@@ -162,3 +162,48 @@ def test_kl_to_the_frozen_reference_is_logged_when_enabled(
     train_rows = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"]
     assert train_rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 trains from the reference weights
     assert train_rows[-1]["kl"] > 0  # later steps have moved away from it
+
+
+def test_dynamic_sampling_filters_equal_reward_groups_and_refills(
+    arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # prompts with an even sum: every completion gets 1.0 (a group with no signal); others: by length
+    _write_reward_module(
+        tmp_path,
+        "half_flat_rewards",
+        "def score(prompts, completions, answer, **kw):\n"
+        "    return [1.0 if int(a) % 2 == 0 else float(len(c) % 3) for a, c in zip(answer, completions)]\n",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    summary = _run(arith_dir, out, ["reward.fn=half_flat_rewards:score", "algorithm.filter_groups=true"])
+    assert summary["samples"] == 4 * 32 and summary["filtered"] > 0
+    samples = _rows(out, "samples.jsonl")
+    filtered = [s for s in samples if s["status"] == "filtered"]
+    trained = [s for s in samples if s["status"] == "trained"]
+    assert len(filtered) == summary["filtered"] and len(trained) == 128
+    by_group: dict[int, list[float]] = {}
+    for s in filtered:
+        by_group.setdefault(s["group_id"], []).append(s["reward"])
+    assert all(len(set(r)) == 1 and len(r) == 4 for r in by_group.values())  # whole groups, equal rewards
+    trained_groups: dict[int, list[float]] = {}
+    for s in trained:
+        trained_groups.setdefault(s["group_id"], []).append(s["reward"])
+    assert all(len(set(r)) > 1 for r in trained_groups.values())  # every trained group carries signal
+    last = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"][-1]
+    assert last["filtered"] == summary["filtered"] and last["filter_overflow"] == 0
+    assert last["response_len/filtered"] > 0 and last["response_len/trained"] > 0
+
+
+def test_dynamic_sampling_cannot_stall_a_run_where_no_group_varies(
+    arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write_reward_module(tmp_path, "flat_rewards", "def score(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    summary = _run(arith_dir, out, ["reward.fn=flat_rewards:score", "algorithm.filter_groups=true",
+                                    "algorithm.filter_max_groups_per_step=2", "eval.every=0"])
+    assert summary["samples"] == 4 * 32
+    last = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"][-1]
+    assert last["filtered"] == 4 * 2 * 4  # 2 groups of 4 samples filtered per step, 4 steps
+    assert last["filter_overflow"] == 4 * 8  # the other 8 groups of each step trained anyway

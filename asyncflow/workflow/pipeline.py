@@ -47,7 +47,8 @@ from asyncflow.telemetry.runlog import RunLog, Tracer
 from asyncflow.transfer_queue import Lease, NewSample, QueueClosed, SampleView, StoreClient, TransferQueue
 from asyncflow.workflow.gate import StalenessGate
 
-TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "reward_error", "row", "finish_reason")
+TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "reward_error", "row", "finish_reason",
+                "reward")
 
 
 @dataclass
@@ -57,6 +58,10 @@ class Counters:
     trained: int = 0
     tokens: int = 0
     dropped_stale: int = 0
+    filtered: int = 0
+    filter_overflow: int = 0  # equal-reward groups trained because a step hit its filter budget
+    response_tokens: dict[str, int] = field(default_factory=dict)  # by final status, for bias metrics
+    response_count: dict[str, int] = field(default_factory=dict)
     reward_errors: int = 0
     cancelled: int = 0
     reward_calls: int = 0
@@ -145,6 +150,7 @@ class Pipeline:
         self._last_row_time = self.t_start
         self._last_busy = (0.0, 0.0)
         self._order = self._row_order()
+        self._filter_budget = cfg.algorithm.filter_max_groups_per_step or 4 * self.groups_per_step
 
     # ------------------------------------------------------------------ feeder
 
@@ -303,6 +309,7 @@ class Pipeline:
         groups: list[list[SampleView]] = []
         leases: list[Lease] = []
         have = 0
+        filtered = 0
         start = self.clock.now()
         while len(groups) < self.groups_per_step:
             lease = await self.store.take(
@@ -319,6 +326,15 @@ class Pipeline:
                     self._log_samples([(s, None, "reward_error", s.fields["reward_error"]) for s in group])
                     self.gate.drop()
                     continue
+                if self.cfg.algorithm.filter_groups and _all_equal(group):
+                    if filtered < self._filter_budget:
+                        filtered += 1
+                        self.counters.filtered += len(group)
+                        msg = "filtered: all rewards in the group are equal (no learning signal)"
+                        self._log_samples([(s, None, "filtered", msg) for s in group])
+                        self.gate.drop()
+                        continue
+                    self.counters.filter_overflow += 1
                 groups.append(group)
                 have += len(group)
             leases.append(lease)
@@ -433,6 +449,10 @@ class Pipeline:
         key = self.cfg.dataset.prompt_key
         out = []
         for s, trained_version, status, error in items:
+            n_resp = len(s.fields.get("response_ids") or [])
+            if n_resp:
+                self.counters.response_tokens[status] = self.counters.response_tokens.get(status, 0) + n_resp
+                self.counters.response_count[status] = self.counters.response_count.get(status, 0) + 1
             row = self.rows[s.fields["row"]] if "row" in s.fields else {}
             resp = s.fields.get("response_ids")
             versions = s.fields.get("token_versions")
@@ -533,6 +553,12 @@ def build_train_batch(
             mask[i, start : start + len(r)] = 1.0
         blp[i, start : start + len(r)] = torch.tensor(lp, dtype=torch.float32)
     return TrainBatch(ids, attn, mask, advantages, blp)
+
+
+def _all_equal(group: list[SampleView]) -> bool:
+    """True when every scored sample of the group has the same reward (and there are >= 2)."""
+    rewards = [s.fields["reward"] for s in group if s.fields["reward_error"] is None]
+    return len(rewards) >= 2 and all(r == rewards[0] for r in rewards)
 
 
 def _by_group(samples: list[SampleView]) -> list[list[SampleView]]:
