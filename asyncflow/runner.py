@@ -232,7 +232,7 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
             "filter_overflow": c.filter_overflow,
             **{f"response_len/{k}": c.response_tokens[k] / n for k, n in c.response_count.items() if n},
             "reward_errors": c.reward_errors,
-            "cancelled": c.cancelled if workers is None else workers.cancelled(),
+            "cancelled": c.cancelled,
             **{f"store/{k}": v for k, v in pipeline.store.metrics().items()},
         }
         log.metric(row)

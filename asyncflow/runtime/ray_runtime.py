@@ -106,8 +106,7 @@ class RolloutWorker:
         return self.engine.cancel_older_than(min_version)
 
     def stats(self) -> dict[str, float]:
-        return {"busy_s": self.engine.busy_seconds(), "cancelled": float(self.pipeline.counters.cancelled),
-                "load": float(self.engine.load()), **self.engine.stats()}
+        return {"busy_s": self.engine.busy_seconds(), "load": float(self.engine.load()), **self.engine.stats()}
 
     def spans(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
         return self.pipeline.tracer.raw()
@@ -227,7 +226,7 @@ class RemoteEngine(InferenceEngine):
         self.version = 0
         self._capacity = capacity
         self._timeout = timeout_s
-        self.last_stats: dict[str, float] = {"busy_s": 0.0, "cancelled": 0.0, "load": 0.0}
+        self.last_stats: dict[str, float] = {"busy_s": 0.0, "load": 0.0}
 
     @property
     def capacity(self) -> int:
@@ -246,7 +245,7 @@ class RemoteEngine(InferenceEngine):
         return float(reply["seconds"])
 
     def cancel_older_than(self, min_version: int) -> int:
-        """Sent without waiting; the count shows up later in `last_stats['cancelled']`."""
+        """Sent without waiting (the cancelled samples reach the trainer, which counts them)."""
         self.handle.cancel_older_than.remote(min_version)
         return 0
 
@@ -391,9 +390,6 @@ class RayWorkers:
         self.runs = runs
         return {name: _stage(name, ref) for name, ref in runs.items()}
 
-    def cancelled(self) -> int:
-        return int(sum(e.last_stats.get("cancelled", 0.0) for e in self.engines))
-
     def collect(self, tracer: Any, counters: Any) -> None:
         """Merge the actors' trace spans and counters into the driver's."""
         import ray
@@ -405,8 +401,6 @@ class RayWorkers:
             except ray.exceptions.RayError:
                 continue
         try:
-            stats = ray.get([a.stats.remote() for a in self.rollout_actors], timeout=60)
-            counters.cancelled = int(sum(s["cancelled"] for s in stats))
             rstats = ray.get([a.stats.remote() for a in self.reward_actors], timeout=60)
             counters.reward_calls = int(sum(s["reward_calls"] for s in rstats))
             counters.reward_call_failures = int(sum(s["reward_call_failures"] for s in rstats))

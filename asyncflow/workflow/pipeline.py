@@ -47,6 +47,7 @@ from asyncflow.telemetry.runlog import RunLog, Tracer
 from asyncflow.transfer_queue import Lease, NewSample, QueueClosed, SampleView, StoreClient, TransferQueue
 from asyncflow.workflow.gate import StalenessGate
 
+CANCELLED = "cancelled: could no longer meet max_staleness"
 TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "reward_error", "row", "finish_reason",
                 "reward")
 
@@ -231,18 +232,17 @@ class Pipeline:
             res = await self.clock.wait_for(
                 engine.generate(req), self.cfg.rollout.request_timeout_s, f"generation of sample {sample.uid}"
             )
-            if res.finish_reason == "cancelled":
-                self.counters.cancelled += 1
-                self._log_samples([(sample, None, "cancelled", "cancelled: could no longer meet max_staleness")])
-                self.store.ack(lease, remove=True)
-                return
+            # A cancelled request (it could no longer meet max_staleness) is written like any other,
+            # with its partial response: its group then reaches the trainer, which drops the whole
+            # group and frees its admission slot. Removing it here would leak that slot.
             fields = {
                 "response_ids": res.response_ids,
                 "behavior_logprobs": res.behavior_logprobs,
                 "token_versions": res.token_versions,
                 "finish_reason": res.finish_reason,
             }
-            self.store.complete(lease, {sample.uid: fields}, versions={sample.uid: min(res.token_versions)})
+            version = min(res.token_versions) if res.token_versions else -1  # no token: older than any floor
+            self.store.complete(lease, {sample.uid: fields}, versions={sample.uid: version})
         except (QueueClosed, KeyError):
             return
         finally:
@@ -255,14 +255,18 @@ class Pipeline:
         while True:
             try:
                 lease = await self.store.take(
-                    "reward", self.n * 8, timeout=self.cfg.workflow.step_timeout_s, fields_extra=["row", "prompt_ids"]
+                    "reward", self.n * 8, timeout=self.cfg.workflow.step_timeout_s,
+                    fields_extra=["row", "prompt_ids", "finish_reason"],
                 )
             except WaitTimeout:
                 continue
             except QueueClosed:
                 return
             for group in _by_group(lease.samples):
-                outcome = await self._score_group(group)
+                if any(s.fields.get("finish_reason") == "cancelled" for s in group):
+                    outcome = RewardOutcome(None, CANCELLED)  # never trained: do not spend a reward call
+                else:
+                    outcome = await self._score_group(group)
                 for i, s in enumerate(group):
                     reward = None if outcome.rewards is None else outcome.rewards[i]
                     with contextlib.suppress(KeyError):  # removed meanwhile (cancelled)
@@ -321,6 +325,9 @@ class Pipeline:
             )
             self._drop_stale(lease)
             for group in _by_group(lease.samples):
+                if any(s.fields.get("finish_reason") == "cancelled" for s in group):
+                    self._drop_groups(group, "dropped with its group: a sample of the group was cancelled")
+                    continue
                 if all(s.fields["reward_error"] is not None for s in group):
                     self.counters.reward_errors += len(group)
                     self._log_samples([(s, None, "reward_error", s.fields["reward_error"]) for s in group])
@@ -342,12 +349,25 @@ class Pipeline:
         return groups, leases
 
     def _drop_stale(self, lease: Lease) -> None:
+        """Drop groups below the version floor, freeing their admission slots. A sample whose
+        generation was cancelled is logged as `cancelled`, the rest of its group as `dropped_stale`."""
         if not lease.expired:
             return
-        self.counters.dropped_stale += len(lease.expired)
-        msg = f"older than max_staleness={self.k} at trainer version {self.version}"
-        self._log_samples([(s, None, "dropped_stale", msg) for s in lease.expired])
-        self.gate.drop(len(_by_group(lease.expired)))
+        self._drop_groups(lease.expired, f"older than max_staleness={self.k} at trainer version {self.version}")
+
+    def _drop_groups(self, samples: list[SampleView], msg: str) -> None:
+        """Log whole groups as never trained (`cancelled` samples as such, the rest `dropped_stale`)
+        and free their admission slots."""
+        logged: list[tuple[SampleView, int | None, str, str | None]] = []
+        for s in samples:
+            if s.fields.get("finish_reason") == "cancelled":
+                self.counters.cancelled += 1
+                logged.append((s, None, "cancelled", CANCELLED))
+            else:
+                self.counters.dropped_stale += 1
+                logged.append((s, None, "dropped_stale", msg))
+        self._log_samples(logged)
+        self.gate.drop(len(_by_group(samples)))
 
     async def _train_on(self, step: int, groups: list[list[SampleView]]) -> StepResult:
         samples = [s for g in groups for s in g]
