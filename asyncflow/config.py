@@ -116,6 +116,15 @@ class WorkflowConfig:
         "drain: finish in-flight requests on old weights, then load; swap: load between two decode steps, keeping "
         "the KV cache; abort: stop in-flight requests, load, re-prefill prompt + tokens so far and continue.",
     )
+    redundancy: float = _f(
+        0.0,
+        "Over-provisioning (ROLL Flash redundant rollouts): admit this fraction more groups than a step "
+        "trains. The trainer takes the groups that finish first; in sync mode the rest are cancelled at "
+        "the next publication (status cancelled / dropped_stale), in async mode they feed the next step "
+        "unless they fall out of max_staleness.",
+        lo=0.0,
+        hi=4.0,
+    )
     store_capacity: int = _f(8192, "Most samples the store holds; producers block beyond it (backpressure).", lo=1)
     lease_timeout_s: float = _f(600.0, "A taken sample not acked within this returns to the queue.", lo=0.001)
     step_timeout_s: float = _f(1800.0, "Longest the trainer waits for one batch before failing with a message.", lo=0.001)

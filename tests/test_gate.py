@@ -41,3 +41,14 @@ def test_credit_is_capped_by_max_steps_and_close_wakes_waiters() -> None:
         return timed_out, await waiter
 
     assert asyncio.run(scenario()) == (False, False)
+
+
+def test_redundancy_adds_extra_groups_of_credit() -> None:
+    gate = StalenessGate(groups_per_step=4, max_staleness=0, max_steps=10, clock=RealClock(), extra=2)
+    assert gate.credit() == 6  # one step's groups plus the two redundant ones
+    for _ in range(6):
+        gate.admit()
+    gate.publish(1)
+    assert gate.credit() == 4  # the redundant groups are still live until the trainer drops them
+    gate.drop(2)
+    assert gate.credit() == 6

@@ -241,3 +241,18 @@ def test_cancelled_generations_drop_their_group_and_free_its_admission_slot(
     assert len(trained) == 128 and not lost_groups & {s["group_id"] for s in trained}
     last = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"][-1]
     assert last["cancelled"] == len(cancelled)
+
+
+def test_redundant_rollouts_train_the_first_groups_and_end_the_rest_cleanly(arith_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    summary = _run(arith_dir, out, ["workflow.mode=sync", "workflow.redundancy=0.5", "eval.every=0"])
+    assert summary["samples"] == 4 * 32
+    samples = _rows(out, "samples.jsonl")
+    trained = [s for s in samples if s["status"] == "trained"]
+    extra = [s for s in samples if s["status"] in ("cancelled", "dropped_stale")]
+    assert len(trained) == 128 and all(s["trained_version"] == s["behavior_version"] for s in trained)  # sync
+    assert extra, "the redundant groups were neither cancelled nor dropped"
+    assert not {s["group_id"] for s in extra} & {s["group_id"] for s in trained}  # whole groups only
+    last = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"][-1]
+    assert last["cancelled"] + last["dropped_stale"] == len(extra)
+    assert last["staleness_max"] == 0 and last["response_len/trained"] > 0

@@ -19,8 +19,11 @@ from asyncflow.runtime.clock import Clock
 class StalenessGate:
     """Counts admitted groups against the credit that the published version allows."""
 
-    def __init__(self, groups_per_step: int, max_staleness: int, max_steps: int, clock: Clock) -> None:
+    def __init__(self, groups_per_step: int, max_staleness: int, max_steps: int, clock: Clock, extra: int = 0) -> None:
+        """`extra`: groups admitted beyond the invariant (redundant rollouts; the trainer keeps the
+        first to finish and the staleness floor ends the rest)."""
         self.clock = clock
+        self.extra = extra
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
         self.max_steps = max_steps
@@ -32,7 +35,7 @@ class StalenessGate:
     def credit(self) -> int:
         """Groups that may be admitted now."""
         steps = min(self.version + self.max_staleness + 1, self.max_steps)
-        return steps * self.groups_per_step - self.admitted
+        return steps * self.groups_per_step + self.extra - self.admitted
 
     def admit(self) -> None:
         self.admitted += 1

@@ -137,7 +137,10 @@ class Pipeline:
         self.groups_per_step = cfg.train.batch_size // self.n
         self.k = cfg.staleness
         # `gate`: the feeder's gate when the feeder runs elsewhere (a Ray actor); see RemoteGate
-        self.gate = gate if gate is not None else StalenessGate(self.groups_per_step, self.k, cfg.train.max_steps, clock)
+        extra = math.ceil(cfg.workflow.redundancy * self.groups_per_step)
+        self.gate = gate if gate is not None else StalenessGate(
+            self.groups_per_step, self.k, cfg.train.max_steps, clock, extra=extra
+        )
         self.store: StoreClient = store if store is not None else TransferQueue(
             capacity=store_capacity(cfg), lease_timeout_s=cfg.workflow.lease_timeout_s, clock=clock
         )
@@ -545,8 +548,10 @@ class Pipeline:
 
 
 def store_capacity(cfg: Config) -> int:
-    """Room for every admitted sample: the gate admits at most (k+1) steps' worth, plus slack."""
-    return max(cfg.workflow.store_capacity, (cfg.staleness + 2) * cfg.train.batch_size)
+    """Room for every admitted sample: the gate admits at most (k+1) steps' worth (plus the redundant
+    share), plus slack."""
+    steps = cfg.staleness + 2 + math.ceil(cfg.workflow.redundancy)
+    return max(cfg.workflow.store_capacity, steps * cfg.train.batch_size)
 
 
 def build_train_batch(
