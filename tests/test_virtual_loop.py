@@ -1,0 +1,79 @@
+"""The virtual-time event loop: sleeps cost no wall time, thread work stops the clock, and the real
+store and staleness gate keep their timeouts in virtual seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from asyncflow.errors import WaitTimeout
+from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
+from asyncflow.transfer_queue import NewSample, TransferQueue
+
+
+def test_an_hour_of_concurrent_sleeps_takes_no_wall_time() -> None:
+    order: list[tuple[str, float]] = []
+
+    async def main(clock: VirtualClock) -> float:
+        async def sleeper(name: str, seconds: float) -> None:
+            await clock.sleep(seconds)
+            order.append((name, clock.now()))
+
+        await asyncio.gather(sleeper("b", 3600.0), sleeper("a", 5.0), sleeper("c", 60.0))
+        return clock.now()
+
+    t0 = time.monotonic()
+    end = run_virtual(main)
+    assert time.monotonic() - t0 < 2.0
+    assert end == pytest.approx(3600.0)
+    assert order == [("a", pytest.approx(5.0)), ("c", pytest.approx(60.0)), ("b", pytest.approx(3600.0))]
+
+
+def test_timeouts_fire_in_virtual_seconds() -> None:
+    async def main(clock: VirtualClock) -> float:
+        with pytest.raises(WaitTimeout, match="virtual s waiting for the slow thing"):
+            await clock.wait_for(clock.sleep(100.0), 7.0, "the slow thing")
+        return clock.now()
+
+    assert run_virtual(main) == pytest.approx(7.0)
+
+
+def test_thread_work_does_not_advance_virtual_time() -> None:
+    async def main(clock: VirtualClock) -> tuple[float, float, float]:
+        sleeper = asyncio.ensure_future(clock.sleep(1.0))
+        before = clock.now()
+        await asyncio.to_thread(time.sleep, 0.05)  # real work of unknown virtual duration
+        after = clock.now()
+        await sleeper
+        return before, after, clock.now()
+
+    before, after, end = run_virtual(main)
+    assert before == after == 0.0  # the pending 1 s sleep did not fire while the thread ran
+    assert end == pytest.approx(1.0)
+
+
+def test_store_take_waits_and_times_out_on_the_virtual_clock() -> None:
+    async def main(clock: VirtualClock) -> tuple[float, float]:
+        store = TransferQueue(clock=clock, lease_timeout_s=50.0)
+        store.register_stage("s", ["x"])
+
+        async def late_producer() -> None:
+            await clock.sleep(20.0)
+            await store.put([NewSample(0, 1, {"x": 1})])
+
+        producer = asyncio.ensure_future(late_producer())
+        lease = await store.take("s", 1, timeout=30.0)
+        got_at = clock.now()
+        await producer
+        with pytest.raises(WaitTimeout):
+            await store.take("s", 1, timeout=10.0)
+        # the unacked lease expires after 50 virtual seconds and the sample comes back
+        again = await store.take("s", 1, timeout=100.0)
+        assert [s.uid for s in again.samples] == [s.uid for s in lease.samples]
+        return got_at, clock.now()
+
+    got_at, end = run_virtual(main)
+    assert got_at == pytest.approx(20.0)
+    assert end == pytest.approx(70.0)
