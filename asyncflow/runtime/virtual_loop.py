@@ -56,7 +56,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         super().__init__()
         self._virtual_now = float(start)
         self.thread_jobs = 0
-        self._selector = _VirtualSelector(self._selector, self)  # type: ignore[assignment]
+        self._selector = _VirtualSelector(self._selector, self)  # type: ignore[assignment,has-type,arg-type]
 
     def time(self) -> float:
         return self._virtual_now
@@ -65,7 +65,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         """Move virtual time forward (never back)."""
         self._virtual_now += max(0.0, seconds)
 
-    def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:  # type: ignore[override]
         fut = super().run_in_executor(executor, func, *args)
         self.thread_jobs += 1
         fut.add_done_callback(self._job_done)
