@@ -66,6 +66,22 @@ class RolloutConfig:
     temperature: float = _f(1.0, "Sampling temperature. The trainer divides logits by it too.", lo=1e-3)
     max_batch: int = _f(256, "Most sequences one engine decodes at once (continuous-batching slots).", lo=1)
     request_timeout_s: float = _f(600.0, "Longest one generation request may take before it is failed.", lo=0.001)
+    env: str | None = _f(
+        None,
+        "Multi-turn environment: null (single-turn, scored by reward.fn), calculator, guess_number, or "
+        "`module:factory` with factory(clock) -> asyncflow.envs.Env. Each sample is an episode (LLM turn, "
+        "env step, next turn); its reward is the sum of the env's step rewards; env tokens are masked "
+        "out of the loss.",
+    )
+    max_turns: int = _f(4, "Most LLM turns per episode (multi-turn environments).", lo=1)
+    env_latency_s: float = _f(0.0, "Added latency of each built-in environment call, in seconds (to study env asynchrony).", lo=0.0)
+    turn_barrier: bool = _f(
+        False,
+        "Multi-turn baseline: the episodes a worker takes as one batch advance turn by turn together (a barrier "
+        "after every generation and every environment step), as batch-synchronous agent loops do. Off: each "
+        "episode runs on its own (environment-level asynchrony). For measuring what the asynchrony buys.",
+    )
+    env_timeout_s: float = _f(60.0, "Longest one environment call may take; a hung env ends its episode with an error.", lo=0.001)
 
 
 @dataclass
@@ -413,11 +429,18 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError(
             f"workflow.max_staleness: {cfg.workflow.max_staleness} contradicts workflow.mode=sync (sync is staleness 0)"
         )
+    if cfg.rollout.turn_barrier and cfg.rollout.env is None:
+        raise UserError("rollout.turn_barrier: only used with rollout.env (multi-turn episodes)")
+    if cfg.rollout.env is not None and "reward.fn" in explicit:
+        raise UserError("reward.fn: not used with rollout.env (an episode's reward is the sum of its environment's "
+                        "step rewards); remove one of them")
     if cfg.task is None:
-        for key in ("model.path", "dataset.path", "reward.fn"):
+        for key in ("model.path", "dataset.path", *(() if cfg.rollout.env is not None else ("reward.fn",))):
             section, name = key.split(".")
             if getattr(getattr(cfg, section), name) is None:
                 raise UserError(f"{key}: required when task is null (no task pack to supply it)")
+    if cfg.rollout.env is not None and cfg.rollout.env not in ENV_NAMES and ":" not in cfg.rollout.env:
+        raise UserError(f"rollout.env: {cfg.rollout.env!r} is neither a built-in ({', '.join(ENV_NAMES)}) nor 'module:factory'")
     if cfg.reward.fn is not None and ":" not in cfg.reward.fn:
         raise UserError(f"reward.fn: {cfg.reward.fn!r} must be 'module:function'")
     if cfg.rollout.n == 1 and cfg.algorithm.advantage in ("grpo", "dr_grpo"):
@@ -429,6 +452,9 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError("checkpoint.every: periodic checkpoints are not available in this version (final/ is always written)")
     if cfg.runtime.address is not None and cfg.runtime.kind == "local":
         raise UserError("runtime.address: only used with runtime.kind=ray")
+
+
+ENV_NAMES = ("calculator", "guess_number")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -1,12 +1,14 @@
 """Greedy evaluation on held-out prompts, written as `kind: "eval"` rows.
 
 Eval requests go through a rollout engine like any other request (they join its continuous batch),
-at temperature 0, so evaluating does not need a second copy of the model.
+at temperature 0, so evaluating does not need a second copy of the model. With a multi-turn
+environment (`rollout.env`) each eval prompt is a greedy episode and its reward the episode's.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from asyncflow.config import Config
@@ -28,7 +30,11 @@ class Evaluator:
         engine: InferenceEngine,
         log: RunLog,
         tracer: Tracer,
+        env_factory: Callable[[Any], Any] | None = None,
+        clock: Any = None,
     ) -> None:
+        """`env_factory`/`clock`: evaluate greedy episodes of this environment instead of single
+        completions scored by `reward_fn`."""
         self.cfg = cfg
         self.rows = rows
         self.tok = tokenizer
@@ -38,11 +44,34 @@ class Evaluator:
         self.tracer = tracer
         self.prompt_ids = [tokenize_prompt(tokenizer.hf, r[cfg.dataset.prompt_key]) for r in rows]
         self.history: list[dict[str, Any]] = []
+        self.env_factory = env_factory
+        self.clock = clock
 
     async def run(self, step: int) -> dict[str, Any]:
         """Evaluate the engine's current weights; log and return the eval row."""
         start = self.tracer.now()
         version = self.engine.version
+        if self.env_factory is not None:
+            rewards, error = await self._episodes()
+        else:
+            rewards, error = await self._completions()
+        threshold = self.cfg.eval.success_threshold
+        row = {
+            "kind": "eval",
+            "step": step,
+            "policy_version": version,
+            "eval_reward": sum(rewards) / max(len(rewards), 1),
+            "eval_accuracy": sum(r >= threshold for r in rewards) / max(len(rewards), 1),
+            "eval_size": len(rewards),
+            "eval_error": error,
+            "eval_seconds": self.tracer.now() - start,
+        }
+        self.tracer.span("eval", f"eval step {step}", start, self.tracer.now())
+        self.log.metric(row)
+        self.history.append(row)
+        return row
+
+    async def _completions(self) -> tuple[list[float], str | None]:
         requests = [
             GenRequest(-(i + 1), ids, self.cfg.rollout.max_new_tokens, temperature=0.0) for i, ids in enumerate(self.prompt_ids)
         ]
@@ -55,19 +84,19 @@ class Evaluator:
         outcome = await asyncio.to_thread(
             call_reward_fn, self.reward_fn, [r[key] for r in self.rows], completions, completions_ids, columns
         )
-        rewards = outcome.rewards or [0.0] * len(self.rows)
-        threshold = self.cfg.eval.success_threshold
-        row = {
-            "kind": "eval",
-            "step": step,
-            "policy_version": version,
-            "eval_reward": sum(rewards) / max(len(rewards), 1),
-            "eval_accuracy": sum(r >= threshold for r in rewards) / max(len(rewards), 1),
-            "eval_size": len(rewards),
-            "eval_error": outcome.error,
-            "eval_seconds": self.tracer.now() - start,
-        }
-        self.tracer.span("eval", f"eval step {step}", start, self.tracer.now())
-        self.log.metric(row)
-        self.history.append(row)
-        return row
+        return outcome.rewards or [0.0] * len(self.rows), outcome.error
+
+    async def _episodes(self) -> tuple[list[float], str | None]:
+        """Greedy episodes; an episode that failed counts 0 and the first error is reported."""
+        from asyncflow.workflow.episode import EpisodeSettings, run_episode
+
+        ro = self.cfg.rollout
+        settings = EpisodeSettings(ro.max_new_tokens, 0.0, ro.request_timeout_s, ro.env_timeout_s)
+        assert self.env_factory is not None
+        results = await asyncio.gather(*(
+            run_episode(env=self.env_factory(self.clock), engine=self.engine, clock=self.clock, tok=self.tok,
+                        uid=-(i + 1), prompt_ids=ids, row=row, seed=self.cfg.seed * 7_919 + i, settings=settings)
+            for i, (ids, row) in enumerate(zip(self.prompt_ids, self.rows, strict=True))
+        ))
+        errors = [r.fields["reward_error"] for r in results if r.fields["reward_error"] is not None]
+        return [r.fields["reward"] or 0.0 for r in results], (errors[0] if errors else None)

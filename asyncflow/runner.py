@@ -142,7 +142,8 @@ async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
     random.seed(cfg.seed)
     torch.set_num_threads(torch_threads(cfg))
     inputs = resolve_inputs(cfg, progress.message)
-    reward_fn = load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
+    # multi-turn episodes are scored by their environment: no reward function is loaded
+    reward_fn = None if cfg.rollout.env is not None else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
     hf_tok = load_tokenizer(inputs.model_dir)
     tok = Tokenizer(hf_tok, int(hf_tok.eos_token_id), int(hf_tok.pad_token_id))
     dtype = getattr(torch, cfg.model.dtype)
@@ -203,7 +204,12 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
     log = RunLog(out)
     clock = RealClock()
     tracer = Tracer(now=clock.now)
-    evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer)
+    env_factory = None
+    if cfg.rollout.env is not None:
+        from asyncflow.envs import make_env_factory
+
+        env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s, max_turns=cfg.rollout.max_turns)
+    evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock)
     last_eval: dict[str, float] = await evaluator.run(step=0)
     progress.message(f"[asyncflow] eval before training: accuracy={last_eval['eval_accuracy']:.3f}")
     pending_eval: asyncio.Task[dict[str, float]] | None = None

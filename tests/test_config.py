@@ -98,7 +98,7 @@ def test_configuration_reference_in_docs_is_up_to_date() -> None:
     [
         (["bench", "store", "--set", "placements=gpu"], "unknown placement"),
         (["bench", "store", "--set", "bogus=1"], "expected one of"),
-        (["bench", "pipeline"], "not available"),
+        (["bench", "pipeline", "--set", "devices=0"], "devices"),
     ],
 )
 def test_bench_arguments_fail_with_one_line_and_exit_2(args: list[str], needle: str, capsys) -> None:

@@ -35,7 +35,7 @@ def test_calculator_episode_tool_call_then_answer() -> None:
         return first, tool, bad, final, clock.now()
 
     first, tool, bad, final, t = run_virtual(main)
-    assert first == "What is 12*(3+4)?"
+    assert first == ""  # the prompt asks the question; reset adds nothing
     assert tool == EnvStep("<result>84</result>", 0.0, False, {"tool_calls": 1})
     assert bad.observation.startswith("<result>error:") and not bad.done
     assert final.done and final.reward == 1.0

@@ -256,3 +256,66 @@ def test_redundant_rollouts_train_the_first_groups_and_end_the_rest_cleanly(arit
     last = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"][-1]
     assert last["cancelled"] + last["dropped_stale"] == len(extra)
     assert last["staleness_max"] == 0 and last["response_len/trained"] > 0
+
+
+def test_multi_turn_episodes_train_only_generated_tokens_and_interleave(
+    arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write_reward_module(
+        tmp_path,
+        "count_env",
+        "from asyncflow.envs import Env, EnvStep\n"
+        "class CountEnv(Env):\n"
+        "    name = 'count'\n"
+        "    max_turns = 3\n"
+        "    def __init__(self, clock):\n"
+        "        self.clock, self.turn = clock, 0\n"
+        "    async def reset(self, row, seed):\n"
+        "        self.delay = 0.01 * (1 + seed % 4)  # environments of different speeds\n"
+        "        return ''\n"
+        "    async def step(self, action):\n"
+        "        self.turn += 1\n"
+        "        await self.clock.sleep(self.delay)  # a slow environment: other episodes run meanwhile\n"
+        "        if self.turn == 2:\n"
+        "            return EnvStep('', reward=float(len(action) % 2), done=True)\n"
+        "        return EnvStep('1+1=')\n"
+        "def make(clock):\n"
+        "    return CountEnv(clock)\n",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    summary = _run(arith_dir, out, ["rollout.env=count_env:make", "eval.every=0"])
+    assert summary["samples"] == 4 * 32
+    trained = [s for s in _rows(out, "samples.jsonl") if s["status"] == "trained"]
+    assert len(trained) == 128 and all(s["turns"] == 2 and s["reward"] in (0.0, 1.0) for s in trained)
+    assert all("1+1=" in s["response"] for s in trained)  # the env's text sits between the two turns
+    last = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"][-1]
+    # trained tokens are exactly the generated ones: the env's 4 tokens per episode are masked out
+    assert last["tokens"] == sum(s["generated_tokens"] for s in trained)
+    assert all(len(s["response"]) >= s["generated_tokens"] for s in trained)
+    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    tid = next(e["tid"] for e in trace if e.get("name") == "thread_name" and e["args"]["name"] == "env/0")
+    spans: dict[str, list[float]] = {}
+    for e in trace:
+        if e.get("ph") == "X" and e["tid"] == tid:
+            ep = e["name"].split()[1]
+            spans.setdefault(ep, []).extend([e["ts"], e["ts"] + e["dur"]])
+    windows = sorted((min(v), max(v)) for v in spans.values() if len(v) == 4)
+    # environment-level asynchrony: an episode's two env steps enclose steps of other episodes
+    assert any(b[0] < a[1] for a, b in zip(windows, windows[1:], strict=False))
+    assert _turn_two_waited_for_turn_one(trace, tid) is False
+
+    # the batch-synchronous baseline: every turn-2 step starts after the batch's turn-1 steps ended
+    out = tmp_path / "barrier"
+    summary = _run(arith_dir, out, ["rollout.env=count_env:make", "eval.every=0", "rollout.turn_barrier=true"])
+    assert summary["samples"] == 128
+    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    tid = next(e["tid"] for e in trace if e.get("name") == "thread_name" and e["args"]["name"] == "env/0")
+    assert _turn_two_waited_for_turn_one(trace, tid) is True
+
+
+def _turn_two_waited_for_turn_one(trace: list[dict[str, Any]], tid: int) -> bool:
+    """True if no env step 2 started while an env step 1 that began before it was still running."""
+    spans = [(e["ts"], e["ts"] + e["dur"], e["name"].endswith("step 2")) for e in trace if e.get("ph") == "X" and e["tid"] == tid]
+    ones = [(a, b) for a, b, two in spans if not two]
+    return all(b <= a2 for a2, _, two in spans if two for a, b in ones if a < a2)

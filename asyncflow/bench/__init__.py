@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+import sys
+from typing import Any
 
 from asyncflow.errors import UserError
 
 _NAMES = {"store": "STORE-1", "pipeline": "PIPE", "e2e": "E2E"}
+
+
+def _progress(row: dict[str, Any]) -> None:
+    """One line per finished row on stderr (long workloads), so the JSON stays the last stdout line."""
+    print("[asyncflow] " + "  ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr, flush=True)
 
 
 def run_bench(workload: str, *, as_json: bool, overrides: list[str]) -> int:
@@ -15,12 +22,16 @@ def run_bench(workload: str, *, as_json: bool, overrides: list[str]) -> int:
         from asyncflow.bench.e2e import run_e2e
 
         rows = run_e2e(overrides)
+    elif workload == "pipeline":
+        from asyncflow.bench.pipeline import run_pipeline
+
+        rows = run_pipeline(overrides, report=_progress)
     elif workload == "store":
         from asyncflow.bench.store import run_store
 
         rows = run_store(overrides)
     else:
-        raise UserError(f"bench {workload}: not available in this version (store and e2e are)")
+        raise UserError(f"bench {workload}: unknown workload; use store, pipeline, e2e")
     for row in rows:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     if as_json:

@@ -4,7 +4,10 @@ Both take an adjustable per-step latency (`latency_s`, waited on the run's clock
 benefit of environment-level asynchrony can be measured, and both parse the model's text with
 simple tags, the format their task pack warm-starts the model on:
 
-- `CalculatorEnv`: the row holds `question` (the prompt) and `answer`. A turn may call the tool with
+The prompt (the dataset row's prompt column) is what the model sees first; `reset` returns text
+appended after it, empty for both.
+
+- `CalculatorEnv`: the row holds the question (the prompt) and `answer`. A turn may call the tool with
   `<calc>12*(3+4)</calc>`; the observation is `<result>84</result>`. A turn with
   `<answer>84</answer>` ends the episode with reward 1.0 if it equals the row's answer, else 0.0.
   Expressions are evaluated by `safe_arith` (numbers and + - * / // % ** only; no names, no calls).
@@ -89,7 +92,7 @@ class CalculatorEnv(_Timed):
     async def reset(self, row: dict[str, Any], seed: int) -> str:
         self.answer = str(row["answer"]).strip()
         await self._latency()
-        return str(row["question"])
+        return ""  # the prompt already asks the question
 
     async def step(self, action: str) -> EnvStep:
         await self._latency()
@@ -110,6 +113,7 @@ class GuessNumberEnv(_Timed):
     """A multi-turn game: find the secret number from higher/lower hints."""
 
     name = "guess_number"
+    PROMPT = "Guess my number between 1 and {high}. Reply <guess>n</guess>."
     GUESS = re.compile(r"<guess>\s*(-?\d+)\s*</guess>")
 
     def __init__(self, clock: Clock, latency_s: float = 0.0, max_turns: int = 8, high: int = 100) -> None:
@@ -119,7 +123,7 @@ class GuessNumberEnv(_Timed):
     async def reset(self, row: dict[str, Any], seed: int) -> str:
         self.secret = random.Random(seed).randint(1, self.high)
         await self._latency()
-        return str(row.get("question") or f"Guess my number between 1 and {self.high}. Reply <guess>n</guess>.")
+        return ""  # the prompt states the game (see `GuessNumberEnv.PROMPT`)
 
     async def step(self, action: str) -> EnvStep:
         await self._latency()

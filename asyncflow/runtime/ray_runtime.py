@@ -324,11 +324,12 @@ class RayWorkers:
         from asyncflow.workflow.pipeline import store_capacity
 
         rt = cfg.runtime
-        need = rt.rollout_cpus * cfg.rollout.workers + rt.train_cpus + rt.reward_cpus * rt.reward_workers
+        n_reward = 0 if cfg.rollout.env is not None else rt.reward_workers  # episodes carry their reward
+        need = rt.rollout_cpus * cfg.rollout.workers + rt.train_cpus + rt.reward_cpus * n_reward
         t0 = time.monotonic()
         ensure_ray(rt.address, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
         roles = [("rollout", rt.rollout_cpus, rt.rollout_gpus)] * cfg.rollout.workers + [("train", rt.train_cpus, rt.train_gpus)]
-        roles += [("reward", rt.reward_cpus, 0.0)] * rt.reward_workers
+        roles += [("reward", rt.reward_cpus, 0.0)] * n_reward
         bundles = [{k: v for k, v in (("CPU", c), ("GPU", g)) if v > 0} for _, c, g in roles]
         placed = [i for i, b in enumerate(bundles) if b]
         pg = None
@@ -363,7 +364,7 @@ class RayWorkers:
         feeder_actor = feeder_cls.options(num_cpus=0, max_concurrency=1000).remote(cfg, str(model_dir), rows_ref, str(out), store)
         reward_actors = [
             reward_cls.options(**opts(w + 1 + j)).remote(j, cfg, str(model_dir), rows_ref, str(out), store, reward_fn_path)
-            for j in range(rt.reward_workers)
+            for j in range(n_reward)
         ]
         try:
             capacities = _ready([a.ready.remote() for a in rollout_actors])
@@ -377,7 +378,7 @@ class RayWorkers:
             raise
         timeout = cfg.workflow.step_timeout_s
         engines = [RemoteEngine(a, int(c), timeout) for a, c in zip(rollout_actors, capacities, strict=True)]
-        log(f"[asyncflow] ray: feeder, {w} rollout, 1 trainer, {rt.reward_workers} reward actor(s) ready in "
+        log(f"[asyncflow] ray: feeder, {w} rollout, 1 trainer, {n_reward} reward actor(s) ready in "
             f"{time.monotonic() - t0:.1f} s")
         return cls(store, engines, RemoteTrainEngine(trainer_actor, timeout), rollout_actors, reward_actors,
                    trainer_actor, feeder_actor, RemoteGate(feeder_actor, cfg.staleness), pg)

@@ -20,7 +20,7 @@ import selectors
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from asyncflow.errors import WaitTimeout
+from asyncflow.runtime.clock import bounded
 
 T = TypeVar("T")
 _THREAD_POLL_S = 0.002  # real seconds between polls while a thread job is outstanding
@@ -88,10 +88,7 @@ class VirtualClock:
         await asyncio.sleep(seconds)
 
     async def wait_for(self, aw: Awaitable[T], timeout: float | None, what: str) -> T:
-        try:
-            return await asyncio.wait_for(aw, timeout)
-        except asyncio.TimeoutError as exc:
-            raise WaitTimeout(f"timed out after {timeout:.1f} virtual s waiting for {what}") from exc
+        return await bounded(aw, timeout, what, unit="virtual s")
 
 
 def run_virtual(main: Callable[[VirtualClock], Coroutine[Any, Any, T]], start: float = 0.0) -> T:

@@ -67,9 +67,13 @@ class Tracer:
     included, when the PIPE benchmark drives the workflow on a virtual clock.
     """
 
-    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, now: Callable[[], float] = time.monotonic, max_events: int | None = None) -> None:
+        """`max_events`: keep at most this many spans (later ones are counted in `dropped`), so a
+        very long or very large run cannot grow the trace without bound."""
         self.now = now
         self.t0 = now()
+        self.max_events = max_events
+        self.dropped = 0
         self._events: list[dict[str, Any]] = []
         self._tracks: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -82,6 +86,9 @@ class Tracer:
     def span(self, track: str, name: str, start: float, end: float, **args: Any) -> None:
         """A finished span on `track`, times from the tracer's clock."""
         with self._lock:
+            if self.max_events is not None and len(self._events) >= self.max_events:
+                self.dropped += 1
+                return
             self._events.append(
                 {"ph": "X", "name": name, "pid": 1, "tid": self._tid(track), "ts": (start - self.t0) * 1e6,
                  "dur": max(end - start, 0.0) * 1e6, "args": args}
@@ -112,4 +119,7 @@ class Tracer:
                 for track, tid in self._tracks.items()
             ]
             events = meta + [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "asyncflow"}}] + self._events
-        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        doc: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
+        if self.dropped:
+            doc["otherData"] = {"dropped_spans": self.dropped, "max_events": self.max_events}
+        path.write_text(json.dumps(doc))

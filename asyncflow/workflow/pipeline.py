@@ -27,7 +27,6 @@ and says what it waited for. All time and waiting goes through the injected `Clo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,16 +39,18 @@ from asyncflow.algorithms.advantages import make_advantage_fn
 from asyncflow.config import Config
 from asyncflow.data import tokenize_prompt
 from asyncflow.engines.base import GenRequest, InferenceEngine, LossFn, TrainBatch, TrainEngine
+from asyncflow.engines.runs import oldest
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.rewards import RewardFn, RewardOutcome, call_reward_fn
 from asyncflow.runtime.clock import Clock
 from asyncflow.telemetry.runlog import RunLog, Tracer
 from asyncflow.transfer_queue import Lease, NewSample, QueueClosed, SampleView, StoreClient, TransferQueue
+from asyncflow.workflow.episode import EpisodeSettings, TurnBarrier, generated_tokens, run_episode
 from asyncflow.workflow.gate import StalenessGate
 
 CANCELLED = "cancelled: could no longer meet max_staleness"
-TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "reward_error", "row", "finish_reason",
-                "reward")
+TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "behavior_version", "reward_error",
+                "row", "finish_reason", "reward", "loss_mask", "turns")
 
 
 @dataclass
@@ -90,6 +91,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=True))
 
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        """Token ids of a dataset prompt (text as it is, chat messages through the chat template)."""
+        return tokenize_prompt(self.hf, prompt)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of environment text (no special tokens), appended at the id level: generated
+        tokens are never re-tokenized."""
+        return [int(i) for i in self.hf(text, add_special_tokens=False)["input_ids"]] if text else []
+
     def completions(self, responses: Sequence[Sequence[int]], conversational: bool) -> list[Any]:
         """Completions as a TRL reward function receives them: text without the final EOS, or for
         conversational prompts a one-message assistant turn."""
@@ -117,10 +127,13 @@ class Pipeline:
         on_step: Callable[[StepResult], Awaitable[None]] | None = None,
         store: StoreClient | None = None,
         gate: Any = None,
+        env_factory: Callable[[Clock], Any] | None = None,
     ) -> None:
         """`store`: a store client shared with other processes (the Ray runtime); default: a new
         in-process `TransferQueue`. A Ray actor that hosts a single stage builds a Pipeline with
-        only what that stage uses (e.g. no trainer in a rollout actor) and runs that stage's loop."""
+        only what that stage uses (e.g. no trainer in a rollout actor) and runs that stage's loop.
+        `env_factory`: a factory of episodes' environments given directly (PIPE's simulated
+        environment); default: the one `rollout.env` names."""
         self.cfg = cfg
         self.rows = rows
         self.tok = tokenizer
@@ -145,7 +158,14 @@ class Pipeline:
             capacity=store_capacity(cfg), lease_timeout_s=cfg.workflow.lease_timeout_s, clock=clock
         )
         self.store.register_stage("rollout", ["prompt_ids"])
-        self.store.register_stage("reward", ["response_ids"], groups=True)
+        self.env_factory: Callable[[Clock], Any] | None = env_factory
+        if env_factory is None and cfg.rollout.env is not None:
+            from asyncflow.envs import make_env_factory
+
+            self.env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s,
+                                                max_turns=cfg.rollout.max_turns)
+        if self.env_factory is None:  # multi-turn episodes carry their environment's reward: no reward stage
+            self.store.register_stage("reward", ["response_ids"], groups=True)
         self.store.register_stage("train", ["reward"], groups=True)
         self.advantage_fn = make_advantage_fn(cfg.algorithm.advantage)
         self.counters = Counters()
@@ -176,7 +196,7 @@ class Pipeline:
                 continue  # the trainer is slow; credit comes with the next publication
             row_index = next(self._order)
             prompt = self.rows[row_index][self.cfg.dataset.prompt_key]
-            ids = tokenize_prompt(self.tok.hf, prompt)
+            ids = self.tok.prompt_ids(prompt)
             fields = {"prompt_ids": ids, "row": row_index}
             samples = [NewSample(group_id, self.n, dict(fields), priority=float(group_id)) for _ in range(self.n)]
             self.gate.admit()
@@ -192,11 +212,35 @@ class Pipeline:
         """Keep up to twice the engine's batch slots in flight, taking all free slots' worth in one
         store call (one lease each); write each response the moment it ends. The extra half waits
         in the engine's own queue, so a batch slot that frees is refilled at the next decode step
-        instead of after a store round trip (measured: local sync 253-308 -> 320-327 samples/s)."""
+        instead of after a store round trip (measured: local sync 253-308 -> 320-327 samples/s).
+        With an environment, each taken sample is a whole episode (its own task)."""
         slots = asyncio.Semaphore(engine.capacity * 2)
         tasks: set[asyncio.Task[None]] = set()
         track = f"rollout/{index}"
         active_since: list[float] = []
+        errors: list[BaseException] = []
+        me = asyncio.current_task()
+        extra = ("row",) if self.env_factory is not None else ()
+        deadlines: dict[asyncio.Task[None], tuple[float, str]] = {}  # single-turn requests (see _watch)
+        expired: dict[asyncio.Task[None], str] = {}
+
+        def _done(t: asyncio.Task[None]) -> None:
+            tasks.discard(t)
+            deadlines.pop(t, None)
+            if not tasks and active_since:
+                self.tracer.span(track, "generating", active_since.pop(), self.clock.now())
+            exc = WaitTimeout(expired.pop(t)) if t in expired else None
+            if exc is None and not t.cancelled():
+                exc = t.exception()  # type: ignore[assignment]
+            if exc is not None and not errors:
+                errors.append(exc)
+                if me is not None:
+                    me.cancel()  # a request failed or timed out: stop this worker with its error
+
+        if self.cfg.rollout.turn_barrier:
+            await self._barrier_batches(index, engine, track)
+            return
+        watchdog = asyncio.create_task(self._watch(deadlines, expired))
         try:
             while True:
                 await slots.acquire()
@@ -205,7 +249,8 @@ class Pipeline:
                     await slots.acquire()
                     free += 1
                 try:
-                    leases = await self.store.take_each("rollout", free, timeout=self.cfg.workflow.step_timeout_s)
+                    leases = await self.store.take_each("rollout", free, timeout=self.cfg.workflow.step_timeout_s,
+                                                        fields_extra=extra)
                 except WaitTimeout:
                     leases = []  # nothing admitted for a while: normal while the trainer catches up
                 except QueueClosed:
@@ -215,46 +260,111 @@ class Pipeline:
                 for lease in leases:
                     if not tasks:
                         active_since.append(self.clock.now())
-                    task = asyncio.create_task(self._generate(engine, lease, slots))
+                    if self.env_factory is None:
+                        task = asyncio.create_task(self._generate(engine, lease, slots))
+                        uid = lease.samples[0].uid
+                        deadlines[task] = (self.clock.now() + self.cfg.rollout.request_timeout_s, f"generation of sample {uid}")
+                    else:
+                        task = asyncio.create_task(self._episode(index, engine, lease, slots))
                     tasks.add(task)
-
-                    def _done(t: asyncio.Task[None]) -> None:
-                        tasks.discard(t)
-                        if not tasks and active_since:
-                            self.tracer.span(track, "generating", active_since.pop(), self.clock.now())
-
                     task.add_done_callback(_done)
+        except asyncio.CancelledError:
+            if errors:
+                raise errors[0] from None
+            raise
         finally:
+            watchdog.cancel()
             for t in list(tasks):
                 t.cancel()
 
+    async def _barrier_batches(self, index: int, engine: InferenceEngine, track: str) -> None:
+        """`rollout.turn_barrier`: take a batch of episodes (the engine's capacity), run them turn by
+        turn in lock step, take the next batch only when all have ended — the batch-synchronous
+        baseline for environment-level asynchrony."""
+        while True:
+            try:
+                leases = await self.store.take_each("rollout", engine.capacity, timeout=self.cfg.workflow.step_timeout_s,
+                                                    fields_extra=("row",))
+            except WaitTimeout:
+                continue
+            except QueueClosed:
+                return
+            barrier = TurnBarrier(len(leases))
+            slots = asyncio.Semaphore(len(leases))
+            start = self.clock.now()
+            await asyncio.gather(*(self._episode(index, engine, lease, slots, barrier) for lease in leases))
+            self.tracer.span(track, "generating", start, self.clock.now())
+
+    async def _watch(self, deadlines: dict[asyncio.Task[None], tuple[float, str]], expired: dict[asyncio.Task[None], str]) -> None:
+        """Cancel generation requests past `rollout.request_timeout_s`, checking every eighth of it:
+        one timer per worker instead of one per request, which keeps the event loop's timer heap
+        small (measured: per-request timers cost ~40 us per sample at 1,500 requests in flight).
+        A request therefore fails between 1 and 1.125 times its timeout after it started."""
+        timeout = self.cfg.rollout.request_timeout_s
+        while True:
+            await self.clock.sleep(timeout / 8)
+            now = self.clock.now()
+            for task, (deadline, what) in list(deadlines.items()):
+                if now >= deadline and not task.done():
+                    expired[task] = f"timed out after {timeout:g} s waiting for {what}"
+                    task.cancel()
+
     async def _generate(self, engine: InferenceEngine, lease: Lease, slots: asyncio.Semaphore) -> None:
+        """One single-turn request (bounded by the worker's watchdog, `_watch`)."""
         sample = lease.samples[0]
         req = GenRequest(sample.uid, sample.fields["prompt_ids"], self.cfg.rollout.max_new_tokens, self.cfg.rollout.temperature)
         try:
-            res = await self.clock.wait_for(
-                engine.generate(req), self.cfg.rollout.request_timeout_s, f"generation of sample {sample.uid}"
-            )
+            res = await engine.generate(req)
             # A cancelled request (it could no longer meet max_staleness) is written like any other,
             # with its partial response: its group then reaches the trainer, which drops the whole
             # group and frees its admission slot. Removing it here would leak that slot.
+            version = oldest(res.token_versions)  # no token: -1, older than any floor
             fields = {
                 "response_ids": res.response_ids,
                 "behavior_logprobs": res.behavior_logprobs,
                 "token_versions": res.token_versions,
+                "behavior_version": version,
                 "finish_reason": res.finish_reason,
             }
-            version = min(res.token_versions) if res.token_versions else -1  # no token: older than any floor
             self.store.complete(lease, {sample.uid: fields}, versions={sample.uid: version})
         except (QueueClosed, KeyError):
-            return
+            return  # the run is ending, or the sample was removed meanwhile
+        finally:
+            slots.release()
+
+    async def _episode(self, index: int, engine: InferenceEngine, lease: Lease, slots: asyncio.Semaphore,
+                       barrier: TurnBarrier | None = None) -> None:
+        """One multi-turn episode (see `workflow/episode.py`), written to the store with its reward:
+        episodes carry their environment's reward, so they skip the reward stage."""
+        assert self.env_factory is not None
+        sample = lease.samples[0]
+        ro = self.cfg.rollout
+        track = f"env/{index}"
+
+        def on_env_step(turn: int, start: float, end: float) -> None:
+            self.tracer.span(track, f"episode {sample.uid} step {turn}", start, end)
+
+        try:
+            result = await run_episode(
+                env=self.env_factory(self.clock), engine=engine, clock=self.clock, tok=self.tok, uid=sample.uid,
+                prompt_ids=sample.fields["prompt_ids"], row=self.rows[sample.fields["row"]],
+                seed=self.cfg.seed * 1_000_003 + sample.uid,
+                settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s),
+                on_env_step=on_env_step, barrier=barrier,
+            )
+            version = result.fields["behavior_version"]
+            self.store.complete(lease, {sample.uid: result.fields}, versions={sample.uid: version})
+        except (QueueClosed, KeyError):
+            return  # the run is ending, or the sample was removed meanwhile
         finally:
             slots.release()
 
     # ------------------------------------------------------------------ reward
 
     async def reward_worker(self) -> None:
-        """Score each group as soon as all its responses are written: one reward call per group."""
+        """Score each group as soon as all its responses are written: one reward call per group.
+        The groups of one take share one hop to a worker thread (a hop costs ~135 us on a 2-core VM,
+        more than the rest of a sample's way through the store)."""
         while True:
             try:
                 lease = await self.store.take(
@@ -265,40 +375,52 @@ class Pipeline:
                 continue
             except QueueClosed:
                 return
-            for group in _by_group(lease.samples):
-                if any(s.fields.get("finish_reason") == "cancelled" for s in group):
-                    outcome = RewardOutcome(None, CANCELLED)  # never trained: do not spend a reward call
-                else:
-                    outcome = await self._score_group(group)
+            groups = _by_group(lease.samples)
+            # a group with a cancelled sample is never trained: do not spend a reward call on it
+            live = [g for g in groups if not any(s.fields.get("finish_reason") == "cancelled" for s in g)]
+            scored = dict(zip((g[0].group_id for g in live), await self._score_groups(live), strict=True))
+            writes = {}
+            for group in groups:
+                outcome = scored.get(group[0].group_id, RewardOutcome(None, CANCELLED))
                 for i, s in enumerate(group):
                     reward = None if outcome.rewards is None else outcome.rewards[i]
-                    with contextlib.suppress(KeyError):  # removed meanwhile (cancelled)
-                        self.store.write(s.uid, {"reward": reward, "reward_error": outcome.error})
-            self.store.ack(lease)
+                    writes[s.uid] = {"reward": reward, "reward_error": outcome.error}
+            self.store.complete(lease, writes)  # samples removed meanwhile are skipped
 
-    async def _score_group(self, group: list[SampleView]) -> RewardOutcome:
+    def _reward_call(self, group: list[SampleView]) -> tuple[Any, ...]:
+        """The arguments of `call_reward_fn` for one group."""
         row = self.rows[group[0].fields["row"]]
         key = self.cfg.dataset.prompt_key
-        completions_ids = [list(s.fields["response_ids"]) for s in group]
+        # lists are copied, so a reward function cannot change what is stored; other (immutable)
+        # sequences, such as a simulated engine's run-length ids, are passed as they are
+        completions_ids = [r.copy() if isinstance(r, list) else r for r in (s.fields["response_ids"] for s in group)]
         completions = self.tok.completions(completions_ids, conversational=isinstance(row[key], list))
         columns = {c: [v] * len(group) for c, v in row.items() if c != key}
+        return self.reward_fn, [row[key]] * len(group), completions, completions_ids, columns
+
+    async def _score_groups(self, groups: list[list[SampleView]]) -> list[RewardOutcome]:
+        if not groups:
+            return []
+        calls = [self._reward_call(g) for g in groups]
         start = self.clock.now()
+        ids = [g[0].group_id for g in groups]
         try:
-            outcome = await self.clock.wait_for(
-                asyncio.to_thread(call_reward_fn, self.reward_fn, [row[key]] * len(group), completions, completions_ids, columns),
-                self.cfg.reward.timeout_s,
-                f"reward function on group {group[0].group_id}",
+            outcomes = await self.clock.wait_for(
+                asyncio.to_thread(lambda: [call_reward_fn(*c) for c in calls]),
+                self.cfg.reward.timeout_s * len(groups),
+                f"reward function on group(s) {ids}",
             )
         except WaitTimeout as exc:
-            outcome = RewardOutcome(None, str(exc))
-        self.tracer.span("reward", "reward", start, self.clock.now(), group=group[0].group_id)
-        self.counters.reward_calls += 1
-        if outcome.error is not None:
-            self.counters.reward_call_failures += 1
-            limit = self.cfg.reward.fail_fast_calls
-            if self.counters.reward_calls == limit and self.counters.reward_call_failures == limit:
-                raise UserError(f"reward.fn: the first {limit} reward calls all failed; last error: {outcome.error}")
-        return outcome
+            outcomes = [RewardOutcome(None, str(exc))] * len(groups)
+        self.tracer.span("reward", "reward", start, self.clock.now(), groups=ids)
+        limit = self.cfg.reward.fail_fast_calls
+        for outcome in outcomes:
+            self.counters.reward_calls += 1
+            if outcome.error is not None:
+                self.counters.reward_call_failures += 1
+                if self.counters.reward_calls == limit and self.counters.reward_call_failures == limit:
+                    raise UserError(f"reward.fn: the first {limit} reward calls all failed; last error: {outcome.error}")
+        return outcomes
 
     # ------------------------------------------------------------------ trainer
 
@@ -375,14 +497,13 @@ class Pipeline:
     async def _train_on(self, step: int, groups: list[list[SampleView]]) -> StepResult:
         samples = [s for g in groups for s in g]
         valid = [s.fields["reward_error"] is None for s in samples]
-        batch, rewards = self._make_batch(samples, valid)
-        temperature = self.cfg.rollout.temperature
+        rewards = [float(s.fields["reward"]) if ok else 0.0 for s, ok in zip(samples, valid, strict=True)]
         t0 = self.clock.now()
         with self.tracer.timed("trainer", f"train step {step}", samples=len(samples)):
-            metrics = await asyncio.to_thread(self._compute_step, batch, temperature, samples)
+            metrics, tokens = await self._optimize(samples, valid, rewards)
         self.counters.train_busy_s += self.clock.now() - t0
         sync_s = await self._publish()
-        staleness = [self.version - 1 - min(s.fields["token_versions"]) for s, ok in zip(samples, valid, strict=True) if ok]
+        staleness = [self.version - 1 - s.fields["behavior_version"] for s, ok in zip(samples, valid, strict=True) if ok]
         trained_version = self.version - 1
         logged: list[tuple[SampleView, int | None, str, str | None]] = []
         for s, ok in zip(samples, valid, strict=True):
@@ -394,7 +515,7 @@ class Pipeline:
         n_valid = sum(valid)
         self.counters.trained += n_valid
         self.counters.reward_errors += len(samples) - n_valid
-        self.counters.tokens += int(batch.response_mask.sum())
+        self.counters.tokens += tokens
         valid_rewards = [r for r, ok in zip(rewards, valid, strict=True) if ok]
         metrics.update(
             reward_mean=sum(valid_rewards) / max(len(valid_rewards), 1),
@@ -405,8 +526,14 @@ class Pipeline:
         )
         return StepResult(step, self.version, metrics)
 
-    def _make_batch(self, samples: list[SampleView], valid: list[bool]) -> tuple[TrainBatch, list[float]]:
-        rewards = [float(s.fields["reward"]) if ok else 0.0 for s, ok in zip(samples, valid, strict=True)]
+    async def _optimize(self, samples: list[SampleView], valid: list[bool], rewards: list[float]) -> tuple[dict[str, Any], int]:
+        """Advantages, the padded batch and the optimizer steps (in a worker thread); returns the
+        train metrics and the number of trained tokens. PIPE's simulated trainer replaces this."""
+        batch = self._make_batch(samples, valid, rewards)
+        metrics = await asyncio.to_thread(self._compute_step, batch, self.cfg.rollout.temperature, samples)
+        return metrics, int(batch.response_mask.sum())
+
+    def _make_batch(self, samples: list[SampleView], valid: list[bool], rewards: list[float]) -> TrainBatch:
         valid_t = torch.tensor(valid)
         adv = self.advantage_fn(
             torch.tensor(rewards, dtype=torch.float32), torch.tensor([s.group_id for s in samples]), valid_t
@@ -418,10 +545,11 @@ class Pipeline:
             adv,
             valid,
             self.tok.pad_token_id,
+            [s.fields.get("loss_mask") for s in samples],
         )
         if self.ref_logprobs is not None:
             batch.ref_logprobs = self.ref_logprobs(batch)
-        return batch, rewards
+        return batch
 
     def _compute_step(self, batch: TrainBatch, temperature: float, samples: list[SampleView]) -> dict[str, Any]:
         """Runs in a worker thread: the optimizer steps, plus train/inference mismatch diagnostics.
@@ -478,7 +606,7 @@ class Pipeline:
                 self.counters.response_count[status] = self.counters.response_count.get(status, 0) + 1
             row = self.rows[s.fields["row"]] if "row" in s.fields else {}
             resp = s.fields.get("response_ids")
-            versions = s.fields.get("token_versions")
+            version = s.fields.get("behavior_version")
             reward = (rewards or {}).get(s.uid, s.fields.get("reward"))
             out.append(
                 {
@@ -487,10 +615,12 @@ class Pipeline:
                     "prompt": row.get(key),
                     "response": None if resp is None else self.tok.decode(resp),
                     "reward": None if reward is None or (isinstance(reward, float) and math.isnan(reward)) else reward,
-                    "behavior_version": None if not versions else min(versions),
+                    "behavior_version": None if version is None or version < 0 else version,
                     "trained_version": trained_version,
                     "status": status,
                     "error": error,
+                    **({} if "loss_mask" not in s.fields else
+                       {"turns": s.fields.get("turns"), "generated_tokens": generated_tokens(s.fields["loss_mask"])}),
                 }
             )
         self.log.samples(out)
@@ -513,10 +643,9 @@ class Pipeline:
         stage ends; they replace the local rollout and reward loops and are supervised the same way.
         """
         if remote is None:
-            stages = [
-                asyncio.create_task(self.reward_worker(), name="reward"),
-                *(asyncio.create_task(self.rollout_worker(i, e), name=f"rollout/{i}") for i, e in enumerate(self.engines)),
-            ]
+            stages = [asyncio.create_task(self.rollout_worker(i, e), name=f"rollout/{i}") for i, e in enumerate(self.engines)]
+            if self.env_factory is None:
+                stages.append(asyncio.create_task(self.reward_worker(), name="reward"))
         else:
             stages = [asyncio.ensure_future(aw) for aw in remote.values()]
             for name, t in zip(remote, stages, strict=True):
@@ -561,8 +690,10 @@ def build_train_batch(
     advantages: torch.Tensor,
     valid: list[bool],
     pad_token_id: int,
+    loss_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> TrainBatch:
-    """Right-padded prompt+response rows; the mask marks response tokens (EOS included) of valid rows."""
+    """Right-padded prompt+response rows; the mask marks response tokens (EOS included) of valid rows,
+    and of those only the generated ones where `loss_masks` (multi-turn episodes) says so."""
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     width = max(lengths)
     b = len(prompts)
@@ -575,8 +706,9 @@ def build_train_batch(
         attn[i, : lengths[i]] = 1
         start = len(p) - 1  # logits at position t predict token t+1
         if valid[i]:
-            mask[i, start : start + len(r)] = 1.0
-        blp[i, start : start + len(r)] = torch.tensor(lp, dtype=torch.float32)
+            lm = None if loss_masks is None else loss_masks[i]
+            mask[i, start : start + len(r)] = 1.0 if lm is None else torch.tensor(list(lm), dtype=torch.float32)
+        blp[i, start : start + len(r)] = torch.tensor(list(lp), dtype=torch.float32)
     return TrainBatch(ids, attn, mask, advantages, blp)
 
 

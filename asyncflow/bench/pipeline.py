@@ -1,0 +1,355 @@
+"""`asyncflow bench pipeline`: PIPE — the real workflow at cluster scale, on a virtual clock.
+
+What is real and what is simulated: the `Pipeline` (feeder, staleness gate, per-sample queue
+scheduling in the rollout workers, multi-turn episodes, reward stage, trainer batch assembly, weight
+publication and cancellation) and the `TransferQueue` are the code a training run uses. The devices
+are simulated: each rollout device is a `SimEngine` (a continuous-batching server: up to `slots`
+sequences decode together at `step_s` per step), the trainer a `SimTrainer` (`train_token_s`
+device-seconds per trained token, spread over its devices), the agentic environment a `SimEnv` with
+lognormal step latency. All of it runs on a `VirtualTimeLoop`, so a thousand devices working for
+hours take seconds of this machine's time, and the real code's CPU cost is measured on the side.
+
+Modes (DESIGN.md, PIPE):
+- `sync`: colocated. Every device generates, then every device trains; switching costs `switch_s`
+  each way (into training: in the train step; back: as the weight load). Same code at staleness 0.
+- `async`: devices split between rollout and training (the split that best balances their
+  throughputs); weights sync in `weight_sync_s` with in-flight `swap` loads; staleness bound
+  `max_staleness` (the async ratio).
+
+The ideal is every device busy all the time: devices / (generation + training device-seconds per
+sample), from the profile's expected tokens per sample; efficiency = measured / ideal. Measured =
+trained samples per virtual second over steps `warmup_steps+1 .. steps` (start-up excluded).
+`scheduler_us_per_sample`: process CPU time of the run minus the CPU time inside simulation code
+(engines, trainer, environments), per sample that went through the store — what the real store,
+scheduler, gate and their event loop cost on this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncflow.errors import UserError
+
+
+@dataclass
+class PipeSpec:
+    """PIPE's pinned parameters (DESIGN.md); each can be overridden with `--set key=value`."""
+
+    profiles: str = "rlvr,agentic"
+    devices: str = "64,256,1024"
+    modes: str = "sync,async"
+    slots: int = 64  # sequences one rollout device decodes at once
+    step_s: float = 0.03  # one decode step
+    n: int = 8  # samples per prompt
+    prompts_per_device: int = 32  # prompts per device per train step
+    train_token_s: float = 0.15e-3  # device-seconds of training per response token
+    switch_s: float = 5.0  # sync (colocated): generation <-> training, each way
+    weight_sync_s: float = 2.0  # async: one weight sync
+    max_staleness: int = 2  # async ratio
+    steps: int = 5
+    warmup_steps: int = 2
+    seed: int = 0
+    trace: str = ""  # a folder: write one trace.json per row there (first 200,000 spans)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How long responses are and what happens between turns."""
+
+    name: str
+    lengths: Callable[[random.Random], int]  # tokens of one generation request (one turn)
+    max_new_tokens: int
+    mean_tokens: float  # expected generated tokens per sample (all turns)
+    turns: Callable[[random.Random], int] | None = None  # agentic: LLM turns per episode
+    env_latency: Callable[[random.Random], float] | None = None
+
+
+Z99 = 2.3263478740408408  # standard normal 99th percentile
+
+
+def _lognormal_sigma(p99_over_median: float) -> float:
+    return math.log(p99_over_median) / Z99
+
+
+def _capped_lognormal_mean(median: float, sigma: float, cap: float) -> float:
+    """E[min(X, cap)] for X lognormal with this median and sigma."""
+    mu = math.log(median)
+    phi = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
+    below = math.exp(mu + sigma**2 / 2) * phi((math.log(cap) - mu - sigma**2) / sigma)
+    return below + cap * (1 - phi((math.log(cap) - mu) / sigma))
+
+
+def make_profile(name: str) -> Profile:
+    if name == "rlvr":
+        sigma, cap = _lognormal_sigma(20.0), 16_384
+        return Profile("rlvr", lambda rng: min(cap, max(1, round(rng.lognormvariate(math.log(1000), sigma)))), cap,
+                       _capped_lognormal_mean(1000, sigma, cap))
+    if name == "agentic":
+        lat_sigma = _lognormal_sigma(15.0)  # median 2 s, p99 30 s
+        return Profile("agentic", lambda rng: rng.randint(100, 300), 300, 12.5 * 200,
+                       turns=lambda rng: rng.randint(5, 20),
+                       env_latency=lambda rng: rng.lognormvariate(math.log(2.0), lat_sigma))
+    raise UserError(f"bench pipeline --set profiles: unknown profile {name!r}; use rlvr, agentic")
+
+
+def split_devices(devices: int, gen_s: float, train_s: float) -> tuple[int, int]:
+    """(rollout, train) devices that best balance rollout and training throughput."""
+    best = max(range(1, devices), key=lambda t: min((devices - t) / gen_s, t / train_s))
+    return devices - best, best
+
+
+def _run_one(spec: PipeSpec, profile: Profile, devices: int, mode: str) -> dict[str, Any]:
+    import asyncflow.workflow.pipeline  # noqa: F401  (imported outside the measured window)
+    from asyncflow.runtime.virtual_loop import run_virtual
+
+    gen_s = profile.mean_tokens * spec.step_s / spec.slots  # device-seconds per sample, slots full
+    train_s = profile.mean_tokens * spec.train_token_s
+    ideal = devices / (gen_s + train_s)
+    rollout_dev, train_dev = (devices, devices) if mode == "sync" else split_devices(devices, gen_s, train_s)
+    tmp = Path(tempfile.mkdtemp(prefix="asyncflow-pipe-"))
+    gc.collect()
+    gc.freeze()  # what exists now (imports, the previous row's leftovers) is never scanned again
+    try:
+        cpu0 = time.process_time()
+        wall0 = time.monotonic()
+        result = run_virtual(lambda clock: _simulate(spec, profile, devices, mode, rollout_dev, train_dev, clock, tmp))
+        cpu = time.process_time() - cpu0
+        wall = time.monotonic() - wall0
+    finally:
+        gc.unfreeze()
+        shutil.rmtree(tmp, ignore_errors=True)
+    rate = result["window_samples"] / result["window_s"]
+    return {
+        "profile": profile.name, "devices": devices, "runtime": "virtual", "mode": mode,
+        "rollout_devices": rollout_dev, "train_devices": train_dev,
+        "samples_per_s": round(rate, 3), "ideal_samples_per_s": round(ideal, 3), "efficiency": round(rate / ideal, 4),
+        "rollout_busy_frac": round(result["rollout_busy_frac"], 4), "train_busy_frac": round(result["train_busy_frac"], 4),
+        "scheduler_us_per_sample": round((cpu - result["sim_cpu_s"]) / max(result["samples_seen"], 1) * 1e6, 1),
+        "max_staleness": 0 if mode == "sync" else spec.max_staleness, "staleness_max": result["staleness_max"],
+        "steps": spec.steps, "samples": result["samples"], "dropped": result["dropped"],
+        "mean_tokens_profile": round(profile.mean_tokens, 1), "mean_tokens_trained": round(result["mean_tokens"], 1),
+        "virtual_s": round(result["virtual_s"], 1), "wall_s": round(wall, 1),
+    }
+
+
+async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, rollout_dev: int, train_dev: int,
+                    clock: Any, tmp: Path) -> dict[str, Any]:
+    from asyncflow.config import load_config
+    from asyncflow.engines.sim import CpuMeter, SimEngine, SimTrainer
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.workflow.gate import StalenessGate
+    from asyncflow.workflow.pipeline import StepResult
+
+    batch = devices * spec.prompts_per_device * spec.n
+    sync = mode == "sync"
+    settings = [
+        "logging.progress=false", f"rollout.n={spec.n}", f"train.batch_size={batch}", f"train.max_steps={spec.steps}",
+        f"rollout.max_new_tokens={profile.max_new_tokens}", f"rollout.max_batch={spec.slots}",
+        f"workflow.mode={mode}", f"workflow.weight_update={'drain' if sync else 'swap'}", f"seed={spec.seed}",
+        "workflow.step_timeout_s=100000", "rollout.request_timeout_s=100000", "workflow.lease_timeout_s=100000",
+        "rollout.env_timeout_s=1000", "reward.timeout_s=1000",
+    ]
+    if not sync:
+        settings.append(f"workflow.max_staleness={spec.max_staleness}")
+    if profile.turns is not None:
+        settings.append("rollout.max_turns=20")
+    cfg, _ = load_config(None, settings)
+    meter = CpuMeter()
+    load_s = spec.switch_s if sync else spec.weight_sync_s
+    engines = [SimEngine(clock, lengths=profile.lengths, capacity=spec.slots, step_s=spec.step_s, load_s=load_s,
+                         seed=spec.seed * 100_003 + i, meter=meter) for i in range(rollout_dev)]
+    trainer = SimTrainer(clock, token_s=spec.train_token_s, devices=train_dev, overhead_s=spec.switch_s if sync else 0.0)
+    env_factory = None
+    if profile.turns is not None:
+        env_factory = _env_factory(profile, meter)
+    rows = [{"prompt": i} for i in range(4096)]
+    log = RunLog(tmp, metrics=False)
+    tracer = Tracer(now=clock.now, max_events=200_000 if spec.trace else 0)
+    marks: list[tuple[float, int, float, float]] = []  # (time, trained, rollout busy, train busy) per step
+
+    async def on_step(result: StepResult) -> None:
+        marks.append((clock.now(), pipeline.counters.trained, sum(e.busy_seconds() for e in engines), trainer.busy))
+
+    # Steady state: the gate admits as if the run went on past `steps` (a finite run's last steps
+    # would otherwise starve the rollout devices: no prompt is admitted for a step that never comes).
+    gps = batch // spec.n
+    k = cfg.staleness
+    gate = StalenessGate(gps, k, spec.steps + k + 2, clock)
+    pipeline = _make_sim_pipeline_class()(
+        cfg, rows=rows, tokenizer=_SimTokenizer(), reward_fn=_reward, engines=engines, trainer=trainer,  # type: ignore[arg-type]
+        loss_fn=None, clock=clock, log=log, tracer=tracer, on_step=on_step, env_factory=env_factory,  # type: ignore[arg-type]
+        gate=gate,
+    )
+    pipeline.sim_trainer = trainer
+    try:
+        await pipeline.run()
+    finally:
+        log.close()
+        for e in engines:
+            await e.close()
+    if spec.trace:
+        Path(spec.trace).mkdir(parents=True, exist_ok=True)
+        tracer.write(Path(spec.trace) / f"pipe-{profile.name}-{devices}-{mode}.json")
+    w = min(spec.warmup_steps, len(marks) - 1)
+    (t0, n0, r0, tr0), (t1, n1, r1, tr1) = marks[w - 1] if w > 0 else (pipeline.t_start, 0, 0.0, 0.0), marks[-1]
+    c = pipeline.counters
+    return {
+        "window_samples": n1 - n0, "window_s": t1 - t0, "virtual_s": clock.now() - pipeline.t_start,
+        "rollout_busy_frac": (r1 - r0) / ((t1 - t0) * rollout_dev), "train_busy_frac": (tr1 - tr0) / (t1 - t0),
+        "samples": c.trained, "dropped": c.dropped_stale + c.cancelled + c.filtered,
+        "samples_seen": c.trained + c.dropped_stale + c.cancelled + c.filtered + c.reward_errors,
+        "staleness_max": pipeline.staleness_max, "sim_cpu_s": meter.seconds,
+        "mean_tokens": c.tokens / max(c.trained, 1),
+    }
+
+
+def _reward(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+    """A verifier stand-in: 0 or 1 from the prompt and the completion's position (deterministic)."""
+    return [float((hash(str(p)) + i) % 2) for i, p in enumerate(prompts)]
+
+
+class _SimTokenizer:
+    """Token ids for simulated text: prompts are 64 tokens; environment text is empty."""
+
+    eos_token_id = 1
+    pad_token_id = 0
+
+    def __init__(self) -> None:
+        from asyncflow.engines.runs import Runs
+
+        self._prompt = Runs([(5, 64)])
+
+    def prompt_ids(self, prompt: Any) -> Sequence[int]:
+        return self._prompt
+
+    def encode(self, text: str) -> list[int]:
+        return [9] * len(text.split())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return ""
+
+    def completions(self, responses: Sequence[Sequence[int]], conversational: bool) -> list[str]:
+        return [""] * len(responses)
+
+
+def _env_factory(profile: Profile, meter: Any) -> Callable[[Any], Any]:
+    from asyncflow.envs.base import Env, EnvStep
+
+    assert profile.turns is not None and profile.env_latency is not None
+    turns_of, latency_of = profile.turns, profile.env_latency
+
+    class SimEnv(Env):
+        """An environment whose steps take lognormal time; the episode lasts `turns` LLM turns."""
+
+        name = "sim"
+        max_turns = 20
+
+        def __init__(self, clock: Any) -> None:
+            self.clock = clock
+
+        async def reset(self, row: dict[str, Any], seed: int) -> str:
+            with meter:
+                self.rng = random.Random(seed)
+                self.turns, self.turn = turns_of(self.rng), 0
+            return ""
+
+        async def step(self, action: str) -> EnvStep:
+            with meter:
+                latency = latency_of(self.rng)
+                self.turn += 1
+                done = self.turn >= self.turns
+            await self.clock.sleep(latency)
+            return EnvStep("", reward=float(self.rng.random() < 0.5) if done else 0.0, done=done)
+
+    return SimEnv
+
+
+def _make_sim_pipeline_class() -> type:
+    from asyncflow.workflow.episode import generated_tokens
+    from asyncflow.workflow.pipeline import Pipeline
+
+    class SimPipeline(Pipeline):
+        """The real pipeline; only the optimizer step is the simulated trainer's time."""
+
+        sim_trainer: Any = None
+        staleness_max = 0
+
+        async def _optimize(self, samples: list[Any], valid: list[bool], rewards: list[float]) -> tuple[dict[str, Any], int]:
+            tokens = sum(
+                generated_tokens(s.fields["loss_mask"]) if "loss_mask" in s.fields else len(s.fields["response_ids"])
+                for s, ok in zip(samples, valid, strict=True) if ok
+            )
+            stale = max((self.version - s.fields["behavior_version"] for s in samples), default=0)
+            self.staleness_max = max(self.staleness_max, stale)
+            await self.sim_trainer.train(tokens)
+            return {"loss": 0.0, "entropy": 0.0, "grad_norm": 0.0}, tokens
+
+    return SimPipeline
+
+
+def parse_spec(overrides: list[str]) -> PipeSpec:
+    spec = PipeSpec()
+    types = {f.name: f.type for f in dataclasses.fields(PipeSpec)}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in types:
+            raise UserError(f"bench pipeline --set: expected key=value with key one of {', '.join(types)}; got {item!r}")
+        kind = {"int": int, "float": float, "str": str}[str(types[key])]
+        try:
+            setattr(spec, key, kind(value))
+        except ValueError:
+            raise UserError(f"bench pipeline --set {key}: expected {types[key]}, got {value!r}") from None
+    if spec.steps <= spec.warmup_steps:
+        raise UserError(f"bench pipeline --set steps: must exceed warmup_steps ({spec.warmup_steps}), got {spec.steps}")
+    for key in ("slots", "n", "prompts_per_device", "steps"):
+        if getattr(spec, key) < 1:
+            raise UserError(f"bench pipeline --set {key}: must be >= 1")
+    return spec
+
+
+def run_pipeline(overrides: list[str], report: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Every (profile, devices, mode) of the spec; one row each."""
+    spec = parse_spec(overrides)
+    try:
+        devices = [int(d) for d in spec.devices.split(",")]
+    except ValueError:
+        raise UserError(f"bench pipeline --set devices: expected comma-separated integers, got {spec.devices!r}") from None
+    if any(d < 2 for d in devices):
+        raise UserError("bench pipeline --set devices: each must be >= 2 (async splits rollout and training)")
+    modes = spec.modes.split(",")
+    if set(modes) - {"sync", "async"}:
+        raise UserError(f"bench pipeline --set modes: use sync, async; got {spec.modes!r}")
+    profiles = [make_profile(p) for p in spec.profiles.split(",")]
+    rows = []
+    old = gc.get_threshold()
+    gc.set_threshold(50_000, 20, 100)  # the live store is large: collect young objects less often
+    try:
+        for profile in profiles:
+            for d in devices:
+                for mode in modes:
+                    rows.append(_run_one(spec, profile, d, mode))
+                    if report is not None:
+                        report(rows[-1])
+            _speedups(rows)
+    finally:
+        gc.set_threshold(*old)
+    return rows
+
+
+def _speedups(rows: list[dict[str, Any]]) -> None:
+    """Add `speedup_vs_sync` to async rows that have a sync row of the same profile and devices."""
+    sync = {(r["profile"], r["devices"]): r["samples_per_s"] for r in rows if r["mode"] == "sync"}
+    for r in rows:
+        base = sync.get((r["profile"], r["devices"]))
+        if r["mode"] == "async" and base:
+            r["speedup_vs_sync"] = round(r["samples_per_s"] / base, 3)

@@ -1,0 +1,117 @@
+"""Run-length sequences: compact token columns for simulated responses of thousands of tokens.
+
+Why: the PIPE benchmark keeps hundreds of thousands of simulated responses (median 1,000 tokens,
+tail 16,384) live in the real store at once. As Python lists their ids, log-probs and versions would
+need tens of GB; as runs (`value x count`) they need a few dozen bytes. `Runs` is a read-only
+`Sequence`, so code that reads responses (len, index, iterate, compare with a list) works on either;
+`oldest` and `concat` keep the hot paths from expanding runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from itertools import accumulate, repeat
+from typing import Any, overload
+
+
+class Runs(Sequence[Any]):
+    """`values[i]` repeated `counts[i]` times, in order."""
+
+    __slots__ = ("_ends", "_n", "counts", "values")
+
+    def __init__(self, pairs: Sequence[tuple[Any, int]] = ()) -> None:
+        values: list[Any] = []
+        counts: list[int] = []
+        for value, count in pairs:
+            if count <= 0:
+                continue
+            if values and values[-1] == value:
+                counts[-1] += count
+            else:
+                values.append(value)
+                counts.append(count)
+        self.values = values
+        self.counts = counts
+        self._n = sum(counts)
+        self._ends: list[int] | None = None
+
+    @property
+    def pairs(self) -> list[tuple[Any, int]]:
+        """(value, count) per run."""
+        return list(zip(self.values, self.counts, strict=True))
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> Any: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Any]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._n)
+            if step != 1:
+                return list(self)[i]
+            return self._window(start, max(start, stop))
+        if i == -1 and self._n:
+            return self.values[-1]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("Runs index out of range")
+        if self._ends is None:
+            self._ends = list(accumulate(self.counts))
+        return self.values[bisect.bisect_right(self._ends, i)]
+
+    def _window(self, start: int, stop: int) -> Runs:
+        out: list[tuple[Any, int]] = []
+        pos = 0
+        for v, c in zip(self.values, self.counts, strict=True):
+            lo, hi = max(start, pos), min(stop, pos + c)
+            if lo < hi:
+                out.append((v, hi - lo))
+            pos += c
+            if pos >= stop:
+                break
+        return Runs(out)
+
+    def __iter__(self) -> Iterator[Any]:
+        for v, c in zip(self.values, self.counts, strict=True):
+            yield from repeat(v, c)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Runs):
+            return self.values == other.values and self.counts == other.counts
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.values), tuple(self.counts)))
+
+    def __repr__(self) -> str:
+        return f"Runs({self.pairs!r})"
+
+
+def oldest(versions: Sequence[int]) -> int:
+    """The smallest version in a per-token version column (-1 when it is empty)."""
+    if isinstance(versions, Runs):
+        return min(versions.values, default=-1)
+    return min(versions, default=-1)
+
+
+def concat(parts: Sequence[Sequence[Any]]) -> Sequence[Any]:
+    """The parts one after the other: `Runs` if every non-empty part is one, else a list."""
+    live = [p for p in parts if len(p)]
+    if live and all(isinstance(p, Runs) for p in live):
+        return Runs([pair for p in live for pair in zip(p.values, p.counts, strict=True)])  # type: ignore[attr-defined]
+    out: list[Any] = []
+    for p in live:
+        out.extend(p)
+    return out
+
+
+def total(values: Sequence[float]) -> float:
+    """Sum of a column without expanding runs."""
+    if isinstance(values, Runs):
+        return float(sum(v * c for v, c in zip(values.values, values.counts, strict=True)))
+    return float(sum(values))

@@ -1,0 +1,189 @@
+"""One multi-turn episode: LLM turn, environment step, next turn — with exact token bookkeeping.
+
+Each episode is its own asyncio task (see `Pipeline.rollout_worker`), so a slow environment holds
+only its own episode while the engine decodes other episodes' turns (ROLL Flash's environment-level
+asynchrony; no barrier across environments).
+
+Token bookkeeping: the response is every token after the prompt, in order — generated tokens exactly
+as the engine returned them, environment text tokenized once and appended at the id level. Nothing
+is ever re-tokenized, so the tokens trained are the tokens generated. `loss_mask` is 1 on generated
+tokens and 0 on environment tokens (masked out of the loss); environment tokens carry log-prob 0 and
+the version of the generated token before them, so the sample's oldest version is that of its oldest
+generated token. Columns stay run-length (`Runs`) when the engine returns runs (PIPE's simulated
+engine), so thousand-token episodes stay small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from asyncflow.engines.base import GenRequest, InferenceEngine
+from asyncflow.engines.runs import Runs, concat, oldest, total
+from asyncflow.envs.base import Env, EnvError, env_call
+from asyncflow.runtime.clock import Clock
+
+
+class EpisodeTokenizer(Protocol):
+    eos_token_id: int
+
+    def encode(self, text: str) -> Sequence[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass
+class EpisodeSettings:
+    max_new_tokens: int
+    temperature: float
+    request_timeout_s: float
+    env_timeout_s: float
+
+
+@dataclass
+class _Segment:
+    ids: Sequence[int]
+    logprobs: Sequence[float]
+    versions: Sequence[int] | None  # None: environment text (filled in at the end)
+    generated: bool
+
+
+@dataclass
+class Trajectory:
+    """The growing response of an episode, as segments (concatenated once, at the end)."""
+
+    segments: list[_Segment] = field(default_factory=list)
+
+    def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
+        self.segments.append(_Segment(ids, logprobs, versions, True))
+
+    def add_env(self, ids: Sequence[int]) -> None:
+        if len(ids):
+            self.segments.append(_Segment(ids, Runs([(0.0, len(ids))]), None, False))
+
+    def response_ids(self) -> Sequence[int]:
+        return concat([s.ids for s in self.segments])
+
+    def fields(self) -> dict[str, Any]:
+        """`response_ids`, `behavior_logprobs`, `token_versions`, `loss_mask`, `behavior_version`."""
+        gen = [s for s in self.segments if s.generated]
+        first = next((s.versions for s in gen if s.versions is not None and len(s.versions)), None)
+        last = -1 if first is None else first[0]
+        versions: list[Sequence[int]] = []
+        for s in self.segments:
+            if s.versions is not None and len(s.versions):
+                versions.append(s.versions)
+                last = s.versions[-1]
+            else:
+                versions.append(Runs([(last, len(s.ids))]))
+        return {
+            "response_ids": self.response_ids(),
+            "behavior_logprobs": concat([s.logprobs for s in self.segments]),
+            "token_versions": concat(versions),
+            "loss_mask": concat([Runs([(1 if s.generated else 0, len(s.ids))]) for s in self.segments]),
+            "behavior_version": min((oldest(s.versions) for s in gen if s.versions is not None and len(s.versions)),
+                                    default=-1),
+        }
+
+
+class TurnBarrier:
+    """Lock-step turns for a batch of episodes — the baseline that environment-level asynchrony
+    removes: every live episode of the batch reaches the same point (all generations of a turn
+    done, then all environment steps done) before any goes on. A finished episode leaves."""
+
+    def __init__(self, parties: int) -> None:
+        self.parties = parties
+        self._arrived = 0
+        self._released = asyncio.Event()
+
+    async def wait(self) -> None:
+        released = self._released
+        self._arrived += 1
+        self._maybe_release()
+        await released.wait()
+
+    def leave(self) -> None:
+        self.parties -= 1
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        if self._arrived and self._arrived >= self.parties:
+            released, self._released, self._arrived = self._released, asyncio.Event(), 0
+            released.set()
+
+
+@dataclass
+class EpisodeResult:
+    fields: dict[str, Any]
+    """Store fields: the `Trajectory` columns plus `finish_reason`, `turns`, `reward`, `reward_error`."""
+
+
+async def run_episode(
+    *,
+    env: Env,
+    engine: InferenceEngine,
+    clock: Clock,
+    tok: EpisodeTokenizer,
+    uid: int,
+    prompt_ids: Sequence[int],
+    row: dict[str, Any],
+    seed: int,
+    settings: EpisodeSettings,
+    on_env_step: Callable[[int, float, float], None] | None = None,
+    barrier: TurnBarrier | None = None,
+) -> EpisodeResult:
+    """Play one episode to its end. An environment that fails or hangs ends the episode with its
+    error as `reward_error` (the sample is then kept out of the loss); a cancelled generation ends
+    it with `finish_reason: cancelled` (the trainer drops its group). Generation failures propagate.
+    `on_env_step(turn, start, end)` is told the clock times of every environment step (tracing).
+    `barrier`: wait for the batch's other episodes after every generation and environment step."""
+    traj = Trajectory()
+    reward, error, finish, turns = 0.0, None, "length", 0
+    try:
+        traj.add_env(tok.encode(await env_call(clock, env.reset(row, seed), settings.env_timeout_s, env, "reset")))
+        for turn in range(1, env.max_turns + 1):
+            turns = turn
+            req = GenRequest(uid, concat([prompt_ids, traj.response_ids()]), settings.max_new_tokens,  # type: ignore[arg-type]
+                             settings.temperature)
+            res = await clock.wait_for(engine.generate(req), settings.request_timeout_s,
+                                       f"generation of sample {uid}, turn {turn}")
+            traj.add_generated(res.response_ids, res.behavior_logprobs, res.token_versions)
+            if barrier is not None:
+                await barrier.wait()
+            if res.finish_reason == "cancelled":
+                finish = "cancelled"
+                break
+            ids = res.response_ids
+            if len(ids) and ids[-1] == tok.eos_token_id:
+                ids = ids[:-1]
+            start = clock.now()
+            step = await env_call(clock, env.step(tok.decode(ids)), settings.env_timeout_s, env, f"step {turn}")
+            if on_env_step is not None:
+                on_env_step(turn, start, clock.now())
+            if barrier is not None:
+                await barrier.wait()
+            reward += float(step.reward)
+            if step.done:
+                finish = "stop"
+                break
+            if turn < env.max_turns:
+                traj.add_env(tok.encode(step.observation))
+    except EnvError as exc:
+        error = str(exc)
+    finally:
+        if barrier is not None:
+            barrier.leave()
+        try:
+            await env_call(clock, env.close(), settings.env_timeout_s, env, "close")
+        except EnvError as exc:
+            error = error or str(exc)
+    fields = traj.fields()
+    fields.update(finish_reason=finish, turns=turns, reward=None if error else reward, reward_error=error)
+    return EpisodeResult(fields)
+
+
+def generated_tokens(loss_mask: Sequence[int]) -> int:
+    """How many tokens of a response were generated (trained), from its loss mask."""
+    return int(total(loss_mask))  # type: ignore[arg-type]

@@ -1,0 +1,139 @@
+"""Run-length columns and the multi-turn episode's token bookkeeping (virtual clock, fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
+from asyncflow.engines.runs import Runs, concat, oldest, total
+from asyncflow.envs import Env, EnvStep
+from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
+from asyncflow.workflow.episode import EpisodeSettings, run_episode
+
+
+def test_runs_behave_like_the_list_they_encode() -> None:
+    r = Runs([(7, 3), (7, 1), (1, 0), (2, 2)])
+    assert r == [7, 7, 7, 7, 2, 2] and len(r) == 6 and r.pairs == [(7, 4), (2, 2)]
+    assert r[0] == 7 and r[4] == 2 and r[-1] == 2 and r[-3] == 7 and r[1:5] == [7, 7, 7, 2]
+    assert isinstance(r[:-1], Runs) and r[::2] == [7, 7, 2]
+    with pytest.raises(IndexError):
+        r[6]
+    assert oldest(Runs([(3, 5), (1, 2)])) == 1 and oldest([]) == -1 and oldest([4, 2]) == 2
+    assert concat([Runs([(1, 2)]), Runs([(1, 1), (0, 1)])]) == Runs([(1, 3), (0, 1)])
+    assert concat([[5, 6], Runs([(1, 2)])]) == [5, 6, 1, 1]  # mixed: a plain list
+    assert total(Runs([(1, 3), (0, 5)])) == 3 and total([1, 0, 1]) == 2
+
+
+class _Scripted(InferenceEngine):
+    """Returns scripted turns; records the prompts it was given (a test double, not an engine)."""
+
+    def __init__(self, turns: list[list[int]]) -> None:
+        self.turns = turns
+        self.prompts: list[list[int]] = []
+        self.version = 3
+
+    async def generate(self, request: GenRequest) -> GenResult:
+        self.prompts.append(list(request.prompt_ids))
+        ids = self.turns[len(self.prompts) - 1]
+        return GenResult(request.uid, ids, [-0.5] * len(ids), [len(self.prompts)] * len(ids), "stop")
+
+    async def load_weights(self, state: Any, version: int, mode: Any) -> float:
+        return 0.0
+
+    def cancel_older_than(self, min_version: int) -> int:
+        return 0
+
+    def load(self) -> int:
+        return 0
+
+    @property
+    def capacity(self) -> int:
+        return 1
+
+
+class _Tok:
+    eos_token_id = 1
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: Any) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+class _Echo(Env):
+    name = "echo"
+    max_turns = 3
+
+    def __init__(self, hang_on_step: int | None = None) -> None:
+        self.steps = 0
+        self.hang_on_step = hang_on_step
+        self.actions: list[str] = []
+
+    async def reset(self, row: dict[str, Any], seed: int) -> str:
+        return "R"
+
+    async def step(self, action: str) -> EnvStep:
+        self.steps += 1
+        self.actions.append(action)
+        if self.steps == self.hang_on_step:
+            await asyncio.sleep(10_000)
+        return EnvStep("OB", reward=0.5, done=self.steps == 2)
+
+
+def _play(env: _Echo, engine: _Scripted) -> Any:
+    async def main(clock: VirtualClock) -> Any:
+        return await run_episode(env=env, engine=engine, clock=clock, tok=_Tok(), uid=9, prompt_ids=[100, 101], row={},
+                                 seed=0, settings=EpisodeSettings(8, 1.0, 60.0, 5.0))
+
+    return run_virtual(main)
+
+
+def test_episode_tokens_are_exactly_the_generated_ones_plus_masked_env_text() -> None:
+    engine = _Scripted([[65, 66, 1], [67, 1]])  # "AB"+EOS, then "C"+EOS
+    env = _Echo()
+    f = _play(env, engine).fields
+    r, o, b = ord("R"), ord("O"), ord("B")
+    assert list(f["response_ids"]) == [r, 65, 66, 1, o, b, 67, 1]
+    assert list(f["loss_mask"]) == [0, 1, 1, 1, 0, 0, 1, 1]
+    assert list(f["behavior_logprobs"]) == [0.0, -0.5, -0.5, -0.5, 0.0, 0.0, -0.5, -0.5]
+    # env tokens take the version of the generated token before them (the first generated one before any)
+    assert list(f["token_versions"]) == [1, 1, 1, 1, 1, 1, 2, 2] and f["behavior_version"] == 1
+    # turn 2's prompt is the prompt plus every token so far, never re-tokenized
+    assert engine.prompts == [[100, 101, r], [100, 101, r, 65, 66, 1, o, b]]
+    assert env.actions == ["AB", "C"]  # the env sees the turn's text without its EOS
+    assert f["reward"] == 1.0 and f["reward_error"] is None and f["turns"] == 2 and f["finish_reason"] == "stop"
+
+
+def test_a_hung_environment_ends_its_episode_with_an_error() -> None:
+    f = _play(_Echo(hang_on_step=1), _Scripted([[65, 1]])).fields
+    assert f["reward"] is None and "hung" in f["reward_error"] and "echo" in f["reward_error"]
+    assert list(f["loss_mask"]) == [0, 1, 1]  # what was generated is kept (the sample is not trained)
+
+
+def test_turn_barrier_holds_every_episode_until_the_batch_arrives() -> None:
+    from asyncflow.workflow.episode import TurnBarrier
+
+    async def main(clock: VirtualClock) -> list[tuple[str, float]]:
+        barrier = TurnBarrier(3)
+        log: list[tuple[str, float]] = []
+
+        async def episode(name: str, work: list[float]) -> None:
+            try:
+                for w in work:
+                    await clock.sleep(w)
+                    await barrier.wait()
+                    log.append((name, clock.now()))
+            finally:
+                barrier.leave()
+
+        await asyncio.gather(episode("a", [1, 1]), episode("b", [3, 1, 1]), episode("c", [2]))
+        return log
+
+    log = run_virtual(main)
+    # round 1 releases when the slowest (b, t=3) arrives; c then leaves; round 2 waits for b (t=4);
+    # b's last round has only itself
+    assert sorted(log) == [("a", 3.0), ("a", 4.0), ("b", 3.0), ("b", 4.0), ("b", 5.0), ("c", 3.0)]

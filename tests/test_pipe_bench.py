@@ -1,0 +1,89 @@
+"""PIPE: the real pipeline driven by simulated engines on a virtual clock (small, fast settings)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+
+from asyncflow.bench.pipeline import (
+    _capped_lognormal_mean,
+    _lognormal_sigma,
+    make_profile,
+    run_pipeline,
+    split_devices,
+)
+from asyncflow.errors import UserError
+
+DESIGN_KEYS = {"profile", "devices", "runtime", "mode", "rollout_devices", "train_devices", "samples_per_s",
+               "ideal_samples_per_s", "efficiency", "rollout_busy_frac", "train_busy_frac", "scheduler_us_per_sample"}
+
+
+def test_rlvr_pipe_rows_async_beats_sync_within_the_staleness_bound() -> None:
+    rows = run_pipeline(["profiles=rlvr", "devices=4", "steps=3", "warmup_steps=1", "prompts_per_device=8"])
+    by_mode = {r["mode"]: r for r in rows}
+    assert set(by_mode) == {"sync", "async"}
+    for r in rows:
+        assert set(r) >= DESIGN_KEYS
+        assert r["samples"] == 3 * 4 * 8 * 8  # steps x devices x prompts/device x n, all trained
+        assert 0 < r["efficiency"] <= 1.1 and r["ideal_samples_per_s"] == pytest.approx(4 / (2104.5 * (0.03 / 64 + 0.15e-3)), rel=1e-3)
+        assert 0 < r["scheduler_us_per_sample"] < 20_000
+    sync, asyn = by_mode["sync"], by_mode["async"]
+    assert sync["staleness_max"] == 0 and 1 <= asyn["staleness_max"] <= 2
+    assert (sync["rollout_devices"], sync["train_devices"]) == (4, 4)
+    assert asyn["rollout_devices"] + asyn["train_devices"] == 4
+    assert asyn["efficiency"] > sync["efficiency"] and asyn["speedup_vs_sync"] > 1.5
+
+
+def test_agentic_pipe_runs_multi_turn_episodes() -> None:
+    rows = run_pipeline(["profiles=agentic", "devices=2", "steps=2", "warmup_steps=1", "prompts_per_device=2",
+                         "modes=async"])
+    (r,) = rows
+    assert r["samples"] == 2 * 2 * 2 * 8
+    # episodes of 5-20 turns of 100-300 tokens: trained tokens per sample near the profile's 2,500
+    assert 1500 < r["mean_tokens_trained"] < 3500 and r["mean_tokens_profile"] == 2500
+    assert r["staleness_max"] <= 2
+
+
+def test_capped_lognormal_mean_matches_sampling() -> None:
+    sigma = _lognormal_sigma(20.0)
+    rng = random.Random(0)
+    draws = [min(16_384, rng.lognormvariate(math.log(1000), sigma)) for _ in range(200_000)]
+    assert _capped_lognormal_mean(1000, sigma, 16_384) == pytest.approx(sum(draws) / len(draws), rel=0.02)
+    p99 = sorted(rng.lognormvariate(math.log(1000), sigma) for _ in range(200_000))[int(0.99 * 200_000)]
+    assert p99 == pytest.approx(20_000, rel=0.1)  # p99 = 20x the median
+    assert make_profile("rlvr").mean_tokens == pytest.approx(2104.5, rel=1e-3)
+
+
+def test_split_devices_balances_rollout_and_training() -> None:
+    rollout, train = split_devices(64, 0.9866, 0.3157)
+    assert (rollout, train) == (48, 16)
+    assert split_devices(2, 1.0, 1.0) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [("bogus=1", "bogus=1"), ("devices=x", "devices"), ("steps=1", "steps"), ("profiles=chat", "chat"),
+     ("modes=fast", "modes"), ("slots=abc", "slots")],
+)
+def test_bad_bench_pipeline_settings_exit_2_with_one_line(arg: str, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        run_pipeline([arg])
+    proc = subprocess.run([sys.executable, "-m", "asyncflow", "bench", "pipeline", "--set", arg],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_bench_pipeline_json_is_the_last_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncflow", "bench", "pipeline", "--json", "--set", "profiles=rlvr", "--set", "devices=2",
+         "--set", "steps=2", "--set", "warmup_steps=1", "--set", "prompts_per_device=2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["workload"] == "PIPE" and [r["mode"] for r in doc["rows"]] == ["sync", "async"]
