@@ -20,8 +20,8 @@ The ideal is every device busy all the time: devices / (generation + training de
 sample), from the profile's expected tokens per sample; efficiency = measured / ideal. Measured =
 trained samples per virtual second over steps `warmup_steps+1 .. steps` (start-up excluded).
 `scheduler_us_per_sample`: process CPU time of the run minus the CPU time inside simulation code
-(engines, trainer, environments), per sample that went through the store — what the real store,
-scheduler, gate and their event loop cost on this machine.
+(engines, trainer, environments), per sample whose rollout finished (`produced`, trained or not) —
+what the real store, scheduler, gate and their event loop cost on this machine.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
         "window_samples": n1 - n0, "window_s": t1 - t0, "virtual_s": clock.now() - pipeline.t_start,
         "rollout_busy_frac": (r1 - r0) / ((t1 - t0) * rollout_dev), "train_busy_frac": (tr1 - tr0) / (t1 - t0),
         "samples": c.trained, "dropped": c.dropped_stale + c.cancelled + c.filtered,
-        "samples_seen": c.trained + c.dropped_stale + c.cancelled + c.filtered + c.reward_errors,
+        "samples_seen": c.produced,
         "staleness_max": pipeline.staleness_max, "sim_cpu_s": meter.seconds,
         "mean_tokens": c.tokens / max(c.trained, 1),
     }

@@ -36,6 +36,13 @@ class Runs(Sequence[Any]):
         self._n = sum(counts)
         self._ends: list[int] | None = None
 
+    @classmethod
+    def _of(cls, values: list[Any], counts: list[int]) -> Runs:
+        """Runs from already merged, positive runs (no checks: for `concat`)."""
+        r = cls.__new__(cls)
+        r.values, r.counts, r._n, r._ends = values, counts, sum(counts), None
+        return r
+
     @property
     def pairs(self) -> list[tuple[Any, int]]:
         """(value, count) per run."""
@@ -103,7 +110,17 @@ def concat(parts: Sequence[Sequence[Any]]) -> Sequence[Any]:
     """The parts one after the other: `Runs` if every non-empty part is one, else a list."""
     live = [p for p in parts if len(p)]
     if live and all(isinstance(p, Runs) for p in live):
-        return Runs([pair for p in live for pair in zip(p.values, p.counts, strict=True)])  # type: ignore[attr-defined]
+        values: list[Any] = []
+        counts: list[int] = []
+        for p in live:
+            if values and values[-1] == p.values[0]:  # type: ignore[attr-defined]
+                counts[-1] += p.counts[0]  # type: ignore[attr-defined]
+                values.extend(p.values[1:])  # type: ignore[attr-defined]
+                counts.extend(p.counts[1:])  # type: ignore[attr-defined]
+            else:
+                values.extend(p.values)  # type: ignore[attr-defined]
+                counts.extend(p.counts)  # type: ignore[attr-defined]
+        return Runs._of(values, counts)
     out: list[Any] = []
     for p in live:
         out.extend(p)

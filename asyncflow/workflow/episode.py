@@ -55,16 +55,19 @@ class Trajectory:
     """The growing response of an episode, as segments (concatenated once, at the end)."""
 
     segments: list[_Segment] = field(default_factory=list)
+    _ids: Sequence[int] = ()  # the concatenated ids so far (kept up to date: read every turn)
 
     def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
         self.segments.append(_Segment(ids, logprobs, versions, True))
+        self._ids = concat([self._ids, ids])
 
     def add_env(self, ids: Sequence[int]) -> None:
         if len(ids):
             self.segments.append(_Segment(ids, Runs([(0.0, len(ids))]), None, False))
+            self._ids = concat([self._ids, ids])
 
     def response_ids(self) -> Sequence[int]:
-        return concat([s.ids for s in self.segments])
+        return self._ids
 
     def fields(self) -> dict[str, Any]:
         """`response_ids`, `behavior_logprobs`, `token_versions`, `loss_mask`, `behavior_version`."""

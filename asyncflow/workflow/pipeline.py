@@ -57,6 +57,7 @@ TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versio
 class Counters:
     """Cumulative counts of what happened to samples."""
 
+    produced: int = 0  # samples whose rollout (generation or episode) finished and was written
     trained: int = 0
     tokens: int = 0
     dropped_stale: int = 0
@@ -326,7 +327,8 @@ class Pipeline:
                 "behavior_version": version,
                 "finish_reason": res.finish_reason,
             }
-            self.store.complete(lease, {sample.uid: fields}, versions={sample.uid: version})
+            if self.store.complete(lease, {sample.uid: fields}, versions={sample.uid: version}):
+                self.counters.produced += 1
         except (QueueClosed, KeyError):
             return  # the run is ending, or the sample was removed meanwhile
         finally:
@@ -353,7 +355,8 @@ class Pipeline:
                 on_env_step=on_env_step, barrier=barrier,
             )
             version = result.fields["behavior_version"]
-            self.store.complete(lease, {sample.uid: result.fields}, versions={sample.uid: version})
+            if self.store.complete(lease, {sample.uid: result.fields}, versions={sample.uid: version}):
+                self.counters.produced += 1
         except (QueueClosed, KeyError):
             return  # the run is ending, or the sample was removed meanwhile
         finally:
