@@ -75,6 +75,12 @@ class RolloutConfig:
     )
     max_turns: int = _f(4, "Most LLM turns per episode (multi-turn environments).", lo=1)
     env_latency_s: float = _f(0.0, "Added latency of each built-in environment call, in seconds (to study env asynchrony).", lo=0.0)
+    affinity: bool = _f(
+        False,
+        "Route all n samples of a prompt to one rollout worker — the least loaded (queued + in flight) when "
+        "the prompt is admitted — so an engine with a prefix cache computes the prompt once. Off: each sample "
+        "goes to whichever worker has a free slot first, so a prompt's samples spread across workers.",
+    )
     turn_barrier: bool = _f(
         False,
         "Multi-turn baseline: the episodes a worker takes as one batch advance turn by turn together (a barrier "

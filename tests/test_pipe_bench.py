@@ -87,3 +87,49 @@ def test_bench_pipeline_json_is_the_last_line() -> None:
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     assert doc["workload"] == "PIPE" and [r["mode"] for r in doc["rows"]] == ["sync", "async"]
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+def test_affinity_routes_a_prompts_samples_to_one_least_loaded_worker(affinity: bool, tmp_path) -> None:
+    """Queue scheduling spreads a prompt's n samples over the workers; `rollout.affinity` keeps them on
+    one (the least loaded at admission), while every worker still gets work."""
+    from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
+    from asyncflow.config import load_config
+    from asyncflow.engines.sim import SimEngine, SimTrainer
+    from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+
+    seen: dict[int, set[int]] = {}  # group -> workers that generated its samples
+
+    class Recording(SimEngine):
+        index = 0
+
+        async def generate(self, request):  # type: ignore[no-untyped-def]
+            seen.setdefault(request.uid // 8, set()).add(self.index)
+            return await super().generate(request)
+
+    async def main(clock: VirtualClock) -> None:
+        cfg, _ = load_config(None, ["rollout.n=8", "train.batch_size=64", "train.max_steps=4", "rollout.workers=3",
+                                    "rollout.max_batch=4", "rollout.max_new_tokens=50", f"rollout.affinity={affinity}"])
+        engines = []
+        for i in range(3):
+            e = Recording(clock, lengths=lambda rng: rng.randint(1, 40), capacity=4, seed=i)
+            e.index = i
+            engines.append(e)
+        log = RunLog(tmp_path, metrics=False)
+        trainer = SimTrainer(clock, token_s=1e-3, devices=1)
+        pipeline = _make_sim_pipeline_class()(
+            cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=_reward, engines=engines,
+            trainer=trainer, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0))
+        pipeline.sim_trainer = trainer
+        await pipeline.run()
+        log.close()
+
+    run_virtual(main)
+    assert len(seen) >= 32
+    spread = [len(w) for w in seen.values()]
+    if affinity:
+        assert max(spread) == 1
+    else:
+        assert max(spread) > 1
+    assert set().union(*seen.values()) == {0, 1, 2}

@@ -158,7 +158,11 @@ class Pipeline:
         self.store: StoreClient = store if store is not None else TransferQueue(
             capacity=store_capacity(cfg), lease_timeout_s=cfg.workflow.lease_timeout_s, clock=clock
         )
-        self.store.register_stage("rollout", ["prompt_ids"])
+        # queue scheduling: one "rollout" stage every worker pulls from, or with affinity a stage per
+        # worker, whose samples carry that worker's routing field (per-field readiness does the routing)
+        self.rollout_stages = [f"rollout/{i}" for i in range(cfg.rollout.workers)] if cfg.rollout.affinity else ["rollout"]
+        for i, stage in enumerate(self.rollout_stages):
+            self.store.register_stage(stage, ["prompt_ids", f"to/{i}"] if cfg.rollout.affinity else ["prompt_ids"])
         self.env_factory: Callable[[Clock], Any] | None = env_factory
         if env_factory is None and cfg.rollout.env is not None:
             from asyncflow.envs import make_env_factory
@@ -199,6 +203,8 @@ class Pipeline:
             prompt = self.rows[row_index][self.cfg.dataset.prompt_key]
             ids = self.tok.prompt_ids(prompt)
             fields = {"prompt_ids": ids, "row": row_index}
+            if self.cfg.rollout.affinity:
+                fields[f"to/{self._least_loaded_worker()}"] = True
             samples = [NewSample(group_id, self.n, dict(fields), priority=float(group_id)) for _ in range(self.n)]
             self.gate.admit()
             try:
@@ -206,6 +212,12 @@ class Pipeline:
             except QueueClosed:
                 return
             group_id += 1
+
+    def _least_loaded_worker(self) -> int:
+        """The rollout worker with the fewest samples queued for it or in flight (affinity routing)."""
+        m = self.store.metrics()
+        return min(range(len(self.rollout_stages)),
+                   key=lambda i: m.get(f"depth/rollout/{i}", 0.0) + m.get(f"leased/rollout/{i}", 0.0))
 
     # ------------------------------------------------------------------ rollout
 
@@ -222,6 +234,7 @@ class Pipeline:
         errors: list[BaseException] = []
         me = asyncio.current_task()
         extra = ("row",) if self.env_factory is not None else ()
+        stage = self._rollout_stage(index)
         deadlines: dict[asyncio.Task[None], tuple[float, str]] = {}  # single-turn requests (see _watch)
         expired: dict[asyncio.Task[None], str] = {}
 
@@ -250,7 +263,7 @@ class Pipeline:
                     await slots.acquire()
                     free += 1
                 try:
-                    leases = await self.store.take_each("rollout", free, timeout=self.cfg.workflow.step_timeout_s,
+                    leases = await self.store.take_each(stage, free, timeout=self.cfg.workflow.step_timeout_s,
                                                         fields_extra=extra)
                 except WaitTimeout:
                     leases = []  # nothing admitted for a while: normal while the trainer catches up
@@ -278,14 +291,17 @@ class Pipeline:
             for t in list(tasks):
                 t.cancel()
 
+    def _rollout_stage(self, index: int) -> str:
+        return self.rollout_stages[index] if self.cfg.rollout.affinity else "rollout"
+
     async def _barrier_batches(self, index: int, engine: InferenceEngine, track: str) -> None:
         """`rollout.turn_barrier`: take a batch of episodes (the engine's capacity), run them turn by
         turn in lock step, take the next batch only when all have ended — the batch-synchronous
         baseline for environment-level asynchrony."""
         while True:
             try:
-                leases = await self.store.take_each("rollout", engine.capacity, timeout=self.cfg.workflow.step_timeout_s,
-                                                    fields_extra=("row",))
+                leases = await self.store.take_each(self._rollout_stage(index), engine.capacity,
+                                                    timeout=self.cfg.workflow.step_timeout_s, fields_extra=("row",))
             except WaitTimeout:
                 continue
             except QueueClosed:
