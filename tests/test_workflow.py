@@ -271,7 +271,7 @@ def test_multi_turn_episodes_train_only_generated_tokens_and_interleave(
         "    def __init__(self, clock):\n"
         "        self.clock, self.turn = clock, 0\n"
         "    async def reset(self, row, seed):\n"
-        "        self.delay = 0.01 * (1 + seed % 4)  # environments of different speeds\n"
+        "        self.delay = 0.02 if seed % 2 else 0.4  # fast and slow environments (slow >> a generation)\n"
         "        return ''\n"
         "    async def step(self, action):\n"
         "        self.turn += 1\n"
