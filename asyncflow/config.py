@@ -69,12 +69,17 @@ class RolloutConfig:
     env: str | None = _f(
         None,
         "Multi-turn environment: null (single-turn, scored by reward.fn), calculator, guess_number, or "
-        "`module:factory` with factory(clock) -> asyncflow.envs.Env. Each sample is an episode (LLM turn, "
+        "`module:factory` with factory(clock[, max_turns=, latency_s=]) -> asyncflow.envs.Env (docs/tasks.md). Each sample is an episode (LLM turn, "
         "env step, next turn); its reward is the sum of the env's step rewards; env tokens are masked "
         "out of the loss.",
     )
-    max_turns: int = _f(4, "Most LLM turns per episode (multi-turn environments).", lo=1)
-    env_latency_s: float = _f(0.0, "Added latency of each built-in environment call, in seconds (to study env asynchrony).", lo=0.0)
+    max_turns: int = _f(4, "Most LLM turns per episode (multi-turn environments; bounds every env, built-in or not).", lo=1)
+    env_latency_s: float = _f(
+        0.0,
+        "Added latency of each environment call, in seconds (to study env asynchrony); a module:factory env "
+        "must take a latency_s keyword for a nonzero value.",
+        lo=0.0,
+    )
     affinity: bool = _f(
         False,
         "Route all n samples of a prompt to one rollout worker — the least loaded (queued + in flight) when "

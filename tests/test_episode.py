@@ -137,3 +137,49 @@ def test_turn_barrier_holds_every_episode_until_the_batch_arrives() -> None:
     # round 1 releases when the slowest (b, t=3) arrives; c then leaves; round 2 waits for b (t=4);
     # b's last round has only itself
     assert sorted(log) == [("a", 3.0), ("a", 4.0), ("b", 3.0), ("b", 4.0), ("b", 5.0), ("c", 3.0)]
+
+
+def test_module_factory_envs_get_the_run_settings_or_are_refused(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncflow.envs import make_env_factory
+    from asyncflow.errors import UserError
+
+    (tmp_path / "fac_envs.py").write_text(
+        "from asyncflow.envs import Env, EnvStep\n"
+        "class E(Env):\n"
+        "    name = 'e'\n"
+        "    max_turns = 9\n"
+        "    def __init__(self, clock, **kw):\n"
+        "        self.kw = kw\n"
+        "    async def reset(self, row, seed):\n"
+        "        return ''\n"
+        "    async def step(self, action):\n"
+        "        return EnvStep('', done=True)\n"
+        "def plain(clock):\n"
+        "    return E(clock)\n"
+        "def keywords(clock, max_turns, latency_s):\n"
+        "    e = E(clock, max_turns=max_turns, latency_s=latency_s)\n"
+        "    e.max_turns = max_turns\n"
+        "    return e\n"
+        "def anything(clock, **kw):\n"
+        "    return E(clock, **kw)\n"
+        "def wrong(clock):\n"
+        "    return object()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from asyncflow.runtime.clock import RealClock
+
+    clock = RealClock()
+    env = make_env_factory("fac_envs:plain", max_turns=2)(clock)
+    assert env.max_turns == 2 and env.kw == {}  # type: ignore[attr-defined]  # rollout.max_turns holds
+    env = make_env_factory("fac_envs:keywords", max_turns=3, latency_s=0.5)(clock)
+    assert env.max_turns == 3 and env.kw == {"max_turns": 3, "latency_s": 0.5}  # type: ignore[attr-defined]
+    env = make_env_factory("fac_envs:anything", max_turns=5, latency_s=0.25)(clock)
+    assert env.kw == {"max_turns": 5, "latency_s": 0.25} and env.max_turns == 9  # the factory's choice
+    with pytest.raises(UserError, match="rollout.env_latency_s.*fac_envs:plain"):
+        make_env_factory("fac_envs:plain", latency_s=0.1)
+    with pytest.raises(UserError, match="not an asyncflow.envs.Env"):
+        make_env_factory("fac_envs:wrong")(clock)
+    with pytest.raises(UserError, match="cannot import"):
+        make_env_factory("fac_envs:missing")

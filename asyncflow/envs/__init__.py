@@ -1,7 +1,8 @@
 """Multi-turn environments: the `Env` API and built-in environments (see `base`)."""
 
 import importlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 
 from asyncflow.envs.base import Env, EnvError, EnvStep, env_call
 from asyncflow.envs.builtin import CalculatorEnv, GuessNumberEnv, safe_arith
@@ -10,7 +11,13 @@ from asyncflow.runtime.clock import Clock
 
 
 def make_env_factory(spec: str, *, latency_s: float = 0.0, max_turns: int = 4) -> Callable[[Clock], Env]:
-    """`rollout.env` -> a factory of one fresh `Env` per episode, given the run's clock."""
+    """`rollout.env` -> a factory of one fresh `Env` per episode, given the run's clock.
+
+    A `module:factory` is called `factory(clock, max_turns=..., latency_s=...)`, passing each keyword
+    it accepts (or all, with `**kwargs`). `rollout.max_turns` bounds every episode: a factory that
+    does not take `max_turns` gets it set on the env it returns. A `latency_s > 0` that the factory
+    cannot take is refused here (it would be ignored).
+    """
     if spec == "calculator":
         return lambda clock: CalculatorEnv(clock, latency_s=latency_s, max_turns=max_turns)
     if spec == "guess_number":
@@ -18,12 +25,42 @@ def make_env_factory(spec: str, *, latency_s: float = 0.0, max_turns: int = 4) -
     module_name, _, attr = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+    except (ImportError, AttributeError, ValueError) as exc:
         raise UserError(f"rollout.env: cannot import {spec!r}: {exc}") from None
     if not callable(factory):
         raise UserError(f"rollout.env: {spec!r} is not callable")
-    return factory  # type: ignore[no-any-return]
+    params: Mapping[str, inspect.Parameter]
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: pass the clock only
+        params = {}
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    takes = {k for k in ("max_turns", "latency_s") if var_kw or k in params}
+    if latency_s > 0 and "latency_s" not in takes:
+        raise UserError(
+            f"rollout.env_latency_s: {spec!r} does not take a latency_s keyword, so the setting would be "
+            "ignored; add the keyword to the factory or leave env_latency_s at 0"
+        )
+    kwargs = {k: v for k, v in (("max_turns", max_turns), ("latency_s", latency_s)) if k in takes}
+
+    def make(clock: Clock) -> Env:
+        env = factory(clock, **kwargs)
+        if not isinstance(env, Env):
+            raise UserError(f"rollout.env: {spec!r} returned {type(env).__name__}, not an asyncflow.envs.Env")
+        if "max_turns" not in takes:
+            env.max_turns = max_turns
+        return env  # type: ignore[no-any-return]
+
+    return make
 
 
 __all__ = [
-    "make_env_factory","CalculatorEnv", "Env", "EnvError", "EnvStep", "GuessNumberEnv", "env_call", "safe_arith"]
+    "CalculatorEnv",
+    "Env",
+    "EnvError",
+    "EnvStep",
+    "GuessNumberEnv",
+    "env_call",
+    "make_env_factory",
+    "safe_arith",
+]

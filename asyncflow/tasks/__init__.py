@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TASK_NAMES: tuple[str, ...] = ("arith",)
+TASK_NAMES: tuple[str, ...] = ("arith", "calc")
 
 
 @dataclass(frozen=True)

@@ -27,17 +27,13 @@ renames it into place, so a half-written folder is never mistaken for a finished
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncflow.tasks import TaskPack
+from asyncflow.tasks import TaskPack, tiny
 
 VERSION = 3
 EVAL_PER_LEVEL = {2: 700, 3: 300}
@@ -117,62 +113,15 @@ def reward_fn(prompts: list[str], completions: list[str], answer: list[str], **k
 
 
 def make_tokenizer() -> Any:
-    """A character-level `PreTrainedTokenizerFast`: one id per char, no BOS added, decode concatenates.
-
-    Built as a byte-level BPE with a one-char-per-token vocab and no merges, i.e. exactly the shape
-    of a Qwen2 tokenizer: transformers 5 loads any `qwen2` folder with its own `Qwen2Tokenizer`
-    (rebuilt from `tokenizer.json`'s vocab and merges), and this shape survives that unchanged.
-    A space is stored as the byte-level symbol `\u0120`; chars outside the vocab are dropped.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in CHARS:
-        vocab.setdefault(byte_level.pre_tokenize_str(ch)[0][0], len(vocab))
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=False))
-    core.pre_tokenizer = byte_level
-    core.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        bos_token="<bos>",
-        unk_token="<unk>",  # named so a reload as Qwen2Tokenizer adds no default unk token
-        clean_up_tokenization_spaces=False,
-        model_max_length=MAX_POSITIONS,
-    )
+    """The arith char-level tokenizer (`tiny.char_tokenizer` over `CHARS`)."""
+    return tiny.char_tokenizer(CHARS, SPECIALS, MAX_POSITIONS)
 
 
 def make_model(tokenizer: Any, *, seed: int, hidden: int = 192, layers: int = 2) -> Any:
-    """A tiny float32 Qwen2 with tied embeddings, freshly initialised from `seed`."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=hidden * 4,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    """A tiny float32 Qwen2 (hidden 192, 2 layers) with tied embeddings, freshly initialised from `seed`."""
+    return tiny.tiny_qwen2(
+        tokenizer, seed=seed, hidden=hidden, layers=layers, max_positions=MAX_POSITIONS, max_new_tokens=6
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).float()
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        max_new_tokens=6,
-        do_sample=False,
-    )
-    return model
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -187,23 +136,14 @@ def _sft_batch(rows: list[Row], tokenizer: Any, rng: random.Random | None = None
     writes them, with a trailing "." (off by default; see the module docstring). One coin is drawn
     per row whatever the share, so the share never changes the data order.
     """
-    import torch
-
-    seqs, labels = [], []
+    pairs = []
     for r in rows:
         p = tokenizer(r["prompt"])["input_ids"]
         coin = rng.random() if rng is not None else 1.0
         text = r["answer"] + ("." if coin < SFT_TRAILING_DOT else "")
         a = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
-        seqs.append(p + a)
-        labels.append([-100] * len(p) + a)
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    lab = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (s, y) in enumerate(zip(seqs, labels, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        lab[i, : len(y)] = torch.tensor(y)
-    return ids, lab
+        pairs.append((p + a, [-100] * len(p) + a))
+    return tiny.pad_batch(pairs, tokenizer.pad_token_id)
 
 
 def warm_start(
@@ -218,29 +158,15 @@ def warm_start(
     log: Log | None = None,
 ) -> float:
     """Teacher-forced SFT on `rows` for `steps` AdamW steps; returns the last loss."""
-    import torch
-
-    rng = random.Random(seed + 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
-    model.train()
-    start = last_log = time.monotonic()
-    loss_value = float("nan")
-    for step in range(1, steps + 1):
-        ids, lab = _sft_batch(rng.sample(rows, batch_size), tokenizer, rng)
-        loss = model(input_ids=ids, labels=lab).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        loss_value = loss.item()
-        now = time.monotonic()
-        if log is not None and (now - last_log >= 3.0 or step == steps):
-            log(f"arith warm start: step {step}/{steps} loss {loss_value:.3f} ({now - start:.1f}s)")
-            last_log = now
-    model.eval()
-    return loss_value
+    return tiny.sft(
+        model,
+        lambda rng: _sft_batch(rng.sample(rows, batch_size), tokenizer, rng),
+        steps=steps,
+        seed=seed,
+        lr=lr,
+        name="arith",
+        log=log,
+    )
 
 
 def greedy_completions(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int = 6) -> list[str]:
@@ -282,12 +208,6 @@ SFT_STEPS = 900
 SFT_TRAILING_DOT = 0.0  # off: measured to hurt RL headroom (docs/performance.md); kept as a knob
 
 
-def _write_jsonl(path: Path, rows: list[Row]) -> None:
-    with path.open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-
-
 def prepare(
     out_dir: str | Path,
     *,
@@ -300,41 +220,20 @@ def prepare(
     The folder is built next to `out_dir` and renamed into place; an existing `out_dir` is replaced.
     `sft_steps` shortens the warm start (tests use a handful of steps).
     """
-    import torch
-
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    train, evals = make_splits(seed)
-    tokenizer = make_tokenizer()
-    model = make_model(tokenizer, seed=seed)
-    warm_start(model, tokenizer, train, steps=sft_steps, seed=seed, log=log)
-    acc = eval_accuracy(model, tokenizer, evals)
+    with tiny.torch_threads(2):
+        train, evals = make_splits(seed)
+        tokenizer = make_tokenizer()
+        model = make_model(tokenizer, seed=seed)
+        warm_start(model, tokenizer, train, steps=sft_steps, seed=seed, log=log)
+        acc = eval_accuracy(model, tokenizer, evals)
     if log is not None:
         log(f"arith: greedy eval accuracy {acc:.3f} after {time.monotonic() - start:.1f}s")
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        _write_jsonl(tmp / "train.jsonl", train)
-        _write_jsonl(tmp / "eval.jsonl", evals)
-        meta = {"task": "arith", "seed": seed, "version": VERSION, "base_eval_accuracy": round(acc, 4)}
-        (tmp / "asyncflow_task.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    meta = {"task": "arith", "seed": seed, "version": VERSION, "base_eval_accuracy": round(acc, 4)}
+    return tiny.write_task_folder(Path(out_dir), model, tokenizer, train, evals, meta)
 
 
-def default_cache_dir() -> Path:
-    """`$ASYNCFLOW_CACHE`, else `~/.cache/asyncflow`."""
-    env = os.environ.get("ASYNCFLOW_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "asyncflow"
+default_cache_dir = tiny.default_cache_dir
 
 
 def cached_prepare(
@@ -345,11 +244,11 @@ def cached_prepare(
     sft_steps: int = SFT_STEPS,
 ) -> Path:
     """The prepared folder `<cache>/arith-v<VERSION>-seed<seed>`, built only when not already complete."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    out = root / f"arith-v{VERSION}-seed{seed}"
-    if (out / "asyncflow_task.json").is_file():
-        return out
-    return prepare(out, seed=seed, log=log, sft_steps=sft_steps)
+    return tiny.cached(
+        cache_dir,
+        f"arith-v{VERSION}-seed{seed}",
+        lambda out: prepare(out, seed=seed, log=log, sft_steps=sft_steps),
+    )
 
 
 DEFAULTS: dict[str, Any] = {
@@ -367,5 +266,5 @@ TASK = TaskPack(
     prepare=cached_prepare,
     defaults=DEFAULTS,
     reward_fn_path="asyncflow.tasks.arith:reward_fn",
-    description="Verifiable arithmetic (sums, differences, small products) with a tiny warm-started Qwen2.",
+    description="Verifiable arithmetic (one- and two-digit sums) with a tiny warm-started Qwen2.",
 )
