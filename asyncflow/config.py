@@ -64,6 +64,14 @@ class RolloutConfig:
     n: int = _f(8, "Samples per prompt (a GRPO group). Each is its own request (prompt replication).", lo=1)
     max_new_tokens: int = _f(16, "Longest response, in tokens.", lo=1)
     temperature: float = _f(1.0, "Sampling temperature. The trainer divides logits by it too.", lo=1e-3)
+    top_p: float = _f(
+        1.0,
+        "Nucleus sampling: sample from the smallest set of tokens with this much probability; behavior "
+        "log-probs are then of that truncated distribution, so only algorithm.loss=reinforce accepts < 1.",
+        lo=1e-6,
+        hi=1.0,
+    )
+    top_k: int = _f(0, "Sample from the k most likely tokens (0: off); like top_p, only with algorithm.loss=reinforce.", lo=0)
     max_batch: int = _f(256, "Most sequences one engine decodes at once (continuous-batching slots).", lo=1)
     request_timeout_s: float = _f(600.0, "Longest one generation request may take before it is failed.", lo=0.001)
     env: str | None = _f(
@@ -113,11 +121,55 @@ class TrainConfig:
 class AlgorithmConfig:
     """Advantage estimator and policy loss."""
 
-    advantage: Literal["grpo", "dr_grpo"] = _f("grpo", "grpo: (r - group mean) / group std; dr_grpo: r - group mean.")
-    loss: Literal["ppo"] = _f("ppo", "Policy loss. ppo: clipped ratio against the behavior policy.")
-    clip_low: float = _f(0.2, "PPO lower clip: ratio >= 1 - clip_low.", lo=0.0, hi=1.0)
-    clip_high: float = _f(0.28, "PPO upper clip: ratio <= 1 + clip_high (clip-higher).", lo=0.0)
-    kl_coef: float = _f(0.0, "Weight of the k3 KL penalty to the frozen initial policy (0: no reference model).", lo=0.0)
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = _f(
+        "grpo",
+        "grpo: (r - group mean) / group std; dr_grpo: r - group mean; rloo: r - mean of the group's other "
+        "samples; reinforce_pp: (r - batch mean) / batch std (REINFORCE++, no group baseline). Computed at "
+        "batch assembly.",
+    )
+    loss: Literal["ppo", "decoupled_ppo", "tis", "mis", "cispo", "topr", "gspo", "reinforce"] = _f(
+        "ppo",
+        "Policy loss (docs/algorithms.md). ppo: clipped ratio current/behavior; decoupled_ppo: clip against "
+        "the proximal policy (recomputed), importance weight proximal/behavior; tis / mis: truncated / "
+        "masked importance sampling current/behavior; cispo: clipped IS weight on log pi; topr: tapered "
+        "off-policy REINFORCE; gspo: sequence-level ratio; reinforce: -A log pi.",
+    )
+    clip_low: float = _f(0.2, "Lower clip: ratio >= 1 - clip_low (ppo, decoupled_ppo, cispo, gspo).", lo=0.0, hi=1.0)
+    clip_high: float = _f(0.28, "Upper clip: ratio <= 1 + clip_high, clip-higher (ppo, decoupled_ppo, cispo, gspo).", lo=0.0)
+    dual_clip: float = _f(
+        0.0, "Dual clip c (ppo, decoupled_ppo): a negative-advantage token's loss is at most c x |A|. 0: off; else > 1.", lo=0.0
+    )
+    is_level: Literal["token", "sequence", "geometric"] = _f(
+        "token",
+        "Importance-weight level (decoupled_ppo, tis, mis): per token, the sequence's product, or its geometric mean.",
+    )
+    is_cap: float = _f(
+        2.0,
+        "Importance-weight cap (decoupled_ppo, tis: truncate above it; mis: mask weights above it or below 1/cap).",
+        lo=1.0,
+    )
+    agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo"] = _f(
+        "token_mean",
+        "Loss aggregation over the mini-batch: token_mean, seq_mean_token_sum, seq_mean_token_mean, or dr_grpo "
+        "(sum / (sequences x norm_length)). Invariant to micro_batch_size.",
+    )
+    norm_length: int | None = _f(
+        None,
+        "Dr.GRPO's constant length L (agg=dr_grpo only). null: the most tokens a sample can generate "
+        "(rollout.max_new_tokens, x rollout.max_turns with an env).",
+        lo=1,
+    )
+    kl_coef: float = _f(0.0, "Weight of the KL penalty to the frozen initial policy (0: no reference model).", lo=0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = _f(
+        "k3", "KL estimator (with kl_coef > 0): k1 = log(pi/ref), k2 = log(pi/ref)^2 / 2, k3 = ref/pi - log(ref/pi) - 1."
+    )
+    overlong_buffer: int = _f(
+        0,
+        "DAPO over-long shaping: responses within this many tokens of the length limit get a penalty rising "
+        "linearly to overlong_penalty at the limit, added to the reward before advantages. 0: off.",
+        lo=0,
+    )
+    overlong_penalty: float = _f(1.0, "The largest over-long penalty (with overlong_buffer > 0).", lo=0.0)
     filter_groups: bool = _f(
         False,
         "Dynamic sampling (DAPO): drop groups whose rewards are all equal (zero advantage, no learning "
@@ -454,8 +506,7 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError(f"rollout.env: {cfg.rollout.env!r} is neither a built-in ({', '.join(ENV_NAMES)}) nor 'module:factory'")
     if cfg.reward.fn is not None and ":" not in cfg.reward.fn:
         raise UserError(f"reward.fn: {cfg.reward.fn!r} must be 'module:function'")
-    if cfg.rollout.n == 1 and cfg.algorithm.advantage in ("grpo", "dr_grpo"):
-        raise UserError("rollout.n: group advantages (algorithm.advantage=grpo/dr_grpo) need n >= 2")
+    _validate_algorithm(cfg, explicit)
     # Accepted keys whose feature is not built yet are refused, never silently ignored.
     if cfg.logging.tensorboard:
         raise UserError("logging.tensorboard: TensorBoard logging is not available in this version")
@@ -466,6 +517,54 @@ def validate(cfg: Config, explicit: set[str]) -> None:
 
 
 ENV_NAMES = ("calculator", "guess_number")
+
+# algorithm.* keys each loss reads; a key set explicitly for a loss that does not read it is refused
+_LOSS_KEYS: dict[str, tuple[str, ...]] = {
+    "ppo": ("clip_low", "clip_high", "dual_clip"),
+    "decoupled_ppo": ("clip_low", "clip_high", "dual_clip", "is_level", "is_cap"),
+    "tis": ("is_level", "is_cap"),
+    "mis": ("is_level", "is_cap"),
+    "cispo": ("clip_low", "clip_high"),
+    "topr": (),
+    "gspo": ("clip_low", "clip_high"),
+    "reinforce": (),
+}
+
+
+def _validate_algorithm(cfg: Config, explicit: set[str]) -> None:
+    a = cfg.algorithm
+    used = _LOSS_KEYS[a.loss]
+    for key in ("clip_low", "clip_high", "dual_clip", "is_level", "is_cap"):
+        if f"algorithm.{key}" in explicit and key not in used:
+            users = ", ".join(loss for loss, keys in _LOSS_KEYS.items() if key in keys)
+            raise UserError(f"algorithm.{key}: not used by algorithm.loss={a.loss} (used by: {users}); remove it")
+    if 0 < a.dual_clip <= 1:
+        raise UserError(f"algorithm.dual_clip: {a.dual_clip} must be 0 (off) or > 1")
+    if "algorithm.kl_estimator" in explicit and a.kl_coef == 0:
+        raise UserError("algorithm.kl_estimator: not used while algorithm.kl_coef is 0 (no KL term); set kl_coef > 0")
+    if a.norm_length is not None and a.agg != "dr_grpo":
+        raise UserError(f"algorithm.norm_length: only used with algorithm.agg=dr_grpo (agg is {a.agg})")
+    if "algorithm.overlong_penalty" in explicit and a.overlong_buffer == 0:
+        raise UserError("algorithm.overlong_penalty: not used while algorithm.overlong_buffer is 0; set a buffer")
+    if a.overlong_buffer >= max_generated_tokens(cfg):
+        raise UserError(
+            f"algorithm.overlong_buffer: {a.overlong_buffer} must be below the response length limit "
+            f"({max_generated_tokens(cfg)} tokens)"
+        )
+    if (cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0) and a.loss != "reinforce":
+        key = "rollout.top_p" if cfg.rollout.top_p < 1.0 else "rollout.top_k"
+        raise UserError(
+            f"{key}: truncated sampling with algorithm.loss={a.loss} is refused: the behavior log-probs would be "
+            "those of the truncated distribution, which the loss's importance ratios cannot use; use top_p=1 and "
+            "top_k=0, or algorithm.loss=reinforce"
+        )
+    if cfg.rollout.n == 1 and a.advantage in ("grpo", "dr_grpo", "rloo"):
+        raise UserError(f"rollout.n: group advantages (algorithm.advantage={a.advantage}) need n >= 2")
+
+
+def max_generated_tokens(cfg: Config) -> int:
+    """The most tokens one sample can generate: max_new_tokens, per turn with an environment."""
+    return cfg.rollout.max_new_tokens * (cfg.rollout.max_turns if cfg.rollout.env is not None else 1)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

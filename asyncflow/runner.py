@@ -178,11 +178,24 @@ async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
             workers.shutdown()
 
 
+def loss_settings(cfg: Config) -> Any:
+    """The loss knobs of `cfg.algorithm` (Dr.GRPO's constant defaults to the longest possible response)."""
+    from asyncflow.algorithms.losses import LossSettings
+    from asyncflow.config import max_generated_tokens
+
+    a = cfg.algorithm
+    return LossSettings(
+        loss=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, is_level=a.is_level,
+        is_cap=a.is_cap, agg=a.agg, norm_length=float(a.norm_length or max_generated_tokens(cfg)),
+        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+    )
+
+
 async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any, tok: Any,
                trainer: Any, engines: list[Any], workers: Any) -> dict[str, Any]:
     import torch
 
-    from asyncflow.algorithms.losses import PPOSettings, make_loss_fn
+    from asyncflow.algorithms.losses import make_loss_fn
     from asyncflow.engines.torch_train import token_logprobs
     from asyncflow.evaluation import Evaluator
     from asyncflow.runtime.clock import RealClock
@@ -200,7 +213,6 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
             with torch.no_grad():
                 return token_logprobs(ref_model, batch, cfg.rollout.temperature)[0]
 
-    settings = PPOSettings(cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.kl_coef)
     log = RunLog(out)
     clock = RealClock()
     tracer = Tracer(now=clock.now)
@@ -255,7 +267,7 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
 
     pipeline = Pipeline(
         cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
-        loss_fn=make_loss_fn(cfg.algorithm.loss, settings), clock=clock, log=log, tracer=tracer,
+        loss_fn=make_loss_fn(loss_settings(cfg)), clock=clock, log=log, tracer=tracer,
         ref_logprobs=ref_fn, on_step=on_step, store=None if workers is None else workers.store,
         gate=None if workers is None else workers.gate,
     )

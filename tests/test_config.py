@@ -47,6 +47,20 @@ def test_set_values_are_parsed_as_yaml_scalars() -> None:
         (["reward.fn=mymodule"], "reward.fn: 'mymodule' must be 'module:function'"),
         (["logging.tensorboard=true"], "logging.tensorboard: TensorBoard logging is not available"),
         (["checkpoint.every=5"], "checkpoint.every: periodic checkpoints are not available"),
+        (["algorithm.loss=tis", "algorithm.clip_low=0.1"], "algorithm.clip_low: not used by algorithm.loss=tis"),
+        (["algorithm.loss=cispo", "algorithm.is_cap=3"], "algorithm.is_cap: not used by algorithm.loss=cispo"),
+        (["algorithm.loss=gspo", "algorithm.dual_clip=3"], "algorithm.dual_clip: not used by algorithm.loss=gspo"),
+        (["algorithm.loss=reinforce", "algorithm.is_level=sequence"], "algorithm.is_level: not used by"),
+        (["algorithm.dual_clip=0.5"], "algorithm.dual_clip: 0.5 must be 0 (off) or > 1"),
+        (["algorithm.is_cap=0.5"], "algorithm.is_cap: 0.5 is below the minimum 1"),
+        (["algorithm.kl_estimator=k1"], "algorithm.kl_estimator: not used while algorithm.kl_coef is 0"),
+        (["algorithm.norm_length=16"], "algorithm.norm_length: only used with algorithm.agg=dr_grpo"),
+        (["algorithm.overlong_penalty=0.5"], "algorithm.overlong_penalty: not used while algorithm.overlong_buffer is 0"),
+        (["algorithm.overlong_buffer=6"], "algorithm.overlong_buffer: 6 must be below the response length limit (6 tokens)"),
+        (["rollout.top_p=0.9"], "rollout.top_p: truncated sampling with algorithm.loss=ppo is refused"),
+        (["rollout.top_k=5", "algorithm.loss=decoupled_ppo"], "rollout.top_k: truncated sampling with algorithm.loss=decoupled_ppo"),
+        (["algorithm.loss=nope"], "algorithm.loss: 'nope' is not one of"),
+        (["rollout.n=1", "train.batch_size=8", "algorithm.advantage=rloo"], "rollout.n: group advantages"),
     ],
 )
 def test_bad_values_name_the_key(overrides: list[str], message: str) -> None:
@@ -61,6 +75,17 @@ def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:
     f.write_text("train:\n  lr: [1, 2\n")
     with pytest.raises(UserError, match=r"bad.yaml: line \d+"):
         load_config(f)
+
+
+def test_algorithm_settings_that_are_used_load() -> None:
+    cfg, _ = load_config(None, ["algorithm.loss=decoupled_ppo", "algorithm.is_cap=3", "algorithm.is_level=sequence",
+                                "algorithm.dual_clip=3", "algorithm.agg=dr_grpo", "algorithm.norm_length=8"])
+    assert (cfg.algorithm.is_cap, cfg.algorithm.is_level, cfg.algorithm.norm_length) == (3.0, "sequence", 8)
+    cfg, _ = load_config(None, ["algorithm.loss=reinforce", "rollout.top_p=0.9", "rollout.top_k=5",
+                                "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2", "algorithm.overlong_buffer=2",
+                                "algorithm.overlong_penalty=0.5", "rollout.n=1", "train.batch_size=8",
+                                "algorithm.advantage=reinforce_pp"])
+    assert (cfg.rollout.top_p, cfg.algorithm.kl_estimator, cfg.algorithm.overlong_buffer) == (0.9, "k2", 2)
 
 
 def test_sync_mode_means_staleness_zero() -> None:

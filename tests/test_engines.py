@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from asyncflow.algorithms.losses import PPOSettings, make_loss_fn
+from asyncflow.algorithms.losses import LossSettings, make_loss_fn
 from asyncflow.engines.base import GenRequest
-from asyncflow.engines.hf import HFEngine
+from asyncflow.engines.hf import HFEngine, truncate_logits
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.workflow.pipeline import build_train_batch
 
@@ -78,6 +78,29 @@ def test_greedy_requests_are_deterministic_and_argmax(tiny_model) -> None:
         req = _requests(1, temperature=0.0)[0]
         first = int(tiny_model(torch.tensor([req.prompt_ids])).logits[0, -1].argmax())
     assert a[0].response_ids[0] == first
+
+
+def test_truncate_logits_keeps_top_k_and_the_nucleus() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
+    out = truncate_logits(logits, [1.0, 0.7], [2, 0])
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]  # top-2
+    assert torch.isfinite(out[1]).tolist() == [False, False, True, True]  # 0.5 + 0.3 >= 0.7
+    probs = torch.softmax(out, -1)
+    assert probs[0, :2].tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8])  # renormalised
+    assert truncate_logits(logits, [1.0, 1.0], [0, 0]) is logits  # off: untouched
+    assert torch.isfinite(truncate_logits(logits, [1e-6, 1e-6], [0, 0])).sum(-1).tolist() == [1, 1]  # top token kept
+
+
+def test_top_k_one_samples_the_argmax_with_log_prob_zero(tiny_model) -> None:
+    engine = HFEngine(tiny_model, eos_token_id=1, max_batch=8)
+    try:
+        reqs = [GenRequest(r.uid, r.prompt_ids, 6, 1.0, top_k=1) for r in _requests(4)]
+        sampled = engine.generate_many(reqs, timeout=60)
+        greedy = engine.generate_many(_requests(4, max_new=6, temperature=0.0), timeout=60)
+    finally:
+        engine.shutdown()
+    assert [r.response_ids for r in sampled] == [r.response_ids for r in greedy]
+    assert all(lp == pytest.approx(0.0, abs=1e-6) for r in sampled for lp in r.behavior_logprobs)
 
 
 def _perturbed(model) -> dict[str, torch.Tensor]:
@@ -183,7 +206,7 @@ def test_engine_and_trainer_logprobs_agree_at_staleness_zero(tiny_model) -> None
 
 def _grads_after_step(model, batch, micro: int | None) -> dict[str, torch.Tensor]:
     trainer = TorchTrainEngine(copy.deepcopy(model), lr=0.0, micro_batch_size=micro, max_grad_norm=0.0)
-    metrics = trainer.train_step(batch, make_loss_fn("ppo", PPOSettings()), temperature=1.0)
+    metrics = trainer.train_step(batch, make_loss_fn(LossSettings()), temperature=1.0)
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     grads["__loss__"] = torch.tensor(metrics["loss"])
     return grads
@@ -206,7 +229,7 @@ def test_train_step_changes_weights_and_export_is_a_copy(tiny_model) -> None:
     trainer = TorchTrainEngine(copy.deepcopy(tiny_model), lr=1e-2, mini_batches=2)
     batch = build_train_batch([[3, 4], [5, 6]], [[7, 1], [8]], [[-1.0, -1.0], [-1.0]], torch.tensor([1.0, -1.0]), [True, True], 0)
     before = trainer.export_weights()
-    metrics = trainer.train_step(batch, make_loss_fn("ppo", PPOSettings()), 1.0)
+    metrics = trainer.train_step(batch, make_loss_fn(LossSettings()), 1.0)
     after = trainer.export_weights()
     assert {"loss", "grad_norm", "entropy", "clip_frac"} <= set(metrics)
     assert any(not torch.equal(before[k], after[k]) for k in before)

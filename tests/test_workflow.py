@@ -319,3 +319,50 @@ def _turn_two_waited_for_turn_one(trace: list[dict[str, Any]], tid: int) -> bool
     spans = [(e["ts"], e["ts"] + e["dur"], e["name"].endswith("step 2")) for e in trace if e.get("ph") == "X" and e["tid"] == tid]
     ones = [(a, b) for a, b, two in spans if not two]
     return all(b <= a2 for a2, _, two in spans if two for a, b in ones if a < a2)
+
+
+LOSS_KEYS = {
+    "ppo": {"clip_frac", "ratio_mean"}, "decoupled_ppo": {"clip_frac", "is_weight_mean", "is_trunc_frac"},
+    "tis": {"is_weight_mean", "is_trunc_frac"}, "mis": {"is_weight_mean", "is_mask_frac"},
+    "cispo": {"clip_frac", "ratio_mean"}, "topr": {"is_trunc_frac"}, "gspo": {"clip_frac", "ratio_max"},
+    "reinforce": set(),
+}
+
+
+VARIED_REWARD = "def score(prompts, completions, **kw):\n    return [float(len(c) % 2) for c in completions]\n"
+
+
+@pytest.mark.parametrize("loss", list(LOSS_KEYS))
+def test_every_policy_loss_trains_on_arith(
+    arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loss: str
+) -> None:
+    # a reward that varies within groups, so every step has a learning signal on the quick model
+    _write_reward_module(tmp_path, "varied_rewards", VARIED_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / loss
+    summary = _run(arith_dir, out, [f"algorithm.loss={loss}", "train.max_steps=2", "train.mini_batches=2",
+                                    "eval.every=0", "eval.size=16", "workflow.max_staleness=2",
+                                    "reward.fn=varied_rewards:score"])
+    assert summary["samples"] == 2 * 32
+    rows = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"]
+    for r in rows:
+        assert LOSS_KEYS[loss] | {"loss", "pg_loss", "entropy", "grad_norm"} <= set(r), sorted(r)
+        assert all(isinstance(r[k], float) and r[k] == r[k] for k in ("loss", "pg_loss", "entropy", "grad_norm"))
+    assert any(r["grad_norm"] > 0 for r in rows)  # the loss produced a gradient
+
+
+def test_kl_to_the_reference_comes_from_its_own_stage(
+    arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write_reward_module(tmp_path, "varied_rewards", VARIED_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "kl"
+    _run(arith_dir, out, ["reward.fn=varied_rewards:score", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k1", "eval.every=0", "eval.size=16",
+                          "train.max_steps=3", "algorithm.overlong_buffer=2", "algorithm.advantage=rloo"])
+    rows = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"]
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 trains the reference weights themselves
+    assert any(abs(r["kl"]) > 0 for r in rows[1:])  # the policy has moved away from the reference
+    assert all(r["overlong_penalty_mean"] <= 0 for r in rows)
+    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    tid = next(e["tid"] for e in trace if e.get("name") == "thread_name" and e["args"]["name"] == "reference")
+    assert any(e.get("ph") == "X" and e["tid"] == tid for e in trace)

@@ -44,7 +44,48 @@ def compute_dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, v
     return torch.where(valid, rewards - mean, torch.zeros_like(rewards))
 
 
-ADVANTAGES: dict[str, AdvantageFn] = {"grpo": compute_grpo_advantages, "dr_grpo": compute_dr_grpo_advantages}
+def compute_rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """RLOO: r_i minus the mean of the *other* valid rewards of its group, = n/(n-1) (r_i - mean).
+    A sample alone in its group (n = 1) has no baseline and gets 0."""
+    mean, _ = _group_stats(rewards, group_ids, valid)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    count = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, inverse, valid.to(rewards.dtype))[inverse]
+    scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
+    return torch.where(valid, scale * (rewards - mean), torch.zeros_like(rewards))
+
+
+def compute_reinforce_pp_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++: the rewards normalised over the whole batch, (r - batch mean) / (batch std + eps),
+    no per-group baseline. Batch statistics use the valid samples; a batch whose rewards are all
+    equal gets 0."""
+    del group_ids
+    r = rewards[valid]
+    if r.numel() < 2:
+        return torch.zeros_like(rewards)
+    mean, std = r.mean(), r.std()
+    if float(std) == 0.0:
+        return torch.zeros_like(rewards)
+    return torch.where(valid, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft over-long punishment, added to the reward before advantages: 0 up to
+    `max_length - buffer` generated tokens, then falling linearly to `-penalty` at `max_length`."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    over = (lengths.to(torch.float32) - (max_length - buffer)).clamp(min=0.0, max=float(buffer))
+    return -penalty * over / buffer
+
+
+ADVANTAGES: dict[str, AdvantageFn] = {
+    "grpo": compute_grpo_advantages,
+    "dr_grpo": compute_dr_grpo_advantages,
+    "rloo": compute_rloo_advantages,
+    "reinforce_pp": compute_reinforce_pp_advantages,
+}
 
 
 def make_advantage_fn(name: str) -> AdvantageFn:

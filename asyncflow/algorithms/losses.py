@@ -1,35 +1,240 @@
-"""Policy losses: pure tensor functions, normalised by the token count of the whole batch.
+"""Policy losses: pure tensor functions over one micro-batch, normalised over the whole mini-batch.
 
-Each loss returns the *contribution* of one micro-batch: per-token terms summed and divided by
-`token_normalizer`, the number of trained tokens in the whole mini-batch. Summing contributions
-over micro-batches therefore gives the token mean over the mini-batch, so the loss and gradients do
-not depend on `micro_batch_size` (the usual bug is to average per micro-batch and again across them).
-Metrics are returned the same way (sums / normaliser), so they add up across micro-batches too.
+Three policies are kept apart per token (docs/algorithms.md):
+- **behavior** `mu`: the log-probs the inference engine reported when it sampled the token
+  (`TrainBatch.behavior_logprobs`; a sample may mix versions after an in-flight weight update);
+- **proximal** `pi_prox`: the trainer's weights before this train step's first optimizer step
+  (`TrainBatch.proximal_logprobs`, recomputed only for losses that need it);
+- **current** `pi_theta`: the weights being optimised (the `logprobs` argument, with gradient).
+
+Each loss returns the *contribution* of one micro-batch: per-token terms summed and divided by a
+normaliser of the whole mini-batch (`Norm`), so summing contributions over micro-batches (and,
+with FSDP, over ranks) gives the mini-batch's aggregate: loss and gradients do not depend on
+`micro_batch_size`. Aggregation modes (`algorithm.agg`), with m the loss mask:
+- `token_mean`:          sum_i,t m x / sum_i,t m
+- `seq_mean_token_sum`:  sum_i (sum_t m x) / #seqs
+- `seq_mean_token_mean`: sum_i (sum_t m x / sum_t m) / #seqs
+- `dr_grpo`:             sum_i,t m x / (#seqs * L), L a constant (Dr.GRPO's normaliser)
+Metrics are token means (sums / the mini-batch's token count), except keys ending in `_max` /
+`_min`, which the engine combines by max / min.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
 from dataclasses import dataclass
 
 import torch
 
-from asyncflow.engines.base import LossFn, TrainBatch
+from asyncflow.engines.base import LossFn, Norm, TrainBatch
+
+LOSS_NAMES = ("ppo", "decoupled_ppo", "tis", "mis", "cispo", "topr", "gspo", "reinforce")
+AGG_NAMES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IS_LEVELS = ("token", "sequence", "geometric")
+
+# Losses whose objective is computed from the behavior log-probs (a ratio or weight against mu):
+# they need the engine's log-probs to be those of the distribution it sampled from.
+USES_BEHAVIOR = frozenset({"ppo", "decoupled_ppo", "tis", "mis", "cispo", "topr", "gspo"})
+NEEDS_PROXIMAL = frozenset({"decoupled_ppo"})
 
 
 @dataclass(frozen=True)
-class PPOSettings:
-    """Clip range and KL weight for the PPO-clip loss."""
+class LossSettings:
+    """The `algorithm.*` knobs a loss reads (see `asyncflow.config.AlgorithmConfig`)."""
 
+    loss: str = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.28
+    dual_clip: float = 0.0  # 0: off; c > 1: a negative-advantage token's loss is at most c * |A|
+    is_level: str = "token"
+    is_cap: float = 2.0
+    agg: str = "token_mean"
+    norm_length: float = 1.0  # dr_grpo's constant L
     kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------------
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3).
+
+    k1 = log pi - log ref (unbiased, can be negative); k2 = (log pi - log ref)^2 / 2;
+    k3 = exp(log ref - log pi) - (log ref - log pi) - 1 (unbiased, >= 0)."""
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(-d) + d - 1
+    raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || ref) per token: exp(ref - pi) - (ref - pi) - 1 (>= 0)."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1
+    """Schulman's k3 estimator of KL(pi || ref) per token (>= 0)."""
+    return kl_estimate(logprobs, ref_logprobs, "k3")
+
+
+def aggregate(x: torch.Tensor, mask: torch.Tensor, norm: Norm, agg: str, norm_length: float = 1.0) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch aggregate of per-token `x` (see module doc)."""
+    if agg == "token_mean":
+        return (x * mask).sum() / max(norm.tokens, 1.0)
+    if agg == "seq_mean_token_sum":
+        return (x * mask).sum() / max(norm.seqs, 1.0)
+    if agg == "seq_mean_token_mean":
+        per_seq = (x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return per_seq.sum() / max(norm.seqs, 1.0)
+    if agg == "dr_grpo":
+        return (x * mask).sum() / max(norm.seqs * norm_length, 1.0)
+    raise ValueError(f"unknown aggregation {agg!r}; known: {', '.join(AGG_NAMES)}")
+
+
+def log_is_weight(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """Log importance weight per token from per-token log-ratios: `token` keeps them; `sequence`
+    uses the whole sequence's product (sum of logs) on every token; `geometric` its geometric mean."""
+    if level == "token":
+        return log_ratio
+    total = (log_ratio * mask).sum(-1, keepdim=True)
+    if level == "sequence":
+        return total.expand_as(log_ratio)
+    if level == "geometric":
+        return (total / mask.sum(-1, keepdim=True).clamp(min=1.0)).expand_as(log_ratio)
+    raise ValueError(f"unknown importance-sampling level {level!r}; known: {', '.join(IS_LEVELS)}")
+
+
+def _clip_objective(
+    ratio: torch.Tensor, adv: torch.Tensor, s: LossSettings, mask: torch.Tensor, tokens: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's per-token clipped surrogate (to minimise) with clip-higher and optional dual clip."""
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - s.clip_low, 1 + s.clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    t = max(tokens, 1.0)
+    low = (ratio < 1 - s.clip_low) & (adv < 0)  # the clip is active: gradient zero on these tokens
+    high = (ratio > 1 + s.clip_high) & (adv > 0)
+    metrics = {
+        "clip_frac_low": (low.to(mask.dtype) * mask).sum().detach() / t,
+        "clip_frac_high": (high.to(mask.dtype) * mask).sum().detach() / t,
+    }
+    metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+    if s.dual_clip > 0:
+        cap = -adv * s.dual_clip  # > 0 where adv < 0
+        dual = (adv < 0) & (per_token > cap)
+        per_token = torch.where(dual, cap, per_token)
+        metrics["dual_clip_frac"] = (dual.to(mask.dtype) * mask).sum().detach() / t
+    return per_token, metrics
+
+
+def _masked_stats(name: str, w: torch.Tensor, mask: torch.Tensor, tokens: float) -> dict[str, torch.Tensor]:
+    """Token mean, max and min of `w` over the mask (max/min over an empty mask: 1, neutral)."""
+    w = w.detach()
+    on = mask > 0
+    any_on = bool(on.any())
+    return {
+        f"{name}_mean": (w * mask).sum() / max(tokens, 1.0),
+        f"{name}_max": w[on].max() if any_on else torch.tensor(1.0),
+        f"{name}_min": w[on].min() if any_on else torch.tensor(1.0),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------------
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    norm: Norm,
+    settings: LossSettings,
+    proximal_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss `settings.loss` for one micro-batch, plus metric sums.
+
+    Shapes: logprobs/behavior_logprobs/proximal_logprobs/ref_logprobs/mask [B, T]; advantages [B]
+    (broadcast over tokens). Per-token objectives to minimise, with r = pi_theta / mu, A the advantage,
+    sg the stop-gradient:
+    - `ppo`: max(-A r, -A clip(r, 1-cl, 1+ch)) (dual clip optional)
+    - `decoupled_ppo`: w * max(-A r', -A clip(r')) with r' = pi_theta / pi_prox and
+      w = sg(min(pi_prox / mu, is_cap)) at `is_level`
+    - `tis`: -sg(min(w, is_cap)) A log pi_theta, w = r at `is_level`
+    - `mis`: -sg(w [1/is_cap <= w <= is_cap]) A log pi_theta (tokens/sequences outside are masked)
+    - `cispo`: -sg(clip(r, 1-cl, 1+ch)) A log pi_theta
+    - `topr`: -A log pi_theta where A >= 0, -sg(clip(r, 0, 1)) A log pi_theta where A < 0
+    - `gspo`: max(-A s, -A clip(s, 1-cl, 1+ch)) with s = sg(exp(mean_t log r)) * pi_theta / sg(pi_theta)
+      per token (a sequence-level ratio whose gradient flows through every token)
+    - `reinforce`: -A log pi_theta (no ratio: on-policy)
+    plus `kl_coef` * KL estimate to the reference where given.
+    """
+    s = settings
+    mask = mask.to(logprobs.dtype)
+    adv = advantages.to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+    t = max(norm.tokens, 1.0)
+    log_r = (logprobs - behavior_logprobs) * mask  # current vs behavior, 0 off the mask
+    metrics: dict[str, torch.Tensor] = {}
+    if s.loss == "ppo":
+        ratio = torch.exp(log_r)
+        per_token, metrics = _clip_objective(ratio, adv, s, mask, t)
+        metrics.update(_masked_stats("ratio", ratio, mask, t))
+    elif s.loss == "decoupled_ppo":
+        if proximal_logprobs is None:
+            raise ValueError("decoupled_ppo needs proximal log-probs (TrainBatch.proximal_logprobs)")
+        ratio = torch.exp((logprobs - proximal_logprobs) * mask)
+        per_token, metrics = _clip_objective(ratio, adv, s, mask, t)
+        log_w = log_is_weight((proximal_logprobs - behavior_logprobs) * mask, mask, s.is_level)
+        raw = torch.exp(log_w)
+        w = raw.clamp(max=s.is_cap)
+        per_token = w.detach() * per_token
+        metrics.update(_masked_stats("ratio", ratio, mask, t))
+        metrics.update(_masked_stats("is_weight", w, mask, t))
+        metrics["is_trunc_frac"] = ((raw > s.is_cap).to(mask.dtype) * mask).sum() / t
+    elif s.loss in ("tis", "mis"):
+        raw = torch.exp(log_is_weight(log_r, mask, s.is_level))
+        if s.loss == "tis":
+            w = raw.clamp(max=s.is_cap)
+            metrics["is_trunc_frac"] = ((raw > s.is_cap).to(mask.dtype) * mask).sum() / t
+        else:
+            keep = (raw <= s.is_cap) & (raw >= 1.0 / s.is_cap)
+            w = torch.where(keep, raw, torch.zeros_like(raw))
+            metrics["is_mask_frac"] = ((~keep).to(mask.dtype) * mask).sum() / t
+        per_token = -w.detach() * adv * logprobs
+        metrics.update(_masked_stats("is_weight", w, mask, t))
+    elif s.loss == "cispo":
+        ratio = torch.exp(log_r)
+        w = ratio.clamp(1 - s.clip_low, 1 + s.clip_high)
+        per_token = -w.detach() * adv * logprobs
+        metrics["clip_frac"] = (((ratio < 1 - s.clip_low) | (ratio > 1 + s.clip_high)).to(mask.dtype) * mask).sum() / t
+        metrics.update(_masked_stats("ratio", ratio, mask, t))
+    elif s.loss == "topr":
+        ratio = torch.exp(log_r)
+        w = torch.where(adv >= 0, torch.ones_like(ratio), ratio.clamp(0.0, 1.0))
+        per_token = -w.detach() * adv * logprobs
+        metrics["is_trunc_frac"] = (((adv < 0) & (ratio > 1)).to(mask.dtype) * mask).sum() / t
+        metrics.update(_masked_stats("ratio", ratio, mask, t))
+    elif s.loss == "gspo":
+        seq_log_r = log_is_weight(log_r, mask, "geometric")
+        ratio = torch.exp(seq_log_r.detach() + logprobs - logprobs.detach())
+        per_token, metrics = _clip_objective(ratio, adv, s, mask, t)
+        metrics.update(_masked_stats("ratio", ratio, mask, t))
+    elif s.loss == "reinforce":
+        per_token = -adv * logprobs
+    else:
+        raise ValueError(f"unknown policy loss {s.loss!r}; known: {', '.join(LOSS_NAMES)}")
+    metrics["pg_loss"] = aggregate(per_token.detach(), mask, norm, s.agg, s.norm_length)
+    if ref_logprobs is not None and s.kl_coef > 0:
+        kl = kl_estimate(logprobs, ref_logprobs, s.kl_estimator)
+        per_token = per_token + s.kl_coef * kl
+        metrics["kl"] = (kl.detach() * mask).sum() / t
+    loss = aggregate(per_token, mask, norm, s.agg, s.norm_length)
+    return loss, {k: v.detach() for k, v in metrics.items()}
 
 
 def ppo_clip_loss(
@@ -38,57 +243,36 @@ def ppo_clip_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     token_normalizer: float,
-    settings: PPOSettings,
+    settings: LossSettings,
     ref_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip with separate low/high clip, optional k3 KL to a reference; token-mean aggregation.
-
-    Shapes: logprobs/old_logprobs/mask/ref_logprobs [B, T]; advantages [B] (broadcast over tokens).
-    """
-    mask = mask.to(logprobs.dtype)
-    adv = advantages.to(logprobs.dtype).unsqueeze(-1)
-    log_ratio = (logprobs - old_logprobs) * mask
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
-    per_token = torch.maximum(unclipped, clipped)
-    norm = max(float(token_normalizer), 1.0)
-    metrics: dict[str, torch.Tensor] = {
-        "pg_loss": (per_token * mask).sum().detach() / norm,
-        "clip_frac": ((clipped > unclipped).to(mask.dtype) * mask).sum().detach() / norm,
-        "ratio_mean": (ratio * mask).sum().detach() / norm,
-    }
-    if ref_logprobs is not None and settings.kl_coef > 0:
-        kl = kl_k3(logprobs, ref_logprobs)
-        per_token = per_token + settings.kl_coef * kl
-        metrics["kl"] = (kl * mask).sum().detach() / norm
-    loss = (per_token * mask).sum() / norm
-    return loss, metrics
+    """PPO-clip against `old_logprobs`, token-mean over `token_normalizer` tokens (a shorthand of
+    `policy_loss` for the common case)."""
+    norm = Norm(tokens=float(token_normalizer), seqs=float((mask.sum(-1) > 0).sum()))
+    s = LossSettings(**{**settings.__dict__, "loss": "ppo", "agg": "token_mean"})
+    return policy_loss(logprobs, old_logprobs, advantages, mask, norm, s, ref_logprobs=ref_logprobs)
 
 
-def make_ppo_loss(settings: PPOSettings) -> LossFn:
-    """A `LossFn` for the train engine: PPO-clip against the batch's behavior log-probs."""
+def make_loss_fn(settings: LossSettings) -> LossFn:
+    """A `LossFn` for the train engine: `policy_loss` with `settings` on the batch's fields."""
+    if settings.loss not in LOSS_NAMES:
+        raise ValueError(f"unknown policy loss {settings.loss!r}; known: {', '.join(LOSS_NAMES)}")
+    if settings.agg not in AGG_NAMES:
+        raise ValueError(f"unknown aggregation {settings.agg!r}; known: {', '.join(AGG_NAMES)}")
+    if not (settings.is_cap >= 1.0 and math.isfinite(settings.is_cap)):
+        raise ValueError(f"is_cap must be a finite number >= 1, got {settings.is_cap}")
 
-    def loss_fn(logprobs: torch.Tensor, batch: TrainBatch, token_normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return ppo_clip_loss(
+    def loss_fn(logprobs: torch.Tensor, batch: TrainBatch, norm: Norm) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return policy_loss(
             logprobs,
             batch.behavior_logprobs,
             batch.advantages,
             batch.response_mask,
-            token_normalizer,
+            norm,
             settings,
-            batch.ref_logprobs,
+            proximal_logprobs=batch.proximal_logprobs,
+            ref_logprobs=batch.ref_logprobs,
         )
 
     return loss_fn
 
-
-LOSSES: dict[str, Callable[[PPOSettings], LossFn]] = {"ppo": make_ppo_loss}
-
-
-def make_loss_fn(name: str, settings: PPOSettings) -> LossFn:
-    """The policy loss registered under `name`."""
-    try:
-        return LOSSES[name](settings)
-    except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; known: {', '.join(LOSSES)}") from None

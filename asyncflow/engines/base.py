@@ -27,6 +27,8 @@ class GenRequest:
     prompt_ids: list[int]
     max_new_tokens: int
     temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling (1: off)
+    top_k: int = 0  # top-k sampling (0: off)
 
 
 @dataclass
@@ -89,7 +91,8 @@ class TrainBatch:
     response_mask: torch.Tensor  # [B, L-1] float, 1 where target token t+1 is a trained response token
     advantages: torch.Tensor  # [B]
     behavior_logprobs: torch.Tensor  # [B, L-1] aligned with response_mask (0 elsewhere)
-    ref_logprobs: torch.Tensor | None = None  # [B, L-1]
+    ref_logprobs: torch.Tensor | None = None  # [B, L-1] frozen reference policy (KL)
+    proximal_logprobs: torch.Tensor | None = None  # [B, L-1] trainer before this step's first update
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -104,11 +107,27 @@ class TrainBatch:
             advantages=self.advantages[ix],
             behavior_logprobs=self.behavior_logprobs[ix],
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[ix],
+            proximal_logprobs=None if self.proximal_logprobs is None else self.proximal_logprobs[ix],
         )
 
+    def norm(self) -> Norm:
+        """This batch's loss normaliser: trained tokens and sequences with at least one."""
+        per_seq = self.response_mask.sum(-1)
+        return Norm(tokens=float(per_seq.sum()), seqs=float((per_seq > 0).sum()))
 
-# loss_fn(logprobs, batch, token_normalizer) -> (scalar loss contribution, metric sums)
-LossFn = Callable[[torch.Tensor, TrainBatch, float], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+@dataclass(frozen=True)
+class Norm:
+    """What a loss divides by: counts over the whole mini-batch (all micro-batches and ranks), so
+    per-micro-batch contributions add up to the mini-batch's aggregate."""
+
+    tokens: float
+    seqs: float
+
+
+# loss_fn(logprobs, micro_batch, norm) -> (scalar loss contribution, metric sums); metric keys
+# ending in `_max` / `_min` are combined across micro-batches by max / min, the rest by sum
+LossFn = Callable[[torch.Tensor, TrainBatch, Norm], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 class TrainEngine(abc.ABC):

@@ -61,6 +61,25 @@ class _PendingWeights:
     requested_at: float
 
 
+def truncate_logits(logits: torch.Tensor, top_p: list[float], top_k: list[int]) -> torch.Tensor:
+    """Per row, set to -inf every logit outside the `top_k` most likely (0: off) and outside the
+    smallest set whose probability reaches `top_p` (1: off). The log-softmax of the result is the
+    distribution actually sampled from, so reported log-probs are of that (truncated) distribution."""
+    if all(p >= 1.0 for p in top_p) and all(k <= 0 for k in top_k):
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).expand_as(logits)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device).unsqueeze(-1)
+    p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device).unsqueeze(-1)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(-1) - probs  # probability of the tokens ranked above this one
+    drop_sorted = (ranks >= k) | (before >= p)  # the top token is always kept (before = 0 < p)
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return out.masked_fill(drop, float("-inf"))
+
+
 class HFEngine(InferenceEngine):
     """Continuous-batching generation over a transformers model (CPU or one GPU)."""
 
@@ -285,6 +304,7 @@ class HFEngine(InferenceEngine):
         temps = torch.tensor([r.req.temperature for r in rows], dtype=logits.dtype, device=logits.device)
         greedy = temps <= 0
         scaled = logits.float() / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)
+        scaled = truncate_logits(scaled, [r.req.top_p for r in rows], [r.req.top_k for r in rows])
         logp = torch.log_softmax(scaled, dim=-1)
         sampled = torch.multinomial(logp.exp(), 1, generator=self._gen).squeeze(-1)
         tokens = torch.where(greedy, scaled.argmax(-1), sampled)

@@ -29,6 +29,21 @@ def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float
     return logp, entropy
 
 
+def combine_metrics(parts: list[dict[str, float]], *, mean: bool) -> dict[str, float]:
+    """Combine metric dicts: keys ending in `_max` / `_min` by max / min; the rest summed (micro-batch
+    shares of one mini-batch) or, with `mean`, averaged (one value per mini-batch)."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for p in parts for k in p):
+        values = [p[key] for p in parts if key in p]
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
+        else:
+            out[key] = sum(values) / (len(values) if mean else 1)
+    return out
+
+
 class TorchTrainEngine(TrainEngine):
     """The policy on one device, trained with AdamW."""
 
@@ -64,27 +79,22 @@ class TorchTrainEngine(TrainEngine):
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         order = list(range(len(batch)))
-        parts = [order[i :: self.mini_batches] for i in range(self.mini_batches)]
-        totals: dict[str, float] = {}
-        for part in parts:
-            if not part:
-                continue
-            for key, value in self._optimizer_step(batch.select(part), loss_fn, temperature).items():
-                totals[key] = totals.get(key, 0.0) + value / len(parts)
-        return totals
+        parts = [p for p in (order[i :: self.mini_batches] for i in range(self.mini_batches)) if p]
+        return combine_metrics([self._optimizer_step(batch.select(p), loss_fn, temperature) for p in parts], mean=True)
 
     def _optimizer_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
-        normalizer = float(batch.response_mask.sum())
-        sums: dict[str, float] = {"loss": 0.0, "entropy": 0.0}
+        norm = batch.norm()
+        parts: list[dict[str, float]] = []
         for mb in self._micro(batch):
             logp, entropy = token_logprobs(self.model, mb, temperature)
-            loss, metrics = loss_fn(logp, mb, normalizer)
+            loss, metrics = loss_fn(logp, mb, norm)
             loss.backward()
-            sums["loss"] += float(loss.detach())
-            sums["entropy"] += float((entropy.detach() * mb.response_mask).sum()) / max(normalizer, 1.0)
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+            part = {k: float(v) for k, v in metrics.items()}
+            part["loss"] = float(loss.detach())
+            part["entropy"] = float((entropy.detach() * mb.response_mask).sum()) / max(norm.tokens, 1.0)
+            parts.append(part)
+        sums = combine_metrics(parts, mean=False)
         clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
         sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         self.optimizer.step()

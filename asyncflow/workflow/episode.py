@@ -40,6 +40,8 @@ class EpisodeSettings:
     temperature: float
     request_timeout_s: float
     env_timeout_s: float
+    top_p: float = 1.0
+    top_k: int = 0
 
 
 @dataclass
@@ -149,7 +151,7 @@ async def run_episode(
         for turn in range(1, env.max_turns + 1):
             turns = turn
             req = GenRequest(uid, concat([prompt_ids, traj.response_ids()]), settings.max_new_tokens,  # type: ignore[arg-type]
-                             settings.temperature)
+                             settings.temperature, settings.top_p, settings.top_k)
             res = await clock.wait_for(engine.generate(req), settings.request_timeout_s,
                                        f"generation of sample {uid}, turn {turn}")
             traj.add_generated(res.response_ids, res.behavior_logprobs, res.token_versions)

@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 
-from asyncflow.algorithms.advantages import make_advantage_fn
-from asyncflow.config import Config
+from asyncflow.algorithms.advantages import make_advantage_fn, overlong_penalty
+from asyncflow.algorithms.losses import NEEDS_PROXIMAL
+from asyncflow.config import Config, max_generated_tokens
 from asyncflow.data import tokenize_prompt
 from asyncflow.engines.base import GenRequest, InferenceEngine, LossFn, TrainBatch, TrainEngine
 from asyncflow.engines.runs import oldest
@@ -50,7 +51,7 @@ from asyncflow.workflow.gate import StalenessGate
 
 CANCELLED = "cancelled: could no longer meet max_staleness"
 TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "behavior_version", "reward_error",
-                "row", "finish_reason", "reward", "loss_mask", "turns")
+                "row", "finish_reason", "reward", "loss_mask", "turns", "ref_logprobs")
 
 
 @dataclass
@@ -171,8 +172,14 @@ class Pipeline:
                                                 max_turns=cfg.rollout.max_turns)
         if self.env_factory is None:  # multi-turn episodes carry their environment's reward: no reward stage
             self.store.register_stage("reward", ["response_ids"], groups=True)
-        self.store.register_stage("train", ["reward"], groups=True)
+        # reference log-probs (KL to the frozen initial policy) are a stage of their own: computed as
+        # responses arrive, off the trainer's critical path; the trainer then needs that field too
+        if ref_logprobs is not None:
+            self.store.register_stage("reference", ["response_ids"])
+        self.store.register_stage("train", ["reward", "ref_logprobs"] if ref_logprobs is not None else ["reward"],
+                                  groups=True)
         self.advantage_fn = make_advantage_fn(cfg.algorithm.advantage)
+        self.needs_proximal = cfg.algorithm.loss in NEEDS_PROXIMAL
         self.counters = Counters()
         self.version = 0
         self.t_start = clock.now()
@@ -329,7 +336,8 @@ class Pipeline:
     async def _generate(self, engine: InferenceEngine, lease: Lease, slots: asyncio.Semaphore) -> None:
         """One single-turn request (bounded by the worker's watchdog, `_watch`)."""
         sample = lease.samples[0]
-        req = GenRequest(sample.uid, sample.fields["prompt_ids"], self.cfg.rollout.max_new_tokens, self.cfg.rollout.temperature)
+        ro = self.cfg.rollout
+        req = GenRequest(sample.uid, sample.fields["prompt_ids"], ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k)
         try:
             res = await engine.generate(req)
             # A cancelled request (it could no longer meet max_staleness) is written like any other,
@@ -367,7 +375,8 @@ class Pipeline:
                 env=self.env_factory(self.clock), engine=engine, clock=self.clock, tok=self.tok, uid=sample.uid,
                 prompt_ids=sample.fields["prompt_ids"], row=self.rows[sample.fields["row"]],
                 seed=self.cfg.seed * 1_000_003 + sample.uid,
-                settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s),
+                settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
+                                         ro.top_p, ro.top_k),
                 on_env_step=on_env_step, barrier=barrier,
             )
             version = result.fields["behavior_version"]
@@ -440,6 +449,39 @@ class Pipeline:
                 if self.counters.reward_calls == limit and self.counters.reward_call_failures == limit:
                     raise UserError(f"reward.fn: the first {limit} reward calls all failed; last error: {outcome.error}")
         return outcomes
+
+    # ------------------------------------------------------------------ reference
+
+    async def ref_worker(self) -> None:
+        """Reference log-probs of each response as soon as it is written (up to a batch per forward
+        pass, in a worker thread), stored as the sample's `ref_logprobs` field."""
+        assert self.ref_logprobs is not None
+        while True:
+            try:
+                lease = await self.store.take("reference", self.cfg.train.batch_size,
+                                              timeout=self.cfg.workflow.step_timeout_s, fields_extra=["prompt_ids"])
+            except WaitTimeout:
+                continue
+            except QueueClosed:
+                return
+            samples = lease.samples
+            start = self.clock.now()
+            rows = await self.clock.wait_for(
+                asyncio.to_thread(self._ref_rows, samples), self.cfg.workflow.step_timeout_s,
+                f"reference log-probs of {len(samples)} samples",
+            )
+            self.tracer.span("reference", f"ref log-probs x{len(samples)}", start, self.clock.now())
+            self.store.complete(lease, {s.uid: {"ref_logprobs": r} for s, r in zip(samples, rows, strict=True)})
+
+    def _ref_rows(self, samples: list[SampleView]) -> list[list[float]]:
+        assert self.ref_logprobs is not None
+        prompts = [s.fields["prompt_ids"] for s in samples]
+        responses = [s.fields["response_ids"] for s in samples]
+        batch = build_train_batch(prompts, responses, [[0.0] * len(r) for r in responses],
+                                  torch.zeros(len(samples)), [True] * len(samples), self.tok.pad_token_id)
+        lp = self.ref_logprobs(batch)
+        return [lp[i, len(p) - 1 : len(p) - 1 + len(r)].tolist() for i, (p, r) in enumerate(zip(prompts, responses,
+                                                                                                 strict=True))]
 
     # ------------------------------------------------------------------ trainer
 
@@ -548,15 +590,27 @@ class Pipeline:
     async def _optimize(self, samples: list[SampleView], valid: list[bool], rewards: list[float]) -> tuple[dict[str, Any], int]:
         """Advantages, the padded batch and the optimizer steps (in a worker thread); returns the
         train metrics and the number of trained tokens. PIPE's simulated trainer replaces this."""
-        batch = self._make_batch(samples, valid, rewards)
+        batch, extra = self._make_batch(samples, valid, rewards)
         metrics = await asyncio.to_thread(self._compute_step, batch, self.cfg.rollout.temperature, samples)
+        metrics.update(extra)
         return metrics, int(batch.response_mask.sum())
 
-    def _make_batch(self, samples: list[SampleView], valid: list[bool], rewards: list[float]) -> TrainBatch:
+    def _make_batch(
+        self, samples: list[SampleView], valid: list[bool], rewards: list[float]
+    ) -> tuple[TrainBatch, dict[str, Any]]:
+        """The padded batch: rewards (plus the over-long penalty, if on) -> advantages over the whole
+        batch; reference log-probs from the samples' `ref_logprobs` field (the reference stage)."""
         valid_t = torch.tensor(valid)
-        adv = self.advantage_fn(
-            torch.tensor(rewards, dtype=torch.float32), torch.tensor([s.group_id for s in samples]), valid_t
-        )
+        reward_t = torch.tensor(rewards, dtype=torch.float32)
+        algo = self.cfg.algorithm
+        extra: dict[str, Any] = {}
+        if algo.overlong_buffer > 0:
+            lengths = torch.tensor([_generated(s) for s in samples])
+            penalty = overlong_penalty(lengths, max_generated_tokens(self.cfg), algo.overlong_buffer,
+                                       algo.overlong_penalty)
+            reward_t = reward_t + torch.where(valid_t, penalty, torch.zeros_like(penalty))
+            extra["overlong_penalty_mean"] = float(penalty[valid_t].mean()) if any(valid) else 0.0
+        adv = self.advantage_fn(reward_t, torch.tensor([s.group_id for s in samples]), valid_t)
         batch = build_train_batch(
             [s.fields["prompt_ids"] for s in samples],
             [s.fields["response_ids"] for s in samples],
@@ -567,8 +621,13 @@ class Pipeline:
             [s.fields.get("loss_mask") for s in samples],
         )
         if self.ref_logprobs is not None:
-            batch.ref_logprobs = self.ref_logprobs(batch)
-        return batch
+            ref = torch.zeros_like(batch.behavior_logprobs)
+            for i, s in enumerate(samples):
+                start = len(s.fields["prompt_ids"]) - 1
+                values = s.fields["ref_logprobs"]
+                ref[i, start : start + len(values)] = torch.tensor(values, dtype=ref.dtype)
+            batch.ref_logprobs = ref
+        return batch, extra
 
     def _compute_step(self, batch: TrainBatch, temperature: float, samples: list[SampleView]) -> dict[str, Any]:
         """Runs in a worker thread: the optimizer steps, plus train/inference mismatch diagnostics.
@@ -584,11 +643,15 @@ class Pipeline:
             same[i, p - 1 : p - 1 + len(versions)] = torch.tensor([float(v == self.version) for v in versions])
         same = same * batch.response_mask
         n = float(same.sum())
-        current = self.trainer.logprobs(batch, temperature) if n else None
+        # the trainer's log-probs before this step's first optimizer step: the proximal policy of
+        # decoupled PPO, and the trainer side of mismatch_kl
+        current = self.trainer.logprobs(batch, temperature) if n or self.needs_proximal else None
+        if self.needs_proximal:
+            batch.proximal_logprobs = current
         metrics: dict[str, Any] = dict(self.trainer.train_step(batch, self.loss_fn, temperature))
         # None (null in metrics.jsonl) when no token of the batch came from the trainer's own version
         metrics["mismatch_kl"] = None
-        if current is not None:
+        if current is not None and n:
             d = (current - batch.behavior_logprobs) * same
             metrics["mismatch_kl"] = float((torch.exp(d) - d - 1).mul(same).sum() / n)
         return metrics
@@ -671,6 +734,8 @@ class Pipeline:
                 t.set_name(name)
         if remote is None or "feeder" not in remote:
             stages.append(asyncio.create_task(self.feeder(), name="feeder"))
+        if self.ref_logprobs is not None:  # runs where the trainer runs (its reference model lives there)
+            stages.append(asyncio.create_task(self.ref_worker(), name="reference"))
         tasks = stages
         trainer = asyncio.create_task(self.trainer_loop(), name="trainer")
         try:
@@ -729,6 +794,12 @@ def build_train_batch(
             mask[i, start : start + len(r)] = 1.0 if lm is None else torch.tensor(list(lm), dtype=torch.float32)
         blp[i, start : start + len(r)] = torch.tensor(list(lp), dtype=torch.float32)
     return TrainBatch(ids, attn, mask, advantages, blp)
+
+
+def _generated(sample: SampleView) -> int:
+    """Tokens the policy generated for a sample (an episode's environment tokens excluded)."""
+    mask = sample.fields.get("loss_mask")
+    return int(sum(mask)) if mask is not None else len(sample.fields["response_ids"])
 
 
 def _all_equal(group: list[SampleView]) -> bool:
