@@ -1,4 +1,4 @@
-"""The `asyncflow` command: demo, train, prepare, bench.
+"""The `asyncflow` command: demo, train, prepare, bench, report.
 
 Arguments and configs are validated before torch, transformers or ray are imported, so bad input
 costs milliseconds and ends with one line naming the key, file or argument, and exit code 2.
@@ -47,6 +47,8 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument("workload", choices=["store", "pipeline", "e2e"])
     bench.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (e2e)")
+    report = sub.add_parser("report", help="draw report.png and summary.md for one or more run folders")
+    report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run folders (the first gets the files)")
     return p
 
 
@@ -93,6 +95,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         from asyncflow.bench import run_bench
 
         return run_bench(args.workload, as_json=args.json, overrides=args.set)
+    if args.command == "report":
+        from asyncflow.telemetry.report import write_report
+
+        png, md = write_report(args.runs)
+        print(f"wrote {png} and {md}")
+        return 0
     raise UserError(f"unknown command {args.command!r}")
 
 

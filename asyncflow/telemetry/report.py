@@ -1,0 +1,242 @@
+"""`asyncflow report RUN_DIR [RUN_DIR ...]`: one picture and one page per run, or a comparison.
+
+Reads what a run folder already holds (`metrics.jsonl`, `samples.jsonl`, `trace.json`) and writes
+`report.png` and `summary.md` into the first folder. The picture: reward and eval accuracy over
+trained samples and over time, throughput, the staleness histogram, the busy fraction of every
+trace track, and a timeline strip of the (first) run's trace. Several runs share each panel, so
+sync and async side by side are one picture.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncflow.errors import UserError
+
+WAIT_PREFIXES = ("wait",)  # trace spans that are waiting, not work
+
+
+@dataclass
+class RunData:
+    """One run folder, parsed."""
+
+    path: Path
+    label: str
+    train: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    staleness: Counter[int] = field(default_factory=Counter)
+    status: Counter[str] = field(default_factory=Counter)
+    spans: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # track -> (start, end) s
+
+    @property
+    def wall_s(self) -> float:
+        ends = [e for spans in self.spans.values() for _, e in spans]
+        return max(ends, default=0.0) or (self.train[-1]["time_s"] if self.train else 0.0)
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise UserError(f"{path}: line {i} is not JSON") from None
+    return rows
+
+
+def load_run(path: str | Path, label: str | None = None) -> RunData:
+    """Parse a run folder; a folder without `metrics.jsonl` is refused with its name."""
+    p = Path(path)
+    if not (p / "metrics.jsonl").is_file():
+        raise UserError(f"{p}: not a run folder (no metrics.jsonl)")
+    run = RunData(p, label or p.name)
+    for r in _jsonl(p / "metrics.jsonl"):
+        if r.get("kind") == "train":
+            run.train.append(r)
+        elif r.get("kind") == "eval":
+            run.evals.append(r)
+    if (p / "samples.jsonl").is_file():
+        for s in _jsonl(p / "samples.jsonl"):
+            run.status[str(s.get("status"))] += 1
+            if s.get("status") == "trained" and s.get("trained_version") is not None:
+                run.staleness[int(s["trained_version"]) - int(s["behavior_version"])] += 1
+    if (p / "trace.json").is_file():
+        try:
+            doc = json.loads((p / "trace.json").read_text())
+        except json.JSONDecodeError:
+            raise UserError(f"{p / 'trace.json'}: not valid JSON") from None
+        events = doc.get("traceEvents", [])
+        names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        for e in events:
+            if e.get("ph") == "X" and not str(e.get("name", "")).startswith(WAIT_PREFIXES):
+                track = names.get(e["tid"], str(e["tid"]))
+                start = float(e["ts"]) / 1e6
+                run.spans.setdefault(track, []).append((start, start + float(e["dur"]) / 1e6))
+    return run
+
+
+def _union_seconds(spans: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None and cur_s is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None and cur_s is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def busy_fractions(run: RunData) -> dict[str, float]:
+    """Per trace track: the share of the run's wall time covered by its (non-wait) spans."""
+    wall = run.wall_s
+    if wall <= 0:
+        return {}
+    return {track: min(_union_seconds(spans) / wall, 1.0) for track, spans in sorted(run.spans.items())}
+
+
+def _figures(run: RunData) -> dict[str, Any]:
+    last = run.train[-1] if run.train else {}
+    trained = sum(run.staleness.values())
+    return {
+        "steps": last.get("step", 0),
+        "samples": last.get("samples", 0),
+        "time_s": last.get("time_s", 0.0),
+        "samples_per_s": last.get("samples_per_s", 0.0),
+        "eval_first": run.evals[0]["eval_accuracy"] if run.evals else None,
+        "eval_last": run.evals[-1]["eval_accuracy"] if run.evals else None,
+        "reward_last": last.get("reward_mean"),
+        "staleness_mean": sum(k * n for k, n in run.staleness.items()) / trained if trained else 0.0,
+        "staleness_max": max(run.staleness, default=0),
+        "status": dict(run.status),
+    }
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def summary_markdown(runs: list[RunData]) -> str:
+    """The key figures of each run; with several runs, the speed-up of each over the first."""
+    lines = ["# asyncflow report", ""]
+    figs = [_figures(r) for r in runs]
+    lines += [
+        "| run | steps | trained samples | wall s | samples/s | eval accuracy (first -> last) | last reward | "
+        "staleness mean / max | dropped / filtered / errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, f in zip(runs, figs, strict=True):
+        st = f["status"]
+        lines.append(
+            f"| {r.label} | {f['steps']} | {f['samples']} | {f['time_s']:.1f} | {f['samples_per_s']:.2f} | "
+            f"{_fmt(f['eval_first'])} -> {_fmt(f['eval_last'])} | {_fmt(f['reward_last'])} | "
+            f"{f['staleness_mean']:.2f} / {f['staleness_max']} | "
+            f"{st.get('dropped_stale', 0) + st.get('cancelled', 0)} / {st.get('filtered', 0)} / {st.get('reward_error', 0)} |"
+        )
+    if len(runs) > 1 and figs[0]["samples_per_s"]:
+        lines += ["", f"Throughput relative to {runs[0].label}: " + ", ".join(
+            f"{r.label} {f['samples_per_s'] / figs[0]['samples_per_s']:.2f}x" for r, f in zip(runs, figs, strict=True))]
+    lines += ["", "## Busy fraction per trace track (share of wall time with work on it)", ""]
+    for r in runs:
+        busy = busy_fractions(r)
+        lines.append(f"- {r.label}: " + (", ".join(f"{t} {b:.2f}" for t, b in busy.items()) or "no trace"))
+    lines += ["", "Picture: report.png (reward, eval accuracy, throughput, staleness, busy fractions, timeline).", ""]
+    return "\n".join(lines)
+
+
+def plot_report(runs: list[RunData], out_png: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(14, 13), dpi=100)
+    grid = fig.add_gridspec(4, 3, height_ratios=[1, 1, 1, 1.2])
+    ax_rs, ax_rt, ax_tp = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[0, 2])
+    ax_es, ax_et, ax_st = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]), fig.add_subplot(grid[1, 2])
+    ax_busy = fig.add_subplot(grid[2, :])
+    ax_tl = fig.add_subplot(grid[3, :])
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for run, color in zip(runs, colors, strict=True):
+        samples = [r["samples"] for r in run.train]
+        times = [r["time_s"] for r in run.train]
+        rewards = [r["reward_mean"] for r in run.train]
+        ax_rs.plot(samples, rewards, color=color, label=run.label)
+        ax_rt.plot(times, rewards, color=color, label=run.label)
+        # throughput between consecutive rows (the cumulative mean hides changes)
+        inst = [(b["samples"] - a["samples"]) / max(b["time_s"] - a["time_s"], 1e-9)
+                for a, b in zip(run.train, run.train[1:], strict=False)]
+        ax_tp.plot(times[1:], inst, color=color, alpha=0.3, linewidth=0.8)
+        ax_tp.plot(times, [r["samples_per_s"] for r in run.train], color=color, label=f"{run.label} (cumulative)")
+        by_step = {0: (0, 0.0), **{r["step"]: (r["samples"], r["time_s"]) for r in run.train}}
+        ev = [(by_step[e["step"]], e["eval_accuracy"]) for e in run.evals if e["step"] in by_step]
+        ax_es.plot([s for (s, _), _ in ev], [a for _, a in ev], color=color, marker="o", label=run.label)
+        ax_et.plot([t for (_, t), _ in ev], [a for _, a in ev], color=color, marker="o", label=run.label)
+    ks = sorted({k for r in runs for k in r.staleness})
+    width = 0.8 / max(len(runs), 1)
+    offsets = [(i - (len(runs) - 1) / 2) * width for i in range(len(runs))]
+    for run, off, color in zip(runs, offsets, colors, strict=True):
+        total = max(sum(run.staleness.values()), 1)
+        ax_st.bar([k + off for k in ks], [run.staleness.get(k, 0) / total for k in ks], width, color=color,
+                  label=run.label)
+    ax_st.set_xticks(ks)
+    tracks = sorted({t for r in runs for t in r.spans})
+    for run, off, color in zip(runs, offsets, colors, strict=True):
+        busy = busy_fractions(run)
+        ax_busy.bar([j + off for j in range(len(tracks))], [busy.get(t, 0.0) for t in tracks], width, color=color,
+                    label=run.label)
+    ax_busy.set_xticks(range(len(tracks)), tracks, rotation=30, ha="right", fontsize=8)
+    first = runs[0]
+    for j, track in enumerate(sorted(first.spans)):
+        ax_tl.broken_barh([(s, e - s) for s, e in first.spans[track]], (j - 0.4, 0.8))
+    ax_tl.set_yticks(range(len(first.spans)), sorted(first.spans), fontsize=8)
+    titles = [
+        (ax_rs, "train reward vs trained samples", "samples", "reward_mean"),
+        (ax_rt, "train reward vs time", "seconds", "reward_mean"),
+        (ax_tp, "throughput", "seconds", "samples/s"),
+        (ax_es, "eval accuracy vs trained samples", "samples", "eval_accuracy"),
+        (ax_et, "eval accuracy vs time", "seconds", "eval_accuracy"),
+        (ax_st, "staleness of trained samples", "versions behind", "share"),
+        (ax_busy, "busy fraction per trace track", "", "share of wall time"),
+        (ax_tl, f"timeline: {first.label} (non-wait spans per track)", "seconds", ""),
+    ]
+    for ax, title, xl, yl in titles:
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xl)
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+    for ax in (ax_rs, ax_rt, ax_tp, ax_es, ax_et, ax_st, ax_busy):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+
+
+def write_report(run_dirs: list[str | Path]) -> tuple[Path, Path]:
+    """Write `report.png` and `summary.md` into the first run folder; returns their paths."""
+    if not run_dirs:
+        raise UserError("report: give at least one run folder")
+    labels = [Path(d).name for d in run_dirs]
+    if len(set(labels)) < len(labels):  # same folder names in different places: use the full paths
+        labels = [str(d) for d in run_dirs]
+    runs = [load_run(d, label) for d, label in zip(run_dirs, labels, strict=True)]
+    for r in runs:
+        if not r.train:
+            raise UserError(f"{r.path}: metrics.jsonl has no train rows yet")
+    out = runs[0].path
+    png, md = out / "report.png", out / "summary.md"
+    plot_report(runs, png)
+    md.write_text(summary_markdown(runs))
+    return png, md
+
+
+__all__ = ["busy_fractions", "load_run", "plot_report", "summary_markdown", "write_report"]

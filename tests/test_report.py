@@ -1,0 +1,65 @@
+"""`asyncflow report`: figures from a run folder, busy fractions from the trace, comparisons, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncflow.cli import main
+from asyncflow.errors import UserError
+from asyncflow.telemetry.report import busy_fractions, load_run, write_report
+
+
+def _run(path: Path, rate: float) -> Path:
+    path.mkdir(parents=True)
+    rows = [{"kind": "eval", "step": 0, "eval_accuracy": 0.2, "eval_reward": 0.2}]
+    for step in range(1, 5):
+        rows.append({"kind": "train", "step": step, "samples": 10 * step, "time_s": 10 * step / rate,
+                     "samples_per_s": rate, "reward_mean": 0.1 * step, "staleness_mean": 0.5})
+    rows.append({"kind": "eval", "step": 4, "eval_accuracy": 0.6, "eval_reward": 0.6})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = [{"uid": i, "status": "trained", "behavior_version": 0, "trained_version": i % 3} for i in range(6)]
+    samples.append({"uid": 9, "status": "dropped_stale", "behavior_version": 0, "trained_version": None})
+    (path / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    meta = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": n}}
+            for t, n in ((1, "trainer"), (2, "rollout/0"))]
+    spans = [
+        {"ph": "X", "name": "wait for batch", "pid": 1, "tid": 1, "ts": 0, "dur": 2e6},  # a wait: not busy
+        {"ph": "X", "name": "train step 1", "pid": 1, "tid": 1, "ts": 2e6, "dur": 3e6},
+        {"ph": "X", "name": "generating", "pid": 1, "tid": 2, "ts": 0, "dur": 6e6},
+        {"ph": "X", "name": "generating", "pid": 1, "tid": 2, "ts": 4e6, "dur": 6e6},  # overlaps: counted once
+    ]
+    (path / "trace.json").write_text(json.dumps({"traceEvents": meta + spans}))
+    return path
+
+
+def test_report_of_one_run_has_the_figures_and_busy_fractions(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path / "async", rate=4.0)
+    run = load_run(run_dir)
+    assert busy_fractions(run) == pytest.approx({"rollout/0": 1.0, "trainer": 0.3})  # wall = 10 s
+    assert dict(run.staleness) == {0: 2, 1: 2, 2: 2} and run.status["dropped_stale"] == 1
+    png, md = write_report([run_dir])
+    assert png == run_dir / "report.png" and png.stat().st_size > 20_000
+    text = md.read_text()
+    assert "| async | 4 | 40 | 10.0 | 4.00 | 0.200 -> 0.600 | 0.400 | 1.00 / 2 | 1 / 0 / 0 |" in text
+    assert "rollout/0 1.00, trainer 0.30" in text
+
+
+def test_several_runs_are_compared_in_one_picture(tmp_path: Path) -> None:
+    a, b = _run(tmp_path / "sync", rate=2.0), _run(tmp_path / "async", rate=3.0)
+    assert main(["report", str(a), str(b)]) == 0
+    text = (a / "summary.md").read_text()
+    assert "Throughput relative to sync: sync 1.00x, async 1.50x" in text
+    assert not (b / "report.png").exists()
+
+
+def test_bad_run_folders_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "not a run folder" in err and err.count("\n") == 1
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match="no train rows"):
+        write_report([tmp_path / "empty"])
