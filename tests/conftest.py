@@ -27,3 +27,11 @@ def arith_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from asyncflow.tasks.arith import prepare
 
     return prepare(tmp_path_factory.mktemp("arith") / "arith-quick", seed=0, sft_steps=30)
+
+
+@pytest.fixture(scope="session")
+def calc_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The calc task pack prepared with a short warm start (fast; tool use is not learned yet)."""
+    from asyncflow.tasks import calc
+
+    return calc.cached_prepare(tmp_path_factory.mktemp("calc-cache"), seed=0, sft_steps=30)

@@ -16,9 +16,9 @@ from asyncflow.tasks import TASK_NAMES, calc, get_task
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A prepared folder with a short warm start (the real one is too slow for a test)."""
-    return calc.cached_prepare(tmp_path_factory.mktemp("cache"), seed=0, sft_steps=30)
+def prepared(calc_dir: Path) -> Path:
+    """A prepared folder with a short warm start (the real one is too slow for a test; conftest)."""
+    return calc_dir
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:

@@ -224,11 +224,12 @@ def test_weight_modes_through_the_object_store_keep_versions_right(ray_session, 
 
 @pytest.mark.slow
 def test_short_training_run_on_ray(ray_session, arith_dir: Path, tmp_path: Path) -> None:
+    """Also the test of examples/arith_ray.yaml (its base config)."""
     from asyncflow.config import load_config
     from asyncflow.runner import train
 
-    cfg, _ = load_config(None, [
-        "runtime.kind=ray", f"model.path={arith_dir}", "train.max_steps=4", "train.batch_size=32", "rollout.n=4",
+    example = Path(__file__).resolve().parent.parent / "examples" / "arith_ray.yaml"
+    cfg, _ = load_config(example, [ f"model.path={arith_dir}", "train.max_steps=4", "train.batch_size=32", "rollout.n=4",
         "eval.every=2", "eval.size=40", "logging.progress=false", "workflow.weight_update=abort",
         "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5",
     ])

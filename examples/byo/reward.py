@@ -1,0 +1,10 @@
+"""A TRL-signature reward function: `score(prompts, completions, **columns) -> list[float | None]`.
+
+Every dataset column except the prompt arrives as a keyword list (here `solution`). Return one
+float per completion, or None for a completion that cannot be scored (kept out of the loss).
+"""
+
+
+def score(prompts: list[str], completions: list[str], solution: list[str], **kwargs: object) -> list[float | None]:
+    del prompts, kwargs
+    return [1.0 if c.strip() == s.strip() else 0.0 for c, s in zip(completions, solution, strict=True)]
