@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -252,7 +253,11 @@ class LoggingConfig:
     """Outputs besides the run folder's files."""
 
     progress: bool = _f(True, "Live progress display (plain lines when not a terminal).")
-    tensorboard: bool = _f(False, "Also write TensorBoard scalars.")
+    tensorboard: bool = _f(
+        False, "Also write every metric row as TensorBoard scalars to RUN_DIR/tensorboard (needs the tensorboard package)."
+    )
+    wandb: bool = _f(False, "Also log every metric row to Weights & Biases (needs the wandb package; WANDB_* env vars apply).")
+    wandb_project: str = _f("asyncflow", "W&B project name (logging.wandb).")
 
 
 @dataclass
@@ -508,8 +513,12 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError(f"reward.fn: {cfg.reward.fn!r} must be 'module:function'")
     _validate_algorithm(cfg, explicit)
     # Accepted keys whose feature is not built yet are refused, never silently ignored.
-    if cfg.logging.tensorboard:
-        raise UserError("logging.tensorboard: TensorBoard logging is not available in this version")
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("logging.tensorboard: the tensorboard package is not installed (pip install tensorboard)")
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError("logging.wandb: the wandb package is not installed (pip install wandb)")
+    if "logging.wandb_project" in explicit and not cfg.logging.wandb:
+        raise UserError("logging.wandb_project: not used while logging.wandb is false")
     if cfg.checkpoint.every > 0:
         raise UserError("checkpoint.every: periodic checkpoints are not available in this version (final/ is always written)")
     if cfg.runtime.address is not None and cfg.runtime.kind == "local":

@@ -213,7 +213,12 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
             with torch.no_grad():
                 return token_logprobs(ref_model, batch, cfg.rollout.temperature)[0]
 
-    log = RunLog(out)
+    from asyncflow.config import to_dict
+    from asyncflow.telemetry.runlog import make_sinks
+
+    log = RunLog(out, sinks=make_sinks(out, tensorboard=cfg.logging.tensorboard,
+                                       wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
+                                       config=to_dict(cfg)))
     clock = RealClock()
     tracer = Tracer(now=clock.now)
     env_factory = None

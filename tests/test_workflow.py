@@ -358,7 +358,9 @@ def test_kl_to_the_reference_comes_from_its_own_stage(
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "kl"
     _run(arith_dir, out, ["reward.fn=varied_rewards:score", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k1", "eval.every=0", "eval.size=16",
-                          "train.max_steps=3", "algorithm.overlong_buffer=2", "algorithm.advantage=rloo"])
+                          "train.max_steps=3", "algorithm.overlong_buffer=2", "algorithm.advantage=rloo",
+                          "logging.tensorboard=true"])
+    assert any((out / "tensorboard").iterdir())  # the run's metric rows also went to TensorBoard
     rows = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"]
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 trains the reference weights themselves
     assert any(abs(r["kl"]) > 0 for r in rows[1:])  # the policy has moved away from the reference

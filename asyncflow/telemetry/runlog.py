@@ -17,6 +17,73 @@ from pathlib import Path
 from typing import Any
 
 
+class MetricSink:
+    """Somewhere metric rows also go. A row's numeric values become scalars named `kind/key`
+    (`train/reward_mean`, `eval/eval_accuracy`), indexed by the row's `step`."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Flush and release."""
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The numeric values of a metric row (booleans and non-finite values left out), as `kind/key`."""
+    kind = row.get("kind", "metrics")
+    out = {}
+    for k, v in row.items():
+        if k in ("kind", "step") or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if v == v and v not in (float("inf"), float("-inf")):
+            out[f"{kind}/{k}"] = float(v)
+    return out
+
+
+class TensorBoardSink(MetricSink):
+    """`logging.tensorboard`: scalars in `RUN_DIR/tensorboard/` (`tensorboard --logdir RUN_DIR`)."""
+
+    def __init__(self, out: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = int(row.get("step", 0))
+        for name, value in scalars(row).items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink(MetricSink):
+    """`logging.wandb`: one W&B run per asyncflow run (project `logging.wandb_project`); the resolved
+    config is its config. Offline mode and API keys are W&B's own environment variables."""
+
+    def __init__(self, out: Path, project: str, config: dict[str, Any]) -> None:
+        import wandb
+
+        self.run = wandb.init(project=project, name=out.name, dir=str(out), config=config)
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.run.log(scalars(row), step=int(row.get("step", 0)) if row.get("kind") == "train" else None)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def make_sinks(out: Path, *, tensorboard: bool, wandb_project: str | None, config: dict[str, Any]) -> list[MetricSink]:
+    """The sinks a run's `logging` section asks for (their packages were checked at config load)."""
+    sinks: list[MetricSink] = []
+    if tensorboard:
+        sinks.append(TensorBoardSink(out))
+    if wandb_project is not None:
+        sinks.append(WandbSink(out, wandb_project, config))
+    return sinks
+
+
 class RunLog:
     """Appends metric and sample rows to the run folder.
 
@@ -24,9 +91,11 @@ class RunLog:
     end): each batch of rows is one `write` on an O_APPEND descriptor, so lines never interleave.
     """
 
-    def __init__(self, out: Path, *, metrics: bool = True) -> None:
+    def __init__(self, out: Path, *, metrics: bool = True, sinks: list[MetricSink] | None = None) -> None:
+        """`sinks`: more places every metric row also goes to (TensorBoard, W&B; see `make_sinks`)."""
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
+        self.sinks = list(sinks or [])
         self._metrics = (out / "metrics.jsonl").open("a") if metrics else None
         self._samples_fd: int | None = os.open(out / "samples.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
@@ -38,6 +107,8 @@ class RunLog:
         with self._lock:
             self._metrics.write(json.dumps(row) + "\n")
             self._metrics.flush()
+            for sink in self.sinks:
+                sink.write(row)
 
     def samples(self, rows: list[dict[str, Any]]) -> None:
         """Finished samples (`samples.jsonl`)."""
@@ -53,6 +124,9 @@ class RunLog:
 
     def close(self) -> None:
         with self._lock:
+            for sink in self.sinks:
+                sink.close()
+            self.sinks = []
             if self._metrics is not None:
                 self._metrics.close()
             if self._samples_fd is not None:

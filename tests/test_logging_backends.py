@@ -1,0 +1,65 @@
+"""TensorBoard and W&B sinks: every metric row's numbers arrive, indexed by step; missing packages refused."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncflow.config import load_config
+from asyncflow.errors import UserError
+from asyncflow.telemetry.runlog import RunLog, make_sinks, scalars
+
+
+def test_scalars_keep_numbers_only() -> None:
+    row = {"kind": "train", "step": 3, "loss": 0.5, "samples": 12, "mismatch_kl": None, "ok": True, "bad": float("nan")}
+    assert scalars(row) == {"train/loss": 0.5, "train/samples": 12.0}
+
+
+def test_tensorboard_sink_writes_every_train_and_eval_scalar(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = RunLog(tmp_path, sinks=make_sinks(tmp_path, tensorboard=True, wandb_project=None, config={}))
+    for step in (1, 2):
+        log.metric({"kind": "train", "step": step, "reward_mean": 0.25 * step})
+    log.metric({"kind": "eval", "step": 2, "eval_accuracy": 0.75})
+    log.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/reward_mean")] == [(1, 0.25), (2, 0.5)]
+    assert [(e.step, e.value) for e in acc.Scalars("eval/eval_accuracy")] == [(2, 0.75)]
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3  # the jsonl is unchanged
+
+
+def test_wandb_sink_logs_through_the_wandb_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, Any]] = []
+
+    class FakeRun:  # a test double of wandb's Run (wandb is not installed here)
+        def log(self, data: dict[str, float], step: int | None = None) -> None:
+            calls.append(("log", (data, step)))
+
+        def finish(self) -> None:
+            calls.append(("finish", None))
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw)) or FakeRun()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    log = RunLog(tmp_path, sinks=make_sinks(tmp_path, tensorboard=False, wandb_project="proj", config={"seed": 1}))
+    log.metric({"kind": "train", "step": 4, "loss": 1.5})
+    log.close()
+    assert calls[0][0] == "init" and calls[0][1]["project"] == "proj" and calls[0][1]["config"] == {"seed": 1}
+    assert calls[1] == ("log", ({"train/loss": 1.5}, 4)) and calls[2] == ("finish", None)
+
+
+def test_backends_whose_package_is_missing_are_refused_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard") else real(name, *a))
+    with pytest.raises(UserError, match="logging.wandb: the wandb package is not installed"):
+        load_config(None, ["logging.wandb=true"])
+    with pytest.raises(UserError, match="logging.tensorboard: the tensorboard package is not installed"):
+        load_config(None, ["logging.tensorboard=true"])
