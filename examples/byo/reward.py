@@ -1,7 +1,8 @@
 """A TRL-signature reward function: `score(prompts, completions, **columns) -> list[float | None]`.
 
-Every dataset column except the prompt arrives as a keyword list (here `solution`). Return one
-float per completion, or None for a completion that cannot be scored (kept out of the loss).
+Every dataset column except the prompt arrives as a keyword list (here `solution`), plus
+`completion_ids`. Return one finite number per completion; a call that raises or returns anything
+else marks its group's samples as `reward_error` (kept out of the loss, logged in samples.jsonl).
 """
 
 
