@@ -1,4 +1,4 @@
-"""The `asyncflow` command: demo, train, prepare, bench, report.
+"""The `asyncflow` command: demo, train, prepare, bench, report, serve.
 
 Arguments and configs are validated before torch, transformers or ray are imported, so bad input
 costs milliseconds and ends with one line naming the key, file or argument, and exit code 2.
@@ -49,6 +49,15 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (e2e)")
     report = sub.add_parser("report", help="draw report.png and summary.md for one or more run folders")
     report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run folders (the first gets the files)")
+
+    serve = sub.add_parser("serve", help="serve a model folder over an OpenAI-compatible HTTP API")
+    serve.add_argument("model_dir", type=Path, help="Hugging Face model folder (config, safetensors, tokenizer)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--served-model-name", default=None, help="model name in replies (default: the folder's name)")
+    serve.add_argument("--token", default=None,
+                       help="require 'Authorization: Bearer TOKEN' on every request (required off loopback)")
+    serve.add_argument("--max-batch", type=int, default=256, help="most sequences decoded at once (default 256)")
     return p
 
 
@@ -101,7 +110,28 @@ def _dispatch(args: argparse.Namespace) -> int:
         png, md = write_report(args.runs)
         print(f"wrote {png} and {md}")
         return 0
+    if args.command == "serve":
+        return _serve(args)
     raise UserError(f"unknown command {args.command!r}")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from asyncflow.serve import is_loopback, run_server
+
+    if not (args.model_dir / "config.json").is_file():
+        raise UserError(f"serve: {args.model_dir} is not a Hugging Face model folder (no config.json)")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"serve: --port {args.port} is not a port number (0-65535)")
+    if args.max_batch < 1:
+        raise UserError(f"serve: --max-batch {args.max_batch} must be at least 1")
+    if args.token is not None and not args.token.strip():
+        raise UserError("serve: --token is empty")
+    if not is_loopback(args.host) and args.token is None:
+        raise UserError(f"serve: --host {args.host} is not loopback; a --token is required to serve beyond this machine")
+    name = args.served_model_name or args.model_dir.resolve().name
+    run_server(args.model_dir, host=args.host, port=args.port, model_name=name, token=args.token,
+               max_batch=args.max_batch, log=lambda line: print(line, flush=True))
+    return 0
 
 
 if __name__ == "__main__":

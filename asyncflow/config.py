@@ -60,7 +60,11 @@ class RewardConfig:
 class RolloutConfig:
     """Generation."""
 
-    engine: Literal["hf"] = _f("hf", "Inference engine adapter: hf (transformers with continuous batching).")
+    engine: Literal["hf", "openai"] = _f(
+        "hf",
+        "Inference engine adapter: hf (transformers with continuous batching, in this process) or openai (an "
+        "OpenAI-compatible server per rollout.server_urls entry: asyncflow serve, vLLM or SGLang; docs/engines.md).",
+    )
     workers: int = _f(1, "Number of rollout workers (one engine each).", lo=1)
     n: int = _f(8, "Samples per prompt (a GRPO group). Each is its own request (prompt replication).", lo=1)
     max_new_tokens: int = _f(16, "Longest response, in tokens.", lo=1)
@@ -102,6 +106,30 @@ class RolloutConfig:
         "episode runs on its own (environment-level asynchrony). For measuring what the asynchrony buys.",
     )
     env_timeout_s: float = _f(60.0, "Longest one environment call may take; a hung env ends its episode with an error.", lo=0.001)
+    server_urls: list[str] | None = _f(
+        None,
+        "rollout.engine=openai: base URLs of the servers (e.g. http://127.0.0.1:8000), one rollout worker each. "
+        "They must serve model.path's weights; the trainer loads its initial weights into them as version 0.",
+    )
+    server_type: Literal["asyncflow", "vllm", "sglang"] = _f(
+        "asyncflow",
+        "rollout.engine=openai: how weights reach the servers. asyncflow: POST /admin/load_weights (tested here); "
+        "vllm: /pause, /collective_rpc reload_weights, /resume (dev mode; rollout.sync_dir must be the folder vLLM "
+        "serves); sglang: /update_weights_from_disk. vllm and sglang are written to their documented APIs and only "
+        "unit-tested here.",
+    )
+    server_model: str | None = _f(None, "rollout.engine=openai: model name sent with requests. null: the first one the server lists.")
+    server_token_env: str = _f(
+        "ASYNCFLOW_SERVER_TOKEN",
+        "rollout.engine=openai: environment variable holding the servers' bearer token (unset: none is sent). "
+        "The token itself never goes into config.yaml.",
+    )
+    sync_dir: str | None = _f(
+        None,
+        "rollout.engine=openai: folder the trainer writes each weight version to for the servers to load (a file "
+        "system they share). null: RUN_DIR/weight_sync.",
+    )
+    sync_timeout_s: float = _f(600.0, "rollout.engine=openai: longest one weight load or other admin call to a server may take.", lo=0.001)
 
 
 @dataclass
@@ -452,6 +480,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         shown = ", ".join(repr(c) for c in choices)
         hint = _closest(str(value), [str(c) for c in choices]) if isinstance(value, str) else ""
         raise UserError(f"{key}: {value!r} is not one of {shown}{hint}")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise UserError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -482,6 +515,8 @@ def _type_name(tp: Any) -> str:
         return " / ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -512,6 +547,7 @@ def validate(cfg: Config, explicit: set[str]) -> None:
     if cfg.reward.fn is not None and ":" not in cfg.reward.fn:
         raise UserError(f"reward.fn: {cfg.reward.fn!r} must be 'module:function'")
     _validate_algorithm(cfg, explicit)
+    _validate_servers(cfg, explicit)
     # Accepted keys whose feature is not built yet are refused, never silently ignored.
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("logging.tensorboard: the tensorboard package is not installed (pip install tensorboard)")
@@ -526,6 +562,33 @@ def validate(cfg: Config, explicit: set[str]) -> None:
 
 
 ENV_NAMES = ("calculator", "guess_number")
+_SERVER_KEYS = ("server_urls", "server_type", "server_model", "server_token_env", "sync_dir", "sync_timeout_s")
+
+
+def _validate_servers(cfg: Config, explicit: set[str]) -> None:
+    """rollout.engine=openai needs its servers; its keys are refused with any other engine."""
+    ro = cfg.rollout
+    if ro.engine != "openai":
+        for key in _SERVER_KEYS:
+            if f"rollout.{key}" in explicit:
+                raise UserError(f"rollout.{key}: only used with rollout.engine=openai (engine is {ro.engine})")
+        return
+    if not ro.server_urls:
+        raise UserError("rollout.server_urls: rollout.engine=openai needs at least one server URL (e.g. http://127.0.0.1:8000)")
+    for url in ro.server_urls:
+        if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
+            raise UserError(f"rollout.server_urls: {url!r} is not an http:// or https:// URL")
+    if len(set(u.rstrip("/") for u in ro.server_urls)) != len(ro.server_urls):
+        raise UserError("rollout.server_urls: a server is listed twice")
+    if "rollout.workers" in explicit and ro.workers != len(ro.server_urls):
+        raise UserError(f"rollout.workers: {ro.workers} contradicts rollout.server_urls ({len(ro.server_urls)} servers, "
+                        "one rollout worker each); remove rollout.workers")
+    ro.workers = len(ro.server_urls)  # resolved: one rollout worker per server
+    if cfg.runtime.kind != "local":
+        raise UserError("rollout.engine: openai is only wired for runtime.kind=local (the servers are the parallel part)")
+    if ro.server_type == "vllm" and ro.sync_dir is None:
+        raise UserError("rollout.sync_dir: required with rollout.server_type=vllm (the folder the vLLM server was "
+                        "started from; vLLM reloads its weights in place)")
 
 # algorithm.* keys each loss reads; a key set explicitly for a loss that does not read it is refused
 _LOSS_KEYS: dict[str, tuple[str, ...]] = {

@@ -166,11 +166,18 @@ async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
             max_grad_norm=cfg.train.max_grad_norm,
             dtype=dtype,
         )
-        engines = [
-            HFEngine(inputs.model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                     max_batch=cfg.rollout.max_batch, dtype=dtype, seed=cfg.seed + i, name=f"rollout-{i}")
-            for i in range(cfg.rollout.workers)
-        ]
+        if cfg.rollout.engine == "openai":
+            from asyncflow.engines.openai_engine import connect_all, make_openai_engines
+
+            remote = make_openai_engines(cfg.rollout, inputs.model_dir, out)
+            await connect_all(remote, trainer.export_weights())
+            engines = list(remote)
+        else:
+            engines = [
+                HFEngine(inputs.model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         max_batch=cfg.rollout.max_batch, dtype=dtype, seed=cfg.seed + i, name=f"rollout-{i}")
+                for i in range(cfg.rollout.workers)
+            ]
     try:
         return await _run(cfg, out, progress, inputs, reward_fn, hf_tok, tok, trainer, engines, workers)
     finally:

@@ -1,0 +1,146 @@
+"""`rollout.engine: openai`: generation on an OpenAI-compatible server (asyncflow serve, vLLM, SGLang).
+
+Each request is one `POST /v1/completions` whose prompt is the sample's token ids, so the server
+never re-tokenizes text and the ids the trainer sees are exactly the ids that were sampled. The reply
+must carry the generated ids (`choices[0].token_ids`, or vLLM's `token_id:N` tokens) and their
+log-probs (`logprobs.token_logprobs`). Continuous batching is the server's job: this engine keeps up
+to `capacity` requests in flight at once, each on its own connection, with a deadline on every call.
+
+Versions: `asyncflow serve` reports the weight version of every token (`token_versions`); other
+servers do not, so every token gets the version the server held when the request was sent — the
+oldest it can be, which is what staleness counts. Weights go out through `weight_sync.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
+from asyncflow.engines.http_client import HTTPError, request_json
+from asyncflow.engines.weight_sync import WeightFolderWriter, WeightSync, make_weight_sync
+from asyncflow.errors import UserError, WaitTimeout
+
+
+class OpenAIEngine(InferenceEngine):
+    """One OpenAI-compatible server as an `InferenceEngine`."""
+
+    def __init__(self, base_url: str, *, sync: WeightSync, writer: WeightFolderWriter, server_type: str,
+                 model: str | None = None, token: str | None = None, max_batch: int = 256,
+                 request_timeout_s: float = 600.0, sync_timeout_s: float = 600.0, version: int = 0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.sync = sync
+        self.writer = writer
+        self.server_type = server_type
+        self.model = model
+        self.token = token
+        self.max_batch = max_batch
+        self.request_timeout_s = request_timeout_s
+        self.sync_timeout_s = sync_timeout_s
+        self.version = version
+        self._in_flight: dict[int, int] = {}  # uid -> server version when sent
+        self._cancel_floor = 0  # replies whose oldest token is older than this end as cancelled
+
+    @property
+    def capacity(self) -> int:
+        return self.max_batch
+
+    async def connect(self, initial_state: dict[str, torch.Tensor] | None) -> None:
+        """Check the server answers (and learn its model name when none is configured); with
+        `initial_state`, load it as version 0 so the server starts from the trainer's weights."""
+        try:
+            models = await request_json("GET", f"{self.base_url}/v1/models", token=self.token,
+                                        timeout=self.sync_timeout_s)
+        except (HTTPError, OSError, WaitTimeout) as exc:
+            raise UserError(f"rollout.server_urls: {self.base_url} is not an OpenAI-compatible server "
+                               f"that answers: {exc}") from None
+        if self.model is None:
+            data = models.get("data") if isinstance(models, dict) else None
+            if not data:
+                raise UserError(f"rollout.server_urls: {self.base_url}/v1/models lists no model")
+            self.model = str(data[0]["id"])
+        if initial_state is not None:
+            await self.load_weights(initial_state, 0, "drain")
+
+    async def generate(self, request: GenRequest) -> GenResult:
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": list(request.prompt_ids), "max_tokens": request.max_new_tokens,
+            "temperature": request.temperature, "top_p": request.top_p, "n": 1, "logprobs": 0,
+        }
+        if request.top_k > 0:
+            body["top_k"] = request.top_k
+        if self.server_type == "vllm":  # vLLM's documented extras: generated ids in the reply
+            body.update(return_token_ids=True, return_tokens_as_token_ids=True)
+        sent_version = self.version
+        self._in_flight[request.uid] = sent_version
+        try:
+            reply = await request_json("POST", f"{self.base_url}/v1/completions", body, token=self.token,
+                                       timeout=self.request_timeout_s)
+        finally:
+            self._in_flight.pop(request.uid, None)
+        ids, logprobs, versions, reason = parse_choice(reply, sent_version, self.base_url)
+        if versions and versions[0] < self._cancel_floor:
+            reason = "cancelled"
+        return GenResult(request.uid, ids, logprobs, versions, reason)  # type: ignore[arg-type]
+
+    async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
+        start = time.monotonic()
+        folder = await self.writer.folder_for(state, version)
+        await self.sync.load(self.base_url, folder, version, mode, token=self.token, timeout=self.sync_timeout_s)
+        self.version = version
+        return time.monotonic() - start
+
+    def cancel_older_than(self, min_version: int) -> int:
+        """A request cannot be stopped mid-flight over plain HTTP: replies whose oldest token is older
+        than `min_version` are returned as cancelled when they arrive (what the workflow needs to
+        drop them); the server still finishes them."""
+        self._cancel_floor = max(self._cancel_floor, min_version)
+        return sum(1 for v in self._in_flight.values() if v < min_version)
+
+    def load(self) -> int:
+        return len(self._in_flight)
+
+
+def parse_choice(reply: Any, sent_version: int, where: str) -> tuple[list[int], list[float], list[int], str]:
+    """(token ids, behavior log-probs, per-token versions, finish reason) of a completion reply."""
+    try:
+        choice = reply["choices"][0]
+        logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise HTTPError(200, f"{where}/v1/completions: no choices[0].logprobs.token_logprobs in the reply") from None
+    ids = choice.get("token_ids")
+    if ids is None:  # vLLM with return_tokens_as_token_ids: tokens are 'token_id:N'
+        tokens = choice["logprobs"].get("tokens") or []
+        if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+            ids = [int(t.split(":", 1)[1]) for t in tokens]
+    if ids is None or len(ids) != len(logprobs):
+        raise HTTPError(200, f"{where}/v1/completions: the reply has no generated token ids matching its "
+                             "log-probs (asyncflow needs exact ids; see docs/engines.md for each server's flags)")
+    versions = choice.get("token_versions") or [sent_version] * len(ids)
+    finish = choice.get("finish_reason")
+    reason = finish if finish in ("stop", "length") else "cancelled"
+    return [int(t) for t in ids], logprobs, [int(v) for v in versions], reason
+
+
+def make_openai_engines(rollout: Any, model_dir: Path, run_dir: Path) -> list[OpenAIEngine]:
+    """One engine per `rollout.server_urls` entry, sharing one weight-folder writer."""
+    sync = make_weight_sync(rollout.server_type)
+    root = Path(rollout.sync_dir) if rollout.sync_dir is not None else run_dir / "weight_sync"
+    writer = WeightFolderWriter(root, model_dir, in_place=sync.in_place)
+    token = os.environ.get(rollout.server_token_env) or None
+    return [
+        OpenAIEngine(url, sync=sync, writer=writer, server_type=rollout.server_type, model=rollout.server_model,
+                     token=token, max_batch=rollout.max_batch, request_timeout_s=rollout.request_timeout_s,
+                     sync_timeout_s=rollout.sync_timeout_s)
+        for url in rollout.server_urls
+    ]
+
+
+async def connect_all(engines: list[OpenAIEngine], initial_state: dict[str, torch.Tensor]) -> None:
+    """Connect every engine, loading the trainer's initial weights into each server as version 0."""
+    await asyncio.gather(*(e.connect(initial_state) for e in engines))

@@ -1,0 +1,449 @@
+"""`asyncflow serve`: an OpenAI-compatible HTTP server over the continuous-batching `HFEngine`.
+
+    HTTP threads (one per connection)                     decode thread (HFEngine)
+    auth ─► validate ─► pause gate ─► engine.submit() ──► waiting ─► running batch ─► futures
+                            ▲                                 ▲                         │
+    /admin/pause, /resume ──┘    /admin/load_weights ─────────┘ (request_weights)       ▼
+                                                                          JSON reply per request
+
+Every HTTP request is its own thread that submits its `n` generation requests to the one engine and
+waits for their futures, so concurrent HTTP requests share decode steps (continuous batching):
+requests join and leave the running batch between steps. Replies carry what RL needs besides the
+text: `token_ids` (EOS included when generation ended on it), `logprobs.token_logprobs` (the behavior
+log-probs the engine sampled with) and `token_versions` (the weight version of each token).
+
+Why the standard library's threading server and not an ASGI stack: nothing beyond the core
+dependencies is needed, and the work per request is waiting on a future while the decode thread
+computes, which threads do well.
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.server
+import ipaddress
+import json
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch stays unimported until a server starts: the CLI validates arguments first
+    from asyncflow.engines.base import GenResult
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_N = 128
+
+
+class RequestError(Exception):
+    """A request the server refuses: answered with `status` and an OpenAI-style error object."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class OpenAIServer:
+    """The routes of `asyncflow serve`, independent of the HTTP transport (so tests can call
+    `handle` directly and the transport stays a thin shell)."""
+
+    def __init__(self, engine: Any, tokenizer: Any, model_name: str, *, token: str | None = None,
+                 request_timeout_s: float = 600.0, max_context: int | None = None) -> None:
+        self.engine = engine
+        self.tok = tokenizer
+        self.model_name = model_name
+        self.token = token
+        self.request_timeout_s = request_timeout_s
+        self.max_context = max_context
+        self.vocab_size = int(engine.model.get_input_embeddings().weight.shape[0])
+        self._gate = threading.Condition()
+        self._paused = False
+        self._uid = 0
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ dispatch
+
+    def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
+        """Answer one HTTP request: (status, JSON object). Never raises."""
+        try:
+            self._check_auth(headers)
+            route = path.split("?", 1)[0].rstrip("/") or "/"
+            if method == "GET":
+                getters: dict[str, Callable[[], dict[str, Any]]] = {
+                    "/v1/models": self._models, "/admin/version": self._version, "/admin/stats": self._stats,
+                    "/health": lambda: {"status": "ok"},
+                }
+                if route in getters:
+                    return 200, getters[route]()
+            elif method == "POST":
+                posts: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+                    "/v1/completions": self._completions, "/v1/chat/completions": self._chat,
+                    "/admin/load_weights": self._load_weights, "/admin/pause": self._pause,
+                    "/admin/resume": self._resume,
+                }
+                if route in posts:
+                    return 200, posts[route](_parse_body(body))
+            raise RequestError(f"no route {method} {route}", status=404, kind="not_found_error")
+        except RequestError as exc:
+            return exc.status, {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": None}}
+        except Exception as exc:  # a bug or a dead engine: logged here, one line to the client
+            traceback.print_exc(file=sys.stderr)
+            return 500, {"error": {"message": f"internal error: {exc!r}", "type": "server_error", "param": None,
+                                   "code": None}}
+
+    def _check_auth(self, headers: Mapping[str, str]) -> None:
+        if self.token is None:
+            return
+        given = headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            raise RequestError("missing or wrong token: send 'Authorization: Bearer TOKEN'", status=401,
+                               kind="authentication_error")
+
+    # ------------------------------------------------------------------ OpenAI routes
+
+    def _models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "asyncflow"}]}
+
+    def _completions(self, req: dict[str, Any]) -> dict[str, Any]:
+        prompts = self._prompts(req.get("prompt"))
+        params = _sampling(req, {**_UNSUPPORTED, "suffix": None, "echo": False})
+        results = self._run(prompts, params)
+        choices = []
+        for i, (prompt_index, res) in enumerate(results):
+            choices.append({"index": i, "text": self._text(res.response_ids), **_rl_fields(res),
+                            "prompt_index": prompt_index})
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": _usage(prompts, params["n"], results)}
+
+    def _chat(self, req: dict[str, Any]) -> dict[str, Any]:
+        messages = req.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages")
+        if getattr(self.tok, "chat_template", None) is None:
+            raise RequestError(f"model {self.model_name!r} has no chat template (its tokenizer defines none); "
+                               "use /v1/completions with a text or token-id prompt", param="messages")
+        try:
+            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:
+            raise RequestError(f"messages: the chat template failed: {exc}", param="messages") from None
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        prompt = [int(t) for t in ids]
+        if "max_completion_tokens" in req and "max_tokens" not in req:
+            req = {**req, "max_tokens": req["max_completion_tokens"]}
+        params = _sampling(req, _UNSUPPORTED)
+        results = self._run([prompt], params)
+        choices = [{"index": i, "message": {"role": "assistant", "content": self._text(res.response_ids)},
+                    **_rl_fields(res)} for i, (_, res) in enumerate(results)]
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": _usage([prompt], params["n"], results)}
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        """Token ids of each prompt: text (tokenized as it is), a token-id list, or a list of either."""
+        if isinstance(prompt, str) or _is_ids(prompt):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise RequestError("prompt: expected text, a list of token ids, or a non-empty list of those",
+                               param="prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                ids = [int(t) for t in self.tok(p)["input_ids"]]
+            elif _is_ids(p):
+                ids = [int(t) for t in p]
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise RequestError(f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                                       param="prompt")
+            else:
+                raise RequestError("prompt: expected text, a list of token ids, or a list of those", param="prompt")
+            if not ids:
+                raise RequestError("prompt: empty after tokenization", param="prompt")
+            out.append(ids)
+        return out
+
+    def _run(self, prompts: list[list[int]], params: dict[str, Any]) -> list[tuple[int, GenResult]]:
+        """Submit n requests per prompt (once not paused) and wait for all of them."""
+        from asyncflow.engines.base import GenRequest
+
+        deadline = time.monotonic() + self.request_timeout_s
+        for ids in prompts:
+            if self.max_context is not None and len(ids) + params["max_tokens"] > self.max_context:
+                raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params['max_tokens']}) exceeds the "
+                                   f"model's context of {self.max_context} tokens", param="max_tokens")
+        self._wait_unpaused(deadline)
+        futures = []
+        for index, ids in enumerate(prompts):
+            for _ in range(params["n"]):
+                with self._gate:
+                    self._uid += 1
+                    uid = self._uid
+                req = GenRequest(uid, ids, params["max_tokens"], params["temperature"], params["top_p"], params["top_k"])
+                futures.append((index, self.engine.submit(req)))
+        results = []
+        for index, fut in futures:
+            try:
+                results.append((index, fut.result(timeout=max(0.0, deadline - time.monotonic()))))
+            except TimeoutError:
+                raise RequestError(f"generation timed out after {self.request_timeout_s:g} s", status=504,
+                                   kind="timeout") from None
+        return results
+
+    def _wait_unpaused(self, deadline: float) -> None:
+        with self._gate:
+            while self._paused:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RequestError(f"server paused for longer than {self.request_timeout_s:g} s", status=503,
+                                       kind="server_paused")
+                self._gate.wait(timeout=left)
+
+    def _text(self, ids: list[int]) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=True))
+
+    # ------------------------------------------------------------------ admin routes
+
+    def _load_weights(self, req: dict[str, Any]) -> dict[str, Any]:
+        path, version, mode = req.get("path"), req.get("version"), req.get("mode", "swap")
+        if not isinstance(path, str) or not path:
+            raise RequestError("path: expected the folder holding the new *.safetensors weights", param="path")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise RequestError("version: expected an integer >= 0", param="version")
+        if mode not in ("drain", "swap", "abort"):
+            raise RequestError(f"mode: {mode!r} is not one of drain, swap, abort", param="mode")
+        state = read_weights(Path(path), self.engine.model)
+        seconds = self.engine.request_weights(state, version, mode).result(timeout=self.request_timeout_s)
+        return {"version": self.engine.version, "seconds": seconds}
+
+    def _pause(self, req: dict[str, Any]) -> dict[str, Any]:
+        with self._gate:
+            self._paused = True
+        return {"paused": True}
+
+    def _resume(self, req: dict[str, Any]) -> dict[str, Any]:
+        with self._gate:
+            self._paused = False
+            self._gate.notify_all()
+        return {"paused": False}
+
+    def _version(self) -> dict[str, Any]:
+        return {"version": self.engine.version, "model": self.model_name, "paused": self._paused}
+
+    def _stats(self) -> dict[str, Any]:
+        return {"version": self.engine.version, "in_flight": self.engine.load(), **self.engine.stats()}
+
+
+def read_weights(folder: Path, model: Any) -> dict[str, Any]:
+    """The `*.safetensors` tensors of `folder` as a full state dict of `model` (a weight tied to a
+    loaded one may be absent, as `save_pretrained` writes it); any other mismatch is a 400."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        raise RequestError(f"path: {folder} holds no *.safetensors files", param="path")
+    loaded: dict[str, Any] = {}
+    for f in files:
+        loaded.update(load_file(str(f)))
+    own = model.state_dict()
+    unknown = sorted(set(loaded) - set(own))
+    if unknown:
+        raise RequestError(f"path: {folder} has weights this model does not: {', '.join(unknown[:3])}", param="path")
+    by_storage: dict[int, list[str]] = {}
+    for k, v in own.items():
+        by_storage.setdefault(v.data_ptr(), []).append(k)
+    state = {}
+    for k, v in own.items():
+        src = next((t for t in by_storage[v.data_ptr()] if t in loaded), None)
+        if src is None:
+            raise RequestError(f"path: {folder} lacks weight {k}", param="path")
+        if tuple(loaded[src].shape) != tuple(v.shape):
+            raise RequestError(f"path: weight {src} has shape {tuple(loaded[src].shape)}, the model {tuple(v.shape)}",
+                               param="path")
+        state[k] = loaded[src].to(v.dtype)
+    return state
+
+
+def _parse_body(body: bytes) -> dict[str, Any]:
+    try:
+        req = json.loads(body) if body else {}
+    except ValueError:
+        raise RequestError("the request body is not valid JSON") from None
+    if not isinstance(req, dict):
+        raise RequestError("the request body must be a JSON object")
+    return req
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _number(req: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    value = req.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise RequestError(f"{key}: expected a number in [{lo:g}, {hi:g}], got {value!r}", param=key)
+    return float(value)
+
+
+def _integer(req: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    value = req.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise RequestError(f"{key}: expected an integer in [{lo}, {hi}], got {value!r}", param=key)
+    return value
+
+
+_UNSUPPORTED: dict[str, Any] = {"stream": False, "stop": None, "seed": None, "best_of": 1, "presence_penalty": 0,
+                                "frequency_penalty": 0, "logit_bias": None, "tools": None, "response_format": None}
+
+
+def _sampling(req: dict[str, Any], unsupported: dict[str, Any]) -> dict[str, Any]:
+    """Sampling parameters of a request; options this server cannot honour are refused, not ignored
+    (`unsupported` maps each refused key to its neutral value, which is accepted)."""
+    for key, neutral in unsupported.items():
+        value = req.get(key)
+        if value is not None and value != neutral and value not in ([], {}, ""):
+            why = "per-request seeds are not supported (one seeded generator samples every request)" if key == "seed" \
+                else "is not supported by asyncflow serve"
+            raise RequestError(f"{key}: {why}", param=key)
+    logprobs = req.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, (bool, int)):
+        raise RequestError("logprobs: expected an integer or a boolean (token_logprobs are always returned)",
+                           param="logprobs")
+    top_k = _integer(req, "top_k", 0, -1, 1 << 30)
+    return {
+        "max_tokens": _integer(req, "max_tokens", 16, 1, 1 << 20),
+        "temperature": _number(req, "temperature", 1.0, 0.0, 100.0),
+        "top_p": _number(req, "top_p", 1.0, 1e-9, 1.0),
+        "top_k": max(top_k, 0),
+        "n": _integer(req, "n", 1, 1, MAX_N),
+    }
+
+
+def _rl_fields(res: GenResult) -> dict[str, Any]:
+    reason = {"stop": "stop", "length": "length"}.get(res.finish_reason, "abort")
+    return {"token_ids": list(res.response_ids), "logprobs": {"token_logprobs": list(res.behavior_logprobs)},
+            "token_versions": list(res.token_versions), "finish_reason": reason}
+
+
+def _usage(prompts: list[list[int]], n: int, results: list[tuple[int, GenResult]]) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts) * n
+    completion = sum(len(r.response_ids) for _, r in results)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+# ---------------------------------------------------------------------- HTTP transport
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _HTTPServer
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self._answer("GET")
+
+    def do_POST(self) -> None:
+        self._answer("POST")
+
+    def _answer(self, method: str) -> None:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        if not 0 <= length <= MAX_BODY_BYTES:
+            status, reply = 400, {"error": {"message": "bad or too large Content-Length", "type": "invalid_request_error",
+                                            "param": None, "code": None}}
+        else:
+            body = self.rfile.read(length) if length else b""
+            status, reply = self.server.app.handle(method, self.path, headers, body)
+        data = json.dumps(reply).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.close_connection = True
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass  # one line per request would drown the useful output
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # many clients connect at once; the default backlog of 5 would drop them
+
+    def __init__(self, address: tuple[str, int], app: OpenAIServer) -> None:
+        self.app = app
+        super().__init__(address, _Handler)
+
+
+def start_http(app: OpenAIServer, host: str, port: int) -> tuple[http.server.ThreadingHTTPServer, threading.Thread]:
+    """Bind `host:port` (0: a free port; read it from `server.server_address`) and serve in a thread."""
+    server = _HTTPServer((host, port), app)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                              name="asyncflow-serve-http", daemon=True)
+    thread.start()
+    return server, thread
+
+
+def make_app(model_dir: Path, *, model_name: str, token: str | None, max_batch: int,
+             seed: int = 0) -> OpenAIServer:
+    """Load the model folder's tokenizer and weights into an `HFEngine` behind the routes."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from asyncflow.engines.hf import HFEngine
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    if tok.eos_token_id is None:
+        raise RuntimeError(f"the tokenizer in {model_dir} has no EOS token; generation could never stop")
+    torch.manual_seed(seed)
+    engine = HFEngine(model_dir, eos_token_id=int(tok.eos_token_id),
+                      pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
+                      max_batch=max_batch, seed=seed, name="serve")
+    ctx = getattr(engine.model.config, "max_position_embeddings", None)
+    return OpenAIServer(engine, tok, model_name, token=token, max_context=ctx)
+
+
+def run_server(model_dir: Path, *, host: str, port: int, model_name: str, token: str | None, max_batch: int,
+               log: Callable[[str], None] = print) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM); prints one line with the address once listening."""
+    app = make_app(model_dir, model_name=model_name, token=token, max_batch=max_batch)
+    server, thread = start_http(app, host, port)
+    bound_port = int(server.server_address[1])
+    log(f"asyncflow serve: model {model_name!r} from {model_dir} listening on http://{host}:{bound_port}"
+        + (" (token required)" if token else ""))
+
+    def _terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        while thread.is_alive():
+            thread.join(timeout=1.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+        app.engine.shutdown()

@@ -1,0 +1,282 @@
+"""`asyncflow serve` (real HTTP on a free loopback port, tiny model) and the openai engine against it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncflow.engines.base import GenRequest
+from asyncflow.serve import make_app, start_http
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def serve_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random arith-shaped model folder (char tokenizer, 2-layer Qwen2): built in a second."""
+    from asyncflow.tasks.arith import make_model, make_tokenizer
+
+    out = tmp_path_factory.mktemp("serve") / "tiny-arith"
+    tok = make_tokenizer()
+    make_model(tok, seed=0, hidden=64).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
+class Server:
+    """An in-process `asyncflow serve` on a free loopback port."""
+
+    def __init__(self, model_dir: Path, token: str | None = None, max_batch: int = 64) -> None:
+        self.app = make_app(model_dir, model_name="tiny", token=token, max_batch=max_batch)
+        self.http, self.thread = start_http(self.app, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.app.engine.shutdown()
+
+
+@pytest.fixture()
+def server(serve_dir: Path) -> Iterator[Server]:
+    s = Server(serve_dir)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def call(url: str, body: Any = None, token: str | None = None, method: str | None = None) -> tuple[int, Any]:
+    """(status, JSON reply) of one HTTP request (POST with a body, GET without)."""
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method or ("GET" if data is None else "POST"))
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def full_forward_logprobs(model: Any, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    return [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(response)]
+
+
+def test_completions_with_text_and_token_id_prompts_match_a_full_forward_pass(server: Server, serve_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(serve_dir)).eval()
+    tok = AutoTokenizer.from_pretrained(str(serve_dir))
+    text_ids = list(tok("12+5=")["input_ids"])
+    status, models = call(f"{server.url}/v1/models")
+    assert status == 200 and models["data"][0]["id"] == "tiny"
+    for prompt, ids in (("12+5=", text_ids), ([7, 8, 9, 10], [7, 8, 9, 10])):
+        status, reply = call(f"{server.url}/v1/completions",
+                             {"model": "any-name", "prompt": prompt, "max_tokens": 8, "temperature": 0.7, "n": 3})
+        assert status == 200, reply
+        assert len(reply["choices"]) == 3
+        for choice in reply["choices"]:
+            out, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+            assert 1 <= len(out) <= 8 and len(lps) == len(out)
+            assert choice["finish_reason"] == ("stop" if out[-1] == tok.eos_token_id else "length")
+            assert choice["token_versions"] == [0] * len(out)
+            ref = full_forward_logprobs(model, ids, out, 0.7)
+            assert max(abs(a - b) for a, b in zip(ref, lps, strict=True)) < 1e-4
+        assert reply["usage"]["prompt_tokens"] == 3 * len(ids)
+    # greedy: the first token is the argmax of a full forward pass
+    status, reply = call(f"{server.url}/v1/completions", {"prompt": text_ids, "max_tokens": 3, "temperature": 0})
+    with torch.no_grad():
+        first = int(model(torch.tensor([text_ids])).logits[0, -1].argmax())
+    assert status == 200 and reply["choices"][0]["token_ids"][0] == first
+
+
+def test_chat_completions_apply_the_chat_template_or_refuse_without_one(server: Server) -> None:
+    status, reply = call(f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "1+1="}]})
+    assert status == 400 and "chat template" in reply["error"]["message"]
+    tok = server.app.tok
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        status, reply = call(f"{server.url}/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 4, "temperature": 0})
+    finally:
+        tok.chat_template = None
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert 1 <= len(choice["token_ids"]) <= 4 and len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
+    assert reply["usage"]["prompt_tokens"] == len(tok("1+1=")["input_ids"])
+
+
+def test_concurrent_requests_are_batched_not_served_one_by_one(server: Server) -> None:
+    call(f"{server.url}/admin/pause", {})
+    before = call(f"{server.url}/admin/stats")[1]
+    bodies = [{"prompt": [5 + i % 20, 6, 7], "max_tokens": 12, "temperature": 1.0} for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(call, f"{server.url}/v1/completions", b) for b in bodies]
+        call(f"{server.url}/admin/resume", {})  # all 16 are released together into the running batch
+        results = [f.result(timeout=120) for f in futures]
+    assert all(status == 200 for status, _ in results)
+    after = call(f"{server.url}/admin/stats")[1]
+    steps = after["decode_steps"] - before["decode_steps"]
+    rows = after["decode_rows"] - before["decode_rows"]
+    # one by one, every decode step would carry exactly one row
+    assert steps > 0 and rows / steps > 1.0
+
+
+def test_pause_holds_new_requests_until_resume(server: Server) -> None:
+    assert call(f"{server.url}/admin/pause", {})[1] == {"paused": True}
+    assert call(f"{server.url}/admin/version")[1]["paused"] is True
+    got: list[tuple[int, Any]] = []
+    t = threading.Thread(target=lambda: got.append(call(f"{server.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 2})))
+    t.start()
+    t.join(timeout=1.0)
+    assert t.is_alive() and not got  # held at the gate, not in the engine
+    assert call(f"{server.url}/admin/stats")[1]["in_flight"] == 0
+    assert call(f"{server.url}/admin/resume", {})[1] == {"paused": False}
+    t.join(timeout=60)
+    assert got and got[0][0] == 200
+
+
+def test_load_weights_changes_outputs_and_version(server: Server, serve_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from asyncflow.tasks.arith import make_model, make_tokenizer
+
+    new_dir = tmp_path / "new"
+    make_model(make_tokenizer(), seed=1, hidden=64).save_pretrained(str(new_dir))  # tied lm_head left out
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    before = call(f"{server.url}/v1/completions", body)[1]["choices"][0]
+    status, reply = call(f"{server.url}/admin/load_weights", {"path": str(new_dir), "version": 5})
+    assert status == 200 and reply["version"] == 5
+    assert call(f"{server.url}/admin/version")[1]["version"] == 5
+    after = call(f"{server.url}/v1/completions", body)[1]["choices"][0]
+    assert after["token_versions"] == [5] * len(after["token_ids"])
+    assert after["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
+    new_model = AutoModelForCausalLM.from_pretrained(str(new_dir)).eval()
+    ref = full_forward_logprobs(new_model, [5, 6, 7], after["token_ids"], 1.0)
+    assert max(abs(a - b) for a, b in zip(ref, after["logprobs"]["token_logprobs"], strict=True)) < 1e-4
+    status, reply = call(f"{server.url}/admin/load_weights", {"path": str(tmp_path / "missing"), "version": 6})
+    assert status == 400 and "safetensors" in reply["error"]["message"]
+    assert call(f"{server.url}/admin/version")[1]["version"] == 5
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"max_tokens": 2}, "prompt"),
+        ({"prompt": [5], "temperature": -1}, "temperature"),
+        ({"prompt": [5], "stream": True}, "stream"),
+        ({"prompt": [5], "seed": 3}, "seed"),
+        ({"prompt": [5], "n": 0}, "n:"),
+        ({"prompt": [5, 999]}, "vocabulary"),
+        ({"prompt": [5], "max_tokens": 10_000}, "context"),
+        (b"{not json", "JSON"),
+    ],
+)
+def test_bad_requests_get_openai_style_400s(server: Server, body: Any, needle: str) -> None:
+    status, reply = call(f"{server.url}/v1/completions", body)
+    assert status == 400
+    assert needle in reply["error"]["message"] and reply["error"]["type"] == "invalid_request_error"
+    assert "Traceback" not in json.dumps(reply)
+    assert call(f"{server.url}/v1/nowhere")[0] == 404
+
+
+def test_a_token_is_required_off_loopback_and_checked_on_every_request(serve_dir: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "asyncflow", "serve", str(serve_dir), "--host", "0.0.0.0"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "--token" in proc.stderr and "Traceback" not in proc.stderr
+    s = Server(serve_dir, token="s3cret")
+    try:
+        for path in ("/v1/models", "/admin/version"):
+            status, reply = call(f"{s.url}{path}")
+            assert status == 401 and reply["error"]["type"] == "authentication_error"
+            assert call(f"{s.url}{path}", token="wrong")[0] == 401
+            assert call(f"{s.url}{path}", token="s3cret")[0] == 200
+        assert call(f"{s.url}/admin/pause", {})[0] == 401
+        assert call(f"{s.url}/v1/completions", {"prompt": [5], "max_tokens": 1}, token="s3cret")[0] == 200
+    finally:
+        s.close()
+
+
+def test_openai_engine_generates_and_syncs_weights_through_asyncflow_serve(server: Server, serve_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from asyncflow.engines.openai_engine import OpenAIEngine
+    from asyncflow.engines.weight_sync import AsyncflowSync, WeightFolderWriter
+
+    model = AutoModelForCausalLM.from_pretrained(str(serve_dir)).eval()
+    engine = OpenAIEngine(server.url, sync=AsyncflowSync(), writer=WeightFolderWriter(tmp_path / "sync", serve_dir, in_place=False),
+                          server_type="asyncflow", request_timeout_s=60, sync_timeout_s=60)
+
+    async def scenario() -> tuple[Any, Any, float]:
+        await engine.connect(None)
+        res = await asyncio.gather(*(engine.generate(GenRequest(i, [5, 6, 7 + i], 6, 0.8)) for i in range(4)))
+        state = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        seconds = await engine.load_weights(state, 3, "swap")
+        after = await engine.generate(GenRequest(9, [5, 6], 3, 1.0))
+        return res, after, seconds
+
+    res, after, seconds = asyncio.run(scenario())
+    assert engine.model == "tiny" and seconds >= 0
+    for i, r in enumerate(res):
+        ref = full_forward_logprobs(model, [5, 6, 7 + i], r.response_ids, 0.8)
+        assert max(abs(a - b) for a, b in zip(ref, r.behavior_logprobs, strict=True)) < 1e-4
+        assert r.token_versions == [0] * len(r.response_ids)
+    assert engine.version == 3 and after.token_versions == [3] * len(after.response_ids)
+    assert call(f"{server.url}/admin/version")[1]["version"] == 3
+    assert (tmp_path / "sync" / "v000003" / "model.safetensors").is_file()
+    assert (tmp_path / "sync" / "v000003" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_train_with_the_openai_engine_against_a_real_asyncflow_serve(arith_dir: Path, tmp_path: Path) -> None:
+    import queue
+
+    from asyncflow.config import load_config
+    from asyncflow.runner import train
+
+    proc = subprocess.Popen([sys.executable, "-m", "asyncflow", "serve", str(arith_dir), "--port", "0", "--max-batch", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or []], daemon=True).start()
+    try:
+        line = lines.get(timeout=120)
+        assert "listening on http://127.0.0.1:" in line, line
+        url = line.split("listening on ")[1].split()[0]
+        out = tmp_path / "run"
+        cfg, _ = load_config(None, [
+            "train.max_steps=3", "train.batch_size=16", "rollout.n=4", "rollout.max_new_tokens=4", "eval.size=16",
+            "eval.every=0", "logging.progress=false", f"model.path={arith_dir}", "rollout.engine=openai",
+            f"rollout.server_urls=[{url}]", "rollout.request_timeout_s=120", "rollout.sync_timeout_s=120",
+        ])
+        summary = train(cfg, out, progress_enabled=False)
+        metrics = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in metrics if r["kind"] == "train"]
+        assert [r["policy_version"] for r in steps] == [1, 2, 3]
+        assert summary["samples"] == 48 and all(r["staleness_max"] <= 1 for r in steps)
+        samples = [json.loads(r) for r in (out / "samples.jsonl").read_text().splitlines()]
+        trained = [s for s in samples if s["status"] == "trained"]
+        assert len(trained) == 48 and max(s["behavior_version"] for s in trained) >= 1  # later steps used synced weights
+        assert call(f"{url}/admin/version")[1]["version"] == 3  # the server holds the last published weights
+        assert (out / "weight_sync" / "v000003" / "model.safetensors").is_file()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
