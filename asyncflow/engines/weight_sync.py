@@ -1,0 +1,231 @@
+"""Weight sync: how a new policy version travels from the trainer to the inference engines.
+
+Two implementations behind one small sender/receiver interface:
+
+- `LocalWeightSync`: in-process hand-off of the exported state dict (what `Pipeline._publish` does
+  today: `trainer.export_weights()` then `engine.load_weights(state, version, mode)`; the Ray runtime
+  does the same with an object-store reference in place of the dict).
+- `BroadcastWeightSender` / `BroadcastWeightReceiver`: a `torch.distributed` broadcast from the
+  trainer's rank to every inference process in one process group — NCCL between GPUs (the point:
+  weights never leave the devices), gloo on CPU (tests). Parameters are packed into flat byte buckets
+  of `bucket_bytes` and broadcast bucket by bucket, so the transfer is a few large collectives rather
+  than one per tensor and needs at most one bucket of extra memory on each side:
+
+```
+ sender (src rank)                                        receiver (every other rank)
+ header: [version, len(meta)] ─────── broadcast ───────►  header
+ meta: names, dtypes, shapes (pickled bytes) ─ bcast ──►  meta -> the same bucket plan, empty tensors
+ bucket 0: bytes of t0 | t1 | first part of t2 ─ bcast ─► unpack into t0, t1, t2[:k]
+ bucket 1: rest of t2 (a tensor larger than a bucket spans several) ─► t2[k:]
+```
+
+The plan is a pure function of the metadata, so both sides cut the byte stream identically; a tensor
+is copied as raw bytes, so dtypes and values round-trip exactly. Every collective is issued
+asynchronously and waited for with a timeout that names what was waited for.
+"""
+
+from __future__ import annotations
+
+import abc
+import pickle
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from asyncflow.errors import WaitTimeout
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+class WeightSender(abc.ABC):
+    """The trainer's side: publish a full state dict as `version`."""
+
+    @abc.abstractmethod
+    def send(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Deliver `state` as `version` to every receiver (blocks until it is handed over)."""
+
+
+class WeightReceiver(abc.ABC):
+    """An inference engine's side: the next published state dict and its version."""
+
+    @abc.abstractmethod
+    def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
+        """Wait at most `timeout_s` for the next publication; returns (state, version)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# in process
+# ---------------------------------------------------------------------------------------------------
+
+
+class LocalWeightSync(WeightSender, WeightReceiver):
+    """In-process publication: the sender leaves the newest (state, version); a receiver takes a
+    version newer than the one it took last (an older unread one is superseded, as in the engines)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._latest: tuple[dict[str, torch.Tensor], int] | None = None
+        self._taken = -1
+
+    def send(self, state: dict[str, torch.Tensor], version: int) -> None:
+        with self._cv:
+            self._latest = (state, version)
+            self._cv.notify_all()
+
+    def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
+        with self._cv:
+            ok = self._cv.wait_for(lambda: self._latest is not None and self._latest[1] > self._taken, timeout_s)
+            if not ok or self._latest is None:
+                raise WaitTimeout(f"timed out after {timeout_s:.1f} s waiting for weights newer than version {self._taken}")
+            self._taken = self._latest[1]
+            return self._latest
+
+
+# ---------------------------------------------------------------------------------------------------
+# bucketing (pure)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver needs to allocate one tensor."""
+
+    name: str
+    dtype: str  # e.g. "float32"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`nbytes` bytes of tensor `index`, from byte `tensor_offset`, at byte `bucket_offset` of a bucket."""
+
+    index: int
+    tensor_offset: int
+    bucket_offset: int
+    nbytes: int
+
+
+def describe(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    """The specs of a state dict, in its order."""
+    return [TensorSpec(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()]
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[Segment]]:
+    """Cut the concatenated bytes of all tensors into buckets of at most `bucket_bytes`."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    buckets: list[list[Segment]] = [[]]
+    used = 0
+    for i, spec in enumerate(specs):
+        offset, left = 0, spec.nbytes
+        while left > 0:
+            if used == bucket_bytes:
+                buckets.append([])
+                used = 0
+            n = min(left, bucket_bytes - used)
+            buckets[-1].append(Segment(i, offset, used, n))
+            used += n
+            offset += n
+            left -= n
+    return [b for b in buckets if b]
+
+
+def bucket_size(segments: list[Segment]) -> int:
+    """Bytes a bucket holds (the last bucket is usually smaller than the limit)."""
+    return max(s.bucket_offset + s.nbytes for s in segments)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's data (a contiguous copy first if needed)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def pack_bucket(tensors: list[torch.Tensor], segments: list[Segment], device: torch.device | str = "cpu") -> torch.Tensor:
+    """The bucket's bytes: each segment's slice of its tensor, at its offset."""
+    buf = torch.empty(bucket_size(segments), dtype=torch.uint8, device=device)
+    for s in segments:
+        src = as_bytes(tensors[s.index])[s.tensor_offset : s.tensor_offset + s.nbytes]
+        buf[s.bucket_offset : s.bucket_offset + s.nbytes].copy_(src)
+    return buf
+
+
+def unpack_bucket(buf: torch.Tensor, segments: list[Segment], out: list[torch.Tensor]) -> None:
+    """Copy each segment of `buf` into its place in the (contiguous) output tensors."""
+    for s in segments:
+        dst = out[s.index].view(-1).view(torch.uint8)
+        dst[s.tensor_offset : s.tensor_offset + s.nbytes].copy_(buf[s.bucket_offset : s.bucket_offset + s.nbytes])
+
+
+def allocate(specs: list[TensorSpec], device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Empty tensors for the specs (what a receiver fills)."""
+    return [torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=device) for s in specs]
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.distributed broadcast (NCCL on GPUs, gloo on CPU)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _bcast(t: torch.Tensor, src: int, group: Any, timeout_s: float, what: str) -> None:
+    import torch.distributed as dist
+
+    work = dist.broadcast(t, src=src, group=group, async_op=True)
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # gloo and NCCL raise on timeout or a peer that went away
+        raise WaitTimeout(f"weight broadcast: {what} did not complete within {timeout_s:.0f} s ({exc})") from exc
+    if ok is False:
+        raise WaitTimeout(f"weight broadcast: {what} did not complete within {timeout_s:.0f} s")
+
+
+class BroadcastWeightSender(WeightSender):
+    """Broadcast state dicts from rank `src` of `group` (None: the default group), bucket by bucket."""
+
+    def __init__(self, *, src: int = 0, group: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 device: torch.device | str = "cpu", timeout_s: float = 600.0) -> None:
+        self.src, self.group, self.bucket_bytes = src, group, bucket_bytes
+        self.device, self.timeout_s = torch.device(device), timeout_s
+
+    def send(self, state: dict[str, torch.Tensor], version: int) -> None:
+        specs = describe(state)
+        meta = torch.frombuffer(bytearray(pickle.dumps((specs, self.bucket_bytes))), dtype=torch.uint8)
+        header = torch.tensor([version, meta.numel()], dtype=torch.int64, device=self.device)
+        _bcast(header, self.src, self.group, self.timeout_s, f"the header of version {version}")
+        _bcast(meta.to(self.device), self.src, self.group, self.timeout_s, f"the metadata of version {version}")
+        tensors = [v.to(self.device) for v in state.values()]
+        buckets = plan_buckets(specs, self.bucket_bytes)
+        for i, segments in enumerate(buckets):
+            buf = pack_bucket(tensors, segments, self.device)
+            _bcast(buf, self.src, self.group, self.timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
+
+
+class BroadcastWeightReceiver(WeightReceiver):
+    """Receive state dicts broadcast by `BroadcastWeightSender` (allocated on `device`)."""
+
+    def __init__(self, *, src: int = 0, group: Any = None, device: torch.device | str = "cpu") -> None:
+        self.src, self.group, self.device = src, group, torch.device(device)
+
+    def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
+        header = torch.zeros(2, dtype=torch.int64, device=self.device)
+        _bcast(header, self.src, self.group, timeout_s, "the header of the next version")
+        version, meta_len = int(header[0]), int(header[1])
+        meta = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
+        _bcast(meta, self.src, self.group, timeout_s, f"the metadata of version {version}")
+        specs, bucket_bytes = pickle.loads(meta.cpu().numpy().tobytes())
+        out = allocate(specs, self.device)
+        buckets = plan_buckets(specs, bucket_bytes)
+        for i, segments in enumerate(buckets):
+            buf = torch.empty(bucket_size(segments), dtype=torch.uint8, device=self.device)
+            _bcast(buf, self.src, self.group, timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
+            unpack_bucket(buf, segments, out)
+        return {s.name: t for s, t in zip(specs, out, strict=True)}, version
