@@ -60,10 +60,11 @@ class RewardConfig:
 class RolloutConfig:
     """Generation."""
 
-    engine: Literal["hf", "openai"] = _f(
+    engine: Literal["hf", "openai", "vllm"] = _f(
         "hf",
-        "Inference engine adapter: hf (transformers with continuous batching, in this process) or openai (an "
-        "OpenAI-compatible server per rollout.server_urls entry: asyncflow serve, vLLM or SGLang; docs/engines.md).",
+        "Inference engine adapter: hf (transformers with continuous batching, in this process), openai (an "
+        "OpenAI-compatible server per rollout.server_urls entry: asyncflow serve, vLLM or SGLang) or vllm "
+        "(in-process vLLM on a GPU; needs the vllm package; runtime.kind=local only). docs/engines.md.",
     )
     workers: int = _f(1, "Number of rollout workers (one engine each).", lo=1)
     n: int = _f(8, "Samples per prompt (a GRPO group). Each is its own request (prompt replication).", lo=1)
@@ -136,10 +137,32 @@ class RolloutConfig:
 class TrainConfig:
     """The trainer."""
 
-    engine: Literal["torch"] = _f("torch", "Train engine adapter: torch (plain PyTorch, one process).")
+    engine: Literal["torch", "fsdp"] = _f(
+        "torch",
+        "Train engine adapter: torch (plain PyTorch, one process) or fsdp (PyTorch FSDP2 over train.world_size "
+        "worker processes: NCCL with one GPU per rank when that many GPUs are visible, else gloo on CPU; "
+        "runtime.kind=local only). docs/engines.md.",
+    )
+    world_size: int = _f(
+        1,
+        "Processes (ranks) the fsdp engine shards the policy over; each optimizer step's rows are split "
+        "between them, so batch_size must be divisible by world_size x mini_batches. fsdp only.",
+        lo=1,
+    )
+    worker_timeout_s: float = _f(
+        600.0,
+        "Longest the fsdp engine waits for its workers (start-up, one train step, a weight gather) before it "
+        "stops them all with an error naming the rank. fsdp only.",
+        lo=0.001,
+    )
     batch_size: int = _f(64, "Samples per train step; must be divisible by rollout.n (whole groups).", lo=1)
     mini_batches: int = _f(1, "Optimizer steps per train step (the batch is split into this many parts).", lo=1)
-    micro_batch_size: int | None = _f(None, "Samples per forward/backward pass (gradient accumulation). null: the whole mini-batch.", lo=1)
+    micro_batch_size: int | None = _f(
+        None,
+        "Samples per forward/backward pass (gradient accumulation); with fsdp, per rank. null: the whole "
+        "mini-batch (with fsdp: the rank's share of it).",
+        lo=1,
+    )
     lr: float = _f(1e-6, "AdamW learning rate (task packs set one that suits their model).", lo=0.0)
     weight_decay: float = _f(0.0, "AdamW weight decay.", lo=0.0)
     max_steps: int = _f(100, "Train steps (weight publications) in the run.", lo=1)
@@ -548,6 +571,7 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError(f"reward.fn: {cfg.reward.fn!r} must be 'module:function'")
     _validate_algorithm(cfg, explicit)
     _validate_servers(cfg, explicit)
+    _validate_engines(cfg, explicit)
     # Accepted keys whose feature is not built yet are refused, never silently ignored.
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("logging.tensorboard: the tensorboard package is not installed (pip install tensorboard)")
@@ -589,6 +613,29 @@ def _validate_servers(cfg: Config, explicit: set[str]) -> None:
     if ro.server_type == "vllm" and ro.sync_dir is None:
         raise UserError("rollout.sync_dir: required with rollout.server_type=vllm (the folder the vLLM server was "
                         "started from; vLLM reloads its weights in place)")
+
+
+def _validate_engines(cfg: Config, explicit: set[str]) -> None:
+    """Engine choices the chosen runtime and batch shape can honour (no heavy imports)."""
+    t = cfg.train
+    if t.engine != "fsdp":
+        for key in ("world_size", "worker_timeout_s"):
+            if f"train.{key}" in explicit:
+                raise UserError(f"train.{key}: only used with train.engine=fsdp (engine is {t.engine})")
+    else:
+        if cfg.runtime.kind != "local":
+            raise UserError("train.engine: fsdp runs only with runtime.kind=local in this version (the Ray "
+                            "trainer actor holds a plain torch engine)")
+        if t.batch_size % (t.world_size * t.mini_batches):
+            raise UserError(
+                f"train.world_size: batch_size={t.batch_size} is not divisible by world_size x mini_batches="
+                f"{t.world_size} x {t.mini_batches} (every rank takes an equal share of each optimizer step)"
+            )
+    if cfg.rollout.engine == "vllm":
+        if cfg.runtime.kind != "local":
+            raise UserError("rollout.engine: vllm runs only with runtime.kind=local in this version")
+        if importlib.util.find_spec("vllm") is None:
+            raise UserError("rollout.engine: vllm is not installed (pip install 'asyncflow[vllm]', needs a GPU); use hf")
 
 # algorithm.* keys each loss reads; a key set explicitly for a loss that does not read it is refused
 _LOSS_KEYS: dict[str, tuple[str, ...]] = {

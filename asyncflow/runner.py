@@ -133,8 +133,6 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
 async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
     import torch
 
-    from asyncflow.engines.hf import HFEngine
-    from asyncflow.engines.torch_train import TorchTrainEngine
     from asyncflow.rewards import load_reward_fn
     from asyncflow.workflow.pipeline import Tokenizer
 
@@ -146,7 +144,6 @@ async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
     reward_fn = None if cfg.rollout.env is not None else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
     hf_tok = load_tokenizer(inputs.model_dir)
     tok = Tokenizer(hf_tok, int(hf_tok.eos_token_id), int(hf_tok.pad_token_id))
-    dtype = getattr(torch, cfg.model.dtype)
     workers: Any = None
     engines: list[Any]
     trainer: Any
@@ -157,15 +154,7 @@ async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
                                    torch_threads(cfg), log=progress.message)
         engines, trainer = list(workers.engines), workers.trainer
     else:
-        trainer = TorchTrainEngine(
-            inputs.model_dir,
-            lr=cfg.train.lr,
-            weight_decay=cfg.train.weight_decay,
-            mini_batches=cfg.train.mini_batches,
-            micro_batch_size=cfg.train.micro_batch_size,
-            max_grad_norm=cfg.train.max_grad_norm,
-            dtype=dtype,
-        )
+        trainer = make_train_engine(cfg, inputs.model_dir)
         if cfg.rollout.engine == "openai":
             from asyncflow.engines.openai_engine import connect_all, make_openai_engines
 
@@ -173,16 +162,51 @@ async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
             await connect_all(remote, trainer.export_weights())
             engines = list(remote)
         else:
-            engines = [
-                HFEngine(inputs.model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         max_batch=cfg.rollout.max_batch, dtype=dtype, seed=cfg.seed + i, name=f"rollout-{i}")
-                for i in range(cfg.rollout.workers)
-            ]
+            engines = [make_inference_engine(cfg, inputs.model_dir, tok, i) for i in range(cfg.rollout.workers)]
     try:
         return await _run(cfg, out, progress, inputs, reward_fn, hf_tok, tok, trainer, engines, workers)
     finally:
         if workers is not None:
             workers.shutdown()
+        else:
+            trainer.close()
+
+
+def make_train_engine(cfg: Config, model_dir: Path) -> Any:
+    """The local runtime's `TrainEngine` named by `train.engine`."""
+    import torch
+
+    t = cfg.train
+    dtype = getattr(torch, cfg.model.dtype)
+    common = dict(lr=t.lr, weight_decay=t.weight_decay, mini_batches=t.mini_batches,
+                  micro_batch_size=t.micro_batch_size, max_grad_norm=t.max_grad_norm, dtype=dtype)
+    if t.engine == "fsdp":
+        from asyncflow.engines.fsdp_train import FSDPTrainEngine
+
+        # NCCL with one GPU per rank when there are enough of them, else gloo on CPU; the ranks share
+        # the trainer's threads
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= t.world_size else "cpu"
+        return FSDPTrainEngine(model_dir, world_size=t.world_size, device=device,
+                               threads=max(1, torch_threads(cfg) // t.world_size), timeout_s=t.worker_timeout_s,
+                               seed=cfg.seed, **common)  # type: ignore[arg-type]
+    from asyncflow.engines.torch_train import TorchTrainEngine
+
+    return TorchTrainEngine(model_dir, **common)  # type: ignore[arg-type]
+
+
+def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int) -> Any:
+    """The local runtime's `InferenceEngine` number `index`, named by `rollout.engine`."""
+    import torch
+
+    dtype = getattr(torch, cfg.model.dtype)
+    if cfg.rollout.engine == "vllm":
+        from asyncflow.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, max_batch=cfg.rollout.max_batch, dtype=cfg.model.dtype, seed=cfg.seed + index)
+    from asyncflow.engines.hf import HFEngine
+
+    return HFEngine(model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                    max_batch=cfg.rollout.max_batch, dtype=dtype, seed=cfg.seed + index, name=f"rollout-{index}")
 
 
 def loss_settings(cfg: Config) -> Any:

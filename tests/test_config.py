@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,15 @@ def test_set_values_are_parsed_as_yaml_scalars() -> None:
         (["rollout.top_k=5", "algorithm.loss=decoupled_ppo"], "rollout.top_k: truncated sampling with algorithm.loss=decoupled_ppo"),
         (["algorithm.loss=nope"], "algorithm.loss: 'nope' is not one of"),
         (["rollout.n=1", "train.batch_size=8", "algorithm.advantage=rloo"], "rollout.n: group advantages"),
+        (["train.world_size=2"], "train.world_size: only used with train.engine=fsdp"),
+        (["train.worker_timeout_s=5"], "train.worker_timeout_s: only used with train.engine=fsdp"),
+        (["train.engine=fsdp", "runtime.kind=ray"], "train.engine: fsdp runs only with runtime.kind=local"),
+        (["train.engine=fsdp", "train.world_size=3", "train.batch_size=16", "rollout.n=4"],
+         "train.world_size: batch_size=16 is not divisible by world_size x mini_batches=3 x 1"),
+        (["train.engine=fsdp", "train.world_size=2", "train.mini_batches=3", "train.batch_size=16", "rollout.n=4"],
+         "train.world_size: batch_size=16 is not divisible by world_size x mini_batches=2 x 3"),
+        (["rollout.engine=vllm", "runtime.kind=ray"], "rollout.engine: vllm runs only with runtime.kind=local"),
+        (["train.engine=deepspeed"], "train.engine: 'deepspeed' is not one of"),
     ],
 )
 def test_bad_values_name_the_key(overrides: list[str], message: str) -> None:
@@ -132,3 +142,16 @@ def test_bench_arguments_fail_with_one_line_and_exit_2(args: list[str], needle: 
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_fsdp_settings_that_fit_load() -> None:
+    cfg, _ = load_config(None, ["train.engine=fsdp", "train.world_size=2", "train.batch_size=16", "rollout.n=4",
+                                "train.mini_batches=2", "train.worker_timeout_s=30"])
+    assert (cfg.train.engine, cfg.train.world_size, cfg.train.worker_timeout_s) == ("fsdp", 2, 30.0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_rollout_engine_is_refused_when_vllm_is_not_installed() -> None:
+    with pytest.raises(UserError, match="rollout.engine: vllm is not installed") as info:
+        load_config(None, ["rollout.engine=vllm"])
+    assert "\n" not in str(info.value)

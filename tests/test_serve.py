@@ -220,7 +220,7 @@ def test_openai_engine_generates_and_syncs_weights_through_asyncflow_serve(serve
     from transformers import AutoModelForCausalLM
 
     from asyncflow.engines.openai_engine import OpenAIEngine
-    from asyncflow.engines.weight_sync import AsyncflowSync, WeightFolderWriter
+    from asyncflow.engines.server_sync import AsyncflowSync, WeightFolderWriter
 
     model = AutoModelForCausalLM.from_pretrained(str(serve_dir)).eval()
     engine = OpenAIEngine(server.url, sync=AsyncflowSync(), writer=WeightFolderWriter(tmp_path / "sync", serve_dir, in_place=False),

@@ -148,3 +148,7 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def save(self, path: str, *, with_optimizer: bool) -> None:
         """Write a Hugging Face folder (and the optimizer state if asked)."""
+
+    def close(self) -> None:
+        """Release processes or devices the engine holds (nothing for an in-process engine)."""
+        return None

@@ -23,7 +23,7 @@ import torch
 
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
 from asyncflow.engines.http_client import HTTPError, request_json
-from asyncflow.engines.weight_sync import WeightFolderWriter, WeightSync, make_weight_sync
+from asyncflow.engines.server_sync import WeightFolderWriter, WeightSync, make_weight_sync
 from asyncflow.errors import UserError, WaitTimeout
 
 

@@ -1,154 +1,231 @@
-"""Weight sync to OpenAI-compatible servers: a folder writer plus one small backend per server type.
+"""Weight sync: how a new policy version travels from the trainer to the inference engines.
 
-The trainer's weights reach a remote server through the file system: each published version is
-written once (shared by every engine of the run) as a Hugging Face folder, then each server is told
-to load it through its own HTTP API:
+Two implementations behind one small sender/receiver interface:
 
-    version v ─► WeightFolderWriter (once) ─► folder ─► WeightSync.load(server, folder, v, mode)
-                                                        asyncflow: POST /admin/load_weights
-                                                        vllm:      POST /pause, /collective_rpc reload_weights, /resume
-                                                        sglang:    POST /update_weights_from_disk
+- `LocalWeightSync`: in-process hand-off of the exported state dict (what `Pipeline._publish` does
+  today: `trainer.export_weights()` then `engine.load_weights(state, version, mode)`; the Ray runtime
+  does the same with an object-store reference in place of the dict).
+- `BroadcastWeightSender` / `BroadcastWeightReceiver`: a `torch.distributed` broadcast from the
+  trainer's rank to every inference process in one process group — NCCL between GPUs (the point:
+  weights never leave the devices), gloo on CPU (tests). Parameters are packed into flat byte buckets
+  of `bucket_bytes` and broadcast bucket by bucket, so the transfer is a few large collectives rather
+  than one per tensor and needs at most one bucket of extra memory on each side:
 
-So the trainer and the servers must share a file system (one machine, or a shared mount).
-Only the asyncflow backend is exercised against a real server in this repository's tests; the vLLM
-and SGLang backends are written against those projects' documented HTTP APIs and unit-tested for
-the requests they send (docs/engines.md).
+```
+ sender (src rank)                                        receiver (every other rank)
+ header: [version, len(meta)] ─────── broadcast ───────►  header
+ meta: names, dtypes, shapes (pickled bytes) ─ bcast ──►  meta -> the same bucket plan, empty tensors
+ bucket 0: bytes of t0 | t1 | first part of t2 ─ bcast ─► unpack into t0, t1, t2[:k]
+ bucket 1: rest of t2 (a tensor larger than a bucket spans several) ─► t2[k:]
+```
+
+The plan is a pure function of the metadata, so both sides cut the byte stream identically; a tensor
+is copied as raw bytes, so dtypes and values round-trip exactly. Every collective is issued
+asynchronously and waited for with a timeout that names what was waited for.
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
-import os
-import shutil
-from pathlib import Path
+import pickle
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
-from asyncflow.engines.base import WeightUpdateMode
-from asyncflow.engines.http_client import HTTPError, request_json
+import torch
 
-SERVER_TYPES = ("asyncflow", "vllm", "sglang")
-_MODEL_FILES = (".json", ".txt", ".model", ".jinja", ".py")  # what a served folder needs besides weights
+from asyncflow.errors import WaitTimeout
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
-class WeightSync(abc.ABC):
-    """Tells one server to load a weight folder as a new version."""
-
-    in_place = False  # True: the server reloads from the folder it was started with (the writer overwrites it)
+class WeightSender(abc.ABC):
+    """The trainer's side: publish a full state dict as `version`."""
 
     @abc.abstractmethod
-    async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
-                   token: str | None, timeout: float) -> None:
-        """Make the server at `base_url` generate with the weights in `folder` from now on."""
+    def send(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Deliver `state` as `version` to every receiver (blocks until it is handed over)."""
 
 
-class AsyncflowSync(WeightSync):
-    """`asyncflow serve`: one call; the server applies drain/swap/abort itself and reports per-token versions."""
+class WeightReceiver(abc.ABC):
+    """An inference engine's side: the next published state dict and its version."""
 
-    async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
-                   token: str | None, timeout: float) -> None:
-        body = {"path": str(folder.resolve()), "version": version, "mode": mode}
-        reply = await request_json("POST", f"{base_url}/admin/load_weights", body, token=token, timeout=timeout)
-        if not isinstance(reply, dict) or reply.get("version") != version:
-            raise HTTPError(200, f"{base_url}/admin/load_weights: expected version {version} back, got {reply!r}")
+    @abc.abstractmethod
+    def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
+        """Wait at most `timeout_s` for the next publication; returns (state, version)."""
 
 
-class VLLMSync(WeightSync):
-    """vLLM's development-mode routes (the server runs with VLLM_SERVER_DEV_MODE=1): pause generation,
-    reload the weights from the folder vLLM was started with (`collective_rpc` of the worker method
-    `reload_weights`, which reads them from disk when given no tensors), resume. drain maps to
-    pause mode `wait`, swap to `keep` (requests freeze and continue on the new weights), abort to `abort`."""
-
-    in_place = True
-    PAUSE_MODES = {"drain": "wait", "swap": "keep", "abort": "abort"}
-
-    async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
-                   token: str | None, timeout: float) -> None:
-        await request_json("POST", f"{base_url}/pause?mode={self.PAUSE_MODES[mode]}", {}, token=token, timeout=timeout)
-        try:
-            await request_json("POST", f"{base_url}/collective_rpc",
-                               {"method": "reload_weights", "timeout": timeout}, token=token, timeout=timeout)
-        finally:
-            await request_json("POST", f"{base_url}/resume", {}, token=token, timeout=timeout)
+# ---------------------------------------------------------------------------------------------------
+# in process
+# ---------------------------------------------------------------------------------------------------
 
 
-class SGLangSync(WeightSync):
-    """SGLang's `POST /update_weights_from_disk {model_path, abort_all_requests, weight_version}`;
-    abort aborts in-flight requests first, drain and swap let SGLang finish them before it loads."""
+class LocalWeightSync(WeightSender, WeightReceiver):
+    """In-process publication: the sender leaves the newest (state, version); a receiver takes a
+    version newer than the one it took last (an older unread one is superseded, as in the engines)."""
 
-    async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
-                   token: str | None, timeout: float) -> None:
-        body = {"model_path": str(folder.resolve()), "abort_all_requests": mode == "abort",
-                "weight_version": str(version)}
-        reply = await request_json("POST", f"{base_url}/update_weights_from_disk", body, token=token, timeout=timeout)
-        if not isinstance(reply, dict) or reply.get("success") is not True:
-            raise HTTPError(200, f"{base_url}/update_weights_from_disk failed: {reply!r}")
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._latest: tuple[dict[str, torch.Tensor], int] | None = None
+        self._taken = -1
+
+    def send(self, state: dict[str, torch.Tensor], version: int) -> None:
+        with self._cv:
+            self._latest = (state, version)
+            self._cv.notify_all()
+
+    def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
+        with self._cv:
+            ok = self._cv.wait_for(lambda: self._latest is not None and self._latest[1] > self._taken, timeout_s)
+            if not ok or self._latest is None:
+                raise WaitTimeout(f"timed out after {timeout_s:.1f} s waiting for weights newer than version {self._taken}")
+            self._taken = self._latest[1]
+            return self._latest
 
 
-def make_weight_sync(server_type: str) -> WeightSync:
-    """The backend for `rollout.server_type`."""
-    backends: dict[str, type[WeightSync]] = {"asyncflow": AsyncflowSync, "vllm": VLLMSync, "sglang": SGLangSync}
-    if server_type not in backends:
-        raise ValueError(f"unknown server type {server_type!r}; known: {', '.join(SERVER_TYPES)}")
-    return backends[server_type]()
+# ---------------------------------------------------------------------------------------------------
+# bucketing (pure)
+# ---------------------------------------------------------------------------------------------------
 
 
-class WeightFolderWriter:
-    """Writes each version's weights once, however many engines ask, as a loadable HF folder.
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver needs to allocate one tensor."""
 
-    Versioned (default): `root/v000001/` with the model folder's config files and `model.safetensors`;
-    folders two versions old are removed. In place (vLLM): `root/model.safetensors` is replaced
-    atomically, `root` being the folder the server was started with."""
+    name: str
+    dtype: str  # e.g. "float32"
+    shape: tuple[int, ...]
 
-    def __init__(self, root: Path, model_dir: Path, *, in_place: bool) -> None:
-        self.root = root
-        self.model_dir = model_dir
-        self.in_place = in_place
-        self._writes: dict[int, asyncio.Task[Path]] = {}
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
-    async def folder_for(self, state: dict[str, Any], version: int) -> Path:
-        """The folder holding `version` (written by the first caller; the others wait for it)."""
-        task = self._writes.get(version)
-        if task is None:
-            task = asyncio.ensure_future(asyncio.to_thread(self._write, state, version))
-            self._writes[version] = task
-            for old in [v for v in self._writes if v < version - 1]:
-                del self._writes[old]
-        return await task
 
-    def _write(self, state: dict[str, Any], version: int) -> Path:
-        from safetensors.torch import save_file
+@dataclass(frozen=True)
+class Segment:
+    """`nbytes` bytes of tensor `index`, from byte `tensor_offset`, at byte `bucket_offset` of a bucket."""
 
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-        if self.in_place:
-            self._check_in_place_folder()
-            tmp = self.root / "model.safetensors.tmp"
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
-            os.replace(tmp, self.root / "model.safetensors")
-            return self.root
-        self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / f"v{version:06d}"
-        tmp = self.root / f".v{version:06d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        for f in self.model_dir.iterdir():
-            if f.is_file() and f.suffix in _MODEL_FILES and not f.name.endswith(".safetensors.index.json"):
-                shutil.copy2(f, tmp / f.name)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in self.root.glob("v*"):
-            if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
-                shutil.rmtree(old, ignore_errors=True)
-        return final
+    index: int
+    tensor_offset: int
+    bucket_offset: int
+    nbytes: int
 
-    def _check_in_place_folder(self) -> None:
-        if not (self.root / "config.json").is_file():
-            raise RuntimeError(f"rollout.sync_dir: {self.root} is not the model folder the server was started with "
-                               "(no config.json)")
-        others = [f.name for f in self.root.iterdir()
-                  if (f.name.endswith(".safetensors") and f.name != "model.safetensors")
-                  or f.name.endswith(".safetensors.index.json")]
-        if others:
-            raise RuntimeError(f"rollout.sync_dir: {self.root} holds sharded weights ({others[0]}); the server would "
-                               "load them along with the new model.safetensors — start it from a single-file copy")
+
+def describe(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    """The specs of a state dict, in its order."""
+    return [TensorSpec(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()]
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[Segment]]:
+    """Cut the concatenated bytes of all tensors into buckets of at most `bucket_bytes`."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    buckets: list[list[Segment]] = [[]]
+    used = 0
+    for i, spec in enumerate(specs):
+        offset, left = 0, spec.nbytes
+        while left > 0:
+            if used == bucket_bytes:
+                buckets.append([])
+                used = 0
+            n = min(left, bucket_bytes - used)
+            buckets[-1].append(Segment(i, offset, used, n))
+            used += n
+            offset += n
+            left -= n
+    return [b for b in buckets if b]
+
+
+def bucket_size(segments: list[Segment]) -> int:
+    """Bytes a bucket holds (the last bucket is usually smaller than the limit)."""
+    return max(s.bucket_offset + s.nbytes for s in segments)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's data (a contiguous copy first if needed)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def pack_bucket(tensors: list[torch.Tensor], segments: list[Segment], device: torch.device | str = "cpu") -> torch.Tensor:
+    """The bucket's bytes: each segment's slice of its tensor, at its offset."""
+    buf = torch.empty(bucket_size(segments), dtype=torch.uint8, device=device)
+    for s in segments:
+        src = as_bytes(tensors[s.index])[s.tensor_offset : s.tensor_offset + s.nbytes]
+        buf[s.bucket_offset : s.bucket_offset + s.nbytes].copy_(src)
+    return buf
+
+
+def unpack_bucket(buf: torch.Tensor, segments: list[Segment], out: list[torch.Tensor]) -> None:
+    """Copy each segment of `buf` into its place in the (contiguous) output tensors."""
+    for s in segments:
+        dst = out[s.index].view(-1).view(torch.uint8)
+        dst[s.tensor_offset : s.tensor_offset + s.nbytes].copy_(buf[s.bucket_offset : s.bucket_offset + s.nbytes])
+
+
+def allocate(specs: list[TensorSpec], device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Empty tensors for the specs (what a receiver fills)."""
+    return [torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=device) for s in specs]
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.distributed broadcast (NCCL on GPUs, gloo on CPU)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _bcast(t: torch.Tensor, src: int, group: Any, timeout_s: float, what: str) -> None:
+    import torch.distributed as dist
+
+    work = dist.broadcast(t, src=src, group=group, async_op=True)
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # gloo and NCCL raise on timeout or a peer that went away
+        raise WaitTimeout(f"weight broadcast: {what} did not complete within {timeout_s:.0f} s ({exc})") from exc
+    if ok is False:
+        raise WaitTimeout(f"weight broadcast: {what} did not complete within {timeout_s:.0f} s")
+
+
+class BroadcastWeightSender(WeightSender):
+    """Broadcast state dicts from rank `src` of `group` (None: the default group), bucket by bucket."""
+
+    def __init__(self, *, src: int = 0, group: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 device: torch.device | str = "cpu", timeout_s: float = 600.0) -> None:
+        self.src, self.group, self.bucket_bytes = src, group, bucket_bytes
+        self.device, self.timeout_s = torch.device(device), timeout_s
+
+    def send(self, state: dict[str, torch.Tensor], version: int) -> None:
+        specs = describe(state)
+        meta = torch.frombuffer(bytearray(pickle.dumps((specs, self.bucket_bytes))), dtype=torch.uint8)
+        header = torch.tensor([version, meta.numel()], dtype=torch.int64, device=self.device)
+        _bcast(header, self.src, self.group, self.timeout_s, f"the header of version {version}")
+        _bcast(meta.to(self.device), self.src, self.group, self.timeout_s, f"the metadata of version {version}")
+        tensors = [v.to(self.device) for v in state.values()]
+        buckets = plan_buckets(specs, self.bucket_bytes)
+        for i, segments in enumerate(buckets):
+            buf = pack_bucket(tensors, segments, self.device)
+            _bcast(buf, self.src, self.group, self.timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
+
+
+class BroadcastWeightReceiver(WeightReceiver):
+    """Receive state dicts broadcast by `BroadcastWeightSender` (allocated on `device`)."""
+
+    def __init__(self, *, src: int = 0, group: Any = None, device: torch.device | str = "cpu") -> None:
+        self.src, self.group, self.device = src, group, torch.device(device)
+
+    def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
+        header = torch.zeros(2, dtype=torch.int64, device=self.device)
+        _bcast(header, self.src, self.group, timeout_s, "the header of the next version")
+        version, meta_len = int(header[0]), int(header[1])
+        meta = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
+        _bcast(meta, self.src, self.group, timeout_s, f"the metadata of version {version}")
+        specs, bucket_bytes = pickle.loads(meta.cpu().numpy().tobytes())
+        out = allocate(specs, self.device)
+        buckets = plan_buckets(specs, bucket_bytes)
+        for i, segments in enumerate(buckets):
+            buf = torch.empty(bucket_size(segments), dtype=torch.uint8, device=self.device)
+            _bcast(buf, self.src, self.group, timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
+            unpack_bucket(buf, segments, out)
+        return {s.name: t for s, t in zip(specs, out, strict=True)}, version

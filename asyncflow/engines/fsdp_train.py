@@ -1,0 +1,463 @@
+"""FSDP2 train engine: the policy sharded across worker processes (gloo on CPU, NCCL on GPU).
+
+```
+ driver process (the pipeline calls one object)          worker processes, one per rank
+ FSDPTrainEngine ──── pipe ──► rank 0: fully_shard(model), AdamW over its shards ─┐
+   logprobs / train_step: the batch's rows split   ──► rank 1: ...               ├ process group:
+   by rank (contiguous shares), same number of     ──► rank N-1                  ┘ all-gather params,
+   forward/backward passes on every rank                                           reduce-scatter grads
+   ◄── per-rank metric sums (combined: sum / max / min), log-prob shares, full weights from rank 0
+```
+
+The loss of a micro-batch is already divided by a normaliser of the *whole* mini-batch
+(`asyncflow.engines.base.Norm`); each rank all-reduces its share's token and sequence counts, so the
+contributions of all micro-batches on all ranks add up to the mini-batch's loss. FSDP's gradient
+reduction therefore sums (divide factor 1) instead of averaging, and the result does not depend on
+the world size or `micro_batch_size`. Ranks whose share is shorter run zero-weight passes on a dummy
+row, so every rank issues the same collectives (a missing pass would hang the others).
+
+Workers start from a forkserver that has imported torch and transformers once, so a second engine in
+the same process starts in about a second. Every wait on a worker has a timeout; a worker that dies or
+raises is an error naming its rank, and the engine then stops all workers (their collectives cannot
+continue without it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, fields, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.multiprocessing  # noqa: F401  (registers shared-memory pickling of tensors for the pipes)
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from asyncflow.engines.base import LossFn, Norm, TrainBatch, TrainEngine
+from asyncflow.engines.torch_train import combine_metrics, token_logprobs
+from asyncflow.errors import WaitTimeout
+
+POLL_S = 0.2  # how often a wait on a worker checks that every worker is still alive
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank needs to build its shard of the policy."""
+
+    model_dir: str
+    world_size: int
+    master_port: int
+    lr: float
+    weight_decay: float
+    max_grad_norm: float
+    device: str  # "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r)
+    dtype: str
+    threads: int
+    timeout_s: float
+    seed: int
+
+
+@dataclass
+class Share:
+    """One rank's rows of one mini-batch (or of a log-prob batch) and how many passes every rank runs."""
+
+    rows: TrainBatch | None  # None: this rank has no rows; it still runs `passes` dummy passes
+    passes: int
+    micro_batch_size: int
+
+
+def split_rows(n: int, world_size: int) -> list[list[int]]:
+    """Contiguous shares of `n` rows for `world_size` ranks; sizes differ by at most one."""
+    base, extra = divmod(n, world_size)
+    out, start = [], 0
+    for r in range(world_size):
+        size = base + (1 if r < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def make_shares(batch: TrainBatch, world_size: int, micro_batch_size: int | None) -> list[Share]:
+    """Split `batch` by rank; every rank runs as many passes as the rank with the most micro-batches."""
+    parts = split_rows(len(batch), world_size)
+    micro = micro_batch_size or max(len(p) for p in parts)
+    passes = max(math.ceil(len(p) / micro) for p in parts)
+    return [Share(batch.select(p) if p else None, passes, micro) for p in parts]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# worker side (runs in the rank's process)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    if device.type == "cpu":
+        return batch
+    values = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return replace(batch, **{k: v.to(device) for k, v in values.items() if isinstance(v, torch.Tensor)})
+
+
+class _Rank:
+    """One rank's shard of the policy and of the optimizer state."""
+
+    def __init__(self, rank: int, spec: WorkerSpec) -> None:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        self.rank, self.spec = rank, spec
+        torch.set_num_threads(spec.threads)
+        torch.manual_seed(spec.seed)
+        if spec.device == "cuda":
+            torch.cuda.set_device(rank)
+            self.device = torch.device("cuda", rank)
+        else:
+            self.device = torch.device("cpu")
+        dist.init_process_group(
+            "nccl" if spec.device == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{spec.master_port}",
+            rank=rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.timeout_s),
+        )
+        model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=getattr(torch, spec.dtype))
+        # the plain model's state-dict keys, and tied aliases (e.g. lm_head.weight -> embed_tokens.weight),
+        # so the exported dict loads strictly into an unsharded model
+        self.keys = list(model.state_dict().keys())
+        first: dict[int, str] = {}
+        self.aliases: dict[str, str] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if id(param) in first:
+                self.aliases[name] = first[id(param)]
+            else:
+                first[id(param)] = name
+        model.to(self.device)  # type: ignore[arg-type]
+        for layer in _decoder_layers(model):
+            fully_shard(layer)
+        sharded: Any = fully_shard(model)
+        # losses are normalised by the whole mini-batch: rank contributions add up, so sum gradients
+        # (gloo has no pre-multiplied sum: force a plain SUM reduction); the setting is per FSDP module
+        for module in sharded.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        self.model: Any = sharded.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+
+    def _passes(self, share: Share, dummy: TrainBatch) -> list[tuple[TrainBatch, bool]]:
+        """(micro-batch, real?) for each of the share's passes; padding passes reuse the dummy row."""
+        out: list[tuple[TrainBatch, bool]] = []
+        rows = share.rows
+        n = 0 if rows is None else len(rows)
+        for i in range(share.passes):
+            idx = list(range(i * share.micro_batch_size, min((i + 1) * share.micro_batch_size, n)))
+            if rows is not None and idx:
+                out.append((_to_device(rows.select(idx), self.device), True))
+            else:
+                out.append((_to_device(dummy, self.device), False))
+        return out
+
+    def logprobs(self, share: Share, dummy: TrainBatch, temperature: float) -> torch.Tensor | None:
+        parts = []
+        with torch.no_grad():
+            for mb, real in self._passes(share, dummy):
+                logp = token_logprobs(self.model, mb, temperature)[0]
+                if real:
+                    parts.append(logp.cpu())
+        return torch.cat(parts) if parts else None
+
+    def train_step(
+        self, shares: list[Share], dummy: TrainBatch, loss_bytes: bytes, temperature: float
+    ) -> list[tuple[dict[str, float], float]]:
+        loss_fn: LossFn = pickle.loads(loss_bytes)
+        return [self._optimizer_step(s, dummy, loss_fn, temperature) for s in shares]
+
+    def _optimizer_step(
+        self, share: Share, dummy: TrainBatch, loss_fn: LossFn, temperature: float
+    ) -> tuple[dict[str, float], float]:
+        import torch.distributed as dist
+
+        self.optimizer.zero_grad(set_to_none=True)
+        local = share.rows.norm() if share.rows is not None else Norm(0.0, 0.0)
+        counts = torch.tensor([local.tokens, local.seqs], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts)  # the whole mini-batch's normaliser, over all ranks
+        norm = Norm(tokens=float(counts[0]), seqs=float(counts[1]))
+        parts: list[dict[str, float]] = []
+        passes = self._passes(share, dummy)
+        for i, (mb, real) in enumerate(passes):
+            self.model.set_requires_gradient_sync(i == len(passes) - 1)  # reduce once, after the last pass
+            logp, entropy = token_logprobs(self.model, mb, temperature)
+            if not real:
+                (logp.sum() * 0.0).backward()  # same collectives as the other ranks, no contribution
+                continue
+            loss, metrics = loss_fn(logp, mb, norm)
+            loss.backward()
+            part = {k: float(v) for k, v in metrics.items()}
+            part["loss"] = float(loss.detach())
+            part["entropy"] = float((entropy.detach() * mb.response_mask).sum()) / max(norm.tokens, 1.0)
+            parts.append(part)
+        clip = self.spec.max_grad_norm if self.spec.max_grad_norm > 0 else float("inf")
+        total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        full = total.full_tensor() if hasattr(total, "full_tensor") else total
+        self.optimizer.step()
+        return combine_metrics(parts, mean=False), float(full)
+
+    def export(self) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state: dict[str, Any] = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        return {k: state[k] if k in state else state[self.aliases[k]] for k in self.keys}
+
+    def save_optimizer(self, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            torch.save(state, os.path.join(path, "optimizer.pt"))
+
+    def load_optimizer(self, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        state = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks to shard one by one (HF decoder models keep them in a ModuleList `layers`)."""
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, torch.nn.ModuleList):
+            return list(module)
+    return []
+
+
+def _worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
+    """A rank's command loop: ("method", args) in, ("ok", result) or ("error", traceback) out."""
+    try:
+        worker = _Rank(rank, spec)
+        conn.send(("ok", None))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:  # the driver is gone
+            return
+        if method == "close":
+            with contextlib.suppress(Exception):
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+# ---------------------------------------------------------------------------------------------------
+# driver side
+# ---------------------------------------------------------------------------------------------------
+
+
+def _stop(procs: list[Any], conns: list[Any]) -> None:
+    """Kill worker processes that are still running (used on errors and at garbage collection)."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+    for c in conns:
+        with contextlib.suppress(OSError):
+            c.close()
+
+
+class FSDPTrainEngine(TrainEngine):
+    """The policy sharded with FSDP2 over `world_size` worker processes, trained with AdamW."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel | str | Path,
+        *,
+        world_size: int,
+        lr: float,
+        weight_decay: float = 0.0,
+        mini_batches: int = 1,
+        micro_batch_size: int | None = None,
+        max_grad_norm: float = 1.0,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        threads: int = 1,
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 300.0,
+        seed: int = 0,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if device == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"world_size={world_size} needs that many GPUs; {torch.cuda.device_count()} visible")
+        self._tmp: str | None = None
+        if isinstance(model, PreTrainedModel):
+            self._tmp = tempfile.mkdtemp(prefix="asyncflow-fsdp-")
+            model.save_pretrained(self._tmp)
+            model = self._tmp
+        self.model_dir = str(model)
+        self.world_size = world_size
+        self.mini_batches = mini_batches
+        self.micro_batch_size = micro_batch_size
+        self.dtype = dtype
+        self.timeout_s = timeout_s
+        self._loss_cache: tuple[LossFn, bytes] | None = None
+        spec = WorkerSpec(
+            model_dir=self.model_dir, world_size=world_size, master_port=_free_port(), lr=lr,
+            weight_decay=weight_decay, max_grad_norm=max_grad_norm, device=device,
+            dtype=str(dtype).removeprefix("torch."), threads=threads, timeout_s=timeout_s, seed=seed,
+        )
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])  # torch + transformers imported once, then forked per rank
+        self._conns: list[Any] = []
+        self._procs: list[Any] = []
+        for rank in range(world_size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, spec, theirs), name=f"fsdp-rank-{rank}", daemon=True)
+            proc.start()
+            theirs.close()
+            self._conns.append(ours)
+            self._procs.append(proc)
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
+        self._collect("start (init the process group, load and shard the model)", start_timeout_s)
+
+    # ------------------------------------------------------------------ RPC
+
+    def _send(self, method: str, per_rank_args: list[tuple[Any, ...]], what: str) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("the FSDP train engine is closed (after close() or an earlier worker failure)")
+        for rank, (conn, args) in enumerate(zip(self._conns, per_rank_args, strict=True)):
+            try:
+                conn.send((method, args))
+            except OSError as exc:  # a broken pipe: the worker is gone
+                self._procs[rank].join(timeout=5)
+                self._finalizer()
+                raise RuntimeError(f"FSDP worker rank {rank} died (exit code {self._procs[rank].exitcode}) before it "
+                                   f"could be asked to {what} ({exc})") from None
+
+    def _collect(self, what: str, timeout_s: float | None = None) -> list[Any]:
+        """Every rank's reply, waiting at most `timeout_s`; a dead, failing or silent worker stops the
+        engine and raises with its rank and what was waited for."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        replies: dict[int, Any] = {}
+        try:
+            while len(replies) < self.world_size:
+                for rank, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
+                    if rank in replies:
+                        continue
+                    if conn.poll(POLL_S / self.world_size):
+                        status, value = conn.recv()
+                        if status == "error":
+                            raise RuntimeError(f"FSDP worker rank {rank} failed to {what}:\n{value}")
+                        replies[rank] = value
+                    elif not proc.is_alive():
+                        raise RuntimeError(
+                            f"FSDP worker rank {rank} died (exit code {proc.exitcode}) while the engine waited for it to {what}"
+                        )
+                if time.monotonic() > deadline and len(replies) < self.world_size:
+                    missing = sorted(set(range(self.world_size)) - set(replies))
+                    raise WaitTimeout(f"timed out after {limit:.0f} s waiting for FSDP worker rank(s) {missing} to {what}")
+        except BaseException:
+            self._finalizer()  # the other ranks may be stuck in a collective: stop them all
+            raise
+        return [replies[r] for r in range(self.world_size)]
+
+    def _call(self, method: str, per_rank_args: list[tuple[Any, ...]], what: str) -> list[Any]:
+        self._send(method, per_rank_args, what)
+        return self._collect(what)
+
+    # ------------------------------------------------------------------ TrainEngine
+
+    def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        shares = make_shares(batch, self.world_size, self.micro_batch_size)
+        dummy = batch.select([0])
+        parts = self._call("logprobs", [(s, dummy, temperature) for s in shares], "compute log-probs")
+        return torch.cat([p for p in parts if p is not None])
+
+    def _loss_bytes(self, loss_fn: LossFn) -> bytes:
+        """The loss function pickled by value (closures included), once per distinct function."""
+        if self._loss_cache is None or self._loss_cache[0] is not loss_fn:
+            self._loss_cache = (loss_fn, cloudpickle.dumps(loss_fn))
+        return self._loss_cache[1]
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
+        order = list(range(len(batch)))
+        minis = [batch.select(p) for p in (order[i :: self.mini_batches] for i in range(self.mini_batches)) if p]
+        per_rank: list[list[Share]] = [[] for _ in range(self.world_size)]
+        for mini in minis:
+            for rank, share in enumerate(make_shares(mini, self.world_size, self.micro_batch_size)):
+                per_rank[rank].append(share)
+        dummy = batch.select([0])
+        loss_bytes = self._loss_bytes(loss_fn)
+        replies = self._call("train_step", [(s, dummy, loss_bytes, temperature) for s in per_rank], "train a step")
+        steps = []
+        for i in range(len(minis)):
+            sums = combine_metrics([replies[r][i][0] for r in range(self.world_size)], mean=False)
+            sums["grad_norm"] = replies[0][i][1]  # the norm of the whole gradient: equal on every rank
+            steps.append(sums)
+        return combine_metrics(steps, mean=True)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = self._call("export", [()] * self.world_size, "gather the full weights")[0]
+        return state
+
+    def save(self, path: str, *, with_optimizer: bool) -> None:
+        """An HF folder built from the gathered weights (and the optimizer state, gathered on rank 0).
+
+        The optimizer file holds the full FSDP optimizer state keyed by parameter name; it is read back
+        by `FSDPTrainEngine.load_optimizer` (not by the plain engine, whose file is keyed by index)."""
+        state = self.export_weights()
+        config = AutoConfig.from_pretrained(self.model_dir)
+        model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        model.load_state_dict(state, strict=True)
+        os.makedirs(path, exist_ok=True)
+        model.save_pretrained(path)
+        gen = Path(self.model_dir) / "generation_config.json"
+        if gen.is_file() and not (Path(path) / "generation_config.json").exists():
+            shutil.copy(gen, path)
+        if with_optimizer:
+            self._call("save_optimizer", [(path,)] * self.world_size, "save the optimizer state")
+
+    def load_optimizer(self, path: str) -> None:
+        """Restore the optimizer state written by `save(..., with_optimizer=True)` (every rank reads it)."""
+        self._call("load_optimizer", [(path,)] * self.world_size, "load the optimizer state")
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force) and remove the temporary model folder."""
+        if self._finalizer.alive:
+            with contextlib.suppress(Exception):
+                self._send("close", [()] * self.world_size, "shut down")
+                self._collect("shut down", 30.0)
+            self._finalizer()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None

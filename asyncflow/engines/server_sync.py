@@ -1,0 +1,154 @@
+"""Weight sync to OpenAI-compatible servers: a folder writer plus one small backend per server type.
+
+The trainer's weights reach a remote server through the file system: each published version is
+written once (shared by every engine of the run) as a Hugging Face folder, then each server is told
+to load it through its own HTTP API:
+
+    version v ─► WeightFolderWriter (once) ─► folder ─► WeightSync.load(server, folder, v, mode)
+                                                        asyncflow: POST /admin/load_weights
+                                                        vllm:      POST /pause, /collective_rpc reload_weights, /resume
+                                                        sglang:    POST /update_weights_from_disk
+
+So the trainer and the servers must share a file system (one machine, or a shared mount).
+Only the asyncflow backend is exercised against a real server in this repository's tests; the vLLM
+and SGLang backends are written against those projects' documented HTTP APIs and unit-tested for
+the requests they send (docs/engines.md).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from asyncflow.engines.base import WeightUpdateMode
+from asyncflow.engines.http_client import HTTPError, request_json
+
+SERVER_TYPES = ("asyncflow", "vllm", "sglang")
+_MODEL_FILES = (".json", ".txt", ".model", ".jinja", ".py")  # what a served folder needs besides weights
+
+
+class WeightSync(abc.ABC):
+    """Tells one server to load a weight folder as a new version."""
+
+    in_place = False  # True: the server reloads from the folder it was started with (the writer overwrites it)
+
+    @abc.abstractmethod
+    async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
+                   token: str | None, timeout: float) -> None:
+        """Make the server at `base_url` generate with the weights in `folder` from now on."""
+
+
+class AsyncflowSync(WeightSync):
+    """`asyncflow serve`: one call; the server applies drain/swap/abort itself and reports per-token versions."""
+
+    async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
+                   token: str | None, timeout: float) -> None:
+        body = {"path": str(folder.resolve()), "version": version, "mode": mode}
+        reply = await request_json("POST", f"{base_url}/admin/load_weights", body, token=token, timeout=timeout)
+        if not isinstance(reply, dict) or reply.get("version") != version:
+            raise HTTPError(200, f"{base_url}/admin/load_weights: expected version {version} back, got {reply!r}")
+
+
+class VLLMSync(WeightSync):
+    """vLLM's development-mode routes (the server runs with VLLM_SERVER_DEV_MODE=1): pause generation,
+    reload the weights from the folder vLLM was started with (`collective_rpc` of the worker method
+    `reload_weights`, which reads them from disk when given no tensors), resume. drain maps to
+    pause mode `wait`, swap to `keep` (requests freeze and continue on the new weights), abort to `abort`."""
+
+    in_place = True
+    PAUSE_MODES = {"drain": "wait", "swap": "keep", "abort": "abort"}
+
+    async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
+                   token: str | None, timeout: float) -> None:
+        await request_json("POST", f"{base_url}/pause?mode={self.PAUSE_MODES[mode]}", {}, token=token, timeout=timeout)
+        try:
+            await request_json("POST", f"{base_url}/collective_rpc",
+                               {"method": "reload_weights", "timeout": timeout}, token=token, timeout=timeout)
+        finally:
+            await request_json("POST", f"{base_url}/resume", {}, token=token, timeout=timeout)
+
+
+class SGLangSync(WeightSync):
+    """SGLang's `POST /update_weights_from_disk {model_path, abort_all_requests, weight_version}`;
+    abort aborts in-flight requests first, drain and swap let SGLang finish them before it loads."""
+
+    async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
+                   token: str | None, timeout: float) -> None:
+        body = {"model_path": str(folder.resolve()), "abort_all_requests": mode == "abort",
+                "weight_version": str(version)}
+        reply = await request_json("POST", f"{base_url}/update_weights_from_disk", body, token=token, timeout=timeout)
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            raise HTTPError(200, f"{base_url}/update_weights_from_disk failed: {reply!r}")
+
+
+def make_weight_sync(server_type: str) -> WeightSync:
+    """The backend for `rollout.server_type`."""
+    backends: dict[str, type[WeightSync]] = {"asyncflow": AsyncflowSync, "vllm": VLLMSync, "sglang": SGLangSync}
+    if server_type not in backends:
+        raise ValueError(f"unknown server type {server_type!r}; known: {', '.join(SERVER_TYPES)}")
+    return backends[server_type]()
+
+
+class WeightFolderWriter:
+    """Writes each version's weights once, however many engines ask, as a loadable HF folder.
+
+    Versioned (default): `root/v000001/` with the model folder's config files and `model.safetensors`;
+    folders two versions old are removed. In place (vLLM): `root/model.safetensors` is replaced
+    atomically, `root` being the folder the server was started with."""
+
+    def __init__(self, root: Path, model_dir: Path, *, in_place: bool) -> None:
+        self.root = root
+        self.model_dir = model_dir
+        self.in_place = in_place
+        self._writes: dict[int, asyncio.Task[Path]] = {}
+
+    async def folder_for(self, state: dict[str, Any], version: int) -> Path:
+        """The folder holding `version` (written by the first caller; the others wait for it)."""
+        task = self._writes.get(version)
+        if task is None:
+            task = asyncio.ensure_future(asyncio.to_thread(self._write, state, version))
+            self._writes[version] = task
+            for old in [v for v in self._writes if v < version - 1]:
+                del self._writes[old]
+        return await task
+
+    def _write(self, state: dict[str, Any], version: int) -> Path:
+        from safetensors.torch import save_file
+
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        if self.in_place:
+            self._check_in_place_folder()
+            tmp = self.root / "model.safetensors.tmp"
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, self.root / "model.safetensors")
+            return self.root
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / f"v{version:06d}"
+        tmp = self.root / f".v{version:06d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for f in self.model_dir.iterdir():
+            if f.is_file() and f.suffix in _MODEL_FILES and not f.name.endswith(".safetensors.index.json"):
+                shutil.copy2(f, tmp / f.name)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in self.root.glob("v*"):
+            if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _check_in_place_folder(self) -> None:
+        if not (self.root / "config.json").is_file():
+            raise RuntimeError(f"rollout.sync_dir: {self.root} is not the model folder the server was started with "
+                               "(no config.json)")
+        others = [f.name for f in self.root.iterdir()
+                  if (f.name.endswith(".safetensors") and f.name != "model.safetensors")
+                  or f.name.endswith(".safetensors.index.json")]
+        if others:
+            raise RuntimeError(f"rollout.sync_dir: {self.root} holds sharded weights ({others[0]}); the server would "
+                               "load them along with the new model.safetensors — start it from a single-file copy")

@@ -1,0 +1,117 @@
+"""The FSDP2 train engine on CPU (gloo, 2 worker processes) against the plain engine."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncflow.algorithms.losses import LossSettings, make_loss_fn
+from asyncflow.engines.fsdp_train import FSDPTrainEngine, make_shares, split_rows
+from asyncflow.engines.torch_train import TorchTrainEngine
+from asyncflow.workflow.pipeline import build_train_batch
+
+
+def _batch(n: int = 6, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 32, (3 + i % 3,), generator=g).tolist() for i in range(n)]
+    responses = [torch.randint(2, 32, (1 + (i * 5) % 7,), generator=g).tolist() for i in range(n)]
+    behavior = [(-torch.rand(len(r), generator=g)).tolist() for r in responses]
+    return build_train_batch(prompts, responses, behavior, torch.randn(n, generator=g), [True] * n, 0)
+
+
+def test_rows_split_evenly_and_every_rank_runs_the_same_number_of_passes() -> None:
+    assert split_rows(5, 2) == [[0, 1, 2], [3, 4]]
+    assert split_rows(1, 2) == [[0], []]
+    shares = make_shares(_batch(5), 2, micro_batch_size=2)
+    assert [len(s.rows) if s.rows is not None else 0 for s in shares] == [3, 2]
+    assert [s.passes for s in shares] == [2, 2]  # rank 1 needs one pass, runs two (the second a dummy)
+    shares = make_shares(_batch(1), 2, micro_batch_size=None)
+    assert shares[1].rows is None and shares[1].passes == 1
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        if k.endswith("k_proj.bias"):
+            # attention is invariant to a key bias (it shifts every score of a query equally): its exact
+            # gradient is 0, and Adam turns the float noise left in its place into full-size steps
+            continue
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_fsdp_on_two_ranks_matches_the_plain_engine_and_round_trips_a_checkpoint(tiny_model, tmp_path: Path) -> None:
+    batch = _batch(6)
+    # 2 mini-batches of 3 rows: ranks get 2 and 1 rows; micro-batches of 1 make rank 1 run a dummy pass
+    fsdp = FSDPTrainEngine(copy.deepcopy(tiny_model), world_size=2, lr=1e-2, mini_batches=2, micro_batch_size=1)
+    try:
+        plain = TorchTrainEngine(copy.deepcopy(tiny_model), lr=1e-2, mini_batches=2)
+        torch.testing.assert_close(fsdp.logprobs(batch, 0.7), plain.logprobs(batch, 0.7))
+        _assert_same_weights(fsdp.export_weights(), plain.export_weights())
+        for settings in (LossSettings(loss="ppo", agg="token_mean"),
+                         LossSettings(loss="tis", agg="seq_mean_token_mean", is_level="sequence")):
+            got = fsdp.train_step(batch, make_loss_fn(settings), 1.0)
+            want = plain.train_step(batch, make_loss_fn(settings), 1.0)
+            assert set(got) == set(want)
+            for key in want:  # loss, entropy, grad_norm (the whole gradient's size), _max / _min metrics
+                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+            assert got["grad_norm"] > 0
+            _assert_same_weights(fsdp.export_weights(), plain.export_weights())  # the same update direction
+        # a checkpoint restores weights and optimizer state: a fresh engine then takes the same step
+        fsdp.save(str(tmp_path / "ckpt"), with_optimizer=True)
+        assert (tmp_path / "ckpt" / "optimizer.pt").is_file() and (tmp_path / "ckpt" / "config.json").is_file()
+        resumed = FSDPTrainEngine(tmp_path / "ckpt", world_size=2, lr=1e-2, mini_batches=2, micro_batch_size=1)
+        try:
+            resumed.load_optimizer(str(tmp_path / "ckpt"))
+            loss_fn = make_loss_fn(LossSettings())
+            fsdp.train_step(batch, loss_fn, 1.0)
+            resumed.train_step(batch, loss_fn, 1.0)
+            _assert_same_weights(resumed.export_weights(), fsdp.export_weights())
+        finally:
+            resumed.close()
+    finally:
+        fsdp.close()
+
+
+def test_a_dead_worker_is_an_error_naming_its_rank_not_a_hang(tiny_model) -> None:
+    engine = FSDPTrainEngine(copy.deepcopy(tiny_model), world_size=2, lr=1e-2, timeout_s=60)
+    try:
+        os.kill(engine._procs[1].pid, signal.SIGKILL)
+        engine._procs[1].join(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1 died"):
+            engine.logprobs(_batch(4), 1.0)
+        assert time.monotonic() - start < 30
+        assert not engine._procs[0].is_alive()  # the survivor is stopped too (it would wait in a collective)
+        with pytest.raises(RuntimeError, match="closed"):
+            engine.logprobs(_batch(4), 1.0)
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_short_training_run_with_the_fsdp_engine(arith_dir: Path, tmp_path: Path) -> None:
+    from asyncflow.config import load_config
+    from asyncflow.runner import train
+
+    cfg, _ = load_config(None, [
+        f"model.path={arith_dir}", "train.engine=fsdp", "train.world_size=2", "train.max_steps=2",
+        "train.batch_size=16", "rollout.n=4", "rollout.max_new_tokens=4", "train.mini_batches=2",
+        "eval.size=16", "eval.every=0", "logging.progress=false",
+    ])
+    out = tmp_path / "run"
+    summary = train(cfg, out, progress_enabled=False)
+    assert summary["samples"] == 2 * 16
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["loss"] == r["loss"] and r["grad_norm"] >= 0 for r in steps)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(out / "final"))

@@ -1,0 +1,184 @@
+"""Weight-sync backends and the openai engine's config, against a fake HTTP server.
+
+vLLM and SGLang cannot run here (no GPU): these tests check the requests their backends send
+match those servers' documented HTTP APIs, and how replies are parsed. The asyncflow backend is
+also exercised against a real `asyncflow serve` (tests/test_serve.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncflow.config import load_config
+from asyncflow.engines.base import GenRequest
+from asyncflow.engines.http_client import HTTPError, request_json
+from asyncflow.engines.openai_engine import OpenAIEngine, parse_choice
+from asyncflow.engines.server_sync import SGLangSync, VLLMSync, WeightFolderWriter, make_weight_sync
+from asyncflow.errors import UserError, WaitTimeout
+
+
+class FakeServer:
+    """Records every request; answers from `replies[path]` (default `{}`), status `statuses[path]` (200)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, Any, str | None]] = []
+        self.replies: dict[str, Any] = {}
+        self.statuses: dict[str, int] = {}
+        self.delay = threading.Event()
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self._answer("GET")
+
+            def do_POST(self) -> None:
+                self._answer("POST")
+
+            def _answer(self, method: str) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n)) if n else None
+                fake.seen.append((method, self.path, body, self.headers.get("Authorization")))
+                route = self.path.split("?")[0]
+                if route == "/slow":
+                    fake.delay.wait(timeout=30)
+                data = json.dumps(fake.replies.get(route, {})).encode()
+                self.send_response(fake.statuses.get(route, 200))
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.delay.set()
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture()
+def fake() -> Iterator[FakeServer]:
+    f = FakeServer()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def test_vllm_sync_pauses_reloads_from_disk_and_resumes(fake: FakeServer, tmp_path: Path) -> None:
+    asyncio.run(VLLMSync().load(fake.url, tmp_path, 4, "swap", token="t", timeout=10))
+    assert [(m, p) for m, p, _, _ in fake.seen] == [
+        ("POST", "/pause?mode=keep"), ("POST", "/collective_rpc"), ("POST", "/resume")]
+    assert fake.seen[1][2]["method"] == "reload_weights"
+    assert all(auth == "Bearer t" for *_, auth in fake.seen)
+    fake.seen.clear()
+    asyncio.run(VLLMSync().load(fake.url, tmp_path, 5, "drain", token=None, timeout=10))
+    assert fake.seen[0][1] == "/pause?mode=wait" and fake.seen[0][3] is None
+    assert VLLMSync.PAUSE_MODES["abort"] == "abort"
+
+
+def test_vllm_sync_resumes_even_when_the_reload_fails(fake: FakeServer, tmp_path: Path) -> None:
+    fake.statuses["/collective_rpc"] = 500
+    fake.replies["/collective_rpc"] = {"detail": "no such method"}
+    with pytest.raises(HTTPError, match="no such method"):
+        asyncio.run(VLLMSync().load(fake.url, tmp_path, 4, "abort", token=None, timeout=10))
+    assert [p for _, p, _, _ in fake.seen] == ["/pause?mode=abort", "/collective_rpc", "/resume"]
+
+
+def test_sglang_sync_posts_update_weights_from_disk(fake: FakeServer, tmp_path: Path) -> None:
+    fake.replies["/update_weights_from_disk"] = {"success": True, "message": "ok"}
+    asyncio.run(SGLangSync().load(fake.url, tmp_path, 7, "abort", token=None, timeout=10))
+    method, path, body, _ = fake.seen[0]
+    assert (method, path) == ("POST", "/update_weights_from_disk")
+    assert body == {"model_path": str(tmp_path.resolve()), "abort_all_requests": True, "weight_version": "7"}
+    asyncio.run(SGLangSync().load(fake.url, tmp_path, 8, "swap", token=None, timeout=10))
+    assert fake.seen[1][2]["abort_all_requests"] is False
+    fake.replies["/update_weights_from_disk"] = {"success": False, "message": "bad shape"}
+    with pytest.raises(HTTPError, match="bad shape"):
+        asyncio.run(SGLangSync().load(fake.url, tmp_path, 9, "swap", token=None, timeout=10))
+
+
+def test_asyncflow_sync_and_factory(fake: FakeServer, tmp_path: Path) -> None:
+    fake.replies["/admin/load_weights"] = {"version": 2, "seconds": 0.1}
+    asyncio.run(make_weight_sync("asyncflow").load(fake.url, tmp_path, 2, "drain", token=None, timeout=10))
+    assert fake.seen[0][1:3] == ("/admin/load_weights", {"path": str(tmp_path.resolve()), "version": 2, "mode": "drain"})
+    assert isinstance(make_weight_sync("sglang"), SGLangSync) and make_weight_sync("vllm").in_place
+    with pytest.raises(ValueError, match="unknown server type"):
+        make_weight_sync("tgi")
+
+
+def test_every_http_call_has_a_deadline(fake: FakeServer) -> None:
+    with pytest.raises(WaitTimeout, match="timed out after 0.3 s"):
+        asyncio.run(request_json("POST", f"{fake.url}/slow", {}, timeout=0.3))
+    with pytest.raises(HTTPError, match="cannot connect"):
+        asyncio.run(request_json("GET", "http://127.0.0.1:1/v1/models", timeout=5))
+
+
+def test_vllm_style_replies_give_token_ids_and_the_sent_version() -> None:
+    reply = {"choices": [{"text": "ab", "finish_reason": "stop",
+                          "logprobs": {"tokens": ["token_id:5", "token_id:1"], "token_logprobs": [-0.5, -0.1]}}]}
+    assert parse_choice(reply, 3, "x") == ([5, 1], [-0.5, -0.1], [3, 3], "stop")
+    reply = {"choices": [{"token_ids": [4], "finish_reason": "abort", "logprobs": {"token_logprobs": [-1.0]}}]}
+    assert parse_choice(reply, 0, "x")[3] == "cancelled"
+    with pytest.raises(HTTPError, match="exact ids"):
+        parse_choice({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": [-1.0]}}]}, 0, "x")
+
+
+def test_openai_engine_request_and_cancel_floor(fake: FakeServer, tmp_path: Path) -> None:
+    fake.replies["/v1/completions"] = {"choices": [
+        {"token_ids": [5, 1], "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.2, -0.3]}}]}
+    engine = OpenAIEngine(fake.url, sync=VLLMSync(), writer=WeightFolderWriter(tmp_path, tmp_path, in_place=True),
+                          server_type="vllm", model="m", max_batch=8, request_timeout_s=10)
+    res = asyncio.run(engine.generate(GenRequest(1, [3, 4], 5, 0.0, 0.9, 7)))
+    body = fake.seen[0][2]
+    assert body["prompt"] == [3, 4] and body["max_tokens"] == 5 and body["temperature"] == 0.0
+    assert body["top_p"] == 0.9 and body["top_k"] == 7 and body["return_token_ids"] is True and body["model"] == "m"
+    assert (res.response_ids, res.token_versions, res.finish_reason) == ([5, 1], [0, 0], "stop")
+    engine.cancel_older_than(1)  # a reply whose oldest token is older than the floor ends as cancelled
+    assert asyncio.run(engine.generate(GenRequest(2, [3], 5))).finish_reason == "cancelled"
+
+
+def test_in_place_writer_refuses_a_sharded_folder(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    writer = WeightFolderWriter(tmp_path, tmp_path, in_place=True)
+    with pytest.raises(RuntimeError, match="sharded"):
+        asyncio.run(writer.folder_for({"w": torch.zeros(2)}, 1))
+
+
+@pytest.mark.parametrize(
+    ("sets", "needle"),
+    [
+        (["rollout.engine=openai"], "rollout.server_urls: rollout.engine=openai needs"),
+        (["rollout.server_urls=[http://a:1]"], "only used with rollout.engine=openai"),
+        (["rollout.engine=openai", "rollout.server_urls=[ftp://a]"], "not an http"),
+        (["rollout.engine=openai", "rollout.server_urls=http://a:1"], "expected a list"),
+        (["rollout.engine=openai", "rollout.server_urls=[http://a:1, http://a:1/]"], "listed twice"),
+        (["rollout.engine=openai", "rollout.server_urls=[http://a:1]", "rollout.workers=2"], "rollout.workers"),
+        (["rollout.engine=openai", "rollout.server_urls=[http://a:1]", "rollout.server_type=vllm"], "rollout.sync_dir"),
+        (["rollout.engine=openai", "rollout.server_urls=[http://a:1]", "runtime.kind=ray"], "runtime.kind=local"),
+        (["rollout.sync_dir=/tmp/x"], "rollout.sync_dir: only used"),
+    ],
+)
+def test_invalid_openai_engine_settings_are_refused_at_load(sets: list[str], needle: str) -> None:
+    with pytest.raises(UserError, match=None) as info:
+        load_config(None, sets)
+    assert needle in str(info.value)
+
+
+def test_openai_engine_resolves_one_worker_per_server() -> None:
+    cfg, _ = load_config(None, ["rollout.engine=openai", "rollout.server_urls=[http://a:1, http://b:2]"])
+    assert cfg.rollout.workers == 2 and cfg.rollout.server_type == "asyncflow"
