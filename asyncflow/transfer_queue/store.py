@@ -178,7 +178,7 @@ class _Waiter:
             _call_soon(loop, fut)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Sample:
     uid: int
     group_id: int
@@ -191,7 +191,7 @@ class _Sample:
     consumed: set[str] = field(default_factory=set)  # stages that acked it
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Group:
     size: int
     put: int = 0
@@ -231,7 +231,7 @@ class _Stage:
         return names
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _LeaseRec:
     id: int
     stage: str
@@ -245,7 +245,23 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-_NO_PAYLOAD: set[type] = {int, float, str, bool, type(None)}  # count 0 without a look-up (hot path)
+_KINDS: dict[type, int] = {}  # value type -> 0: no payload, 1: ask the value, 2: a plain list or tuple
+
+
+def _kind(t: type) -> int:
+    """Decided once per type: a type without an `nbytes` attribute whose instances cannot carry one
+    (no instance `__dict__`: e.g. numbers, strings, `Runs`) has no payload, and a plain list or
+    tuple is counted by length; anything else is asked each time."""
+    k = _KINDS.get(t)
+    if k is None:
+        if hasattr(t, "nbytes") or t.__dictoffset__ != 0:
+            k = 1
+        elif issubclass(t, (list, tuple)):
+            k = 2
+        else:
+            k = 0
+        _KINDS[t] = k
+    return k
 
 
 def _payload_bytes(fields: dict[str, Any]) -> int:
@@ -253,7 +269,13 @@ def _payload_bytes(fields: dict[str, Any]) -> int:
     an element, as they would be as int64/float64 tensors; other Python values count 0."""
     total = 0
     for v in fields.values():
-        if type(v) in _NO_PAYLOAD:
+        k = _KINDS.get(type(v))
+        if k is None:
+            k = _kind(type(v))
+        if k == 0:
+            continue
+        if k == 2:
+            total += 8 * len(v)
             continue
         n = getattr(v, "nbytes", None)
         if isinstance(n, int):
@@ -396,8 +418,13 @@ class TransferQueue:
         self._max_group_size = max(self._max_group_size, ns.group_size)
         self._samples[uid] = s
         self._bytes_put += _payload_bytes(s.fields)
+        fields = s.fields
         for st in self._stages.values():
-            self._check_ready(st, s)
+            for f in st.fields:
+                if f not in fields:
+                    break
+            else:
+                self._check_ready(st, s)
         return uid
 
     def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None:
@@ -426,12 +453,19 @@ class TransferQueue:
     # ----------------------------------------------------------------------------- readiness index
     def _check_ready(self, st: _Stage, s: _Sample) -> None:
         """Index `s` for `st` the first time its fields cover the stage's fields."""
-        if st.name in s.ready or not all(f in s.fields for f in st.fields):
+        name = st.name
+        if name in s.ready:
             return
-        s.ready.add(st.name)
+        fields = s.fields
+        for f in st.fields:
+            if f not in fields:
+                return
+        s.ready.add(name)
         if st.groups:
             g = self._groups[s.group_id]
-            g.ready[st.name] = g.ready.get(st.name, 0) + 1
+            ready = g.ready[name] = g.ready.get(name, 0) + 1
+            if ready < len(g.uids) and not g.avail.get(name):
+                return  # the group is not complete yet (and was not available): nothing changes
             self._sync_group(st, s.group_id, g)
         else:
             self._sync_sample(st, s)
@@ -635,6 +669,15 @@ class TransferQueue:
     def _pop_keys(self, st: _Stage, max_samples: int) -> list[int]:
         """Pop the lowest-priority available uids (or whole groups) that fit in `max_samples`."""
         keys: list[int] = []
+        if not st.groups:  # one sample per entry: every live entry fits
+            heap, queued, samples, name = st.heap, st.queued, self._samples, st.name
+            while heap and len(keys) < max_samples:
+                key = heapq.heappop(heap)[1]
+                queued.discard(key)
+                s = samples.get(key)
+                if s is not None and name in s.avail:
+                    keys.append(key)
+            return keys
         total = 0
         while st.heap and total < max_samples:
             priority, key = st.heap[0]
@@ -664,6 +707,9 @@ class TransferQueue:
         rec.deadline = self._clock.now() + (self.lease_timeout_s if lease_s is None else lease_s)
         names = st.view_fields(extra)
         lease = Lease(rec.id, st.name, [], [], rec.deadline)
+        if not st.groups:
+            self._claim_samples(st, rec, keys, names, min_version, lease)
+            keys = []
         for key in keys:
             uids = list(self._groups[key].uids) if st.groups else [key]
             views = [self._claim(st, rec, uid, names) for uid in uids]
@@ -677,6 +723,23 @@ class TransferQueue:
         self._leases[rec.id] = rec
         heapq.heappush(self._expiries, (rec.deadline, rec.id))
         return lease
+
+    def _claim_samples(self, st: _Stage, rec: _LeaseRec, uids: list[int], names: tuple[str, ...],
+                       min_version: int | None, lease: Lease) -> None:
+        """`_claim` of each uid for a sample (non-group) stage, inlined: each was available (its heap
+        entry offered it), so it simply stops being."""
+        name, lid, samples = st.name, rec.id, self._samples
+        for uid in uids:
+            s = samples[uid]
+            s.taken[name] = lid
+            s.avail.discard(name)
+            f = s.fields
+            view = SampleView(uid, s.group_id, s.version, {k: f[k] for k in names if k in f})
+            old = min_version is not None and s.version is not None and s.version < min_version
+            (lease.expired if old else lease.samples).append(view)
+        rec.uids.extend(uids)
+        st.depth -= len(uids)
+        st.leased += len(uids)
 
     def _claim(self, st: _Stage, rec: _LeaseRec, uid: int, names: tuple[str, ...]) -> SampleView:
         s = self._samples[uid]
@@ -699,13 +762,7 @@ class TransferQueue:
             rec = self._leases.pop(lease.id, None)
             if rec is None:
                 return False
-            live = self._end_lease(rec)
-            for s in live:
-                s.consumed.add(rec.stage)
-            for g in self._lease_groups(rec):
-                g.consumed.add(rec.stage)
-            if remove:
-                self._remove_many(s.uid for s in live)
+            self._consume(rec, remove)
             return True
 
     def complete(
@@ -730,14 +787,20 @@ class TransferQueue:
                 s = self._samples.get(uid)
                 if s is not None:
                     self._write_locked(s, fields, None if versions is None else versions.get(uid))
-            live = self._end_lease(rec)
-            for s in live:
-                s.consumed.add(rec.stage)
-            for g in self._lease_groups(rec):
-                g.consumed.add(rec.stage)
-            if remove:
-                self._remove_many(s.uid for s in live)
+            self._consume(rec, remove)
             return True
+
+    def _consume(self, rec: _LeaseRec, remove: bool) -> None:
+        """End an acked lease: its live samples (and groups) are consumed by its stage."""
+        live = self._end_lease(rec)
+        name = rec.stage
+        for s in live:
+            s.consumed.add(name)
+        if rec.groups:
+            for g in self._lease_groups(rec):
+                g.consumed.add(name)
+        if remove:
+            self._remove_many([s.uid for s in live])
 
     def release(self, lease: Lease) -> bool:
         """Give the samples back to the lease's stage, keeping their priority. False if already ended."""
@@ -762,12 +825,13 @@ class TransferQueue:
         """Clear the lease's marks on its live samples and groups; return those samples."""
         st = self._stages[rec.stage]
         live = []
+        name, lid, samples = rec.stage, rec.id, self._samples
         for uid in rec.uids:
-            s = self._samples.get(uid)
-            if s is not None and s.taken.get(rec.stage) == rec.id:
-                del s.taken[rec.stage]
-                st.leased -= 1
+            s = samples.get(uid)
+            if s is not None and s.taken.get(name) == lid:
+                del s.taken[name]
                 live.append(s)
+        st.leased -= len(live)
         for gid in rec.groups:
             g = self._groups.get(gid)
             if g is not None and g.leased.get(rec.stage) == rec.id:
@@ -830,10 +894,12 @@ class TransferQueue:
 
     # ----------------------------------------------------------------------------- waiting
     def _notify(self, st: _Stage) -> None:
-        self._wake(st.waiters, st.depth)
+        if st.waiters:
+            self._wake(st.waiters, st.depth)
 
     def _notify_put(self) -> None:
-        self._wake(self._put_waiters, self.capacity - len(self._samples))
+        if self._put_waiters:
+            self._wake(self._put_waiters, self.capacity - len(self._samples))
 
     @staticmethod
     def _wake(waiters: list[_Waiter], have: int) -> None:
