@@ -563,6 +563,20 @@ class TransferQueue:
         finally:
             self._add_wait(stage, start)
 
+    def take_each_nowait(
+        self,
+        stage: str,
+        max_samples: int,
+        *,
+        lease_s: float | None = None,
+        min_version: int | None = None,
+        fields_extra: Sequence[str] = (),
+    ) -> list[Lease]:
+        """`take_each` without waiting: the leases of what is ready now (possibly none). For code on
+        the store's own event loop that refills a slot the moment it frees (e.g. in a done callback),
+        without a round through a waiting task."""
+        return self._take_each_or_wait(stage, max_samples, lease_s, min_version, tuple(fields_extra), None)[0] or []
+
     def _take_each_or_wait(
         self,
         stage: str,
