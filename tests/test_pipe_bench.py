@@ -104,9 +104,9 @@ def test_affinity_routes_a_prompts_samples_to_one_least_loaded_worker(affinity: 
     class Recording(SimEngine):
         index = 0
 
-        async def generate(self, request):  # type: ignore[no-untyped-def]
+        def start_generate(self, request):  # type: ignore[no-untyped-def]  # (generate goes through it too)
             seen.setdefault(request.uid // 8, set()).add(self.index)
-            return await super().generate(request)
+            return super().start_generate(request)
 
     async def main(clock: VirtualClock) -> None:
         cfg, _ = load_config(None, ["rollout.n=8", "train.batch_size=64", "train.max_steps=4", "rollout.workers=3",

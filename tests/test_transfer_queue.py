@@ -620,6 +620,38 @@ def test_take_each_gives_one_lease_per_sample_in_one_call() -> None:
     assert [uids_of(lease) for lease in asyncio.run(rest())] == [[0], [3], [4]]  # priority order
 
 
+def test_take_each_nowait_takes_what_is_ready_without_waiting() -> None:
+    q = TransferQueue()
+    q.register_stage("rollout", ["prompt"])
+    assert q.take_each_nowait("rollout", 4) == []  # nothing ready: no lease, no wait
+    q.put_blocking(prompts(3))
+    leases = q.take_each_nowait("rollout", 2, fields_extra=["answer"])
+    assert [uids_of(lease) for lease in leases] == [[0], [1]]
+    assert q.in_flight("rollout") == 2 and q.ready_count("rollout") == 1
+    assert [uids_of(lease) for lease in q.take_each_nowait("rollout", 5)] == [[2]]
+    assert q.take_each_nowait("rollout", 5) == []
+    q.release(leases[1])
+    assert [uids_of(lease) for lease in q.take_each_nowait("rollout", 5)] == [[1]]  # released: served again
+    q.close()
+    with pytest.raises(QueueClosed):
+        q.take_each_nowait("rollout", 1)
+
+
+def test_a_write_makes_ready_only_the_stages_that_read_its_fields() -> None:
+    q = TransferQueue()
+    q.register_stage("a", ["x"])
+    q.register_stage("b", ["x", "y"])
+    q.register_stage("c", [])  # no fields: ready at once
+    (uid,) = q.put_blocking(prompts(1))
+    assert (q.ready_count("a"), q.ready_count("b"), q.ready_count("c")) == (0, 0, 1)
+    q.write(uid, {"y": 1})
+    assert (q.ready_count("a"), q.ready_count("b")) == (0, 0)
+    q.write(uid, {"x": 2})
+    assert (q.ready_count("a"), q.ready_count("b")) == (1, 1)
+    lease = q.take_nowait("b", 1)
+    assert lease is not None and lease.samples[0].fields == {"x": 2, "y": 1}
+
+
 def test_complete_writes_then_acks_and_refuses_an_ended_lease() -> None:
     clock = FakeClock()
     q = TransferQueue(clock=clock, lease_timeout_s=10)

@@ -52,6 +52,14 @@ class InferenceEngine(abc.ABC):
     async def generate(self, request: GenRequest) -> GenResult:
         """Generate one response; requests join and leave the running batch between decode steps."""
 
+    def start_generate(self, request: GenRequest) -> asyncio.Future[GenResult]:
+        """Start `generate(request)` and return its future (cancel it to abandon the request).
+
+        The rollout worker submits single-turn requests this way and completes each in a callback on
+        the future, without an asyncio task per request. Default: `generate` wrapped in a task; an
+        engine that already resolves a future per request returns that future directly."""
+        return asyncio.ensure_future(self.generate(request))
+
     @abc.abstractmethod
     async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
         """Load new weights as `version`. Returns seconds until they were in use."""

@@ -133,6 +133,10 @@ class SimEngine(InferenceEngine):
         self._wake.set()
 
     async def generate(self, request: GenRequest) -> GenResult:
+        return await self.start_generate(request)
+
+    def start_generate(self, request: GenRequest) -> asyncio.Future[GenResult]:
+        """The request's own result future (resolved by the server loop; cancelling it abandons it)."""
         with self.meter:
             natural = max(1, self.lengths(self.rng))
             seq = _Seq(request, min(natural, request.max_new_tokens), natural <= request.max_new_tokens,
@@ -140,7 +144,7 @@ class SimEngine(InferenceEngine):
             self._waiting.append(seq)
             if self._task is None or self._task.done() or len(self._running) < self._capacity:
                 self._ensure_loop()  # a free slot: join at the next step boundary
-        return await seq.done
+        return seq.done
 
     async def load_weights(self, state: Any, version: int, mode: WeightUpdateMode) -> float:
         """`state` is not read (the simulation has no weights); the load's timing is what is modelled."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import heapq
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -138,14 +137,48 @@ class StoreClient(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
-@dataclass(eq=False)
+_THREAD = "thread"  # `_Waiter`'s `on` for a plain thread (it sleeps on a `threading.Event`)
+
+
 class _Waiter:
-    need: int  # wake once this many samples are available (or this much room, for producers)
-    wake: Callable[[], None]
-    home: list[_Waiter]
+    """One sleeping caller: an asyncio future on its loop, or a `threading.Event` for a thread.
+
+    Created under the store's lock only when the caller has to wait (a call that succeeds at once
+    allocates nothing). Woken on its own loop's thread (the common case: the store is used from
+    the loop that waits on it) the future is resolved directly; from any other thread through
+    `call_soon_threadsafe`, whose self-pipe write (a system call) and extra callback are then
+    needed."""
+
+    __slots__ = ("event", "fut", "home", "loop", "need", "woken")
+
+    def __init__(self, need: int, home: list[_Waiter], on: asyncio.AbstractEventLoop | str) -> None:
+        self.need = need  # wake once this many samples are available (or this much room, for producers)
+        self.home = home
+        self.woken = False
+        self.event: threading.Event | None = None
+        self.fut: asyncio.Future[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        if isinstance(on, str):
+            self.event = threading.Event()
+        else:
+            self.loop = on
+            self.fut = on.create_future()
+
+    def wake(self) -> None:
+        self.woken = True
+        if self.event is not None:
+            self.event.set()
+            return
+        fut, loop = self.fut, self.loop
+        assert fut is not None and loop is not None
+        if asyncio._get_running_loop() is loop:
+            if not fut.done():
+                fut.set_result(None)  # schedules the waiting task; nothing runs under the lock
+        else:
+            _call_soon(loop, fut)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Sample:
     uid: int
     group_id: int
@@ -158,7 +191,7 @@ class _Sample:
     consumed: set[str] = field(default_factory=set)  # stages that acked it
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Group:
     size: int
     put: int = 0
@@ -189,9 +222,16 @@ class _Stage:
     leased: int = 0
     wait_s: float = 0.0
     waiters: list[_Waiter] = field(default_factory=list)
+    names: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # fields_extra -> fields a view gets
+
+    def view_fields(self, extra: tuple[str, ...]) -> tuple[str, ...]:
+        names = self.names.get(extra)
+        if names is None:
+            names = self.names[extra] = self.fields + tuple(f for f in dict.fromkeys(extra) if f not in self.fields)
+        return names
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _LeaseRec:
     id: int
     stage: str
@@ -205,11 +245,38 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+_KINDS: dict[type, int] = {}  # value type -> 0: no payload, 1: ask the value, 2: a plain list or tuple
+
+
+def _kind(t: type) -> int:
+    """Decided once per type: a type without an `nbytes` attribute whose instances cannot carry one
+    (no instance `__dict__`: e.g. numbers, strings, `Runs`) has no payload, and a plain list or
+    tuple is counted by length; anything else is asked each time."""
+    k = _KINDS.get(t)
+    if k is None:
+        if hasattr(t, "nbytes") or t.__dictoffset__ != 0:
+            k = 1
+        elif issubclass(t, (list, tuple)):
+            k = 2
+        else:
+            k = 0
+        _KINDS[t] = k
+    return k
+
+
 def _payload_bytes(fields: dict[str, Any]) -> int:
     """Payload bytes: tensors/arrays by `nbytes`; lists of numbers (token ids, log-probs) at 8 bytes
     an element, as they would be as int64/float64 tensors; other Python values count 0."""
     total = 0
     for v in fields.values():
+        k = _KINDS.get(type(v))
+        if k is None:
+            k = _kind(type(v))
+        if k == 0:
+            continue
+        if k == 2:
+            total += 8 * len(v)
+            continue
         n = getattr(v, "nbytes", None)
         if isinstance(n, int):
             total += n
@@ -239,6 +306,7 @@ class TransferQueue:
         self._samples: dict[int, _Sample] = {}
         self._groups: dict[int, _Group] = {}
         self._stages: dict[str, _Stage] = {}
+        self._by_field: dict[str, list[_Stage]] = {}  # field -> stages that read it (readiness index)
         self._leases: dict[int, _LeaseRec] = {}
         self._expiries: list[tuple[float, int]] = []  # (deadline, lease id), stale entries skipped
         self._put_waiters: list[_Waiter] = []
@@ -264,6 +332,8 @@ class TransferQueue:
                 return
             st = _Stage(stage, tuple(dict.fromkeys(fields)), groups)
             self._stages[stage] = st
+            for f in st.fields:
+                self._by_field.setdefault(f, []).append(st)
             for s in self._samples.values():
                 self._check_ready(st, s)
 
@@ -277,12 +347,12 @@ class TransferQueue:
     async def put(self, samples: list[NewSample], timeout: float | None = None) -> list[int]:
         """Admit samples and return their uids; waits while the store is too full (backpressure)."""
         return await self._wait_async(
-            lambda wake: self._put_or_wait(samples, wake), timeout, "room in the store"
+            lambda on: self._put_or_wait(samples, on), timeout, "room in the store"
         )
 
     def put_blocking(self, samples: list[NewSample], timeout: float | None = None) -> list[int]:
         """`put` for plain threads."""
-        return self._wait_thread(lambda wake: self._put_or_wait(samples, wake), timeout, "room in the store")
+        return self._wait_thread(lambda on: self._put_or_wait(samples, on), timeout, "room in the store")
 
     def put_columns_blocking(
         self,
@@ -297,7 +367,7 @@ class TransferQueue:
         return self.put_blocking(rows_of(columns, group_ids, group_size), timeout=timeout)
 
     def _put_or_wait(
-        self, samples: list[NewSample], wake: Callable[[], None] | None
+        self, samples: list[NewSample], on: asyncio.AbstractEventLoop | str | None
     ) -> tuple[list[int] | None, _Waiter | None, float | None]:
         with self._lock:
             self._check_open()
@@ -305,8 +375,8 @@ class TransferQueue:
             self._validate_new(samples)
             if len(self._samples) + len(samples) <= self.capacity:
                 return [self._insert(ns) for ns in samples], None, None
-            assert wake is not None
-            w = _Waiter(len(samples), wake, self._put_waiters)
+            assert on is not None
+            w = _Waiter(len(samples), self._put_waiters, on)
             self._put_waiters.append(w)
             return None, w, self._next_expiry()
 
@@ -348,8 +418,13 @@ class TransferQueue:
         self._max_group_size = max(self._max_group_size, ns.group_size)
         self._samples[uid] = s
         self._bytes_put += _payload_bytes(s.fields)
+        fields = s.fields
         for st in self._stages.values():
-            self._check_ready(st, s)
+            for f in st.fields:
+                if f not in fields:
+                    break
+            else:
+                self._check_ready(st, s)
         return uid
 
     def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None:
@@ -366,18 +441,31 @@ class TransferQueue:
         self._bytes_put += _payload_bytes(fields)
         if version is not None:
             s.version = version if s.version is None else min(s.version, version)
-        for st in self._stages.values():
-            self._check_ready(st, s)
+        # a write can only make ready the stages that read one of the fields it wrote
+        by_field = self._by_field
+        for f in fields:
+            stages = by_field.get(f)
+            if stages is not None:
+                for st in stages:
+                    if st.name not in s.ready:
+                        self._check_ready(st, s)
 
     # ----------------------------------------------------------------------------- readiness index
     def _check_ready(self, st: _Stage, s: _Sample) -> None:
         """Index `s` for `st` the first time its fields cover the stage's fields."""
-        if st.name in s.ready or not all(f in s.fields for f in st.fields):
+        name = st.name
+        if name in s.ready:
             return
-        s.ready.add(st.name)
+        fields = s.fields
+        for f in st.fields:
+            if f not in fields:
+                return
+        s.ready.add(name)
         if st.groups:
             g = self._groups[s.group_id]
-            g.ready[st.name] = g.ready.get(st.name, 0) + 1
+            ready = g.ready[name] = g.ready.get(name, 0) + 1
+            if ready < len(g.uids) and not g.avail.get(name):
+                return  # the group is not complete yet (and was not available): nothing changes
             self._sync_group(st, s.group_id, g)
         else:
             self._sync_sample(st, s)
@@ -450,7 +538,7 @@ class TransferQueue:
         what = f"{min_samples} sample(s) ready for stage {stage!r}"
         start = self._clock.now()
         try:
-            return await self._wait_async(lambda wake: self._take_or_wait(*args, wake), timeout, what)
+            return await self._wait_async(lambda on: self._take_or_wait(*args, on), timeout, what)
         finally:
             self._add_wait(stage, start)
 
@@ -466,21 +554,58 @@ class TransferQueue:
     ) -> list[Lease]:
         """Up to `max_samples` samples (whole groups for group stages) as one lease each, so each can
         be completed on its own: waits for the first, then takes what is ready. One call instead of
-        one per free slot (a round trip each on Ray)."""
-        first = await self.take(stage, 1, timeout=timeout, lease_s=lease_s, min_version=min_version,
-                                fields_extra=fields_extra)
-        return [first, *self._take_more(stage, max_samples - _count(first), lease_s, min_version, fields_extra)]
+        one per free slot (a round trip each on Ray), and one pass under the lock for all of them."""
+        args = (stage, max_samples, lease_s, min_version, tuple(fields_extra))
+        what = f"1 sample(s) ready for stage {stage!r}"
+        start = self._clock.now()
+        try:
+            return await self._wait_async(lambda on: self._take_each_or_wait(*args, on), timeout, what)
+        finally:
+            self._add_wait(stage, start)
 
-    def _take_more(self, stage: str, budget: int, lease_s: float | None, min_version: int | None,
-                   fields_extra: Sequence[str]) -> list[Lease]:
-        out = []
-        while budget > 0:
-            lease = self.take_nowait(stage, 1, lease_s=lease_s, min_version=min_version, fields_extra=fields_extra)
-            if lease is None:
-                break
-            out.append(lease)
-            budget -= _count(lease)
-        return out
+    def take_each_nowait(
+        self,
+        stage: str,
+        max_samples: int,
+        *,
+        lease_s: float | None = None,
+        min_version: int | None = None,
+        fields_extra: Sequence[str] = (),
+    ) -> list[Lease]:
+        """`take_each` without waiting: the leases of what is ready now (possibly none). For code on
+        the store's own event loop that refills a slot the moment it frees (e.g. in a done callback),
+        without a round through a waiting task."""
+        return self._take_each_or_wait(stage, max_samples, lease_s, min_version, tuple(fields_extra), None)[0] or []
+
+    def _take_each_or_wait(
+        self,
+        stage: str,
+        max_samples: int,
+        lease_s: float | None,
+        min_version: int | None,
+        extra: tuple[str, ...],
+        on: asyncio.AbstractEventLoop | str | None,
+    ) -> tuple[list[Lease] | None, _Waiter | None, float | None]:
+        """As many one-sample (one-group) leases as are ready, up to `max_samples` samples; or a
+        waiter for the first. The same leases as one `take(stage, 1)` after another."""
+        with self._lock:
+            self._check_open()
+            st = self._stage(stage)
+            self._validate_take(st, 1, 1)
+            self._reap()
+            out: list[Lease] = []
+            budget = max_samples
+            while budget > 0 and st.depth >= 1:
+                lease = self._lease(st, 1, lease_s, min_version, extra)
+                if lease is None:
+                    break
+                out.append(lease)
+                budget -= _count(lease)
+            if out or on is None:
+                return out or None, None, None
+            w = _Waiter(1, st.waiters, on)
+            st.waiters.append(w)
+            return None, w, self._next_expiry()
 
     def take_blocking(
         self,
@@ -498,7 +623,7 @@ class TransferQueue:
         what = f"{min_samples} sample(s) ready for stage {stage!r}"
         start = self._clock.now()
         try:
-            return self._wait_thread(lambda wake: self._take_or_wait(*args, wake), timeout, what)
+            return self._wait_thread(lambda on: self._take_or_wait(*args, on), timeout, what)
         finally:
             self._add_wait(stage, start)
 
@@ -529,7 +654,7 @@ class TransferQueue:
         lease_s: float | None,
         min_version: int | None,
         extra: tuple[str, ...],
-        wake: Callable[[], None] | None,
+        on: asyncio.AbstractEventLoop | str | None,
     ) -> tuple[Lease | None, _Waiter | None, float | None]:
         with self._lock:
             self._check_open()
@@ -539,9 +664,9 @@ class TransferQueue:
             lease = None
             if st.depth >= min_samples:
                 lease = self._lease(st, max_samples, lease_s, min_version, extra)
-            if lease is not None or wake is None:
+            if lease is not None or on is None:
                 return lease, None, None
-            w = _Waiter(min_samples, wake, st.waiters)
+            w = _Waiter(min_samples, st.waiters, on)
             st.waiters.append(w)
             return None, w, self._next_expiry()
 
@@ -558,6 +683,15 @@ class TransferQueue:
     def _pop_keys(self, st: _Stage, max_samples: int) -> list[int]:
         """Pop the lowest-priority available uids (or whole groups) that fit in `max_samples`."""
         keys: list[int] = []
+        if not st.groups:  # one sample per entry: every live entry fits
+            heap, queued, samples, name = st.heap, st.queued, self._samples, st.name
+            while heap and len(keys) < max_samples:
+                key = heapq.heappop(heap)[1]
+                queued.discard(key)
+                s = samples.get(key)
+                if s is not None and name in s.avail:
+                    keys.append(key)
+            return keys
         total = 0
         while st.heap and total < max_samples:
             priority, key = st.heap[0]
@@ -585,8 +719,11 @@ class TransferQueue:
         rec = _LeaseRec(self._next_lease, st.name, [], [], 0.0)
         self._next_lease += 1
         rec.deadline = self._clock.now() + (self.lease_timeout_s if lease_s is None else lease_s)
-        names = st.fields + tuple(f for f in extra if f not in st.fields)
+        names = st.view_fields(extra)
         lease = Lease(rec.id, st.name, [], [], rec.deadline)
+        if not st.groups:
+            self._claim_samples(st, rec, keys, names, min_version, lease)
+            keys = []
         for key in keys:
             uids = list(self._groups[key].uids) if st.groups else [key]
             views = [self._claim(st, rec, uid, names) for uid in uids]
@@ -600,6 +737,23 @@ class TransferQueue:
         self._leases[rec.id] = rec
         heapq.heappush(self._expiries, (rec.deadline, rec.id))
         return lease
+
+    def _claim_samples(self, st: _Stage, rec: _LeaseRec, uids: list[int], names: tuple[str, ...],
+                       min_version: int | None, lease: Lease) -> None:
+        """`_claim` of each uid for a sample (non-group) stage, inlined: each was available (its heap
+        entry offered it), so it simply stops being."""
+        name, lid, samples = st.name, rec.id, self._samples
+        for uid in uids:
+            s = samples[uid]
+            s.taken[name] = lid
+            s.avail.discard(name)
+            f = s.fields
+            view = SampleView(uid, s.group_id, s.version, {k: f[k] for k in names if k in f})
+            old = min_version is not None and s.version is not None and s.version < min_version
+            (lease.expired if old else lease.samples).append(view)
+        rec.uids.extend(uids)
+        st.depth -= len(uids)
+        st.leased += len(uids)
 
     def _claim(self, st: _Stage, rec: _LeaseRec, uid: int, names: tuple[str, ...]) -> SampleView:
         s = self._samples[uid]
@@ -622,13 +776,7 @@ class TransferQueue:
             rec = self._leases.pop(lease.id, None)
             if rec is None:
                 return False
-            live = self._end_lease(rec)
-            for s in live:
-                s.consumed.add(rec.stage)
-            for g in self._lease_groups(rec):
-                g.consumed.add(rec.stage)
-            if remove:
-                self._remove_many(s.uid for s in live)
+            self._consume(rec, remove)
             return True
 
     def complete(
@@ -653,14 +801,20 @@ class TransferQueue:
                 s = self._samples.get(uid)
                 if s is not None:
                     self._write_locked(s, fields, None if versions is None else versions.get(uid))
-            live = self._end_lease(rec)
-            for s in live:
-                s.consumed.add(rec.stage)
-            for g in self._lease_groups(rec):
-                g.consumed.add(rec.stage)
-            if remove:
-                self._remove_many(s.uid for s in live)
+            self._consume(rec, remove)
             return True
+
+    def _consume(self, rec: _LeaseRec, remove: bool) -> None:
+        """End an acked lease: its live samples (and groups) are consumed by its stage."""
+        live = self._end_lease(rec)
+        name = rec.stage
+        for s in live:
+            s.consumed.add(name)
+        if rec.groups:
+            for g in self._lease_groups(rec):
+                g.consumed.add(name)
+        if remove:
+            self._remove_many([s.uid for s in live])
 
     def release(self, lease: Lease) -> bool:
         """Give the samples back to the lease's stage, keeping their priority. False if already ended."""
@@ -685,12 +839,13 @@ class TransferQueue:
         """Clear the lease's marks on its live samples and groups; return those samples."""
         st = self._stages[rec.stage]
         live = []
+        name, lid, samples = rec.stage, rec.id, self._samples
         for uid in rec.uids:
-            s = self._samples.get(uid)
-            if s is not None and s.taken.get(rec.stage) == rec.id:
-                del s.taken[rec.stage]
-                st.leased -= 1
+            s = samples.get(uid)
+            if s is not None and s.taken.get(name) == lid:
+                del s.taken[name]
                 live.append(s)
+        st.leased -= len(live)
         for gid in rec.groups:
             g = self._groups.get(gid)
             if g is not None and g.leased.get(rec.stage) == rec.id:
@@ -753,10 +908,12 @@ class TransferQueue:
 
     # ----------------------------------------------------------------------------- waiting
     def _notify(self, st: _Stage) -> None:
-        self._wake(st.waiters, st.depth)
+        if st.waiters:
+            self._wake(st.waiters, st.depth)
 
     def _notify_put(self) -> None:
-        self._wake(self._put_waiters, self.capacity - len(self._samples))
+        if self._put_waiters:
+            self._wake(self._put_waiters, self.capacity - len(self._samples))
 
     @staticmethod
     def _wake(waiters: list[_Waiter], have: int) -> None:
@@ -769,7 +926,7 @@ class TransferQueue:
         waiters[:] = keep
 
     def _drop(self, w: _Waiter | None) -> None:
-        if w is not None:
+        if w is not None and not w.woken:  # a woken waiter has already left its list
             with self._lock:
                 if w in w.home:
                     w.home.remove(w)
@@ -784,42 +941,42 @@ class TransferQueue:
 
     async def _wait_async(
         self,
-        attempt: Callable[[Callable[[], None]], tuple[T | None, _Waiter | None, float | None]],
+        attempt: Callable[[asyncio.AbstractEventLoop | str], tuple[T | None, _Waiter | None, float | None]],
         timeout: float | None,
         what: str,
     ) -> T:
-        """Retry `attempt` until it returns a result, sleeping on a future between tries."""
+        """Retry `attempt` until it returns a result, sleeping on its waiter's future between tries."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else self._clock.now() + timeout
         while True:
-            fut: asyncio.Future[None] = loop.create_future()
-            result, waiter, wake_at = attempt(functools.partial(_call_soon, loop, fut))
+            result, waiter, wake_at = attempt(loop)
             if result is not None:
                 return result
+            assert waiter is not None and waiter.fut is not None
             try:
                 self._timed_out(deadline, timeout, what)
                 # Timing out here means a lease may have expired or the caller's deadline passed: retry.
                 with contextlib.suppress(WaitTimeout):
-                    await self._clock.wait_for(fut, self._delay(deadline, wake_at), what)
+                    await self._clock.wait_for(waiter.fut, self._delay(deadline, wake_at), what)
             finally:
                 self._drop(waiter)
 
     def _wait_thread(
         self,
-        attempt: Callable[[Callable[[], None]], tuple[T | None, _Waiter | None, float | None]],
+        attempt: Callable[[asyncio.AbstractEventLoop | str], tuple[T | None, _Waiter | None, float | None]],
         timeout: float | None,
         what: str,
     ) -> T:
         """`_wait_async` for threads, sleeping on a `threading.Event`."""
         deadline = None if timeout is None else self._clock.now() + timeout
         while True:
-            event = threading.Event()
-            result, waiter, wake_at = attempt(event.set)
+            result, waiter, wake_at = attempt(_THREAD)
             if result is not None:
                 return result
+            assert waiter is not None and waiter.event is not None
             try:
                 self._timed_out(deadline, timeout, what)
-                event.wait(self._delay(deadline, wake_at))
+                waiter.event.wait(self._delay(deadline, wake_at))
             finally:
                 self._drop(waiter)
 

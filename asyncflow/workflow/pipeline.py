@@ -27,6 +27,7 @@ and says what it waited for. All time and waiting goes through the injected `Clo
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
@@ -39,7 +40,7 @@ from asyncflow.algorithms.advantages import make_advantage_fn, overlong_penalty
 from asyncflow.algorithms.losses import NEEDS_PROXIMAL
 from asyncflow.config import Config, max_generated_tokens
 from asyncflow.data import tokenize_prompt
-from asyncflow.engines.base import GenRequest, InferenceEngine, LossFn, TrainBatch, TrainEngine
+from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, LossFn, TrainBatch, TrainEngine
 from asyncflow.engines.runs import oldest
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.rewards import RewardFn, RewardOutcome, call_reward_fn
@@ -233,62 +234,84 @@ class Pipeline:
         store call (one lease each); write each response the moment it ends. The extra half waits
         in the engine's own queue, so a batch slot that frees is refilled at the next decode step
         instead of after a store round trip (measured: local sync 253-308 -> 320-327 samples/s).
-        With an environment, each taken sample is a whole episode (its own task)."""
-        slots = asyncio.Semaphore(engine.capacity * 2)
-        tasks: set[asyncio.Task[None]] = set()
+
+        A single-turn request is no task of its own: it is started on the engine (`start_generate`) and
+        written to the store in a callback on its result future (a task per request cost two extra
+        event-loop callbacks and a task step each way). With the in-process store that callback
+        also refills the slot at once (`take_each_nowait`); only when nothing is ready does it wake
+        this worker, which then waits in the store. With an environment, each taken sample is a
+        whole episode (its own task)."""
         track = f"rollout/{index}"
-        active_since: list[float] = []
+        if self.cfg.rollout.turn_barrier:
+            await self._barrier_batches(index, engine, track)
+            return
+        flight = _Flight(engine.capacity * 2, lambda start: self.tracer.span(track, "generating", start, self.clock.now()),
+                         self.clock)
+        tasks: set[asyncio.Task[None]] = set()  # episodes
         errors: list[BaseException] = []
         me = asyncio.current_task()
         extra = ("row",) if self.env_factory is not None else ()
         stage = self._rollout_stage(index)
-        deadlines: dict[asyncio.Task[None], tuple[float, str]] = {}  # single-turn requests (see _watch)
-        expired: dict[asyncio.Task[None], str] = {}
+        deadlines: dict[asyncio.Future[Any], tuple[float, int]] = {}  # single-turn requests: (deadline, uid); see _watch
+        expired: dict[asyncio.Future[Any], str] = {}
+        ro = self.cfg.rollout
+        refill = getattr(self.store, "take_each_nowait", None) if self.env_factory is None else None
 
-        def _done(t: asyncio.Task[None]) -> None:
-            tasks.discard(t)
-            deadlines.pop(t, None)
-            if not tasks and active_since:
-                self.tracer.span(track, "generating", active_since.pop(), self.clock.now())
-            exc = WaitTimeout(expired.pop(t)) if t in expired else None
-            if exc is None and not t.cancelled():
-                exc = t.exception()  # type: ignore[assignment]
-            if exc is not None and not errors:
+        def fail(exc: BaseException) -> None:
+            if not errors:
                 errors.append(exc)
                 if me is not None:
                     me.cancel()  # a request failed or timed out: stop this worker with its error
 
-        if self.cfg.rollout.turn_barrier:
-            await self._barrier_batches(index, engine, track)
-            return
+        def episode_done(t: asyncio.Task[None]) -> None:
+            tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                fail(t.exception())  # type: ignore[arg-type]
+
+        def start(lease: Lease) -> None:
+            sample = lease.samples[0]
+            fut = engine.start_generate(GenRequest(sample.uid, sample.fields["prompt_ids"], ro.max_new_tokens,
+                                                   ro.temperature, ro.top_p, ro.top_k))
+            flight.acquire()
+            deadlines[fut] = (self.clock.now() + ro.request_timeout_s, sample.uid)
+            fut.add_done_callback(functools.partial(request_done, lease))
+
+        def request_done(lease: Lease, fut: asyncio.Future[GenResult]) -> None:
+            deadlines.pop(fut, None)
+            try:
+                if fut in expired:
+                    fail(WaitTimeout(expired.pop(fut)))
+                elif not fut.cancelled():  # cancelled otherwise: this worker is stopping
+                    self._write_response(lease, fut.result())
+                    if refill is not None and not errors:
+                        for new in refill(stage, 1):  # the freed slot's next sample, without a wake-up
+                            start(new)
+            except QueueClosed:
+                pass  # the run is ending
+            except Exception as exc:
+                fail(exc)
+            finally:
+                flight.release()
+
         watchdog = asyncio.create_task(self._watch(deadlines, expired))
         try:
             while True:
-                await slots.acquire()
-                free = 1
-                while not slots.locked():  # every other free slot, without waiting
-                    await slots.acquire()
-                    free += 1
+                free = await flight.free()
                 try:
                     leases = await self.store.take_each(stage, free, timeout=self.cfg.workflow.step_timeout_s,
                                                         fields_extra=extra)
                 except WaitTimeout:
-                    leases = []  # nothing admitted for a while: normal while the trainer catches up
+                    continue  # nothing admitted for a while: normal while the trainer catches up
                 except QueueClosed:
                     return
-                for _ in range(free - len(leases)):
-                    slots.release()
                 for lease in leases:
-                    if not tasks:
-                        active_since.append(self.clock.now())
                     if self.env_factory is None:
-                        task = asyncio.create_task(self._generate(engine, lease, slots))
-                        uid = lease.samples[0].uid
-                        deadlines[task] = (self.clock.now() + self.cfg.rollout.request_timeout_s, f"generation of sample {uid}")
+                        start(lease)
                     else:
-                        task = asyncio.create_task(self._episode(index, engine, lease, slots))
-                    tasks.add(task)
-                    task.add_done_callback(_done)
+                        flight.acquire()
+                        task = asyncio.create_task(self._episode(index, engine, lease, flight))
+                        tasks.add(task)
+                        task.add_done_callback(episode_done)
         except asyncio.CancelledError:
             if errors:
                 raise errors[0] from None
@@ -297,6 +320,8 @@ class Pipeline:
             watchdog.cancel()
             for t in list(tasks):
                 t.cancel()
+            for f in list(deadlines):
+                f.cancel()
 
     def _rollout_stage(self, index: int) -> str:
         return self.rollout_stages[index] if self.cfg.rollout.affinity else "rollout"
@@ -319,7 +344,8 @@ class Pipeline:
             await asyncio.gather(*(self._episode(index, engine, lease, slots, barrier) for lease in leases))
             self.tracer.span(track, "generating", start, self.clock.now())
 
-    async def _watch(self, deadlines: dict[asyncio.Task[None], tuple[float, str]], expired: dict[asyncio.Task[None], str]) -> None:
+    async def _watch(self, deadlines: dict[asyncio.Future[Any], tuple[float, int]],
+                     expired: dict[asyncio.Future[Any], str]) -> None:
         """Cancel generation requests past `rollout.request_timeout_s`, checking every eighth of it:
         one timer per worker instead of one per request, which keeps the event loop's timer heap
         small (measured: per-request timers cost ~40 us per sample at 1,500 requests in flight).
@@ -328,37 +354,32 @@ class Pipeline:
         while True:
             await self.clock.sleep(timeout / 8)
             now = self.clock.now()
-            for task, (deadline, what) in list(deadlines.items()):
-                if now >= deadline and not task.done():
-                    expired[task] = f"timed out after {timeout:g} s waiting for {what}"
-                    task.cancel()
+            for fut, (deadline, uid) in list(deadlines.items()):
+                if now >= deadline and not fut.done():
+                    expired[fut] = f"timed out after {timeout:g} s waiting for generation of sample {uid}"
+                    fut.cancel()
 
-    async def _generate(self, engine: InferenceEngine, lease: Lease, slots: asyncio.Semaphore) -> None:
-        """One single-turn request (bounded by the worker's watchdog, `_watch`)."""
-        sample = lease.samples[0]
-        ro = self.cfg.rollout
-        req = GenRequest(sample.uid, sample.fields["prompt_ids"], ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k)
+    def _write_response(self, lease: Lease, res: GenResult) -> None:
+        """Write one single-turn request's response and end its lease (the request's done callback)."""
+        # A cancelled request (it could no longer meet max_staleness) is written like any other,
+        # with its partial response: its group then reaches the trainer, which drops the whole
+        # group and frees its admission slot. Removing it here would leak that slot.
+        uid = lease.samples[0].uid
+        version = oldest(res.token_versions)  # no token: -1, older than any floor
+        fields = {
+            "response_ids": res.response_ids,
+            "behavior_logprobs": res.behavior_logprobs,
+            "token_versions": res.token_versions,
+            "behavior_version": version,
+            "finish_reason": res.finish_reason,
+        }
         try:
-            res = await engine.generate(req)
-            # A cancelled request (it could no longer meet max_staleness) is written like any other,
-            # with its partial response: its group then reaches the trainer, which drops the whole
-            # group and frees its admission slot. Removing it here would leak that slot.
-            version = oldest(res.token_versions)  # no token: -1, older than any floor
-            fields = {
-                "response_ids": res.response_ids,
-                "behavior_logprobs": res.behavior_logprobs,
-                "token_versions": res.token_versions,
-                "behavior_version": version,
-                "finish_reason": res.finish_reason,
-            }
-            if self.store.complete(lease, {sample.uid: fields}, versions={sample.uid: version}):
+            if self.store.complete(lease, {uid: fields}, versions={uid: version}):
                 self.counters.produced += 1
         except (QueueClosed, KeyError):
             return  # the run is ending, or the sample was removed meanwhile
-        finally:
-            slots.release()
 
-    async def _episode(self, index: int, engine: InferenceEngine, lease: Lease, slots: asyncio.Semaphore,
+    async def _episode(self, index: int, engine: InferenceEngine, lease: Lease, slots: _Flight | asyncio.Semaphore,
                        barrier: TurnBarrier | None = None) -> None:
         """One multi-turn episode (see `workflow/episode.py`), written to the store with its reward:
         episodes carry their environment's reward, so they skip the reward stage."""
@@ -758,6 +779,45 @@ class Pipeline:
                     t.exception()
             if stuck:
                 raise RuntimeError(f"stages did not stop within 60 s: {sorted(t.get_name() for t in stuck)}")
+
+
+class _Flight:
+    """A rollout worker's slots: how many requests or episodes it has in flight, up to `limit`.
+
+    A plain counter and one future for the worker to sleep on (cheaper per sample than an
+    `asyncio.Semaphore` acquired and released once per request). `on_idle(start)` is told when the
+    worker runs dry, with the time its first request of the busy period started (tracing)."""
+
+    def __init__(self, limit: int, on_idle: Callable[[float], None], clock: Clock) -> None:
+        self.limit = limit
+        self.n = 0
+        self._on_idle = on_idle
+        self._clock = clock
+        self._since = 0.0
+        self._wake: asyncio.Future[None] | None = None
+
+    def acquire(self) -> None:
+        if self.n == 0:
+            self._since = self._clock.now()
+        self.n += 1
+
+    def release(self) -> None:
+        self.n -= 1
+        if self.n == 0:
+            self._on_idle(self._since)
+        wake = self._wake
+        if wake is not None and self.n < self.limit and not wake.done():
+            wake.set_result(None)
+
+    async def free(self) -> int:
+        """Wait until a slot is free; the number free."""
+        while self.n >= self.limit:
+            self._wake = asyncio.get_running_loop().create_future()
+            try:
+                await self._wake
+            finally:
+                self._wake = None
+        return self.limit - self.n
 
 
 def store_capacity(cfg: Config) -> int:
