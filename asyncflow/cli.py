@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         args = make_parser().parse_args(argv)
         return _dispatch(args)
     except UserError as exc:
-        print(f"asyncflow: error: {exc}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line, always
+        print(f"asyncflow: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("asyncflow: interrupted", file=sys.stderr)

@@ -24,7 +24,9 @@ RUN_MARKERS = ("config.yaml", "metrics.jsonl")
 
 
 def check_out_dir(out: Path, cfg: Config) -> None:
-    """Refuse an --out folder that already holds a run (resume is explicit)."""
+    """Refuse an --out folder that already holds a run (resume is explicit), or that is a file."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out: {out} is a file, not a folder")
     if out.exists() and any((out / m).exists() for m in RUN_MARKERS):
         if cfg.checkpoint.resume == "auto":
             raise UserError(f"checkpoint.resume: auto is not supported yet; {out} already holds a run (use a new --out)")
@@ -42,8 +44,13 @@ class Inputs:
 
 
 def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
-    """Model folder, train/eval rows and reward function: from the config, else from the task pack."""
+    """Model folder, train/eval rows and reward function: from the config, else from the task pack.
+
+    Given paths are checked without torch (a bad model folder or dataset costs milliseconds); only
+    preparing a task pack's own model imports it.
+    """
     from asyncflow.data import check_columns, read_rows
+    from asyncflow.model_folder import check_model_dir
 
     task = None
     if cfg.task is not None:
@@ -51,9 +58,7 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
 
         task = get_task(cfg.task)
     if cfg.model.path is not None:
-        model_dir = Path(cfg.model.path)
-        if not (model_dir / "config.json").is_file():
-            raise UserError(f"model.path: {model_dir} is not a Hugging Face model folder (no config.json)")
+        model_dir = check_model_dir(cfg.model.path)
     else:
         assert task is not None
         model_dir = task.prepare(cfg.model.cache_dir, seed=cfg.seed, log=log)
@@ -80,18 +85,28 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
     return Inputs(model_dir, rows, eval_rows[: cfg.eval.size], reward_path)
 
 
-def load_tokenizer(model_dir: Path) -> Any:
-    """The model folder's tokenizer, with a pad token (EOS if it has none)."""
+def load_tokenizer(model_dir: Path, log: Callable[[str], None] | None = None) -> Any:
+    """The model folder's tokenizer, with a pad token.
+
+    A tokenizer without a pad token gets its EOS token as pad, with a logged note (as TRL does):
+    padding here is always masked out by attention and loss masks, so the pad id's value never
+    reaches the model or the loss, and EOS stays an ordinary, trained action.
+    """
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as exc:
-        raise UserError(f"model.path: cannot load a tokenizer from {model_dir}: {exc}") from None
+    except Exception as exc:  # any failure is the folder's: name it, one line
+        raise UserError(f"model.path: cannot load a tokenizer from {model_dir}: {type(exc).__name__}: {exc}") from None
+    if len(tok) < 2:
+        raise UserError(f"model.path: the tokenizer in {model_dir} loaded with an empty vocabulary ({len(tok)} tokens)")
     if tok.eos_token_id is None:
         raise UserError(f"model.path: the tokenizer in {model_dir} has no EOS token; generation could never stop")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+        if log is not None:
+            log(f"[asyncflow] note: the tokenizer in {model_dir} has no pad token; using EOS "
+                f"({tok.eos_token!r}, id {tok.eos_token_id}) as pad (padding is masked out)")
     return tok
 
 
@@ -118,31 +133,33 @@ def torch_threads(cfg: Config) -> int:
 def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> dict[str, Any]:
     """Run training as configured; returns a summary (final eval accuracy, samples/s, ...)."""
     check_out_dir(out, cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(dump_yaml(cfg))
+    from asyncflow.rewards import load_reward_fn
     from asyncflow.telemetry.progress import Progress
 
     show = cfg.logging.progress if progress_enabled is None else progress_enabled
     progress = Progress(cfg.train.max_steps, enabled=show)
     try:
-        return asyncio.run(_train(cfg, out, progress))
+        # bad input fails here, before torch loads (except for the tokenizer) and before the run
+        # folder is written, so a mistake never leaves a half-made "run" that a retry would refuse
+        inputs = resolve_inputs(cfg, progress.message)
+        # multi-turn episodes are scored by their environment: no reward function is loaded
+        reward_fn = None if cfg.rollout.env is not None else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
+        hf_tok = load_tokenizer(inputs.model_dir, log=progress.message)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(dump_yaml(cfg))
+        return asyncio.run(_train(cfg, out, progress, inputs, reward_fn, hf_tok))
     finally:
         progress.close()
 
 
-async def _train(cfg: Config, out: Path, progress: Any) -> dict[str, Any]:
+async def _train(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any) -> dict[str, Any]:
     import torch
 
-    from asyncflow.rewards import load_reward_fn
     from asyncflow.workflow.pipeline import Tokenizer
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     torch.set_num_threads(torch_threads(cfg))
-    inputs = resolve_inputs(cfg, progress.message)
-    # multi-turn episodes are scored by their environment: no reward function is loaded
-    reward_fn = None if cfg.rollout.env is not None else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
-    hf_tok = load_tokenizer(inputs.model_dir)
     tok = Tokenizer(hf_tok, int(hf_tok.eos_token_id), int(hf_tok.pad_token_id))
     workers: Any = None
     engines: list[Any]

@@ -38,6 +38,8 @@ def test_columns_the_function_does_not_take_are_not_passed() -> None:
         ([1.0, None], "returned None for completion 1"),
         ([1.0, "yes"], "returned str 'yes' for completion 1"),
         ([1.0, math.nan], "returned nan for completion 1"),
+        ([math.inf, 1.0], "returned inf for completion 0"),
+        (None, "returned NoneType, expected a list of 2 numbers"),
         ([True, 1.0], "returned bool True for completion 0"),
         (0.5, "returned float, expected a list of 2 numbers"),
     ],

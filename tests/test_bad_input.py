@@ -1,0 +1,208 @@
+"""Bad input through the real CLI: exit code 2, one line on stderr naming the key, file or row, no traceback.
+
+Each case runs `python -m asyncflow ...` in a fresh process. The cases that need no tokenizer are also
+run together in one process through `asyncflow.cli.main`, which then checks that none of them
+imported torch, transformers or ray (validation comes before the heavy imports). Per-call reward
+failures (raises, wrong length, NaN, None, non-numbers) do not stop a run: tests/test_rewards.py and
+tests/test_workflow.py cover them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncflow.errors import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_safetensors(path: Path, *, truncate: int = 0) -> None:
+    """A one-tensor safetensors file written byte by byte (no torch); `truncate` drops trailing bytes."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    header += b" " * (-len(header) % 8)
+    blob = struct.pack("<Q", len(header)) + header + b"\0" * 8
+    path.write_bytes(blob[: len(blob) - truncate])
+
+
+def make_model_dir(path: Path, *, config: str | None = '{"model_type": "qwen2"}', weights: str = "ok",
+                   tokenizer: str | None = "{not json") -> Path:
+    """A model folder as far as file checks go: config.json, weights and a tokenizer.json (by default
+    one that cannot load)."""
+    path.mkdir(parents=True)
+    if tokenizer is not None:
+        (path / "tokenizer.json").write_text(tokenizer)
+    if config is not None:
+        (path / "config.json").write_text(config)
+    if weights == "ok":
+        write_safetensors(path / "model.safetensors")
+    elif weights == "truncated":
+        write_safetensors(path / "model.safetensors", truncate=3)
+    elif weights == "garbage":
+        (path / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of good and bad inputs that the cases below point at (relative paths: it is the cwd)."""
+    d = tmp_path_factory.mktemp("bad-input")
+    make_model_dir(d / "model")  # passes the file checks; its tokenizer cannot load
+    make_model_dir(d / "no_tokenizer", tokenizer=None)
+    make_model_dir(d / "no_config", config=None)
+    make_model_dir(d / "bad_config", config='{"model_type": ')
+    make_model_dir(d / "no_weights", weights="none")
+    make_model_dir(d / "truncated", weights="truncated")
+    make_model_dir(d / "garbage", weights="garbage")
+    (d / "not_a_dir").write_text("x")
+    (d / "good.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n' * 20)
+    (d / "empty.jsonl").write_text("\n")
+    (d / "bad_line.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": oops}\n')
+    (d / "no_prompt.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
+    (d / "rewards_ok.py").write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    (d / "rewards_broken.py").write_text("import not_a_module_anywhere\n")
+    (d / "malformed.yaml").write_text("train:\n  lr: [1, 2\n")
+    (d / "typo.yaml").write_text("rollout:\n  tempreature: 0.5\n")
+    (d / "list.yaml").write_text("- train\n")
+    (d / "old_run").mkdir()
+    (d / "old_run" / "config.yaml").write_text("seed: 0\n")
+    for name, model, data, reward in [
+        ("missing_model", "nowhere", "good.jsonl", "rewards_ok:score"),
+        ("not_a_dir", "not_a_dir", "good.jsonl", "rewards_ok:score"),
+        ("no_config", "no_config", "good.jsonl", "rewards_ok:score"),
+        ("bad_config", "bad_config", "good.jsonl", "rewards_ok:score"),
+        ("no_weights", "no_weights", "good.jsonl", "rewards_ok:score"),
+        ("truncated", "truncated", "good.jsonl", "rewards_ok:score"),
+        ("garbage", "garbage", "good.jsonl", "rewards_ok:score"),
+        ("no_tokenizer", "no_tokenizer", "good.jsonl", "rewards_ok:score"),
+        ("missing_data", "model", "nothing.jsonl", "rewards_ok:score"),
+        ("empty_data", "model", "empty.jsonl", "rewards_ok:score"),
+        ("bad_line", "model", "bad_line.jsonl", "rewards_ok:score"),
+        ("no_prompt", "model", "no_prompt.jsonl", "rewards_ok:score"),
+        ("reward_broken", "model", "good.jsonl", "rewards_broken:score"),
+        ("reward_missing_fn", "model", "good.jsonl", "rewards_ok:nope"),
+        ("tokenizer", "model", "good.jsonl", "rewards_ok:score"),
+    ]:
+        (d / f"{name}.yaml").write_text(
+            f"task: null\nmodel: {{path: {model}}}\ndataset: {{path: {data}}}\nreward: {{fn: '{reward}'}}\n"
+            "logging: {progress: false}\n"
+        )
+    return d
+
+
+# (argv, what the one line must contain); all fail before torch, transformers or ray load
+LIGHT_CASES: list[tuple[list[str], str]] = [
+    (["train", "malformed.yaml"], "malformed.yaml: line 3:"),
+    (["train", "typo.yaml"], "rollout.tempreature: unknown key (did you mean 'temperature'?)"),
+    (["train", "list.yaml"], "list.yaml: expected a mapping of config sections"),
+    (["train", "absent.yaml"], "absent.yaml: config file not found"),
+    (["demo", "--set", "train.lr=fast"], "train.lr: expected a number, got 'fast'"),
+    (["demo", "--set", "rollout.temprature=0.5"], "rollout.temprature: unknown key (did you mean 'temperature'?)"),
+    (["demo", "--set", "workflow.mode=sync", "--set", "workflow.max_staleness=2"],
+     "workflow.max_staleness: 2 contradicts workflow.mode=sync"),
+    (["demo", "--set", "train.batch_size=12"], "train.batch_size: 12 is not divisible by rollout.n"),
+    (["demo", "--set", "nonsense"], "--set 'nonsense': expected key.path=value"),
+    (["train", "missing_model.yaml"], "model.path: nowhere does not exist"),
+    (["train", "not_a_dir.yaml"], "model.path: not_a_dir is a file, not a Hugging Face model folder"),
+    (["train", "no_config.yaml"], "model.path: no_config is not a Hugging Face model folder (no config.json)"),
+    (["train", "bad_config.yaml"], "model.path: bad_config/config.json:1: malformed JSON"),
+    (["train", "no_weights.yaml"], "model.path: no_weights has no weights"),
+    (["train", "truncated.yaml"], "model.path: truncated/model.safetensors is corrupt or truncated"),
+    (["train", "garbage.yaml"], "model.path: garbage/model.safetensors is corrupt"),
+    (["train", "no_tokenizer.yaml"], "model.path: no_tokenizer has no tokenizer (tokenizer.json"),
+    (["train", "missing_data.yaml"], "dataset.path: nothing.jsonl does not exist"),
+    (["train", "empty_data.yaml"], "empty.jsonl: the dataset is empty"),
+    (["train", "bad_line.yaml"], "bad_line.jsonl:3: malformed JSON"),
+    (["train", "no_prompt.yaml"], "no_prompt.jsonl: row 0 has no column 'prompt' (dataset.prompt_key)"),
+    (["train", "reward_broken.yaml"], "reward.fn: cannot import module 'rewards_broken': ModuleNotFoundError"),
+    (["train", "reward_missing_fn.yaml"], "reward.fn: module 'rewards_ok' has no function 'nope'"),
+    (["demo", "--out", "old_run"], "--out: old_run already holds a run"),
+    (["demo", "--out", "good.jsonl"], "--out: good.jsonl is a file, not a folder"),
+]
+# these need transformers (and with it torch) to find the fault
+HEAVY_CASES: list[tuple[list[str], str]] = [
+    (["train", "tokenizer.yaml"], "model.path: cannot load a tokenizer from model: JSONDecodeError"),
+]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@pytest.mark.parametrize(("argv", "needle"), LIGHT_CASES + HEAVY_CASES, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_cli_refuses_bad_input_with_one_line_and_exit_2(inputs: Path, argv: list[str], needle: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "asyncflow", *argv], capture_output=True, text=True, timeout=120,
+                          cwd=inputs, env=_env())
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("asyncflow: error: ") and needle in lines[0], lines[0]
+
+
+def test_bad_input_is_refused_before_torch_transformers_or_ray_load(inputs: Path) -> None:
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from asyncflow.cli import main\n"
+        "out = []\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        rc = main(argv)\n"
+        "    out.append([rc, err.getvalue()])\n"
+        "heavy = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]\n"
+        "print(json.dumps({'results': out, 'heavy': heavy}))\n"
+    )
+    argvs = [argv for argv, _ in LIGHT_CASES]
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], capture_output=True, text=True, timeout=120,
+                          cwd=inputs, env=_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (argv, needle), (rc, err) in zip(LIGHT_CASES, report["results"], strict=True):
+        assert rc == 2 and needle in err, (argv, err)
+    assert report["heavy"] == []
+    assert not (inputs / "runs").exists()  # nothing refused left a run folder behind
+
+
+def test_tokenizer_without_pad_token_falls_back_to_eos_with_a_note(tmp_path: Path) -> None:
+    from asyncflow.runner import load_tokenizer
+    from asyncflow.tasks.arith import make_tokenizer
+
+    tok = make_tokenizer()
+    tok.pad_token = None
+    tok.save_pretrained(str(tmp_path))
+    notes: list[str] = []
+    loaded = load_tokenizer(tmp_path, log=notes.append)
+    assert loaded.pad_token_id == loaded.eos_token_id is not None
+    assert len(notes) == 1 and "no pad token; using EOS" in notes[0]
+
+
+def test_tokenizer_without_eos_token_is_refused(tmp_path: Path) -> None:
+    from asyncflow.runner import load_tokenizer
+    from asyncflow.tasks.arith import make_tokenizer
+
+    tok = make_tokenizer()
+    tok.eos_token = None
+    tok.save_pretrained(str(tmp_path))
+    with pytest.raises(UserError, match="has no EOS token"):
+        load_tokenizer(tmp_path)
+
+
+def test_sharded_safetensors_index_names_a_missing_shard(tmp_path: Path) -> None:
+    from asyncflow.model_folder import check_model_dir
+
+    model = make_model_dir(tmp_path / "m", weights="none")
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
+    write_safetensors(model / "model-00001-of-00002.safetensors")
+    with pytest.raises(UserError, match="model-00002-of-00002.safetensors is listed in model.safetensors.index.json but missing"):
+        check_model_dir(model)
+    write_safetensors(model / "model-00002-of-00002.safetensors")
+    assert check_model_dir(model) == model

@@ -1,0 +1,129 @@
+"""The code sandbox: each limit holds, and what it reports matches what happened."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from asyncflow.rewards.sandbox import SandboxLimits, run_code, run_tests
+
+
+def test_a_normal_program_reads_stdin_and_reports_ok() -> None:
+    res = run_code("print(input()[::-1])", stdin="abc\n")
+    assert (res.status, res.stdout, res.exit_code) == ("ok", "cba\n", 0)
+    assert {"rlimits", "socket_guard", "tmpdir", "clean_env"} <= set(res.isolation)
+    assert any(i == "netns" or i.startswith("netns_unavailable") for i in res.isolation)
+
+
+def test_an_exception_is_an_error_with_its_traceback() -> None:
+    res = run_code("raise ValueError('bad answer')")
+    assert res.status == "error" and res.exit_code == 1 and "ValueError: bad answer" in res.stderr
+    assert '"<solution>", line 1' in res.stderr and "<string>" not in res.stderr  # only the code's own frames
+
+
+def test_an_infinite_loop_hits_the_cpu_limit() -> None:
+    res = run_code("while True:\n    pass\n", limits=SandboxLimits(timeout_s=60, cpu_s=1))
+    assert res.status == "cpu_limit" and res.seconds < 60
+
+
+def test_ignoring_the_cpu_signal_still_hits_the_hard_cpu_limit() -> None:
+    code = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n"
+    res = run_code(code, limits=SandboxLimits(timeout_s=60, cpu_s=1))
+    assert res.status == "cpu_limit" and res.seconds < 60
+
+
+def test_a_sleep_hits_the_wall_clock_limit() -> None:
+    res = run_code("import time\ntime.sleep(60)\n", limits=SandboxLimits(timeout_s=1))
+    assert res.status == "timeout" and res.seconds < 10
+
+
+def test_a_huge_list_hits_the_memory_limit() -> None:
+    res = run_code("x = [0] * 10**9\nprint('allocated')\n", limits=SandboxLimits(memory_mb=256))
+    assert res.status == "memory_limit" and "allocated" not in res.stdout
+
+
+def test_a_socket_connect_is_blocked() -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    try:
+        res = run_code(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'x')\n")
+        assert res.status == "network_blocked" and "network access is disabled" in res.stderr
+        with pytest.raises(TimeoutError):
+            server.accept()  # nothing ever connected
+    finally:
+        server.close()
+
+
+def test_a_caught_socket_error_still_reports_network_blocked_on_failure() -> None:
+    res = run_code("import socket, sys\ntry:\n    socket.socket()\nexcept OSError:\n    sys.exit(3)\n")
+    assert res.status == "network_blocked" and res.exit_code == 3
+
+
+def test_the_network_namespace_leaves_only_loopback() -> None:
+    res = run_code("print(open('/proc/net/dev').read())")
+    if "netns" not in res.isolation:
+        pytest.skip(f"no network namespace here: {res.isolation}")
+    devices = [line.split(":")[0].strip() for line in res.stdout.splitlines()[2:] if line.strip()]
+    assert devices == ["lo"]
+
+
+def test_files_land_in_a_temporary_directory_that_is_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code = "import os\nopen('out.txt', 'w').write('x')\nos.makedirs('sub/deep')\nos.chmod('sub', 0)\nprint(os.getcwd())\n"
+    res = run_code(code)
+    assert res.status == "ok", res.stderr
+    workdir = Path(res.stdout.strip())
+    assert workdir != tmp_path and not workdir.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_large_file_hits_the_file_size_limit() -> None:
+    res = run_code("open('big', 'wb').write(b'x' * (3 * 2**20))\n", limits=SandboxLimits(max_file_mb=1))
+    assert res.status == "error" and "File too large" in res.stderr
+
+
+def test_environment_secrets_are_not_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCFLOW_TEST_SECRET", "hunter2")
+    res = run_code("import os\nprint(dict(os.environ))\n")
+    assert res.status == "ok" and "hunter2" not in res.stdout and "ASYNCFLOW_TEST_SECRET" not in res.stdout
+
+
+def test_output_is_truncated_at_the_cap() -> None:
+    res = run_code("import sys\nprint('x' * 10**6)\nsys.stderr.write('e' * 10**6)\n",
+                   limits=SandboxLimits(max_output_bytes=1000))
+    assert res.status == "ok" and res.truncated
+    assert res.stdout == "x" * 1000 and res.stderr == "e" * 1000
+
+
+def test_processes_left_behind_are_killed() -> None:
+    code = "import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\nprint(p.pid)\n"
+    res = run_code(code, limits=SandboxLimits(timeout_s=30))
+    assert res.status == "ok", res.stderr
+    status = Path(f"/proc/{int(res.stdout)}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text()  # gone, or a zombie awaiting its reaper
+
+
+def test_run_tests_gives_the_fraction_of_asserts_that_pass() -> None:
+    tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 5", "assert add(0, 0) == 0", "assert sub(1, 1) == 0"]
+    assert run_tests("def add(a, b):\n    return a + b\n", tests) == pytest.approx(0.5)
+    assert run_tests("def add(a, b) return a + b", tests) == 0.0  # does not compile
+    assert run_tests("import time\ndef add(a, b):\n    time.sleep(60)\n", tests, timeout_s=1) == 0.0
+
+
+def test_a_test_that_hangs_keeps_the_results_before_it() -> None:
+    res = run_code("def f():\n    return 1\n", tests=["assert f() == 1", "while True: pass", "assert f() == 1"],
+                   limits=SandboxLimits(timeout_s=30, cpu_s=1))
+    assert res.status == "cpu_limit" and res.tests_passed == [True, False, False]
+
+
+def test_the_sandbox_does_not_leave_descriptors_open() -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        run_code("print(1)")
+    assert len(os.listdir("/proc/self/fd")) == before
