@@ -152,25 +152,39 @@ def summary_markdown(runs: list[RunData]) -> str:
     return "\n".join(lines)
 
 
+def _moving_mean(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` values (train reward is noisy step to step)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_report(runs: list[RunData], out_png: str | Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(14, 13), dpi=100)
-    grid = fig.add_gridspec(4, 3, height_ratios=[1, 1, 1, 1.2])
+    shown = runs[:3]  # timeline strips: one per run, at most three
+    fig = plt.figure(figsize=(14, 10 + 2.6 * len(shown)), dpi=100)
+    grid = fig.add_gridspec(3 + len(shown), 3, height_ratios=[1, 1, 1] + [0.9] * len(shown))
     ax_rs, ax_rt, ax_tp = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[0, 2])
     ax_es, ax_et, ax_st = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]), fig.add_subplot(grid[1, 2])
     ax_busy = fig.add_subplot(grid[2, :])
-    ax_tl = fig.add_subplot(grid[3, :])
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for run, color in zip(runs, colors, strict=True):
         samples = [r["samples"] for r in run.train]
         times = [r["time_s"] for r in run.train]
         rewards = [r["reward_mean"] for r in run.train]
-        ax_rs.plot(samples, rewards, color=color, label=run.label)
-        ax_rt.plot(times, rewards, color=color, label=run.label)
+        smooth = _moving_mean(rewards, max(1, len(rewards) // 15))
+        ax_rs.plot(samples, rewards, color=color, alpha=0.25, linewidth=0.8)
+        ax_rs.plot(samples, smooth, color=color, label=f"{run.label} (moving mean)")
+        ax_rt.plot(times, rewards, color=color, alpha=0.25, linewidth=0.8)
+        ax_rt.plot(times, smooth, color=color, label=f"{run.label} (moving mean)")
         # throughput between consecutive rows (the cumulative mean hides changes)
         inst = [(b["samples"] - a["samples"]) / max(b["time_s"] - a["time_s"], 1e-9)
                 for a, b in zip(run.train, run.train[1:], strict=False)]
@@ -194,10 +208,24 @@ def plot_report(runs: list[RunData], out_png: str | Path) -> None:
         ax_busy.bar([j + off for j in range(len(tracks))], [busy.get(t, 0.0) for t in tracks], width, color=color,
                     label=run.label)
     ax_busy.set_xticks(range(len(tracks)), tracks, rotation=30, ha="right", fontsize=8)
-    first = runs[0]
-    for j, track in enumerate(sorted(first.spans)):
-        ax_tl.broken_barh([(s, e - s) for s, e in first.spans[track]], (j - 0.4, 0.8))
-    ax_tl.set_yticks(range(len(first.spans)), sorted(first.spans), fontsize=8)
+    timeline_axes = []
+    for i, run in enumerate(shown):
+        ax = fig.add_subplot(grid[3 + i, :])
+        timeline_axes.append(ax)
+        # a window of at most 30 s from 40% into the run: long enough to show several steps, short
+        # enough that each span is visible
+        wall = run.wall_s
+        lo = 0.4 * wall if wall > 30 else 0.0
+        hi = min(wall, lo + 30.0)
+        tracks = sorted(run.spans)
+        for j, track in enumerate(tracks):
+            bars = [(s0, e0 - s0) for s0, e0 in run.spans[track] if e0 >= lo and s0 <= hi]
+            ax.broken_barh(bars, (j - 0.4, 0.8), color=colors[i])
+        ax.set_xlim(lo, hi)
+        ax.set_yticks(range(len(tracks)), tracks, fontsize=8)
+        ax.set_title(f"timeline: {run.label}, {lo:.0f}-{hi:.0f} s (work spans per track; waits left out)", fontsize=10)
+        ax.set_xlabel("seconds")
+        ax.grid(alpha=0.3)
     titles = [
         (ax_rs, "train reward vs trained samples", "samples", "reward_mean"),
         (ax_rt, "train reward vs time", "seconds", "reward_mean"),
@@ -206,7 +234,6 @@ def plot_report(runs: list[RunData], out_png: str | Path) -> None:
         (ax_et, "eval accuracy vs time", "seconds", "eval_accuracy"),
         (ax_st, "staleness of trained samples", "versions behind", "share"),
         (ax_busy, "busy fraction per trace track", "", "share of wall time"),
-        (ax_tl, f"timeline: {first.label} (non-wait spans per track)", "seconds", ""),
     ]
     for ax, title, xl, yl in titles:
         ax.set_title(title, fontsize=10)
