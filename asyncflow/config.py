@@ -87,7 +87,8 @@ class RolloutConfig:
         "env step, next turn); its reward is the sum of the env's step rewards; env tokens are masked "
         "out of the loss.",
     )
-    max_turns: int = _f(4, "Most LLM turns per episode (multi-turn environments; bounds every env, built-in or not).", lo=1)
+    max_turns: int = _f(4, "Most LLM turns per episode (multi-turn environments; bounds every env, built-in or not, and the "
+                        "model calls of a rollout.agent episode).", lo=1)
     env_latency_s: float = _f(
         0.0,
         "Added latency of each environment call, in seconds (to study env asynchrony); a module:factory env "
@@ -107,6 +108,15 @@ class RolloutConfig:
         "episode runs on its own (environment-level asynchrony). For measuring what the asynchrony buys.",
     )
     env_timeout_s: float = _f(60.0, "Longest one environment call may take; a hung env ends its episode with an error.", lo=0.001)
+    agent: str | None = _f(
+        None,
+        "Black-box agent: `module:function` with async function(base_url, row, seed) -> reward (a float, or a dict "
+        "with `reward`). Each sample is one agent episode that talks to its own OpenAI-compatible base_url; its "
+        "calls, with exact token ids, become the sample (docs/tasks.md). Not with rollout.env or reward.fn.",
+    )
+    agent_timeout_s: float = _f(
+        600.0, "rollout.agent: longest one agent episode may take; an agent that hangs or raises ends its episode "
+        "with an error (kept out of the loss).", lo=0.001)
     server_urls: list[str] | None = _f(
         None,
         "rollout.engine=openai: base URLs of the servers (e.g. http://127.0.0.1:8000), one rollout worker each. "
@@ -555,13 +565,15 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError(
             f"workflow.max_staleness: {cfg.workflow.max_staleness} contradicts workflow.mode=sync (sync is staleness 0)"
         )
+    if cfg.rollout.agent is not None:
+        _validate_agent(cfg, explicit)
     if cfg.rollout.turn_barrier and cfg.rollout.env is None:
         raise UserError("rollout.turn_barrier: only used with rollout.env (multi-turn episodes)")
     if cfg.rollout.env is not None and "reward.fn" in explicit:
         raise UserError("reward.fn: not used with rollout.env (an episode's reward is the sum of its environment's "
                         "step rewards); remove one of them")
     if cfg.task is None:
-        for key in ("model.path", "dataset.path", *(() if cfg.rollout.env is not None else ("reward.fn",))):
+        for key in ("model.path", "dataset.path", *(() if episodic(cfg) else ("reward.fn",))):
             section, name = key.split(".")
             if getattr(getattr(cfg, section), name) is None:
                 raise UserError(f"{key}: required when task is null (no task pack to supply it)")
@@ -586,6 +598,22 @@ def validate(cfg: Config, explicit: set[str]) -> None:
 
 
 ENV_NAMES = ("calculator", "guess_number")
+
+
+def _validate_agent(cfg: Config, explicit: set[str]) -> None:
+    """rollout.agent replaces both the environment and the reward function."""
+    agent = cfg.rollout.agent
+    assert agent is not None
+    if ":" not in agent:
+        raise UserError(f"rollout.agent: {agent!r} must be 'module:function'")
+    if cfg.rollout.env is not None:
+        raise UserError("rollout.agent: not used with rollout.env (the agent is its own environment); remove one of them")
+    if cfg.runtime.kind != "local":
+        raise UserError("rollout.agent: only with runtime.kind=local (the Ray rollout actors do not host agent "
+                        "endpoints yet)")
+    if "reward.fn" in explicit:
+        raise UserError("reward.fn: not used with rollout.agent (an agent episode's reward is what the agent "
+                        "returns); remove one of them")
 _SERVER_KEYS = ("server_urls", "server_type", "server_model", "server_token_env", "sync_dir", "sync_timeout_s")
 
 
@@ -683,7 +711,12 @@ def _validate_algorithm(cfg: Config, explicit: set[str]) -> None:
 
 def max_generated_tokens(cfg: Config) -> int:
     """The most tokens one sample can generate: max_new_tokens, per turn with an environment."""
-    return cfg.rollout.max_new_tokens * (cfg.rollout.max_turns if cfg.rollout.env is not None else 1)
+    return cfg.rollout.max_new_tokens * (cfg.rollout.max_turns if episodic(cfg) else 1)
+
+
+def episodic(cfg: Config) -> bool:
+    """Whether each sample is a multi-turn episode that carries its own reward (rollout.env or rollout.agent)."""
+    return cfg.rollout.env is not None or cfg.rollout.agent is not None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

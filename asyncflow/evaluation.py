@@ -2,7 +2,8 @@
 
 Eval requests go through a rollout engine like any other request (they join its continuous batch),
 at temperature 0, so evaluating does not need a second copy of the model. With a multi-turn
-environment (`rollout.env`) each eval prompt is a greedy episode and its reward the episode's.
+environment (`rollout.env`) or a black-box agent (`rollout.agent`) each eval prompt is a greedy
+episode and its reward the episode's.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class Evaluator:
         """Evaluate the engine's current weights; log and return the eval row."""
         start = self.tracer.now()
         version = self.engine.version
-        if self.env_factory is not None:
+        if self.cfg.rollout.agent is not None:
+            rewards, error = await self._agent_episodes()
+        elif self.env_factory is not None:
             rewards, error = await self._episodes()
         else:
             rewards, error = await self._completions()
@@ -98,5 +101,29 @@ class Evaluator:
                         uid=-(i + 1), prompt_ids=ids, row=row, seed=self.cfg.seed * 7_919 + i, settings=settings)
             for i, (ids, row) in enumerate(zip(self.prompt_ids, self.rows, strict=True))
         ))
+        errors = [r.fields["reward_error"] for r in results if r.fields["reward_error"] is not None]
+        return [r.fields["reward"] or 0.0 for r in results], (errors[0] if errors else None)
+
+    async def _agent_episodes(self) -> tuple[list[float], str | None]:
+        """Greedy agent episodes through a recording endpoint of their own; failed episodes count 0."""
+        from asyncflow.runtime.clock import RealClock
+        from asyncflow.workflow.agent import load_agent, run_agent_episode
+        from asyncflow.workflow.agent_proxy import AgentProxy
+        from asyncflow.workflow.pipeline import recorder_settings
+
+        assert self.cfg.rollout.agent is not None
+        agent = load_agent(self.cfg.rollout.agent)
+        clock = self.clock or RealClock()
+        proxy = AgentProxy()
+        await proxy.start()
+        try:
+            results = await asyncio.gather(*(
+                run_agent_episode(agent=agent, proxy=proxy, engine=self.engine, clock=clock, tok=self.tok,
+                                  uid=-(i + 1), row=row, seed=self.cfg.seed * 7_919 + i,
+                                  settings=recorder_settings(self.cfg, 0.0), timeout_s=self.cfg.rollout.agent_timeout_s)
+                for i, row in enumerate(self.rows)
+            ))
+        finally:
+            await proxy.close()
         errors = [r.fields["reward_error"] for r in results if r.fields["reward_error"] is not None]
         return [r.fields["reward"] or 0.0 for r in results], (errors[0] if errors else None)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncflow.config import Config, dump_yaml
+from asyncflow.config import Config, dump_yaml, episodic
 from asyncflow.errors import UserError
 
 RUN_MARKERS = ("config.yaml", "metrics.jsonl")
@@ -143,7 +143,11 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
         # folder is written, so a mistake never leaves a half-made "run" that a retry would refuse
         inputs = resolve_inputs(cfg, progress.message)
         # multi-turn episodes are scored by their environment: no reward function is loaded
-        reward_fn = None if cfg.rollout.env is not None else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
+        reward_fn = None if episodic(cfg) else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
+        if cfg.rollout.agent is not None:  # an agent that cannot be imported is bad input, before the run starts
+            from asyncflow.workflow.agent import load_agent
+
+            load_agent(cfg.rollout.agent)
         hf_tok = load_tokenizer(inputs.model_dir, log=progress.message)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_yaml(cfg))

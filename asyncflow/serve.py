@@ -317,14 +317,14 @@ _UNSUPPORTED: dict[str, Any] = {"stream": False, "stop": None, "seed": None, "be
                                 "frequency_penalty": 0, "logit_bias": None, "tools": None, "response_format": None}
 
 
-def _sampling(req: dict[str, Any], unsupported: dict[str, Any]) -> dict[str, Any]:
+def _sampling(req: dict[str, Any], unsupported: dict[str, Any], server: str = "asyncflow serve") -> dict[str, Any]:
     """Sampling parameters of a request; options this server cannot honour are refused, not ignored
     (`unsupported` maps each refused key to its neutral value, which is accepted)."""
     for key, neutral in unsupported.items():
         value = req.get(key)
         if value is not None and value != neutral and value not in ([], {}, ""):
             why = "per-request seeds are not supported (one seeded generator samples every request)" if key == "seed" \
-                else "is not supported by asyncflow serve"
+                else f"is not supported by {server}"
             raise RequestError(f"{key}: {why}", param=key)
     logprobs = req.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, (bool, int)):

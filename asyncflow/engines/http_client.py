@@ -77,6 +77,11 @@ async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]
     fields = status_line.decode("latin-1").split(None, 2)
     if len(fields) < 2 or not fields[0].startswith("HTTP/") or not fields[1].isdigit():
         raise HTTPError(0, f"malformed HTTP status line {status_line[:100]!r}")
+    return int(fields[1]), await read_headers(reader)
+
+
+async def read_headers(reader: asyncio.StreamReader) -> dict[str, str]:
+    """The header lines up to the blank line, by lower-case name (requests and replies alike)."""
     headers: dict[str, str] = {}
     while True:
         line = await reader.readline()
@@ -84,7 +89,7 @@ async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]
             break
         name, _, value = line.decode("latin-1").partition(":")
         headers[name.strip().lower()] = value.strip()
-    return int(fields[1]), headers
+    return headers
 
 
 async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from asyncflow.config import Config
+from asyncflow.config import Config, episodic
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, LossFn, TrainBatch, TrainEngine
 from asyncflow.errors import UserError, WaitTimeout
 
@@ -324,7 +324,7 @@ class RayWorkers:
         from asyncflow.workflow.pipeline import store_capacity
 
         rt = cfg.runtime
-        n_reward = 0 if cfg.rollout.env is not None else rt.reward_workers  # episodes carry their reward
+        n_reward = 0 if episodic(cfg) else rt.reward_workers  # episodes carry their reward
         need = rt.rollout_cpus * cfg.rollout.workers + rt.train_cpus + rt.reward_cpus * n_reward
         t0 = time.monotonic()
         ensure_ray(rt.address, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))

@@ -47,12 +47,14 @@ from asyncflow.rewards import RewardFn, RewardOutcome, call_reward_fn
 from asyncflow.runtime.clock import Clock
 from asyncflow.telemetry.runlog import RunLog, Tracer
 from asyncflow.transfer_queue import Lease, NewSample, QueueClosed, SampleView, StoreClient, TransferQueue
+from asyncflow.workflow.agent import AgentFn, load_agent, run_agent_episode
+from asyncflow.workflow.agent_proxy import AgentProxy, RecorderSettings
 from asyncflow.workflow.episode import EpisodeSettings, TurnBarrier, generated_tokens, run_episode
 from asyncflow.workflow.gate import StalenessGate
 
 CANCELLED = "cancelled: could no longer meet max_staleness"
 TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "behavior_version", "reward_error",
-                "row", "finish_reason", "reward", "loss_mask", "turns", "ref_logprobs")
+                "row", "finish_reason", "reward", "loss_mask", "turns", "ref_logprobs", "agent_calls", "agent_calls_dropped")
 
 
 @dataclass
@@ -171,7 +173,11 @@ class Pipeline:
 
             self.env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s,
                                                 max_turns=cfg.rollout.max_turns)
-        if self.env_factory is None:  # multi-turn episodes carry their environment's reward: no reward stage
+        self.agent: AgentFn | None = None
+        if cfg.rollout.agent is not None:
+            self.agent = load_agent(cfg.rollout.agent)
+        self.episodic = self.env_factory is not None or self.agent is not None
+        if not self.episodic:  # multi-turn episodes carry their environment's (or agent's) reward: no reward stage
             self.store.register_stage("reward", ["response_ids"], groups=True)
         # reference log-probs (KL to the frozen initial policy) are a stage of their own: computed as
         # responses arrive, off the trainer's critical path; the trainer then needs that field too
@@ -250,12 +256,12 @@ class Pipeline:
         tasks: set[asyncio.Task[None]] = set()  # episodes
         errors: list[BaseException] = []
         me = asyncio.current_task()
-        extra = ("row",) if self.env_factory is not None else ()
+        extra = ("row",) if self.episodic else ()
         stage = self._rollout_stage(index)
         deadlines: dict[asyncio.Future[Any], tuple[float, int]] = {}  # single-turn requests: (deadline, uid); see _watch
         expired: dict[asyncio.Future[Any], str] = {}
         ro = self.cfg.rollout
-        refill = getattr(self.store, "take_each_nowait", None) if self.env_factory is None else None
+        refill = getattr(self.store, "take_each_nowait", None) if not self.episodic else None
 
         def fail(exc: BaseException) -> None:
             if not errors:
@@ -293,6 +299,10 @@ class Pipeline:
             finally:
                 flight.release()
 
+        proxy = None
+        if self.agent is not None:  # this worker's recording endpoint for its agent episodes
+            proxy = AgentProxy()
+            await proxy.start()
         watchdog = asyncio.create_task(self._watch(deadlines, expired))
         try:
             while True:
@@ -305,11 +315,11 @@ class Pipeline:
                 except QueueClosed:
                     return
                 for lease in leases:
-                    if self.env_factory is None:
+                    if not self.episodic:
                         start(lease)
                     else:
                         flight.acquire()
-                        task = asyncio.create_task(self._episode(index, engine, lease, flight))
+                        task = asyncio.create_task(self._episode(index, engine, lease, flight, proxy=proxy))
                         tasks.add(task)
                         task.add_done_callback(episode_done)
         except asyncio.CancelledError:
@@ -322,6 +332,8 @@ class Pipeline:
                 t.cancel()
             for f in list(deadlines):
                 f.cancel()
+            if proxy is not None:
+                await proxy.close()
 
     def _rollout_stage(self, index: int) -> str:
         return self.rollout_stages[index] if self.cfg.rollout.affinity else "rollout"
@@ -380,10 +392,10 @@ class Pipeline:
             return  # the run is ending, or the sample was removed meanwhile
 
     async def _episode(self, index: int, engine: InferenceEngine, lease: Lease, slots: _Flight | asyncio.Semaphore,
-                       barrier: TurnBarrier | None = None) -> None:
-        """One multi-turn episode (see `workflow/episode.py`), written to the store with its reward:
-        episodes carry their environment's reward, so they skip the reward stage."""
-        assert self.env_factory is not None
+                       barrier: TurnBarrier | None = None, proxy: AgentProxy | None = None) -> None:
+        """One multi-turn episode (see `workflow/episode.py`, or `workflow/agent.py` with `proxy`),
+        written to the store with its reward: episodes carry their environment's (or agent's)
+        reward, so they skip the reward stage."""
         sample = lease.samples[0]
         ro = self.cfg.rollout
         track = f"env/{index}"
@@ -392,14 +404,25 @@ class Pipeline:
             self.tracer.span(track, f"episode {sample.uid} step {turn}", start, end)
 
         try:
-            result = await run_episode(
-                env=self.env_factory(self.clock), engine=engine, clock=self.clock, tok=self.tok, uid=sample.uid,
-                prompt_ids=sample.fields["prompt_ids"], row=self.rows[sample.fields["row"]],
-                seed=self.cfg.seed * 1_000_003 + sample.uid,
-                settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
-                                         ro.top_p, ro.top_k),
-                on_env_step=on_env_step, barrier=barrier,
-            )
+            if proxy is not None:
+                assert self.agent is not None
+                start = self.clock.now()
+                result = await run_agent_episode(
+                    agent=self.agent, proxy=proxy, engine=engine, clock=self.clock, tok=self.tok, uid=sample.uid,
+                    row=self.rows[sample.fields["row"]], seed=self.cfg.seed * 1_000_003 + sample.uid,
+                    settings=recorder_settings(self.cfg, ro.temperature), timeout_s=ro.agent_timeout_s,
+                )
+                self.tracer.span(track, f"agent episode {sample.uid}", start, self.clock.now())
+            else:
+                assert self.env_factory is not None
+                result = await run_episode(
+                    env=self.env_factory(self.clock), engine=engine, clock=self.clock, tok=self.tok, uid=sample.uid,
+                    prompt_ids=sample.fields["prompt_ids"], row=self.rows[sample.fields["row"]],
+                    seed=self.cfg.seed * 1_000_003 + sample.uid,
+                    settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
+                                             ro.top_p, ro.top_k),
+                    on_env_step=on_env_step, barrier=barrier,
+                )
             version = result.fields["behavior_version"]
             if self.store.complete(lease, {sample.uid: result.fields}, versions={sample.uid: version}):
                 self.counters.produced += 1
@@ -724,6 +747,8 @@ class Pipeline:
                     "error": error,
                     **({} if "loss_mask" not in s.fields else
                        {"turns": s.fields.get("turns"), "generated_tokens": generated_tokens(s.fields["loss_mask"])}),
+                    **({} if "agent_calls" not in s.fields else
+                       {"agent_calls": s.fields["agent_calls"], "agent_calls_dropped": s.fields["agent_calls_dropped"]}),
                 }
             )
         self.log.samples(out)
@@ -747,7 +772,7 @@ class Pipeline:
         """
         if remote is None:
             stages = [asyncio.create_task(self.rollout_worker(i, e), name=f"rollout/{i}") for i, e in enumerate(self.engines)]
-            if self.env_factory is None:
+            if not self.episodic:
                 stages.append(asyncio.create_task(self.reward_worker(), name="reward"))
         else:
             stages = [asyncio.ensure_future(aw) for aw in remote.values()]
@@ -818,6 +843,13 @@ class _Flight:
             finally:
                 self._wake = None
         return self.limit - self.n
+
+
+def recorder_settings(cfg: Config, temperature: float) -> RecorderSettings:
+    """How an agent episode's calls are sampled (`temperature`: the run's, or 0 for evaluation)."""
+    ro = cfg.rollout
+    return RecorderSettings(ro.max_new_tokens, temperature, ro.temperature, ro.request_timeout_s, ro.max_turns,
+                            ro.top_p, ro.top_k)
 
 
 def store_capacity(cfg: Config) -> int:

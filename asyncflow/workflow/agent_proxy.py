@@ -1,0 +1,327 @@
+"""The recording OpenAI-compatible endpoint that black-box agent episodes (`rollout.agent`) talk to.
+
+```
+ agent episode (any OpenAI client, plain HTTP)            rollout worker's event loop
+   base_url = http://127.0.0.1:PORT/episodes/<key>/v1 ──► AgentProxy (asyncio server, one per worker)
+                                                             │ routes by <key> to the episode's
+                                                             ▼
+                                    EpisodeRecorder ──GenRequest(token ids)──► InferenceEngine
+                                      records per call: prompt ids sent, response ids, behavior
+                                      log-probs and token versions that came back
+```
+
+Every call goes to the run's own `InferenceEngine` (HF in-process, or an `openai` engine to a real
+server) as token ids, so the recorded ids are exactly the ids generated. Text never round-trips:
+- `/v1/chat/completions`: messages are rendered with the tokenizer's chat template once. When a call
+  continues the previous one (its messages are the previous messages, then the assistant reply this
+  proxy returned, then new messages), the prompt is the previous prompt ids + the generated ids +
+  the template's tokens after them; the template is only ever rendered with the assistant contents
+  left empty for that splice (`_blank`), so generated text is never re-tokenized. Anything else
+  (the agent edited history, a template that renders differently) is rendered afresh, and the
+  stitcher's prefix check (`workflow/agent.py`) sees that it does not extend the previous call.
+- `/v1/completions`: a token-id prompt is used as is; a text prompt that starts with the previous
+  call's prompt text + reply text becomes previous ids + generated ids + the rest tokenized.
+
+Sampling settings are the run's (`rollout.temperature`, `top_p`, `top_k`: the trainer divides by the
+same temperature); a request asking for others is refused, and `max_tokens` is capped at
+`rollout.max_new_tokens`. Reusing `serve.py`'s request parsing and reply fields keeps the two
+endpoints' wire format identical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
+from asyncflow.engines.http_client import read_headers
+from asyncflow.runtime.clock import Clock
+from asyncflow.serve import MAX_BODY_BYTES, RequestError, _is_ids, _parse_body, _rl_fields, _sampling, _usage
+
+_UNSUPPORTED: dict[str, Any] = {"stream": False, "stop": None, "seed": None, "best_of": 1, "presence_penalty": 0,
+                                "frequency_penalty": 0, "logit_bias": None, "tools": None, "response_format": None,
+                                "suffix": None, "echo": False}
+READ_TIMEOUT_S = 60.0  # longest a client may take to send one request
+
+
+@dataclass
+class Call:
+    """One recorded model call of an episode."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+
+@dataclass
+class RecorderSettings:
+    max_new_tokens: int
+    temperature: float  # what requests are sampled at (0 for greedy evaluation)
+    train_temperature: float  # what a request may ask for (the run's rollout.temperature)
+    request_timeout_s: float
+    max_calls: int
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass
+class _Last:
+    """The previous call, for splicing the next one onto its exact ids."""
+
+    call: Call
+    reply: str
+    messages: list[dict[str, Any]] | None = None  # chat
+    skeleton: list[int] = field(default_factory=list)  # chat: template render with assistant contents blank
+    prompt_text: str | None = None  # text completion
+
+
+class EpisodeRecorder:
+    """Answers one episode's OpenAI calls from the engine and records each call's exact tokens."""
+
+    def __init__(self, engine: InferenceEngine, tok: Any, uid: int, settings: RecorderSettings, clock: Clock) -> None:
+        """`tok`: the workflow's `Tokenizer` (`.hf`, `.encode`, `.decode`, `.eos_token_id`)."""
+        self.engine, self.tok, self.uid, self.settings, self.clock = engine, tok, uid, settings, clock
+        self.calls: list[Call] = []
+        self.failure: BaseException | None = None  # a generation failure: the run's, not the agent's
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self._last: _Last | None = None
+        self._started = 0
+        self._generated: set[int] = set()
+
+    async def completions(self, req: dict[str, Any]) -> dict[str, Any]:
+        prompt = req.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
+            prompt = prompt[0]
+        if _is_ids(prompt):
+            ids = [int(t) for t in prompt or ()]
+            vocab = len(self.tok.hf)  # or an id the engine generated (a model's vocabulary may be padded past it)
+            if any(not 0 <= t < vocab and t not in self._generated for t in ids):
+                raise RequestError(f"prompt: a token id is outside the vocabulary (0..{vocab - 1})", param="prompt")
+            text = None
+        elif isinstance(prompt, str) and prompt:
+            ids, text = self._text_ids(prompt), prompt
+        else:
+            raise RequestError("prompt: expected one text or one list of token ids (n=1, one prompt per call)",
+                               param="prompt")
+        call = await self._generate(ids, req)
+        reply = self.tok.decode(call.response_ids)
+        self._last = _Last(call, reply, prompt_text=text)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": "asyncflow-policy", "choices": [{"index": 0, "text": reply, **_fields(call)}],
+                "usage": _usage([ids], 1, [(0, _result(call))])}
+
+    async def chat(self, req: dict[str, Any]) -> dict[str, Any]:
+        messages = req.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages")
+        if getattr(self.tok.hf, "chat_template", None) is None:
+            raise RequestError("the policy's tokenizer has no chat template; use /v1/completions", param="messages")
+        ids, skeleton = self._chat_ids(messages)
+        if "max_completion_tokens" in req and "max_tokens" not in req:
+            req = {**req, "max_tokens": req["max_completion_tokens"]}
+        call = await self._generate(ids, req)
+        reply = self.tok.decode(call.response_ids)
+        self._last = _Last(call, reply, messages=[dict(m) for m in messages], skeleton=skeleton)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": "asyncflow-policy",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, **_fields(call)}],
+                "usage": _usage([ids], 1, [(0, _result(call))])}
+
+    # ------------------------------------------------------------------ prompt ids
+
+    def _text_ids(self, text: str) -> list[int]:
+        last = self._last
+        if last is not None and last.prompt_text is not None and text.startswith(last.prompt_text + last.reply):
+            rest = text[len(last.prompt_text) + len(last.reply):]
+            return [*last.call.prompt_ids, *last.call.response_ids, *self.tok.encode(rest)]
+        return [int(t) for t in self.tok.hf(text)["input_ids"]]
+
+    def _chat_ids(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+        """(prompt ids, skeleton): spliced onto the previous call's exact ids when it continues it."""
+        last = self._last
+        if last is not None and last.messages is not None:
+            k = len(last.messages)
+            if (len(messages) > k and messages[:k] == last.messages and messages[k].get("role") == "assistant"
+                    and messages[k].get("content") == last.reply):
+                try:
+                    hist = self._render(_blank(messages[: k + 1]), generation_prompt=False)
+                    full = self._render(_blank(messages), generation_prompt=True)
+                except RequestError:
+                    hist = full = []
+                n = len(last.skeleton)
+                if hist and hist[:n] == last.skeleton and full[: len(hist)] == hist:
+                    closing = hist[n:]  # the template's tokens after an assistant turn (end of turn, ...)
+                    resp = last.call.response_ids
+                    if resp and closing and resp[-1] == closing[0] == self.tok.eos_token_id:
+                        closing = closing[1:]  # generation already ended on it
+                    return [*last.call.prompt_ids, *resp, *closing, *full[len(hist):]], full
+        ids = self._render(messages, generation_prompt=True)
+        try:
+            skeleton = self._render(_blank(messages), generation_prompt=True)
+        except RequestError:
+            skeleton = ids
+        return ids, skeleton
+
+    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> list[int]:
+        try:
+            ids = self.tok.hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        except Exception as exc:
+            raise RequestError(f"messages: the chat template failed: {exc}", param="messages") from None
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    # ------------------------------------------------------------------ generation
+
+    async def _generate(self, prompt_ids: list[int], req: dict[str, Any]) -> Call:
+        s = self.settings
+        params = _sampling(req, _UNSUPPORTED, "the agent endpoint (each call is recorded as one turn)")
+        if params["n"] != 1:
+            raise RequestError("n: one completion per call (each call is one turn of this episode)", param="n")
+        for key, value in (("temperature", s.train_temperature), ("top_p", s.top_p), ("top_k", s.top_k)):
+            if req.get(key) is not None and float(params[key]) != float(value):
+                raise RequestError(f"{key}: this run samples at rollout.{key}={value:g} (the trainer assumes it); "
+                                   f"leave {key} out or send that value", param=key)
+        if self._started >= s.max_calls:
+            raise RequestError(f"this episode has made its rollout.max_turns={s.max_calls} model calls",
+                               status=429, kind="max_turns_reached")
+        if not prompt_ids:
+            raise RequestError("prompt: empty after tokenization", param="prompt")
+        self._started += 1
+        max_tokens = min(params["max_tokens"], s.max_new_tokens) if req.get("max_tokens") is not None \
+            else s.max_new_tokens
+        request = GenRequest(self.uid, prompt_ids, max_tokens, s.temperature, s.top_p, s.top_k)
+        try:
+            res = await self.clock.wait_for(self.engine.generate(request), s.request_timeout_s,
+                                            f"generation of agent sample {self.uid}, call {self._started}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the engine's failure ends the run (as in `run_episode`), not just this call
+            self.failure = self.failure or exc
+            raise
+        call = Call(list(prompt_ids), list(res.response_ids), list(res.behavior_logprobs), list(res.token_versions),
+                    res.finish_reason)
+        self.calls.append(call)
+        self._generated.update(call.response_ids)
+        return call
+
+
+def _blank(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**m, "content": ""} if m.get("role") == "assistant" else m for m in messages]
+
+
+def _result(call: Call) -> GenResult:
+    return GenResult(0, call.response_ids, call.logprobs, call.versions, call.finish_reason)  # type: ignore[arg-type]
+
+
+def _fields(call: Call) -> dict[str, Any]:
+    return {**_rl_fields(_result(call)), "prompt_token_ids": call.prompt_ids}
+
+
+class AgentProxy:
+    """A loopback asyncio HTTP server in the rollout worker's loop: `/episodes/<key>/v1/...` routes to
+    the `EpisodeRecorder` registered under `key` (a fresh random key per episode, so a late call from
+    a finished episode can never land in another)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._episodes: dict[str, EpisodeRecorder] = {}
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._connection, self.host, 0, backlog=1024)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        for rec in list(self._episodes.values()):
+            for t in list(rec.tasks):
+                t.cancel()
+        self._episodes.clear()
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), 5.0)
+
+    def register(self, rec: EpisodeRecorder) -> str:
+        """Route a new episode; returns its base URL."""
+        key = f"{rec.uid}-{secrets.token_hex(6)}"
+        self._episodes[key] = rec
+        return f"http://{self.host}:{self.port}/episodes/{key}/v1"
+
+    def unregister(self, base_url: str) -> None:
+        """Stop routing an episode and abandon its calls still in flight."""
+        rec = self._episodes.pop(base_url.rstrip("/").split("/")[-2], None)
+        if rec is not None:
+            for t in list(rec.tasks):
+                t.cancel()
+
+    async def handle(self, method: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+        """Answer one request: (status, JSON object)."""
+        rec: EpisodeRecorder | None = None
+        try:
+            parts = path.split("?", 1)[0].strip("/").split("/")
+            if len(parts) < 3 or parts[0] != "episodes" or parts[2] != "v1":
+                raise RequestError(f"no route {method} {path}", status=404, kind="not_found_error")
+            rec = self._episodes.get(parts[1])
+            if rec is None:
+                raise RequestError(f"episode {parts[1]!r} is not running (it ended, or never existed)", status=404,
+                                   kind="not_found_error")
+            route = "/" + "/".join(parts[3:])
+            if method == "GET" and route == "/models":
+                return 200, {"object": "list", "data": [{"id": "asyncflow-policy", "object": "model",
+                                                         "owned_by": "asyncflow"}]}
+            if method == "POST" and route in ("/completions", "/chat/completions"):
+                task = asyncio.current_task()
+                if task is not None:
+                    rec.tasks.add(task)
+                try:
+                    req = _parse_body(body)
+                    return 200, await (rec.completions(req) if route == "/completions" else rec.chat(req))
+                finally:
+                    if task is not None:
+                        rec.tasks.discard(task)
+            raise RequestError(f"no route {method} {route}", status=404, kind="not_found_error")
+        except RequestError as exc:
+            return exc.status, {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": None}}
+        except Exception as exc:  # a generation failure (kept on the recorder and raised by the episode)
+            return 500, {"error": {"message": f"internal error: {exc!r}", "type": "server_error", "param": None,
+                                   "code": None}}
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            try:
+                method, path, body = await asyncio.wait_for(_read_request(reader), READ_TIMEOUT_S)
+            except (asyncio.TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
+                status, reply = 400, {"error": {"message": f"bad request: {exc!r}", "type": "invalid_request_error",
+                                                "param": None, "code": None}}
+            else:
+                status, reply = await self.handle(method, path, body)
+            data = json.dumps(reply).encode()
+            writer.write(f"HTTP/1.1 {status} {'OK' if status < 400 else 'Error'}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
+        finally:
+            writer.close()
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
+    line = (await reader.readline()).decode("latin-1").split()
+    if len(line) != 3 or not line[2].startswith("HTTP/"):
+        raise ValueError(f"malformed request line {' '.join(line)[:100]!r}")
+    headers = await read_headers(reader)
+    length = int(headers.get("content-length") or 0)
+    if not 0 <= length <= MAX_BODY_BYTES:
+        raise ValueError("bad or too large Content-Length")
+    return line[0].upper(), line[1], await reader.readexactly(length) if length else b""
+

@@ -1,0 +1,293 @@
+"""Black-box agents (`rollout.agent`): the recording OpenAI endpoint, stitching, failures, a real run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncflow.config import load_config
+from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
+from asyncflow.engines.http_client import HTTPError, request_json
+from asyncflow.errors import UserError
+from asyncflow.runtime.clock import RealClock
+from asyncflow.workflow.agent import run_agent_episode
+from asyncflow.workflow.agent_proxy import AgentProxy, RecorderSettings
+
+SETTINGS = RecorderSettings(max_new_tokens=4, temperature=1.0, train_temperature=1.0, request_timeout_s=30.0,
+                            max_calls=4)
+
+
+class _Scripted(InferenceEngine):
+    """Answers call i with `turns[i]` (a test double, not an engine)."""
+
+    def __init__(self, turns: list[list[int]]) -> None:
+        self.turns, self.prompts, self.version = turns, [], 2
+
+    async def generate(self, request: GenRequest) -> GenResult:
+        self.prompts.append(list(request.prompt_ids))
+        ids = self.turns[len(self.prompts) - 1]
+        return GenResult(request.uid, ids, [-0.25 * (k + 1) for k in range(len(ids))], [len(self.prompts)] * len(ids),
+                         "stop")
+
+    async def load_weights(self, state: Any, version: int, mode: Any) -> float:
+        return 0.0
+
+    def cancel_older_than(self, min_version: int) -> int:
+        return 0
+
+    def load(self) -> int:
+        return 0
+
+    @property
+    def capacity(self) -> int:
+        return 4
+
+
+def _tiny(tiny_model: Any) -> tuple[Any, InferenceEngine]:
+    """A char-level tokenizer over `tiny_model`'s 32-token vocabulary (eos=1, pad=0) and an HFEngine."""
+    from asyncflow.engines.hf import HFEngine
+    from asyncflow.tasks.tiny import char_tokenizer
+    from asyncflow.workflow.pipeline import Tokenizer
+
+    hf = char_tokenizer("0123456789+= ?qa", ("<pad>", "<eos>", "<bos>", "<unk>"), 128)
+    tok = Tokenizer(hf, int(hf.eos_token_id), int(hf.pad_token_id))
+    return tok, HFEngine(tiny_model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_batch=4, seed=0)
+
+
+def _episode(engine: InferenceEngine, tok: Any, agent: Callable[[str, dict[str, Any], int], Awaitable[Any]],
+             timeout_s: float = 30.0) -> dict[str, Any]:
+    async def main() -> dict[str, Any]:
+        proxy = AgentProxy()
+        await proxy.start()
+        try:
+            result = await run_agent_episode(agent=agent, proxy=proxy, engine=engine, clock=RealClock(), tok=tok,
+                                             uid=7, row={"prompt": "1+2=", "answer": "3"}, seed=0, settings=SETTINGS,
+                                             timeout_s=timeout_s)
+        finally:
+            await proxy.close()
+            await engine.close()
+        return result.fields
+
+    return asyncio.run(main())
+
+
+async def _post(base_url: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    reply: dict[str, Any] = await request_json("POST", f"{base_url}{route}", body, timeout=30)
+    return reply["choices"][0]
+
+
+def test_completion_calls_become_one_sample_with_the_engines_exact_ids_and_logprobs(tiny_model: Any) -> None:
+    import torch
+
+    tok, engine = _tiny(tiny_model)
+    replies: list[dict[str, Any]] = []
+    added = tok.encode(" ?")
+
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> dict[str, Any]:
+        c1 = await _post(base_url, "/completions", {"prompt": row["prompt"], "max_tokens": 3})
+        # text continuing the previous prompt + reply: spliced onto the exact ids, not re-tokenized
+        c2 = await _post(base_url, "/completions", {"prompt": row["prompt"] + c1["text"] + " ?", "max_tokens": 3})
+        # a token-id prompt continuing the previous call
+        c3 = await _post(base_url, "/completions", {"prompt": c2["prompt_token_ids"] + c2["token_ids"] + added})
+        replies.extend([c1, c2, c3])
+        return {"reward": float(c1["text"].strip() == row["answer"]), "note": "extra keys are fine"}
+
+    f = _episode(engine, tok, agent)
+    assert f["reward_error"] is None and f["turns"] == 3 and f["agent_calls_dropped"] == 0
+    prompt = tok.prompt_ids("1+2=")
+    assert list(f["prompt_ids"]) == prompt == replies[0]["prompt_token_ids"]
+    r1, r2, r3 = (c["token_ids"] for c in replies)
+    assert replies[1]["prompt_token_ids"] == prompt + r1 + added
+    assert list(f["response_ids"]) == r1 + added + r2 + added + r3
+    assert list(f["loss_mask"]) == [1] * len(r1) + [0] * len(added) + [1] * len(r2) + [0] * len(added) + [1] * len(r3)
+    lps = [c["logprobs"]["token_logprobs"] for c in replies]
+    assert list(f["behavior_logprobs"]) == lps[0] + [0.0] * len(added) + lps[1] + [0.0] * len(added) + lps[2]
+    assert list(f["token_versions"]) == [0] * len(f["response_ids"]) and f["behavior_version"] == 0
+    # the behavior log-probs are the model's own (teacher-forced) log-probs of the generated tokens
+    model = tiny_model
+    ids = torch.tensor([prompt + list(f["response_ids"])])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    mine = logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(prompt) - 1:]
+    mask = torch.tensor(f["loss_mask"], dtype=torch.bool)
+    assert torch.allclose(mine[mask], torch.tensor(f["behavior_logprobs"])[mask], atol=1e-4)
+
+
+def test_chat_calls_splice_generated_ids_and_render_only_the_new_turn(tiny_model: Any) -> None:
+    tok, engine = _tiny(tiny_model)
+    tok.hf.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}q {{ m['content'] }} "
+                            "{% else %}a {{ m['content'] }}{{ eos_token }} {% endif %}{% endfor %}"
+                            "{% if add_generation_prompt %}a {% endif %}")
+    replies: list[dict[str, Any]] = []
+
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
+        msgs = [{"role": "user", "content": "1+2="}]
+        c1 = await _post(base_url, "/chat/completions", {"messages": msgs, "max_tokens": 3})
+        msgs += [c1["message"], {"role": "user", "content": "2+2="}]
+        c2 = await _post(base_url, "/chat/completions", {"messages": msgs, "max_completion_tokens": 3})
+        replies.extend([c1, c2])
+        return 0.5
+
+    f = _episode(engine, tok, agent)
+    r1, r2 = replies[0]["token_ids"], replies[1]["token_ids"]
+    eos, space = tok.eos_token_id, tok.encode(" ")
+    p1 = tok.encode("q 1+2= a ")
+    closing = space if r1[-1] == eos else [eos, *space]  # the template's end of turn, minus an EOS generated
+    added = closing + tok.encode("q 2+2= a ")
+    assert replies[0]["prompt_token_ids"] == p1 and replies[1]["prompt_token_ids"] == p1 + r1 + added
+    assert f["reward"] == 0.5 and f["turns"] == 2 and list(f["prompt_ids"]) == p1
+    assert list(f["response_ids"]) == r1 + added + r2
+    assert list(f["loss_mask"]) == [1] * len(r1) + [0] * len(added) + [1] * len(r2)
+
+
+def test_a_rewritten_history_keeps_the_longest_consistent_prefix_of_calls() -> None:
+    tok = _FakeTok()
+    engine = _Scripted([[10, 11], [12, 1], [13]])
+
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
+        c1 = await _post(base_url, "/completions", {"prompt": [5, 6]})
+        c2 = await _post(base_url, "/completions", {"prompt": [5, 6, *c1["token_ids"], 20]})
+        await _post(base_url, "/completions", {"prompt": [5, 6, 21, *c2["token_ids"]]})  # history edited
+        return 1.0
+
+    f = _episode(engine, tok, agent)
+    assert f["agent_calls"] == 3 and f["turns"] == 2 and f["agent_calls_dropped"] == 1 and f["reward"] == 1.0
+    assert list(f["prompt_ids"]) == [5, 6] and list(f["response_ids"]) == [10, 11, 20, 12, 1]
+    assert list(f["loss_mask"]) == [1, 1, 0, 1, 1]
+    assert list(f["behavior_logprobs"]) == [-0.25, -0.5, 0.0, -0.25, -0.5]
+    assert list(f["token_versions"]) == [1, 1, 1, 2, 2] and f["behavior_version"] == 1
+    assert f["finish_reason"] == "stop"
+
+
+def test_hung_failing_or_silent_agents_end_their_episode_with_reward_error() -> None:
+    async def hangs(base_url: str, row: dict[str, Any], seed: int) -> float:
+        await _post(base_url, "/completions", {"prompt": [5]})
+        await asyncio.sleep(30)
+        return 1.0
+
+    f = _episode(_Scripted([[9]]), _FakeTok(), hangs, timeout_s=0.3)
+    assert f["reward"] is None and "agent hung" in f["reward_error"] and "agent_timeout_s=0.3" in f["reward_error"]
+    assert list(f["response_ids"]) == [9]  # what it generated is still recorded (and logged, untrained)
+
+    async def raises(base_url: str, row: dict[str, Any], seed: int) -> float:
+        raise RuntimeError("tool crashed")
+
+    f = _episode(_Scripted([]), _FakeTok(), raises)
+    assert f["reward"] is None and "RuntimeError: tool crashed" in f["reward_error"]
+
+    async def silent(base_url: str, row: dict[str, Any], seed: int) -> float:
+        return 1.0
+
+    f = _episode(_Scripted([]), _FakeTok(), silent)
+    assert f["reward_error"] == "agent made no model call" and list(f["response_ids"]) == []
+
+    async def bad_reward(base_url: str, row: dict[str, Any], seed: int) -> Any:
+        await _post(base_url, "/completions", {"prompt": [5]})
+        return "yes"
+
+    f = _episode(_Scripted([[9]]), _FakeTok(), bad_reward)
+    assert f["reward"] is None and "expected a finite number" in f["reward_error"]
+
+
+def test_the_endpoint_refuses_what_it_cannot_record_faithfully() -> None:
+    seen: list[str] = []
+
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
+        for body in ({"prompt": [5], "temperature": 0.7}, {"prompt": [5], "n": 2}, {"prompt": [5], "stop": ["x"]},
+                     {"prompt": [999]}):
+            with pytest.raises(HTTPError) as err:
+                await _post(base_url, "/completions", body)
+            seen.append(str(err.value))
+        for _ in range(SETTINGS.max_calls):
+            await _post(base_url, "/completions", {"prompt": [5], "temperature": 1.0, "max_tokens": 99})
+        with pytest.raises(HTTPError) as err:
+            await _post(base_url, "/completions", {"prompt": [5]})
+        seen.append(str(err.value))
+        models = await request_json("GET", f"{base_url}/models", timeout=10)
+        assert models["data"][0]["id"] == "asyncflow-policy"
+        return 0.0
+
+    engine = _Scripted([[9]] * SETTINGS.max_calls)
+    f = _episode(engine, _FakeTok(), agent)
+    assert f["reward_error"] is None, f["reward_error"]
+    assert "rollout.temperature=1" in seen[0] and "n:" in seen[1] and "stop" in seen[2] and "vocabulary" in seen[3]
+    assert "max_turns=4" in seen[4] and "429" in seen[4]
+
+
+def test_rollout_agent_is_refused_with_env_or_reward_fn(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="rollout.agent: not used with rollout.env"):
+        load_config(None, ["rollout.agent=m:f", "rollout.env=calculator"])
+    with pytest.raises(UserError, match="reward.fn: not used with rollout.agent"):
+        load_config(None, ["rollout.agent=m:f", "reward.fn=m:g"])
+    with pytest.raises(UserError, match="runtime.kind=local"):
+        load_config(None, ["rollout.agent=m:f", "runtime.kind=ray"])
+    with pytest.raises(UserError, match="must be 'module:function'"):
+        load_config(None, ["rollout.agent=nocolon"])
+    cfg, _ = load_config(None, ["rollout.agent=m:f"])
+    assert cfg.rollout.agent == "m:f"
+
+
+AGENT_MODULE = '''
+import asyncio, json, urllib.request
+
+def _post(url, body):
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]
+
+async def solve(base_url, row, seed):
+    """Two plain-HTTP calls: answer, then continue the text with a check question."""
+    c1 = await asyncio.to_thread(_post, base_url + "/completions", {"prompt": row["prompt"], "max_tokens": 6})
+    await asyncio.to_thread(_post, base_url + "/completions", {"prompt": row["prompt"] + c1["text"] + " ?",
+                                                               "max_tokens": 2})
+    return float(c1["text"].strip() == str(row["answer"]))
+'''
+
+
+@pytest.mark.slow
+def test_a_short_train_run_trains_black_box_agent_episodes(arith_dir: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncflow.runner import train
+
+    (tmp_path / "http_agent.py").write_text(AGENT_MODULE)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    cfg, _ = load_config(None, [f"model.path={arith_dir}", "rollout.agent=http_agent:solve", "train.max_steps=3",
+                                "train.batch_size=16", "rollout.n=4", "eval.size=8", "eval.every=0",
+                                "logging.progress=false"])
+    summary = train(cfg, out, progress_enabled=False)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "train"]
+    assert [r["policy_version"] for r in steps] == [1, 2, 3] and summary["samples"] == 48
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    trained = [s for s in samples if s["status"] == "trained"]
+    assert len(trained) == 48
+    assert all(s["agent_calls"] == 2 and s["turns"] == 2 and s["agent_calls_dropped"] == 0 for s in trained)
+    assert all(0 < s["generated_tokens"] <= 8 for s in trained)
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert evals and evals[-1]["eval_size"] == 8 and evals[-1]["eval_error"] is None
+
+
+class _FakeHF:
+    chat_template = None
+
+    def __len__(self) -> int:
+        return 100
+
+
+class _FakeTok:
+    """Enough of the workflow's `Tokenizer` for id-only calls."""
+
+    eos_token_id = 1
+    hf = _FakeHF()
+
+    def decode(self, ids: Any) -> str:
+        return " ".join(map(str, ids))
+
+    def encode(self, text: str) -> list[int]:
+        return []
