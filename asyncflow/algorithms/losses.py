@@ -228,12 +228,12 @@ def policy_loss(
         per_token = -adv * logprobs
     else:
         raise ValueError(f"unknown policy loss {s.loss!r}; known: {', '.join(LOSS_NAMES)}")
-    metrics["pg_loss"] = aggregate(per_token.detach(), mask, norm, s.agg, s.norm_length)
+    loss = aggregate(per_token, mask, norm, s.agg, s.norm_length)
+    metrics["pg_loss"] = loss.detach()
     if ref_logprobs is not None and s.kl_coef > 0:
         kl = kl_estimate(logprobs, ref_logprobs, s.kl_estimator)
-        per_token = per_token + s.kl_coef * kl
+        loss = loss + s.kl_coef * aggregate(kl, mask, norm, s.agg, s.norm_length)  # aggregation is linear
         metrics["kl"] = (kl.detach() * mask).sum() / t
-    loss = aggregate(per_token, mask, norm, s.agg, s.norm_length)
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
