@@ -7,13 +7,12 @@ staleness and throughput. Used by docs/algorithms.md (`scripts/algo_curves.py`).
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from asyncflow.errors import UserError
+from asyncflow.telemetry.report import read_jsonl
 
 
 @dataclass
@@ -37,12 +36,7 @@ def read_run(path: str | Path) -> RunCurve:
     f = p / "metrics.jsonl"
     if not f.is_file():
         raise UserError(f"{p}: no metrics.jsonl (not a run folder)")
-    rows: list[dict[str, Any]] = []
-    for i, line in enumerate(f.read_text().splitlines(), 1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise UserError(f"{f}: line {i} is not JSON") from None
+    rows = read_jsonl(f)
     train = [r for r in rows if r.get("kind") == "train"]
     by_step = {0: 0, **{int(r["step"]): int(r["samples"]) for r in train}}
     run = RunCurve(p)

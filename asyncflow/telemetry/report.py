@@ -38,7 +38,8 @@ class RunData:
         return max(ends, default=0.0) or (self.train[-1]["time_s"] if self.train else 0.0)
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL file; a malformed line is a `UserError` naming file and line."""
     rows = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -56,13 +57,13 @@ def load_run(path: str | Path, label: str | None = None) -> RunData:
     if not (p / "metrics.jsonl").is_file():
         raise UserError(f"{p}: not a run folder (no metrics.jsonl)")
     run = RunData(p, label or p.name)
-    for r in _jsonl(p / "metrics.jsonl"):
+    for r in read_jsonl(p / "metrics.jsonl"):
         if r.get("kind") == "train":
             run.train.append(r)
         elif r.get("kind") == "eval":
             run.evals.append(r)
     if (p / "samples.jsonl").is_file():
-        for s in _jsonl(p / "samples.jsonl"):
+        for s in read_jsonl(p / "samples.jsonl"):
             run.status[str(s.get("status"))] += 1
             if s.get("status") == "trained" and s.get("trained_version") is not None:
                 run.staleness[int(s["trained_version"]) - int(s["behavior_version"])] += 1
