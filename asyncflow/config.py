@@ -325,8 +325,19 @@ class LoggingConfig:
 class CheckpointConfig:
     """Checkpoints."""
 
-    every: int = _f(0, "Save a checkpoint every this many train steps (0: never; final/ is always written).", lo=0)
-    resume: Literal[False, "auto"] = _f(False, "auto: resume from the newest checkpoint in --out.")
+    every: int = _f(
+        0,
+        "Save a checkpoint every this many train steps to RUN_DIR/checkpoints/step_N/: the policy as a Hugging Face "
+        "folder plus optimizer, RNG, data position, policy version, counters and the store's in-flight samples "
+        "(0: never; final/ is always written).",
+        lo=0,
+    )
+    keep: int = _f(2, "Newest checkpoints kept (older ones are deleted once a newer one is complete).", lo=1)
+    resume: Literal[False, "auto"] = _f(
+        False,
+        "auto: continue the run in --out from its newest complete checkpoint (a new or empty --out starts "
+        "fresh); the logs are cut back to that checkpoint, so no step or sample is counted twice.",
+    )
 
 
 @dataclass
@@ -591,8 +602,6 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError("logging.wandb: the wandb package is not installed (pip install wandb)")
     if "logging.wandb_project" in explicit and not cfg.logging.wandb:
         raise UserError("logging.wandb_project: not used while logging.wandb is false")
-    if cfg.checkpoint.every > 0:
-        raise UserError("checkpoint.every: periodic checkpoints are not available in this version (final/ is always written)")
     if cfg.runtime.address is not None and cfg.runtime.kind == "local":
         raise UserError("runtime.address: only used with runtime.kind=ray")
 

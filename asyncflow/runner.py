@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,14 +22,18 @@ from asyncflow.errors import UserError
 RUN_MARKERS = ("config.yaml", "metrics.jsonl")
 
 
-def check_out_dir(out: Path, cfg: Config) -> None:
-    """Refuse an --out folder that already holds a run (resume is explicit), or that is a file."""
+def check_out_dir(out: Path, cfg: Config) -> Any:
+    """Refuse an --out folder that already holds a run (resume is explicit), or that is a file.
+    With `checkpoint.resume: auto`, the checkpoint to continue from (None: start fresh)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out: {out} is a file, not a folder")
     if out.exists() and any((out / m).exists() for m in RUN_MARKERS):
         if cfg.checkpoint.resume == "auto":
-            raise UserError(f"checkpoint.resume: auto is not supported yet; {out} already holds a run (use a new --out)")
+            from asyncflow.checkpoint import find_resume
+
+            return find_resume(out, cfg)
         raise UserError(f"--out: {out} already holds a run; choose another folder or set checkpoint.resume=auto")
+    return None
 
 
 @dataclass
@@ -132,7 +135,7 @@ def torch_threads(cfg: Config) -> int:
 
 def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> dict[str, Any]:
     """Run training as configured; returns a summary (final eval accuracy, samples/s, ...)."""
-    check_out_dir(out, cfg)
+    resume = check_out_dir(out, cfg)
     from asyncflow.rewards import load_reward_fn
     from asyncflow.telemetry.progress import Progress
 
@@ -149,14 +152,22 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
 
             load_agent(cfg.rollout.agent)
         hf_tok = load_tokenizer(inputs.model_dir, log=progress.message)
+        if resume is not None:
+            from asyncflow.checkpoint import changed_settings, cut_logs
+
+            changed = changed_settings(out, cfg)
+            progress.message(f"[asyncflow] resuming from {resume.path} (step {resume.step}, policy version "
+                             f"{resume.version})" + (f"; changed settings: {', '.join(changed)}" if changed else ""))
+            cut_logs(out, resume.state["logs"])
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_yaml(cfg))
-        return asyncio.run(_train(cfg, out, progress, inputs, reward_fn, hf_tok))
+        return asyncio.run(_train(cfg, out, progress, inputs, reward_fn, hf_tok, resume))
     finally:
         progress.close()
 
 
-async def _train(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any) -> dict[str, Any]:
+async def _train(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any,
+                 resume: Any = None) -> dict[str, Any]:
     import torch
 
     from asyncflow.workflow.pipeline import Tokenizer
@@ -165,27 +176,38 @@ async def _train(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_f
     random.seed(cfg.seed)
     torch.set_num_threads(torch_threads(cfg))
     tok = Tokenizer(hf_tok, int(hf_tok.eos_token_id), int(hf_tok.pad_token_id))
+    # a resumed run's policy (trainer and engines) starts from the checkpoint's HF folder, at its version;
+    # the reference model and the tokenizer stay the base model's
+    policy_dir = inputs.model_dir if resume is None else resume.path
+    version = 0 if resume is None else resume.version
     workers: Any = None
     engines: list[Any]
     trainer: Any
     if cfg.runtime.kind == "ray":
         from asyncflow.runtime.ray_runtime import RayWorkers
 
-        workers = RayWorkers.start(cfg, inputs.model_dir, inputs.train_rows, out, inputs.reward_fn_path,
-                                   torch_threads(cfg), log=progress.message)
+        workers = RayWorkers.start(cfg, policy_dir, inputs.train_rows, out, inputs.reward_fn_path,
+                                   torch_threads(cfg), log=progress.message, version=version)
         engines, trainer = list(workers.engines), workers.trainer
     else:
-        trainer = make_train_engine(cfg, inputs.model_dir)
+        trainer = make_train_engine(cfg, policy_dir)
         if cfg.rollout.engine == "openai":
             from asyncflow.engines.openai_engine import connect_all, make_openai_engines
 
             remote = make_openai_engines(cfg.rollout, inputs.model_dir, out)
             await connect_all(remote, trainer.export_weights())
+            if version:
+                await asyncio.gather(*(e.load_weights(trainer.export_weights(), version, "drain") for e in remote))
             engines = list(remote)
         else:
-            engines = [make_inference_engine(cfg, inputs.model_dir, tok, i) for i in range(cfg.rollout.workers)]
+            engines = [make_inference_engine(cfg, policy_dir, tok, i, version) for i in range(cfg.rollout.workers)]
+    if resume is not None:
+        from asyncflow.checkpoint import restore_rng
+
+        trainer.load_optimizer(str(resume.path))
+        restore_rng(resume.path)
     try:
-        return await _run(cfg, out, progress, inputs, reward_fn, hf_tok, tok, trainer, engines, workers)
+        return await _run(cfg, out, progress, inputs, reward_fn, hf_tok, tok, trainer, engines, workers, resume)
     finally:
         if workers is not None:
             workers.shutdown()
@@ -215,19 +237,23 @@ def make_train_engine(cfg: Config, model_dir: Path) -> Any:
     return TorchTrainEngine(model_dir, **common)  # type: ignore[arg-type]
 
 
-def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int) -> Any:
-    """The local runtime's `InferenceEngine` number `index`, named by `rollout.engine`."""
+def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int, version: int = 0) -> Any:
+    """The local runtime's `InferenceEngine` number `index`, named by `rollout.engine`, holding the
+    weights in `model_dir` as policy `version`."""
     import torch
 
     dtype = getattr(torch, cfg.model.dtype)
     if cfg.rollout.engine == "vllm":
         from asyncflow.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_dir, max_batch=cfg.rollout.max_batch, dtype=cfg.model.dtype, seed=cfg.seed + index)
+        engine = VLLMEngine(model_dir, max_batch=cfg.rollout.max_batch, dtype=cfg.model.dtype, seed=cfg.seed + index)
+        engine.version = version
+        return engine
     from asyncflow.engines.hf import HFEngine
 
     return HFEngine(model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                    max_batch=cfg.rollout.max_batch, dtype=dtype, seed=cfg.seed + index, name=f"rollout-{index}")
+                    max_batch=cfg.rollout.max_batch, dtype=dtype, seed=cfg.seed + index, name=f"rollout-{index}",
+                    version=version)
 
 
 def loss_settings(cfg: Config) -> Any:
@@ -244,7 +270,7 @@ def loss_settings(cfg: Config) -> Any:
 
 
 async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any, tok: Any,
-               trainer: Any, engines: list[Any], workers: Any) -> dict[str, Any]:
+               trainer: Any, engines: list[Any], workers: Any, resume: Any = None) -> dict[str, Any]:
     import torch
 
     from asyncflow.algorithms.losses import make_loss_fn
@@ -279,8 +305,15 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
 
         env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s, max_turns=cfg.rollout.max_turns)
     evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock)
-    last_eval: dict[str, float] = await evaluator.run(step=0)
-    progress.message(f"[asyncflow] eval before training: accuracy={last_eval['eval_accuracy']:.3f}")
+    last_eval: dict[str, float]
+    if resume is None:
+        last_eval = await evaluator.run(step=0)
+        progress.message(f"[asyncflow] eval before training: accuracy={last_eval['eval_accuracy']:.3f}")
+    else:  # the evaluations logged up to the checkpoint; one due at its step runs now (it may have been cut)
+        evaluator.history = list(resume.state["eval_history"])
+        due = cfg.eval.every > 0 and resume.step % cfg.eval.every == 0
+        last_eval = await evaluator.run(step=resume.step) if due and evaluator.history[-1]["step"] != resume.step \
+            else evaluator.history[-1]
     pending_eval: asyncio.Task[dict[str, float]] | None = None
     pipeline: Pipeline
 
@@ -311,6 +344,8 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
             **{f"store/{k}": v for k, v in pipeline.store.metrics().items()},
         }
         log.metric(row)
+        if cfg.checkpoint.every > 0 and result.step % cfg.checkpoint.every == 0:
+            await save_checkpoint(result.step)
         due = cfg.eval.every > 0 and result.step % cfg.eval.every == 0 and result.step < cfg.train.max_steps
         if due and (pending_eval is None or pending_eval.done()):
             if pending_eval is not None:
@@ -322,16 +357,52 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
              "eval": last_eval["eval_accuracy"], "depth": pipeline.store.size()},
         )
 
+    async def save_checkpoint(step: int) -> None:
+        """At a step boundary (this step's samples acked, its weights published, the trainer idle):
+        snapshot the store and the counters at once, then write the folder in a worker thread while
+        rollout goes on."""
+        from dataclasses import asdict
+
+        from asyncflow.checkpoint import log_offsets, write_checkpoint
+
+        start = clock.now()
+        store_state = pipeline.store.state_dict()
+        state = {
+            "step": step, "version": pipeline.version, "next_group_id": store_state["next_group_id"],
+            "counters": asdict(pipeline.counters), "elapsed_s": clock.now() - pipeline.t_start,
+            "eval_history": evaluator.history, "logs": log_offsets(out),
+        }
+
+        def save_policy(folder: str) -> None:
+            trainer.save(folder, with_optimizer=True)
+            hf_tok.save_pretrained(folder)
+
+        path = await asyncio.to_thread(write_checkpoint, out, step, save_policy=save_policy, state=state,
+                                       store_state=store_state, keep=cfg.checkpoint.keep)
+        tracer.span("trainer", f"checkpoint step {step}", start, clock.now())
+        progress.message(f"[asyncflow] checkpoint {path} ({len(store_state['samples'])} in-flight samples, "
+                         f"{clock.now() - start:.1f} s)")
+
     pipeline = Pipeline(
         cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
         loss_fn=make_loss_fn(loss_settings(cfg)), clock=clock, log=log, tracer=tracer,
         ref_logprobs=ref_fn, on_step=on_step, store=None if workers is None else workers.store,
         gate=None if workers is None else workers.gate,
     )
-    t0 = time.monotonic()
+    if resume is not None:
+        st = resume.state
+        store_state = resume.store
+        live_groups = len({d["group_id"] for d in store_state["samples"]})
+        pipeline.store.load_state_dict(store_state)
+        pipeline.restore_trainer(resume.step, resume.version, st["counters"], st["elapsed_s"])
+        admitted = resume.step * pipeline.groups_per_step + live_groups
+        if workers is None:
+            pipeline.restore_feeder(st["next_group_id"], resume.version, admitted)
+        else:
+            workers.restore_feeder(st["next_group_id"], resume.version, admitted)
     try:
         await pipeline.run(remote=None if workers is None else workers.stages())
-        train_seconds = time.monotonic() - t0
+        train_seconds = clock.now() - pipeline.t_start  # a resumed run's includes the time before the checkpoint
         if pending_eval is not None:
             await pending_eval
         final_eval = await evaluator.run(step=cfg.train.max_steps)
@@ -355,6 +426,8 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
         "dropped_stale": pipeline.counters.dropped_stale,
         "filtered": pipeline.counters.filtered,
         "reward_errors": pipeline.counters.reward_errors,
+        # where every admitted sample went (samples.jsonl statuses, or still in the store); lost must be 0
+        "accounting": pipeline.final_accounting,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     progress.message(

@@ -157,6 +157,10 @@ class TrainEngine(abc.ABC):
     def save(self, path: str, *, with_optimizer: bool) -> None:
         """Write a Hugging Face folder (and the optimizer state if asked)."""
 
+    def load_optimizer(self, path: str) -> None:
+        """Restore the optimizer state that `save(path, with_optimizer=True)` wrote (resume)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restore an optimizer state")
+
     def close(self) -> None:
         """Release processes or devices the engine holds (nothing for an in-process engine)."""
         return None

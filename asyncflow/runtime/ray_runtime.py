@@ -71,7 +71,7 @@ class RolloutWorker:
     """Actor: one inference engine and the rollout loop that feeds it from the store."""
 
     def __init__(self, index: int, cfg: Config, model_dir: str, rows: list[dict[str, Any]], out: str,
-                 store: Any, threads: int) -> None:
+                 store: Any, threads: int, version: int = 0) -> None:
         from asyncflow.engines.hf import HFEngine
 
         # The engine's decode thread releases the GIL at every torch op; with the default 5 ms switch
@@ -85,7 +85,7 @@ class RolloutWorker:
         self.engine = HFEngine(
             Path(model_dir), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
             max_batch=cfg.rollout.max_batch, dtype=getattr(torch, cfg.model.dtype), seed=cfg.seed + index,
-            name=f"rollout-{index}",
+            name=f"rollout-{index}", version=version,
         )
         self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [self.engine])
 
@@ -128,6 +128,10 @@ class FeederWorker:
 
     async def run(self) -> None:
         await self.pipeline.feeder()
+
+    def restore(self, next_group: int, version: int, admitted: int) -> None:
+        """Resume from a checkpoint (before `run`): see `Pipeline.restore_feeder`."""
+        self.pipeline.restore_feeder(next_group, version, admitted)
 
     def publish(self, version: int) -> None:
         self.pipeline.gate.publish(version)
@@ -217,13 +221,16 @@ class TrainerWorker:
     def save(self, path: str, with_optimizer: bool) -> None:
         self.engine.save(path, with_optimizer=with_optimizer)
 
+    def load_optimizer(self, path: str) -> None:
+        self.engine.load_optimizer(path)
+
 
 class RemoteEngine(InferenceEngine):
     """The driver's handle on a `RolloutWorker`: the `InferenceEngine` interface over Ray calls."""
 
-    def __init__(self, handle: Any, capacity: int, timeout_s: float) -> None:
+    def __init__(self, handle: Any, capacity: int, timeout_s: float, version: int = 0) -> None:
         self.handle = handle
-        self.version = 0
+        self.version = version
         self._capacity = capacity
         self._timeout = timeout_s
         self.last_stats: dict[str, float] = {"busy_s": 0.0, "load": 0.0}
@@ -295,6 +302,9 @@ class RemoteTrainEngine(TrainEngine):
     def save(self, path: str, *, with_optimizer: bool) -> None:
         self._get(self.handle.save.remote(path, with_optimizer), "save the model")
 
+    def load_optimizer(self, path: str) -> None:
+        self._get(self.handle.load_optimizer.remote(path), "load the optimizer state")
+
 
 @dataclass
 class RayWorkers:
@@ -313,8 +323,9 @@ class RayWorkers:
 
     @classmethod
     def start(cls, cfg: Config, model_dir: Path, rows: list[dict[str, Any]], out: Path, reward_fn_path: str,
-              threads: int, log: Any = print) -> RayWorkers:
-        """Start (or join) Ray, reserve a placement group, start the store and every actor."""
+              threads: int, log: Any = print, version: int = 0) -> RayWorkers:
+        """Start (or join) Ray, reserve a placement group, start the store and every actor. The policy's
+        weights come from `model_dir` as `version` (a resumed run's checkpoint)."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -357,7 +368,7 @@ class RayWorkers:
         trainer_cls: Any = ray.remote(TrainerWorker)
         feeder_cls: Any = ray.remote(FeederWorker)
         rollout_actors = [
-            rollout_cls.options(**opts(i)).remote(i, cfg, str(model_dir), rows_ref, str(out), store, threads)
+            rollout_cls.options(**opts(i)).remote(i, cfg, str(model_dir), rows_ref, str(out), store, threads, version)
             for i in range(w)
         ]
         trainer_actor = trainer_cls.options(**opts(w)).remote(cfg, str(model_dir), threads)
@@ -377,11 +388,17 @@ class RayWorkers:
                 remove_placement_group(pg)
             raise
         timeout = cfg.workflow.step_timeout_s
-        engines = [RemoteEngine(a, int(c), timeout) for a, c in zip(rollout_actors, capacities, strict=True)]
+        engines = [RemoteEngine(a, int(c), timeout, version) for a, c in zip(rollout_actors, capacities, strict=True)]
         log(f"[asyncflow] ray: feeder, {w} rollout, 1 trainer, {n_reward} reward actor(s) ready in "
             f"{time.monotonic() - t0:.1f} s")
         return cls(store, engines, RemoteTrainEngine(trainer_actor, timeout), rollout_actors, reward_actors,
                    trainer_actor, feeder_actor, RemoteGate(feeder_actor, cfg.staleness), pg)
+
+    def restore_feeder(self, next_group: int, version: int, admitted: int) -> None:
+        """Resume the feeder actor's position and gate (before `stages`)."""
+        import ray
+
+        ray.get(self.feeder_actor.restore.remote(next_group, version, admitted), timeout=READY_TIMEOUT_S)
 
     def stages(self) -> dict[str, Any]:
         """Start the remote stage loops; awaitables by stage name for `Pipeline.run(remote=...)`."""

@@ -136,6 +136,10 @@ class StoreClient(Protocol):
 
     def metrics(self) -> dict[str, float]: ...
 
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
 
 _THREAD = "thread"  # `_Waiter`'s `on` for a plain thread (it sleeps on a `threading.Event`)
 
@@ -311,6 +315,7 @@ class TransferQueue:
         self._expiries: list[tuple[float, int]] = []  # (deadline, lease id), stale entries skipped
         self._put_waiters: list[_Waiter] = []
         self._next_uid = 0
+        self._next_group = 0  # one past the highest group id ever put (a feeder's position, checkpoints)
         self._next_lease = 1
         self._max_group_size = 1
         self._bytes_put = 0
@@ -413,6 +418,8 @@ class TransferQueue:
         priority = float(uid) if ns.priority is None else float(ns.priority)
         s = _Sample(uid, ns.group_id, priority, dict(ns.fields))
         g = self._groups.setdefault(ns.group_id, _Group(ns.group_size))
+        if ns.group_id >= self._next_group:
+            self._next_group = ns.group_id + 1
         g.put += 1
         g.uids.append(uid)
         self._max_group_size = max(self._max_group_size, ns.group_size)
@@ -1015,13 +1022,16 @@ class TransferQueue:
                 out[f"leased/{st.name}"] = float(st.leased)
                 out[f"wait_s/{st.name}"] = st.wait_s
             out["samples"] = float(len(self._samples))
+            out["groups_put"] = float(self._next_group)  # group ids are numbered from 0: groups admitted so far
             out["bytes_put"] = float(self._bytes_put)
             out["expired_leases"] = float(self._expired_leases)
             return out
 
     # ----------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """All live samples with fields, versions, priorities and consumed marks; leases are dropped."""
+        """All live samples with fields, versions, priorities and consumed marks; leases are dropped.
+        `next_group_id` is one past the highest group id ever put: with one feeder numbering groups
+        in order, the position in its prompt stream that this snapshot is consistent with."""
         with self._lock:
             samples = [
                 {
@@ -1038,7 +1048,8 @@ class TransferQueue:
                 {"group_id": gid, "size": g.size, "put": g.put, "removed": g.removed}
                 for gid, g in self._groups.items()
             ]
-            return {"format": _STATE_FORMAT, "next_uid": self._next_uid, "samples": samples, "groups": groups}
+            return {"format": _STATE_FORMAT, "next_uid": self._next_uid, "next_group_id": self._next_group,
+                    "samples": samples, "groups": groups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore into an empty store; samples leased at save time become available again."""
@@ -1048,6 +1059,7 @@ class TransferQueue:
             if self._samples or self._leases:
                 raise ValueError("load_state_dict needs an empty transfer queue")
             self._next_uid = int(state["next_uid"])
+            self._next_group = int(state.get("next_group_id", 1 + max((g["group_id"] for g in state["groups"]), default=-1)))
             for gs in state["groups"]:
                 self._groups[gs["group_id"]] = _Group(gs["size"], gs["put"], gs["removed"])
                 self._max_group_size = max(self._max_group_size, gs["size"])

@@ -50,6 +50,12 @@ class StalenessGate:
         self.version = max(self.version, version)
         self._notify()
 
+    def restore(self, version: int, admitted: int) -> None:
+        """Resume from a checkpoint: engines at `version`, `admitted` groups trained or live."""
+        self.version = version
+        self.admitted = admitted
+        self._notify()
+
     def min_version(self, trainer_version: int) -> int:
         """Oldest behavior version a sample trained from `trainer_version` may have."""
         return trainer_version - self.max_staleness

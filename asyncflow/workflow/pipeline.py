@@ -193,9 +193,29 @@ class Pipeline:
         self._last_row_time = self.t_start
         self._last_busy = (0.0, 0.0)
         self._order = self._row_order()
+        self.next_group = 0  # the feeder's next group id: also how many prompts it has drawn
+        self.first_step = 1
+        self.final_accounting: dict[str, int] = {}
         self._filter_budget = cfg.algorithm.filter_max_groups_per_step or 4 * self.groups_per_step
 
     # ------------------------------------------------------------------ feeder
+
+    def restore_feeder(self, next_group: int, version: int, admitted: int) -> None:
+        """Resume the feeder at draw `next_group` of its prompt stream, with the gate at `version`
+        and `admitted` groups counted against it (see `asyncflow/checkpoint.py`)."""
+        self.next_group = next_group
+        self._order = self._row_order()
+        for _ in range(next_group):
+            next(self._order)
+        self.gate.restore(version, admitted)
+
+    def restore_trainer(self, step: int, version: int, counters: dict[str, Any], elapsed_s: float) -> None:
+        """Resume the trainer loop after `step` (weights at `version` are loaded by the caller)."""
+        self.first_step = step + 1
+        self.version = version
+        self.counters = Counters(**counters)
+        self.t_start = self.clock.now() - elapsed_s
+        self._last_row_time = self.clock.now()
 
     def _row_order(self) -> Any:
         rng = random.Random(self.cfg.seed)
@@ -209,7 +229,6 @@ class Pipeline:
 
     async def feeder(self) -> None:
         """Admit prompts as `n` single-sample requests each, while the staleness gate allows."""
-        group_id = 0
         while not self.gate.closed:
             if not await self.gate.wait_for_credit(self.cfg.workflow.step_timeout_s):
                 continue  # the trainer is slow; credit comes with the next publication
@@ -219,13 +238,14 @@ class Pipeline:
             fields = {"prompt_ids": ids, "row": row_index}
             if self.cfg.rollout.affinity:
                 fields[f"to/{self._least_loaded_worker()}"] = True
+            group_id = self.next_group
             samples = [NewSample(group_id, self.n, dict(fields), priority=float(group_id)) for _ in range(self.n)]
             self.gate.admit()
             try:
                 await self.store.put(samples, timeout=self.cfg.workflow.step_timeout_s)
             except QueueClosed:
                 return
-            group_id += 1
+            self.next_group = group_id + 1
 
     def _least_loaded_worker(self) -> int:
         """The rollout worker with the fewest samples queued for it or in flight (affinity routing)."""
@@ -531,7 +551,7 @@ class Pipeline:
 
     async def trainer_loop(self) -> None:
         """Assemble batches of whole groups within the staleness bound, train, publish."""
-        for step in range(1, self.cfg.train.max_steps + 1):
+        for step in range(self.first_step, self.cfg.train.max_steps + 1):
             groups, leases = await self._collect_batch()
             result = await self._train_on(step, groups)
             for lease in leases:
@@ -753,6 +773,19 @@ class Pipeline:
             )
         self.log.samples(out)
 
+    def accounting(self) -> dict[str, int]:
+        """Where every admitted sample went: logged to samples.jsonl (trained, or why not) or still in
+        the store; `lost` is what is neither and must be 0. One store call, so the admitted count and
+        the live count are of the same moment. Cumulative across a resume (counters are restored)."""
+        m = self.store.metrics()
+        c = self.counters
+        admitted = int(m["groups_put"]) * self.n
+        logged = {"trained": c.trained, "reward_error": c.reward_errors, "filtered": c.filtered,
+                  "dropped_stale": c.dropped_stale, "cancelled": c.cancelled}
+        live = int(m["samples"])
+        return {"admitted": admitted, **logged, "in_store_at_end": live,
+                "lost": admitted - sum(logged.values()) - live}
+
     def busy_fractions(self) -> tuple[float, float]:
         """Fractions of wall time since the last call that rollout engines / the trainer computed."""
         now = self.clock.now()
@@ -791,6 +824,8 @@ class Pipeline:
                     raise t.exception()  # type: ignore[misc]
             if trainer not in done:
                 raise RuntimeError(f"stage {next(iter(done)).get_name()} stopped before the trainer finished")
+            self.gate.close()  # no more admissions: the accounting below is final
+            self.final_accounting = self.accounting()
         finally:
             # Close first, then cancel: a loop whose cancellation was swallowed by a wait that completed
             # at the same moment still sees the closed gate/store and exits.

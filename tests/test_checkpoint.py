@@ -1,0 +1,162 @@
+"""Checkpoint and resume: a resumed run neither skips nor repeats prompts, counts steps right, restores
+the optimizer and the store's in-flight samples, and survives a crash mid-step (marked slow; CI runs them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncflow.config import load_config
+from asyncflow.errors import UserError
+from asyncflow.runner import train
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["train.batch_size=32", "rollout.n=4", "rollout.max_new_tokens=4", "eval.size=32", "eval.every=2",
+         "logging.progress=false"]
+
+
+def _train(arith_dir: Path, out: Path, extra: list[str]) -> dict[str, Any]:
+    cfg, _ = load_config(None, [*SMALL, f"model.path={arith_dir}", *extra])
+    return train(cfg, out, progress_enabled=False)
+
+
+def _rows(out: Path, name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / name).read_text().splitlines()]
+
+
+def _trained_groups(out: Path) -> dict[int, str]:
+    """group id -> prompt of every trained sample; fails if a group's samples disagree on the prompt."""
+    groups: dict[int, str] = {}
+    for r in _rows(out, "samples.jsonl"):
+        if r["status"] == "trained":
+            assert groups.setdefault(r["group_id"], r["prompt"]) == r["prompt"]
+    return groups
+
+
+def _check_run_logs(out: Path, steps: int, batch: int) -> None:
+    """Every step logged once and in order, cumulative counts right, no sample logged twice."""
+    train_rows = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == list(range(1, steps + 1))
+    assert [r["samples"] for r in train_rows] == [batch * s for s in range(1, steps + 1)]
+    assert [r["policy_version"] for r in train_rows] == list(range(1, steps + 1))
+    samples = _rows(out, "samples.jsonl")
+    uids = [r["uid"] for r in samples]
+    assert len(uids) == len(set(uids)), "a sample was logged twice"
+    trained = [r for r in samples if r["status"] == "trained"]
+    assert len(trained) == steps * batch
+    per_version: dict[int, int] = {}
+    for r in trained:
+        per_version[r["trained_version"]] = per_version.get(r["trained_version"], 0) + 1
+    assert per_version == {v: batch for v in range(steps)}
+
+
+def test_resume_continues_exactly_where_the_checkpoint_left_off(arith_dir: Path, tmp_path: Path) -> None:
+    """Sync: an uninterrupted 4-step run and 2 steps + resume to 4 train the same prompts under the same
+    group ids; the resumed run's logs count every step and sample once; the optimizer state carries over."""
+    full, res = tmp_path / "full", tmp_path / "resumed"
+    _train(arith_dir, full, ["workflow.mode=sync", "train.max_steps=4"])
+    _train(arith_dir, res, ["workflow.mode=sync", "train.max_steps=2", "checkpoint.every=1"])
+    first = _trained_groups(res)
+    assert sorted(first) == list(range(16))
+    ckpt = res / "checkpoints" / "step_2"
+    for name in ("config.json", "model.safetensors", "optimizer.pt", "store.pt", "rng.pt", "state.json",
+                 "tokenizer.json"):
+        assert (ckpt / name).is_file(), name
+    state = json.loads((ckpt / "state.json").read_text())
+    assert (state["step"], state["version"]) == (2, 2)
+    # sync mode: step 3's prompts were admitted as soon as version 2 was loaded; they are in flight
+    in_flight = torch.load(ckpt / "store.pt", weights_only=False)
+    assert {d["group_id"] for d in in_flight["samples"]} <= set(range(16, 24))
+    assert state["next_group_id"] == 1 + max([15, *(d["group_id"] for d in in_flight["samples"])])
+
+    summary = _train(arith_dir, res, ["workflow.mode=sync", "train.max_steps=4", "checkpoint.every=1",
+                                      "checkpoint.resume=auto"])
+    assert summary["samples"] == 128
+    _check_run_logs(res, 4, 32)
+    assert _trained_groups(res) == _trained_groups(full)  # same prompts, same group ids: none skipped or repeated
+    assert sorted(p.name for p in (res / "checkpoints").iterdir()) == ["step_3", "step_4"]  # checkpoint.keep=2
+    # AdamW's step count continued from the checkpoint (a fresh optimizer would be at 2 here)
+    opt = torch.load(res / "checkpoints" / "step_4" / "optimizer.pt", weights_only=True)
+    assert {int(s["step"]) for s in opt["state"].values()} == {4}
+    evals = [r["step"] for r in _rows(res, "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals == [0, 2, 4]  # the step-2 evaluation, cut with the first run's tail, was run again
+
+
+CRASHING_REWARD = '''
+import os
+from pathlib import Path
+from asyncflow.tasks.arith import reward_fn as arith
+
+def reward_fn(prompts, completions, answer, **kw):
+    after = os.environ.get("CRASH_AFTER")
+    if after and Path(after).exists():
+        os._exit(17)  # the whole process dies mid-step, as on a power loss or an OOM kill
+    return arith(prompts, completions, answer, **kw)
+'''
+
+
+def test_a_crash_mid_run_resumes_without_losing_or_repeating_anything(arith_dir: Path, tmp_path: Path) -> None:
+    """Async (max_staleness 1): the process dies at the first reward call after the checkpoint of
+    step 3 is complete (groups 40-47 are admitted only once version 4 is out, so there is one), with
+    samples in flight; `checkpoint.resume=auto` finishes the run: steps 1..6 logged once, 6 x 32
+    samples trained, no sample logged twice, and exactly the groups (and prompts) of an uninterrupted run."""
+    (tmp_path / "crash_reward.py").write_text(CRASHING_REWARD)
+    (tmp_path / "c.yaml").write_text("seed: 0\n")
+    out, full = tmp_path / "run", tmp_path / "full"
+    base = [*SMALL, f"model.path={arith_dir}", "workflow.mode=async", "workflow.max_staleness=1",
+            "train.max_steps=6", "checkpoint.every=3", "reward.fn=crash_reward:reward_fn"]
+    env = {**os.environ, "CRASH_AFTER": str(out / "checkpoints" / "step_3" / "state.json")}
+    cmd = [sys.executable, "-m", "asyncflow", "train", str(tmp_path / "c.yaml"),
+           *[a for kv in base for a in ("--set", kv)], "--out", str(out)]
+    crashed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert crashed.returncode == 17, crashed.stderr[-2000:]
+    steps_before = [r["step"] for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"]
+    assert steps_before[-1] >= 3 and (out / "checkpoints" / "step_3" / "state.json").is_file()
+    assert not (out / "final").exists()
+    in_flight = torch.load(out / "checkpoints" / "step_3" / "store.pt", weights_only=False)["samples"]
+    assert in_flight, "the checkpoint should hold samples admitted ahead of the trainer"
+
+    del env["CRASH_AFTER"]
+    resumed = subprocess.run([*cmd, "--set", "checkpoint.resume=auto"], env=env, capture_output=True, text=True,
+                             timeout=600, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    _check_run_logs(out, 6, 32)
+    groups = _trained_groups(out)
+    assert sorted(groups) == list(range(48))
+    acc = json.loads((out / "summary.json").read_text())["accounting"]
+    statuses: dict[str, int] = {}
+    for r in _rows(out, "samples.jsonl"):
+        statuses[r["status"]] = statuses.get(r["status"], 0) + 1
+    assert acc["lost"] == 0 and acc["trained"] == 192
+    assert {k: acc[k] for k in statuses} == statuses  # the cumulative counts agree with samples.jsonl
+    assert acc["admitted"] == sum(statuses.values()) + acc["in_store_at_end"]
+    assert (out / "final" / "model.safetensors").is_file()
+    _train(arith_dir, full, ["workflow.mode=async", "workflow.max_staleness=1", "train.max_steps=6"])
+    assert groups == _trained_groups(full)
+
+
+def test_resume_refuses_what_it_cannot_continue(arith_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _train(arith_dir, out, ["train.max_steps=1"])
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        _train(arith_dir, out, ["train.max_steps=2", "checkpoint.resume=auto"])
+    out2 = tmp_path / "run2"
+    _train(arith_dir, out2, ["train.max_steps=1", "checkpoint.every=1"])
+    with pytest.raises(UserError, match="nothing left to train"):
+        _train(arith_dir, out2, ["train.max_steps=1", "checkpoint.resume=auto"])
+    with pytest.raises(UserError, match=r"checkpoint.resume: seed is 5 but the run .* used 0"):
+        _train(arith_dir, out2, ["train.max_steps=2", "checkpoint.resume=auto", "seed=5"])
+    with pytest.raises(UserError, match="rollout.n is 8"):
+        _train(arith_dir, out2, ["train.max_steps=2", "checkpoint.resume=auto", "rollout.n=8"])
+    # nothing was changed by the refusals: the run still resumes
+    assert _train(arith_dir, out2, ["train.max_steps=2", "checkpoint.resume=auto"])["samples"] == 64
+    # resume=auto on a new folder just starts
+    assert _train(arith_dir, tmp_path / "new", ["train.max_steps=1", "checkpoint.resume=auto"])["samples"] == 32
