@@ -91,6 +91,64 @@ def _check_weights(folder: Path, key: str) -> None:
     raise UserError(f"{key}: {folder} has no weights (model.safetensors, pytorch_model.bin or a sharded index)")
 
 
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return [folder / s for s in sorted(set(map(str, weight_map.values())))]
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def _header(path: Path) -> dict[str, Any]:
+    with path.open("rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header: dict[str, Any] = json.loads(fh.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def check_weights_match_config(path: str | Path, *, key: str = "model.path") -> None:
+    """Every parameter the folder's config.json implies is in its safetensors files with that shape.
+
+    Needs transformers and torch (the model is built on the meta device: no memory, milliseconds), so
+    it runs after the file checks. Without it a weight file of another model fails deep inside
+    `from_pretrained` with a traceback, or — a parameter missing from the file — is silently left at
+    its random initialisation. Tied parameters are checked once (under the first name); a file with
+    no parameter name in common with the model (a legacy naming transformers renames on load) is
+    left to transformers.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(path)
+    files = _safetensors_files(folder)
+    if not files:
+        return  # PyTorch .bin weights: transformers checks them
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # the config itself is the problem: name it, one line
+        raise UserError(f"{key}: {folder / 'config.json'} does not describe a causal LM transformers can build: "
+                        f"{type(exc).__name__}: {exc}") from None
+    expected = {name: list(p.shape) for name, p in model.named_parameters()}  # tied parameters once
+    found: dict[str, tuple[list[int], Path]] = {}
+    for f in files:
+        for name, info in _header(f).items():
+            found[name] = ([int(d) for d in info["shape"]], f)
+    if not set(expected) & set(found):
+        return
+    for name, shape in expected.items():
+        if name not in found:
+            raise UserError(f"{key}: {folder} has no tensor {name!r}, which its config.json implies "
+                            f"(shape {shape}); the weights are of another model or incomplete")
+        got, f = found[name]
+        if got != shape:
+            raise UserError(f"{key}: {f}: tensor {name!r} has shape {got}, but config.json implies {shape}; "
+                            "the weights are of another model")
+
+
 def check_safetensors(path: Path, key: str = "model.path") -> None:
     """The file's header parses and its tensors exactly fill the data that follows (no truncation)."""
     size = path.stat().st_size

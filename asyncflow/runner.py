@@ -152,6 +152,9 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
 
             load_agent(cfg.rollout.agent)
         hf_tok = load_tokenizer(inputs.model_dir, log=progress.message)
+        from asyncflow.model_folder import check_weights_match_config
+
+        check_weights_match_config(inputs.model_dir if resume is None else resume.path)
         if resume is not None:
             from asyncflow.checkpoint import changed_settings, cut_logs
 

@@ -206,3 +206,32 @@ def test_sharded_safetensors_index_names_a_missing_shard(tmp_path: Path) -> None
         check_model_dir(model)
     write_safetensors(model / "model-00002-of-00002.safetensors")
     assert check_model_dir(model) == model
+
+
+def test_weights_of_another_model_are_named_before_any_load(tiny_model, tmp_path: Path) -> None:
+    """Well-formed safetensors that do not fit config.json: a shape off or a parameter missing is one
+    line naming the tensor (not a traceback from `from_pretrained`, nor a silently random parameter)."""
+    from safetensors.torch import save_file
+
+    from asyncflow.model_folder import check_weights_match_config
+
+    good = tmp_path / "good"
+    tiny_model.save_pretrained(good)
+    check_weights_match_config(good)  # the model's own folder passes
+
+    cfg = json.loads((good / "config.json").read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": 48}))
+    (other / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+    with pytest.raises(UserError, match=r"tensor 'model.embed_tokens.weight' has shape \[32, 64\], but config.json "
+                                        r"implies \[48, 64\]"):
+        check_weights_match_config(other)
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text(json.dumps(cfg))
+    state = {k: v.contiguous() for k, v in tiny_model.state_dict().items() if k != "model.norm.weight"}
+    save_file(state, str(partial / "model.safetensors"))
+    with pytest.raises(UserError, match=r"has no tensor 'model.norm.weight'"):
+        check_weights_match_config(partial)
