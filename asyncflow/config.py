@@ -602,6 +602,8 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError("logging.wandb: the wandb package is not installed (pip install wandb)")
     if "logging.wandb_project" in explicit and not cfg.logging.wandb:
         raise UserError("logging.wandb_project: not used while logging.wandb is false")
+    if "checkpoint.keep" in explicit and cfg.checkpoint.every == 0:
+        raise UserError("checkpoint.keep: not used while checkpoint.every is 0 (no periodic checkpoints)")
     if cfg.runtime.address is not None and cfg.runtime.kind == "local":
         raise UserError("runtime.address: only used with runtime.kind=ray")
 

@@ -47,7 +47,7 @@ def test_set_values_are_parsed_as_yaml_scalars() -> None:
         (["task=nope"], "task: unknown task pack 'nope'"),
         (["reward.fn=mymodule"], "reward.fn: 'mymodule' must be 'module:function'"),
         (["logging.wandb_project=x"], "logging.wandb_project: not used while logging.wandb is false"),
-        (["checkpoint.every=5"], "checkpoint.every: periodic checkpoints are not available"),
+        (["checkpoint.keep=5"], "checkpoint.keep: not used while checkpoint.every is 0"),
         (["algorithm.loss=tis", "algorithm.clip_low=0.1"], "algorithm.clip_low: not used by algorithm.loss=tis"),
         (["algorithm.loss=cispo", "algorithm.is_cap=3"], "algorithm.is_cap: not used by algorithm.loss=cispo"),
         (["algorithm.loss=gspo", "algorithm.dual_clip=3"], "algorithm.dual_clip: not used by algorithm.loss=gspo"),
