@@ -1,7 +1,8 @@
 """The `asyncflow` command: demo, train, prepare, bench, report, serve.
 
 Arguments and configs are validated before torch, transformers or ray are imported, so bad input
-costs milliseconds and ends with one line naming the key, file or argument, and exit code 2.
+costs milliseconds and ends with one line naming the key, file or argument, and exit code 2. A run
+that fails for another reason a user can act on (a Ray actor died) ends with one line and exit code 1.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from asyncflow.errors import UserError
+from asyncflow.errors import RunFailed, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,12 +67,34 @@ def main(argv: list[str] | None = None) -> int:
         args = make_parser().parse_args(argv)
         return _dispatch(args)
     except UserError as exc:
-        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line, always
-        print(f"asyncflow: error: {message}", file=sys.stderr)
+        print(f"asyncflow: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
+    except RunFailed as exc:  # a worker died or a remote stage failed: not bad input, so exit 1
+        print(f"asyncflow: error: {_one_line(str(exc))}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("asyncflow: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        death = _actor_death(exc)
+        if death is None:
+            raise  # a bug: the traceback is what helps
+        print(f"asyncflow: error: {_one_line(death)}", file=sys.stderr)
+        return RunFailed.exit_code
+
+
+def _one_line(message: str) -> str:
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def _actor_death(exc: BaseException) -> str | None:
+    """'the X actor died: why' for a Ray actor's death that reached here unwrapped (e.g. the store
+    controller's, seen by the driver's own store call); None for anything else."""
+    if "ray" not in sys.modules:
+        return None
+    from asyncflow.runtime.ray_runtime import actor_death
+
+    return actor_death(exc)
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -301,6 +301,13 @@ class RuntimeConfig:
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _f(
         "PACK", "Ray placement-group strategy for the worker bundles."
     )
+    max_restarts: int = _f(
+        3,
+        "How many times each rollout and reward actor is restarted after it dies (ray); its leased samples "
+        "go back to the queue and a restarted rollout actor gets the latest weights first. 0: an actor death "
+        "ends the run. A trainer, feeder or store death always ends the run.",
+        lo=0,
+    )
     torch_threads: int | None = _f(
         None,
         "torch CPU threads of the process. null: all cores in sync mode (each phase has the machine to "

@@ -11,13 +11,14 @@ import asyncio
 import json
 import os
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from asyncflow.config import Config, dump_yaml, episodic
-from asyncflow.errors import UserError
+from asyncflow.errors import RunFailed, UserError
 
 RUN_MARKERS = ("config.yaml", "metrics.jsonl")
 
@@ -164,9 +165,25 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
             cut_logs(out, resume.state["logs"])
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_yaml(cfg))
-        return asyncio.run(_train(cfg, out, progress, inputs, reward_fn, hf_tok, resume))
+        try:
+            return asyncio.run(_train(cfg, out, progress, inputs, reward_fn, hf_tok, resume))
+        except RunFailed as exc:  # a worker the run needs died: say where it can go on from
+            raise type(exc)(f"{exc}; {_resume_hint(out)}") from exc
+        except Exception:
+            print(f"[asyncflow] the run failed; {_resume_hint(out)}", file=sys.stderr)
+            raise
     finally:
         progress.close()
+
+
+def _resume_hint(out: Path) -> str:
+    from asyncflow.checkpoint import complete_checkpoints
+
+    found = complete_checkpoints(out)
+    if not found:
+        return "no checkpoint was written (set checkpoint.every to make runs resumable)"
+    return (f"it can go on from {found[-1][1]} (step {found[-1][0]}): run the same command with "
+            f"--set checkpoint.resume=auto")
 
 
 async def _train(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any,
@@ -192,6 +209,7 @@ async def _train(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_f
         workers = RayWorkers.start(cfg, policy_dir, inputs.train_rows, out, inputs.reward_fn_path,
                                    torch_threads(cfg), log=progress.message, version=version)
         engines, trainer = list(workers.engines), workers.trainer
+        trainer.steps, trainer.exported = (0, 0) if resume is None else (resume.step, resume.version)
     else:
         trainer = make_train_engine(cfg, policy_dir)
         if cfg.rollout.engine == "openai":
@@ -344,6 +362,7 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
             **{f"response_len/{k}": c.response_tokens[k] / n for k, n in c.response_count.items() if n},
             "reward_errors": c.reward_errors,
             "cancelled": c.cancelled,
+            **({} if workers is None else {"restarts": workers.restarts_total}),
             **{f"store/{k}": v for k, v in pipeline.store.metrics().items()},
         }
         log.metric(row)
@@ -403,6 +422,7 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
             pipeline.restore_feeder(st["next_group_id"], resume.version, admitted)
         else:
             workers.restore_feeder(st["next_group_id"], resume.version, admitted)
+    restarts: dict[str, int] = {}
     try:
         await pipeline.run(remote=None if workers is None else workers.stages())
         train_seconds = clock.now() - pipeline.t_start  # a resumed run's includes the time before the checkpoint
@@ -412,6 +432,7 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
     finally:
         if workers is not None:
             workers.collect(tracer, pipeline.counters)
+            restarts = {k: v for k, v in workers.restarts.items() if v}
         for e in engines:
             await e.close()
         tracer.write(out / "trace.json")
@@ -431,6 +452,8 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
         "reward_errors": pipeline.counters.reward_errors,
         # where every admitted sample went (samples.jsonl statuses, or still in the store); lost must be 0
         "accounting": pipeline.final_accounting,
+        # Ray: actor restarts by stage (rollout/reward actors that died and were brought back)
+        "restarts": restarts,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     progress.message(

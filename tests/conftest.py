@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Qwen2 (for engine tests) and a quickly prepared arith folder."""
+"""Shared fixtures: a tiny random Qwen2 (for engine tests), quickly prepared task folders, and one
+local Ray for the whole session (`ray_session`, shared by test_ray.py and test_ray_faults.py)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,17 @@ def calc_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from asyncflow.tasks import calc
 
     return calc.cached_prepare(tmp_path_factory.mktemp("calc-cache"), seed=0, sft_steps=30)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray (2 CPUs) for the whole pytest session, shut down at its end if this started it."""
+    import ray
+
+    from asyncflow.runtime.ray_init import ensure_ray
+
+    started = not ray.is_initialized()
+    ensure_ray(None, num_cpus=2)
+    yield ray
+    if started:
+        ray.shutdown()

@@ -1,5 +1,5 @@
 """The Ray runtime: the store across processes, dead consumers, weight sync through the object store,
-and a short end-to-end run. One Ray instance for the whole session (`ray_session`)."""
+and a short end-to-end run. One Ray instance for the whole session (`ray_session`, in conftest.py)."""
 
 from __future__ import annotations
 
@@ -21,19 +21,14 @@ from asyncflow.transfer_queue import NewSample, QueueClosed
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="session")
-def ray_session():
-    import ray
+@pytest.fixture(scope="module", autouse=True)
+def _actor_classes_by_value(ray_session):
+    """The test-only actor classes below travel by value (the workers cannot import this module)."""
     from ray import cloudpickle
 
-    from asyncflow.runtime.ray_init import ensure_ray
-
-    started = not ray.is_initialized()
-    ensure_ray(None, num_cpus=2)
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test-only actor classes below
-    yield ray
-    if started:
-        ray.shutdown()
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
 class _Producer:

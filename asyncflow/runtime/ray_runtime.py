@@ -19,6 +19,18 @@ never through the driver. The trainer's weights go into the object store once pe
 return value of `export_weights`; the driver only passes the reference on, and each rollout actor
 fetches it (on GPUs the same interface leaves room for an NCCL broadcast).
 
+When an actor dies. Every actor of a run has a Ray name `asyncflow-<8 hex>-<role>` (`RayWorkers.prefix`;
+roles `rollout-i`, `reward-j`, `trainer`, `feeder`, `store`). Rollout and reward actors are created
+with `max_restarts=runtime.max_restarts` and the driver supervises their `run` calls: when one fails
+because its actor died, the driver waits for Ray to restart the actor (a new process, same actor id),
+has the store give back every lease the dead process held at once (not at the lease deadline), loads
+the latest published weights into a rollout actor, and only then starts its loop again; one log line
+per restart, counted in `RayWorkers.restarts`. Meanwhile a publication skips that engine (the driver
+keeps the latest weights reference for it) and eval requests to it wait for it. A death with no
+restart left, or of the trainer (`TrainerDied`), the feeder or the store controller, ends the run
+with a `RunFailed` whose one-line message names the actor and why it died. Every wait on an actor is
+bounded and says what it waited for.
+
 Assumptions on a cluster: the model folder, the dataset and the run folder are on storage every node
 sees (the actors read the model and append to `samples.jsonl` themselves), and the trace's spans use
 each process's monotonic clock, which is one time line only within a machine.
@@ -29,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,9 +52,94 @@ import torch
 
 from asyncflow.config import Config, episodic
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, LossFn, TrainBatch, TrainEngine
-from asyncflow.errors import UserError, WaitTimeout
+from asyncflow.errors import RunFailed, TrainerDied, UserError, WaitTimeout
 
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 300.0  # an actor starting (or restarting: a new process loads the model again)
+STORE_CALL_TIMEOUT_S = 60.0  # one supervision call to the store controller
+_POLL_S = 0.1  # how often a wait for a restarting actor looks again
+
+
+@dataclass
+class _Known:
+    """An actor of a running `RayWorkers`, for messages about its death."""
+
+    label: str  # "rollout/0", "trainer", "store controller", ...
+    name: str  # its Ray name
+    trainer: RemoteTrainEngine | None = None
+
+
+_KNOWN: dict[str, _Known] = {}  # Ray actor id (hex) -> what it is
+
+
+def _actor_id(handle: Any) -> str:
+    return str(handle._actor_id.hex())
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _why(exc: BaseException) -> str:
+    """Why a Ray actor error says its actor died, in a few words."""
+    import ray
+
+    text = str(exc)
+    kind = type(exc).__name__
+    if isinstance(exc, ray.exceptions.ActorUnavailableError):
+        detail = text.split("temporarily unavailable:", 1)[-1].split(". ")[0].strip()
+        return f"{kind}: {detail.removeprefix('IOError: ')}"
+    if "killed by `ray.kill`" in text:
+        return f"{kind}: killed by ray.kill"
+    for marker in ("Worker exit detail: ", "The actor is dead because "):
+        if marker in text:
+            text = text.split(marker, 1)[1]
+            break
+    if " Some common causes include" in text:
+        text = text.split(" Some common causes include")[0] + " (the OOM killer, a crash or `ray stop`?)"
+    return f"{kind}: {_one_line(text, 300)}"
+
+
+def _who(exc: BaseException) -> tuple[str, _Known | None]:
+    """'the trainer actor (asyncflow-1a2b3c4d-trainer)', and what the actor is if this run knows it."""
+    known = _KNOWN.get(str(getattr(exc, "actor_id", None)))
+    if known is not None:
+        return f"the {known.label} actor ({known.name})", known
+    fields = dict(
+        line.strip().split(": ", 1) for line in str(exc).splitlines() if line.startswith("\t") and ": " in line
+    )
+    if "class_name" in fields:
+        return f"the {fields['class_name']} actor" + (f" ({fields['name']})" if "name" in fields else ""), None
+    return "a Ray actor", None
+
+
+def _dead_actor_error(exc: BaseException) -> BaseException | None:
+    """The `RayActorError` in `exc` (itself, or the cause of a task error), or None."""
+    import ray
+
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, ray.exceptions.RayActorError):
+        return cause
+    return exc if isinstance(exc, ray.exceptions.RayActorError) else None
+
+
+def actor_death(exc: BaseException) -> str | None:
+    """One line saying which actor died and why, for a Ray actor error (or a task error caused by
+    one; e.g. the store controller's death seen through a store call); None for anything else."""
+    err = _dead_actor_error(exc)
+    if err is None:
+        return None
+    who, _ = _who(err)
+    return f"{who} died ({_why(err)})"
+
+
+def _death_error(exc: BaseException, context: str = "") -> RunFailed:
+    """The run's error for an actor's death: `TrainerDied` for the trainer, else `RunFailed`."""
+    err = _dead_actor_error(exc) or exc
+    _, known = _who(err)
+    if known is not None and known.trainer is not None:
+        return known.trainer.died(err, "export its weights")
+    return RunFailed(f"{context}{actor_death(err) or _one_line(str(err))}")
 
 
 def _tokenizer(model_dir: Path) -> Any:
@@ -52,7 +150,43 @@ def _tokenizer(model_dir: Path) -> Any:
     return Tokenizer(hf, int(hf.eos_token_id), int(hf.pad_token_id))
 
 
-def _stage_pipeline(cfg: Config, rows: list[dict[str, Any]], model_dir: Path, out: Path, store: Any,
+@dataclass
+class _Named:
+    """Another actor of the run by its Ray name, as a constructor argument of a rollout or reward actor:
+    a restarted actor is constructed again from its arguments and finds the store and the feeder
+    again by name (arguments holding object references or actor handles are what ray-project/ray#53727
+    is about, and Ray warns about them for actors with restarts)."""
+
+    name: str
+    store_options: dict[str, Any] | None = None  # set: the store controller, wrapped in a client
+
+    def get(self) -> Any:
+        import ray
+
+        from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+        handle = ray.get_actor(self.name)
+        return handle if self.store_options is None else RayTransferQueue(handle, **self.store_options)
+
+
+def _store(store: Any) -> Any:
+    return store.get() if isinstance(store, _Named) else store
+
+
+def _rows(rows: Any) -> list[dict[str, Any]]:
+    """The prompt rows, given as such or as the feeder actor (`_Named`), which holds them."""
+    if not isinstance(rows, _Named):
+        return list(rows)
+    import ray
+
+    try:
+        return list(ray.get(rows.get().rows.remote(), timeout=READY_TIMEOUT_S))
+    except ray.exceptions.GetTimeoutError:
+        raise WaitTimeout(f"timed out after {READY_TIMEOUT_S:.0f} s waiting for the feeder actor ({rows.name}) "
+                          "to hand over the prompt rows") from None
+
+
+def _stage_pipeline(cfg: Config, rows: Any, model_dir: Path, out: Path, store: Any,
                     engines: list[Any], reward_fn: Any = None) -> Any:
     """A `Pipeline` holding only what one remote stage needs."""
     from asyncflow.runtime.clock import RealClock
@@ -61,16 +195,16 @@ def _stage_pipeline(cfg: Config, rows: list[dict[str, Any]], model_dir: Path, ou
 
     clock = RealClock()
     return Pipeline(
-        cfg, rows=rows, tokenizer=_tokenizer(model_dir), reward_fn=reward_fn, engines=engines,
+        cfg, rows=_rows(rows), tokenizer=_tokenizer(model_dir), reward_fn=reward_fn, engines=engines,
         trainer=None, loss_fn=None, clock=clock, log=RunLog(out, metrics=False),  # type: ignore[arg-type]
-        tracer=Tracer(now=clock.now), store=store,
+        tracer=Tracer(now=clock.now), store=_store(store),
     )
 
 
 class RolloutWorker:
     """Actor: one inference engine and the rollout loop that feeds it from the store."""
 
-    def __init__(self, index: int, cfg: Config, model_dir: str, rows: list[dict[str, Any]], out: str,
+    def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
                  store: Any, threads: int, version: int = 0) -> None:
         from asyncflow.engines.hf import HFEngine
 
@@ -92,7 +226,13 @@ class RolloutWorker:
     def ready(self) -> int:
         return self.engine.capacity
 
+    def pid(self) -> int:
+        return os.getpid()
+
     async def run(self) -> None:
+        # diagnostics: the policy version the loop starts at (a restarted actor: the version the
+        # driver loaded into it first)
+        self.run_versions = [*getattr(self, "run_versions", []), self.engine.version]
         await self.pipeline.rollout_worker(self.index, self.engine)
 
     async def generate(self, request: GenRequest) -> GenResult:
@@ -119,12 +259,16 @@ class FeederWorker:
     """Actor: the feeder and the staleness gate it admits against (the trainer loop in the driver
     publishes versions and drops to it through `RemoteGate`)."""
 
-    def __init__(self, cfg: Config, model_dir: str, rows: list[dict[str, Any]], out: str, store: Any) -> None:
+    def __init__(self, cfg: Config, model_dir: str, rows: Any, out: str, store: Any) -> None:
         torch.set_num_threads(1)
         self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [])
 
     def ready(self) -> bool:
         return True
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The prompt rows, for the rollout and reward actors (again after a restart)."""
+        return list(self.pipeline.rows)
 
     async def run(self) -> None:
         await self.pipeline.feeder()
@@ -169,7 +313,7 @@ class RemoteGate:
 class RewardWorker:
     """Actor: the reward loop (one reward-function call per complete group)."""
 
-    def __init__(self, index: int, cfg: Config, model_dir: str, rows: list[dict[str, Any]], out: str,
+    def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
                  store: Any, reward_fn_path: str) -> None:
         from asyncflow.rewards import load_reward_fn
 
@@ -180,6 +324,9 @@ class RewardWorker:
 
     def ready(self) -> bool:
         return True
+
+    def pid(self) -> int:
+        return os.getpid()
 
     async def run(self) -> None:
         await self.pipeline.reward_worker()
@@ -226,60 +373,223 @@ class TrainerWorker:
 
 
 class RemoteEngine(InferenceEngine):
-    """The driver's handle on a `RolloutWorker`: the `InferenceEngine` interface over Ray calls."""
+    """The driver's handle on a `RolloutWorker`: the `InferenceEngine` interface over Ray calls.
 
-    def __init__(self, handle: Any, capacity: int, timeout_s: float, version: int = 0) -> None:
+    Survives a restart of its actor (see `RayWorkers`): every publication is remembered (`latest`),
+    also one the actor could not take; while the actor is down (`mark_down`) loads are skipped and
+    requests wait; `restarted` loads the latest weights into the new process and lets requests through
+    again. Loads are serialized and never replace a newer version with an older one. Holding `latest`
+    keeps the newest weights in the object store until the next publication replaces them.
+    """
+
+    _CUMULATIVE = ("busy_s", "decode_steps", "decode_rows", "prefills", "prefill_rows")
+
+    def __init__(self, handle: Any, capacity: int, timeout_s: float, name: str = "rollout actor",
+                 version: int = 0) -> None:
         self.handle = handle
+        self.name = name
+        self.actor_id = _actor_id(handle)
         self.version = version
         self._capacity = capacity
         self._timeout = timeout_s
         self.last_stats: dict[str, float] = {"busy_s": 0.0, "load": 0.0}
+        self._base: dict[str, float] = {}  # cumulative stats of the actor's earlier (dead) processes
+        self.latest: tuple[Any, int, Any] | None = None  # (weights ref, version, mode) of the newest publication
+        self.down = False  # the actor died; the supervisor has not brought it back yet
+        self.gone: str | None = None  # the actor is dead for good: why
+        self.supervised = False  # a supervisor restarts the actor when it dies (while the run's stages run)
+        self.incarnation = 0  # restarts seen
+        self._lock = asyncio.Lock()  # one weight load at a time
 
     @property
     def capacity(self) -> int:
         return self._capacity
 
+    def _own(self, exc: BaseException) -> bool:
+        """Whether a Ray actor error is about this engine's actor (not, e.g., the trainer that
+        produced a weights reference)."""
+        return str(getattr(exc, "actor_id", None)) == self.actor_id
+
+    async def _until_up(self, what: str, after: int = -1) -> None:
+        """Wait (bounded) until the actor is up, and restarted since incarnation `after` if given."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while self.down or self.incarnation <= after:
+            if self.gone is not None:
+                raise RunFailed(self.gone)
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"timed out after {READY_TIMEOUT_S:.0f} s waiting for {self.name} to come back "
+                                  f"after it died, to {what}")
+            await asyncio.sleep(_POLL_S)
+
     async def generate(self, request: GenRequest) -> GenResult:
-        result: GenResult = await self.handle.generate.remote(request)
-        return result
+        """A request that meets a dead actor is sent again once the supervisor has restarted it."""
+        import ray
+
+        what = f"generate request {request.uid}"
+        while True:
+            await self._until_up(what)
+            seen = self.incarnation
+            try:
+                result: GenResult = await asyncio.wait_for(self.handle.generate.remote(request), self._timeout)
+                return result
+            except asyncio.TimeoutError:
+                raise WaitTimeout(f"timed out after {self._timeout:.0f} s waiting for {self.name} to {what}") from None
+            except ray.exceptions.RayTaskError:
+                raise
+            except ray.exceptions.RayActorError as exc:
+                if not (self.supervised and self._own(exc)):
+                    raise _death_error(exc) from exc
+                await self._until_up(what, after=seen)
+
+    async def _unless_down(self, ref: Any, what: str) -> Any:
+        """The call's result; None if the actor dies (or is marked down) meanwhile."""
+        import ray
+
+        fut = asyncio.ensure_future(ref)
+        deadline = time.monotonic() + self._timeout
+        while not fut.done():
+            if self.down:
+                fut.add_done_callback(_retrieve)
+                return None
+            if time.monotonic() > deadline:
+                fut.add_done_callback(_retrieve)
+                raise WaitTimeout(f"timed out after {self._timeout:.0f} s waiting for {self.name} to {what}")
+            await asyncio.wait({fut}, timeout=_POLL_S)
+        try:
+            return fut.result()
+        except ray.exceptions.RayTaskError as exc:
+            if _dead_actor_error(exc) is not None:  # e.g. the trainer died before its weights were stored
+                raise _death_error(exc) from exc
+            raise
+        except ray.exceptions.RayActorError as exc:
+            if self._own(exc):
+                return None  # dead or restarting: the supervisor loads the latest weights when it is back
+            raise _death_error(exc) from exc
 
     async def load_weights(self, state: Any, version: int, mode: Any) -> float:
         """`state` is the object-store reference from `RemoteTrainEngine.export_weights`: the actor
-        fetches the weights itself, so the driver never holds them."""
-        reply = await asyncio.wait_for(self.handle.load_weights.remote(state, version, mode), self._timeout)
-        self.version = version
-        self.last_stats = reply
-        return float(reply["seconds"])
+        fetches the weights itself, so the driver never holds them. Skipped (0 s) while the actor is
+        dead or restarting, and for a version older than the one loaded."""
+        if self.latest is None or version >= self.latest[1]:
+            self.latest = (state, version, mode)
+        async with self._lock:
+            if self.down or version < self.version:
+                return 0.0
+            reply = await self._unless_down(self.handle.load_weights.remote(state, version, mode),
+                                            f"load policy version {version}")
+            if reply is None:
+                return 0.0
+            self.version = version
+            self.last_stats = reply
+            return float(reply["seconds"])
+
+    def mark_down(self) -> None:
+        """The supervisor saw the actor die: skip loads, hold requests until `restarted`."""
+        self.down = True
+
+    async def restarted(self) -> int | None:
+        """The supervisor saw the actor come back (a new process at the base weights): keep the dead
+        process's counters, load the latest published weights before anything else reaches it, and
+        let requests through again. Returns the version loaded (None: nothing published yet)."""
+        import ray
+
+        async with self._lock:
+            for k in self._CUMULATIVE:
+                self._base[k] = self._base.get(k, 0.0) + float(self.last_stats.get(k, 0.0))
+            self.last_stats = {"busy_s": 0.0, "load": 0.0}
+            self.version = 0
+            loaded = None
+            if self.latest is not None:
+                state, version, mode = self.latest
+                try:
+                    reply = await asyncio.wait_for(self.handle.load_weights.remote(state, version, mode), self._timeout)
+                except asyncio.TimeoutError:
+                    raise WaitTimeout(f"timed out after {self._timeout:.0f} s waiting for the restarted {self.name} "
+                                      f"to load policy version {version}") from None
+                except ray.exceptions.RayActorError as exc:
+                    if self._own(exc):
+                        raise RunFailed(f"{self.name} died again while loading policy version {version} "
+                                        f"after its restart ({_why(exc)})") from exc
+                    raise _death_error(exc) from exc
+                self.version = version
+                self.last_stats = reply
+                loaded = version
+            self.down = False
+            self.incarnation += 1
+        return loaded
 
     def cancel_older_than(self, min_version: int) -> int:
-        """Sent without waiting (the cancelled samples reach the trainer, which counts them)."""
-        self.handle.cancel_older_than.remote(min_version)
+        """Sent without waiting (the cancelled samples reach the trainer, which counts them); not
+        sent while the actor is down (a restarted engine holds no requests)."""
+        if self.down or self.gone is not None:
+            return 0
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayError):
+            _forget(self.handle.cancel_older_than.remote(min_version))
         return 0
 
     def load(self) -> int:
         return int(self.last_stats["load"])
 
     def busy_seconds(self) -> float:
-        """As of the last weight load (the workflow reads it right after a publication)."""
-        return float(self.last_stats["busy_s"])
+        """As of the last weight load (the workflow reads it right after a publication), over all
+        the actor's processes."""
+        return self._base.get("busy_s", 0.0) + float(self.last_stats["busy_s"])
 
     def stats(self) -> dict[str, float]:
-        """As of the last weight load."""
-        return {k: v for k, v in self.last_stats.items() if k in ("decode_steps", "decode_rows", "prefills", "prefill_rows")}
+        """As of the last weight load, over all the actor's processes."""
+        keys = ("decode_steps", "decode_rows", "prefills", "prefill_rows")
+        return {k: self._base.get(k, 0.0) + float(self.last_stats.get(k, 0.0))
+                for k in keys if k in self.last_stats or k in self._base}
 
     async def close(self) -> None:
         import ray
 
+        if self.down or self.gone is not None:
+            return
         with contextlib.suppress(ray.exceptions.RayActorError, asyncio.TimeoutError):
             await asyncio.wait_for(self.handle.close.remote(), 30)
 
 
-class RemoteTrainEngine(TrainEngine):
-    """The driver's handle on the `TrainerWorker`."""
+def _retrieve(fut: Any) -> None:
+    """Done callback: take a future's exception so nothing reports it as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
-    def __init__(self, handle: Any, timeout_s: float) -> None:
+
+def _forget(ref: Any) -> None:
+    """A fire-and-forget call's error is retrieved (and dropped) instead of logged as unhandled."""
+    ref.future().add_done_callback(_retrieve)
+
+
+class RemoteTrainEngine(TrainEngine):
+    """The driver's handle on the `TrainerWorker`.
+
+    `steps` (train steps done) and `exported` (weight exports = policy versions) count from this
+    engine's start, for the message of `TrainerDied`; a resumed run may set them to where it resumed.
+    """
+
+    def __init__(self, handle: Any, timeout_s: float, name: str = "trainer") -> None:
         self.handle = handle
         self.timeout = timeout_s
+        self.name = name
+        self.steps = 0
+        self.exported = 0
+
+    def died(self, exc: BaseException, what: str) -> TrainerDied:
+        """The error for the trainer actor's death, found while waiting for it to do `what`."""
+        if what == "export its weights":  # seen by a rollout actor fetching them
+            step, version = self.steps, self.exported - 1
+            when = f"after train step {step}, while the rollout actors fetched its weights of policy version {version + 1}"
+        elif what == "save the model":
+            step, version = self.steps, self.exported
+            when = f"after train step {step}, while it saved the model"
+        else:
+            step, version = self.steps + 1, self.exported
+            when = f"in train step {step}, while the driver waited for it to {what}"
+        return TrainerDied(f"the trainer actor ({self.name}) died {when}; the last policy version it exported is "
+                           f"{version} ({_why(exc)})", step=step, version=version)
 
     def _get(self, ref: Any, what: str) -> Any:
         import ray
@@ -288,15 +598,22 @@ class RemoteTrainEngine(TrainEngine):
             return ray.get(ref, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
             raise WaitTimeout(f"timed out after {self.timeout:.0f} s waiting for the trainer actor to {what}") from None
+        except ray.exceptions.RayTaskError:
+            raise  # an error in the trainer's code: its traceback is what helps
+        except ray.exceptions.RayActorError as exc:
+            raise self.died(exc, what) from exc
 
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         return self._get(self.handle.logprobs.remote(batch, temperature), "compute log-probs")  # type: ignore[no-any-return]
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        return self._get(self.handle.train_step.remote(batch, loss_fn, temperature), "train a step")  # type: ignore[no-any-return]
+        metrics = self._get(self.handle.train_step.remote(batch, loss_fn, temperature), "train a step")
+        self.steps += 1
+        return metrics  # type: ignore[no-any-return]
 
     def export_weights(self) -> Any:
         """An object-store reference to the new weights (published once; engines fetch it)."""
+        self.exported += 1
         return self.handle.export_weights.remote()
 
     def save(self, path: str, *, with_optimizer: bool) -> None:
@@ -319,7 +636,12 @@ class RayWorkers:
     feeder_actor: Any
     gate: RemoteGate
     placement_group: Any
+    prefix: str = ""  # every actor's Ray name starts with it: asyncflow-<8 hex>
+    max_restarts: int = 0
+    log: Any = print
     runs: dict[str, Any] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)  # by stage ("rollout/0"): restarts so far
+    pids: dict[str, int] = field(default_factory=dict)  # by stage: the actor's current process
 
     @classmethod
     def start(cls, cfg: Config, model_dir: Path, rows: list[dict[str, Any]], out: Path, reward_fn_path: str,
@@ -352,47 +674,76 @@ class RayWorkers:
                     f"runtime: Ray cannot place the worker bundles {[bundles[i] for i in placed]} "
                     f"(cluster resources: {ray.cluster_resources()}); lower runtime.*_cpus / *_gpus or add nodes"
                 )
+        prefix = f"asyncflow-{secrets.token_hex(4)}"
 
-        def opts(i: int) -> dict[str, Any]:
+        def opts(i: int, name: str) -> dict[str, Any]:
             role, c, g = roles[i]
-            o: dict[str, Any] = {"num_cpus": c, "num_gpus": g, "max_concurrency": 1000 if role != "train" else 1}
+            o: dict[str, Any] = {"num_cpus": c, "num_gpus": g, "max_concurrency": 1000 if role != "train" else 1,
+                                 "name": f"{prefix}-{name}"}
+            if role in ("rollout", "reward"):  # restarted by Ray, then brought back into the run by `_supervise`
+                o.update(max_restarts=rt.max_restarts, max_task_retries=0)
             if pg is not None and i in placed:
                 o["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=placed.index(i))
             return o
 
-        store = RayTransferQueue.create(store_capacity(cfg), cfg.workflow.lease_timeout_s)
-        rows_ref = ray.put(rows)
+        try:
+            store = RayTransferQueue.create(store_capacity(cfg), cfg.workflow.lease_timeout_s, name=f"{prefix}-store")
+        except ray.exceptions.GetTimeoutError:
+            if pg is not None:
+                remove_placement_group(pg)
+            raise WaitTimeout("timed out after 120 s waiting for the store controller actor to start") from None
         w = cfg.rollout.workers
         rollout_cls: Any = ray.remote(RolloutWorker)
         reward_cls: Any = ray.remote(RewardWorker)
         trainer_cls: Any = ray.remote(TrainerWorker)
         feeder_cls: Any = ray.remote(FeederWorker)
+        feeder_actor = feeder_cls.options(num_cpus=0, max_concurrency=1000, name=f"{prefix}-feeder").remote(
+            cfg, str(model_dir), ray.put(rows), str(out), store)
+        # rollout and reward actors (restartable) get the store and the feeder (which holds the prompt
+        # rows) by name, not as handles or object references
+        client = {"inline_max_bytes": store.inline_max_bytes, "rpc_grace_s": store.rpc_grace_s,
+                  "data_plane": store.data_plane, "put_window": store.put_window}
+        store_by_name = _Named(f"{prefix}-store", client)
+        feeder_by_name = _Named(f"{prefix}-feeder")
         rollout_actors = [
-            rollout_cls.options(**opts(i)).remote(i, cfg, str(model_dir), rows_ref, str(out), store, threads, version)
+            rollout_cls.options(**opts(i, f"rollout-{i}")).remote(i, cfg, str(model_dir), feeder_by_name, str(out),
+                                                                   store_by_name, threads, version)
             for i in range(w)
         ]
-        trainer_actor = trainer_cls.options(**opts(w)).remote(cfg, str(model_dir), threads)
-        feeder_actor = feeder_cls.options(num_cpus=0, max_concurrency=1000).remote(cfg, str(model_dir), rows_ref, str(out), store)
+        trainer_actor = trainer_cls.options(**opts(w, "trainer")).remote(cfg, str(model_dir), threads)
         reward_actors = [
-            reward_cls.options(**opts(w + 1 + j)).remote(j, cfg, str(model_dir), rows_ref, str(out), store, reward_fn_path)
+            reward_cls.options(**opts(w + 1 + j, f"reward-{j}")).remote(j, cfg, str(model_dir), feeder_by_name, str(out),
+                                                                         store_by_name, reward_fn_path)
             for j in range(n_reward)
         ]
+        timeout = cfg.workflow.step_timeout_s
+        trainer = RemoteTrainEngine(trainer_actor, timeout, name=f"{prefix}-trainer")
+        stages = [f"rollout/{i}" for i in range(w)] + [f"reward/{j}" for j in range(n_reward)]
+        for label, actor in [*zip(stages, [*rollout_actors, *reward_actors], strict=True), ("trainer", trainer_actor),
+                             ("feeder", feeder_actor), ("store controller", store.handle)]:
+            name = f"{prefix}-{'store' if actor is store.handle else label.replace('/', '-')}"
+            _KNOWN[_actor_id(actor)] = _Known(label, name, trainer if actor is trainer_actor else None)
         try:
-            capacities = _ready([a.ready.remote() for a in rollout_actors])
-            _ready([trainer_actor.ready.remote(), feeder_actor.ready.remote(), *(a.ready.remote() for a in reward_actors)])
+            capacities = _ready([a.ready.remote() for a in rollout_actors], stages[:w])
+            _ready([trainer_actor.ready.remote(), feeder_actor.ready.remote(), *(a.ready.remote() for a in reward_actors)],
+                   ["trainer", "feeder", *stages[w:]])
+            pids = _ready([a.pid.remote() for a in [*rollout_actors, *reward_actors]], stages)
         except BaseException:
+            for a in [*rollout_actors, trainer_actor, feeder_actor, *reward_actors, store.handle]:
+                _KNOWN.pop(_actor_id(a), None)
             for a in [*rollout_actors, trainer_actor, feeder_actor, *reward_actors]:
                 ray.kill(a)
             store.kill()
             if pg is not None:
                 remove_placement_group(pg)
             raise
-        timeout = cfg.workflow.step_timeout_s
-        engines = [RemoteEngine(a, int(c), timeout, version) for a, c in zip(rollout_actors, capacities, strict=True)]
+        engines = [RemoteEngine(a, int(c), timeout, name=f"the rollout/{i} actor ({prefix}-rollout-{i})", version=version)
+                   for i, (a, c) in enumerate(zip(rollout_actors, capacities, strict=True))]
         log(f"[asyncflow] ray: feeder, {w} rollout, 1 trainer, {n_reward} reward actor(s) ready in "
-            f"{time.monotonic() - t0:.1f} s")
-        return cls(store, engines, RemoteTrainEngine(trainer_actor, timeout), rollout_actors, reward_actors,
-                   trainer_actor, feeder_actor, RemoteGate(feeder_actor, cfg.staleness), pg)
+            f"{time.monotonic() - t0:.1f} s (names {prefix}-*)")
+        return cls(store, engines, trainer, rollout_actors, reward_actors, trainer_actor, feeder_actor,
+                   RemoteGate(feeder_actor, cfg.staleness), pg, prefix=prefix, max_restarts=rt.max_restarts, log=log,
+                   restarts={s: 0 for s in stages}, pids=dict(zip(stages, map(int, pids), strict=True)))
 
     def restore_feeder(self, next_group: int, version: int, admitted: int) -> None:
         """Resume the feeder actor's position and gate (before `stages`)."""
@@ -401,35 +752,144 @@ class RayWorkers:
         ray.get(self.feeder_actor.restore.remote(next_group, version, admitted), timeout=READY_TIMEOUT_S)
 
     def stages(self) -> dict[str, Any]:
-        """Start the remote stage loops; awaitables by stage name for `Pipeline.run(remote=...)`."""
-        runs = {"feeder": self.feeder_actor.run.remote()}
-        runs.update({f"rollout/{i}": a.run.remote() for i, a in enumerate(self.rollout_actors)})
-        runs.update({f"reward/{j}": a.run.remote() for j, a in enumerate(self.reward_actors)})
-        self.runs = runs
-        return {name: _stage(name, ref) for name, ref in runs.items()}
+        """Start the remote stage loops; awaitables by stage name for `Pipeline.run(remote=...)`.
+        Rollout and reward stages restart their actor when it dies (`_supervise`)."""
+        self.runs = {"feeder": self.feeder_actor.run.remote()}
+        stages: dict[str, Any] = {"feeder": _stage("feeder", self.runs["feeder"])}
+        stages.update({f"rollout/{i}": self._supervise("rollout", i) for i in range(len(self.rollout_actors))})
+        stages.update({f"reward/{j}": self._supervise("reward", j) for j in range(len(self.reward_actors))})
+        return stages
 
-    def collect(self, tracer: Any, counters: Any) -> None:
-        """Merge the actors' trace spans and counters into the driver's."""
+    @property
+    def restarts_total(self) -> int:
+        return sum(self.restarts.values())
+
+    async def _supervise(self, kind: str, index: int) -> None:
+        """Run one rollout or reward stage loop; when its actor dies, bring the restarted actor back
+        into the run (`_restart`) and run the loop again."""
         import ray
 
-        for actor in [*self.rollout_actors, *self.reward_actors]:
+        stage = f"{kind}/{index}"
+        actor = (self.rollout_actors if kind == "rollout" else self.reward_actors)[index]
+        engine = self.engines[index] if kind == "rollout" else None
+        if engine is not None:
+            engine.supervised = True
+        try:
+            while True:
+                ref = actor.run.remote()
+                self.runs[stage] = ref
+                try:
+                    await ref
+                    return
+                except ray.exceptions.RayTaskError as exc:  # first: a task error can also be a RayActorError
+                    raise _stage_error(stage, exc) from exc
+                except ray.exceptions.RayActorError as exc:
+                    # shielded: if the run ends meanwhile, the restart still completes (bounded), so
+                    # the final evaluation finds the engine back, with the latest weights
+                    restart = asyncio.ensure_future(self._restart(stage, actor, engine, exc))
+                    restart.add_done_callback(_retrieve)
+                    await asyncio.shield(restart)
+        finally:
+            if engine is not None:
+                engine.supervised = False
+
+    async def _restart(self, stage: str, actor: Any, engine: RemoteEngine | None, exc: BaseException) -> None:
+        """After `stage`'s actor died: wait for Ray's restart, give the dead process's leases back
+        to the queue, load the latest weights into a rollout actor, log one line."""
+        who, _ = _who(exc)
+        if engine is not None:
+            engine.mark_down()
+        try:
+            await self._bring_back(stage, actor, engine, exc, who)
+        except BaseException as failed:
+            if engine is not None:  # requests waiting for it fail with this
+                engine.gone = str(failed) if isinstance(failed, (RunFailed, WaitTimeout)) else f"{who} died"
+            raise
+
+    async def _bring_back(self, stage: str, actor: Any, engine: RemoteEngine | None, exc: BaseException,
+                          who: str) -> None:
+        import ray
+
+        t0 = time.monotonic()
+        why = _why(exc)
+        used = self.restarts.get(stage, 0)
+        if used >= self.max_restarts:
+            if self.max_restarts == 0:
+                raise RunFailed(f"{who} died ({why}); runtime.max_restarts=0 allows no restart")
+            raise RunFailed(f"{who} died ({why}) after {used} restart(s); runtime.max_restarts={self.max_restarts} "
+                            f"allows no more")
+        before = (await self._store_call("metrics", "report its metrics")).get("released_from_dead_owners", 0.0)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:  # the restarted process answers once its constructor (model load) is done
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WaitTimeout(f"timed out after {READY_TIMEOUT_S:.0f} s waiting for {who} to be ready again "
+                                  f"after it died ({why})")
+            try:
+                pid = int(await asyncio.wait_for(actor.pid.remote(), left))
+                break
+            except asyncio.TimeoutError:
+                continue
+            except ray.exceptions.ActorUnavailableError:
+                await asyncio.sleep(_POLL_S)
+            except ray.exceptions.RayActorError as again:
+                raise RunFailed(f"{who} died ({why}) and could not be restarted ({_why(again)})") from again
+        if pid == self.pids.get(stage):
+            raise RunFailed(f"lost contact with {who} ({why}), although its process did not restart")
+        self.pids[stage] = pid
+        # same actor id across restarts: the new process registers as the same owner at its first take,
+        # so this must come before the loop runs again
+        await self._store_call("release_owner", f"return the leases of {stage} to the queue", _actor_id(actor))
+        returned = (await self._store_call("metrics", "report its metrics")).get("released_from_dead_owners", 0.0) - before
+        loaded = await engine.restarted() if engine is not None else None
+        self.restarts[stage] = used + 1
+        weights = "" if engine is None else f"; loaded policy version {loaded or 0} before any request"
+        self.log(f"[asyncflow] ray: {stage} died ({why}); restarted ({used + 1} of {self.max_restarts}) in "
+                 f"{time.monotonic() - t0:.1f} s; {int(returned)} lease(s) returned to the queue{weights}")
+
+    async def _store_call(self, method: str, what: str, *args: Any) -> Any:
+        import ray
+
+        try:
+            return await asyncio.wait_for(getattr(self.store.handle, method).remote(*args), STORE_CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise WaitTimeout(f"timed out after {STORE_CALL_TIMEOUT_S:.0f} s waiting for the store controller "
+                              f"to {what}") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise RunFailed(f"the store controller failed to {what}: {type(exc.cause).__name__}: "
+                            f"{_one_line(str(exc.cause))}") from exc
+        except ray.exceptions.RayActorError as exc:
+            raise _death_error(exc) from exc
+
+    def collect(self, tracer: Any, counters: Any) -> dict[str, int]:
+        """Merge the actors' trace spans and counters into the driver's (a restarted actor's spans
+        and counts start again with its new process); returns {"restarts": total actor restarts}."""
+        import ray
+
+        stages = [f"rollout/{i}" for i in range(len(self.rollout_actors))]
+        stages += [f"reward/{j}" for j in range(len(self.reward_actors))]
+        for stage, actor in zip(stages, [*self.rollout_actors, *self.reward_actors], strict=True):
             try:
                 for track, name, start, end, args in ray.get(actor.spans.remote(), timeout=60):
                     tracer.span(track, name, start, end, **args)
-            except ray.exceptions.RayError:
-                continue
+            except ray.exceptions.RayError as exc:
+                why = "no answer within 60 s" if isinstance(exc, ray.exceptions.GetTimeoutError) else type(exc).__name__
+                self.log(f"[asyncflow] ray: the trace spans of {stage} are missing ({why})")
         try:
             rstats = ray.get([a.stats.remote() for a in self.reward_actors], timeout=60)
             counters.reward_calls = int(sum(s["reward_calls"] for s in rstats))
             counters.reward_call_failures = int(sum(s["reward_call_failures"] for s in rstats))
-        except ray.exceptions.RayError:
-            pass
+        except ray.exceptions.RayError as exc:
+            self.log(f"[asyncflow] ray: the reward actors' call counts are missing ({type(exc).__name__})")
+        return {"restarts": self.restarts_total}
 
     def shutdown(self) -> None:
         """Kill every actor and free the placement group (Ray itself stays up for the caller)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        for a in [*self.rollout_actors, *self.reward_actors, self.trainer_actor, self.feeder_actor, self.store.handle]:
+            _KNOWN.pop(_actor_id(a), None)
         for a in [*self.rollout_actors, *self.reward_actors, self.trainer_actor, self.feeder_actor]:
             ray.kill(a)
         self.store.kill()
@@ -437,28 +897,40 @@ class RayWorkers:
             remove_placement_group(self.placement_group)
 
 
-def _ready(refs: list[Any]) -> list[Any]:
+def _ready(refs: list[Any], names: list[str]) -> list[Any]:
     import ray
 
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=READY_TIMEOUT_S)
+    if pending:
+        late = [n for n, r in zip(names, refs, strict=True) if r in pending]
+        raise WaitTimeout(f"timed out after {READY_TIMEOUT_S:.0f} s waiting for Ray worker actors to start "
+                          f"(not ready: {', '.join(late)})")
     try:
         return list(ray.get(refs, timeout=READY_TIMEOUT_S))
-    except ray.exceptions.GetTimeoutError:
-        raise WaitTimeout(f"timed out after {READY_TIMEOUT_S:.0f} s waiting for Ray worker actors to start") from None
     except ray.exceptions.RayTaskError as exc:
         if isinstance(exc.cause, UserError):
             raise exc.cause from None
         raise
 
 
+def _stage_error(stage: str, exc: Any) -> Exception:
+    """A remote stage's error: its user error as itself, another actor's death or a failure as one line."""
+    cause = exc.cause
+    if isinstance(cause, UserError):
+        return cause
+    if _dead_actor_error(cause) is not None:  # e.g. the store controller died under the stage
+        return _death_error(cause, f"Ray stage {stage} stopped: ")
+    return RunFailed(f"Ray stage {stage} failed: {type(cause).__name__}: {_one_line(str(cause))}")
+
+
 async def _stage(name: str, ref: Any) -> None:
-    """Await a remote stage loop; its user errors come out as themselves, a dead actor as a clear error."""
+    """Await a remote stage loop that is not restarted (the feeder): its user errors come out as
+    themselves, its actor's death as a one-line `RunFailed`."""
     import ray
 
     try:
         await ref
     except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, UserError):
-            raise exc.cause from None
-        raise RuntimeError(f"Ray stage {name} failed: {exc.cause!r}") from exc
+        raise _stage_error(name, exc) from exc
     except ray.exceptions.RayActorError as exc:
-        raise RuntimeError(f"Ray stage {name}: its actor died ({exc})") from exc
+        raise _death_error(exc) from exc
