@@ -199,7 +199,7 @@ def test_a_dead_trainer_ends_the_run_with_one_line_and_exit_code_1(ray_session, 
     out = tmp_path / "run"
     thread, info = _killer(ray, watch, out, "trainer", after_step=1, restart=False)
     args = ["train", str(EXAMPLE), "--out", str(out)]
-    for setting in _settings(arith_dir, "train.max_steps=20"):
+    for setting in _settings(arith_dir, "train.max_steps=20", "checkpoint.every=1"):
         args += ["--set", setting]
     rc = main(args)
     thread.join(timeout=30)
@@ -209,12 +209,19 @@ def test_a_dead_trainer_ends_the_run_with_one_line_and_exit_code_1(ray_session, 
     errors = [line for line in err.splitlines() if line.startswith("asyncflow: error:")]
     assert len(errors) == 1, err
     prefix = watch.workers.prefix
-    assert re.fullmatch(rf"asyncflow: error: the trainer actor \({prefix}-trainer\) died (in|after) train step \d+, "
-                        r"while .+; the last policy version it exported is \d+ \(ActorDiedError: killed by ray.kill\)",
-                        errors[0]), errors[0]
+    m = re.fullmatch(rf"asyncflow: error: the trainer actor \({prefix}-trainer\) died (in|after) train step \d+, "
+                     r"while .+; the last policy version it exported is \d+ \(ActorDiedError: killed by ray.kill\); "
+                     rf"it can go on from {re.escape(str(out))}/checkpoints/step_(\d+) \(step (\d+)\): run the same "
+                     r"command with --set checkpoint.resume=auto", errors[0])
+    assert m and m.group(2) == m.group(3), errors[0]
     assert not any(line.startswith("Traceback") for line in err.splitlines())
     assert 1 <= _trained_steps(out) < 20
     assert not (out / "final").exists()
+    # ... and it does: the same command with resume=auto finishes the run, every step logged once
+    assert main([*args, "--set", "checkpoint.resume=auto"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 21))
+    assert json.loads((out / "summary.json").read_text())["accounting"]["lost"] == 0
 
 
 @pytest.mark.slow

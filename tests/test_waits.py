@@ -1,0 +1,114 @@
+"""Every wait of the workflow ends, with a message saying what it waited for (issue 8).
+
+The real pipeline (store, scheduler, gate, trainer loop) on a virtual clock, with simulated engines
+that hang where a test needs them to: generation that never returns, a weight load that never
+finishes, a reward function that sleeps past its limit, a trainer starved of samples. Virtual time
+makes each timeout instant. Hung environment steps, agents and FSDP workers are covered in
+test_envs.py, test_episode.py, test_agent_proxy.py and test_fsdp.py; Ray waits in test_ray*.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncflow.errors import WaitTimeout
+
+
+def _run(tmp_path: Path, overrides: list[str], *, engine_cls: Any = None, reward: Any = None, real: bool = False) -> None:
+    """`real`: on the wall clock (a wait on a real thread cannot time out in virtual time, which
+    stands still while the loop waits for the thread)."""
+    from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
+    from asyncflow.config import load_config
+    from asyncflow.engines.sim import SimEngine, SimTrainer
+    from asyncflow.runtime.virtual_loop import run_virtual
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+
+    cls = engine_cls or SimEngine
+
+    async def main(clock: Any) -> None:
+        cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=16", "train.max_steps=3", "rollout.workers=2",
+                                    "rollout.max_batch=8", "rollout.max_new_tokens=20", *overrides])
+        engines = [cls(clock, lengths=lambda rng: rng.randint(1, 20), capacity=8, seed=i) for i in range(2)]
+        log = RunLog(tmp_path)
+        trainer = SimTrainer(clock, token_s=1e-3, devices=1)
+        pipeline = _make_sim_pipeline_class()(
+            cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=reward or _reward,
+            engines=engines, trainer=trainer, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now))
+        pipeline.sim_trainer = trainer
+        try:
+            await pipeline.run()
+        finally:
+            log.close()
+
+    if real:
+        from asyncflow.runtime.clock import RealClock
+
+        asyncio.run(main(RealClock()))
+    else:
+        run_virtual(main)
+
+
+def _never_on_uid(uid: int) -> Any:
+    from asyncflow.engines.sim import SimEngine
+
+    class Hangs(SimEngine):
+        def start_generate(self, request):  # type: ignore[no-untyped-def]
+            if request.uid == uid:
+                return asyncio.get_running_loop().create_future()  # never resolved
+            return super().start_generate(request)
+
+    return Hangs
+
+
+def test_a_generation_that_never_returns_fails_the_run_naming_the_sample(tmp_path: Path) -> None:
+    with pytest.raises(WaitTimeout, match=r"timed out after 5 s waiting for generation of sample 5$"):
+        _run(tmp_path, ["rollout.request_timeout_s=5"], engine_cls=_never_on_uid(5))
+
+
+def test_a_weight_load_that_never_finishes_fails_the_run_naming_the_version(tmp_path: Path) -> None:
+    from asyncflow.engines.sim import SimEngine
+
+    class LoadHangs(SimEngine):
+        async def load_weights(self, state, version, mode):  # type: ignore[no-untyped-def]
+            await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(WaitTimeout, match=r"weight sync of version 1"):
+        _run(tmp_path, ["workflow.step_timeout_s=30"], engine_cls=LoadHangs)
+
+
+def test_a_trainer_starved_of_samples_fails_naming_what_it_waited_for(tmp_path: Path) -> None:
+    """Every generation hangs and its own limit is longer: the trainer's wait for a batch ends first."""
+    from asyncflow.engines.sim import SimEngine
+
+    class AllHang(SimEngine):
+        def start_generate(self, request):  # type: ignore[no-untyped-def]
+            return asyncio.get_running_loop().create_future()
+
+    with pytest.raises(WaitTimeout, match=r"timed out after 30.0 s waiting for .*train"):
+        _run(tmp_path, ["workflow.step_timeout_s=30", "rollout.request_timeout_s=1000"], engine_cls=AllHang)
+
+
+def test_a_reward_call_past_its_limit_marks_its_group_and_the_run_goes_on(tmp_path: Path) -> None:
+    """The first reward call sleeps past `reward.timeout_s` (wall clock): the samples of the groups
+    scored in that call end as reward_error with the message, and the run still trains all its steps."""
+    from asyncflow.bench.pipeline import _reward
+
+    calls: list[int] = []
+
+    def slow_once(prompts: list[Any], completions: list[Any], **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(1.0)
+        return _reward(prompts, completions, **kw)
+
+    _run(tmp_path, ["reward.timeout_s=0.5"], reward=slow_once, real=True)
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    failed = [r for r in rows if r["status"] == "reward_error"]
+    assert failed and all("timed out after 0.5 s waiting for reward function on group(s)" in r["error"] for r in failed)
+    assert sum(r["status"] == "trained" for r in rows) == 3 * 16
