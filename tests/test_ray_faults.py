@@ -240,7 +240,8 @@ def test_with_max_restarts_0_a_killed_rollout_actor_ends_the_run(ray_session, ar
     assert not isinstance(caught.value, TrainerDied)
     prefix = watch.workers.prefix
     assert str(caught.value) == (f"the rollout/0 actor ({prefix}-rollout-0) died (ActorDiedError: killed by ray.kill); "
-                                 "runtime.max_restarts=0 allows no restart")
+                                 "runtime.max_restarts=0 allows no restart; no checkpoint was written (set "
+                                 "checkpoint.every to make runs resumable)")
     assert watch.workers.restarts == {"rollout/0": 0, "reward/0": 0}
     assert _trained_steps(out) < 20
 
