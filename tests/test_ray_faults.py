@@ -197,7 +197,9 @@ def test_a_dead_trainer_ends_the_run_with_one_line_and_exit_code_1(ray_session, 
     ray = ray_session
     watch = _Watch(monkeypatch, ray)
     out = tmp_path / "run"
-    thread, info = _killer(ray, watch, out, "trainer", after_step=1, restart=False)
+    # killed once step 2 is logged: the step-1 checkpoint is complete by then (step 2 starts after it),
+    # whether the kill lands while step 2's checkpoint is written or in step 3
+    thread, info = _killer(ray, watch, out, "trainer", after_step=2, restart=False)
     args = ["train", str(EXAMPLE), "--out", str(out)]
     for setting in _settings(arith_dir, "train.max_steps=20", "checkpoint.every=1"):
         args += ["--set", setting]
@@ -215,7 +217,7 @@ def test_a_dead_trainer_ends_the_run_with_one_line_and_exit_code_1(ray_session, 
                      r"command with --set checkpoint.resume=auto", errors[0])
     assert m and m.group(2) == m.group(3), errors[0]
     assert not any(line.startswith("Traceback") for line in err.splitlines())
-    assert 1 <= _trained_steps(out) < 20
+    assert 2 <= _trained_steps(out) < 20
     assert not (out / "final").exists()
     # ... and it does: the same command with resume=auto finishes the run, every step logged once
     assert main([*args, "--set", "checkpoint.resume=auto"]) == 0
