@@ -167,6 +167,8 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
         (out / "config.yaml").write_text(dump_yaml(cfg))
         try:
             return asyncio.run(_train(cfg, out, progress, inputs, reward_fn, hf_tok, resume))
+        except UserError:
+            raise  # bad input found during the run (e.g. a reward function that always fails): one line, no hint
         except RunFailed as exc:  # a worker the run needs died: say where it can go on from
             raise type(exc)(f"{exc}; {_resume_hint(out)}") from exc
         except Exception:

@@ -118,6 +118,7 @@ def test_reward_function_that_always_fails_stops_the_run_with_exit_2(arith_dir: 
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("asyncflow: error: reward.fn: the first 4 reward calls all failed") and "boom" in last
     assert "Traceback" not in proc.stderr
+    assert "the run failed" not in proc.stderr  # bad input is not something to resume from
 
 
 def test_bring_your_own_model_dataset_and_reward(arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
