@@ -61,6 +61,7 @@ class Resume:
     step: int
     version: int
     state: dict[str, Any]
+    changed: list[str]  # settings that differ from the run being resumed (allowed ones; for a note)
 
     @property
     def store(self) -> dict[str, Any]:
@@ -134,8 +135,7 @@ def find_resume(out: Path, cfg: Any) -> Resume:
             f"checkpoint.resume: the newest checkpoint ({path}) is at step {step}, and train.max_steps is "
             f"{cfg.train.max_steps}: nothing left to train; raise train.max_steps to continue"
         )
-    _check_same_run(out, cfg)
-    return Resume(path, int(state["step"]), int(state["version"]), state)
+    return Resume(path, int(state["step"]), int(state["version"]), state, _changed_settings(out, cfg))
 
 
 def _leaves(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -148,8 +148,9 @@ def _leaves(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _configs(out: Path, cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(saved run's, this run's) settings as flat dicts of YAML values."""
+def _changed_settings(out: Path, cfg: Any) -> list[str]:
+    """Keys whose value differs from the run being resumed; a change that would alter what the saved
+    samples and the data position mean (`MUST_MATCH`) is refused."""
     import yaml
 
     from asyncflow.config import dump_yaml
@@ -158,24 +159,15 @@ def _configs(out: Path, cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         old = _leaves(yaml.safe_load((out / "config.yaml").read_text()) or {})
     except (OSError, yaml.YAMLError) as exc:
         raise UserError(f"checkpoint.resume: cannot read {out / 'config.yaml'}: {exc}") from None
-    return old, _leaves(yaml.safe_load(dump_yaml(cfg)))
-
-
-def _check_same_run(out: Path, cfg: Any) -> None:
-    """Refuse settings that would change what the saved samples and the data position mean."""
-    old, new = _configs(out, cfg)
-    for key in sorted(set(old) | set(new)):
-        if any(key == m or (m.endswith(".") and key.startswith(m)) for m in MUST_MATCH) and old.get(key) != new.get(key):
+    new = _leaves(yaml.safe_load(dump_yaml(cfg)))
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    for key in changed:
+        if any(key == m or (m.endswith(".") and key.startswith(m)) for m in MUST_MATCH):
             raise UserError(
                 f"checkpoint.resume: {key} is {new.get(key)!r} but the run in {out} used {old.get(key)!r}; "
                 f"a resumed run must keep it (it decides which prompts and samples the checkpoint holds)"
             )
-
-
-def changed_settings(out: Path, cfg: Any) -> list[str]:
-    """Keys whose value differs from the run being resumed (allowed ones; for a note)."""
-    old, new = _configs(out, cfg)
-    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return changed
 
 
 def cut_logs(out: Path, offsets: dict[str, int]) -> None:

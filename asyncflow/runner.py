@@ -157,9 +157,9 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
 
         check_weights_match_config(inputs.model_dir if resume is None else resume.path)
         if resume is not None:
-            from asyncflow.checkpoint import changed_settings, cut_logs
+            from asyncflow.checkpoint import cut_logs
 
-            changed = changed_settings(out, cfg)
+            changed = resume.changed
             progress.message(f"[asyncflow] resuming from {resume.path} (step {resume.step}, policy version "
                              f"{resume.version})" + (f"; changed settings: {', '.join(changed)}" if changed else ""))
             cut_logs(out, resume.state["logs"])
