@@ -390,6 +390,7 @@ class RemoteEngine(InferenceEngine):
         self.name = name
         self.actor_id = _actor_id(handle)
         self.version = version
+        self._start_version = version  # what a (re)started process holds: the weights it was constructed from
         self._capacity = capacity
         self._timeout = timeout_s
         self.last_stats: dict[str, float] = {"busy_s": 0.0, "load": 0.0}
@@ -488,7 +489,8 @@ class RemoteEngine(InferenceEngine):
         self.down = True
 
     async def restarted(self) -> int | None:
-        """The supervisor saw the actor come back (a new process at the base weights): keep the dead
+        """The supervisor saw the actor come back (a new process at the weights it was constructed
+        from: the base model, or a resumed run's checkpoint): keep the dead
         process's counters, load the latest published weights before anything else reaches it, and
         let requests through again. Returns the version loaded (None: nothing published yet)."""
         import ray
@@ -497,7 +499,7 @@ class RemoteEngine(InferenceEngine):
             for k in self._CUMULATIVE:
                 self._base[k] = self._base.get(k, 0.0) + float(self.last_stats.get(k, 0.0))
             self.last_stats = {"busy_s": 0.0, "load": 0.0}
-            self.version = 0
+            self.version = self._start_version
             loaded = None
             if self.latest is not None:
                 state, version, mode = self.latest
