@@ -15,7 +15,8 @@ from typing import Any
 from asyncflow.config import Config
 from asyncflow.data import tokenize_prompt
 from asyncflow.engines.base import GenRequest, InferenceEngine
-from asyncflow.rewards import RewardFn, call_reward_fn
+from asyncflow.errors import WaitTimeout
+from asyncflow.rewards import RewardFn, score_group
 from asyncflow.telemetry.runlog import RunLog, Tracer
 
 
@@ -84,9 +85,12 @@ class Evaluator:
         conversational = bool(self.rows) and isinstance(self.rows[0][key], list)
         completions = self.tok.completions(completions_ids, conversational)
         columns = {c: [r.get(c) for r in self.rows] for c in self.rows[0] if c != key} if self.rows else {}
-        outcome = await asyncio.to_thread(
-            call_reward_fn, self.reward_fn, [r[key] for r in self.rows], completions, completions_ids, columns
-        )
+        try:
+            outcome = await self.clock.wait_for(
+                score_group(self.reward_fn, [r[key] for r in self.rows], completions, completions_ids, columns),
+                self.cfg.reward.timeout_s, "the reward function on the eval set")
+        except WaitTimeout as exc:
+            return [0.0] * len(self.rows), str(exc)
         return outcome.rewards or [0.0] * len(self.rows), outcome.error
 
     async def _episodes(self) -> tuple[list[float], str | None]:

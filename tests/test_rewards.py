@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from asyncflow.errors import UserError
-from asyncflow.rewards import call_reward_fn, load_reward_fn, validate_rewards
+from asyncflow.rewards import RewardOutcome, call_reward_fn, load_reward_fn, validate_rewards
 
 
 def test_trl_style_function_gets_prompts_completions_ids_and_columns() -> None:
@@ -70,3 +70,36 @@ def test_loading_names_the_module_or_function_at_fault(tmp_path: Path) -> None:
             load_reward_fn("plug_ok", [tmp_path])
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_async_functions_are_recognised_and_validated_like_plain_ones() -> None:
+    import asyncio
+
+    from asyncflow.rewards import call_reward_fn_async, is_async_reward_fn, score_group
+
+    async def judge(prompts, completions, answer):  # no **kwargs: gets only the columns it names
+        await asyncio.sleep(0)
+        return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+    class Judge:
+        async def __call__(self, prompts, completions, **kw):
+            return [0.5] * len(completions)
+
+    def plain(prompts, completions, **kw):
+        return [1.0] * len(completions)
+
+    assert is_async_reward_fn(judge) and is_async_reward_fn(Judge()) and not is_async_reward_fn(plain)
+    cols = {"answer": ["4", "5"], "other": [1, 2]}
+    out = asyncio.run(call_reward_fn_async(judge, ["p", "p"], ["4", "4"], [[1], [1]], cols))
+    assert out == RewardOutcome([1.0, 0.0], None)
+    assert asyncio.run(score_group(Judge(), ["p"], ["x"], [[1]], {})) == RewardOutcome([0.5], None)
+    assert asyncio.run(score_group(plain, ["p"], ["x"], [[1]], {})) == RewardOutcome([1.0], None)
+
+    async def wrong(prompts, completions, **kw):
+        return [None] * len(completions)
+
+    async def raises(prompts, completions, **kw):
+        raise KeyError("judge down")
+
+    assert asyncio.run(call_reward_fn_async(wrong, ["p"], ["x"], [[1]], {})).error == "reward function returned None for completion 0"
+    assert asyncio.run(call_reward_fn_async(raises, ["p"], ["x"], [[1]], {})).error == "reward function raised KeyError: 'judge down'"

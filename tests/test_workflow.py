@@ -107,6 +107,50 @@ def test_failing_reward_calls_mark_their_samples_and_are_kept_out_of_the_loss(
     assert _rows(out, "metrics.jsonl")[-2]["reward_errors"] == len(errors)
 
 
+def test_async_reward_function_is_awaited_concurrently_and_a_hung_call_is_cancelled(
+    arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An `async def` judge runs on the event loop: several groups at once (up to reward.concurrency),
+    and a call past reward.timeout_s is cancelled (not left running in a thread) and marks its group."""
+    _write_reward_module(
+        tmp_path,
+        "async_judge",
+        "import asyncio\n"
+        "calls = active = peak = cancelled = 0\n"
+        "async def judge(prompts, completions, answer, **kw):\n"
+        "    global calls, active, peak, cancelled\n"
+        "    if len(completions) != 4:  # the eval set's call (eval.size prompts), not a group\n"
+        "        return [float(c.strip() == a) for c, a in zip(completions, answer)]\n"
+        "    calls += 1\n"
+        "    n = calls\n"
+        "    active += 1\n"
+        "    peak = max(peak, active)\n"
+        "    try:\n"
+        "        await asyncio.sleep(3600 if n == 6 else 0.2)\n"
+        "        return [float(c.strip() == a) for c, a in zip(completions, answer)]\n"
+        "    except asyncio.CancelledError:\n"
+        "        cancelled += 1\n"
+        "        raise\n"
+        "    finally:\n"
+        "        active -= 1\n",
+    )
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    summary = _run(arith_dir, out, ["reward.fn=async_judge:judge", "reward.timeout_s=1", "reward.concurrency=3"])
+    judge = sys.modules["async_judge"]
+    assert summary["samples"] == 128
+    assert 2 <= judge.peak <= 3  # groups overlapped, never more than reward.concurrency
+    assert judge.cancelled == 1 and judge.active == 0
+    samples = _rows(out, "samples.jsonl")
+    errors = [s for s in samples if s["status"] == "reward_error"]
+    assert len(errors) == 4 and len({s["group_id"] for s in errors}) == 1
+    assert errors[0]["error"] == f"timed out after 1.0 s waiting for reward function on group(s) [{errors[0]['group_id']}]"
+    trained = [s for s in samples if s["status"] == "trained"]
+    assert len(trained) == 128 and all(s["reward"] in (0.0, 1.0) for s in trained)
+    evals = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(0.0 <= r["eval_reward"] <= 1.0 for r in evals)
+
+
 def test_reward_function_that_always_fails_stops_the_run_with_exit_2(arith_dir: Path, tmp_path: Path) -> None:
     _write_reward_module(tmp_path, "broken_rewards", "def score(prompts, completions, **kw):\n    raise RuntimeError('boom')\n")
     proc = subprocess.run(

@@ -59,6 +59,7 @@ class PipeSpec:
     steps: int = 5
     warmup_steps: int = 2
     seed: int = 0
+    reward: str = "async"  # the verifier stand-in: async (awaited on the loop, as a remote verifier) or thread
     trace: str = ""  # a folder: write one trace.json per row there (first 200,000 spans)
 
 
@@ -186,7 +187,7 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
     k = cfg.staleness
     gate = StalenessGate(gps, k, spec.steps + k + 2, clock)
     pipeline = _make_sim_pipeline_class()(
-        cfg, rows=rows, tokenizer=_SimTokenizer(), reward_fn=_reward, engines=engines, trainer=trainer,  # type: ignore[arg-type]
+        cfg, rows=rows, tokenizer=_SimTokenizer(), reward_fn=_reward_async if spec.reward == "async" else _reward, engines=engines, trainer=trainer,  # type: ignore[arg-type]
         loss_fn=None, clock=clock, log=log, tracer=tracer, on_step=on_step, env_factory=env_factory,  # type: ignore[arg-type]
         gate=gate,
     )
@@ -214,8 +215,15 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
 
 
 def _reward(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
-    """A verifier stand-in: 0 or 1 from the prompt and the completion's position (deterministic)."""
+    """A verifier stand-in: 0 or 1 from the prompt and the completion's position (deterministic).
+    Called in a reward worker thread (`--set reward=thread`)."""
     return [float((hash(str(p)) + i) % 2) for i, p in enumerate(prompts)]
+
+
+async def _reward_async(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+    """The same verifier as an `async def` (the default, `--set reward=async`): awaited on the event
+    loop, as a remote verifier service or a judge would be, so no thread hop per batch of groups."""
+    return _reward(prompts, completions)
 
 
 class _SimTokenizer:
@@ -311,6 +319,8 @@ def parse_spec(overrides: list[str]) -> PipeSpec:
             raise UserError(f"bench pipeline --set {key}: expected {types[key]}, got {value!r}") from None
     if spec.steps <= spec.warmup_steps:
         raise UserError(f"bench pipeline --set steps: must exceed warmup_steps ({spec.warmup_steps}), got {spec.steps}")
+    if spec.reward not in ("async", "thread"):
+        raise UserError(f"bench pipeline --set reward: use async or thread, got {spec.reward!r}")
     for key in ("slots", "n", "prompts_per_device", "steps"):
         if getattr(spec, key) < 1:
             raise UserError(f"bench pipeline --set {key}: must be >= 1")

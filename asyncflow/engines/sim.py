@@ -108,9 +108,13 @@ class SimEngine(InferenceEngine):
         self._running: list[tuple[int, int, _Seq]] = []  # heap by end step
         self._waiting: deque[_Seq] = deque()
         self._load: _Load | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
+        # The server is a state machine driven by one timer callback: "idle" (nothing to do),
+        # "scheduled" (a callback will reconsider soon), "decoding" (a span of `_seg_steps` decode
+        # steps from `_seg`'s start is under way; the timer fires at its end) or "loading".
+        self._state = "idle"
+        self._timer: asyncio.Handle | None = None
         self._seg: tuple[float, float] | None = None  # (start, prefill) of the decode span under way
+        self._seg_steps = 0
         self._tie = itertools.count()
         self._cancels = 0  # requests marked cancelled and not yet ended
 
@@ -127,10 +131,23 @@ class SimEngine(InferenceEngine):
     def stats(self) -> dict[str, float]:
         return {"decode_steps": float(self.steps)}
 
-    def _ensure_loop(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-        self._wake.set()
+    def _kick(self) -> None:
+        """Something changed (a request, a load, a cancellation): an idle server starts at once (in a
+        callback of this loop iteration's successors); a decoding one ends its span after the step
+        under way, then reconsiders (admits into free slots, applies the load, drops cancelled)."""
+        if self._state == "idle":
+            self._state = "scheduled"
+            self._timer = asyncio.get_running_loop().call_soon(self._on_timer)
+        elif self._state == "decoding" and self._seg is not None:
+            start, pre = self._seg
+            k = min(self._seg_steps, max(1, math.floor((self.clock.now() - start - pre) / self.step_s) + 1))
+            if k < self._seg_steps:  # cut the span after the step under way
+                assert self._timer is not None
+                self._timer.cancel()
+                self._seg_steps = k
+                self._timer = asyncio.get_running_loop().call_later(
+                    max(0.0, start + pre + k * self.step_s - self.clock.now()), self._on_timer)
+        # "loading" or "scheduled": the server reconsiders everything when that ends
 
     async def generate(self, request: GenRequest) -> GenResult:
         return await self.start_generate(request)
@@ -142,8 +159,8 @@ class SimEngine(InferenceEngine):
             seq = _Seq(request, min(natural, request.max_new_tokens), natural <= request.max_new_tokens,
                        asyncio.get_running_loop().create_future())
             self._waiting.append(seq)
-            if self._task is None or self._task.done() or len(self._running) < self._capacity:
-                self._ensure_loop()  # a free slot: join at the next step boundary
+            if len(self._running) < self._capacity:
+                self._kick()  # a free slot: join at the next step boundary
         return seq.done
 
     async def load_weights(self, state: Any, version: int, mode: WeightUpdateMode) -> float:
@@ -151,7 +168,8 @@ class SimEngine(InferenceEngine):
         if self._load is not None:
             raise RuntimeError("a weight load is already in progress")
         self._load = _Load(version, mode, self.clock.now(), asyncio.get_running_loop().create_future())
-        self._ensure_loop()
+        with self.meter:
+            self._kick()
         return await self._load.done
 
     def cancel_older_than(self, min_version: int) -> int:
@@ -172,12 +190,13 @@ class SimEngine(InferenceEngine):
                 n += 1
         self._cancels += n
         if n:
-            self._ensure_loop()
+            self._kick()
         return n
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._state = "closed"
 
     # ------------------------------------------------------------------ the server loop
     def _steps_now(self) -> int:
@@ -187,43 +206,54 @@ class SimEngine(InferenceEngine):
         start, pre = self._seg
         return self.steps + max(0, math.floor((self.clock.now() - start - pre) / self.step_s + 1e-9))
 
-    async def _loop(self) -> None:
-        while True:
-            if not self._running and not self._waiting and self._load is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            await self._apply_load()
-            with self.meter:
-                admitted = self._admit()
-            if not self._running:
-                continue  # (a load was just applied, or only cancelled requests were waiting)
-            n = self._running[0][0] - self.steps  # steps to the next sequence end
-            pre = self.prefill_s if admitted else 0.0
-            start = self.clock.now()
-            self._seg = (start, pre)
-            if await self._sleep_unless_woken(pre + n * self.step_s):
-                k = n
-            else:  # woken early: finish the step under way, then handle what woke us
-                k = min(n, max(1, math.floor((self.clock.now() - start - pre) / self.step_s) + 1))
-                await self.clock.sleep(max(0.0, start + pre + k * self.step_s - self.clock.now()))
-            self._seg = None
-            self._busy += self.clock.now() - start
-            self.steps += k
-            with self.meter:
-                self._finish_due()
-
-    async def _sleep_unless_woken(self, seconds: float) -> bool:
-        """Sleep `seconds` unless `_wake` is set first; True if the full time passed. A timer that
-        sets the event (one handle per decode span) is much cheaper than `wait_for`'s extra task,
-        which matters at a million simulated requests."""
+    def _on_timer(self) -> None:
+        """The one timer callback: a decode span or a weight load ended, or the server was kicked
+        from idle. All of it is simulation, so all of it is metered."""
         with self.meter:
-            self._wake.clear()
-            timer = asyncio.get_running_loop().call_later(seconds, self._wake.set)
-            deadline = self.clock.now() + seconds
-        await self._wake.wait()
-        timer.cancel()
-        return self.clock.now() >= deadline - 1e-9
+            self._timer = None
+            if self._state == "decoding":
+                assert self._seg is not None
+                start, _ = self._seg
+                self._seg = None
+                self._busy += self.clock.now() - start
+                self.steps += self._seg_steps
+                self._finish_due()
+            elif self._state == "loading":
+                load = self._load
+                assert load is not None
+                self.version = load.version
+                self._load = None
+                if not load.done.done():
+                    load.done.set_result(self.clock.now() - load.requested_at)
+            self._next()
+
+    def _next(self) -> None:
+        """From a step boundary: apply a due weight load, else admit and start the next decode span
+        (up to the next sequence end), else go idle."""
+        self._state = "idle"
+        loop = asyncio.get_running_loop()
+        load = self._load
+        if load is not None and not (load.mode == "drain" and self._running):
+            for _, _, seq in self._running:
+                self._close_run(seq)  # later tokens carry the new version
+            if load.mode == "abort" and self._running:
+                paused = [e[2] for e in sorted(self._running)]  # keep their tokens; re-prefilled after the load
+                for seq in paused:
+                    seq.produced += self.steps - seq.admitted_at
+                self._running = []
+                self._waiting.extendleft(reversed(paused))
+            self._state = "loading"
+            self._timer = loop.call_later(self.load_s, self._on_timer)
+            return
+        admitted = self._admit()
+        if not self._running:
+            return  # idle (only cancelled requests were waiting, or a drain load waits for nothing)
+        n = self._running[0][0] - self.steps  # steps to the next sequence end
+        pre = self.prefill_s if admitted else 0.0
+        self._seg = (self.clock.now(), pre)
+        self._seg_steps = n
+        self._state = "decoding"
+        self._timer = loop.call_later(pre + n * self.step_s, self._on_timer)
 
     def _admit(self) -> int:
         if self._load is not None and self._load.mode == "drain":
@@ -244,23 +274,6 @@ class SimEngine(InferenceEngine):
         if self.steps > seq.run_from:
             seq.runs.append((self.version, self.steps - seq.run_from))
         seq.run_from = self.steps
-
-    async def _apply_load(self) -> None:
-        load = self._load
-        if load is None or (load.mode == "drain" and self._running):
-            return
-        for _, _, seq in self._running:
-            self._close_run(seq)  # later tokens carry the new version
-        if load.mode == "abort" and self._running:
-            paused = [e[2] for e in sorted(self._running)]  # keep their tokens; re-prefilled after the load
-            for seq in paused:
-                seq.produced += self.steps - seq.admitted_at
-            self._running = []
-            self._waiting.extendleft(reversed(paused))
-        await self.clock.sleep(self.load_s)
-        self.version = load.version
-        self._load = None
-        load.done.set_result(self.clock.now() - load.requested_at)
 
     def _finish_due(self) -> None:
         """End the sequences whose last step has come, and every cancelled one."""

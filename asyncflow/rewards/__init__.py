@@ -2,16 +2,18 @@
 
 The signature is TRL's, so TRL users' reward functions work unchanged:
 `fn(prompts: list, completions: list, completion_ids: list[list[int]], **columns) -> list[float | None]`,
-where every dataset column is passed as a list aligned with the completions.
+where every dataset column is passed as a list aligned with the completions. A plain function runs in
+a worker thread; an `async def` one (a remote judge or verifier service) is awaited on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,23 +49,71 @@ class RewardOutcome:
     error: str | None
 
 
+_PARAMS: dict[int, tuple[Any, frozenset[str] | None]] = {}  # id(fn) -> (fn, the names it accepts; None: any)
+
+
+def _accepted(fn: Any) -> frozenset[str] | None:
+    """The keyword names `fn` takes (None: it has **kwargs, or its signature cannot be read).
+    Read once per function: `inspect.signature` costs more than a cheap verifier's whole call."""
+    hit = _PARAMS.get(id(fn))
+    if hit is not None and hit[0] is fn:
+        return hit[1]
+    names: frozenset[str] | None = None
+    try:
+        params = inspect.signature(fn).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            names = frozenset(params)
+    except (TypeError, ValueError):
+        pass
+    _PARAMS[id(fn)] = (fn, names)
+    return names
+
+
+def _kwargs(fn: Any, completion_ids: list[list[int]], columns: dict[str, list[Any]]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(columns)
+    kwargs["completion_ids"] = completion_ids
+    names = _accepted(fn)
+    return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
+
+
+def is_async_reward_fn(fn: Any) -> bool:
+    """An `async def` function (or an object whose `__call__` is one): awaited on the event loop
+    instead of being called in a worker thread."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
 def call_reward_fn(
     fn: RewardFn, prompts: list[Any], completions: list[str], completion_ids: list[list[int]], columns: dict[str, list[Any]]
 ) -> RewardOutcome:
     """Call `fn` for one group and validate what it returns (one finite number per completion)."""
-    kwargs: dict[str, Any] = dict(columns)
-    kwargs["completion_ids"] = completion_ids
-    try:
-        params = inspect.signature(fn).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            kwargs = {k: v for k, v in kwargs.items() if k in params}
-    except (TypeError, ValueError):
-        pass
+    kwargs = _kwargs(fn, completion_ids, columns)
     try:
         out = fn(prompts=prompts, completions=completions, **kwargs)
     except Exception as exc:  # the plugin failed: mark its samples, never crash the run for one call
         return RewardOutcome(None, f"reward function raised {type(exc).__name__}: {exc}")
     return validate_rewards(out, len(completions))
+
+
+async def call_reward_fn_async(
+    fn: Callable[..., Awaitable[Sequence[Any]]], prompts: list[Any], completions: list[str],
+    completion_ids: list[list[int]], columns: dict[str, list[Any]],
+) -> RewardOutcome:
+    """`call_reward_fn` for an `async def` function: awaited on the running loop (the caller bounds
+    it with `reward.timeout_s`; on expiry the coroutine is cancelled, unlike a thread)."""
+    kwargs = _kwargs(fn, completion_ids, columns)
+    try:
+        out = await fn(prompts=prompts, completions=completions, **kwargs)
+    except Exception as exc:
+        return RewardOutcome(None, f"reward function raised {type(exc).__name__}: {exc}")
+    return validate_rewards(out, len(completions))
+
+
+async def score_group(fn: Any, prompts: list[Any], completions: list[str], completion_ids: list[list[int]],
+                      columns: dict[str, list[Any]]) -> RewardOutcome:
+    """One group's call, wherever it belongs: on the loop for an async function, else in a thread."""
+    if is_async_reward_fn(fn):
+        return await call_reward_fn_async(fn, prompts, completions, completion_ids, columns)
+    return await asyncio.to_thread(call_reward_fn, fn, prompts, completions, completion_ids, columns)
 
 
 def validate_rewards(out: Any, expected: int) -> RewardOutcome:

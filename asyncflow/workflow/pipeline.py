@@ -27,6 +27,7 @@ and says what it waited for. All time and waiting goes through the injected `Clo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import random
@@ -43,7 +44,13 @@ from asyncflow.data import tokenize_prompt
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, LossFn, TrainBatch, TrainEngine
 from asyncflow.engines.runs import oldest
 from asyncflow.errors import UserError, WaitTimeout
-from asyncflow.rewards import RewardFn, RewardOutcome, call_reward_fn
+from asyncflow.rewards import (
+    RewardFn,
+    RewardOutcome,
+    call_reward_fn,
+    call_reward_fn_async,
+    is_async_reward_fn,
+)
 from asyncflow.runtime.clock import Clock
 from asyncflow.telemetry.runlog import RunLog, Tracer
 from asyncflow.transfer_queue import Lease, NewSample, QueueClosed, SampleView, StoreClient, TransferQueue
@@ -455,28 +462,74 @@ class Pipeline:
 
     async def reward_worker(self) -> None:
         """Score each group as soon as all its responses are written: one reward call per group.
-        The groups of one take share one hop to a worker thread (a hop costs ~135 us on a 2-core VM,
-        more than the rest of a sample's way through the store)."""
-        while True:
-            try:
-                lease = await self.store.take(
-                    "reward", self.n * 8, timeout=self.cfg.workflow.step_timeout_s,
-                    fields_extra=["row", "prompt_ids", "finish_reason"],
-                )
-            except WaitTimeout:
-                continue
-            except QueueClosed:
-                return
-            groups = _by_group(lease.samples)
-            # a group with a cancelled sample is never trained: do not spend a reward call on it
-            live = [g for g in groups if not any(s.fields.get("finish_reason") == "cancelled" for s in g)]
-            scored = dict(zip((g[0].group_id for g in live), await self._score_groups(live), strict=True))
-            writes = {}
-            for group in groups:
-                outcome = scored.get(group[0].group_id, RewardOutcome(None, CANCELLED))
-                for i, s in enumerate(group):
-                    reward = None if outcome.rewards is None else outcome.rewards[i]
-                    writes[s.uid] = {"reward": reward, "reward_error": outcome.error}
+        A plain function: the groups of one take share one hop to a worker thread (a hop costs ~135
+        us on a 2-core VM, more than the rest of a sample's way through the store). An `async def`
+        function is awaited on this loop, each take in its own task (up to `reward.concurrency`
+        groups at once), so a slow judge does not hold the groups behind it."""
+        if not is_async_reward_fn(self.reward_fn):
+            while True:
+                try:
+                    lease = await self._take_reward(self.n * 8)
+                except WaitTimeout:
+                    continue
+                except QueueClosed:
+                    return
+                await self._reward_take(lease)
+            return
+        flight = _Flight(self.cfg.reward.concurrency, lambda start: None, self.clock)
+        tasks: set[asyncio.Task[None]] = set()
+        errors: list[BaseException] = []
+        me = asyncio.current_task()
+
+        def done(t: asyncio.Task[None], groups: int) -> None:
+            tasks.discard(t)
+            for _ in range(groups):
+                flight.release()
+            if not t.cancelled() and t.exception() is not None and not errors:
+                errors.append(t.exception())  # type: ignore[arg-type]
+                if me is not None:
+                    me.cancel()
+
+        try:
+            while True:
+                free = await flight.free()
+                try:
+                    lease = await self._take_reward(self.n * min(8, free))
+                except WaitTimeout:
+                    continue
+                except QueueClosed:
+                    return
+                groups = len({s.group_id for s in lease.samples}) or 1
+                for _ in range(groups):
+                    flight.acquire()
+                task = asyncio.create_task(self._reward_take(lease))
+                tasks.add(task)
+                task.add_done_callback(functools.partial(done, groups=groups))
+        except asyncio.CancelledError:
+            if errors:
+                raise errors[0] from None
+            raise
+        finally:
+            for t in list(tasks):
+                t.cancel()
+
+    async def _take_reward(self, max_samples: int) -> Lease:
+        return await self.store.take("reward", max_samples, timeout=self.cfg.workflow.step_timeout_s,
+                                     fields_extra=["row", "prompt_ids", "finish_reason"])
+
+    async def _reward_take(self, lease: Lease) -> None:
+        """Score the groups of one reward lease and write their rewards (or errors)."""
+        groups = _by_group(lease.samples)
+        # a group with a cancelled sample is never trained: do not spend a reward call on it
+        live = [g for g in groups if not any(s.fields.get("finish_reason") == "cancelled" for s in g)]
+        scored = dict(zip((g[0].group_id for g in live), await self._score_groups(live), strict=True))
+        writes = {}
+        for group in groups:
+            outcome = scored.get(group[0].group_id, RewardOutcome(None, CANCELLED))
+            for i, s in enumerate(group):
+                reward = None if outcome.rewards is None else outcome.rewards[i]
+                writes[s.uid] = {"reward": reward, "reward_error": outcome.error}
+        with contextlib.suppress(QueueClosed):  # (closed: the run is ending)
             self.store.complete(lease, writes)  # samples removed meanwhile are skipped
 
     def _reward_call(self, group: list[SampleView]) -> tuple[Any, ...]:
@@ -496,14 +549,26 @@ class Pipeline:
         calls = [self._reward_call(g) for g in groups]
         start = self.clock.now()
         ids = [g[0].group_id for g in groups]
-        try:
-            outcomes = await self.clock.wait_for(
-                asyncio.to_thread(lambda: [call_reward_fn(*c) for c in calls]),
-                self.cfg.reward.timeout_s * len(groups),
-                f"reward function on group(s) {ids}",
-            )
-        except WaitTimeout as exc:
-            outcomes = [RewardOutcome(None, str(exc))] * len(groups)
+        timeout = self.cfg.reward.timeout_s
+        if is_async_reward_fn(self.reward_fn):
+            async def one(call: tuple[Any, ...], gid: int) -> RewardOutcome:
+                try:
+                    return await self.clock.wait_for(call_reward_fn_async(*call), timeout, f"reward function on group(s) [{gid}]")
+                except WaitTimeout as exc:
+                    return RewardOutcome(None, str(exc))
+
+            if len(calls) == 1:
+                outcomes = [await one(calls[0], ids[0])]
+            else:
+                outcomes = list(await asyncio.gather(*(one(c, g) for c, g in zip(calls, ids, strict=True))))
+        else:
+            try:
+                outcomes = await self.clock.wait_for(
+                    asyncio.to_thread(lambda: [call_reward_fn(*c) for c in calls]), timeout * len(groups),
+                    f"reward function on group(s) {ids}",
+                )
+            except WaitTimeout as exc:
+                outcomes = [RewardOutcome(None, str(exc))] * len(groups)
         self.tracer.span("reward", "reward", start, self.clock.now(), groups=ids)
         limit = self.cfg.reward.fail_fast_calls
         for outcome in outcomes:
