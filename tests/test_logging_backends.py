@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -63,3 +64,17 @@ def test_backends_whose_package_is_missing_are_refused_at_load(monkeypatch: pyte
         load_config(None, ["logging.wandb=true"])
     with pytest.raises(UserError, match="logging.tensorboard: the tensorboard package is not installed"):
         load_config(None, ["logging.tensorboard=true"])
+
+
+def test_samples_lines_are_exactly_json_dumps_of_each_row() -> None:
+    from asyncflow.telemetry.runlog import _json_line
+
+    rows = [
+        {"uid": 1, "prompt": "Ünïcode \u2603 \"quoted\" \\ back", "reward": 0.1 + 0.2, "error": None},
+        {"prompt": [{"role": "user", "content": "hi"}], "reward": float("nan"), "ok": True, "big": 10**30},
+        {"nested": {"a": [1, 2.5, None, "x"]}, "neg": -0.0, "inf": float("inf")},
+    ]
+    for row in rows:
+        assert _json_line(row) == json.dumps(row) + "\n"
+    with pytest.raises(TypeError):
+        _json_line({"bad": object()})

@@ -668,3 +668,66 @@ def test_complete_writes_then_acks_and_refuses_an_ended_lease() -> None:
     clock.t += 11  # the lease ran out: its result must not land (the sample may be someone else's)
     assert not q.complete(late, {1: {"response": "b"}})
     assert q.ready_count("reward") == 0 and q.ready_count("rollout") == 1
+
+
+def _recount(q: TransferQueue) -> tuple[dict[str, int], dict[str, int]]:
+    """Depth and leased per stage, counted from scratch from the samples and groups."""
+    depth: dict[str, int] = {}
+    leased: dict[str, int] = {}
+    for name, st in q._stages.items():
+        if st.groups:
+            depth[name] = sum(g.available(name) for g in q._groups.values())
+        else:
+            depth[name] = sum(1 for s in q._samples.values()
+                              if name in s.ready and name not in s.taken and name not in s.consumed)
+        leased[name] = sum(1 for s in q._samples.values() if name in s.taken)
+    return depth, leased
+
+
+def test_counts_stay_exact_under_random_takes_writes_releases_and_removals() -> None:
+    """Model check of the readiness index: after every random operation (sample and group takes,
+    completes, releases, plain and removing acks, single removals, whole-group removals) each
+    stage's depth and leased count equal a recount from scratch."""
+    rng = random.Random(7)
+    q = TransferQueue(capacity=10_000)
+    q.register_stage("gen", ["prompt"])
+    q.register_stage("score", ["resp"], groups=True)
+    q.register_stage("train", ["resp", "reward"], groups=True)
+    leases: list[Lease] = []
+    gid = 0
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.15:
+            q.put_blocking([NewSample(gid, 4, {"prompt": gid}) for _ in range(4)])
+            gid += 1
+        elif op < 0.35:
+            leases.extend(q.take_each_nowait("gen", rng.randint(1, 3)))
+        elif op < 0.45:
+            for stage in ("score", "train"):
+                got = q.take_nowait(stage, 8)
+                if got is not None:
+                    leases.append(got)
+        elif op < 0.8 and leases:
+            lease = leases.pop(rng.randrange(len(leases)))
+            choice = rng.random()
+            if choice < 0.2:
+                q.release(lease)
+            elif lease.stage == "gen":
+                q.complete(lease, {s.uid: {"resp": 1} for s in lease.samples})
+            elif lease.stage == "score":
+                q.complete(lease, {s.uid: {"reward": 1.0} for s in lease.samples}, remove=choice > 0.9)
+            else:
+                q.ack(lease, remove=choice > 0.3)
+        elif q._samples:
+            uids = list(q._samples)
+            if rng.random() < 0.5:
+                q.remove([rng.choice(uids)])
+            else:  # a whole group, the trainer's usual removal
+                g = q._samples[rng.choice(uids)].group_id
+                q.remove(list(q._groups[g].uids))
+        depth, leased = _recount(q)
+        m = q.metrics()
+        for name in ("gen", "score", "train"):
+            assert m[f"depth/{name}"] == depth[name], (name, m, depth)
+            assert m[f"leased/{name}"] == leased[name], (name, m, leased)
+    assert gid > 300 and q.metrics()["samples"] > 0

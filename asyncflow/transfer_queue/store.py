@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import heapq
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -312,7 +313,11 @@ class TransferQueue:
         self._stages: dict[str, _Stage] = {}
         self._by_field: dict[str, list[_Stage]] = {}  # field -> stages that read it (readiness index)
         self._leases: dict[int, _LeaseRec] = {}
-        self._expiries: list[tuple[float, int]] = []  # (deadline, lease id), stale entries skipped
+        # (deadline, lease id) of every lease, stale entries (leases ended early) skipped: deadlines
+        # that only grow (the default lease time on a monotonic clock: nearly all) queue in order in
+        # `_expiry_fifo`, cheaper than a heap; others go to the `_expiries` heap
+        self._expiries: list[tuple[float, int]] = []
+        self._expiry_fifo: deque[tuple[float, int]] = deque()
         self._put_waiters: list[_Waiter] = []
         self._next_uid = 0
         self._next_group = 0  # one past the highest group id ever put (a feeder's position, checkpoints)
@@ -602,6 +607,15 @@ class TransferQueue:
             self._reap()
             out: list[Lease] = []
             budget = max_samples
+            if not st.groups and min_version is None:  # the rollout refill: one sample per lease
+                deadline = self._clock.now() + (self.lease_timeout_s if lease_s is None else lease_s)
+                names = st.view_fields(extra)
+                while budget > 0 and st.depth >= 1:
+                    one = self._lease_one(st, deadline, names)
+                    if one is None:
+                        break
+                    out.append(one)
+                    budget -= 1
             while budget > 0 and st.depth >= 1:
                 lease = self._lease(st, 1, lease_s, min_version, extra)
                 if lease is None:
@@ -742,8 +756,43 @@ class TransferQueue:
             old = min_version is not None and bool(versions) and min(versions) < min_version
             (lease.expired if old else lease.samples).extend(views)
         self._leases[rec.id] = rec
-        heapq.heappush(self._expiries, (rec.deadline, rec.id))
+        self._push_expiry(rec.deadline, rec.id)
         return lease
+
+    def _lease_one(self, st: _Stage, deadline: float, names: tuple[str, ...]) -> Lease | None:
+        """`_lease(st, 1, ...)` for a sample stage without a version floor, in one function: the
+        per-sample hot path of queue scheduling (a freed engine slot takes the next sample)."""
+        heap, queued, samples, name = st.heap, st.queued, self._samples, st.name
+        while heap:
+            uid = heapq.heappop(heap)[1]
+            queued.discard(uid)
+            s = samples.get(uid)
+            if s is not None and name in s.avail:
+                break
+        else:
+            return None
+        lid = self._next_lease
+        self._next_lease = lid + 1
+        s.taken[name] = lid
+        s.avail.discard(name)
+        st.depth -= 1
+        st.leased += 1
+        self._leases[lid] = _LeaseRec(lid, name, [uid], [], deadline)
+        self._push_expiry(deadline, lid)
+        f = s.fields
+        return Lease(lid, name, [SampleView(uid, s.group_id, s.version, {k: f[k] for k in names if k in f})], [], deadline)
+
+    def _push_expiry(self, deadline: float, lid: int) -> None:
+        fifo = self._expiry_fifo
+        if not fifo or deadline >= fifo[-1][0]:
+            fifo.append((deadline, lid))
+            if len(fifo) > 2 * len(self._leases) + 1024:  # mostly leases that ended early: drop those
+                self._expiry_fifo = deque(e for e in fifo if e[1] in self._leases)
+        else:
+            heapq.heappush(self._expiries, (deadline, lid))
+            if len(self._expiries) > 2 * len(self._leases) + 1024:
+                self._expiries = [e for e in self._expiries if e[1] in self._leases]
+                heapq.heapify(self._expiries)
 
     def _claim_samples(self, st: _Stage, rec: _LeaseRec, uids: list[int], names: tuple[str, ...],
                        min_version: int | None, lease: Lease) -> None:
@@ -866,17 +915,28 @@ class TransferQueue:
     def _reap(self) -> None:
         """Release every lease whose deadline has passed (lazy expiry)."""
         now = self._clock.now()
-        while self._expiries and self._expiries[0][0] <= now:
-            _, lid = heapq.heappop(self._expiries)
+        fifo, heap = self._expiry_fifo, self._expiries
+        if not ((fifo and fifo[0][0] <= now) or (heap and heap[0][0] <= now)):
+            return
+        due = []
+        while fifo and fifo[0][0] <= now:
+            due.append(fifo.popleft()[1])
+        while heap and heap[0][0] <= now:
+            due.append(heapq.heappop(heap)[1])
+        for lid in due:
             rec = self._leases.pop(lid, None)
             if rec is not None:
                 self._expired_leases += 1
                 self._release(rec)
 
     def _next_expiry(self) -> float | None:
-        while self._expiries and self._expiries[0][1] not in self._leases:
-            heapq.heappop(self._expiries)
-        return self._expiries[0][0] if self._expiries else None
+        fifo, heap = self._expiry_fifo, self._expiries
+        while fifo and fifo[0][1] not in self._leases:
+            fifo.popleft()
+        while heap and heap[0][1] not in self._leases:
+            heapq.heappop(heap)
+        nexts = [q[0][0] for q in (fifo, heap) if q]
+        return min(nexts) if nexts else None
 
     # ----------------------------------------------------------------------------- removal
     def remove(self, uids: Iterable[int]) -> None:
@@ -885,11 +945,38 @@ class TransferQueue:
             self._remove_many(uids)
 
     def _remove_many(self, uids: Iterable[int]) -> None:
-        removed = [self._remove_one(uid) for uid in list(uids)]
-        if any(removed):
+        by_group: dict[int, list[int]] = {}
+        for uid in dict.fromkeys(uids):
+            s = self._samples.get(uid)
+            if s is not None:
+                by_group.setdefault(s.group_id, []).append(uid)
+        for gid, members in by_group.items():
+            g = self._groups[gid]
+            if len(members) == len(g.uids) and g.put == g.size:
+                self._remove_group(gid, g)  # the usual case: a trained group leaves whole
+            else:
+                for uid in members:
+                    self._remove_one(uid)
+        if by_group:
             for st in self._stages.values():
                 self._compact(st)
             self._notify_put()
+
+    def _remove_group(self, gid: int, g: _Group) -> None:
+        """Remove every live member of a fully put group and the group itself: the same counts as
+        `_remove_one` of each member, with one pass over the stages instead of one per member."""
+        stages, samples = self._stages, self._samples
+        for uid in g.uids:
+            s = samples.pop(uid)
+            for name in s.avail:
+                stages[name].depth -= 1
+            for name in s.taken:
+                stages[name].leased -= 1
+            if self._on_remove is not None:
+                self._on_remove(s.fields)
+        for name, n in g.avail.items():
+            stages[name].depth -= n  # the group's offer ends (its heap entries go stale)
+        del self._groups[gid]
 
     def _remove_one(self, uid: int) -> bool:
         s = self._samples.pop(uid, None)

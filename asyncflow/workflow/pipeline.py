@@ -150,6 +150,7 @@ class Pipeline:
         self.rows = rows
         self.tok = tokenizer
         self.reward_fn = reward_fn
+        self._reward_async = reward_fn is not None and is_async_reward_fn(reward_fn)
         self.engines = list(engines)
         self.trainer = trainer
         self.loss_fn = loss_fn
@@ -246,7 +247,8 @@ class Pipeline:
             if self.cfg.rollout.affinity:
                 fields[f"to/{self._least_loaded_worker()}"] = True
             group_id = self.next_group
-            samples = [NewSample(group_id, self.n, dict(fields), priority=float(group_id)) for _ in range(self.n)]
+            # one dict for the group's n samples: the store copies each sample's fields on put
+            samples = [NewSample(group_id, self.n, fields, priority=float(group_id)) for _ in range(self.n)]
             self.gate.admit()
             try:
                 await self.store.put(samples, timeout=self.cfg.workflow.step_timeout_s)
@@ -312,7 +314,7 @@ class Pipeline:
         def request_done(lease: Lease, fut: asyncio.Future[GenResult]) -> None:
             deadlines.pop(fut, None)
             try:
-                if fut in expired:
+                if expired and fut in expired:
                     fail(WaitTimeout(expired.pop(fut)))
                 elif not fut.cancelled():  # cancelled otherwise: this worker is stopping
                     self._write_response(lease, fut.result())
@@ -466,7 +468,7 @@ class Pipeline:
         us on a 2-core VM, more than the rest of a sample's way through the store). An `async def`
         function is awaited on this loop, each take in its own task (up to `reward.concurrency`
         groups at once), so a slow judge does not hold the groups behind it."""
-        if not is_async_reward_fn(self.reward_fn):
+        if not self._reward_async:
             while True:
                 try:
                     lease = await self._take_reward(self.n * 8)
@@ -550,7 +552,7 @@ class Pipeline:
         start = self.clock.now()
         ids = [g[0].group_id for g in groups]
         timeout = self.cfg.reward.timeout_s
-        if is_async_reward_fn(self.reward_fn):
+        if self._reward_async:
             async def one(call: tuple[Any, ...], gid: int) -> RewardOutcome:
                 try:
                     return await self.clock.wait_for(call_reward_fn_async(*call), timeout, f"reward function on group(s) [{gid}]")
@@ -809,33 +811,36 @@ class Pipeline:
         self, items: list[tuple[SampleView, int | None, str, str | None]], rewards: dict[int, float] | None = None
     ) -> None:
         key = self.cfg.dataset.prompt_key
+        rows, decode = self.rows, self.tok.decode
+        tokens_by, count_by = self.counters.response_tokens, self.counters.response_count
         out = []
         for s, trained_version, status, error in items:
-            n_resp = len(s.fields.get("response_ids") or [])
+            f = s.fields
+            resp = f.get("response_ids")
+            n_resp = 0 if resp is None else len(resp)
             if n_resp:
-                self.counters.response_tokens[status] = self.counters.response_tokens.get(status, 0) + n_resp
-                self.counters.response_count[status] = self.counters.response_count.get(status, 0) + 1
-            row = self.rows[s.fields["row"]] if "row" in s.fields else {}
-            resp = s.fields.get("response_ids")
-            version = s.fields.get("behavior_version")
-            reward = (rewards or {}).get(s.uid, s.fields.get("reward"))
-            out.append(
-                {
-                    "uid": s.uid,
-                    "group_id": s.group_id,
-                    "prompt": row.get(key),
-                    "response": None if resp is None else self.tok.decode(resp),
-                    "reward": None if reward is None or (isinstance(reward, float) and math.isnan(reward)) else reward,
-                    "behavior_version": None if version is None or version < 0 else version,
-                    "trained_version": trained_version,
-                    "status": status,
-                    "error": error,
-                    **({} if "loss_mask" not in s.fields else
-                       {"turns": s.fields.get("turns"), "generated_tokens": generated_tokens(s.fields["loss_mask"])}),
-                    **({} if "agent_calls" not in s.fields else
-                       {"agent_calls": s.fields["agent_calls"], "agent_calls_dropped": s.fields["agent_calls_dropped"]}),
-                }
-            )
+                tokens_by[status] = tokens_by.get(status, 0) + n_resp
+                count_by[status] = count_by.get(status, 0) + 1
+            version = f.get("behavior_version")
+            reward = f.get("reward") if rewards is None else rewards.get(s.uid, f.get("reward"))
+            row = {
+                "uid": s.uid,
+                "group_id": s.group_id,
+                "prompt": rows[f["row"]].get(key) if "row" in f else None,
+                "response": None if resp is None else decode(resp),
+                "reward": None if reward is None or (isinstance(reward, float) and math.isnan(reward)) else reward,
+                "behavior_version": None if version is None or version < 0 else version,
+                "trained_version": trained_version,
+                "status": status,
+                "error": error,
+            }
+            if "loss_mask" in f:
+                row["turns"] = f.get("turns")
+                row["generated_tokens"] = generated_tokens(f["loss_mask"])
+            if "agent_calls" in f:
+                row["agent_calls"] = f["agent_calls"]
+                row["agent_calls_dropped"] = f["agent_calls_dropped"]
+            out.append(row)
         self.log.samples(out)
 
     def accounting(self) -> dict[str, int]:
