@@ -7,7 +7,7 @@ import random
 import threading
 import time
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -675,11 +675,19 @@ def _recount(q: TransferQueue) -> tuple[dict[str, int], dict[str, int]]:
     depth: dict[str, int] = {}
     leased: dict[str, int] = {}
     for name, st in q._stages.items():
+        def ready(s: Any, st: Any = st) -> bool:  # every field the stage reads is written
+            return all(f in s.fields for f in st.fields)
+
         if st.groups:
-            depth[name] = sum(g.available(name) for g in q._groups.values())
+            depth[name] = 0
+            for g in q._groups.values():
+                members = [q._samples[u] for u in g.uids]
+                if (members and len(members) == g.size - g.removed and all(ready(m) for m in members)
+                        and name not in g.leased and name not in g.consumed):
+                    depth[name] += len(members)
         else:
             depth[name] = sum(1 for s in q._samples.values()
-                              if name in s.ready and name not in s.taken and name not in s.consumed)
+                              if ready(s) and name not in s.taken and name not in s.consumed)
         leased[name] = sum(1 for s in q._samples.values() if name in s.taken)
     return depth, leased
 

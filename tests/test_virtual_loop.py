@@ -77,3 +77,40 @@ def test_store_take_waits_and_times_out_on_the_virtual_clock() -> None:
     got_at, end = run_virtual(main)
     assert got_at == pytest.approx(20.0)
     assert end == pytest.approx(70.0)
+
+
+def test_swept_clock_bounds_many_waits_with_one_timer() -> None:
+    from asyncflow.runtime.clock import SweptClock
+
+    async def main(clock: VirtualClock):
+        swept = SweptClock(clock)
+        hang = asyncio.get_running_loop().create_future()  # never resolved
+
+        async def bounded(timeout: float, work: float) -> tuple[str, float, int]:
+            start = clock.now()
+            try:
+                await swept.wait_for(clock.sleep(work), timeout, f"work of {work:g} s")
+                return "ok", clock.now() - start, asyncio.current_task().cancelling()
+            except WaitTimeout as exc:
+                return str(exc), clock.now() - start, asyncio.current_task().cancelling()
+
+        long_first = asyncio.ensure_future(bounded(800.0, 10_000.0))  # the sweeper starts at a 100 s tick
+        await clock.sleep(1.0)
+        results = await asyncio.gather(bounded(8.0, 3.0), bounded(8.0, 100.0), bounded(40.0, 100.0), long_first)
+        # a wait cancelled from outside is a cancellation, not a timeout
+        outer = asyncio.ensure_future(swept.wait_for(hang, 100.0, "never"))
+        await clock.sleep(1.0)
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+        await clock.sleep(50.0)
+        return results, swept._waits, swept._sweeper
+
+    results, waits, sweeper = run_virtual(main)
+    ok, short, medium, long = results
+    assert ok == ("ok", 3.0, 0)
+    assert short[0] == "timed out after 8.0 virtual s waiting for work of 100 s" and 8.0 <= short[1] <= 9.0
+    assert medium[0].startswith("timed out after 40.0 virtual s") and 40.0 <= medium[1] <= 45.0
+    assert long[0].startswith("timed out after 800.0 virtual s") and 800.0 <= long[1] <= 900.0
+    assert short[2] == medium[2] == long[2] == 0  # the timeout's cancel was taken back (uncancel)
+    assert waits == {} and sweeper.done()  # nothing left waiting: the sweeper ended by itself

@@ -12,9 +12,10 @@ from `now()` mean the same thing to `asyncio.wait_for` and to threads waiting on
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from asyncflow.errors import WaitTimeout
 
@@ -56,6 +57,8 @@ async def bounded(aw: Awaitable[T], timeout: float | None, what: str, unit: str 
 class RealClock:
     """Wall-clock time, asyncio waits."""
 
+    unit = "s"  # how timeouts are worded in messages
+
     def now(self) -> float:
         return time.monotonic()
 
@@ -64,3 +67,81 @@ class RealClock:
 
     async def wait_for(self, aw: Awaitable[T], timeout: float | None, what: str) -> T:
         return await bounded(aw, timeout, what)
+
+
+class _Wait:
+    __slots__ = ("deadline", "fired", "task")
+
+    def __init__(self, deadline: float, task: asyncio.Task[Any]) -> None:
+        self.deadline = deadline
+        self.task = task
+        self.fired = False
+
+
+class SweptClock:
+    """A `Clock` whose `wait_for` costs no timer per wait: one sweeping task per clock cancels the
+    waits past their deadline, checking every eighth of the shortest timeout in use. For hot paths
+    with many concurrent bounded waits (every turn of every multi-turn episode waits twice): each
+    `asyncio.timeout` puts a timer into the event loop's heap, whose Python-level comparisons cost
+    ~15 us per wait with thousands of episodes in flight (measured: PIPE agentic, 16 devices).
+
+    A wait therefore times out between 1 and 1.125 times its timeout after it began, with the same
+    `WaitTimeout` message as `bounded`. `now` and `sleep` are the wrapped clock's."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.unit: str = getattr(clock, "unit", "s")
+        self._waits: dict[int, _Wait] = {}
+        self._next = 0
+        self._tick = math.inf
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    async def sleep(self, seconds: float) -> None:
+        await self.clock.sleep(seconds)
+
+    async def wait_for(self, aw: Awaitable[T], timeout: float | None, what: str) -> T:
+        task = asyncio.current_task()
+        if timeout is None or task is None:
+            return await self.clock.wait_for(aw, timeout, what)
+        key = self._next
+        self._next = key + 1
+        w = self._waits[key] = _Wait(self.clock.now() + timeout, task)
+        restart = timeout / 8 < self._tick  # a shorter timeout than the sweeper's: sweep more often from now
+        if restart:
+            self._tick = timeout / 8
+        if self._sweeper is None or self._sweeper.done() or restart:
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        try:
+            result = await aw
+        except asyncio.CancelledError:
+            if not w.fired:
+                raise
+            _uncancel(task)
+            raise WaitTimeout(f"timed out after {timeout:.1f} {self.unit} waiting for {what}") from None
+        finally:
+            del self._waits[key]
+        if w.fired:  # `aw` finished anyway, swallowing our cancel: take it back
+            _uncancel(task)
+        return result
+
+    async def _sweep(self) -> None:
+        """Cancel the tasks of overdue waits; ends when no wait is left (the next wait restarts it)."""
+        while self._waits:
+            await self.clock.sleep(self._tick)
+            now = self.clock.now()
+            for w in list(self._waits.values()):
+                if not w.fired and now >= w.deadline:
+                    w.fired = True
+                    w.task.cancel()
+        self._tick = math.inf
+
+
+def _uncancel(task: asyncio.Task[Any]) -> None:
+    uncancel = getattr(task, "uncancel", None)  # Python >= 3.11: the cancel was a timeout's, not the task's
+    if uncancel is not None:
+        uncancel()

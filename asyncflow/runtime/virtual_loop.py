@@ -78,6 +78,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 class VirtualClock:
     """The `Clock` of a `VirtualTimeLoop` (see `asyncflow.runtime.clock`)."""
 
+    unit = "virtual s"  # how timeouts are worded in messages
+
     def __init__(self, loop: VirtualTimeLoop) -> None:
         self.loop = loop
 
@@ -88,7 +90,7 @@ class VirtualClock:
         await asyncio.sleep(seconds)
 
     async def wait_for(self, aw: Awaitable[T], timeout: float | None, what: str) -> T:
-        return await bounded(aw, timeout, what, unit="virtual s")
+        return await bounded(aw, timeout, what, unit=self.unit)
 
 
 def run_virtual(main: Callable[[VirtualClock], Coroutine[Any, Any, T]], start: float = 0.0) -> T:

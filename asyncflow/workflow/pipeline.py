@@ -51,7 +51,7 @@ from asyncflow.rewards import (
     call_reward_fn_async,
     is_async_reward_fn,
 )
-from asyncflow.runtime.clock import Clock
+from asyncflow.runtime.clock import Clock, SweptClock
 from asyncflow.telemetry.runlog import RunLog, Tracer
 from asyncflow.transfer_queue import Lease, NewSample, QueueClosed, SampleView, StoreClient, TransferQueue
 from asyncflow.workflow.agent import AgentFn, load_agent, run_agent_episode
@@ -155,6 +155,9 @@ class Pipeline:
         self.trainer = trainer
         self.loss_fn = loss_fn
         self.clock = clock
+        # episodes wait twice per turn (generation, environment step): one sweeping timer for all of
+        # those bounded waits instead of a timer each (see SweptClock)
+        self._episode_clock = SweptClock(clock)
         self.log = log
         self.tracer = tracer
         self.ref_logprobs = ref_logprobs
@@ -445,7 +448,7 @@ class Pipeline:
             else:
                 assert self.env_factory is not None
                 result = await run_episode(
-                    env=self.env_factory(self.clock), engine=engine, clock=self.clock, tok=self.tok, uid=sample.uid,
+                    env=self.env_factory(self.clock), engine=engine, clock=self._episode_clock, tok=self.tok, uid=sample.uid,
                     prompt_ids=sample.fields["prompt_ids"], row=self.rows[sample.fields["row"]],
                     seed=self.cfg.seed * 1_000_003 + sample.uid,
                     settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
