@@ -422,7 +422,9 @@ class TransferQueue:
             uid = ns.uid
         priority = float(uid) if ns.priority is None else float(ns.priority)
         s = _Sample(uid, ns.group_id, priority, dict(ns.fields))
-        g = self._groups.setdefault(ns.group_id, _Group(ns.group_size))
+        g = self._groups.get(ns.group_id)
+        if g is None:  # (not setdefault: that would build a _Group per sample and drop all but one)
+            g = self._groups[ns.group_id] = _Group(ns.group_size)
         if ns.group_id >= self._next_group:
             self._next_group = ns.group_id + 1
         g.put += 1

@@ -155,9 +155,9 @@ class Pipeline:
         self.trainer = trainer
         self.loss_fn = loss_fn
         self.clock = clock
-        # episodes wait twice per turn (generation, environment step): one sweeping timer for all of
-        # those bounded waits instead of a timer each (see SweptClock)
-        self._episode_clock = SweptClock(clock)
+        # episodes wait twice per turn (generation, environment step), an async reward function once
+        # per group: one sweeping timer for all of those bounded waits instead of a timer each (SweptClock)
+        self._swept = SweptClock(clock)
         self.log = log
         self.tracer = tracer
         self.ref_logprobs = ref_logprobs
@@ -448,7 +448,7 @@ class Pipeline:
             else:
                 assert self.env_factory is not None
                 result = await run_episode(
-                    env=self.env_factory(self.clock), engine=engine, clock=self._episode_clock, tok=self.tok, uid=sample.uid,
+                    env=self.env_factory(self.clock), engine=engine, clock=self._swept, tok=self.tok, uid=sample.uid,
                     prompt_ids=sample.fields["prompt_ids"], row=self.rows[sample.fields["row"]],
                     seed=self.cfg.seed * 1_000_003 + sample.uid,
                     settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
@@ -558,7 +558,7 @@ class Pipeline:
         if self._reward_async:
             async def one(call: tuple[Any, ...], gid: int) -> RewardOutcome:
                 try:
-                    return await self.clock.wait_for(call_reward_fn_async(*call), timeout, f"reward function on group(s) [{gid}]")
+                    return await self._swept.wait_for(call_reward_fn_async(*call), timeout, f"reward function on group(s) [{gid}]")
                 except WaitTimeout as exc:
                     return RewardOutcome(None, str(exc))
 
