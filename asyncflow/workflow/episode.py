@@ -54,22 +54,32 @@ class _Segment:
 
 @dataclass
 class Trajectory:
-    """The growing response of an episode, as segments (concatenated once, at the end)."""
+    """The growing response of an episode, as segments (concatenated once, at the end), after
+    `prefix` (the prompt): `context()` is prefix + response so far, the next turn's request."""
 
+    prefix: Sequence[int] = ()
     segments: list[_Segment] = field(default_factory=list)
-    _ids: Sequence[int] = ()  # the concatenated ids so far (kept up to date: read every turn)
+    _context: Sequence[int] | None = None  # prefix + every segment so far (kept up to date: read every turn)
+
+    def _extend(self, ids: Sequence[int]) -> None:
+        self._context = concat([self.context(), ids])
 
     def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
         self.segments.append(_Segment(ids, logprobs, versions, True))
-        self._ids = concat([self._ids, ids])
+        self._extend(ids)
 
     def add_env(self, ids: Sequence[int]) -> None:
         if len(ids):
             self.segments.append(_Segment(ids, Runs([(0.0, len(ids))]), None, False))
-            self._ids = concat([self._ids, ids])
+            self._extend(ids)
+
+    def context(self) -> Sequence[int]:
+        if self._context is None:
+            self._context = concat([self.prefix])  # a copy: requests never share the stored prompt
+        return self._context
 
     def response_ids(self) -> Sequence[int]:
-        return self._ids
+        return concat([s.ids for s in self.segments])
 
     def fields(self) -> dict[str, Any]:
         """`response_ids`, `behavior_logprobs`, `token_versions`, `loss_mask`, `behavior_version`."""
@@ -144,13 +154,13 @@ async def run_episode(
     it with `finish_reason: cancelled` (the trainer drops its group). Generation failures propagate.
     `on_env_step(turn, start, end)` is told the clock times of every environment step (tracing).
     `barrier`: wait for the batch's other episodes after every generation and environment step."""
-    traj = Trajectory()
+    traj = Trajectory(prompt_ids)
     reward, error, finish, turns = 0.0, None, "length", 0
     try:
         traj.add_env(tok.encode(await env_call(clock, env.reset(row, seed), settings.env_timeout_s, env, "reset")))
         for turn in range(1, env.max_turns + 1):
             turns = turn
-            req = GenRequest(uid, concat([prompt_ids, traj.response_ids()]), settings.max_new_tokens,  # type: ignore[arg-type]
+            req = GenRequest(uid, traj.context(), settings.max_new_tokens,  # type: ignore[arg-type]
                              settings.temperature, settings.top_p, settings.top_k)
             res = await clock.wait_for(engine.generate(req), settings.request_timeout_s,
                                        f"generation of sample {uid}, turn {turn}")
