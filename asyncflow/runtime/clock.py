@@ -129,6 +129,12 @@ class SweptClock:
             _uncancel(task)
         return result
 
+    def close(self) -> None:
+        """Stop the sweeper (the owner's run is over; a later wait would start a new one)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
     async def _sweep(self) -> None:
         """Cancel the tasks of overdue waits; ends when no wait is left (the next wait restarts it)."""
         while self._waits:

@@ -907,6 +907,7 @@ class Pipeline:
             for t in [*tasks, trainer]:
                 t.cancel()
             stopped, stuck = await asyncio.wait([*tasks, trainer], timeout=60)
+            self._swept.close()  # the episodes' and reward calls' deadline sweeper (a task of its own)
             for t in stopped:  # retrieve shutdown errors (QueueClosed, ...) so asyncio does not log them
                 if not t.cancelled():
                     t.exception()
