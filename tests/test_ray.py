@@ -252,6 +252,46 @@ def test_short_training_run_on_ray(ray_session, arith_dir: Path, tmp_path: Path)
     )
 
 
+@pytest.mark.slow
+def test_async_reward_function_runs_in_the_reward_actor(ray_session, arith_dir: Path, tmp_path: Path) -> None:
+    """An `async def` reward function on the Ray runtime: awaited in the reward actor's event loop
+    (another process), with the driver's evaluation using it too."""
+    import os
+    import shutil
+
+    from asyncflow.config import load_config
+    from asyncflow.runner import train
+
+    model = tmp_path / "model"
+    shutil.copytree(arith_dir, model)  # the module must be importable in the actor: put it in the model folder
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    (model / "async_arith.py").write_text(
+        "import asyncio, os\n"
+        "from asyncflow.tasks.arith import reward_fn\n"
+        f"CALLS = {str(calls)!r}\n"
+        "async def judge(prompts, completions, answer, **kw):\n"
+        "    await asyncio.sleep(0.01)\n"
+        "    with open(os.path.join(CALLS, str(os.getpid())), 'a') as f:\n"
+        "        f.write(f'{len(completions)}\\n')\n"
+        "    return reward_fn(prompts, completions, answer)\n"
+    )
+    cfg, _ = load_config(None, [f"model.path={model}", "runtime.kind=ray", "train.max_steps=2", "train.batch_size=16",
+                                "rollout.n=4", "rollout.max_new_tokens=4", "eval.every=0", "eval.size=8",
+                                "logging.progress=false", "reward.fn=async_arith:judge",
+                                "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5"])
+    summary = train(cfg, tmp_path / "run", progress_enabled=False)
+    assert summary["samples"] == 2 * 16
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    trained = [s for s in samples if s["status"] == "trained"]
+    assert len(trained) == 32 and all(s["reward"] in (0.0, 1.0) for s in trained)
+    by_pid = {int(p.name): p.read_text().split() for p in calls.iterdir()}
+    actor = [pid for pid in by_pid if pid != os.getpid()]
+    assert len(actor) == 1 and set(by_pid[actor[0]]) == {"4"}  # groups of 4, scored in the reward actor
+    assert len(by_pid[actor[0]]) >= 8  # at least the 8 trained groups
+    assert set(by_pid.get(os.getpid(), [])) == {"8"}  # the driver's eval calls (8 prompts each)
+
+
 def test_columnar_put_lands_row_by_row_in_another_process(ray_session) -> None:
     ray = ray_session
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
