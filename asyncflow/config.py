@@ -56,8 +56,9 @@ class RewardConfig:
     fail_fast_calls: int = _f(32, "If this many first reward calls of a run all fail, stop the run (exit 2).", lo=1)
     concurrency: int = _f(
         64,
-        "Most groups scored at once by an async def reward function (awaited on the event loop, e.g. a remote judge): "
-        "each batch of ready groups is scored in its own task. A plain function runs one batch at a time in a worker thread.",
+        "Most groups scored at once by an async def reward function (awaited on the event loop, e.g. a remote judge), "
+        "per reward worker (runtime.kind=ray: per reward actor): each batch of ready groups is scored in its own task. "
+        "A plain function runs one batch at a time in a worker thread.",
         lo=1,
     )
 
