@@ -763,7 +763,10 @@ class TransferQueue:
 
     def _lease_one(self, st: _Stage, deadline: float, names: tuple[str, ...]) -> Lease | None:
         """`_lease(st, 1, ...)` for a sample stage without a version floor, in one function: the
-        per-sample hot path of queue scheduling (a freed engine slot takes the next sample)."""
+        per-sample hot path of queue scheduling (a freed engine slot takes the next sample). It
+        inlines `_pop_keys` and `_claim_samples` for one sample (built from those two calls,
+        `take_each_nowait(stage, 1)` measured 13.5 instead of 11.8 us here); the randomized model
+        check in tests/test_transfer_queue.py recounts what this path leaves after every take."""
         heap, queued, samples, name = st.heap, st.queued, self._samples, st.name
         while heap:
             uid = heapq.heappop(heap)[1]
