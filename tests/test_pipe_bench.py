@@ -138,3 +138,48 @@ def test_affinity_routes_a_prompts_samples_to_one_least_loaded_worker(affinity: 
     else:
         assert max(spread) > 1
     assert set().union(*seen.values()) == {0, 1, 2}
+
+
+def test_gc_threshold_holds_for_the_run_and_is_restored(tmp_path) -> None:
+    """`workflow.gc_threshold` sets the young-generation threshold while the pipeline runs (seen from
+    inside a train step) and puts the process's own setting back afterwards, also after a failure."""
+    import gc
+
+    from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
+    from asyncflow.config import load_config
+    from asyncflow.engines.sim import SimEngine, SimTrainer
+    from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+
+    seen: list[int] = []
+
+    async def main(clock: VirtualClock, fail: bool) -> None:
+        cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=16", "train.max_steps=2", "rollout.max_batch=4",
+                                    "rollout.max_new_tokens=20", "workflow.gc_threshold=123457"])
+        trainer = SimTrainer(clock, token_s=1e-3, devices=1)
+        log = RunLog(tmp_path, metrics=False)
+
+        class Watching(_make_sim_pipeline_class()):  # type: ignore[misc]
+            async def _optimize(self, samples, valid, rewards):  # type: ignore[no-untyped-def]
+                seen.append(gc.get_threshold()[0])
+                if fail:
+                    raise RuntimeError("train step failed")
+                return await super()._optimize(samples, valid, rewards)
+
+        pipeline = Watching(
+            cfg, rows=[{"prompt": i} for i in range(16)], tokenizer=_SimTokenizer(), reward_fn=_reward,
+            engines=[SimEngine(clock, lengths=lambda rng: rng.randint(1, 20), capacity=4)], trainer=trainer,
+            loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0))
+        pipeline.sim_trainer = trainer
+        try:
+            await pipeline.run()
+        finally:
+            log.close()
+
+    before = gc.get_threshold()
+    assert before[0] != 123457
+    run_virtual(lambda clock: main(clock, fail=False))
+    assert seen == [123457, 123457] and gc.get_threshold() == before
+    with pytest.raises(RuntimeError, match="train step failed"):
+        run_virtual(lambda clock: main(clock, fail=True))
+    assert seen[-1] == 123457 and gc.get_threshold() == before

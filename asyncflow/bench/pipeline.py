@@ -159,6 +159,8 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
         f"workflow.mode={mode}", f"workflow.weight_update={'drain' if sync else 'swap'}", f"seed={spec.seed}",
         "workflow.step_timeout_s=100000", "rollout.request_timeout_s=100000", "workflow.lease_timeout_s=100000",
         "rollout.env_timeout_s=1000", "reward.timeout_s=1000",
+        # a step's worth of tracked objects (~25 per sample) between young collections: see docs/performance.md
+        f"workflow.gc_threshold={32 * batch}",
     ]
     if not sync:
         settings.append(f"workflow.max_staleness={spec.max_staleness}")
@@ -341,18 +343,13 @@ def run_pipeline(overrides: list[str], report: Callable[[dict[str, Any]], None] 
         raise UserError(f"bench pipeline --set modes: use sync, async; got {spec.modes!r}")
     profiles = [make_profile(p) for p in spec.profiles.split(",")]
     rows = []
-    old = gc.get_threshold()
-    gc.set_threshold(50_000, 20, 100)  # the live store is large: collect young objects less often
-    try:
-        for profile in profiles:
-            for d in devices:
-                for mode in modes:
-                    rows.append(_run_one(spec, profile, d, mode))
-                    if report is not None:
-                        report(rows[-1])
-            _speedups(rows)
-    finally:
-        gc.set_threshold(*old)
+    for profile in profiles:
+        for d in devices:
+            for mode in modes:
+                rows.append(_run_one(spec, profile, d, mode))
+                if report is not None:
+                    report(rows[-1])
+        _speedups(rows)
     return rows
 
 

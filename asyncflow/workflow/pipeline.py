@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
@@ -876,6 +877,15 @@ class Pipeline:
         `remote`: stages that run elsewhere (Ray actors), by name, as awaitables that end when the
         stage ends; they replace the local rollout and reward loops and are supervised the same way.
         """
+        gc_before = gc.get_threshold()
+        if self.cfg.workflow.gc_threshold:
+            gc.set_threshold(self.cfg.workflow.gc_threshold, *gc_before[1:])
+        try:
+            await self._run(remote)
+        finally:
+            gc.set_threshold(*gc_before)
+
+    async def _run(self, remote: dict[str, Awaitable[None]] | None) -> None:
         if remote is None:
             stages = [asyncio.create_task(self.rollout_worker(i, e), name=f"rollout/{i}") for i, e in enumerate(self.engines)]
             if not self.episodic:
