@@ -183,3 +183,86 @@ def test_gc_threshold_holds_for_the_run_and_is_restored(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="train step failed"):
         run_virtual(lambda clock: main(clock, fail=True))
     assert seen[-1] == 123457 and gc.get_threshold() == before
+
+
+def test_child_tasks_first_error_stops_their_stage_loop() -> None:
+    """`_Children`: the first child that fails cancels the loop, which ends with that error (not a bare
+    cancellation); later failures are not raised over it; the other children are cancelled."""
+    import asyncio
+
+    from asyncflow.workflow.pipeline import _Children
+
+    ended: list[str] = []
+
+    async def child(name: str, delay: float, error: BaseException | None) -> None:
+        try:
+            await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            ended.append(f"{name} cancelled")
+            raise
+        if error is not None:
+            raise error
+
+    async def loop() -> None:
+        kids = _Children()
+        released: list[int] = []
+        kids.spawn(child("first", 0.01, ValueError("first failure")), lambda t: released.append(1))
+        kids.spawn(child("second", 0.02, KeyError("second failure")))
+        kids.spawn(child("slow", 60, None))
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            assert released == [1]  # on_done ran for the failed child
+            kids.reraise()
+            raise
+        finally:
+            kids.cancel_all()
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="first failure"):
+            await asyncio.wait_for(loop(), 5)
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert "slow cancelled" in ended and "second cancelled" in ended
+
+
+def test_an_episode_whose_generation_fails_ends_the_run_with_that_error(tmp_path) -> None:
+    """A multi-turn episode is its own task; an engine error (not an environment's, which only ends
+    its episode) stops the rollout worker and the run with the engine's message."""
+    from asyncflow.bench.pipeline import (
+        _env_factory,
+        _make_sim_pipeline_class,
+        _reward,
+        _SimTokenizer,
+        make_profile,
+    )
+    from asyncflow.config import load_config
+    from asyncflow.engines.sim import CpuMeter, SimEngine, SimTrainer
+    from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+
+    class Failing(SimEngine):
+        def start_generate(self, request):  # type: ignore[no-untyped-def]
+            if request.uid == 5 and len(request.prompt_ids) > 64:  # sample 5's second turn
+                raise RuntimeError("engine lost its device")
+            return super().start_generate(request)
+
+    async def main(clock: VirtualClock) -> None:
+        cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=16", "train.max_steps=2", "rollout.max_batch=4",
+                                    "rollout.max_new_tokens=300", "rollout.max_turns=20"])
+        trainer = SimTrainer(clock, token_s=1e-4, devices=1)
+        log = RunLog(tmp_path, metrics=False)
+        pipeline = _make_sim_pipeline_class()(
+            cfg, rows=[{"prompt": i} for i in range(16)], tokenizer=_SimTokenizer(), reward_fn=_reward,
+            engines=[Failing(clock, lengths=lambda rng: rng.randint(100, 300), capacity=4)], trainer=trainer,
+            loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0),
+            env_factory=_env_factory(make_profile("agentic"), CpuMeter()))
+        pipeline.sim_trainer = trainer
+        try:
+            await pipeline.run()
+        finally:
+            log.close()
+
+    with pytest.raises(RuntimeError, match="engine lost its device"):
+        run_virtual(main)

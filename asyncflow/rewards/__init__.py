@@ -90,8 +90,12 @@ def call_reward_fn(
     try:
         out = fn(prompts=prompts, completions=completions, **kwargs)
     except Exception as exc:  # the plugin failed: mark its samples, never crash the run for one call
-        return RewardOutcome(None, f"reward function raised {type(exc).__name__}: {exc}")
+        return _raised(exc)
     return validate_rewards(out, len(completions))
+
+
+def _raised(exc: Exception) -> RewardOutcome:
+    return RewardOutcome(None, f"reward function raised {type(exc).__name__}: {exc}")
 
 
 async def call_reward_fn_async(
@@ -103,8 +107,8 @@ async def call_reward_fn_async(
     kwargs = _kwargs(fn, completion_ids, columns)
     try:
         out = await fn(prompts=prompts, completions=completions, **kwargs)
-    except Exception as exc:
-        return RewardOutcome(None, f"reward function raised {type(exc).__name__}: {exc}")
+    except Exception as exc:  # as in `call_reward_fn`; a cancellation (timeout) is not an Exception
+        return _raised(exc)
     return validate_rewards(out, len(completions))
 
 

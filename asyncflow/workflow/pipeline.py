@@ -32,7 +32,7 @@ import functools
 import gc
 import math
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,9 +286,7 @@ class Pipeline:
             return
         flight = _Flight(engine.capacity * 2, lambda start: self.tracer.span(track, "generating", start, self.clock.now()),
                          self.clock)
-        tasks: set[asyncio.Task[None]] = set()  # episodes
-        errors: list[BaseException] = []
-        me = asyncio.current_task()
+        episodes = _Children()  # episode tasks; also where a failed request stops this worker
         extra = ("row",) if self.episodic else ()
         stage = self._rollout_stage(index)
         deadlines: dict[asyncio.Future[Any], tuple[float, int]] = {}  # single-turn requests: (deadline, uid); see _watch
@@ -296,16 +294,7 @@ class Pipeline:
         ro = self.cfg.rollout
         refill = getattr(self.store, "take_each_nowait", None) if not self.episodic else None
 
-        def fail(exc: BaseException) -> None:
-            if not errors:
-                errors.append(exc)
-                if me is not None:
-                    me.cancel()  # a request failed or timed out: stop this worker with its error
-
-        def episode_done(t: asyncio.Task[None]) -> None:
-            tasks.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                fail(t.exception())  # type: ignore[arg-type]
+        fail = episodes.fail  # a request failed or timed out: stop this worker with its error
 
         def start(lease: Lease) -> None:
             sample = lease.samples[0]
@@ -322,7 +311,7 @@ class Pipeline:
                     fail(WaitTimeout(expired.pop(fut)))
                 elif not fut.cancelled():  # cancelled otherwise: this worker is stopping
                     self._write_response(lease, fut.result())
-                    if refill is not None and not errors:
+                    if refill is not None and not episodes.errors:
                         for new in refill(stage, 1):  # the freed slot's next sample, without a wake-up
                             start(new)
             except QueueClosed:
@@ -352,17 +341,13 @@ class Pipeline:
                         start(lease)
                     else:
                         flight.acquire()
-                        task = asyncio.create_task(self._episode(index, engine, lease, flight, proxy=proxy))
-                        tasks.add(task)
-                        task.add_done_callback(episode_done)
+                        episodes.spawn(self._episode(index, engine, lease, flight, proxy=proxy))
         except asyncio.CancelledError:
-            if errors:
-                raise errors[0] from None
+            episodes.reraise()
             raise
         finally:
             watchdog.cancel()
-            for t in list(tasks):
-                t.cancel()
+            episodes.cancel_all()
             for f in list(deadlines):
                 f.cancel()
             if proxy is not None:
@@ -483,18 +468,11 @@ class Pipeline:
                 await self._reward_take(lease)
             return
         flight = _Flight(self.cfg.reward.concurrency, lambda start: None, self.clock)
-        tasks: set[asyncio.Task[None]] = set()
-        errors: list[BaseException] = []
-        me = asyncio.current_task()
+        takes = _Children()  # one task per take; the first that fails stops this worker with its error
 
-        def done(t: asyncio.Task[None], groups: int) -> None:
-            tasks.discard(t)
+        def done(groups: int, task: asyncio.Task[None]) -> None:
             for _ in range(groups):
                 flight.release()
-            if not t.cancelled() and t.exception() is not None and not errors:
-                errors.append(t.exception())  # type: ignore[arg-type]
-                if me is not None:
-                    me.cancel()
 
         try:
             while True:
@@ -508,16 +486,12 @@ class Pipeline:
                 groups = len({s.group_id for s in lease.samples}) or 1
                 for _ in range(groups):
                     flight.acquire()
-                task = asyncio.create_task(self._reward_take(lease))
-                tasks.add(task)
-                task.add_done_callback(functools.partial(done, groups=groups))
+                takes.spawn(self._reward_take(lease), functools.partial(done, groups))
         except asyncio.CancelledError:
-            if errors:
-                raise errors[0] from None
+            takes.reraise()
             raise
         finally:
-            for t in list(tasks):
-                t.cancel()
+            takes.cancel_all()
 
     async def _take_reward(self, max_samples: int) -> Lease:
         return await self.store.take("reward", max_samples, timeout=self.cfg.workflow.step_timeout_s,
@@ -923,6 +897,44 @@ class Pipeline:
                     t.exception()
             if stuck:
                 raise RuntimeError(f"stages did not stop within 60 s: {sorted(t.get_name() for t in stuck)}")
+
+
+class _Children:
+    """Child tasks of a stage loop (episodes, reward takes) whose first error stops the loop: `fail`
+    records it and cancels the loop's task, whose `except CancelledError` calls `reraise` so the loop
+    ends with that error instead of a bare cancellation. Create it inside the loop's task."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.errors: list[BaseException] = []
+        self._parent = asyncio.current_task()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.errors:
+            self.errors.append(exc)
+            if self._parent is not None:
+                self._parent.cancel()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], on_done: Callable[[asyncio.Task[Any]], None] | None = None) -> None:
+        """Run `coro` as a child; `on_done(task)` runs when it ends, before its error is looked at."""
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        if on_done is not None:
+            task.add_done_callback(on_done)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(task.exception())  # type: ignore[arg-type]
+
+    def reraise(self) -> None:
+        if self.errors:
+            raise self.errors[0] from None
+
+    def cancel_all(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()
 
 
 class _Flight:
