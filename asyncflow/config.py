@@ -278,8 +278,9 @@ class WorkflowConfig:
     step_timeout_s: float = _f(1800.0, "Longest the trainer waits for one batch before failing with a message.", lo=0.001)
     gc_threshold: int = _f(
         0,
-        "Python's young-generation GC threshold while the run lasts (gc.set_threshold's first value; restored "
-        "after). 0: leave it (700 by default). A driver moving thousands of samples a second spends ~15% of its "
+        "Python's young-generation GC threshold while the run lasts, in the process that runs the pipeline (the "
+        "driver; Ray actors keep their own), gc.set_threshold's first value, restored after. 0: leave it (700 "
+        "by default). A driver moving thousands of samples a second spends ~15% of its "
         "CPU on collections that find nothing: set it above what one train step allocates (~25 tracked objects "
         "per sample, so ~32 x train.batch_size) and steady state, where each step frees what it admitted, "
         "collects almost never. Cyclic garbage then waits longer to be freed.",
