@@ -54,6 +54,54 @@ def test_thread_work_does_not_advance_virtual_time() -> None:
     assert end == pytest.approx(1.0)
 
 
+
+def test_timers_run_in_time_order_equal_times_in_the_order_set_and_cancelled_ones_never() -> None:
+    """The loop's own timer heap: due order, first-set-first-run at equal times, cancelled timers
+    skipped (including after mass cancellation compacts the heap), and virtual time jumps straight
+    to each timer."""
+
+    async def main(clock: VirtualClock) -> tuple[list[tuple[str, float]], float]:
+        loop = asyncio.get_running_loop()
+        ran: list[tuple[str, float]] = []
+        for name in ("t1", "t2", "t3"):  # three timers at the same time
+            loop.call_later(5.0, lambda n=name: ran.append((n, clock.now())))
+        loop.call_later(2.0, lambda: ran.append(("early", clock.now())))
+        doomed = [loop.call_later(3.0 + i * 1e-3, lambda i=i: ran.append((f"doomed {i}", clock.now()))) for i in range(500)]
+        for h in doomed:
+            h.cancel()  # 500 of 504 pending timers cancelled: the heap is compacted
+        await clock.sleep(10.0)
+        return ran, clock.now()
+
+    ran, end = run_virtual(main)
+    assert ran == [("early", 2.0), ("t1", 5.0), ("t2", 5.0), ("t3", 5.0)]
+    assert end == pytest.approx(10.0)
+
+
+def test_a_callback_from_another_thread_runs_while_virtual_time_flies() -> None:
+    """`call_soon_threadsafe` from a plain thread (no executor job) is served: the loop polls its
+    self-pipe at least every millisecond of real time, jumping virtual time in between."""
+    import threading
+
+    async def main(clock: VirtualClock) -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[float] = loop.create_future()
+        t0 = time.monotonic()
+        ticker = asyncio.ensure_future(_tick(clock, got, t0 + 10.0))  # keeps virtual time moving meanwhile
+        threading.Timer(0.05, lambda: loop.call_soon_threadsafe(got.set_result, 1.0)).start()
+        value = await got
+        ticker.cancel()
+        return value, time.monotonic() - t0
+
+    value, real = run_virtual(main)
+    assert value == 1.0 and real < 5.0
+
+
+async def _tick(clock: VirtualClock, got: asyncio.Future[float], give_up_at: float) -> None:
+    """Advance virtual time in small steps; fail `got` if the thread's callback never arrives (10 s real)."""
+    while time.monotonic() < give_up_at:
+        await clock.sleep(0.5)
+    got.set_exception(AssertionError("the other thread's callback never ran"))
+
 def test_store_take_waits_and_times_out_on_the_virtual_clock() -> None:
     async def main(clock: VirtualClock) -> tuple[float, float]:
         store = TransferQueue(clock=clock, lease_timeout_s=50.0)
