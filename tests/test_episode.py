@@ -27,6 +27,19 @@ def test_runs_behave_like_the_list_they_encode() -> None:
     assert total(Runs([(1, 3), (0, 5)])) == 3 and total([1, 0, 1]) == 2
 
 
+
+def test_every_runs_slice_equals_the_list_slice_and_stays_merged() -> None:
+    """Slices (the episode drops a response's EOS with `ids[:-1]`) give the list's elements as
+    merged runs, whichever path builds them."""
+    for r in (Runs([(7, 3), (2, 2), (7, 1), (1, 4)]), Runs([(5, 1)]), Runs([(9, 6)]), Runs()):
+        plain = list(r)
+        for a in range(-len(plain) - 1, len(plain) + 2):
+            for b in range(-len(plain) - 1, len(plain) + 2):
+                got = r[a:b]
+                assert isinstance(got, Runs) and list(got) == plain[a:b], (r, a, b)
+                assert got.pairs == Runs([(v, 1) for v in plain[a:b]]).pairs  # no empty or split runs
+        assert r[:] == plain and r[:-1] == plain[:-1]
+
 class _Scripted(InferenceEngine):
     """Returns scripted turns; records the prompts it was given (a test double, not an engine)."""
 

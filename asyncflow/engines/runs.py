@@ -72,6 +72,11 @@ class Runs(Sequence[Any]):
         return self.values[bisect.bisect_right(self._ends, i)]
 
     def _window(self, start: int, stop: int) -> Runs:
+        last = self._n - self.counts[-1] if self.counts else 0  # where the last run begins
+        if start == 0 and stop > last:  # cut inside the last run (a response without its EOS): copy, trim
+            values, counts = self.values[:], self.counts[:]
+            counts[-1] = stop - last
+            return Runs._of(values, counts)
         out: list[tuple[Any, int]] = []
         pos = 0
         for v, c in zip(self.values, self.counts, strict=True):

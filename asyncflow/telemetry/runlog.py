@@ -167,6 +167,11 @@ class Tracer:
         self._tracks: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    @property
+    def off(self) -> bool:
+        """Built with `max_events=0`: records nothing, so hot paths can skip formatting span names."""
+        return self.max_events == 0
+
     def _tid(self, track: str) -> int:
         if track not in self._tracks:
             self._tracks[track] = len(self._tracks) + 1

@@ -97,7 +97,7 @@ class Trajectory:
             "response_ids": self.response_ids(),
             "behavior_logprobs": concat([s.logprobs for s in self.segments]),
             "token_versions": concat(versions),
-            "loss_mask": concat([Runs([(1 if s.generated else 0, len(s.ids))]) for s in self.segments]),
+            "loss_mask": Runs([(1 if s.generated else 0, len(s.ids)) for s in self.segments]),  # (merges, skips empties)
             "behavior_version": min((oldest(s.versions) for s in gen if s.versions is not None and len(s.versions)),
                                     default=-1),
         }

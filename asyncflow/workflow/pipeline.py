@@ -439,7 +439,7 @@ class Pipeline:
                     seed=self.cfg.seed * 1_000_003 + sample.uid,
                     settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
                                              ro.top_p, ro.top_k),
-                    on_env_step=on_env_step, barrier=barrier,
+                    on_env_step=None if self.tracer.off else on_env_step, barrier=barrier,
                 )
             version = result.fields["behavior_version"]
             if self.store.complete(lease, {sample.uid: result.fields}, versions={sample.uid: version}):
