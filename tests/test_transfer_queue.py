@@ -637,6 +637,54 @@ def test_take_each_nowait_takes_what_is_ready_without_waiting() -> None:
         q.take_each_nowait("rollout", 1)
 
 
+def test_complete_and_take_writes_one_sample_and_leases_the_next() -> None:
+    q = TransferQueue()
+    q.register_stage("rollout", ["prompt"])
+    q.register_stage("reward", ["response"], groups=True)
+    q.put_blocking(prompts(3))
+    first, second = q.take_each_nowait("rollout", 2)
+    written, nxt = q.complete_and_take(first, {"response": "a"}, version=3, stage="rollout", fields_extra=["answer"])
+    assert written and nxt is not None and uids_of(nxt) == [2]
+    assert q.in_flight("rollout") == 2 and q.ready_count("rollout") == 0
+    s0 = q._samples[0]
+    assert s0.fields["response"] == "a" and s0.version == 3 and "rollout" in s0.consumed
+    # an ended lease writes nothing (its sample may be someone else's), but the slot still refills
+    q.release(second)
+    written, nxt = q.complete_and_take(second, {"response": "late"}, version=0, stage="rollout")
+    assert not written and nxt is not None and uids_of(nxt) == [1]
+    assert "response" not in q._samples[1].fields
+    written, none = q.complete_and_take(nxt, {"response": "b"}, version=None, stage="rollout")
+    assert written and none is None and q._samples[1].version is None  # nothing ready: no lease
+    q.close()  # closed: the write lands, no next lease
+    s2 = q._samples[2]
+    assert q.complete_and_take(first_lease_of(q, 2), {"response": "c"}, version=None, stage="rollout") == (True, None)
+    assert s2.fields["response"] == "c"
+
+
+def first_lease_of(q: TransferQueue, uid: int) -> Lease:
+    """A stand-in `Lease` for the live lease the store holds on `uid` (same id)."""
+    lid = q._samples[uid].taken["rollout"]
+    return Lease(lid, "rollout", [], [], 0.0)
+
+
+def test_complete_and_take_refuses_misuse_and_leaves_the_lease_live() -> None:
+    q = TransferQueue()
+    q.register_stage("rollout", ["prompt"])
+    q.register_stage("reward", ["response"], groups=True)
+    q.put_blocking(prompts(3))
+    pair = q.take_nowait("rollout", 2, min_samples=2)
+    assert pair is not None
+    with pytest.raises(ValueError, match="holds 2 samples"):
+        q.complete_and_take(pair, {"response": "x"}, version=None, stage="rollout")
+    (one,) = q.take_each_nowait("rollout", 1)
+    with pytest.raises(ValueError, match="whole groups"):
+        q.complete_and_take(one, {"response": "x"}, version=None, stage="reward")
+    with pytest.raises(ValueError, match="not registered"):
+        q.complete_and_take(one, {"response": "x"}, version=None, stage="nope")
+    assert q.in_flight("rollout") == 3 and all("response" not in s.fields for s in q._samples.values())
+    assert q.complete(pair, {0: {"response": "y"}}) and q.complete(one, {2: {"response": "z"}})
+
+
 def test_a_write_makes_ready_only_the_stages_that_read_its_fields() -> None:
     q = TransferQueue()
     q.register_stage("a", ["x"])
@@ -695,7 +743,8 @@ def _recount(q: TransferQueue) -> tuple[dict[str, int], dict[str, int]]:
 def test_counts_stay_exact_under_random_takes_writes_releases_and_removals() -> None:
     """Model check of the readiness index: after every random operation (sample and group takes,
     completes, releases, plain and removing acks, single removals, whole-group removals) each
-    stage's depth and leased count equal a recount from scratch."""
+    stage's depth and leased count equal a recount from scratch, and sample takes come in
+    (priority, uid) order."""
     rng = random.Random(7)
     q = TransferQueue(capacity=10_000)
     q.register_stage("gen", ["prompt"])
@@ -709,7 +758,13 @@ def test_counts_stay_exact_under_random_takes_writes_releases_and_removals() -> 
             q.put_blocking([NewSample(gid, 4, {"prompt": gid}) for _ in range(4)])
             gid += 1
         elif op < 0.35:
-            leases.extend(q.take_each_nowait("gen", rng.randint(1, 3)))
+            k = rng.randint(1, 3)
+            # served lowest (priority, uid) first, also after releases (which go back out of order)
+            want = sorted((s.priority, s.uid) for s in q._samples.values()
+                          if "prompt" in s.fields and "gen" not in s.taken and "gen" not in s.consumed)[:k]
+            got_gen = q.take_each_nowait("gen", k)
+            assert [lease.samples[0].uid for lease in got_gen] == [uid for _, uid in want]
+            leases.extend(got_gen)
         elif op < 0.45:
             for stage in ("score", "train"):
                 got = q.take_nowait(stage, 8)

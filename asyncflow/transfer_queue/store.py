@@ -5,9 +5,10 @@ reads; a sample becomes *ready* for that stage the moment its written fields cov
 stage can start on partial data instead of waiting for a batch barrier.
 
 Why it is built this way:
-- **Event-driven readiness.** `put`/`write`/`release` update, per stage, a heap of ready
+- **Event-driven readiness.** `put`/`write`/`release` update, per stage, a priority queue of ready
   `(priority, uid)` entries (in group mode `(group's min priority, group_id)`, pushed when a
-  per-(stage, group) ready counter reaches the group's size). `take` pops from that heap and skips
+  per-(stage, group) ready counter reaches the group's size): a FIFO for entries that arrive in
+  priority order (admissions, nearly all) and a heap for the rest. `take` pops the smaller head and skips
   stale entries lazily, so no call ever scans all samples. Waiters sleep until a change makes enough
   samples available for their stage: asyncio waiters on futures resolved with
   `loop.call_soon_threadsafe`, threads on `threading.Event`s; both may be mixed on one store.
@@ -221,8 +222,13 @@ class _Stage:
     name: str
     fields: tuple[str, ...]
     groups: bool
-    heap: list[tuple[float, int]] = field(default_factory=list)  # (priority, uid or group_id)
-    queued: set[int] = field(default_factory=set)  # keys with an entry in heap
+    # ready entries `(priority, uid or group_id)`, stale ones skipped when popped: an entry above the
+    # newest in `fifo` (admission order with the default priorities: nearly all) is appended there,
+    # cheaper than a heap of tens of thousands; others (a released lease, a group completed out of
+    # order) go to `heap`. Both stay sorted, so the smaller head is the next entry.
+    heap: list[tuple[float, int]] = field(default_factory=list)
+    fifo: deque[tuple[float, int]] = field(default_factory=deque)
+    queued: set[int] = field(default_factory=set)  # keys with an entry in heap or fifo
     depth: int = 0  # samples available (in complete groups, for group stages)
     leased: int = 0
     wait_s: float = 0.0
@@ -513,7 +519,12 @@ class TransferQueue:
     def _push(self, st: _Stage, priority: float, key: int) -> None:
         if key not in st.queued:
             st.queued.add(key)
-            heapq.heappush(st.heap, (priority, key))
+            entry = (priority, key)
+            fifo = st.fifo
+            if not fifo or entry > fifo[-1]:
+                fifo.append(entry)
+            else:
+                heapq.heappush(st.heap, entry)
 
     def _offers(self, st: _Stage, key: int) -> int:
         """Samples the heap entry `key` offers now (0 means the entry is stale)."""
@@ -524,11 +535,13 @@ class TransferQueue:
         return 1 if s is not None and st.name in s.avail else 0
 
     def _compact(self, st: _Stage) -> None:
-        """Drop stale heap entries once they dominate (removed samples are only dropped lazily)."""
-        if len(st.heap) > 2 * st.depth + 64:
+        """Drop stale queue entries once they dominate (removed samples are only dropped lazily)."""
+        if len(st.heap) + len(st.fifo) > 2 * st.depth + 64:
             st.heap = [e for e in st.heap if self._offers(st, e[1]) > 0]
             heapq.heapify(st.heap)
+            st.fifo = deque(e for e in st.fifo if self._offers(st, e[1]) > 0)
             st.queued = {key for _, key in st.heap}
+            st.queued.update(key for _, key in st.fifo)
 
     # ----------------------------------------------------------------------------- consumers
     async def take(
@@ -706,23 +719,28 @@ class TransferQueue:
     def _pop_keys(self, st: _Stage, max_samples: int) -> list[int]:
         """Pop the lowest-priority available uids (or whole groups) that fit in `max_samples`."""
         keys: list[int] = []
+        heap, fifo, queued = st.heap, st.fifo, st.queued
         if not st.groups:  # one sample per entry: every live entry fits
-            heap, queued, samples, name = st.heap, st.queued, self._samples, st.name
-            while heap and len(keys) < max_samples:
-                key = heapq.heappop(heap)[1]
+            samples, name = self._samples, st.name
+            while (heap or fifo) and len(keys) < max_samples:
+                key = (heapq.heappop(heap) if heap and (not fifo or heap[0] < fifo[0]) else fifo.popleft())[1]
                 queued.discard(key)
                 s = samples.get(key)
                 if s is not None and name in s.avail:
                     keys.append(key)
             return keys
         total = 0
-        while st.heap and total < max_samples:
-            priority, key = st.heap[0]
+        while (heap or fifo) and total < max_samples:
+            from_heap = bool(heap) and (not fifo or heap[0] < fifo[0])
+            key = (heap[0] if from_heap else fifo[0])[1]
             n = self._offers(st, key)
             if n > 0 and total + n > max_samples:
                 break  # never split a group, never skip an older group for a newer one
-            heapq.heappop(st.heap)
-            st.queued.discard(key)
+            if from_heap:
+                heapq.heappop(heap)
+            else:
+                fifo.popleft()
+            queued.discard(key)
             if n > 0:
                 keys.append(key)
                 total += n
@@ -767,9 +785,9 @@ class TransferQueue:
         inlines `_pop_keys` and `_claim_samples` for one sample (built from those two calls,
         `take_each_nowait(stage, 1)` measured 13.5 instead of 11.8 us here); the randomized model
         check in tests/test_transfer_queue.py recounts what this path leaves after every take."""
-        heap, queued, samples, name = st.heap, st.queued, self._samples, st.name
-        while heap:
-            uid = heapq.heappop(heap)[1]
+        heap, fifo, queued, samples, name = st.heap, st.fifo, st.queued, self._samples, st.name
+        while heap or fifo:
+            uid = (heapq.heappop(heap) if heap and (not fifo or heap[0] < fifo[0]) else fifo.popleft())[1]
             queued.discard(uid)
             s = samples.get(uid)
             if s is not None and name in s.avail:
@@ -864,6 +882,37 @@ class TransferQueue:
                     self._write_locked(s, fields, None if versions is None else versions.get(uid))
             self._consume(rec, remove)
             return True
+
+    def complete_and_take(
+        self, lease: Lease, fields: dict[str, Any], *, version: int | None, stage: str,
+        fields_extra: Sequence[str] = (),
+    ) -> tuple[bool, Lease | None]:
+        """`complete(lease, {uid: fields}, versions={uid: version})` of a one-sample lease, then
+        `take_each_nowait(stage, 1)` of a sample stage, in one step: the per-sample hot path of queue
+        scheduling (a request ends; its engine slot takes the next sample) with one lock, one expiry
+        check and no per-call dicts. Returns whether the lease was still live (False: nothing was
+        written, as with `complete`) and the next sample's lease, or None when none is ready or the
+        store is closed."""
+        with self._lock:
+            st = self._stage(stage)
+            if st.groups:
+                raise ValueError(f"complete_and_take: stage {stage!r} takes whole groups")
+            self._reap()
+            rec = self._leases.get(lease.id)
+            if rec is not None:
+                if len(rec.uids) != 1 or rec.groups:
+                    raise ValueError(f"complete_and_take: lease {lease.id} holds {len(rec.uids)} samples, not 1")
+                del self._leases[lease.id]
+                s = self._samples.get(rec.uids[0])
+                if s is not None:
+                    self._write_locked(s, fields, version)
+                self._consume(rec, False)
+            if self._closed:
+                return rec is not None, None
+            nxt = None
+            if st.depth >= 1:
+                nxt = self._lease_one(st, self._clock.now() + self.lease_timeout_s, st.view_fields(tuple(fields_extra)))
+            return rec is not None, nxt
 
     def _consume(self, rec: _LeaseRec, remove: bool) -> None:
         """End an acked lease: its live samples (and groups) are consumed by its stage."""

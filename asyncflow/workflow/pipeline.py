@@ -277,7 +277,7 @@ class Pipeline:
         A single-turn request is no task of its own: it is started on the engine (`start_generate`) and
         written to the store in a callback on its result future (a task per request cost two extra
         event-loop callbacks and a task step each way). With the in-process store that callback
-        also refills the slot at once (`take_each_nowait`); only when nothing is ready does it wake
+        also refills the slot at once (`complete_and_take`); only when nothing is ready does it wake
         this worker, which then waits in the store. With an environment, each taken sample is a
         whole episode (its own task)."""
         track = f"rollout/{index}"
@@ -292,7 +292,8 @@ class Pipeline:
         deadlines: dict[asyncio.Future[Any], tuple[float, int]] = {}  # single-turn requests: (deadline, uid); see _watch
         expired: dict[asyncio.Future[Any], str] = {}
         ro = self.cfg.rollout
-        refill = getattr(self.store, "take_each_nowait", None) if not self.episodic else None
+        # in process: a finished request's write and its slot's next sample in one store call
+        fused = getattr(self.store, "complete_and_take", None) if not self.episodic else None
 
         fail = episodes.fail  # a request failed or timed out: stop this worker with its error
 
@@ -310,9 +311,14 @@ class Pipeline:
                 if expired and fut in expired:
                     fail(WaitTimeout(expired.pop(fut)))
                 elif not fut.cancelled():  # cancelled otherwise: this worker is stopping
-                    self._write_response(lease, fut.result())
-                    if refill is not None and not episodes.errors:
-                        for new in refill(stage, 1):  # the freed slot's next sample, without a wake-up
+                    if fused is None or episodes.errors:
+                        self._write_response(lease, fut.result())
+                    else:  # write, and refill the freed slot without a wake-up
+                        fields, version = _response_fields(fut.result())
+                        written, new = fused(lease, fields, version=version, stage=stage)
+                        if written:
+                            self.counters.produced += 1
+                        if new is not None:
                             start(new)
             except QueueClosed:
                 pass  # the run is ending
@@ -395,14 +401,7 @@ class Pipeline:
         # with its partial response: its group then reaches the trainer, which drops the whole
         # group and frees its admission slot. Removing it here would leak that slot.
         uid = lease.samples[0].uid
-        version = oldest(res.token_versions)  # no token: -1, older than any floor
-        fields = {
-            "response_ids": res.response_ids,
-            "behavior_logprobs": res.behavior_logprobs,
-            "token_versions": res.token_versions,
-            "behavior_version": version,
-            "finish_reason": res.finish_reason,
-        }
+        fields, version = _response_fields(res)
         try:
             if self.store.complete(lease, {uid: fields}, versions={uid: version}):
                 self.counters.produced += 1
@@ -935,6 +934,19 @@ class _Children:
     def cancel_all(self) -> None:
         for t in list(self.tasks):
             t.cancel()
+
+
+def _response_fields(res: GenResult) -> tuple[dict[str, Any], int]:
+    """The fields a single-turn response writes, and its behavior version (the oldest of its
+    tokens; -1 for no token, older than any floor)."""
+    version = oldest(res.token_versions)
+    return {
+        "response_ids": res.response_ids,
+        "behavior_logprobs": res.behavior_logprobs,
+        "token_versions": res.token_versions,
+        "behavior_version": version,
+        "finish_reason": res.finish_reason,
+    }, version
 
 
 class _Flight:
