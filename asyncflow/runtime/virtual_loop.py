@@ -17,8 +17,9 @@ and the stock one spends it where a production loop (uvloop) would not. Timers s
 `(when, seq, handle)` tuples, compared in C (asyncio's heap of `TimerHandle`s calls a Python
 `__lt__` ~2 log2(n) times per timer, and thousands of timers are pending when every episode in an
 environment step sleeps on one); equal times run in the order they were set. While callbacks are
-ready, and before a jump of virtual time, I/O is polled at most every `_POLL_EVERY_S` of real time
-instead of with a system call per iteration (a callback from another thread is queued directly and
+ready, and before a jump of virtual time, I/O is polled at most every `_poll_every` of real time
+(twice the interpreter's GIL switch interval: 10 ms by default) instead of with a system call per
+iteration (a callback from another thread is queued directly and
 runs next iteration either way; with thread jobs outstanding every jump polls and waits, as above).
 """
 
@@ -28,6 +29,7 @@ import asyncio
 import heapq
 import itertools
 import selectors
+import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -36,7 +38,7 @@ from asyncflow.runtime.clock import bounded
 
 T = TypeVar("T")
 _THREAD_POLL_S = 0.002  # real seconds between polls while a thread job is outstanding
-_POLL_EVERY_S = 0.001  # real seconds between I/O polls while callbacks are ready
+_POLL_EVERY_S = 0.001  # least real seconds between I/O polls while callbacks are ready (see _poll_every)
 
 
 class _VirtualSelector:
@@ -73,6 +75,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._timers: list[tuple[float, int, asyncio.TimerHandle]] = []  # (when, seq, handle): see module doc
         self._timer_seq = itertools.count()
         self._polled_at = 0.0  # perf_counter of the last I/O poll
+        # Not more often than the GIL switch interval: each poll releases and at once retakes the GIL,
+        # and a thread that waits for it asks for a forced switch only after a whole interval without
+        # one, so polls every 1 ms starved plain threads (a `threading.Timer` due in 50 ms ran seconds late).
+        self._poll_every = max(_POLL_EVERY_S, 2 * sys.getswitchinterval())
 
     def time(self) -> float:
         return self._virtual_now
@@ -114,10 +120,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         ready = base._ready
         now = time.perf_counter()
         if ready or base._stopping:
-            if now - self._polled_at >= _POLL_EVERY_S:
+            if now - self._polled_at >= self._poll_every:
                 self._polled_at = now
                 base._process_events(self._selector.select(0))
-        elif timers and not self.thread_jobs and now - self._polled_at < _POLL_EVERY_S:
+        elif timers and not self.thread_jobs and now - self._polled_at < self._poll_every:
             self.advance(timers[0][0] - self._virtual_now)  # polled a moment ago: jump without a system call
         else:
             timeout = None if not timers else max(0.0, timers[0][0] - self._virtual_now)
@@ -155,9 +161,9 @@ class VirtualClock:
 
     def __init__(self, loop: VirtualTimeLoop) -> None:
         self.loop = loop
-
-    def now(self) -> float:
-        return self.loop.time()
+        # the loop's own `time`, bound: `now` runs several times per sample, and a method that
+        # forwards to it cost a second Python call each time
+        self.now: Callable[[], float] = loop.time
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
