@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from asyncflow.errors import WaitTimeout
@@ -95,9 +95,7 @@ class SweptClock:
         self._next = 0
         self._tick = math.inf
         self._sweeper: asyncio.Task[None] | None = None
-
-    def now(self) -> float:
-        return self.clock.now()
+        self.now: Callable[[], float] = clock.now  # bound, not forwarded: one Python call instead of two
 
     async def sleep(self, seconds: float) -> None:
         await self.clock.sleep(seconds)

@@ -318,6 +318,7 @@ class TransferQueue:
         self._groups: dict[int, _Group] = {}
         self._stages: dict[str, _Stage] = {}
         self._by_field: dict[str, list[_Stage]] = {}  # field -> stages that read it (readiness index)
+        self._write_stages: dict[tuple[str, ...], tuple[_Stage, ...]] = {}  # written names -> stages reading any
         self._leases: dict[int, _LeaseRec] = {}
         # (deadline, lease id) of every lease, stale entries (leases ended early) skipped: deadlines
         # that only grow (the default lease time on a monotonic clock: nearly all) queue in order in
@@ -350,6 +351,7 @@ class TransferQueue:
             self._stages[stage] = st
             for f in st.fields:
                 self._by_field.setdefault(f, []).append(st)
+            self._write_stages.clear()
             for s in self._samples.values():
                 self._check_ready(st, s)
 
@@ -390,7 +392,8 @@ class TransferQueue:
             self._reap()
             self._validate_new(samples)
             if len(self._samples) + len(samples) <= self.capacity:
-                return [self._insert(ns) for ns in samples], None, None
+                memo: dict[int, tuple[tuple[_Stage, ...], int]] = {}
+                return [self._insert(ns, memo) for ns in samples], None, None
             assert on is not None
             w = _Waiter(len(samples), self._put_waiters, on)
             self._put_waiters.append(w)
@@ -420,7 +423,9 @@ class TransferQueue:
             self._next_uid += n
             return start
 
-    def _insert(self, ns: NewSample) -> int:
+    def _insert(self, ns: NewSample, memo: dict[int, tuple[tuple[_Stage, ...], int]] | None = None) -> int:
+        """`memo`, shared by the samples of one put: per initial-fields dict (by identity; a feeder
+        puts a group's samples with one dict), the stages its fields make ready and its payload bytes."""
         if ns.uid is None:
             uid = self._next_uid
             self._next_uid += 1
@@ -435,16 +440,20 @@ class TransferQueue:
             self._next_group = ns.group_id + 1
         g.put += 1
         g.uids.append(uid)
-        self._max_group_size = max(self._max_group_size, ns.group_size)
+        if ns.group_size > self._max_group_size:
+            self._max_group_size = ns.group_size
         self._samples[uid] = s
-        self._bytes_put += _payload_bytes(s.fields)
-        fields = s.fields
-        for st in self._stages.values():
-            for f in st.fields:
-                if f not in fields:
-                    break
-            else:
-                self._check_ready(st, s)
+        known = None if memo is None else memo.get(id(ns.fields))
+        if known is None:
+            fields = s.fields
+            known = (tuple(st for st in self._stages.values() if all(f in fields for f in st.fields)),
+                     _payload_bytes(fields))
+            if memo is not None:
+                memo[id(ns.fields)] = known
+        stages, nbytes = known
+        self._bytes_put += nbytes
+        for st in stages:
+            self._check_ready(st, s)
         return uid
 
     def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None:
@@ -461,14 +470,17 @@ class TransferQueue:
         self._bytes_put += _payload_bytes(fields)
         if version is not None:
             s.version = version if s.version is None else min(s.version, version)
-        # a write can only make ready the stages that read one of the fields it wrote
-        by_field = self._by_field
-        for f in fields:
-            stages = by_field.get(f)
-            if stages is not None:
-                for st in stages:
-                    if st.name not in s.ready:
-                        self._check_ready(st, s)
+        # a write can only make ready the stages that read one of the fields it wrote; which those
+        # are is worked out once per set of written names (a run writes a handful of kinds)
+        key = tuple(fields)
+        stages = self._write_stages.get(key)
+        if stages is None:
+            stages = self._write_stages[key] = tuple(
+                dict.fromkeys(st for f in key for st in self._by_field.get(f, ())))
+        ready = s.ready
+        for st in stages:
+            if st.name not in ready:
+                self._check_ready(st, s)
 
     # ----------------------------------------------------------------------------- readiness index
     def _check_ready(self, st: _Stage, s: _Sample) -> None:
@@ -765,15 +777,27 @@ class TransferQueue:
         if not st.groups:
             self._claim_samples(st, rec, keys, names, min_version, lease)
             keys = []
+        # whole groups: each member is marked taken (inlined: the per-sample part of the reward and
+        # train stages' takes); the group's offer ends in `_sync_group`
+        name, lid, samples, groups = st.name, rec.id, self._samples, self._groups
         for key in keys:
-            uids = list(self._groups[key].uids) if st.groups else [key]
-            views = [self._claim(st, rec, uid, names) for uid in uids]
-            if st.groups:
-                rec.groups.append(key)
-                self._groups[key].leased[st.name] = rec.id
-                self._sync_group(st, key, self._groups[key])
-            versions = [v.version for v in views if v.version is not None]
-            old = min_version is not None and bool(versions) and min(versions) < min_version
+            g = groups[key]
+            views = []
+            oldest_version = None
+            for uid in g.uids:
+                s = samples[uid]
+                s.taken[name] = lid
+                f = s.fields
+                v = s.version
+                if v is not None and (oldest_version is None or v < oldest_version):
+                    oldest_version = v
+                views.append(SampleView(uid, s.group_id, v, {k: f[k] for k in names if k in f}))
+            rec.uids.extend(g.uids)
+            st.leased += len(views)
+            rec.groups.append(key)
+            g.leased[name] = lid
+            self._sync_group(st, key, g)
+            old = min_version is not None and oldest_version is not None and oldest_version < min_version
             (lease.expired if old else lease.samples).extend(views)
         self._leases[rec.id] = rec
         self._push_expiry(rec.deadline, rec.id)
@@ -819,7 +843,7 @@ class TransferQueue:
 
     def _claim_samples(self, st: _Stage, rec: _LeaseRec, uids: list[int], names: tuple[str, ...],
                        min_version: int | None, lease: Lease) -> None:
-        """`_claim` of each uid for a sample (non-group) stage, inlined: each was available (its heap
+        """Each uid of a sample (non-group) stage's lease marked taken, inlined: each was available (its heap
         entry offered it), so it simply stops being."""
         name, lid, samples = st.name, rec.id, self._samples
         for uid in uids:
@@ -833,15 +857,6 @@ class TransferQueue:
         rec.uids.extend(uids)
         st.depth -= len(uids)
         st.leased += len(uids)
-
-    def _claim(self, st: _Stage, rec: _LeaseRec, uid: int, names: tuple[str, ...]) -> SampleView:
-        s = self._samples[uid]
-        s.taken[st.name] = rec.id
-        rec.uids.append(uid)
-        st.leased += 1
-        if not st.groups:
-            self._sync_sample(st, s)
-        return SampleView(uid, s.group_id, s.version, {f: s.fields[f] for f in names if f in s.fields})
 
     # ----------------------------------------------------------------------------- lease ends
     def ack(self, lease: Lease, *, remove: bool = False) -> bool:
