@@ -147,6 +147,21 @@ def test_group_with_removed_member_still_completes() -> None:
     assert uids_of(q.take_nowait("reward", 4)) == uids[:3]
 
 
+def test_one_new_sample_listed_n_times_is_admitted_as_n_samples() -> None:
+    q = TransferQueue()
+    q.register_stage("rollout", ["prompt"])
+    q.register_stage("reward", ["response"], groups=True)
+    ns = NewSample(0, 3, {"prompt": "p"}, priority=0.0)
+    uids = q.put_blocking([ns] * 3)
+    assert uids == [0, 1, 2] and ns.uid is None
+    q.write(0, {"prompt": "changed"})  # each sample has its own copy of the fields
+    assert [q._samples[u].fields["prompt"] for u in uids] == ["changed", "p", "p"]
+    for u in uids:
+        q.write(u, {"response": u})
+    lease = q.take_nowait("reward", 3)
+    assert lease is not None and sorted(s.uid for s in lease.samples) == uids  # one complete group of 3
+
+
 def test_group_members_put_separately_complete_the_group() -> None:
     q = TransferQueue()
     q.register_stage("s", ["prompt"], groups=True)

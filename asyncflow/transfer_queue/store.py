@@ -49,7 +49,9 @@ class QueueClosed(Exception):
 
 @dataclass
 class NewSample:
-    """A sample to admit with `put`."""
+    """A sample to admit with `put`. One object may be listed several times in a put (a group's
+    identical samples): each entry is admitted as its own sample with its own uid and its own copy
+    of `fields`."""
 
     group_id: int
     """The prompt this sample answers."""

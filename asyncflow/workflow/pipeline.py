@@ -251,8 +251,9 @@ class Pipeline:
             if self.cfg.rollout.affinity:
                 fields[f"to/{self._least_loaded_worker()}"] = True
             group_id = self.next_group
-            # one dict for the group's n samples: the store copies each sample's fields on put
-            samples = [NewSample(group_id, self.n, fields, priority=float(group_id)) for _ in range(self.n)]
+            # one NewSample (and one fields dict) for the group's n samples: the store reads it and
+            # copies the fields for each sample it admits, and assigns each its own uid
+            samples = [NewSample(group_id, self.n, fields, priority=float(group_id))] * self.n
             self.gate.admit()
             try:
                 await self.store.put(samples, timeout=self.cfg.workflow.step_timeout_s)
@@ -297,13 +298,15 @@ class Pipeline:
 
         fail = episodes.fail  # a request failed or timed out: stop this worker with its error
 
+        sampling = (ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k)
+        now, timeout_s, partial = self.clock.now, ro.request_timeout_s, functools.partial
+
         def start(lease: Lease) -> None:
             sample = lease.samples[0]
-            fut = engine.start_generate(GenRequest(sample.uid, sample.fields["prompt_ids"], ro.max_new_tokens,
-                                                   ro.temperature, ro.top_p, ro.top_k))
+            fut = engine.start_generate(GenRequest(sample.uid, sample.fields["prompt_ids"], *sampling))
             flight.acquire()
-            deadlines[fut] = (self.clock.now() + ro.request_timeout_s, sample.uid)
-            fut.add_done_callback(functools.partial(request_done, lease))
+            deadlines[fut] = (now() + timeout_s, sample.uid)
+            fut.add_done_callback(partial(request_done, lease))
 
         def request_done(lease: Lease, fut: asyncio.Future[GenResult]) -> None:
             deadlines.pop(fut, None)
