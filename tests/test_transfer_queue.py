@@ -757,7 +757,7 @@ def _recount(q: TransferQueue) -> tuple[dict[str, int], dict[str, int]]:
 
 def test_counts_stay_exact_under_random_takes_writes_releases_and_removals() -> None:
     """Model check of the readiness index: after every random operation (sample and group takes,
-    completes, releases, plain and removing acks, single removals, whole-group removals) each
+    completes, write-and-refills, releases, plain and removing acks, single removals, whole-group removals) each
     stage's depth and leased count equal a recount from scratch, and sample takes come in
     (priority, uid) order."""
     rng = random.Random(7)
@@ -790,6 +790,13 @@ def test_counts_stay_exact_under_random_takes_writes_releases_and_removals() -> 
             choice = rng.random()
             if choice < 0.2:
                 q.release(lease)
+            elif lease.stage == "gen" and choice < 0.6:  # the rollout hot path: write and refill
+                want = min(((s.priority, s.uid) for s in q._samples.values() if "prompt" in s.fields
+                            and "gen" not in s.taken and "gen" not in s.consumed), default=None)
+                _, nxt = q.complete_and_take(lease, {"resp": 1}, version=None, stage="gen")
+                assert (nxt and nxt.samples[0].uid) == (want and want[1])
+                if nxt is not None:
+                    leases.append(nxt)
             elif lease.stage == "gen":
                 q.complete(lease, {s.uid: {"resp": 1} for s in lease.samples})
             elif lease.stage == "score":

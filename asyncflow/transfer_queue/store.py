@@ -921,9 +921,13 @@ class TransferQueue:
                     raise ValueError(f"complete_and_take: lease {lease.id} holds {len(rec.uids)} samples, not 1")
                 del self._leases[lease.id]
                 s = self._samples.get(rec.uids[0])
-                if s is not None:
+                if s is not None:  # (deleted meanwhile: skipped)
                     self._write_locked(s, fields, version)
-                self._consume(rec, False)
+                    name = rec.stage  # `_consume(rec, False)` for its one sample, inlined
+                    if s.taken.get(name) == rec.id:
+                        del s.taken[name]
+                        self._stages[name].leased -= 1
+                        s.consumed.add(name)
             if self._closed:
                 return rec is not None, None
             nxt = None
