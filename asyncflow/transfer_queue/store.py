@@ -845,8 +845,8 @@ class TransferQueue:
 
     def _claim_samples(self, st: _Stage, rec: _LeaseRec, uids: list[int], names: tuple[str, ...],
                        min_version: int | None, lease: Lease) -> None:
-        """Each uid of a sample (non-group) stage's lease marked taken, inlined: each was available (its heap
-        entry offered it), so it simply stops being."""
+        """Mark each uid of a sample (non-group) stage's lease taken and add its view to `lease`: each
+        was available (its queue entry offered it), so it simply stops being."""
         name, lid, samples = st.name, rec.id, self._samples
         for uid in uids:
             s = samples[uid]
