@@ -7,6 +7,7 @@ import math
 import random
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -142,7 +143,9 @@ def test_affinity_routes_a_prompts_samples_to_one_least_loaded_worker(affinity: 
 
 def test_gc_threshold_holds_for_the_run_and_is_restored(tmp_path) -> None:
     """`workflow.gc_threshold` sets the young-generation threshold while the pipeline runs (seen from
-    inside a train step) and puts the process's own setting back afterwards, also after a failure."""
+    inside a train step) and puts the process's own setting back afterwards, also after a failure. A
+    run that ends well frees its own store's leftovers first (counted in the final accounting); a
+    failed one leaves them in place."""
     import gc
 
     from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
@@ -150,8 +153,10 @@ def test_gc_threshold_holds_for_the_run_and_is_restored(tmp_path) -> None:
     from asyncflow.engines.sim import SimEngine, SimTrainer
     from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
     from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.workflow.gate import StalenessGate
 
     seen: list[int] = []
+    pipelines: list[Any] = []
 
     async def main(clock: VirtualClock, fail: bool) -> None:
         cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=16", "train.max_steps=2", "rollout.max_batch=4",
@@ -169,8 +174,10 @@ def test_gc_threshold_holds_for_the_run_and_is_restored(tmp_path) -> None:
         pipeline = Watching(
             cfg, rows=[{"prompt": i} for i in range(16)], tokenizer=_SimTokenizer(), reward_fn=_reward,
             engines=[SimEngine(clock, lengths=lambda rng: rng.randint(1, 20), capacity=4)], trainer=trainer,
-            loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0))
+            loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0),
+            gate=StalenessGate(4, cfg.staleness, 5, clock))  # admits past the last step: leftovers
         pipeline.sim_trainer = trainer
+        pipelines.append(pipeline)
         try:
             await pipeline.run()
         finally:
@@ -180,9 +187,13 @@ def test_gc_threshold_holds_for_the_run_and_is_restored(tmp_path) -> None:
     assert before[0] != 123457
     run_virtual(lambda clock: main(clock, fail=False))
     assert seen == [123457, 123457] and gc.get_threshold() == before
+    accounting = pipelines[-1].final_accounting
+    assert accounting["in_store_at_end"] > 0 and accounting["lost"] == 0
+    assert pipelines[-1].store.size() == 0
     with pytest.raises(RuntimeError, match="train step failed"):
         run_virtual(lambda clock: main(clock, fail=True))
     assert seen[-1] == 123457 and gc.get_threshold() == before
+    assert pipelines[-1].store.size() > 0
 
 
 def test_child_tasks_first_error_stops_their_stage_loop() -> None:

@@ -770,7 +770,13 @@ def test_counts_stay_exact_under_random_takes_writes_releases_and_removals() -> 
     for _ in range(3000):
         op = rng.random()
         if op < 0.15:
-            q.put_blocking([NewSample(gid, 4, {"prompt": gid}) for _ in range(4)])
+            kind = rng.random()
+            if kind < 0.4:  # one object listed 4 times (the feeder's form)
+                q.put_blocking([NewSample(gid, 4, {"prompt": gid}, priority=float(rng.randint(0, gid)))] * 4)
+            elif kind < 0.5:  # already answered: ready for the group stage "score" at once (not for "gen")
+                q.put_blocking([NewSample(gid, 4, {"resp": 0}) for _ in range(4)])
+            else:
+                q.put_blocking([NewSample(gid, 4, {"prompt": gid}) for _ in range(4)])
             gid += 1
         elif op < 0.35:
             k = rng.randint(1, 3)
@@ -816,3 +822,39 @@ def test_counts_stay_exact_under_random_takes_writes_releases_and_removals() -> 
             assert m[f"depth/{name}"] == depth[name], (name, m, depth)
             assert m[f"leased/{name}"] == leased[name], (name, m, leased)
     assert gid > 300 and q.metrics()["samples"] > 0
+
+
+def test_a_put_wakes_the_takes_waiting_for_its_stages() -> None:
+    """A put's samples wake takes already waiting for them, one waiter per ready sample stage (a
+    put counts the samples of each stage its fields make ready, then wakes that stage's waiters)."""
+    q = TransferQueue()
+    q.register_stage("gen", ["prompt"])
+    q.register_stage("also", ["prompt"])
+
+    async def run() -> list[list[int]]:
+        waiting = [asyncio.create_task(q.take(stage, 4, min_samples=4, timeout=30)) for stage in ("gen", "also")]
+        await asyncio.sleep(0.01)
+        assert not any(t.done() for t in waiting)
+        await q.put([NewSample(0, 4, {"prompt": "p"})] * 4)
+        leases = await asyncio.wait_for(asyncio.gather(*waiting), 5)
+        return [[s.uid for s in lease.samples] for lease in leases]
+
+    assert asyncio.run(run()) == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_drop_all_empties_a_closed_store_and_reports_each_removal() -> None:
+    removed: list[dict[str, Any]] = []
+    q = TransferQueue(on_remove=removed.append)
+    q.register_stage("gen", ["prompt"])
+    q.put_blocking(prompts(6, group_size=2))
+    lease = q.take_nowait("gen", 2)
+    assert lease is not None
+    with pytest.raises(RuntimeError, match="still open"):
+        q.drop_all()
+    assert q.size() == 6  # refused: nothing dropped
+    q.close()
+    assert q.drop_all() == 6
+    assert len(removed) == 6 and q.size() == 0
+    m = q.metrics()
+    assert m["depth/gen"] == 0 and m["leased/gen"] == 0
+    assert not q.ack(lease)  # its lease ended with the store's contents

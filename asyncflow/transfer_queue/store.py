@@ -394,8 +394,7 @@ class TransferQueue:
             self._reap()
             self._validate_new(samples)
             if len(self._samples) + len(samples) <= self.capacity:
-                memo: dict[int, tuple[tuple[_Stage, ...], int]] = {}
-                return [self._insert(ns, memo) for ns in samples], None, None
+                return self._insert_many(samples), None, None
             assert on is not None
             w = _Waiter(len(samples), self._put_waiters, on)
             self._put_waiters.append(w)
@@ -425,38 +424,63 @@ class TransferQueue:
             self._next_uid += n
             return start
 
-    def _insert(self, ns: NewSample, memo: dict[int, tuple[tuple[_Stage, ...], int]] | None = None) -> int:
-        """`memo`, shared by the samples of one put: per initial-fields dict (by identity; a feeder
-        puts a group's samples with one dict), the stages its fields make ready and its payload bytes."""
-        if ns.uid is None:
-            uid = self._next_uid
-            self._next_uid += 1
-        else:
-            uid = ns.uid
-        priority = float(uid) if ns.priority is None else float(ns.priority)
-        s = _Sample(uid, ns.group_id, priority, dict(ns.fields))
-        g = self._groups.get(ns.group_id)
-        if g is None:  # (not setdefault: that would build a _Group per sample and drop all but one)
-            g = self._groups[ns.group_id] = _Group(ns.group_size)
-        if ns.group_id >= self._next_group:
-            self._next_group = ns.group_id + 1
-        g.put += 1
-        g.uids.append(uid)
-        if ns.group_size > self._max_group_size:
-            self._max_group_size = ns.group_size
-        self._samples[uid] = s
-        known = None if memo is None else memo.get(id(ns.fields))
-        if known is None:
-            fields = s.fields
-            known = (tuple(st for st in self._stages.values() if all(f in fields for f in st.fields)),
-                     _payload_bytes(fields))
-            if memo is not None:
-                memo[id(ns.fields)] = known
-        stages, nbytes = known
-        self._bytes_put += nbytes
-        for st in stages:
-            self._check_ready(st, s)
-        return uid
+    def _insert_many(self, samples: list[NewSample]) -> list[int]:
+        """Admit validated samples; returns their uids. Per initial-fields dict (by identity: a feeder
+        lists one `NewSample` n times), the stages its fields make ready and its payload bytes are
+        worked out once. A new sample is in no lease and consumed by no stage, so a sample stage its
+        fields make ready simply counts it and queues it here, and wakes its waiters once, after the
+        whole put (the feeder's path: ~2 us a sample less than one readiness check each); a group
+        stage goes through `_check_ready` (the sample may complete its group)."""
+        uids: list[int] = []
+        memo: dict[int, tuple[tuple[_Stage, ...], tuple[_Stage, ...], int]] = {}
+        touched: dict[str, _Stage] = {}
+        groups, by_uid = self._groups, self._samples
+        for ns in samples:
+            if ns.uid is None:
+                uid = self._next_uid
+                self._next_uid = uid + 1
+            else:
+                uid = ns.uid
+            priority = float(uid) if ns.priority is None else float(ns.priority)
+            s = _Sample(uid, ns.group_id, priority, dict(ns.fields))
+            g = groups.get(ns.group_id)
+            if g is None:  # (not setdefault: that would build a _Group per sample and drop all but one)
+                g = groups[ns.group_id] = _Group(ns.group_size)
+            if ns.group_id >= self._next_group:
+                self._next_group = ns.group_id + 1
+            g.put += 1
+            g.uids.append(uid)
+            if ns.group_size > self._max_group_size:
+                self._max_group_size = ns.group_size
+            by_uid[uid] = s
+            known = memo.get(id(ns.fields))
+            if known is None:
+                fields = s.fields
+                ready = [st for st in self._stages.values() if all(f in fields for f in st.fields)]
+                known = memo[id(ns.fields)] = (tuple(st for st in ready if not st.groups),
+                                               tuple(st for st in ready if st.groups), _payload_bytes(fields))
+            flat, grouped, nbytes = known
+            self._bytes_put += nbytes
+            for st in flat:  # `_check_ready` + `_sync_sample` + `_push` for a new sample, inlined
+                name = st.name
+                s.ready.add(name)
+                s.avail.add(name)
+                st.depth += 1
+                if uid not in st.queued:
+                    st.queued.add(uid)
+                    entry = (priority, uid)
+                    fifo = st.fifo
+                    if not fifo or entry > fifo[-1]:
+                        fifo.append(entry)
+                    else:
+                        heapq.heappush(st.heap, entry)
+                touched[name] = st
+            for st in grouped:
+                self._check_ready(st, s)
+            uids.append(uid)
+        for st in touched.values():
+            self._notify(st)
+        return uids
 
     def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None:
         """Set fields of a live sample; `version` lowers the sample's version to min(current, version)."""
@@ -1156,6 +1180,30 @@ class TransferQueue:
             for st in self._stages.values():
                 self._wake(st.waiters, 1 << 62)
             self._wake(self._put_waiters, 1 << 62)
+
+    def drop_all(self) -> int:
+        """Delete every sample of a closed store at once (ending its leases) and return how many
+        there were: a finished run's leftovers, admitted and never trained. Freed here, they are
+        gone before the run's owner lowers the GC threshold again; left in place, the first young
+        collection after that scans all of them (~0.2 s for a 49,152-sample store on the 2-core VM)."""
+        with self._lock:
+            if not self._closed:
+                raise RuntimeError("drop_all: the store is still open (close it first)")
+            n = len(self._samples)
+            if self._on_remove is not None:
+                for s in self._samples.values():
+                    self._on_remove(s.fields)
+            self._samples.clear()
+            self._groups.clear()
+            self._leases.clear()
+            self._expiries.clear()
+            self._expiry_fifo.clear()
+            for st in self._stages.values():
+                st.heap.clear()
+                st.fifo.clear()
+                st.queued.clear()
+                st.depth = st.leased = 0
+            return n
 
     def _check_open(self) -> None:
         if self._closed:

@@ -171,9 +171,11 @@ class Pipeline:
         self.gate = gate if gate is not None else StalenessGate(
             self.groups_per_step, self.k, cfg.train.max_steps, clock, extra=extra
         )
-        self.store: StoreClient = store if store is not None else TransferQueue(
+        # a store of its own (none given) ends with the run: see `run`
+        self._own_store = None if store is not None else TransferQueue(
             capacity=store_capacity(cfg), lease_timeout_s=cfg.workflow.lease_timeout_s, clock=clock
         )
+        self.store: StoreClient = store if store is not None else self._own_store  # type: ignore[assignment]
         # queue scheduling: one "rollout" stage every worker pulls from, or with affinity a stage per
         # worker, whose samples carry that worker's routing field (per-field readiness does the routing)
         self.rollout_stages = [f"rollout/{i}" for i in range(cfg.rollout.workers)] if cfg.rollout.affinity else ["rollout"]
@@ -858,6 +860,11 @@ class Pipeline:
             gc.set_threshold(self.cfg.workflow.gc_threshold, *gc_before[1:])
         try:
             await self._run(remote)
+            if self._own_store is not None and self.cfg.workflow.gc_threshold:
+                # the run is over: its leftovers (admitted, never trained; up to a store's worth,
+                # counted in `final_accounting`) are freed now rather than scanned by the young
+                # collection that lowering the threshold again triggers at once
+                self._own_store.drop_all()
         finally:
             gc.set_threshold(*gc_before)
 
