@@ -162,3 +162,26 @@ def test_swept_clock_bounds_many_waits_with_one_timer() -> None:
     assert long[0].startswith("timed out after 800.0 virtual s") and 800.0 <= long[1] <= 900.0
     assert short[2] == medium[2] == long[2] == 0  # the timeout's cancel was taken back (uncancel)
     assert waits == {} and sweeper.done()  # nothing left waiting: the sweeper ended by itself
+
+
+def test_swept_clock_keeps_one_sweeper_across_waits_that_end_at_once() -> None:
+    """Waits that end before the sweeper first runs (an `async def` reward function that returns at
+    once) share one sweeper, which lives a tick past the last wait and then ends by itself."""
+    from asyncflow.runtime.clock import SweptClock
+
+    async def instant() -> int:
+        return 1
+
+    async def main(clock: VirtualClock):
+        swept = SweptClock(clock)
+        sweepers = []
+        for _ in range(20):
+            assert await swept.wait_for(instant(), 80.0, "instant") == 1
+            sweepers.append(swept._sweeper)
+            await asyncio.sleep(0)  # the sweeper's first step runs
+        still = not sweepers[-1].done()
+        await clock.sleep(11.0)  # past one tick (80 / 8 s)
+        return sweepers, still, swept._sweeper.done()
+
+    sweepers, still, done = run_virtual(main)
+    assert len({id(s) for s in sweepers}) == 1 and still and done

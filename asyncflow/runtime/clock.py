@@ -134,9 +134,13 @@ class SweptClock:
             self._sweeper = None
 
     async def _sweep(self) -> None:
-        """Cancel the tasks of overdue waits; ends when no wait is left (the next wait restarts it)."""
-        while self._waits:
+        """Cancel the tasks of overdue waits; ends at a tick that finds no wait left (the next wait
+        restarts it). It sleeps first: waits that end before it first runs (an `async def` reward
+        function that returns at once) would otherwise start and end a sweeper task each."""
+        while True:
             await self.clock.sleep(self._tick)
+            if not self._waits:
+                break
             now = self.clock.now()
             for w in list(self._waits.values()):
                 if not w.fired and now >= w.deadline:

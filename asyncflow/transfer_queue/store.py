@@ -65,7 +65,7 @@ class NewSample:
     """Normally assigned by the store; a client may pass one it got from `reserve_uids`."""
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleView:
     """What a consumer gets: one sample with the fields its stage asked for."""
 
@@ -77,7 +77,7 @@ class SampleView:
     """The stage's registered fields plus any written `fields_extra` (a shallow copy)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Lease:
     """Samples taken by one stage until `ack`, `release` or `deadline`."""
 
