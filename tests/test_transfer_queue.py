@@ -858,3 +858,22 @@ def test_drop_all_empties_a_closed_store_and_reports_each_removal() -> None:
     m = q.metrics()
     assert m["depth/gen"] == 0 and m["leased/gen"] == 0
     assert not q.ack(lease)  # its lease ended with the store's contents
+
+
+def test_a_group_take_views_only_the_stage_fields_and_the_extras_asked_for() -> None:
+    q = TransferQueue()
+    q.register_stage("score", ["resp"], groups=True)
+    uids = q.put_blocking([NewSample(0, 2, {"prompt": "p", "resp": 1, "big": [0] * 100}) for _ in range(2)])
+    q.write(uids[1], {"note": "n"})
+    lease = q.take_nowait("score", 2, fields_extra=["prompt", "missing"])
+    assert lease is not None
+    assert [s.fields for s in lease.samples] == [{"resp": 1, "prompt": "p"}, {"resp": 1, "prompt": "p"}]
+    q.release(lease)
+    # a stage whose names cover every field a sample has gets all of them (a copy)
+    full = q.take_nowait("score", 2, fields_extra=["prompt", "big", "note"])
+    assert full is not None and full.samples[1].fields == {"prompt": "p", "resp": 1, "big": [0] * 100, "note": "n"}
+    assert full.samples[0].fields == {"prompt": "p", "resp": 1, "big": [0] * 100}
+    full.samples[0].fields["resp"] = 99  # a view is a copy: the store keeps its own
+    q.release(full)
+    again = q.take_nowait("score", 2)
+    assert again is not None and [s.fields for s in again.samples] == [{"resp": 1}, {"resp": 1}]

@@ -806,6 +806,7 @@ class TransferQueue:
         # whole groups: each member is marked taken (inlined: the per-sample part of the reward and
         # train stages' takes); the group's offer ends in `_sync_group`
         name, lid, samples, groups = st.name, rec.id, self._samples, self._groups
+        cover = frozenset(names)  # a sample with no other field is viewed by a plain copy (C speed)
         for key in keys:
             g = groups[key]
             views = []
@@ -817,7 +818,8 @@ class TransferQueue:
                 v = s.version
                 if v is not None and (oldest_version is None or v < oldest_version):
                     oldest_version = v
-                views.append(SampleView(uid, s.group_id, v, {k: f[k] for k in names if k in f}))
+                views.append(SampleView(uid, s.group_id, v,
+                                        dict(f) if cover.issuperset(f) else {k: f[k] for k in names if k in f}))
             rec.uids.extend(g.uids)
             st.leased += len(views)
             rec.groups.append(key)

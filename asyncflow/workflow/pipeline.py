@@ -499,7 +499,7 @@ class Pipeline:
 
     async def _take_reward(self, max_samples: int) -> Lease:
         return await self.store.take("reward", max_samples, timeout=self.cfg.workflow.step_timeout_s,
-                                     fields_extra=["row", "prompt_ids", "finish_reason"])
+                                     fields_extra=["row", "finish_reason"])
 
     async def _reward_take(self, lease: Lease) -> None:
         """Score the groups of one reward lease and write their rewards (or errors)."""
