@@ -23,7 +23,9 @@ T = TypeVar("T")
 
 
 class Clock(Protocol):
-    """Time source and waiting primitives used by the workflow and the store."""
+    """Time source and waiting primitives used by the workflow and the store. A clock whose `now` is
+    the running event loop's `time()` may say so with a class attribute `loop_time = True`: the store
+    then bounds its waits with plain loop timers."""
 
     def now(self) -> float:
         """Seconds on a monotonic time line (only differences are meaningful)."""
@@ -58,6 +60,9 @@ class RealClock:
     """Wall-clock time, asyncio waits."""
 
     unit = "s"  # how timeouts are worded in messages
+    # its seconds are the running event loop's (`loop.time()` is `time.monotonic()`), so a wait may be
+    # bounded by a plain `loop.call_later` (the store's waits are)
+    loop_time = True
 
     def now(self) -> float:
         return time.monotonic()

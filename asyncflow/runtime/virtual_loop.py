@@ -158,6 +158,7 @@ class VirtualClock:
     """The `Clock` of a `VirtualTimeLoop` (see `asyncflow.runtime.clock`)."""
 
     unit = "virtual s"  # how timeouts are worded in messages
+    loop_time = True  # `now` is the loop's `time()` (see `RealClock.loop_time`)
 
     def __init__(self, loop: VirtualTimeLoop) -> None:
         self.loop = loop
