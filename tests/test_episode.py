@@ -22,6 +22,7 @@ def test_runs_behave_like_the_list_they_encode() -> None:
     with pytest.raises(IndexError):
         r[6]
     assert oldest(Runs([(3, 5), (1, 2)])) == 1 and oldest([]) == -1 and oldest([4, 2]) == 2
+    assert oldest(Runs([])) == -1 and oldest(()) == -1
     assert concat([Runs([(1, 2)]), Runs([(1, 1), (0, 1)])]) == Runs([(1, 3), (0, 1)])
     assert concat([[5, 6], Runs([(1, 2)])]) == [5, 6, 1, 1]  # mixed: a plain list
     assert total(Runs([(1, 3), (0, 5)])) == 3 and total([1, 0, 1]) == 2

@@ -105,10 +105,10 @@ class Runs(Sequence[Any]):
 
 
 def oldest(versions: Sequence[int]) -> int:
-    """The smallest version in a per-token version column (-1 when it is empty)."""
-    if isinstance(versions, Runs):
-        return min(versions.values, default=-1)
-    return min(versions, default=-1)
+    """The smallest version in a per-token version column (-1 when it is empty). (Not `min(...,
+    default=-1)`: its keyword costs 0.6 us a call on the 2-core VM, and this runs once per response.)"""
+    values = versions.values if isinstance(versions, Runs) else versions
+    return min(values) if len(values) else -1
 
 
 def concat(parts: Sequence[Sequence[Any]]) -> Sequence[Any]:
