@@ -461,19 +461,12 @@ class TransferQueue:
                                                tuple(st for st in ready if st.groups), _payload_bytes(fields))
             flat, grouped, nbytes = known
             self._bytes_put += nbytes
-            for st in flat:  # `_check_ready` + `_sync_sample` + `_push` for a new sample, inlined
+            for st in flat:  # `_check_ready` + `_sync_sample` for a new sample, inlined
                 name = st.name
                 s.ready.add(name)
                 s.avail.add(name)
                 st.depth += 1
-                if uid not in st.queued:
-                    st.queued.add(uid)
-                    entry = (priority, uid)
-                    fifo = st.fifo
-                    if not fifo or entry > fifo[-1]:
-                        fifo.append(entry)
-                    else:
-                        heapq.heappush(st.heap, entry)
+                self._push(st, priority, uid)
                 touched[name] = st
             for st in grouped:
                 self._check_ready(st, s)
