@@ -429,8 +429,8 @@ class TransferQueue:
         lists one `NewSample` n times), the stages its fields make ready and its payload bytes are
         worked out once. A new sample is in no lease and consumed by no stage, so a sample stage its
         fields make ready simply counts it and queues it here, and wakes its waiters once, after the
-        whole put (the feeder's path: ~2 us a sample less than one readiness check each); a group
-        stage goes through `_check_ready` (the sample may complete its group)."""
+        whole put (the feeder's path); a group stage goes through `_check_ready` (the sample may
+        complete its group)."""
         uids: list[int] = []
         memo: dict[int, tuple[tuple[_Stage, ...], tuple[_Stage, ...], int]] = {}
         touched: dict[str, _Stage] = {}
@@ -1136,8 +1136,8 @@ class TransferQueue:
         """Retry `attempt` until it returns a result, sleeping on its waiter's future between tries."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else self._clock.now() + timeout
-        # A clock on the loop's own time line: a plain loop timer ends the sleep (~4 us a wait on the
-        # 2-core VM, against ~12 for the clock's `wait_for`, an `asyncio.timeout`); the loop below
+        # A clock on the loop's own time line: a plain loop timer ends the sleep (`call_later` and
+        # `cancel`: 5.2 us on the 2-core VM, against 11.5 for an `asyncio.timeout`); the loop below
         # then retries, and raises once the deadline has passed.
         loop_timer = getattr(self._clock, "loop_time", False)
         while True:
