@@ -42,11 +42,22 @@ def test_columns_the_function_does_not_take_are_not_passed() -> None:
         (None, "returned NoneType, expected a list of 2 numbers"),
         ([True, 1.0], "returned bool True for completion 0"),
         (0.5, "returned float, expected a list of 2 numbers"),
+        ([1.0, 10**400], "returned an int too large for a float for completion 1"),
     ],
 )
 def test_bad_return_values_become_an_error_for_the_group(value: object, message: str) -> None:
     out = validate_rewards(value, 2)
     assert out.rewards is None and message in str(out.error)
+
+
+def test_good_return_values_become_floats_whatever_their_number_type() -> None:
+    import numpy as np
+
+    for value in ([1, 0.5], (1, 0.5), np.array([1.0, 0.5]), [np.float64(1.0), np.int64(0)], [np.float32(0.5), 2]):
+        out = validate_rewards(value, 2)
+        assert out.error is None and out.rewards is not None
+        assert all(type(r) is float for r in out.rewards) and out.rewards[1] in (0.5, 0.0, 2.0)
+    assert validate_rewards([3, -2.5], 2).rewards == [3.0, -2.5]
 
 
 def test_a_raising_function_marks_its_samples_instead_of_crashing() -> None:
