@@ -172,10 +172,12 @@ class Pipeline:
             self.groups_per_step, self.k, cfg.train.max_steps, clock, extra=extra
         )
         # a store of its own (none given) ends with the run: see `run`
-        self._own_store = None if store is not None else TransferQueue(
-            capacity=store_capacity(cfg), lease_timeout_s=cfg.workflow.lease_timeout_s, clock=clock
-        )
-        self.store: StoreClient = store if store is not None else self._own_store  # type: ignore[assignment]
+        self._own_store: TransferQueue | None = None
+        if store is None:
+            store = self._own_store = TransferQueue(
+                capacity=store_capacity(cfg), lease_timeout_s=cfg.workflow.lease_timeout_s, clock=clock
+            )
+        self.store: StoreClient = store
         # queue scheduling: one "rollout" stage every worker pulls from, or with affinity a stage per
         # worker, whose samples carry that worker's routing field (per-field readiness does the routing)
         self.rollout_stages = [f"rollout/{i}" for i in range(cfg.rollout.workers)] if cfg.rollout.affinity else ["rollout"]
