@@ -282,9 +282,13 @@ def _payload_bytes(fields: dict[str, Any]) -> int:
     an element, as they would be as int64/float64 tensors; other Python values count 0."""
     total = 0
     for v in fields.values():
-        k = _KINDS.get(type(v))
+        t = type(v)
+        if t is list:  # (token ids, log-probs: the common case, without the table lookup)
+            total += 8 * len(v)
+            continue
+        k = _KINDS.get(t)
         if k is None:
-            k = _kind(type(v))
+            k = _kind(t)
         if k == 0:
             continue
         if k == 2:
@@ -321,6 +325,8 @@ class TransferQueue:
         self._stages: dict[str, _Stage] = {}
         self._by_field: dict[str, list[_Stage]] = {}  # field -> stages that read it (readiness index)
         self._write_stages: dict[tuple[str, ...], tuple[_Stage, ...]] = {}  # written names -> stages reading any
+        # a new sample's field names -> (sample stages, group stages) its fields make ready
+        self._put_stages: dict[tuple[str, ...], tuple[tuple[_Stage, ...], tuple[_Stage, ...]]] = {}
         self._leases: dict[int, _LeaseRec] = {}
         # (deadline, lease id) of every lease, stale entries (leases ended early) skipped: deadlines
         # that only grow (the default lease time on a monotonic clock: nearly all) queue in order in
@@ -354,6 +360,7 @@ class TransferQueue:
             for f in st.fields:
                 self._by_field.setdefault(f, []).append(st)
             self._write_stages.clear()
+            self._put_stages.clear()
             for s in self._samples.values():
                 self._check_ready(st, s)
 
@@ -426,8 +433,8 @@ class TransferQueue:
 
     def _insert_many(self, samples: list[NewSample]) -> list[int]:
         """Admit validated samples; returns their uids. Per initial-fields dict (by identity: a feeder
-        lists one `NewSample` n times), the stages its fields make ready and its payload bytes are
-        worked out once. A new sample is in no lease and consumed by no stage, so a sample stage its
+        lists one `NewSample` n times) its payload bytes are worked out once, and per set of field
+        names (kept across puts until a stage is registered) the stages they make ready. A new sample is in no lease and consumed by no stage, so a sample stage its
         fields make ready simply counts it and queues it here, and wakes its waiters once, after the
         whole put (the feeder's path); a group stage goes through `_check_ready` (the sample may
         complete its group)."""
@@ -456,9 +463,13 @@ class TransferQueue:
             known = memo.get(id(ns.fields))
             if known is None:
                 fields = s.fields
-                ready = [st for st in self._stages.values() if all(f in fields for f in st.fields)]
-                known = memo[id(ns.fields)] = (tuple(st for st in ready if not st.groups),
-                                               tuple(st for st in ready if st.groups), _payload_bytes(fields))
+                names = tuple(fields)
+                split = self._put_stages.get(names)
+                if split is None:
+                    ready = [st for st in self._stages.values() if all(f in fields for f in st.fields)]
+                    split = self._put_stages[names] = (tuple(st for st in ready if not st.groups),
+                                                       tuple(st for st in ready if st.groups))
+                known = memo[id(ns.fields)] = (*split, _payload_bytes(fields))
             flat, grouped, nbytes = known
             self._bytes_put += nbytes
             for st in flat:  # `_check_ready` + `_sync_sample` for a new sample, inlined
@@ -811,8 +822,14 @@ class TransferQueue:
                 v = s.version
                 if v is not None and (oldest_version is None or v < oldest_version):
                     oldest_version = v
-                views.append(SampleView(uid, s.group_id, v,
-                                        dict(f) if cover.issuperset(f) else {k: f[k] for k in names if k in f}))
+                if cover.issuperset(f):
+                    fields = dict(f)
+                else:
+                    fields = {}
+                    for k in names:
+                        if k in f:
+                            fields[k] = f[k]
+                views.append(SampleView(uid, s.group_id, v, fields))
             rec.uids.extend(g.uids)
             st.leased += len(views)
             rec.groups.append(key)
@@ -848,7 +865,11 @@ class TransferQueue:
         self._leases[lid] = _LeaseRec(lid, name, [uid], [], deadline)
         self._push_expiry(deadline, lid)
         f = s.fields
-        return Lease(lid, name, [SampleView(uid, s.group_id, s.version, {k: f[k] for k in names if k in f})], [], deadline)
+        view = {}  # (a loop, not a comprehension: no function call for the usual one to three names)
+        for k in names:
+            if k in f:
+                view[k] = f[k]
+        return Lease(lid, name, [SampleView(uid, s.group_id, s.version, view)], [], deadline)
 
     def _push_expiry(self, deadline: float, lid: int) -> None:
         fifo = self._expiry_fifo
@@ -872,7 +893,11 @@ class TransferQueue:
             s.taken[name] = lid
             s.avail.discard(name)
             f = s.fields
-            view = SampleView(uid, s.group_id, s.version, {k: f[k] for k in names if k in f})
+            fields = {}
+            for k in names:
+                if k in f:
+                    fields[k] = f[k]
+            view = SampleView(uid, s.group_id, s.version, fields)
             old = min_version is not None and s.version is not None and s.version < min_version
             (lease.expired if old else lease.samples).append(view)
         rec.uids.extend(uids)
