@@ -238,6 +238,38 @@ def test_child_tasks_first_error_stops_their_stage_loop() -> None:
     assert "slow cancelled" in ended and "second cancelled" in ended
 
 
+def test_a_failing_on_done_does_not_hide_the_childs_error() -> None:
+    """`on_done` and the error check share one done callback: when `on_done` raises, the child's own
+    error still stops the loop, and the child leaves the set."""
+    import asyncio
+
+    from asyncflow.workflow.pipeline import _Children
+
+    def broken(task: asyncio.Task[None]) -> None:
+        raise RuntimeError("on_done failed")
+
+    async def failing() -> None:
+        raise ValueError("the child's error")
+
+    async def loop() -> _Children:
+        kids = _Children()
+        kids.spawn(failing(), broken)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            assert not kids.tasks
+            kids.reraise()
+            raise
+        return kids
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: None)  # (the on_done error is logged)
+        with pytest.raises(ValueError, match="the child's error"):
+            await asyncio.wait_for(loop(), 5)
+
+    asyncio.run(main())
+
+
 def test_an_episode_whose_generation_fails_ends_the_run_with_that_error(tmp_path) -> None:
     """A multi-turn episode is its own task; an engine error (not an environment's, which only ends
     its episode) stops the rollout worker and the run with the engine's message."""
@@ -277,3 +309,58 @@ def test_an_episode_whose_generation_fails_ends_the_run_with_that_error(tmp_path
 
     with pytest.raises(RuntimeError, match="engine lost its device"):
         run_virtual(main)
+
+
+@pytest.mark.parametrize("affinity", [False, True])
+def test_the_feeder_admits_what_the_credit_allows_in_one_put(affinity: bool, tmp_path) -> None:
+    """A publication frees a step's credit at once: the feeder puts those prompts together (at most
+    FEED_BURST per put, never past the credit), in draw order; with affinity routing one prompt a
+    put, so each is routed after the previous one was counted. Every group is admitted once."""
+    from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
+    from asyncflow.config import load_config
+    from asyncflow.engines.sim import SimEngine, SimTrainer
+    from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.transfer_queue import TransferQueue
+    from asyncflow.workflow.pipeline import FEED_BURST
+
+    puts: list[list[int]] = []  # the group ids of each put, in order
+    over_credit: list[int] = []
+
+    class Recording(TransferQueue):
+        gate: Any = None
+
+        async def put(self, samples, timeout=None):  # type: ignore[no-untyped-def]
+            groups = list(dict.fromkeys(s.group_id for s in samples))
+            assert all(len([s for s in samples if s.group_id == g]) == 8 for g in groups)
+            if self.gate.credit() < 0:  # (admitted before the put: never more than the credit)
+                over_credit.append(self.gate.credit())
+            puts.append(groups)
+            return await super().put(samples, timeout)
+
+    async def main(clock: VirtualClock) -> None:
+        cfg, _ = load_config(None, ["rollout.n=8", "train.batch_size=400", "train.max_steps=3", "rollout.workers=2",
+                                    "rollout.max_batch=16", "rollout.max_new_tokens=50", f"rollout.affinity={affinity}",
+                                    "workflow.max_staleness=1"])
+        engines = [SimEngine(clock, lengths=lambda rng: rng.randint(1, 40), capacity=16, seed=i) for i in range(2)]
+        store = Recording(capacity=4096, lease_timeout_s=1e5, clock=clock)
+        log = RunLog(tmp_path, metrics=False)
+        trainer = SimTrainer(clock, token_s=1e-3, devices=1)
+        pipeline = _make_sim_pipeline_class()(
+            cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=_reward, engines=engines,
+            trainer=trainer, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0), store=store)
+        store.gate = pipeline.gate
+        pipeline.sim_trainer = trainer
+        await pipeline.run()
+        log.close()
+
+    run_virtual(main)
+    flat = [g for p in puts for g in p]
+    assert flat == list(range(len(flat))) and len(flat) >= 3 * 50  # each group once, in draw order
+    assert not over_credit
+    sizes = [len(p) for p in puts]
+    if affinity:
+        assert max(sizes) == 1
+    else:
+        assert FEED_BURST > 1 and max(sizes) == FEED_BURST  # the first credit (100 groups) comes in bursts of 32, 32, 32, 4
+        assert len(puts) < len(flat) / 4

@@ -37,8 +37,8 @@ class StalenessGate:
         steps = min(self.version + self.max_staleness + 1, self.max_steps)
         return steps * self.groups_per_step + self.extra - self.admitted
 
-    def admit(self) -> None:
-        self.admitted += 1
+    def admit(self, groups: int = 1) -> None:
+        self.admitted += groups
 
     def drop(self, groups: int = 1) -> None:
         """`groups` admitted groups will never be trained: their slots are free again."""

@@ -61,6 +61,7 @@ from asyncflow.workflow.episode import EpisodeSettings, TurnBarrier, generated_t
 from asyncflow.workflow.gate import StalenessGate
 
 CANCELLED = "cancelled: could no longer meet max_staleness"
+FEED_BURST = 32  # most prompts the feeder admits in one store put
 TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "behavior_version", "reward_error",
                 "row", "finish_reason", "reward", "loss_mask", "turns", "ref_logprobs", "agent_calls", "agent_calls_dropped")
 
@@ -244,26 +245,31 @@ class Pipeline:
             epoch += 1
 
     async def feeder(self) -> None:
-        """Admit prompts as `n` single-sample requests each, while the staleness gate allows."""
+        """Admit prompts as `n` single-sample requests each, while the staleness gate allows: every
+        prompt the credit allows at that moment (up to `FEED_BURST`) in one store put. A publication
+        frees a whole step's credit at once; one put per prompt cost a gate check, a put call and its
+        wake-ups per prompt. With affinity routing, one prompt per put: each goes to the worker that
+        is least loaded once the previous one has been counted."""
+        key, n, affinity = self.cfg.dataset.prompt_key, self.n, self.cfg.rollout.affinity
         while not self.gate.closed:
             if not await self.gate.wait_for_credit(self.cfg.workflow.step_timeout_s):
                 continue  # the trainer is slow; credit comes with the next publication
-            row_index = next(self._order)
-            prompt = self.rows[row_index][self.cfg.dataset.prompt_key]
-            ids = self.tok.prompt_ids(prompt)
-            fields = {"prompt_ids": ids, "row": row_index}
-            if self.cfg.rollout.affinity:
-                fields[f"to/{self._least_loaded_worker()}"] = True
-            group_id = self.next_group
-            # one NewSample (and one fields dict) for the group's n samples: the store reads it and
-            # copies the fields for each sample it admits, and assigns each its own uid
-            samples = [NewSample(group_id, self.n, fields, priority=float(group_id))] * self.n
-            self.gate.admit()
+            burst = 1 if affinity else max(1, min(self.gate.credit(), FEED_BURST))
+            samples: list[NewSample] = []
+            for group_id in range(self.next_group, self.next_group + burst):
+                row_index = next(self._order)
+                fields = {"prompt_ids": self.tok.prompt_ids(self.rows[row_index][key]), "row": row_index}
+                if affinity:
+                    fields[f"to/{self._least_loaded_worker()}"] = True
+                # one NewSample (and one fields dict) for the group's n samples: the store reads it and
+                # copies the fields for each sample it admits, and assigns each its own uid
+                samples += [NewSample(group_id, n, fields, priority=float(group_id))] * n
+            self.gate.admit(burst)
             try:
                 await self.store.put(samples, timeout=self.cfg.workflow.step_timeout_s)
             except QueueClosed:
                 return
-            self.next_group = group_id + 1
+            self.next_group += burst
 
     def _least_loaded_worker(self) -> int:
         """The rollout worker with the fewest samples queued for it or in flight (affinity routing)."""
@@ -927,12 +933,17 @@ class _Children:
                 self._parent.cancel()
 
     def spawn(self, coro: Coroutine[Any, Any, Any], on_done: Callable[[asyncio.Task[Any]], None] | None = None) -> None:
-        """Run `coro` as a child; `on_done(task)` runs when it ends, before its error is looked at."""
+        """Run `coro` as a child; `on_done(task)` runs when it ends, before its error is looked at
+        (in the same done callback: one event-loop callback per child, not two)."""
         task = asyncio.create_task(coro)
         self.tasks.add(task)
-        if on_done is not None:
-            task.add_done_callback(on_done)
-        task.add_done_callback(self._done)
+        task.add_done_callback(self._done if on_done is None else functools.partial(self._done_after, on_done))
+
+    def _done_after(self, on_done: Callable[[asyncio.Task[Any]], None], task: asyncio.Task[Any]) -> None:
+        try:
+            on_done(task)
+        finally:
+            self._done(task)
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self.tasks.discard(task)
