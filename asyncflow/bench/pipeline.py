@@ -20,12 +20,14 @@ The ideal is every device busy all the time: devices / (generation + training de
 sample), from the profile's expected tokens per sample; efficiency = measured / ideal. Measured =
 trained samples per virtual second over steps `warmup_steps+1 .. steps` (start-up excluded).
 `scheduler_us_per_sample`: process CPU time of the run minus the CPU time inside simulation code
-(engines, trainer, environments), per sample whose rollout finished (`produced`, trained or not) —
-what the real store, scheduler, gate and their event loop cost on this machine.
+(engines, trainer, environments, the `async` verifier stand-in), per sample whose rollout finished
+(`produced`, trained or not) — what the real store, scheduler, gate and their event loop cost on
+this machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -189,11 +191,12 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
     k = cfg.staleness
     gate = StalenessGate(gps, k, spec.steps + k + 2, clock)
     pipeline = _make_sim_pipeline_class()(
-        cfg, rows=rows, tokenizer=_SimTokenizer(), reward_fn=_reward_async if spec.reward == "async" else _reward, engines=engines, trainer=trainer,  # type: ignore[arg-type]
+        cfg, rows=rows, tokenizer=_SimTokenizer(), reward_fn=_reward_async(meter) if spec.reward == "async" else _reward, engines=engines, trainer=trainer,  # type: ignore[arg-type]
         loss_fn=None, clock=clock, log=log, tracer=tracer, on_step=on_step, env_factory=env_factory,  # type: ignore[arg-type]
         gate=gate,
     )
     pipeline.sim_trainer = trainer
+    pipeline.meter = meter
     try:
         await pipeline.run()
     finally:
@@ -222,10 +225,17 @@ def _reward(prompts: list[Any], completions: list[Any], **columns: Any) -> list[
     return [float((hash(str(p)) + i) % 2) for i, p in enumerate(prompts)]
 
 
-async def _reward_async(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+def _reward_async(meter: Any) -> Callable[..., Any]:
     """The same verifier as an `async def` (the default, `--set reward=async`): awaited on the event
-    loop, as a remote verifier service or a judge would be, so no thread hop per batch of groups."""
-    return _reward(prompts, completions)
+    loop, as a remote verifier service or a judge would be, so no thread hop per batch of groups.
+    Its work is the verifier's, not the scheduler's: metered as simulation. (The thread variant is
+    not: the meter is read on the loop's thread only.)"""
+
+    async def reward(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+        with meter:
+            return _reward(prompts, completions)
+
+    return reward
 
 
 class _SimTokenizer:
@@ -292,15 +302,17 @@ def _make_sim_pipeline_class() -> type:
         """The real pipeline; only the optimizer step is the simulated trainer's time."""
 
         sim_trainer: Any = None
+        meter: Any = contextlib.nullcontext()  # `_simulate` sets the run's CpuMeter
         staleness_max = 0
 
         async def _optimize(self, samples: list[Any], valid: list[bool], rewards: list[float]) -> tuple[dict[str, Any], int]:
-            tokens = sum(
-                generated_tokens(s.fields["loss_mask"]) if "loss_mask" in s.fields else len(s.fields["response_ids"])
-                for s, ok in zip(samples, valid, strict=True) if ok
-            )
-            stale = max((self.version - s.fields["behavior_version"] for s in samples), default=0)
-            self.staleness_max = max(self.staleness_max, stale)
+            with self.meter:  # the stand-in for the real step's batch building: simulation, not scheduling
+                tokens = sum(
+                    generated_tokens(s.fields["loss_mask"]) if "loss_mask" in s.fields else len(s.fields["response_ids"])
+                    for s, ok in zip(samples, valid, strict=True) if ok
+                )
+                stale = max((self.version - s.fields["behavior_version"] for s in samples), default=0)
+                self.staleness_max = max(self.staleness_max, stale)
             await self.sim_trainer.train(tokens)
             return {"loss": 0.0, "entropy": 0.0, "grad_norm": 0.0}, tokens
 
