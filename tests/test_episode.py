@@ -24,6 +24,7 @@ def test_runs_behave_like_the_list_they_encode() -> None:
     assert oldest(Runs([(3, 5), (1, 2)])) == 1 and oldest([]) == -1 and oldest([4, 2]) == 2
     assert oldest(Runs([])) == -1 and oldest(()) == -1
     assert concat([Runs([(1, 2)]), Runs([(1, 1), (0, 1)])]) == Runs([(1, 3), (0, 1)])
+    assert len(concat([Runs([(1, 2)]), Runs(), Runs([(1, 1), (0, 1)])])) == 4
     assert concat([[5, 6], Runs([(1, 2)])]) == [5, 6, 1, 1]  # mixed: a plain list
     assert total(Runs([(1, 3), (0, 5)])) == 3 and total([1, 0, 1]) == 2
 
@@ -37,7 +38,7 @@ def test_every_runs_slice_equals_the_list_slice_and_stays_merged() -> None:
         for a in range(-len(plain) - 1, len(plain) + 2):
             for b in range(-len(plain) - 1, len(plain) + 2):
                 got = r[a:b]
-                assert isinstance(got, Runs) and list(got) == plain[a:b], (r, a, b)
+                assert isinstance(got, Runs) and list(got) == plain[a:b] and len(got) == len(plain[a:b]), (r, a, b)
                 assert got.pairs == Runs([(v, 1) for v in plain[a:b]]).pairs  # no empty or split runs
         assert r[:] == plain and r[:-1] == plain[:-1]
 

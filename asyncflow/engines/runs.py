@@ -37,10 +37,11 @@ class Runs(Sequence[Any]):
         self._ends: list[int] | None = None
 
     @classmethod
-    def _of(cls, values: list[Any], counts: list[int]) -> Runs:
-        """Runs from already merged, positive runs (no checks: for `concat`)."""
+    def _of(cls, values: list[Any], counts: list[int], n: int | None = None) -> Runs:
+        """Runs from already merged, positive runs (no checks: for `concat`); `n`: their total, when
+        the caller knows it."""
         r = cls.__new__(cls)
-        r.values, r.counts, r._n, r._ends = values, counts, sum(counts), None
+        r.values, r.counts, r._n, r._ends = values, counts, sum(counts) if n is None else n, None
         return r
 
     @property
@@ -76,7 +77,9 @@ class Runs(Sequence[Any]):
         if start == 0 and stop > last:  # cut inside the last run (a response without its EOS): copy, trim
             values, counts = self.values[:], self.counts[:]
             counts[-1] = stop - last
-            return Runs._of(values, counts)
+            return Runs._of(values, counts, stop)
+        if start == 0 and stop == last:  # the last run dropped (e.g. a final EOS of its own)
+            return Runs._of(self.values[:-1], self.counts[:-1], stop)
         out: list[tuple[Any, int]] = []
         pos = 0
         for v, c in zip(self.values, self.counts, strict=True):
@@ -117,7 +120,9 @@ def concat(parts: Sequence[Sequence[Any]]) -> Sequence[Any]:
     if live and all(isinstance(p, Runs) for p in live):
         values: list[Any] = []
         counts: list[int] = []
+        n = 0
         for p in live:
+            n += p._n  # type: ignore[attr-defined]
             if values and values[-1] == p.values[0]:  # type: ignore[attr-defined]
                 counts[-1] += p.counts[0]  # type: ignore[attr-defined]
                 values.extend(p.values[1:])  # type: ignore[attr-defined]
@@ -125,7 +130,7 @@ def concat(parts: Sequence[Sequence[Any]]) -> Sequence[Any]:
             else:
                 values.extend(p.values)  # type: ignore[attr-defined]
                 counts.extend(p.counts)  # type: ignore[attr-defined]
-        return Runs._of(values, counts)
+        return Runs._of(values, counts, n)
     out: list[Any] = []
     for p in live:
         out.extend(p)
