@@ -434,10 +434,11 @@ class TransferQueue:
     def _insert_many(self, samples: list[NewSample]) -> list[int]:
         """Admit validated samples; returns their uids. Per initial-fields dict (by identity: a feeder
         lists one `NewSample` n times) its payload bytes are worked out once, and per set of field
-        names (kept across puts until a stage is registered) the stages they make ready. A new sample is in no lease and consumed by no stage, so a sample stage its
-        fields make ready simply counts it and queues it here, and wakes its waiters once, after the
-        whole put (the feeder's path); a group stage goes through `_check_ready` (the sample may
-        complete its group)."""
+        names (kept across puts until a stage is registered) the stages they make ready. A new
+        sample is in no lease and consumed by no stage, so a sample stage its fields make ready
+        simply counts it and queues it here, and wakes its waiters once, after the whole put (the
+        feeder's path); a group stage goes through `_check_ready` (the sample may complete its
+        group)."""
         uids: list[int] = []
         memo: dict[int, tuple[tuple[_Stage, ...], tuple[_Stage, ...], int]] = {}
         touched: dict[str, _Stage] = {}
@@ -863,7 +864,11 @@ class TransferQueue:
         st.depth -= 1
         st.leased += 1
         self._leases[lid] = _LeaseRec(lid, name, [uid], [], deadline)
-        self._push_expiry(deadline, lid)
+        expiry = self._expiry_fifo
+        if expiry and deadline >= expiry[-1][0] and len(expiry) < 2 * len(self._leases) + 1024:
+            expiry.append((deadline, lid))  # (`_push_expiry`'s usual case, inline)
+        else:
+            self._push_expiry(deadline, lid)
         f = s.fields
         view = {}  # (a loop, not a comprehension: no function call for the usual one to three names)
         for k in names:
@@ -955,10 +960,13 @@ class TransferQueue:
         written, as with `complete`) and the next sample's lease, or None when none is ready or the
         store is closed."""
         with self._lock:
-            st = self._stage(stage)
+            st = self._stages.get(stage) or self._stage(stage)  # (the lookup inline; `_stage` raises)
             if st.groups:
                 raise ValueError(f"complete_and_take: stage {stage!r} takes whole groups")
-            self._reap()
+            now = self._clock.now()
+            fifo, heap = self._expiry_fifo, self._expiries
+            if (fifo and fifo[0][0] <= now) or (heap and heap[0][0] <= now):  # (`_reap`'s test, inline)
+                self._reap()
             rec = self._leases.get(lease.id)
             if rec is not None:
                 if len(rec.uids) != 1 or rec.groups:
@@ -976,20 +984,24 @@ class TransferQueue:
                 return rec is not None, None
             nxt = None
             if st.depth >= 1:
-                nxt = self._lease_one(st, self._clock.now() + self.lease_timeout_s, st.view_fields(tuple(fields_extra)))
+                names = st.names.get(fields_extra) if type(fields_extra) is tuple else None
+                if names is None:
+                    names = st.view_fields(tuple(fields_extra))
+                nxt = self._lease_one(st, now + self.lease_timeout_s, names)
             return rec is not None, nxt
 
     def _consume(self, rec: _LeaseRec, remove: bool) -> None:
         """End an acked lease: its live samples (and groups) are consumed by its stage."""
         live = self._end_lease(rec)
         name = rec.stage
-        for s in live:
-            s.consumed.add(name)
         if rec.groups:
             for g in self._lease_groups(rec):
                 g.consumed.add(name)
-        if remove:
+        if remove:  # (its samples are deleted at once: no need to mark them)
             self._remove_many([s.uid for s in live])
+            return
+        for s in live:
+            s.consumed.add(name)
 
     def release(self, lease: Lease) -> bool:
         """Give the samples back to the lease's stage, keeping their priority. False if already ended."""
