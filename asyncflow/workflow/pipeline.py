@@ -678,33 +678,46 @@ class Pipeline:
 
     async def _train_on(self, step: int, groups: list[list[SampleView]]) -> StepResult:
         samples = [s for g in groups for s in g]
-        valid = [s.fields["reward_error"] is None for s in samples]
-        rewards = [float(s.fields["reward"]) if ok else 0.0 for s, ok in zip(samples, valid, strict=True)]
+        valid: list[bool] = []
+        rewards: list[float] = []
+        reward_sum = 0.0
+        # one pass over the batch for what the optimizer reads, one after it for the log and the
+        # step's metrics (each pass costs ~0.1 us a sample)
+        for s in samples:
+            f = s.fields
+            ok = f["reward_error"] is None
+            r = float(f["reward"]) if ok else 0.0
+            valid.append(ok)
+            rewards.append(r)
+            reward_sum += r
         t0 = self.clock.now()
         with self.tracer.timed("trainer", f"train step {step}", samples=len(samples)):
             metrics, tokens = await self._optimize(samples, valid, rewards)
         self.counters.train_busy_s += self.clock.now() - t0
         sync_s = await self._publish()
-        staleness = [self.version - 1 - s.fields["behavior_version"] for s, ok in zip(samples, valid, strict=True) if ok]
         trained_version = self.version - 1
+        staleness: list[int] = []
         logged: list[tuple[SampleView, int | None, str, str | None]] = []
+        length = 0
         for s, ok in zip(samples, valid, strict=True):
+            f = s.fields
+            length += len(f["response_ids"])
             if ok:
+                staleness.append(trained_version - f["behavior_version"])
                 logged.append((s, trained_version, "trained", None))
             else:
-                logged.append((s, None, "reward_error", s.fields["reward_error"]))
-        self._log_samples(logged, rewards={s.uid: r for s, r in zip(samples, rewards, strict=True)})
-        n_valid = sum(valid)
+                logged.append((s, None, "reward_error", f["reward_error"]))
+        self._log_samples(logged, rewards=rewards)
+        n_valid = len(staleness)
         self.counters.trained += n_valid
         self.counters.reward_errors += len(samples) - n_valid
         self.counters.tokens += tokens
-        valid_rewards = [r for r, ok in zip(rewards, valid, strict=True) if ok]
         metrics.update(
-            reward_mean=sum(valid_rewards) / max(len(valid_rewards), 1),
-            staleness_mean=sum(staleness) / max(len(staleness), 1),
+            reward_mean=reward_sum / max(n_valid, 1),
+            staleness_mean=sum(staleness) / max(n_valid, 1),
             staleness_max=float(max(staleness, default=0)),
             weight_sync_s=sync_s,
-            response_len_mean=sum(len(s.fields["response_ids"]) for s in samples) / len(samples),
+            response_len_mean=length / len(samples),
         )
         return StepResult(step, self.version, metrics)
 
@@ -798,13 +811,15 @@ class Pipeline:
     # ------------------------------------------------------------------ bookkeeping
 
     def _log_samples(
-        self, items: list[tuple[SampleView, int | None, str, str | None]], rewards: dict[int, float] | None = None
+        self, items: list[tuple[SampleView, int | None, str, str | None]], rewards: list[float] | None = None
     ) -> None:
+        """One samples.jsonl row per item; `rewards`: the reward each was trained with, item by item
+        (default: its `reward` field)."""
         key = self.cfg.dataset.prompt_key
         rows, decode = self.rows, self.tok.decode
         tokens_by, count_by = self.counters.response_tokens, self.counters.response_count
         out = []
-        for s, trained_version, status, error in items:
+        for i, (s, trained_version, status, error) in enumerate(items):
             f = s.fields
             resp = f.get("response_ids")
             n_resp = 0 if resp is None else len(resp)
@@ -812,7 +827,7 @@ class Pipeline:
                 tokens_by[status] = tokens_by.get(status, 0) + n_resp
                 count_by[status] = count_by.get(status, 0) + 1
             version = f.get("behavior_version")
-            reward = f.get("reward") if rewards is None else rewards.get(s.uid, f.get("reward"))
+            reward = f.get("reward") if rewards is None else rewards[i]
             row = {
                 "uid": s.uid,
                 "group_id": s.group_id,
