@@ -300,7 +300,9 @@ class Pipeline:
         episodes = _Children()  # episode tasks; also where a failed request stops this worker
         extra = ("row",) if self.episodic else ()
         stage = self._rollout_stage(index)
-        deadlines: dict[asyncio.Future[Any], tuple[float, int]] = {}  # single-turn requests: (deadline, uid); see _watch
+        # single-turn requests in flight: (deadline, uid, lease); see _watch. (The lease rides here, not
+        # in a functools.partial per request: request_done is the future's callback as it is.)
+        deadlines: dict[asyncio.Future[Any], tuple[float, int, Lease]] = {}
         expired: dict[asyncio.Future[Any], str] = {}
         ro = self.cfg.rollout
         # in process: a finished request's write and its slot's next sample in one store call
@@ -309,17 +311,17 @@ class Pipeline:
         fail = episodes.fail  # a request failed or timed out: stop this worker with its error
 
         sampling = (ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k)
-        now, timeout_s, partial = self.clock.now, ro.request_timeout_s, functools.partial
+        now, timeout_s = self.clock.now, ro.request_timeout_s
 
         def start(lease: Lease) -> None:
             sample = lease.samples[0]
             fut = engine.start_generate(GenRequest(sample.uid, sample.fields["prompt_ids"], *sampling))
             flight.acquire()
-            deadlines[fut] = (now() + timeout_s, sample.uid)
-            fut.add_done_callback(partial(request_done, lease))
+            deadlines[fut] = (now() + timeout_s, sample.uid, lease)
+            fut.add_done_callback(request_done)
 
-        def request_done(lease: Lease, fut: asyncio.Future[GenResult]) -> None:
-            deadlines.pop(fut, None)
+        def request_done(fut: asyncio.Future[GenResult]) -> None:
+            lease = deadlines.pop(fut)[2]
             try:
                 if expired and fut in expired:
                     fail(WaitTimeout(expired.pop(fut)))
@@ -393,7 +395,7 @@ class Pipeline:
             await asyncio.gather(*(self._episode(index, engine, lease, slots, barrier) for lease in leases))
             self.tracer.span(track, "generating", start, self.clock.now())
 
-    async def _watch(self, deadlines: dict[asyncio.Future[Any], tuple[float, int]],
+    async def _watch(self, deadlines: dict[asyncio.Future[Any], tuple[float, int, Lease]],
                      expired: dict[asyncio.Future[Any], str]) -> None:
         """Cancel generation requests past `rollout.request_timeout_s`, checking every eighth of it:
         one timer per worker instead of one per request, which keeps the event loop's timer heap
@@ -403,7 +405,7 @@ class Pipeline:
         while True:
             await self.clock.sleep(timeout / 8)
             now = self.clock.now()
-            for fut, (deadline, uid) in list(deadlines.items()):
+            for fut, (deadline, uid, _) in list(deadlines.items()):
                 if now >= deadline and not fut.done():
                     expired[fut] = f"timed out after {timeout:g} s waiting for generation of sample {uid}"
                     fut.cancel()
