@@ -116,7 +116,7 @@ def test_store_take_waits_and_times_out_on_the_virtual_clock() -> None:
         got_at = clock.now()
         await producer
         t0 = clock.now()
-        with pytest.raises(WaitTimeout, match=r"timed out after 10.0 s waiting for 1 sample\(s\) ready for stage 's'"):
+        with pytest.raises(WaitTimeout, match=r"timed out after 10.0 virtual s waiting for 1 sample\(s\) ready for stage 's'"):
             await store.take("s", 1, timeout=10.0)
         assert clock.now() == pytest.approx(t0 + 10.0)  # at its deadline, not at the lease's expiry
         # the unacked lease expires after 50 virtual seconds and the sample comes back

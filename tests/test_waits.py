@@ -90,7 +90,7 @@ def test_a_trainer_starved_of_samples_fails_naming_what_it_waited_for(tmp_path: 
         def start_generate(self, request):  # type: ignore[no-untyped-def]
             return asyncio.get_running_loop().create_future()
 
-    with pytest.raises(WaitTimeout, match=r"timed out after 30.0 s waiting for .*train"):
+    with pytest.raises(WaitTimeout, match=r"timed out after 30.0 virtual s waiting for .*train"):
         _run(tmp_path, ["workflow.step_timeout_s=30", "rollout.request_timeout_s=1000"], engine_cls=AllHang)
 
 

@@ -1162,7 +1162,8 @@ class TransferQueue:
 
     def _timed_out(self, deadline: float | None, timeout: float | None, what: str) -> None:
         if deadline is not None and self._clock.now() >= deadline:
-            raise WaitTimeout(f"timed out after {timeout:.1f} s waiting for {what}")
+            unit = getattr(self._clock, "unit", "s")  # ("virtual s" on a virtual clock, as `bounded` words it)
+            raise WaitTimeout(f"timed out after {timeout:.1f} {unit} waiting for {what}")
 
     async def _wait_async(
         self,
