@@ -62,6 +62,7 @@ from asyncflow.workflow.gate import StalenessGate
 
 CANCELLED = "cancelled: could no longer meet max_staleness"
 FEED_BURST = 32  # most prompts the feeder admits in one store put
+_CANCELLED_OUTCOME = RewardOutcome(None, CANCELLED)  # a group not scored: one of its generations was cancelled
 TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "behavior_version", "reward_error",
                 "row", "finish_reason", "reward", "loss_mask", "turns", "ref_logprobs", "agent_calls", "agent_calls_dropped")
 
@@ -515,14 +516,14 @@ class Pipeline:
         """Score the groups of one reward lease and write their rewards (or errors)."""
         groups = _by_group(lease.samples)
         # a group with a cancelled sample is never trained: do not spend a reward call on it
-        live = [g for g in groups if not any(s.fields.get("finish_reason") == "cancelled" for s in g)]
+        live = [g for g in groups if "cancelled" not in [s.fields.get("finish_reason") for s in g]]
         scored = dict(zip((g[0].group_id for g in live), await self._score_groups(live), strict=True))
         writes = {}
         for group in groups:
-            outcome = scored.get(group[0].group_id, RewardOutcome(None, CANCELLED))
+            outcome = scored.get(group[0].group_id, _CANCELLED_OUTCOME)
+            rewards, error = outcome.rewards, outcome.error
             for i, s in enumerate(group):
-                reward = None if outcome.rewards is None else outcome.rewards[i]
-                writes[s.uid] = {"reward": reward, "reward_error": outcome.error}
+                writes[s.uid] = {"reward": None if rewards is None else rewards[i], "reward_error": error}
         with contextlib.suppress(QueueClosed):  # (closed: the run is ending)
             self.store.complete(lease, writes)  # samples removed meanwhile are skipped
 
