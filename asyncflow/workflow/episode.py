@@ -82,24 +82,33 @@ class Trajectory:
         return concat([s.ids for s in self.segments])
 
     def fields(self) -> dict[str, Any]:
-        """`response_ids`, `behavior_logprobs`, `token_versions`, `loss_mask`, `behavior_version`."""
-        gen = [s for s in self.segments if s.generated]
-        first = next((s.versions for s in gen if s.versions is not None and len(s.versions)), None)
-        last = -1 if first is None else first[0]
-        versions: list[Sequence[int]] = []
-        for s in self.segments:
+        """`response_ids`, `behavior_logprobs`, `token_versions`, `loss_mask`, `behavior_version`.
+        Environment tokens carry the version of the generated token before them (the first
+        generated token's, before any)."""
+        segments = self.segments
+        last = -1
+        for s in segments:  # only generated segments carry versions
             if s.versions is not None and len(s.versions):
-                versions.append(s.versions)
-                last = s.versions[-1]
+                last = s.versions[0]
+                break
+        versions: list[Sequence[int]] = []
+        behavior: int | None = None
+        for s in segments:
+            v = s.versions
+            if v is not None and len(v):
+                versions.append(v)
+                last = v[-1]
+                o = oldest(v)
+                if behavior is None or o < behavior:
+                    behavior = o
             else:
                 versions.append(Runs([(last, len(s.ids))]))
         return {
             "response_ids": self.response_ids(),
-            "behavior_logprobs": concat([s.logprobs for s in self.segments]),
+            "behavior_logprobs": concat([s.logprobs for s in segments]),
             "token_versions": concat(versions),
-            "loss_mask": Runs([(1 if s.generated else 0, len(s.ids)) for s in self.segments]),  # (merges, skips empties)
-            "behavior_version": min((oldest(s.versions) for s in gen if s.versions is not None and len(s.versions)),
-                                    default=-1),
+            "loss_mask": Runs([(1 if s.generated else 0, len(s.ids)) for s in segments]),  # (merges, skips empties)
+            "behavior_version": -1 if behavior is None else behavior,
         }
 
 
