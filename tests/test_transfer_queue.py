@@ -90,6 +90,20 @@ def test_stage_registered_late_indexes_existing_samples() -> None:
     assert uids_of(q.take_nowait("late", 5)) == [uids[1]]
 
 
+def test_a_stage_registered_after_puts_also_gets_later_puts_of_the_same_fields() -> None:
+    """Which stages a put's field names make ready is kept across puts; registering a stage must
+    renew it, or samples put later with the same names would never reach the new stage."""
+    q = TransferQueue()
+    q.register_stage("a", ["prompt_ids"])
+    first = q.put_blocking([NewSample(0, 1, {"prompt_ids": [1], "row": 0})])
+    q.register_stage("b", ["prompt_ids", "row"], groups=True)
+    q.register_stage("c", ["row"])
+    later = q.put_blocking([NewSample(1, 1, {"prompt_ids": [2], "row": 1})])
+    assert uids_of(q.take_nowait("a", 5)) == first + later
+    assert uids_of(q.take_nowait("b", 5)) == first + later
+    assert uids_of(q.take_nowait("c", 5)) == first + later
+
+
 def test_write_to_unknown_uid_raises_key_error() -> None:
     q = TransferQueue()
     with pytest.raises(KeyError, match="42"):
