@@ -864,11 +864,7 @@ class TransferQueue:
         st.depth -= 1
         st.leased += 1
         self._leases[lid] = _LeaseRec(lid, name, [uid], [], deadline)
-        expiry = self._expiry_fifo
-        if expiry and deadline >= expiry[-1][0] and len(expiry) < 2 * len(self._leases) + 1024:
-            expiry.append((deadline, lid))  # (`_push_expiry`'s usual case, inline)
-        else:
-            self._push_expiry(deadline, lid)
+        self._push_expiry(deadline, lid)
         f = s.fields
         view = {}  # (a loop, not a comprehension: no function call for the usual one to three names)
         for k in names:
@@ -984,10 +980,7 @@ class TransferQueue:
                 return rec is not None, None
             nxt = None
             if st.depth >= 1:
-                names = st.names.get(fields_extra) if type(fields_extra) is tuple else None
-                if names is None:
-                    names = st.view_fields(tuple(fields_extra))
-                nxt = self._lease_one(st, now + self.lease_timeout_s, names)
+                nxt = self._lease_one(st, now + self.lease_timeout_s, st.view_fields(tuple(fields_extra)))
             return rec is not None, nxt
 
     def _consume(self, rec: _LeaseRec, remove: bool) -> None:
