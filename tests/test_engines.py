@@ -237,6 +237,34 @@ def test_train_step_changes_weights_and_export_is_a_copy(tiny_model) -> None:
     assert not torch.equal(after[next(iter(after))], trainer.model.state_dict()[next(iter(after))])
 
 
+def test_a_request_its_caller_abandons_ends_without_taking_the_engine_down(tiny_model) -> None:
+    """A cancelled request future (its task timed out, or the rollout worker stopped) is dropped at
+    the next retire: the decode thread used to die on `set_result` of the cancelled future, failing
+    every later request. Both ways of asking are covered: `start_generate`'s future, and a task
+    awaiting `generate`."""
+    import asyncio
+
+    engine = _slow_engine(tiny_model)
+
+    async def main() -> tuple[int, int]:
+        fut = engine.start_generate(GenRequest(0, [5, 6], 200, 1.0))
+        task = asyncio.ensure_future(engine.generate(GenRequest(1, [5, 7], 200, 1.0)))
+        await asyncio.sleep(0.1)
+        fut.cancel()
+        task.cancel()
+        await asyncio.sleep(0.1)
+        res = await asyncio.wait_for(engine.generate(GenRequest(2, [5, 8], 5, 1.0)), 60)
+        return len(res.response_ids), engine.load()
+
+    try:
+        n, load = asyncio.run(main())
+        assert engine.error is None
+    finally:
+        engine.shutdown()
+    assert n == 5  # the engine still serves requests
+    assert load == 0  # and the abandoned ones left the batch instead of decoding to their cap
+
+
 def test_engine_failure_reaches_the_caller_instead_of_hanging(tiny_model) -> None:
     engine = HFEngine(copy.deepcopy(tiny_model), eos_token_id=1, max_batch=4)
     fut = engine.submit(GenRequest(0, [40, 41], 4, 1.0))  # token ids beyond the vocabulary

@@ -51,6 +51,14 @@ class _Row:
         """Tokens that must be in the KV cache before the next token is sampled."""
         return self.req.prompt_ids + self.tokens[:-1] if self.tokens else list(self.req.prompt_ids)
 
+    def resolve(self, reason: str) -> None:
+        """Give the caller its result, unless it abandoned the request: a cancelled future (its
+        awaiting task timed out or stopped) takes no result, and must not take this thread down."""
+        try:
+            self.future.set_result(GenResult(self.req.uid, self.tokens, self.logprobs, self.versions, reason))  # type: ignore[arg-type]
+        except cf.InvalidStateError:
+            pass  # cancelled by the caller meanwhile
+
 
 @dataclass
 class _PendingWeights:
@@ -141,6 +149,11 @@ class HFEngine(InferenceEngine):
     async def generate(self, request: GenRequest) -> GenResult:
         return await asyncio.wrap_future(self.submit(request))
 
+    def start_generate(self, request: GenRequest) -> asyncio.Future[GenResult]:
+        """The request's own future (no task per request); cancelling it cancels the request's
+        `concurrent.futures.Future`, which the decode thread then skips."""
+        return asyncio.wrap_future(self.submit(request))
+
     def generate_many(self, requests: list[GenRequest], timeout: float | None = None) -> list[GenResult]:
         """Blocking helper: run a list of requests through the engine and wait for all."""
         futures = [self.submit(r) for r in requests]
@@ -225,7 +238,9 @@ class HFEngine(InferenceEngine):
         free = self.max_batch - len(self._rows)
         admit: list[_Row] = []
         while self._waiting and len(admit) < free:
-            admit.append(self._waiting.popleft())
+            row = self._waiting.popleft()
+            if not row.future.cancelled():  # abandoned before it started: never prefilled
+                admit.append(row)
         return admit
 
     def _maybe_load(self, pending: _PendingWeights) -> None:
@@ -320,7 +335,7 @@ class HFEngine(InferenceEngine):
         keep: list[int] = []
         for i, row in enumerate(self._rows):
             reason = None
-            if row.cancelled:
+            if row.cancelled or row.future.cancelled():  # (the latter: abandoned by its caller)
                 reason = "cancelled"
             elif row.tokens and row.tokens[-1] in eos:
                 reason = "stop"
@@ -329,9 +344,7 @@ class HFEngine(InferenceEngine):
             if reason is None:
                 keep.append(i)
             else:
-                row.future.set_result(
-                    GenResult(row.req.uid, row.tokens, row.logprobs, row.versions, reason)  # type: ignore[arg-type]
-                )
+                row.resolve(reason)
         if len(keep) == len(self._rows):
             return
         self._rows = [self._rows[i] for i in keep]
@@ -358,9 +371,12 @@ class HFEngine(InferenceEngine):
             if row.future.done():
                 continue
             if exc is None:
-                row.future.set_result(GenResult(row.req.uid, row.tokens, row.logprobs, row.versions, "cancelled"))
+                row.resolve("cancelled")
             else:
-                row.future.set_exception(exc)
+                try:
+                    row.future.set_exception(exc)
+                except cf.InvalidStateError:
+                    pass  # cancelled by the caller meanwhile
         if pending is not None and not pending.done.done():
             if exc is None:
                 pending.done.set_exception(RuntimeError(f"engine {self.name} closed before loading weights"))
