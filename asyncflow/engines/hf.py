@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import threading
 import time
 from collections import deque
@@ -54,10 +55,8 @@ class _Row:
     def resolve(self, reason: str) -> None:
         """Give the caller its result, unless it abandoned the request: a cancelled future (its
         awaiting task timed out or stopped) takes no result, and must not take this thread down."""
-        try:
+        with contextlib.suppress(cf.InvalidStateError):  # cancelled by the caller meanwhile
             self.future.set_result(GenResult(self.req.uid, self.tokens, self.logprobs, self.versions, reason))  # type: ignore[arg-type]
-        except cf.InvalidStateError:
-            pass  # cancelled by the caller meanwhile
 
 
 @dataclass
@@ -373,10 +372,8 @@ class HFEngine(InferenceEngine):
             if exc is None:
                 row.resolve("cancelled")
             else:
-                try:
+                with contextlib.suppress(cf.InvalidStateError):  # cancelled by the caller meanwhile
                     row.future.set_exception(exc)
-                except cf.InvalidStateError:
-                    pass  # cancelled by the caller meanwhile
         if pending is not None and not pending.done.done():
             if exc is None:
                 pending.done.set_exception(RuntimeError(f"engine {self.name} closed before loading weights"))
