@@ -42,6 +42,32 @@ def test_every_runs_slice_equals_the_list_slice_and_stays_merged() -> None:
                 assert got.pairs == Runs([(v, 1) for v in plain[a:b]]).pairs  # no empty or split runs
         assert r[:] == plain and r[:-1] == plain[:-1]
 
+
+def test_joining_two_runs_merges_the_seam_and_copies() -> None:
+    """`concat` of two `Runs` (an episode's context, every turn) takes its own path: same result as
+    the list, merged at the seam, lengths right, and the parts left as they were."""
+    parts = [Runs([(7, 3), (1, 1)]), Runs([(1, 2), (5, 1)]), Runs([(5, 2)]), Runs()]
+    for a in parts:
+        for b in parts:
+            before = (a.pairs, b.pairs)
+            got = concat([a, b])
+            assert isinstance(got, Runs) and list(got) == list(a) + list(b) and len(got) == len(a) + len(b)
+            assert got.pairs == Runs(a.pairs + b.pairs).pairs  # merged: no two neighbouring runs share a value
+            assert (a.pairs, b.pairs) == before and got.values is not a.values and got.counts is not a.counts
+
+
+def test_an_engine_that_resolves_its_own_future_is_awaited_without_a_coroutine_per_request() -> None:
+    from asyncflow.engines.base import requester
+    from asyncflow.engines.sim import SimEngine
+
+    class Plain(_Scripted):
+        pass
+
+    plain = Plain([[1]])
+    assert requester(plain) == plain.generate  # the default start_generate would make a task per request
+    sim = SimEngine.__new__(SimEngine)
+    assert requester(sim) == sim.start_generate
+
 class _Scripted(InferenceEngine):
     """Returns scripted turns; records the prompts it was given (a test double, not an engine)."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -59,6 +59,7 @@ class InferenceEngine(abc.ABC):
         the future, without an asyncio task per request. Default: `generate` wrapped in a task; an
         engine that already resolves a future per request returns that future directly."""
         return asyncio.ensure_future(self.generate(request))
+
 
     @abc.abstractmethod
     async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
@@ -164,3 +165,14 @@ class TrainEngine(abc.ABC):
     def close(self) -> None:
         """Release processes or devices the engine holds (nothing for an in-process engine)."""
         return None
+
+
+def requester(engine: InferenceEngine) -> Callable[[GenRequest], Awaitable[GenResult]]:
+    """The cheapest way to await one request on `engine`, for a caller that awaits each request in
+    place (a multi-turn episode): `start_generate` where the engine resolves a future per request
+    of its own (no coroutine frame per turn), else `generate` (no task per turn, as the default
+    `start_generate` would make)."""
+    start = getattr(type(engine), "start_generate", None)
+    if start is not None and start is not InferenceEngine.start_generate:
+        return engine.start_generate
+    return engine.generate

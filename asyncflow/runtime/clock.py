@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
@@ -74,6 +75,12 @@ class RealClock:
         return await bounded(aw, timeout, what)
 
 
+if sys.version_info >= (3, 12):
+    _current_task: Callable[[asyncio.AbstractEventLoop], asyncio.Task[Any] | None] = asyncio.current_task
+else:  # 3.11's `asyncio.current_task` is Python over this dict (0.41 against 0.10 us a call here)
+    _current_task = getattr(asyncio.tasks, "_current_tasks", {}).get
+
+
 class _Wait:
     __slots__ = ("deadline", "fired", "task")
 
@@ -106,7 +113,7 @@ class SweptClock:
         await self.clock.sleep(seconds)
 
     async def wait_for(self, aw: Awaitable[T], timeout: float | None, what: str) -> T:
-        task = asyncio.current_task()
+        task = _current_task(asyncio.get_running_loop())
         if timeout is None or task is None:
             return await self.clock.wait_for(aw, timeout, what)
         key = self._next

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from asyncflow.engines.base import GenRequest, InferenceEngine
+from asyncflow.engines.base import GenRequest, InferenceEngine, requester
 from asyncflow.engines.runs import Runs, concat, oldest, total
 from asyncflow.envs.base import Env, EnvError, env_call
 from asyncflow.runtime.clock import Clock
@@ -165,13 +165,14 @@ async def run_episode(
     `barrier`: wait for the batch's other episodes after every generation and environment step."""
     traj = Trajectory(prompt_ids)
     reward, error, finish, turns = 0.0, None, "length", 0
+    submit = requester(engine)
     try:
         traj.add_env(tok.encode(await env_call(clock, env.reset(row, seed), settings.env_timeout_s, env, "reset")))
         for turn in range(1, env.max_turns + 1):
             turns = turn
             req = GenRequest(uid, traj.context(), settings.max_new_tokens,  # type: ignore[arg-type]
                              settings.temperature, settings.top_p, settings.top_k)
-            res = await clock.wait_for(engine.generate(req), settings.request_timeout_s,
+            res = await clock.wait_for(submit(req), settings.request_timeout_s,
                                        f"generation of sample {uid}, turn {turn}")
             traj.add_generated(res.response_ids, res.behavior_logprobs, res.token_versions)
             if barrier is not None:
