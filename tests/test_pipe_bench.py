@@ -33,6 +33,8 @@ def test_rlvr_pipe_rows_async_beats_sync_within_the_staleness_bound() -> None:
         assert r["samples"] == 3 * 4 * 8 * 8  # steps x devices x prompts/device x n, all trained
         assert 0 < r["efficiency"] <= 1.1 and r["ideal_samples_per_s"] == pytest.approx(4 / (2104.5 * (0.03 / 64 + 0.15e-3)), rel=1e-3)
         assert 0 < r["scheduler_us_per_sample"] < 20_000
+        # one request per sample (a request ended at the run's end may not have been written)
+        assert r["scheduler_us_per_request"] == pytest.approx(r["scheduler_us_per_sample"], rel=0.05)
     sync, asyn = by_mode["sync"], by_mode["async"]
     assert sync["staleness_max"] == 0 and 1 <= asyn["staleness_max"] <= 2
     assert (sync["rollout_devices"], sync["train_devices"]) == (4, 4)
@@ -53,6 +55,8 @@ def test_agentic_pipe_runs_multi_turn_episodes(caplog: pytest.LogCaptureFixture)
     # episodes of 5-20 turns of 100-300 tokens: trained tokens per sample near the profile's 2,500
     assert 1500 < r["mean_tokens_trained"] < 3500 and r["mean_tokens_profile"] == 2500
     assert r["staleness_max"] <= 2
+    # an episode is 5-20 requests (turns): its scheduler cost per request is that much smaller
+    assert 4 <= r["scheduler_us_per_sample"] / r["scheduler_us_per_request"] <= 25
 
 
 def test_capped_lognormal_mean_matches_sampling() -> None:

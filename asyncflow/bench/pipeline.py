@@ -22,7 +22,9 @@ trained samples per virtual second over steps `warmup_steps+1 .. steps` (start-u
 `scheduler_us_per_sample`: process CPU time of the run minus the CPU time inside simulation code
 (engines, trainer, environments, the `async` verifier stand-in), per sample whose rollout finished
 (`produced`, trained or not) — what the real store, scheduler, gate and their event loop cost on
-this machine.
+this machine. `scheduler_us_per_request`: the same CPU time per generation request the engines
+ended. For `rlvr` a request is a sample; an `agentic` sample is an episode of 5-20 requests
+(turns), each awaited by the episode's own task, so its per-sample cost is that many turns' worth.
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ def _run_one(spec: PipeSpec, profile: Profile, devices: int, mode: str) -> dict[
         "samples_per_s": round(rate, 3), "ideal_samples_per_s": round(ideal, 3), "efficiency": round(rate / ideal, 4),
         "rollout_busy_frac": round(result["rollout_busy_frac"], 4), "train_busy_frac": round(result["train_busy_frac"], 4),
         "scheduler_us_per_sample": round((cpu - result["sim_cpu_s"]) / max(result["samples_seen"], 1) * 1e6, 1),
+        "scheduler_us_per_request": round((cpu - result["sim_cpu_s"]) / max(result["requests"], 1) * 1e6, 1),
         "max_staleness": 0 if mode == "sync" else spec.max_staleness, "staleness_max": result["staleness_max"],
         "steps": spec.steps, "samples": result["samples"], "dropped": result["dropped"],
         "mean_tokens_profile": round(profile.mean_tokens, 1), "mean_tokens_trained": round(result["mean_tokens"], 1),
@@ -213,7 +216,7 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
         "window_samples": n1 - n0, "window_s": t1 - t0, "virtual_s": clock.now() - pipeline.t_start,
         "rollout_busy_frac": (r1 - r0) / ((t1 - t0) * rollout_dev), "train_busy_frac": (tr1 - tr0) / (t1 - t0),
         "samples": c.trained, "dropped": c.dropped_stale + c.cancelled + c.filtered,
-        "samples_seen": c.produced,
+        "samples_seen": c.produced, "requests": sum(e.requests for e in engines),
         "staleness_max": pipeline.staleness_max, "sim_cpu_s": meter.seconds,
         "mean_tokens": c.tokens / max(c.trained, 1),
     }

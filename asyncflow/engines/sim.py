@@ -104,6 +104,7 @@ class SimEngine(InferenceEngine):
         self.rng = random.Random(seed)
         self.version = 0
         self.steps = 0  # decode steps taken (the step index)
+        self.requests = 0  # generation requests ended, finished or cancelled (an episode makes one per turn)
         self._busy = 0.0
         self._running: list[tuple[int, int, _Seq]] = []  # heap by end step
         self._waiting: deque[_Seq] = deque()
@@ -129,7 +130,7 @@ class SimEngine(InferenceEngine):
         return self._busy
 
     def stats(self) -> dict[str, float]:
-        return {"decode_steps": float(self.steps)}
+        return {"decode_steps": float(self.steps), "requests": float(self.requests)}
 
     def _kick(self) -> None:
         """Something changed (a request, a load, a cancellation): an idle server starts at once (in a
@@ -303,6 +304,7 @@ class SimEngine(InferenceEngine):
             return
         if seq.cancelled:
             self._cancels -= 1
+        self.requests += 1
         n = sum(c for _, c in seq.runs)
         ids = Runs([(FILL, n - 1), (EOS, 1)]) if reason == "stop" else Runs([(FILL, n)])
         seq.done.set_result(GenResult(seq.request.uid, ids, Runs([(-1.0, n)]), Runs(seq.runs),  # type: ignore[arg-type]
