@@ -676,7 +676,7 @@ def test_complete_and_take_writes_one_sample_and_leases_the_next() -> None:
     assert written and nxt is not None and uids_of(nxt) == [2]
     assert q.in_flight("rollout") == 2 and q.ready_count("rollout") == 0
     s0 = q._samples[0]
-    assert s0.fields["response"] == "a" and s0.version == 3 and "rollout" in s0.consumed
+    assert s0.fields["response"] == "a" and s0.version == 3 and s0.consumed & q._stages["rollout"].bit
     # an ended lease writes nothing (its sample may be someone else's), but the slot still refills
     q.release(second)
     written, nxt = q.complete_and_take(second, {"response": "late"}, version=0, stage="rollout")
@@ -764,7 +764,7 @@ def _recount(q: TransferQueue) -> tuple[dict[str, int], dict[str, int]]:
                     depth[name] += len(members)
         else:
             depth[name] = sum(1 for s in q._samples.values()
-                              if ready(s) and name not in s.taken and name not in s.consumed)
+                              if ready(s) and name not in s.taken and not s.consumed & st.bit)
         leased[name] = sum(1 for s in q._samples.values() if name in s.taken)
     return depth, leased
 
@@ -796,7 +796,7 @@ def test_counts_stay_exact_under_random_takes_writes_releases_and_removals() -> 
             k = rng.randint(1, 3)
             # served lowest (priority, uid) first, also after releases (which go back out of order)
             want = sorted((s.priority, s.uid) for s in q._samples.values()
-                          if "prompt" in s.fields and "gen" not in s.taken and "gen" not in s.consumed)[:k]
+                          if "prompt" in s.fields and "gen" not in s.taken and not s.consumed & q._stages["gen"].bit)[:k]
             got_gen = q.take_each_nowait("gen", k)
             assert [lease.samples[0].uid for lease in got_gen] == [uid for _, uid in want]
             leases.extend(got_gen)
@@ -812,7 +812,7 @@ def test_counts_stay_exact_under_random_takes_writes_releases_and_removals() -> 
                 q.release(lease)
             elif lease.stage == "gen" and choice < 0.6:  # the rollout hot path: write and refill
                 want = min(((s.priority, s.uid) for s in q._samples.values() if "prompt" in s.fields
-                            and "gen" not in s.taken and "gen" not in s.consumed), default=None)
+                            and "gen" not in s.taken and not s.consumed & q._stages["gen"].bit), default=None)
                 _, nxt = q.complete_and_take(lease, {"resp": 1}, version=None, stage="gen")
                 assert (nxt and nxt.samples[0].uid) == (want and want[1])
                 if nxt is not None:
