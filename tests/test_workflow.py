@@ -260,19 +260,29 @@ def test_dynamic_sampling_cannot_stall_a_run_where_no_group_varies(
 def test_cancelled_generations_drop_their_group_and_free_its_admission_slot(
     arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import concurrent.futures as cf
     import dataclasses
 
     from asyncflow.engines.hf import HFEngine
 
-    original = HFEngine.generate
+    original = HFEngine.submit
 
-    async def sometimes_cancelled(self, request):  # as if the request could no longer meet max_staleness
-        result = await original(self, request)
-        if request.uid >= 0 and request.uid % 7 == 3:  # eval requests have negative uids
-            return dataclasses.replace(result, finish_reason="cancelled")
-        return result
+    def sometimes_cancelled(self, request):  # as if the request could no longer meet max_staleness
+        fut = original(self, request)
+        if request.uid < 0 or request.uid % 7 != 3:  # eval requests have negative uids
+            return fut
+        out: cf.Future = cf.Future()  # (`submit` is under both `generate` and `start_generate`)
 
-    monkeypatch.setattr(HFEngine, "generate", sometimes_cancelled)
+        def relay(f: cf.Future) -> None:
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result(dataclasses.replace(f.result(), finish_reason="cancelled"))
+
+        fut.add_done_callback(relay)
+        return out
+
+    monkeypatch.setattr(HFEngine, "submit", sometimes_cancelled)
     out = tmp_path / "run"
     # ~1 in 7 samples cancelled: most steps lose groups; without freeing their slots the gate would
     # run out of credit and the trainer would wait for groups that are never admitted
