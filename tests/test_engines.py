@@ -254,6 +254,10 @@ def test_a_request_its_caller_abandons_ends_without_taking_the_engine_down(tiny_
         task.cancel()
         await asyncio.sleep(0.1)
         res = await asyncio.wait_for(engine.generate(GenRequest(2, [5, 8], 5, 1.0)), 60)
+        # (a finished row is resolved a moment before the decode thread drops it from the batch)
+        deadline = time.monotonic() + 1.0  # abandoned rows would decode ~2 s more, to 200 tokens
+        while engine.load() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         return len(res.response_ids), engine.load()
 
     try:
@@ -263,6 +267,60 @@ def test_a_request_its_caller_abandons_ends_without_taking_the_engine_down(tiny_
         engine.shutdown()
     assert n == 5  # the engine still serves requests
     assert load == 0  # and the abandoned ones left the batch instead of decoding to their cap
+
+
+def test_a_weight_load_its_caller_abandons_leaves_the_engine_serving(tiny_model) -> None:
+    """A publish that times out cancels its `load_weights`: the decode thread used to die on
+    `set_result` of the cancelled future once the load happened, and a newer load superseding the
+    abandoned one raised in its caller."""
+    import asyncio
+
+    engine = _slow_engine(tiny_model)
+    state = _perturbed(tiny_model)
+
+    async def main() -> tuple[str, int]:
+        running = engine.start_generate(GenRequest(0, [5, 6], 30, 1.0))  # drain loads wait for it
+        await asyncio.sleep(0.05)
+        first = asyncio.ensure_future(engine.load_weights(state, 1, "drain"))
+        await asyncio.sleep(0.02)
+        first.cancel()
+        await asyncio.sleep(0.02)
+        await asyncio.wait_for(engine.load_weights(state, 2, "drain"), 60)  # supersedes the abandoned one
+        await running
+        res = await asyncio.wait_for(engine.generate(GenRequest(1, [5, 8], 5, 1.0)), 60)
+        return res.finish_reason, engine.version
+
+    try:
+        reason, version = asyncio.run(main())
+        assert engine.error is None
+    finally:
+        engine.shutdown()
+    assert reason == "length" and version == 2
+
+
+def test_a_drain_load_abandoned_while_it_waits_is_still_applied_without_killing_the_thread(tiny_model) -> None:
+    import asyncio
+
+    engine = _slow_engine(tiny_model)
+
+    async def main() -> None:
+        running = engine.start_generate(GenRequest(0, [5, 6], 30, 1.0))
+        await asyncio.sleep(0.05)
+        load = asyncio.ensure_future(engine.load_weights(_perturbed(tiny_model), 1, "drain"))
+        await asyncio.sleep(0.02)
+        load.cancel()
+        await running
+        for _ in range(100):  # the load lands once the running row has drained
+            if engine.version == 1:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.wait_for(engine.generate(GenRequest(1, [5, 8], 5, 1.0)), 60)
+
+    try:
+        asyncio.run(main())
+        assert engine.error is None and engine.version == 1
+    finally:
+        engine.shutdown()
 
 
 def test_engine_failure_reaches_the_caller_instead_of_hanging(tiny_model) -> None:

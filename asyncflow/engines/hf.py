@@ -163,7 +163,8 @@ class HFEngine(InferenceEngine):
         done: cf.Future[float] = cf.Future()
         with self._cv:
             if self._pending is not None:  # a newer version supersedes one not yet loaded
-                self._pending.done.set_result(0.0)
+                with contextlib.suppress(cf.InvalidStateError):  # (its caller stopped waiting)
+                    self._pending.done.set_result(0.0)
             self._pending = _PendingWeights(state, version, mode, done, time.monotonic())
             self._cv.notify()
         return done
@@ -255,7 +256,8 @@ class HFEngine(InferenceEngine):
         with self._cv:
             if self._pending is pending:
                 self._pending = None
-        pending.done.set_result(time.monotonic() - pending.requested_at)
+        with contextlib.suppress(cf.InvalidStateError):  # the caller stopped waiting (a publish timed out)
+            pending.done.set_result(time.monotonic() - pending.requested_at)
 
     def _prefill(self, rows: list[_Row]) -> None:
         self.counts["prefills"] += 1
