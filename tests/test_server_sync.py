@@ -98,6 +98,24 @@ def test_vllm_sync_resumes_even_when_the_reload_fails(fake: FakeServer, tmp_path
     assert [p for _, p, _, _ in fake.seen] == ["/pause?mode=abort", "/collective_rpc", "/resume"]
 
 
+def test_vllm_sync_resumes_when_the_pause_itself_times_out(
+    fake: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pause that times out may still take effect on the server: the resume is sent regardless
+    (it used to be sent only once the pause had answered, leaving such a server paused)."""
+    import asyncflow.engines.server_sync as sync
+
+    async def pause_times_out(method: str, url: str, body: Any, **kw: Any) -> Any:
+        if "/pause" in url:
+            raise WaitTimeout("timed out after 0.1 s waiting for /pause")
+        return await request_json(method, url, body, **kw)
+
+    monkeypatch.setattr(sync, "request_json", pause_times_out)
+    with pytest.raises(WaitTimeout, match="/pause"):
+        asyncio.run(VLLMSync().load(fake.url, tmp_path, 4, "drain", token=None, timeout=10))
+    assert [p for _, p, _, _ in fake.seen] == ["/resume"]
+
+
 def test_sglang_sync_posts_update_weights_from_disk(fake: FakeServer, tmp_path: Path) -> None:
     fake.replies["/update_weights_from_disk"] = {"success": True, "message": "ok"}
     asyncio.run(SGLangSync().load(fake.url, tmp_path, 7, "abort", token=None, timeout=10))

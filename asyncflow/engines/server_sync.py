@@ -64,8 +64,8 @@ class VLLMSync(WeightSync):
 
     async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
                    token: str | None, timeout: float) -> None:
-        await request_json("POST", f"{base_url}/pause?mode={self.PAUSE_MODES[mode]}", {}, token=token, timeout=timeout)
-        try:
+        try:  # (from before the pause: a pause that times out or is cancelled may still take effect)
+            await request_json("POST", f"{base_url}/pause?mode={self.PAUSE_MODES[mode]}", {}, token=token, timeout=timeout)
             await request_json("POST", f"{base_url}/collective_rpc",
                                {"method": "reload_weights", "timeout": timeout}, token=token, timeout=timeout)
         finally:
