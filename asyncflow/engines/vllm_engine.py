@@ -26,6 +26,7 @@ Never run here: this machine has no GPU and no vLLM (docs/engines.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import shutil
@@ -186,15 +187,17 @@ class VLLMEngine(InferenceEngine):
         start = time.monotonic()
         path = os.path.join(self._dir, f"v{version}.safetensors")
         # tied weights share storage, which safetensors refuses: each tensor gets its own copy
-        await asyncio.to_thread(save_file, {k: v.detach().contiguous().clone() for k, v in state.items()}, path)
+        save = asyncio.ensure_future(
+            asyncio.to_thread(save_file, {k: v.detach().contiguous().clone() for k, v in state.items()}, path))
         try:
+            await asyncio.shield(save)  # (a load cancelled meanwhile still learns when the file is complete)
             if mode == "swap":
                 await self._rpc_load(path, version)
                 return time.monotonic() - start
             self._admit.clear()
             try:
                 if mode == "abort":
-                    for r in self._running.values():
+                    for r in list(self._running.values()):  # (a request may end during an abort's await)
                         r.restart = True
                         await self.llm.abort(r.request_id)
                 await self._wait_idle(version)
@@ -203,7 +206,10 @@ class VLLMEngine(InferenceEngine):
                 self._admit.set()
             return time.monotonic() - start
         finally:
-            os.remove(path)
+            if save.done():
+                _remove(path)
+            else:  # cancelled while the file is written: remove it once it is (it is hundreds of MB in /dev/shm)
+                save.add_done_callback(lambda _: _remove(path))
 
     async def _rpc_load(self, path: str, version: int) -> None:
         try:
@@ -224,3 +230,8 @@ class VLLMEngine(InferenceEngine):
     async def close(self) -> None:
         self.llm.shutdown()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
