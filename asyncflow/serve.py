@@ -19,6 +19,7 @@ computes, which threads do well.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import http.server
 import ipaddress
@@ -199,12 +200,15 @@ class OpenAIServer:
                 req = GenRequest(uid, ids, params["max_tokens"], params["temperature"], params["top_p"], params["top_k"])
                 futures.append((index, self.engine.submit(req)))
         results = []
-        for index, fut in futures:
-            try:
+        try:
+            for index, fut in futures:
                 results.append((index, fut.result(timeout=max(0.0, deadline - time.monotonic()))))
-            except TimeoutError:
-                raise RequestError(f"generation timed out after {self.request_timeout_s:g} s", status=504,
-                                   kind="timeout") from None
+        except TimeoutError:
+            raise RequestError(f"generation timed out after {self.request_timeout_s:g} s", status=504,
+                               kind="timeout") from None
+        finally:  # a request that failed or timed out: its other choices are abandoned, not decoded on
+            for _, fut in futures:
+                fut.cancel()
         return results
 
     def _wait_unpaused(self, deadline: float) -> None:
@@ -378,13 +382,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body = self.rfile.read(length) if length else b""
             status, reply = self.server.app.handle(method, self.path, headers, body)
         data = json.dumps(reply).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
         self.close_connection = True
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client left before its answer
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass  # one line per request would drown the useful output

@@ -139,6 +139,29 @@ def test_concurrent_requests_are_batched_not_served_one_by_one(server: Server) -
     assert steps > 0 and rows / steps > 1.0
 
 
+def test_a_timed_out_request_is_abandoned_not_decoded_to_its_end(server: Server) -> None:
+    """A 504 cancels the request's choices in the engine: they leave the batch at the next step
+    instead of decoding to `max_tokens` for nobody."""
+    import time
+
+    engine = server.app.engine
+    engine.eos = torch.tensor([], dtype=torch.long)  # no early stop: each choice would run 25 steps
+    original = engine._decode_step
+
+    def slow() -> None:
+        time.sleep(0.1)
+        original()
+
+    engine._decode_step = slow
+    server.app.request_timeout_s = 0.3
+    status, reply = call(f"{server.url}/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 25, "n": 4})
+    assert status == 504 and "timed out" in reply["error"]["message"]
+    deadline = time.monotonic() + 1.5  # without the cancel, the 4 rows stay ~2 s more
+    while engine.load() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.load() == 0
+
+
 def test_pause_holds_new_requests_until_resume(server: Server) -> None:
     assert call(f"{server.url}/admin/pause", {})[1] == {"paused": True}
     assert call(f"{server.url}/admin/version")[1]["paused"] is True
