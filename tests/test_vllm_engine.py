@@ -1,10 +1,17 @@
-"""The in-process vLLM engine: importable without vLLM; generation and weight loading need vLLM and a GPU."""
+"""The in-process vLLM engine: importable without vLLM; its cancel and abort paths against a fake AsyncLLM; generation and weight loading on vLLM itself need vLLM and a GPU."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import sys
+import time
+import types
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +28,86 @@ def test_module_imports_without_vllm_and_names_its_worker_extension() -> None:
 
     module, _, name = vllm_engine.EXTENSION.rpartition(".")
     assert module == vllm_engine.__name__ and hasattr(vllm_engine, name)
+
+
+class _FakeLLM:
+    """The slice of vLLM's AsyncLLM the engine uses: token-by-token DELTA outputs, abort, rpc."""
+
+    def __init__(self) -> None:
+        self.aborted: set[str] = set()
+
+    async def generate(self, prompt: Any, params: Any, rid: str) -> Any:
+        for i in range(params.max_tokens):
+            await asyncio.sleep(0.001 * (1 + int(rid.split("-")[0]) % 7))
+            if rid in self.aborted:
+                yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], logprobs=[], finish_reason="abort")],
+                                      finished=True)
+                return
+            last = i == params.max_tokens - 1
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5], logprobs=[{5: SimpleNamespace(logprob=-1.0)}],
+                                                           finish_reason="length" if last else None)], finished=last)
+
+    async def abort(self, rid: str) -> None:
+        await asyncio.sleep(0.002)
+        self.aborted.add(rid)
+
+    async def collective_rpc(self, name: str, args: Any) -> None:
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture()
+def fake_vllm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
+    """A `VLLMEngine` around `_FakeLLM`, with the three vLLM modules it imports faked (vLLM is not
+    installed here), and `save_file` slowed for a tensor named "slow", so that a load can be cancelled
+    mid-write."""
+    from asyncflow.engines.vllm_engine import VLLMEngine
+
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda **kw: SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    sampling = types.ModuleType("vllm.sampling_params")
+    sampling.RequestOutputKind = SimpleNamespace(DELTA=1)  # type: ignore[attr-defined]
+    for name, module in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.sampling_params", sampling)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+    def slow_save(tensors: Any, path: str) -> None:
+        time.sleep(0.3 if "slow" in tensors else 0.0)
+        Path(path).write_bytes(b"weights")
+
+    monkeypatch.setattr("safetensors.torch.save_file", slow_save)
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine._setup(_FakeLLM(), 64, 30.0)
+    engine._dir = str(tmp_path)
+    yield engine
+
+
+def test_a_load_cancelled_while_its_weights_are_written_removes_the_file(fake_vllm: Any) -> None:
+    """The weights file (hundreds of MB in /dev/shm) used to stay when the load was cancelled during
+    the write: the cleanup ran before the writing thread had created it."""
+    async def main() -> None:
+        load = asyncio.ensure_future(fake_vllm.load_weights({"slow": torch.zeros(4)}, 1, "swap"))
+        await asyncio.sleep(0.05)
+        load.cancel()
+        await asyncio.sleep(0.6)  # the write ends at 0.3 s
+
+    asyncio.run(main())
+    assert os.listdir(fake_vllm._dir) == []
+
+
+def test_an_abort_load_survives_requests_ending_while_it_aborts(fake_vllm: Any) -> None:
+    from asyncflow.engines.base import GenRequest
+
+    async def main() -> list[Any]:
+        gens = [asyncio.ensure_future(fake_vllm.generate(GenRequest(i, [1], 3 + i % 5, 1.0))) for i in range(40)]
+        await asyncio.sleep(0.004)
+        await fake_vllm.load_weights({"w": torch.zeros(4)}, 1, "abort")  # ~80 ms of aborts: most end meanwhile
+        return await asyncio.gather(*gens)
+
+    results = asyncio.run(main())
+    assert fake_vllm.version == 1 and os.listdir(fake_vllm._dir) == []
+    # every request still ends with all its tokens (aborted ones are resubmitted with the tokens so far)
+    assert [len(r.response_ids) for r in results] == [3 + i % 5 for i in range(40)]
 
 
 def _hf_logprobs(model_dir: Path, prompt: list[int], response: list[int], temperature: float) -> list[float]:

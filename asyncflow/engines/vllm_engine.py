@@ -91,7 +91,11 @@ class VLLMEngine(InferenceEngine):
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
             enable_prefix_caching=False, logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
         )
-        self.llm: Any = AsyncLLM.from_engine_args(args)
+        self._setup(AsyncLLM.from_engine_args(args), max_batch, timeout_s)
+
+    def _setup(self, llm: Any, max_batch: int, timeout_s: float) -> None:
+        """The engine's state around an `AsyncLLM` (tests build one around a fake)."""
+        self.llm: Any = llm
         self.version = 0
         self._capacity = max_batch
         self._timeout = timeout_s
