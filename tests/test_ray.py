@@ -174,6 +174,42 @@ def _slow_rollout_worker(model):
     return SlowRolloutWorker
 
 
+def test_a_cancelled_remote_request_is_cancelled_in_the_actor_too(ray_session, tiny_model) -> None:
+    """Cancelling the driver's await of a Ray call does not stop the actor's task: the request
+    decoded to its end for nobody, holding a batch slot. `RemoteEngine` now cancels the call."""
+    import asyncio
+    import time
+
+    ray = ray_session
+    from asyncflow.runtime.ray_runtime import RemoteEngine
+
+    actor = ray.remote(_slow_rollout_worker(tiny_model)).options(num_cpus=0, max_concurrency=100).remote(tiny_model)
+    engine = RemoteEngine(actor, capacity=16, timeout_s=60)
+    ray.get(actor.__ray_ready__.remote(), timeout=120)
+
+    async def scenario() -> tuple[float, float]:
+        running = [asyncio.ensure_future(engine.generate(GenRequest(i, [3 + i, 4, 5], 120, 1.0))) for i in range(2)]
+        for _ in range(500):
+            if (await actor.stats.remote())["load"] == 2:
+                break
+            await asyncio.sleep(0.01)
+        before = (await actor.stats.remote())["load"]
+        for task in running:
+            task.cancel()
+        deadline = time.monotonic() + 0.6  # uncancelled, the two would decode >1.1 s more (120 steps of 10 ms)
+        load = before
+        while load and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            load = (await actor.stats.remote())["load"]
+        return before, load
+
+    try:
+        before, after = asyncio.run(scenario())
+    finally:
+        ray.kill(actor)
+    assert before == 2 and after == 0
+
+
 @pytest.mark.parametrize("mode", ["swap", "drain", "abort"])
 def test_weight_modes_through_the_object_store_keep_versions_right(ray_session, tiny_model, mode: str) -> None:
     import asyncio

@@ -430,10 +430,17 @@ class RemoteEngine(InferenceEngine):
         while True:
             await self._until_up(what)
             seen = self.incarnation
+            ref = self.handle.generate.remote(request)
             try:
-                result: GenResult = await asyncio.wait_for(self.handle.generate.remote(request), self._timeout)
+                result: GenResult = await asyncio.wait_for(ref, self._timeout)
                 return result
-            except asyncio.TimeoutError:
+            except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+                # abandoned (timed out, or its caller cancelled): cancelling here does not reach the
+                # actor's task, which would decode to its end for nobody
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
                 raise WaitTimeout(f"timed out after {self._timeout:.0f} s waiting for {self.name} to {what}") from None
             except ray.exceptions.RayTaskError:
                 raise
