@@ -192,21 +192,22 @@ class OpenAIServer:
                                    f"model's context of {self.max_context} tokens", param="max_tokens")
         self._wait_unpaused(deadline)
         futures = []
-        for index, ids in enumerate(prompts):
-            for _ in range(params["n"]):
-                with self._gate:
-                    self._uid += 1
-                    uid = self._uid
-                req = GenRequest(uid, ids, params["max_tokens"], params["temperature"], params["top_p"], params["top_k"])
-                futures.append((index, self.engine.submit(req)))
         results = []
         try:
+            for index, ids in enumerate(prompts):
+                for _ in range(params["n"]):
+                    with self._gate:
+                        self._uid += 1
+                        uid = self._uid
+                    req = GenRequest(uid, ids, params["max_tokens"], params["temperature"], params["top_p"],
+                                     params["top_k"])
+                    futures.append((index, self.engine.submit(req)))
             for index, fut in futures:
                 results.append((index, fut.result(timeout=max(0.0, deadline - time.monotonic()))))
         except TimeoutError:
             raise RequestError(f"generation timed out after {self.request_timeout_s:g} s", status=504,
                                kind="timeout") from None
-        finally:  # a request that failed or timed out: its other choices are abandoned, not decoded on
+        finally:  # a request that failed or timed out (or could not submit them all): its other choices are abandoned
             for _, fut in futures:
                 fut.cancel()
         return results

@@ -116,6 +116,16 @@ def test_vllm_sync_resumes_when_the_pause_itself_times_out(
     assert [p for _, p, _, _ in fake.seen] == ["/resume"]
 
 
+def test_vllm_sync_reports_the_pause_error_when_the_resume_fails_too(fake: FakeServer, tmp_path: Path) -> None:
+    fake.statuses["/pause"] = 404  # e.g. a server started without VLLM_SERVER_DEV_MODE
+    fake.replies["/pause"] = {"detail": "pause route not found"}
+    fake.statuses["/resume"] = 404
+    fake.replies["/resume"] = {"detail": "resume route not found"}
+    with pytest.raises(HTTPError, match="pause route not found"):
+        asyncio.run(VLLMSync().load(fake.url, tmp_path, 4, "swap", token=None, timeout=10))
+    assert [p for _, p, _, _ in fake.seen] == ["/pause?mode=keep", "/resume"]
+
+
 def test_sglang_sync_posts_update_weights_from_disk(fake: FakeServer, tmp_path: Path) -> None:
     fake.replies["/update_weights_from_disk"] = {"success": True, "message": "ok"}
     asyncio.run(SGLangSync().load(fake.url, tmp_path, 7, "abort", token=None, timeout=10))

@@ -78,6 +78,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
     monkeypatch.setattr("safetensors.torch.save_file", slow_save)
     engine = VLLMEngine.__new__(VLLMEngine)
     engine._setup(_FakeLLM(), 64, 30.0)
+    os.rmdir(engine._dir)  # (made by _setup, in /dev/shm)
     engine._dir = str(tmp_path)
     yield engine
 

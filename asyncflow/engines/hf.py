@@ -376,11 +376,9 @@ class HFEngine(InferenceEngine):
             else:
                 with contextlib.suppress(cf.InvalidStateError):  # cancelled by the caller meanwhile
                     row.future.set_exception(exc)
-        if pending is not None and not pending.done.done():
-            if exc is None:
-                pending.done.set_exception(RuntimeError(f"engine {self.name} closed before loading weights"))
-            else:
-                pending.done.set_exception(exc)
+        if pending is not None:
+            with contextlib.suppress(cf.InvalidStateError):  # done, or cancelled by the caller meanwhile
+                pending.done.set_exception(exc or RuntimeError(f"engine {self.name} closed before loading weights"))
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:

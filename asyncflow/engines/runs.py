@@ -152,7 +152,7 @@ def concat(parts: Sequence[Sequence[Any]]) -> Sequence[Any]:
 
 def _join(a: Runs, b: Runs) -> Runs:
     """`concat([a, b])` of two `Runs` (an episode's context grows by one such join per turn):
-    2.2 -> 1.0 us here."""
+    2.2 -> 1.7 us here."""
     av, ac, bv, bc = a.values, a.counts, b.values, b.counts
     if av and bv and av[-1] == bv[0]:
         counts = ac + bc[1:]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -64,12 +65,18 @@ class VLLMSync(WeightSync):
 
     async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
                    token: str | None, timeout: float) -> None:
+        async def resume() -> None:
+            await request_json("POST", f"{base_url}/resume", {}, token=token, timeout=timeout)
+
         try:  # (from before the pause: a pause that times out or is cancelled may still take effect)
             await request_json("POST", f"{base_url}/pause?mode={self.PAUSE_MODES[mode]}", {}, token=token, timeout=timeout)
             await request_json("POST", f"{base_url}/collective_rpc",
                                {"method": "reload_weights", "timeout": timeout}, token=token, timeout=timeout)
-        finally:
-            await request_json("POST", f"{base_url}/resume", {}, token=token, timeout=timeout)
+        except BaseException:
+            with contextlib.suppress(Exception):  # (the first error is the one to report)
+                await resume()
+            raise
+        await resume()
 
 
 class SGLangSync(WeightSync):

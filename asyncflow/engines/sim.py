@@ -300,11 +300,11 @@ class SimEngine(InferenceEngine):
                 self._finish(seq, "cancelled")
 
     def _finish(self, seq: _Seq, reason: str) -> None:
+        self.requests += 1  # (also one its caller abandoned: it ran in the engine all the same)
         if seq.done.done():
             return
         if seq.cancelled:
             self._cancels -= 1
-        self.requests += 1
         n = sum(c for _, c in seq.runs)
         ids = Runs([(FILL, n - 1), (EOS, 1)]) if reason == "stop" else Runs([(FILL, n)])
         seq.done.set_result(GenResult(seq.request.uid, ids, Runs([(-1.0, n)]), Runs(seq.runs),  # type: ignore[arg-type]

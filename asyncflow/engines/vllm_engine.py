@@ -189,7 +189,8 @@ class VLLMEngine(InferenceEngine):
         from safetensors.torch import save_file
 
         start = time.monotonic()
-        path = os.path.join(self._dir, f"v{version}.safetensors")
+        # (a unique name: a cancelled load of the same version may still be writing its file)
+        path = os.path.join(self._dir, f"v{version}-{next(self._ids)}.safetensors")
         # tied weights share storage, which safetensors refuses: each tensor gets its own copy
         save = asyncio.ensure_future(
             asyncio.to_thread(save_file, {k: v.detach().contiguous().clone() for k, v in state.items()}, path))
