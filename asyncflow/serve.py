@@ -24,7 +24,9 @@ import hmac
 import http.server
 import ipaddress
 import json
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -39,6 +41,7 @@ if TYPE_CHECKING:  # torch stays unimported until a server starts: the CLI valid
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_N = 128
+_GONE_POLL_S = 0.25  # while generating, how often a request checks that its client is still connected
 
 
 class RequestError(Exception):
@@ -77,11 +80,15 @@ class OpenAIServer:
         self._paused = False
         self._uid = 0
         self.created = int(time.time())
+        self._local = threading.local()  # per HTTP thread: `gone`, whether its client has left
 
     # ------------------------------------------------------------------ dispatch
 
-    def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
-        """Answer one HTTP request: (status, JSON object). Never raises."""
+    def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes,
+               gone: Callable[[], bool] | None = None) -> tuple[int, dict[str, Any]]:
+        """Answer one HTTP request: (status, JSON object). Never raises. `gone()`: whether the client
+        has disconnected (checked while generating: its requests are then cancelled)."""
+        self._local.gone = gone
         try:
             self._check_auth(headers)
             route = path.split("?", 1)[0].rstrip("/") or "/"
@@ -202,8 +209,19 @@ class OpenAIServer:
                     req = GenRequest(uid, ids, params["max_tokens"], params["temperature"], params["top_p"],
                                      params["top_k"])
                     futures.append((index, self.engine.submit(req)))
+            gone = getattr(self._local, "gone", None)
             for index, fut in futures:
-                results.append((index, fut.result(timeout=max(0.0, deadline - time.monotonic()))))
+                while True:
+                    left = deadline - time.monotonic()
+                    wait = left if gone is None else min(left, _GONE_POLL_S)
+                    try:
+                        results.append((index, fut.result(timeout=max(0.0, wait))))
+                        break
+                    except TimeoutError:
+                        if time.monotonic() >= deadline:
+                            raise
+                        if gone is not None and gone():
+                            raise RequestError("the client disconnected", status=499, kind="client_closed") from None
         except TimeoutError:
             raise RequestError(f"generation timed out after {self.request_timeout_s:g} s", status=504,
                                kind="timeout") from None
@@ -381,7 +399,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                             "param": None, "code": None}}
         else:
             body = self.rfile.read(length) if length else b""
-            status, reply = self.server.app.handle(method, self.path, headers, body)
+            status, reply = self.server.app.handle(method, self.path, headers, body, gone=self._client_gone)
         data = json.dumps(reply).encode()
         self.close_connection = True
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client left before its answer
@@ -391,6 +409,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
+
+    def _client_gone(self) -> bool:
+        """The client closed its connection: its socket reads end-of-file (its request was read whole)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass  # one line per request would drown the useful output

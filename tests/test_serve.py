@@ -162,6 +162,36 @@ def test_a_timed_out_request_is_abandoned_not_decoded_to_its_end(server: Server)
     assert engine.load() == 0
 
 
+def test_a_client_that_disconnects_has_its_requests_cancelled(server: Server) -> None:
+    """A client that closes its connection while its choices decode (a killed rollout worker, a
+    client-side timeout): the server notices within `_GONE_POLL_S` and cancels them."""
+    import socket
+    import time
+
+    engine = server.app.engine
+    engine.eos = torch.tensor([], dtype=torch.long)  # no early stop: each choice would run 25 steps
+    original = engine._decode_step
+
+    def slow() -> None:
+        time.sleep(0.1)
+        original()
+
+    engine._decode_step = slow
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 25, "n": 4}).encode()
+    host, port = server.http.server_address[:2]
+    with socket.create_connection((host, port), timeout=30) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 30
+        while engine.load() < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.load() == 4
+    deadline = time.monotonic() + 1.2  # uncancelled, the 4 rows would decode ~2 s more
+    while engine.load() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.load() == 0
+
+
 def test_pause_holds_new_requests_until_resume(server: Server) -> None:
     assert call(f"{server.url}/admin/pause", {})[1] == {"paused": True}
     assert call(f"{server.url}/admin/version")[1]["paused"] is True
