@@ -413,8 +413,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _client_gone(self) -> bool:
         """The client closed its connection: its socket reads end-of-file (its request was read whole)."""
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            if hasattr(select, "poll"):  # (select.select fails on descriptors past 1024: a busy server has those)
+                poller = select.poll()
+                poller.register(self.connection, select.POLLIN)
+                if not poller.poll(0):
+                    return False
+            elif not select.select([self.connection], [], [], 0)[0]:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""  # readable: data, or end-of-file
         except OSError:
             return True
 
