@@ -139,13 +139,13 @@ def test_concurrent_requests_are_batched_not_served_one_by_one(server: Server) -
     assert steps > 0 and rows / steps > 1.0
 
 
-def test_a_timed_out_request_is_abandoned_not_decoded_to_its_end(server: Server) -> None:
-    """A 504 cancels the request's choices in the engine: they leave the batch at the next step
-    instead of decoding to `max_tokens` for nobody."""
+def _slow_without_eos(server: Server) -> Any:
+    """The server's engine, made to decode 0.1 s a step and never stop at EOS (a 25-token choice
+    then takes ~2.5 s), so a test can tell cancelled choices from ones left to decode."""
     import time
 
     engine = server.app.engine
-    engine.eos = torch.tensor([], dtype=torch.long)  # no early stop: each choice would run 25 steps
+    engine.eos = torch.tensor([], dtype=torch.long)
     original = engine._decode_step
 
     def slow() -> None:
@@ -153,6 +153,15 @@ def test_a_timed_out_request_is_abandoned_not_decoded_to_its_end(server: Server)
         original()
 
     engine._decode_step = slow
+    return engine
+
+
+def test_a_timed_out_request_is_abandoned_not_decoded_to_its_end(server: Server) -> None:
+    """A 504 cancels the request's choices in the engine: they leave the batch at the next step
+    instead of decoding to `max_tokens` for nobody."""
+    import time
+
+    engine = _slow_without_eos(server)
     server.app.request_timeout_s = 0.3
     status, reply = call(f"{server.url}/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 25, "n": 4})
     assert status == 504 and "timed out" in reply["error"]["message"]
@@ -168,15 +177,7 @@ def test_a_client_that_disconnects_has_its_requests_cancelled(server: Server) ->
     import socket
     import time
 
-    engine = server.app.engine
-    engine.eos = torch.tensor([], dtype=torch.long)  # no early stop: each choice would run 25 steps
-    original = engine._decode_step
-
-    def slow() -> None:
-        time.sleep(0.1)
-        original()
-
-    engine._decode_step = slow
+    engine = _slow_without_eos(server)
     body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 25, "n": 4}).encode()
     host, port = server.http.server_address[:2]
     with socket.create_connection((host, port), timeout=30) as client:
