@@ -60,7 +60,6 @@ class InferenceEngine(abc.ABC):
         engine that already resolves a future per request returns that future directly."""
         return asyncio.ensure_future(self.generate(request))
 
-
     @abc.abstractmethod
     async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
         """Load new weights as `version`. Returns seconds until they were in use."""

@@ -146,7 +146,7 @@ class HFEngine(InferenceEngine):
         return row.future
 
     async def generate(self, request: GenRequest) -> GenResult:
-        return await asyncio.wrap_future(self.submit(request))
+        return await self.start_generate(request)
 
     def start_generate(self, request: GenRequest) -> asyncio.Future[GenResult]:
         """The request's own future (no task per request); cancelling it cancels the request's

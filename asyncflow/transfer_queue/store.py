@@ -1108,28 +1108,28 @@ class TransferQueue:
         stages, samples = self._stages, self._samples
         for uid in g.uids:
             s = samples.pop(uid)
-            if s.avail:
-                for st in stages.values():
-                    if s.avail & st.bit:
-                        st.depth -= 1
-            for name in s.taken:
-                stages[name].leased -= 1
+            self._uncount(s)
             if self._on_remove is not None:
                 self._on_remove(s.fields)
         for name, n in g.avail.items():
             stages[name].depth -= n  # the group's offer ends (its heap entries go stale)
         del self._groups[gid]
 
-    def _remove_one(self, uid: int) -> bool:
-        s = self._samples.pop(uid, None)
-        if s is None:
-            return False
+    def _uncount(self, s: _Sample) -> None:
+        """A removed sample leaves the depth of the sample stages it was available to and the leased
+        count of the stages holding it."""
         if s.avail:
             for st in self._stages.values():
                 if s.avail & st.bit:
                     st.depth -= 1
         for name in s.taken:
             self._stages[name].leased -= 1
+
+    def _remove_one(self, uid: int) -> bool:
+        s = self._samples.pop(uid, None)
+        if s is None:
+            return False
+        self._uncount(s)
         g = self._groups[s.group_id]
         g.uids.remove(uid)
         g.removed += 1
