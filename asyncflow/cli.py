@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from asyncflow.errors import RunFailed, UserError
+from asyncflow.errors import RunFailed, UserError, WaitTimeout
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,7 +23,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _default_out(prefix: str) -> Path:
-    return Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """`runs/PREFIX-TIMESTAMP`, or with `-2`, `-3`, ... when a run started in the same second already
+    has that name (the run folder then claims its name atomically: see `runner.RunFolder`)."""
+    base = Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -72,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as exc:  # a worker died or a remote stage failed: not bad input, so exit 1
         print(f"asyncflow: error: {_one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
+    except WaitTimeout as exc:  # a bounded wait ran out (its message names what it waited for): exit 1
+        print(f"asyncflow: error: {_one_line(str(exc))}", file=sys.stderr)
+        return RunFailed.exit_code
     except KeyboardInterrupt:
         print("asyncflow: interrupted", file=sys.stderr)
         return 130
@@ -119,6 +129,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         if args.task not in TASK_NAMES:
             raise UserError(f"prepare: unknown task {args.task!r}; known: {', '.join(TASK_NAMES)}")
+        from asyncflow.runner import check_folder_path
+
+        check_folder_path(args.out, "--out")
         if args.out.exists() and any(args.out.iterdir()):
             raise UserError(f"--out: {args.out} exists and is not empty")
         out = importlib.import_module(f"asyncflow.tasks.{args.task}").prepare(args.out, seed=args.seed, log=print)

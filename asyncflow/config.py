@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -369,7 +370,8 @@ class Config:
     """The whole run."""
 
     task: str | None = _f("arith", "Built-in task pack supplying what is not given (model, data, reward, defaults).")
-    seed: int = _f(0, "Seed for data order, sampling and initialisation.")
+    seed: int = _f(0, "Seed for data order, sampling and initialisation (0 to 2^31-1: seeds derived from it must fit "
+                   "the 64-bit seeds of torch and the engines).", lo=0, hi=2**31 - 1)
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": ModelConfig.__doc__})
     dataset: DatasetConfig = field(default_factory=DatasetConfig, metadata={"doc": DatasetConfig.__doc__})
     reward: RewardConfig = field(default_factory=RewardConfig, metadata={"doc": RewardConfig.__doc__})
@@ -428,13 +430,34 @@ def parse_set(items: list[str]) -> dict[str, Any]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is an error: the plain loader keeps
+    the last one without a word, and a config never ignores what it was given."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one section", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file into a dict, with clear errors."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: config file not found")
     try:
-        data = yaml.safe_load(p.read_text())
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read the config file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -562,14 +585,20 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return value
         raise UserError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads `3e-4` (no dot) as a string: accept what is clearly a number
+            number = float(value)
+        elif isinstance(value, str):  # PyYAML reads `3e-4` (no dot) as a string: accept what is clearly a number
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
-                pass
-        raise UserError(f"{key}: expected a number, got {value!r}")
+                number = None
+        if number is None:
+            raise UserError(f"{key}: expected a number, got {value!r}")
+        # nan passes every bound (nan < lo is False) and an infinite timeout is no timeout: no key takes either
+        if not math.isfinite(number):
+            raise UserError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

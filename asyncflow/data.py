@@ -39,8 +39,12 @@ def read_rows(path: str | Path, *, key: str = "dataset.path") -> list[dict[str, 
 
 def _read_jsonl(p: Path) -> list[dict[str, Any]]:
     rows = []
-    with p.open() as fh:
-        for lineno, line in enumerate(fh, 1):
+    with p.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{p}:{lineno}: not UTF-8 text (byte {exc.start} of the line: {exc.reason})") from None
             if not line.strip():
                 continue
             try:
@@ -77,8 +81,26 @@ def check_columns(rows: list[dict[str, Any]], path: str, prompt_key: str, label_
         prompt = row[prompt_key]
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not all(isinstance(m, dict) for m in prompt)):
             raise UserError(f"{path}: row {i} column {prompt_key!r} must be text or a list of chat messages")
+        if not prompt:  # an empty prompt has no token to condition on: generation cannot start from it
+            raise UserError(f"{path}: row {i} column {prompt_key!r} is empty")
+        if isinstance(prompt, list):
+            for j, m in enumerate(prompt):
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise UserError(f"{path}: row {i} column {prompt_key!r} message {j} needs a text 'role' and "
+                                    f"'content'; it has keys {sorted(m)}")
         if label_key is not None and label_key not in row:
             raise UserError(f"{path}: row {i} has no column {label_key!r} (dataset.label_key); columns: {sorted(row)}")
+
+
+def check_chat_prompts(rows: list[dict[str, Any]], path: str, prompt_key: str, tokenizer: Any) -> None:
+    """Conversational rows need the tokenizer's chat template: refused before the run starts (the
+    template is applied only when a prompt is first tokenized, after the run folder exists)."""
+    if getattr(tokenizer, "chat_template", None) is not None:
+        return
+    for i, row in enumerate(rows):
+        if isinstance(row[prompt_key], list):
+            raise UserError(f"{path}: row {i} is a chat conversation, but the tokenizer (model.path) has no chat "
+                            "template; give text prompts or a model folder whose tokenizer has one")
 
 
 def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:

@@ -18,16 +18,27 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.config import Config, dump_yaml, episodic
-from asyncflow.errors import RunFailed, UserError
+from asyncflow.errors import RunFailed, UserError, WaitTimeout
 
 RUN_MARKERS = ("config.yaml", "metrics.jsonl")
+
+
+def check_folder_path(path: Path, key: str) -> None:
+    """Refuse a folder path that is a file, or that lies under one (mkdir would fail there only after
+    minutes of work, with a traceback)."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{key}: {path} is a file, not a folder")
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{key}: {path} lies under {parent}, which is a file")
+            return
 
 
 def check_out_dir(out: Path, cfg: Config) -> Any:
     """Refuse an --out folder that already holds a run (resume is explicit), or that is a file.
     With `checkpoint.resume: auto`, the checkpoint to continue from (None: start fresh)."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out: {out} is a file, not a folder")
+    check_folder_path(out, "--out")
     if out.exists() and any((out / m).exists() for m in RUN_MARKERS):
         if cfg.checkpoint.resume == "auto":
             from asyncflow.checkpoint import find_resume
@@ -45,6 +56,8 @@ class Inputs:
     train_rows: list[dict[str, Any]]
     eval_rows: list[dict[str, Any]]
     reward_fn_path: str
+    train_path: str = ""  # where the rows came from (for messages)
+    eval_path: str = ""
 
 
 def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
@@ -65,6 +78,8 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
         model_dir = check_model_dir(cfg.model.path)
     else:
         assert task is not None
+        if cfg.model.cache_dir is not None:
+            check_folder_path(Path(cfg.model.cache_dir), "model.cache_dir")
         model_dir = task.prepare(cfg.model.cache_dir, seed=cfg.seed, log=log)
     if cfg.dataset.path is not None:
         data_path = cfg.dataset.path
@@ -72,11 +87,14 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
         data_path = str(model_dir / "train.jsonl")
     rows = read_rows(data_path)
     check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key)
+    eval_path = str(data_path)
     if cfg.eval.path is not None:
+        eval_path = cfg.eval.path
         eval_rows = read_rows(cfg.eval.path, key="eval.path")
         check_columns(eval_rows, cfg.eval.path, cfg.dataset.prompt_key, cfg.dataset.label_key)
     elif cfg.dataset.path is None and (model_dir / "eval.jsonl").is_file():
-        eval_rows = read_rows(model_dir / "eval.jsonl", key="eval.path")
+        eval_path = str(model_dir / "eval.jsonl")
+        eval_rows = read_rows(eval_path, key="eval.path")
     else:  # a held-out slice of the dataset, at most 10% of it
         rng = random.Random(cfg.seed + 1)
         idx = list(range(len(rows)))
@@ -86,7 +104,7 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
         eval_rows = [rows[i] for i in sorted(held)]
         rows = [r for i, r in enumerate(rows) if i not in held]
     reward_path = cfg.reward.fn or (task.reward_fn_path if task is not None else "")
-    return Inputs(model_dir, rows, eval_rows[: cfg.eval.size], reward_path)
+    return Inputs(model_dir, rows, eval_rows[: cfg.eval.size], reward_path, str(data_path), eval_path)
 
 
 def load_tokenizer(model_dir: Path, log: Callable[[str], None] | None = None) -> Any:
@@ -153,22 +171,31 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
 
             load_agent(cfg.rollout.agent)
         hf_tok = load_tokenizer(inputs.model_dir, log=progress.message)
+        from asyncflow.data import check_chat_prompts
+
+        check_chat_prompts(inputs.train_rows, inputs.train_path, cfg.dataset.prompt_key, hf_tok)
+        check_chat_prompts(inputs.eval_rows, inputs.eval_path, cfg.dataset.prompt_key, hf_tok)
+        env_factory = None
+        if cfg.rollout.env is not None:  # an environment plugin that cannot be imported is bad input too
+            from asyncflow.envs import make_env_factory
+
+            env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s,
+                                           max_turns=cfg.rollout.max_turns)
         from asyncflow.model_folder import check_weights_match_config
 
         check_weights_match_config(inputs.model_dir if resume is None else resume.path)
         if resume is not None:
-            from asyncflow.checkpoint import cut_logs
-
             changed = resume.changed
             progress.message(f"[asyncflow] resuming from {resume.path} (step {resume.step}, policy version "
                              f"{resume.version})" + (f"; changed settings: {', '.join(changed)}" if changed else ""))
-            cut_logs(out, resume.state["logs"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(dump_yaml(cfg))
+        folder = RunFolder(out, cfg, resume)
         try:
-            return asyncio.run(_train(cfg, out, progress, inputs, reward_fn, hf_tok, resume))
+            return asyncio.run(_train(cfg, folder, progress, inputs, reward_fn, hf_tok, resume, env_factory))
         except UserError:
-            raise  # bad input found during the run (e.g. a reward function that always fails): one line, no hint
+            folder.abandon()  # bad input found after the folder was written (e.g. an unreachable server)
+            raise  # one line, no hint
+        except WaitTimeout as exc:  # a bounded wait ran out: one line with the key that bounds it
+            raise RunFailed(f"{exc}; {_resume_hint(out)}") from exc
         except RunFailed as exc:  # a worker the run needs died: say where it can go on from
             raise type(exc)(f"{exc}; {_resume_hint(out)}") from exc
         except Exception:
@@ -176,6 +203,58 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
             raise
     finally:
         progress.close()
+
+
+class RunFolder:
+    """The run folder, written only once the run is built, so that bad input found while building it
+    (an unreachable server, a model the engine cannot load) never leaves a half-made run that a
+    retry would refuse, and a resume that fails to build has not yet cut the logs back.
+
+    `open()` (idempotent) cuts a resumed run's logs back to its checkpoint and writes `config.yaml`;
+    a fresh run claims the folder by creating `config.yaml` exclusively, so two runs started at once
+    into one folder cannot both write there. `abandon()`: a fresh run that ends with bad input before
+    its first train step removes the files it made (there is nothing in them to keep)."""
+
+    def __init__(self, out: Path, cfg: Config, resume: Any) -> None:
+        self.out, self.cfg, self.resume = out, cfg, resume
+        self.opened = False
+        self._created_dir = False
+
+    def open(self) -> Path:
+        if self.opened:
+            return self.out
+        out = self.out
+        if self.resume is not None:
+            from asyncflow.checkpoint import cut_logs
+
+            cut_logs(out, self.resume.state["logs"])
+            (out / "config.yaml").write_text(dump_yaml(self.cfg))
+        else:
+            self._created_dir = not out.exists()
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+                with (out / "config.yaml").open("x") as fh:
+                    fh.write(dump_yaml(self.cfg))
+            except FileExistsError:
+                raise UserError(f"--out: another run started in {out} meanwhile; choose another folder") from None
+            except OSError as exc:
+                raise UserError(f"--out: cannot create {out}: {exc.strerror or exc}") from None
+        self.opened = True
+        return out
+
+    def abandon(self) -> None:
+        if not self.opened or self.resume is not None:
+            return
+        metrics = self.out / "metrics.jsonl"
+        try:
+            if metrics.is_file() and '"kind": "train"' in metrics.read_text():
+                return  # it trained: what it logged is kept
+            for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json"):
+                (self.out / name).unlink(missing_ok=True)
+            if self._created_dir and not any(self.out.iterdir()):
+                self.out.rmdir()
+        except OSError:
+            pass  # best effort: the error being raised is the one to show
 
 
 def _resume_hint(out: Path) -> str:
@@ -188,8 +267,8 @@ def _resume_hint(out: Path) -> str:
             f"--set checkpoint.resume=auto")
 
 
-async def _train(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any,
-                 resume: Any = None) -> dict[str, Any]:
+async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any,
+                 resume: Any = None, env_factory: Any = None) -> dict[str, Any]:
     import torch
 
     from asyncflow.workflow.pipeline import Tokenizer
@@ -205,9 +284,11 @@ async def _train(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_f
     workers: Any = None
     engines: list[Any]
     trainer: Any
+    out = folder.out
     if cfg.runtime.kind == "ray":
         from asyncflow.runtime.ray_runtime import RayWorkers
 
+        folder.open()  # the actors are given the folder
         workers = RayWorkers.start(cfg, policy_dir, inputs.train_rows, out, inputs.reward_fn_path,
                                    torch_threads(cfg), log=progress.message, version=version)
         engines, trainer = list(workers.engines), workers.trainer
@@ -230,7 +311,8 @@ async def _train(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_f
         trainer.load_optimizer(str(resume.path))
         restore_rng(resume.path)
     try:
-        return await _run(cfg, out, progress, inputs, reward_fn, hf_tok, tok, trainer, engines, workers, resume)
+        return await _run(cfg, folder, progress, inputs, reward_fn, hf_tok, tok, trainer, engines, workers, resume,
+                          env_factory)
     finally:
         if workers is not None:
             workers.shutdown()
@@ -292,8 +374,9 @@ def loss_settings(cfg: Config) -> Any:
     )
 
 
-async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any, tok: Any,
-               trainer: Any, engines: list[Any], workers: Any, resume: Any = None) -> dict[str, Any]:
+async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any, tok: Any,
+               trainer: Any, engines: list[Any], workers: Any, resume: Any = None,
+               env_factory: Any = None) -> dict[str, Any]:
     import torch
 
     from asyncflow.algorithms.losses import make_loss_fn
@@ -317,16 +400,12 @@ async def _run(cfg: Config, out: Path, progress: Any, inputs: Inputs, reward_fn:
     from asyncflow.config import to_dict
     from asyncflow.telemetry.runlog import make_sinks
 
+    out = folder.open()  # the run is built: from here on it writes its folder
     log = RunLog(out, sinks=make_sinks(out, tensorboard=cfg.logging.tensorboard,
                                        wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
                                        config=to_dict(cfg)))
     clock = RealClock()
     tracer = Tracer(now=clock.now)
-    env_factory = None
-    if cfg.rollout.env is not None:
-        from asyncflow.envs import make_env_factory
-
-        env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s, max_turns=cfg.rollout.max_turns)
     evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock)
     last_eval: dict[str, float]
     if resume is None:

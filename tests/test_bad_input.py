@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,6 +71,11 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "malformed.yaml").write_text("train:\n  lr: [1, 2\n")
     (d / "typo.yaml").write_text("rollout:\n  tempreature: 0.5\n")
     (d / "list.yaml").write_text("- train\n")
+    (d / "empty_prompt.jsonl").write_text('{"prompt": "", "answer": "2"}\n')
+    (d / "bad_message.jsonl").write_text('{"prompt": [{"foo": 1}], "answer": "2"}\n')
+    (d / "latin1.jsonl").write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    (d / "dup.yaml").write_text("train:\n  lr: 0.1\n  lr: 0.2\n")
+    (d / "latin1.yaml").write_bytes(b"seed: 1\n# caf\xe9\n")
     (d / "old_run").mkdir()
     (d / "old_run" / "config.yaml").write_text("seed: 0\n")
     for name, model, data, reward in [
@@ -85,6 +91,9 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("empty_data", "model", "empty.jsonl", "rewards_ok:score"),
         ("bad_line", "model", "bad_line.jsonl", "rewards_ok:score"),
         ("no_prompt", "model", "no_prompt.jsonl", "rewards_ok:score"),
+        ("empty_prompt", "model", "empty_prompt.jsonl", "rewards_ok:score"),
+        ("bad_message", "model", "bad_message.jsonl", "rewards_ok:score"),
+        ("latin1_data", "model", "latin1.jsonl", "rewards_ok:score"),
         ("reward_broken", "model", "good.jsonl", "rewards_broken:score"),
         ("reward_missing_fn", "model", "good.jsonl", "rewards_ok:nope"),
         ("tokenizer", "model", "good.jsonl", "rewards_ok:score"),
@@ -122,6 +131,18 @@ LIGHT_CASES: list[tuple[list[str], str]] = [
     (["train", "no_prompt.yaml"], "no_prompt.jsonl: row 0 has no column 'prompt' (dataset.prompt_key)"),
     (["train", "reward_broken.yaml"], "reward.fn: cannot import module 'rewards_broken': ModuleNotFoundError"),
     (["train", "reward_missing_fn.yaml"], "reward.fn: module 'rewards_ok' has no function 'nope'"),
+    (["train", "empty_prompt.yaml"], "empty_prompt.jsonl: row 0 column 'prompt' is empty"),
+    (["train", "bad_message.yaml"], "bad_message.jsonl: row 0 column 'prompt' message 0 needs a text 'role' and 'content'"),
+    (["train", "latin1_data.yaml"], "latin1.jsonl:2: not UTF-8 text"),
+    (["train", "dup.yaml"], "dup.yaml: line 3: key 'lr' is given twice in one section"),
+    (["train", "latin1.yaml"], "latin1.yaml: not UTF-8 text"),
+    # nan and inf pass every bound (nan < lo is False); an infinite timeout is no timeout
+    (["demo", "--set", "train.lr=nan"], "train.lr: expected a finite number, got 'nan'"),
+    (["demo", "--set", "workflow.step_timeout_s=.inf"], "workflow.step_timeout_s: expected a finite number"),
+    (["demo", "--set", "seed=99999999999999999999999"], "seed: 99999999999999999999999 is above the maximum"),
+    (["demo", "--out", "good.jsonl/run"], "--out: good.jsonl/run lies under"),
+    (["prepare", "arith", "--out", "good.jsonl"], "--out: good.jsonl is a file, not a folder"),
+    (["demo", "--set", "model.cache_dir=good.jsonl"], "model.cache_dir: good.jsonl is a file, not a folder"),
     (["demo", "--out", "old_run"], "--out: old_run already holds a run"),
     (["demo", "--out", "good.jsonl"], "--out: good.jsonl is a file, not a folder"),
 ]
@@ -235,3 +256,79 @@ def test_weights_of_another_model_are_named_before_any_load(tiny_model, tmp_path
     save_file(state, str(partial / "model.safetensors"))
     with pytest.raises(UserError, match=r"has no tensor 'model.norm.weight'"):
         check_weights_match_config(partial)
+
+
+def test_bad_input_found_after_the_folder_is_written_leaves_no_half_made_run(arith_dir: Path, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh run that ends with bad input before its first train step (found only once running:
+    an environment factory that returns no Env, a reward function that always fails) removes the
+    files it wrote, so the same command, fixed, is not refused as "already holds a run"."""
+    from asyncflow.config import load_config
+    from asyncflow.runner import check_out_dir, train
+
+    cfg, _ = load_config(None, [f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=8",
+                                "train.max_steps=1", "logging.progress=false"])
+
+    async def bad_eval(self: Any, step: int) -> Any:
+        raise UserError("rollout.env: 'x:make' returned NoneType, not an asyncflow.envs.Env")
+
+    monkeypatch.setattr("asyncflow.evaluation.Evaluator.run", bad_eval)
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match="returned NoneType"):
+        train(cfg, out, progress_enabled=False)
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="returned NoneType"):
+        train(cfg, kept, progress_enabled=False)
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]  # only what the run made is removed
+    assert check_out_dir(kept, cfg) is None  # the retry is not refused
+
+
+def test_two_runs_cannot_claim_one_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default run folder gets a suffix when a run started in the same second took its name, and
+    a fresh run claims its folder by creating config.yaml exclusively (two runs at once into one
+    folder interleaved their logs and one lost its final model)."""
+    from asyncflow.cli import _default_out
+    from asyncflow.config import Config
+    from asyncflow.runner import RunFolder
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("time.strftime", lambda fmt: "20261123-120000")
+    first = _default_out("train")
+    assert first == Path("runs/train-20261123-120000")
+    first.mkdir(parents=True)
+    assert _default_out("train") == Path("runs/train-20261123-120000-2")
+    a, b = RunFolder(first, Config(), None), RunFolder(first, Config(), None)
+    a.open()
+    with pytest.raises(UserError, match="another run started in .* meanwhile"):
+        b.open()
+
+
+def test_a_timed_out_wait_ends_the_cli_with_one_line_and_exit_1(arith_dir: Path, tmp_path: Path) -> None:
+    """A bounded wait that runs out is not bad input (exit 1), but still one line: what was awaited,
+    the key that bounds it, and where the run can go on from."""
+    (tmp_path / "run.yaml").write_text("seed: 0\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncflow", "train", "--out", str(tmp_path / "run"), str(tmp_path / "run.yaml"),
+         "--set", f"model.path={arith_dir}", "--set", "train.batch_size=8", "--set", "rollout.n=4",
+         "--set", "eval.size=8", "--set", "train.max_steps=2", "--set", "logging.progress=false",
+         "--set", "workflow.step_timeout_s=0.001"],
+        capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("asyncflow: error: timed out after 0.001 s waiting for"), last
+    assert "(workflow.step_timeout_s" in last and "no checkpoint was written" in last
+
+
+def test_chat_prompts_need_a_chat_template_named_with_file_and_row() -> None:
+    from types import SimpleNamespace
+
+    from asyncflow.data import check_chat_prompts
+
+    rows = [{"prompt": "1+1="}, {"prompt": [{"role": "user", "content": "1+1="}]}]
+    check_chat_prompts(rows, "d.jsonl", "prompt", SimpleNamespace(chat_template="{{ x }}"))
+    with pytest.raises(UserError, match=r"d.jsonl: row 1 is a chat conversation, but the tokenizer"):
+        check_chat_prompts(rows, "d.jsonl", "prompt", SimpleNamespace(chat_template=None))

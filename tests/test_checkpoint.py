@@ -160,3 +160,22 @@ def test_resume_refuses_what_it_cannot_continue(arith_dir: Path, tmp_path: Path)
     assert _train(arith_dir, out2, ["train.max_steps=2", "checkpoint.resume=auto"])["samples"] == 64
     # resume=auto on a new folder just starts
     assert _train(arith_dir, tmp_path / "new", ["train.max_steps=1", "checkpoint.resume=auto"])["samples"] == 32
+
+
+def test_a_resume_that_fails_to_build_changes_nothing_in_the_run(arith_dir: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bad input found while a resumed run is being built (here: its rollout engine cannot be made)
+    leaves the folder as it was: the logs are cut back to the checkpoint and config.yaml rewritten
+    only once the run is built (they used to be changed first, losing the logged steps after it)."""
+    out = tmp_path / "run"
+    _train(arith_dir, out, ["train.max_steps=3", "checkpoint.every=2"])
+    before = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "samples.jsonl", "config.yaml")}
+    assert b'"step": 3' in before["metrics.jsonl"]  # a step after the checkpoint, which a resume cuts
+
+    def no_engine(*args: Any, **kwargs: Any) -> Any:
+        raise UserError("rollout.engine: cannot be made here")
+
+    monkeypatch.setattr("asyncflow.runner.make_inference_engine", no_engine)
+    with pytest.raises(UserError, match="cannot be made here"):
+        _train(arith_dir, out, ["train.max_steps=4", "checkpoint.resume=auto"])
+    assert {name: (out / name).read_bytes() for name in before} == before
