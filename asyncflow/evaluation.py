@@ -79,7 +79,17 @@ class Evaluator:
         requests = [
             GenRequest(-(i + 1), ids, self.cfg.rollout.max_new_tokens, temperature=0.0) for i, ids in enumerate(self.prompt_ids)
         ]
-        results = await asyncio.gather(*(self.engine.generate(r) for r in requests))
+        # bounded as rollout requests are: all are submitted at once, so the engine decodes them in
+        # ceil(n / capacity) rounds, each within rollout.request_timeout_s
+        rounds = -(-len(requests) // max(1, int(getattr(self.engine, "capacity", 1) or 1)))
+        try:
+            results = await self.clock.wait_for(
+                asyncio.gather(*(self.engine.generate(r) for r in requests)),
+                self.cfg.rollout.request_timeout_s * max(1, rounds),
+                f"greedy generation of the {len(requests)} eval prompts (rollout.request_timeout_s per round of "
+                "the engine's batch)")
+        except WaitTimeout as exc:  # a stuck engine fails the evaluation, not the run (the run has its own bounds)
+            return [0.0] * len(self.rows), str(exc)
         key = self.cfg.dataset.prompt_key
         completions_ids = [r.response_ids for r in results]
         conversational = bool(self.rows) and isinstance(self.rows[0][key], list)

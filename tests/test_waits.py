@@ -112,3 +112,38 @@ def test_a_reward_call_past_its_limit_marks_its_group_and_the_run_goes_on(tmp_pa
     failed = [r for r in rows if r["status"] == "reward_error"]
     assert failed and all("timed out after 0.5 s waiting for reward function on group(s)" in r["error"] for r in failed)
     assert sum(r["status"] == "trained" for r in rows) == 3 * 16
+
+
+def test_an_eval_whose_generation_never_returns_records_the_timeout(tmp_path: Path) -> None:
+    """Greedy eval generation is bounded like rollout requests (rollout.request_timeout_s per round
+    of the engine's batch): an engine that never answers fails the eval row with the reason, and the
+    run goes on (it used to wait forever)."""
+    from asyncflow.config import load_config
+    from asyncflow.engines.sim import SimEngine
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.runtime.virtual_loop import run_virtual
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+
+    class Tok:
+        hf = staticmethod(lambda text: {"input_ids": [5, 6]})
+
+        def completions(self, ids: Any, conversational: bool) -> list[str]:
+            return ["" for _ in ids]
+
+    hangs = _never_on_uid(-3)  # eval requests have negative uids; the third never ends
+
+    async def main(clock: Any) -> dict[str, Any]:
+        cfg, _ = load_config(None, ["rollout.request_timeout_s=7"])
+        engine = hangs(clock, lengths=lambda rng: 3, capacity=2, seed=0)
+        log = RunLog(tmp_path)
+        try:
+            evaluator = Evaluator(cfg, [{"prompt": str(i), "answer": "1"} for i in range(4)], Tok(),
+                                  lambda prompts, completions, **kw: [1.0] * len(prompts), engine, log,
+                                  Tracer(now=clock.now), clock=clock)
+            return await evaluator.run(step=0)
+        finally:
+            log.close()
+
+    row = run_virtual(main)
+    assert row["eval_accuracy"] == 0.0
+    assert row["eval_error"].startswith("timed out after 14.0 virtual s waiting for greedy generation of the 4 eval")

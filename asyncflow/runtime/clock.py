@@ -41,6 +41,12 @@ class Clock(Protocol):
         ...
 
 
+def seconds_text(t: float) -> str:
+    """A timeout for a message: one decimal ("30.0"), or as many as it needs ("0.01", not "0.0")."""
+    text = f"{t:.1f}"
+    return text if float(text) == t else f"{t:g}"
+
+
 async def bounded(aw: Awaitable[T], timeout: float | None, what: str, unit: str = "s") -> T:
     """Await `aw` with a time limit on the running loop's clock; `WaitTimeout` names `what`.
 
@@ -54,7 +60,7 @@ async def bounded(aw: Awaitable[T], timeout: float | None, what: str, unit: str 
                 return await aw
         return await asyncio.wait_for(aw, timeout)
     except asyncio.TimeoutError as exc:
-        raise WaitTimeout(f"timed out after {timeout:.1f} {unit} waiting for {what}") from exc
+        raise WaitTimeout(f"timed out after {seconds_text(timeout or 0.0)} {unit} waiting for {what}") from exc
 
 
 class RealClock:
@@ -132,7 +138,7 @@ class SweptClock:
             if not w.fired:
                 raise
             _uncancel(task)
-            raise WaitTimeout(f"timed out after {timeout:.1f} {self.unit} waiting for {what}") from None
+            raise WaitTimeout(f"timed out after {seconds_text(timeout)} {self.unit} waiting for {what}") from None
         finally:
             del self._waits[key]
         if w.fired:  # `aw` finished anyway, swallowing our cancel: take it back

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from asyncflow.errors import WaitTimeout
-from asyncflow.runtime.clock import Clock, RealClock
+from asyncflow.runtime.clock import Clock, RealClock, seconds_text
 
 T = TypeVar("T")
 _STATE_FORMAT = 1
@@ -1176,7 +1176,7 @@ class TransferQueue:
     def _timed_out(self, deadline: float | None, timeout: float | None, what: str) -> None:
         if deadline is not None and self._clock.now() >= deadline:
             unit = getattr(self._clock, "unit", "s")  # ("virtual s" on a virtual clock, as `bounded` words it)
-            raise WaitTimeout(f"timed out after {timeout:.1f} {unit} waiting for {what}")
+            raise WaitTimeout(f"timed out after {seconds_text(timeout or 0.0)} {unit} waiting for {what}")
 
     async def _wait_async(
         self,

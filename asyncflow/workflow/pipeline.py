@@ -626,13 +626,16 @@ class Pipeline:
         filtered = 0
         start = self.clock.now()
         while len(groups) < self.groups_per_step:
-            lease = await self.store.take(
-                "train",
-                max(self.n, self.cfg.train.batch_size - have),
-                timeout=self.cfg.workflow.step_timeout_s,
-                min_version=self.gate.min_version(self.version),
-                fields_extra=TRAIN_FIELDS,
-            )
+            try:
+                lease = await self.store.take(
+                    "train",
+                    max(self.n, self.cfg.train.batch_size - have),
+                    timeout=self.cfg.workflow.step_timeout_s,
+                    min_version=self.gate.min_version(self.version),
+                    fields_extra=TRAIN_FIELDS,
+                )
+            except WaitTimeout as exc:  # name the setting that bounds this wait
+                raise WaitTimeout(f"{exc} (workflow.step_timeout_s: the trainer's wait for a batch)") from None
             self._drop_stale(lease)
             for group in _by_group(lease.samples):
                 if any(s.fields.get("finish_reason") == "cancelled" for s in group):
