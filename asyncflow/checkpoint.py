@@ -128,8 +128,14 @@ def find_resume(out: Path, cfg: Any) -> Resume:
         state = json.loads((path / "state.json").read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"checkpoint.resume: cannot read {path / 'state.json'}: {exc}") from None
+    if not isinstance(state, dict):
+        raise UserError(f"checkpoint.resume: {path / 'state.json'} is not a JSON object")
     if state.get("format") != STATE_FORMAT:
         raise UserError(f"checkpoint.resume: {path} has state format {state.get('format')!r}, expected {STATE_FORMAT}")
+    missing = [k for k in ("step", "version", "logs", "eval_history", "counters", "elapsed_s", "next_group_id")
+               if k not in state]
+    if missing:
+        raise UserError(f"checkpoint.resume: {path / 'state.json'} lacks {', '.join(missing)} (a damaged checkpoint)")
     if step >= cfg.train.max_steps:
         raise UserError(
             f"checkpoint.resume: the newest checkpoint ({path}) is at step {step}, and train.max_steps is "

@@ -103,6 +103,10 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
         held = set(idx[:n_eval])
         eval_rows = [rows[i] for i in sorted(held)]
         rows = [r for i, r in enumerate(rows) if i not in held]
+        if not eval_rows:  # under 10 rows: nothing to hold out; evaluate on the training prompts, and say so
+            eval_rows = list(rows)
+            log(f"[asyncflow] note: {data_path} has {len(rows)} rows, too few to hold out an eval set; evaluating "
+                "on the training prompts (give eval.path for a held-out set)")
     reward_path = cfg.reward.fn or (task.reward_fn_path if task is not None else "")
     return Inputs(model_dir, rows, eval_rows[: cfg.eval.size], reward_path, str(data_path), eval_path)
 

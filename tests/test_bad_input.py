@@ -332,3 +332,38 @@ def test_chat_prompts_need_a_chat_template_named_with_file_and_row() -> None:
     check_chat_prompts(rows, "d.jsonl", "prompt", SimpleNamespace(chat_template="{{ x }}"))
     with pytest.raises(UserError, match=r"d.jsonl: row 1 is a chat conversation, but the tokenizer"):
         check_chat_prompts(rows, "d.jsonl", "prompt", SimpleNamespace(chat_template=None))
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ("[1]", "is not a JSON object"),
+    ('{"format": 1}', "lacks step, version, logs, eval_history, counters, elapsed_s, next_group_id"),
+    ('{"format": 1, "step": 2', "cannot read"),
+])
+def test_a_damaged_checkpoint_state_is_refused_with_one_line(tmp_path: Path, body: str, needle: str) -> None:
+    from asyncflow.checkpoint import find_resume
+    from asyncflow.config import Config
+
+    step = tmp_path / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text(body)
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    cfg = Config()
+    cfg.train.max_steps = 5
+    with pytest.raises(UserError, match=needle):
+        find_resume(tmp_path, cfg)
+
+
+def test_a_dataset_too_small_to_hold_out_evaluates_on_its_training_prompts(tmp_path: Path) -> None:
+    """Under 10 rows and no eval.path there is nothing to hold out: the eval set used to be empty
+    (and its rows reported a reward function error); now it is the training prompts, with a note."""
+    from asyncflow.config import load_config
+    from asyncflow.runner import resolve_inputs
+
+    make_model_dir(tmp_path / "model")
+    (tmp_path / "small.jsonl").write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(5)))
+    cfg, _ = load_config(None, ["task=null", f"model.path={tmp_path / 'model'}",
+                                f"dataset.path={tmp_path / 'small.jsonl'}", "reward.fn=x:y"])
+    notes: list[str] = []
+    inputs = resolve_inputs(cfg, notes.append)
+    assert len(inputs.train_rows) == 5 and inputs.eval_rows == inputs.train_rows
+    assert len(notes) == 1 and "has 5 rows, too few to hold out an eval set" in notes[0]

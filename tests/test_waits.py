@@ -119,7 +119,6 @@ def test_an_eval_whose_generation_never_returns_records_the_timeout(tmp_path: Pa
     of the engine's batch): an engine that never answers fails the eval row with the reason, and the
     run goes on (it used to wait forever)."""
     from asyncflow.config import load_config
-    from asyncflow.engines.sim import SimEngine
     from asyncflow.evaluation import Evaluator
     from asyncflow.runtime.virtual_loop import run_virtual
     from asyncflow.telemetry.runlog import RunLog, Tracer
