@@ -175,6 +175,11 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
 
             load_agent(cfg.rollout.agent)
         hf_tok = load_tokenizer(inputs.model_dir, log=progress.message)
+        # transformers' own bars ("Loading weights", "Writing model shards") are noise beside the run's
+        # progress line, and turn a late one-line error into three lines (process-wide setting)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         from asyncflow.data import check_chat_prompts
 
         check_chat_prompts(inputs.train_rows, inputs.train_path, cfg.dataset.prompt_key, hf_tok)
