@@ -322,7 +322,19 @@ def _make_sim_pipeline_class() -> type:
     return SimPipeline
 
 
+# Bounds on the numeric `--set` keys, checked before anything runs: (key, lowest, whether the lowest
+# itself is allowed). A zero decode or train time divides by zero in the ideal and the device split;
+# negative times or counts give negative rates or measure the wrong window instead of failing.
+_BOUNDS: tuple[tuple[str, float, bool], ...] = (
+    ("slots", 1, True), ("n", 1, True), ("prompts_per_device", 1, True), ("steps", 1, True),
+    ("warmup_steps", 0, True), ("max_staleness", 0, True), ("seed", 0, True),
+    ("step_s", 0, False), ("train_token_s", 0, False), ("switch_s", 0, True), ("weight_sync_s", 0, True),
+)
+
+
 def parse_spec(overrides: list[str]) -> PipeSpec:
+    """The spec from `--set key=value` items, every value checked here (one line naming the key),
+    so a bad value fails before the simulation, not as a crash, a hang or wrong numbers after it."""
     spec = PipeSpec()
     types = {f.name: f.type for f in dataclasses.fields(PipeSpec)}
     for item in overrides:
@@ -334,14 +346,30 @@ def parse_spec(overrides: list[str]) -> PipeSpec:
             setattr(spec, key, kind(value))
         except ValueError:
             raise UserError(f"bench pipeline --set {key}: expected {types[key]}, got {value!r}") from None
+        if kind is float and not math.isfinite(getattr(spec, key)):
+            raise UserError(f"bench pipeline --set {key}: expected a finite number, got {value!r}")
+    for key, lo, inclusive in _BOUNDS:
+        v = getattr(spec, key)
+        if v < lo or (v == lo and not inclusive):
+            raise UserError(f"bench pipeline --set {key}: must be {'>=' if inclusive else '>'} {lo}, got {v}")
     if spec.steps <= spec.warmup_steps:
         raise UserError(f"bench pipeline --set steps: must exceed warmup_steps ({spec.warmup_steps}), got {spec.steps}")
     if spec.reward not in ("async", "thread"):
         raise UserError(f"bench pipeline --set reward: use async or thread, got {spec.reward!r}")
-    for key in ("slots", "n", "prompts_per_device", "steps"):
-        if getattr(spec, key) < 1:
-            raise UserError(f"bench pipeline --set {key}: must be >= 1")
+    if spec.trace:
+        _check_trace_folder(Path(spec.trace))
     return spec
+
+
+def _check_trace_folder(folder: Path) -> None:
+    """`trace` is a folder made after the simulation: refuse now a path that cannot become one (an
+    existing file, or a file where one of its parent folders should be)."""
+    for p in (folder, *folder.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "exists and is not a folder" if p == folder else f"cannot be made: {p} is not a folder"
+                raise UserError(f"bench pipeline --set trace: {folder} {what}")
+            return
 
 
 def run_pipeline(overrides: list[str], report: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:

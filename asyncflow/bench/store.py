@@ -133,10 +133,11 @@ def _warm(actors: tuple[Any, Any], spec: Store1Spec) -> None:
 def run_store(overrides: list[str]) -> list[dict[str, Any]]:
     """STORE-1: local and Ray placements x sequential and streaming modes (best of `repeats`)."""
     opts = _parse(overrides)
-    spec = Store1Spec(samples=int(opts.get("samples", 4096)))
-    repeats = int(opts.get("repeats", 3))
+    spec = Store1Spec(samples=_count(opts, "samples", 4096))
+    repeats = _count(opts, "repeats", 3)
     placements = str(opts.get("placements", "local,ray")).split(",")
-    if opts.get("transferqueue") in ("true", "1"):
+    transferqueue = _flag(opts, "transferqueue")
+    if transferqueue:
         import importlib.util
 
         if importlib.util.find_spec("transfer_queue") is None:
@@ -150,7 +151,7 @@ def run_store(overrides: list[str]) -> list[dict[str, Any]]:
         if "local" in placements:
             _local(mode, Store1Spec(samples=256))  # warm caches and allocators
             rows.append(_best([_local(mode, spec) for _ in range(repeats)]))
-    if "ray" in placements or opts.get("transferqueue") in ("true", "1"):
+    if "ray" in placements or transferqueue:
         from asyncflow.runtime.ray_init import ensure_ray
 
         ensure_ray(None)
@@ -166,7 +167,7 @@ def run_store(overrides: list[str]) -> list[dict[str, Any]]:
             rows.append(_best([_ray(mode, spec, actors) for _ in range(repeats)]))
         for a in actors:
             ray.kill(a)
-    if opts.get("transferqueue") in ("true", "1"):
+    if transferqueue:
         from asyncflow.bench.tq_baseline import run_transferqueue
 
         for mode in ("sequential", "streaming"):
@@ -190,3 +191,26 @@ def _parse(overrides: list[str]) -> dict[str, str]:
             raise UserError(f"bench store --set: expected one of {', '.join(k + '=...' for k in _KNOWN)}, got {item!r}")
         out[key] = value
     return out
+
+
+def _count(opts: dict[str, str], key: str, default: int) -> int:
+    """`--set key=N` as an int >= 1 (0 samples or repeats has nothing to measure), checked before any work."""
+    if key not in opts:
+        return default
+    try:
+        value = int(opts[key])
+    except ValueError:
+        raise UserError(f"bench store --set {key}: expected an integer, got {opts[key]!r}") from None
+    if value < 1:
+        raise UserError(f"bench store --set {key}: must be >= 1, got {value}")
+    return value
+
+
+def _flag(opts: dict[str, str], key: str) -> bool:
+    """`--set key=true|false` (or 1|0, any case); anything else is refused rather than read as false."""
+    value = opts.get(key, "false")
+    if value.strip().lower() in ("true", "1"):
+        return True
+    if value.strip().lower() in ("false", "0"):
+        return False
+    raise UserError(f"bench store --set {key}: expected true or false, got {value!r}")
