@@ -20,6 +20,7 @@ computes, which threads do well.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import http.server
 import ipaddress
@@ -35,6 +36,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from asyncflow.errors import UserError
 
 if TYPE_CHECKING:  # torch stays unimported until a server starts: the CLI validates arguments first
     from asyncflow.engines.base import GenResult
@@ -431,45 +434,111 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class _HTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024  # many clients connect at once; the default backlog of 5 would drop them
+    app: OpenAIServer  # set before serving starts (`run_server` binds before the model loads)
 
-    def __init__(self, address: tuple[str, int], app: OpenAIServer) -> None:
-        self.app = app
+    def __init__(self, address: tuple[Any, ...], app: OpenAIServer | None = None,  # (IPv6: a 4-tuple)
+                 family: socket.AddressFamily = socket.AF_INET) -> None:
+        if app is not None:
+            self.app = app
+        self.address_family = family
         super().__init__(address, _Handler)
+
+
+def listen(host: str, port: int) -> _HTTPServer:
+    """Resolve `host` and bind `host:port` (not serving yet). Done before the model loads (seconds), so
+    an unknown host or a busy port ends at once with one line naming `--host` or `--port`, not with a
+    traceback after the load. IPv4 is preferred where the host has both (as the standard server does)."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)  # "": all
+    except (OSError, UnicodeError, ValueError) as exc:  # socket.gaierror is an OSError
+        raise UserError(f"serve: --host {host}: cannot be resolved ({getattr(exc, 'strerror', None) or exc})") from None
+    family, _, _, _, address = min(infos, key=lambda info: info[0] != socket.AF_INET)
+    try:
+        return _HTTPServer(address, family=family)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError(f"serve: --port {port}: address already in use on {host}") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise UserError(f"serve: --host {host}: not an address of this machine ({why})") from None
+        if exc.errno == errno.EACCES:
+            raise UserError(f"serve: --port {port}: permission denied on {host} ({why})") from None
+        raise UserError(f"serve: cannot listen on --host {host} --port {port} ({why})") from None
+
+
+def _serve_in_thread(server: _HTTPServer) -> threading.Thread:
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                              name="asyncflow-serve-http", daemon=True)
+    thread.start()
+    return thread
 
 
 def start_http(app: OpenAIServer, host: str, port: int) -> tuple[http.server.ThreadingHTTPServer, threading.Thread]:
     """Bind `host:port` (0: a free port; read it from `server.server_address`) and serve in a thread."""
-    server = _HTTPServer((host, port), app)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
-                              name="asyncflow-serve-http", daemon=True)
-    thread.start()
-    return server, thread
+    server = listen(host, port)
+    server.app = app
+    return server, _serve_in_thread(server)
+
+
+MODEL_DIR_KEY = "serve MODEL_DIR"
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The folder's tokenizer; one that does not load, is empty or has no EOS token is a `UserError`
+    naming the folder (as `runner.load_tokenizer` does for `model.path`)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # any failure is the folder's: name it, one line
+        raise UserError(f"{MODEL_DIR_KEY}: cannot load a tokenizer from {model_dir}: {type(exc).__name__}: {exc}") from None
+    if len(tok) < 2:
+        raise UserError(f"{MODEL_DIR_KEY}: the tokenizer in {model_dir} loaded with an empty vocabulary ({len(tok)} tokens)")
+    if tok.eos_token_id is None:
+        raise UserError(f"{MODEL_DIR_KEY}: the tokenizer in {model_dir} has no EOS token; generation could never stop")
+    return tok
 
 
 def make_app(model_dir: Path, *, model_name: str, token: str | None, max_batch: int,
              seed: int = 0) -> OpenAIServer:
-    """Load the model folder's tokenizer and weights into an `HFEngine` behind the routes."""
+    """Load the model folder's tokenizer and weights into an `HFEngine` behind the routes; a folder
+    that does not load is a `UserError` naming it."""
+    tok = load_tokenizer(model_dir)
+
     import torch
-    from transformers import AutoTokenizer
 
     from asyncflow.engines.hf import HFEngine
+    from asyncflow.model_folder import check_weights_match_config
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    if tok.eos_token_id is None:
-        raise RuntimeError(f"the tokenizer in {model_dir} has no EOS token; generation could never stop")
+    check_weights_match_config(model_dir, key=MODEL_DIR_KEY)
     torch.manual_seed(seed)
-    engine = HFEngine(model_dir, eos_token_id=int(tok.eos_token_id),
-                      pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
-                      max_batch=max_batch, seed=seed, name="serve")
+    try:
+        engine = HFEngine(model_dir, eos_token_id=int(tok.eos_token_id),
+                          pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
+                          max_batch=max_batch, seed=seed, name="serve")
+    except (OSError, ValueError, KeyError) as exc:  # the folder's config or weights (json errors are ValueErrors)
+        raise UserError(f"{MODEL_DIR_KEY}: cannot load the model in {model_dir}: {type(exc).__name__}: {exc}") from None
     ctx = getattr(engine.model.config, "max_position_embeddings", None)
     return OpenAIServer(engine, tok, model_name, token=token, max_context=ctx)
 
 
 def run_server(model_dir: Path, *, host: str, port: int, model_name: str, token: str | None, max_batch: int,
                log: Callable[[str], None] = print) -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM); prints one line with the address once listening."""
-    app = make_app(model_dir, model_name=model_name, token=token, max_batch=max_batch)
-    server, thread = start_http(app, host, port)
+    """Serve until interrupted (Ctrl-C or SIGTERM); prints one line with the address once listening.
+
+    The cheap checks run first, in the order that costs least: the folder's files (plain Python), then
+    the address (bound now, served once the model is in), then the tokenizer and the model."""
+    from asyncflow.model_folder import check_model_dir
+
+    check_model_dir(model_dir, key=MODEL_DIR_KEY)
+    server = listen(host, port)
+    try:
+        app = make_app(model_dir, model_name=model_name, token=token, max_batch=max_batch)
+    except BaseException:
+        server.server_close()
+        raise
+    server.app = app
+    thread = _serve_in_thread(server)
     bound_port = int(server.server_address[1])
     log(f"asyncflow serve: model {model_name!r} from {model_dir} listening on http://{host}:{bound_port}"
         + (" (token required)" if token else ""))

@@ -10,6 +10,7 @@ sync and async side by side are one picture.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,47 +39,141 @@ class RunData:
         return max(ends, default=0.0) or (self.train[-1]["time_s"] if self.train else 0.0)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The rows of a JSONL file; a malformed line is a `UserError` naming file and line."""
+def _read_text(path: Path) -> str:
+    """A run file's text; unreadable or non-UTF-8 content is a `UserError` naming the file."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
+def _numbered_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) for every non-blank line; a line that is not a JSON object is a `UserError`."""
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             raise UserError(f"{path}: line {i} is not JSON") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}: line {i} is not a JSON object")
+        rows.append((i, row))
     return rows
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL file; a malformed line is a `UserError` naming file and line."""
+    return [row for _, row in _numbered_rows(path)]
+
+
+def _optional_number(row: dict[str, Any], key: str, where: str) -> float | None:
+    """`row[key]` as a number, None when missing or null; any other type is a `UserError` naming
+    `where` (file and line or event) and the key."""
+    value = row.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"{where}: {key!r} must be a number, got {value!r}")
+    return value
+
+
+def _number(row: dict[str, Any], key: str, where: str) -> float:
+    """`row[key]` as a number; missing is a `UserError` too."""
+    value = _optional_number(row, key, where)
+    if value is None:
+        raise UserError(f"{where}: missing {key!r}")
+    return value
+
+
+def _version(row: dict[str, Any], key: str, where: str) -> int:
+    """`row[key]` as a policy version: an integer (a whole float such as 2.0 is taken too)."""
+    value = row.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+        raise UserError(f"{where}: {key!r} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _add_metrics(run: RunData, path: Path) -> None:
+    """Train and eval rows, with the keys the report draws checked: a train row needs `step`, `samples`
+    and `time_s` (its place on every axis); `reward_mean` may be missing (drawn as a gap) and
+    `samples_per_s` is derived when missing. An eval row without `eval_accuracy` has nothing to draw
+    and is left out. Other kinds of rows are not read."""
+    for i, r in _numbered_rows(path):
+        where = f"{path}: line {i}"
+        if r.get("kind") == "train":
+            step, samples, time_s = (_number(r, k, where) for k in ("step", "samples", "time_s"))
+            reward = _optional_number(r, "reward_mean", where)
+            rate = _optional_number(r, "samples_per_s", where)
+            if rate is None:
+                rate = samples / time_s if time_s > 0 else 0.0
+            run.train.append({**r, "step": step, "samples": samples, "time_s": time_s, "samples_per_s": rate,
+                              "reward_mean": math.nan if reward is None else reward})
+        elif r.get("kind") == "eval":
+            step = _number(r, "step", where)
+            if _optional_number(r, "eval_accuracy", where) is not None:
+                run.evals.append({**r, "step": step})
+
+
+def _add_samples(run: RunData, path: Path) -> None:
+    """Status counts and the staleness (trained minus behaviour version) of trained samples."""
+    for i, s in _numbered_rows(path):
+        run.status[str(s.get("status"))] += 1
+        if s.get("status") == "trained" and s.get("trained_version") is not None:
+            where = f"{path}: line {i}"
+            run.staleness[_version(s, "trained_version", where) - _version(s, "behavior_version", where)] += 1
+
+
+def _add_trace(run: RunData, path: Path) -> None:
+    """Work spans per track from a Chrome trace (an object with `traceEvents`, or a bare event list)."""
+    try:
+        doc = json.loads(_read_text(path))
+    except json.JSONDecodeError:
+        raise UserError(f"{path}: not valid JSON") from None
+    events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
+    if not isinstance(events, list):
+        raise UserError(f"{path}: not a Chrome trace (expected a traceEvents list)")
+    names: dict[int | str, str] = {}
+    spans: list[tuple[int | str, float, float]] = []  # (tid, start, end) in s
+    for i, e in enumerate(events):
+        where = f"{path}: event {i}"
+        if not isinstance(e, dict):
+            raise UserError(f"{where} is not a JSON object")
+        ph, name = e.get("ph"), e.get("name")
+        if ph not in ("M", "X") or (ph == "M" and name != "thread_name") or str(name).startswith(WAIT_PREFIXES):
+            continue
+        tid = e.get("tid")
+        if tid is None:
+            raise UserError(f"{where}: missing 'tid'")
+        if isinstance(tid, bool) or not isinstance(tid, (int, str)):
+            raise UserError(f"{where}: 'tid' must be a number or string, got {tid!r}")
+        if ph == "M":
+            args = e.get("args")
+            if not isinstance(args, dict) or "name" not in args:
+                raise UserError(f"{where}: a thread_name event needs args.name")
+            names[tid] = str(args["name"])
+        else:
+            start = _number(e, "ts", where) / 1e6
+            spans.append((tid, start, start + _number(e, "dur", where) / 1e6))
+    for tid, start, end in spans:
+        run.spans.setdefault(names.get(tid, str(tid)), []).append((start, end))
+
+
 def load_run(path: str | Path, label: str | None = None) -> RunData:
-    """Parse a run folder; a folder without `metrics.jsonl` is refused with its name."""
+    """Parse a run folder; a folder without `metrics.jsonl`, or a file in it of the wrong shape, is
+    refused with one line naming the file (and line or event)."""
     p = Path(path)
     if not (p / "metrics.jsonl").is_file():
         raise UserError(f"{p}: not a run folder (no metrics.jsonl)")
     run = RunData(p, label or p.name)
-    for r in read_jsonl(p / "metrics.jsonl"):
-        if r.get("kind") == "train":
-            run.train.append(r)
-        elif r.get("kind") == "eval":
-            run.evals.append(r)
+    _add_metrics(run, p / "metrics.jsonl")
     if (p / "samples.jsonl").is_file():
-        for s in read_jsonl(p / "samples.jsonl"):
-            run.status[str(s.get("status"))] += 1
-            if s.get("status") == "trained" and s.get("trained_version") is not None:
-                run.staleness[int(s["trained_version"]) - int(s["behavior_version"])] += 1
+        _add_samples(run, p / "samples.jsonl")
     if (p / "trace.json").is_file():
-        try:
-            doc = json.loads((p / "trace.json").read_text())
-        except json.JSONDecodeError:
-            raise UserError(f"{p / 'trace.json'}: not valid JSON") from None
-        events = doc.get("traceEvents", [])
-        names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
-        for e in events:
-            if e.get("ph") == "X" and not str(e.get("name", "")).startswith(WAIT_PREFIXES):
-                track = names.get(e["tid"], str(e["tid"]))
-                start = float(e["ts"]) / 1e6
-                run.spans.setdefault(track, []).append((start, start + float(e["dur"]) / 1e6))
+        _add_trace(run, p / "trace.json")
     return run
 
 
@@ -114,7 +209,7 @@ def _figures(run: RunData) -> dict[str, Any]:
         "samples_per_s": last.get("samples_per_s", 0.0),
         "eval_first": run.evals[0]["eval_accuracy"] if run.evals else None,
         "eval_last": run.evals[-1]["eval_accuracy"] if run.evals else None,
-        "reward_last": last.get("reward_mean"),
+        "reward_last": last["reward_mean"] if last and not math.isnan(last["reward_mean"]) else None,
         "staleness_mean": sum(k * n for k, n in run.staleness.items()) / trained if trained else 0.0,
         "staleness_max": max(run.staleness, default=0),
         "status": dict(run.status),
@@ -154,13 +249,15 @@ def summary_markdown(runs: list[RunData]) -> str:
 
 
 def _moving_mean(values: list[float], window: int) -> list[float]:
-    """Trailing mean over up to `window` values (train reward is noisy step to step)."""
-    out, total = [], 0.0
+    """Trailing mean over up to `window` values (train reward is noisy step to step); NaN values (a
+    row without `reward_mean`) are left out of it, and a window of only NaN is NaN."""
+    out, total, count = [], 0.0, 0
     for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
+        if not math.isnan(v):
+            total, count = total + v, count + 1
+        if i >= window and not math.isnan(values[i - window]):
+            total, count = total - values[i - window], count - 1
+        out.append(total / count if count else math.nan)
     return out
 
 
