@@ -91,3 +91,18 @@ def test_bench_pipeline_accepts_the_edge_values(tmp_path: Path) -> None:
     assert (spec.step_s, spec.switch_s, spec.warmup_steps, spec.max_staleness) == (1e-3, 0.0, 0, 0)
     assert (spec.devices, spec.modes, spec.profiles, spec.trace) == ("2,8", "async", "agentic", str(tmp_path))
     assert parse_spec([f"trace={tmp_path / 'new' / 'folder'}"]).trace  # made after the run
+
+
+@pytest.mark.parametrize(
+    ("setting", "needle"),
+    [
+        # e2e runs both modes itself: a workflow.mode of the user's was silently replaced
+        ("workflow.mode=sync", "bench e2e --set workflow.mode=sync: e2e runs both modes"),
+        # a setting the sync run cannot take: refused before either run starts, naming the key
+        ("workflow.max_staleness=2", "workflow.max_staleness: 2 contradicts workflow.mode=sync"),
+    ],
+)
+def test_bad_bench_e2e_settings_fail_before_either_run(setting: str, needle: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    err = _one_line_error(["bench", "e2e", "--set", setting], capsys)
+    assert needle in err

@@ -37,12 +37,18 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float:
 
 def run_e2e(overrides: list[str]) -> list[dict[str, Any]]:
     """Run sync then async; one row per mode."""
+    from asyncflow.errors import UserError
     from asyncflow.runner import train
 
+    for item in overrides:
+        if item.partition("=")[0].strip() == "workflow.mode":
+            raise UserError(f"bench e2e --set {item}: e2e runs both modes, sync then async; workflow.mode is its own")
+    # both configs are checked before either run starts (a bad --set fails in seconds, not after the sync run)
+    configs = {mode: load_config(None, [*E2E_SETTINGS, *overrides, f"workflow.mode={mode}"])[0]
+               for mode in ("sync", "async")}
     rows = []
     with tempfile.TemporaryDirectory(prefix="asyncflow-e2e-") as tmp:
-        for mode in ("sync", "async"):
-            cfg, _ = load_config(None, [*E2E_SETTINGS, *overrides, f"workflow.mode={mode}"])
+        for mode, cfg in configs.items():
             out = Path(tmp) / mode
             summary = train(cfg, out, progress_enabled=False)
             metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
