@@ -111,7 +111,7 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
     return Inputs(model_dir, rows, eval_rows[: cfg.eval.size], reward_path, str(data_path), eval_path)
 
 
-def load_tokenizer(model_dir: Path, log: Callable[[str], None] | None = None) -> Any:
+def load_tokenizer(model_dir: Path, log: Callable[[str], None] | None = None, key: str = "model.path") -> Any:
     """The model folder's tokenizer, with a pad token.
 
     A tokenizer without a pad token gets its EOS token as pad, with a logged note (as TRL does):
@@ -123,11 +123,11 @@ def load_tokenizer(model_dir: Path, log: Callable[[str], None] | None = None) ->
     try:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # any failure is the folder's: name it, one line
-        raise UserError(f"model.path: cannot load a tokenizer from {model_dir}: {type(exc).__name__}: {exc}") from None
+        raise UserError(f"{key}: cannot load a tokenizer from {model_dir}: {type(exc).__name__}: {exc}") from None
     if len(tok) < 2:
-        raise UserError(f"model.path: the tokenizer in {model_dir} loaded with an empty vocabulary ({len(tok)} tokens)")
+        raise UserError(f"{key}: the tokenizer in {model_dir} loaded with an empty vocabulary ({len(tok)} tokens)")
     if tok.eos_token_id is None:
-        raise UserError(f"model.path: the tokenizer in {model_dir} has no EOS token; generation could never stop")
+        raise UserError(f"{key}: the tokenizer in {model_dir} has no EOS token; generation could never stop")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
         if log is not None:

@@ -485,18 +485,10 @@ MODEL_DIR_KEY = "serve MODEL_DIR"
 
 def load_tokenizer(model_dir: Path) -> Any:
     """The folder's tokenizer; one that does not load, is empty or has no EOS token is a `UserError`
-    naming the folder (as `runner.load_tokenizer` does for `model.path`)."""
-    from transformers import AutoTokenizer
+    naming the folder (`runner.load_tokenizer`, under this command's key)."""
+    from asyncflow.runner import load_tokenizer as load
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as exc:  # any failure is the folder's: name it, one line
-        raise UserError(f"{MODEL_DIR_KEY}: cannot load a tokenizer from {model_dir}: {type(exc).__name__}: {exc}") from None
-    if len(tok) < 2:
-        raise UserError(f"{MODEL_DIR_KEY}: the tokenizer in {model_dir} loaded with an empty vocabulary ({len(tok)} tokens)")
-    if tok.eos_token_id is None:
-        raise UserError(f"{MODEL_DIR_KEY}: the tokenizer in {model_dir} has no EOS token; generation could never stop")
-    return tok
+    return load(model_dir, key=MODEL_DIR_KEY)
 
 
 def make_app(model_dir: Path, *, model_name: str, token: str | None, max_batch: int,

@@ -50,3 +50,19 @@ def ray_session():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture
+def one_line_error(capsys: pytest.CaptureFixture[str]):
+    """`one_line_error(argv)`: run the CLI in process; assert exit code 2 and exactly one stderr line
+    (`asyncflow: error: ...`); return that line."""
+    from asyncflow.cli import main
+
+    def run(argv: list[str]) -> str:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.endswith("\n") and err.count("\n") == 1, err
+        assert err.startswith("asyncflow: error: ")
+        return err
+
+    return run

@@ -4,21 +4,13 @@ naming the key, before any measurement or simulation runs (no traceback, no hang
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from asyncflow.bench.pipeline import parse_spec
 from asyncflow.cli import main
 from asyncflow.errors import UserError
-
-
-def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """Run the CLI; assert exit code 2 and exactly one stderr line; return that line."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.endswith("\n") and err.count("\n") == 1, err
-    assert err.startswith("asyncflow: error: ")
-    return err
 
 
 @pytest.mark.parametrize(
@@ -33,8 +25,8 @@ def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     ],
 )
 def test_bad_bench_store_values_are_one_line_naming_the_key(setting: str, needle: str,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    err = _one_line_error(["bench", "store", "--set", "placements=local", "--set", setting], capsys)
+                                                           one_line_error: Any) -> None:
+    err = one_line_error(["bench", "store", "--set", "placements=local", "--set", setting])
     assert f"bench store {needle}" in err
 
 
@@ -67,20 +59,20 @@ S = ["--set", "profiles=rlvr", "--set", "devices=2", "--set", "steps=3", "--set"
     ],
 )
 def test_bad_bench_pipeline_numbers_are_one_line_naming_the_key(setting: str, needle: str,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+                                                               one_line_error: Any) -> None:
     with pytest.raises(UserError, match=needle.split(": ", 1)[1]):  # refused up front (unchecked, nan would hang)
         parse_spec(S[1::2] + [setting])
-    err = _one_line_error(["bench", "pipeline", *S, "--set", "modes=sync,async", "--set", setting], capsys)
+    err = one_line_error(["bench", "pipeline", *S, "--set", "modes=sync,async", "--set", setting])
     assert f"bench pipeline {needle}" in err
     assert "workflow." not in err  # the key the user typed, not the config key it becomes
 
 
-def test_bench_pipeline_trace_must_be_a_folder_it_can_make(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_pipeline_trace_must_be_a_folder_it_can_make(tmp_path: Path, one_line_error: Any) -> None:
     afile = tmp_path / "afile"
     afile.write_text("")
-    err = _one_line_error(["bench", "pipeline", *S, "--set", f"trace={afile}"], capsys)
+    err = one_line_error(["bench", "pipeline", *S, "--set", f"trace={afile}"])
     assert f"bench pipeline --set trace: {afile} exists and is not a folder" in err
-    err = _one_line_error(["bench", "pipeline", *S, "--set", f"trace={afile}/sub"], capsys)
+    err = one_line_error(["bench", "pipeline", *S, "--set", f"trace={afile}/sub"])
     assert f"bench pipeline --set trace: {afile}/sub cannot be made: {afile} is not a folder" in err
 
 
@@ -103,6 +95,6 @@ def test_bench_pipeline_accepts_the_edge_values(tmp_path: Path) -> None:
     ],
 )
 def test_bad_bench_e2e_settings_fail_before_either_run(setting: str, needle: str,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    err = _one_line_error(["bench", "e2e", "--set", setting], capsys)
+                                                       one_line_error: Any) -> None:
+    err = one_line_error(["bench", "e2e", "--set", setting])
     assert needle in err

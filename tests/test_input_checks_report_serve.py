@@ -18,13 +18,6 @@ from asyncflow.cli import main
 TRAIN = {"kind": "train", "step": 1, "samples": 8, "time_s": 2.0, "samples_per_s": 4.0, "reward_mean": 0.5}
 
 
-def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """Run the CLI; assert exit code 2 and exactly one stderr line; return that line."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.endswith("\n") and err.count("\n") == 1, err
-    assert err.startswith("asyncflow: error: ")
-    return err
 
 
 def _run_dir(path: Path, metrics: list[Any] | bytes, samples: list[Any] | None = None, trace: Any = None) -> Path:
@@ -58,9 +51,9 @@ def _run_dir(path: Path, metrics: list[Any] | bytes, samples: list[Any] | None =
     ],
 )
 def test_run_files_of_the_wrong_shape_are_one_line_naming_the_file(
-        files: dict[str, Any], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        files: dict[str, Any], needle: str, tmp_path: Path, one_line_error: Any) -> None:
     run = _run_dir(tmp_path / "run", files["metrics"], files.get("samples"), files.get("trace"))
-    err = _one_line_error(["report", str(run)], capsys)
+    err = one_line_error(["report", str(run)])
     assert f"{run}/{needle}" in err
     assert not (run / "report.png").exists()
 
@@ -107,29 +100,29 @@ def busy_port() -> Iterator[int]:
     [("{", "config.json:1: malformed JSON"), ("{}", "config.json has no 'model_type'")],
 )
 def test_serve_a_folder_with_a_bad_config_is_one_line(config: str, needle: str, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+                                                      one_line_error: Any) -> None:
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "config.json").write_text(config)
-    err = _one_line_error(["serve", str(folder), "--port", "0"], capsys)
+    err = one_line_error(["serve", str(folder), "--port", "0"])
     assert f"serve MODEL_DIR: {folder}/{needle}" in err
 
 
 def test_serve_a_port_in_use_is_refused_before_the_model_loads(busy_port: int, tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+                                                               one_line_error: Any) -> None:
     folder = _fake_model_dir(tmp_path / "m")  # loading it would fail: the port must be checked first
-    err = _one_line_error(["serve", str(folder), "--port", str(busy_port)], capsys)
+    err = one_line_error(["serve", str(folder), "--port", str(busy_port)])
     assert f"serve: --port {busy_port}: address already in use" in err
 
 
 def test_serve_an_unresolvable_host_is_refused_before_the_model_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+                                                                      one_line_error: Any) -> None:
     def no_such_host(*args: Any, **kwargs: Any) -> Any:  # as the resolver answers for an unknown name (no DNS here)
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     monkeypatch.setattr(socket, "getaddrinfo", no_such_host)
     folder = _fake_model_dir(tmp_path / "m")
-    err = _one_line_error(["serve", str(folder), "--host", "no-such-host.invalid", "--token", "abc"], capsys)
+    err = one_line_error(["serve", str(folder), "--host", "no-such-host.invalid", "--token", "abc"])
     assert "serve: --host no-such-host.invalid: cannot be resolved (Name or service not known)" in err
 
 
@@ -143,12 +136,12 @@ def _word_level(vocab: list[str]) -> dict[str, Any]:
 
 
 def test_serve_a_tokenizer_without_eos_or_that_does_not_load_is_one_line(tmp_path: Path,
-                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+                                                                         one_line_error: Any) -> None:
     no_eos = _fake_model_dir(tmp_path / "no-eos", _word_level(["<unk>", "a", "b", "c"]))
     (no_eos / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    err = _one_line_error(["serve", str(no_eos), "--port", "0"], capsys)
+    err = one_line_error(["serve", str(no_eos), "--port", "0"])
     assert f"serve MODEL_DIR: the tokenizer in {no_eos} has no EOS token" in err
     broken = _fake_model_dir(tmp_path / "broken", {"model": {"type": "NoSuchModel"}})
     (broken / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    err = _one_line_error(["serve", str(broken), "--port", "0"], capsys)
+    err = one_line_error(["serve", str(broken), "--port", "0"])
     assert f"serve MODEL_DIR: cannot load a tokenizer from {broken}" in err
