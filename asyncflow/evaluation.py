@@ -81,11 +81,11 @@ class Evaluator:
         ]
         # bounded as rollout requests are: all are submitted at once, so the engine decodes them in
         # ceil(n / capacity) rounds, each within rollout.request_timeout_s
-        rounds = -(-len(requests) // max(1, int(getattr(self.engine, "capacity", 1) or 1)))
+        rounds = max(1, -(-len(requests) // max(1, self.engine.capacity)))
         try:
             results = await self.clock.wait_for(
                 asyncio.gather(*(self.engine.generate(r) for r in requests)),
-                self.cfg.rollout.request_timeout_s * max(1, rounds),
+                self.cfg.rollout.request_timeout_s * rounds,
                 f"greedy generation of the {len(requests)} eval prompts (rollout.request_timeout_s per round of "
                 "the engine's batch)")
         except WaitTimeout as exc:  # a stuck engine fails the evaluation, not the run (the run has its own bounds)

@@ -71,9 +71,9 @@ def test_bench_pipeline_trace_must_be_a_folder_it_can_make(tmp_path: Path, one_l
     afile = tmp_path / "afile"
     afile.write_text("")
     err = one_line_error(["bench", "pipeline", *S, "--set", f"trace={afile}"])
-    assert f"bench pipeline --set trace: {afile} exists and is not a folder" in err
+    assert f"bench pipeline --set trace: {afile} is a file, not a folder" in err
     err = one_line_error(["bench", "pipeline", *S, "--set", f"trace={afile}/sub"])
-    assert f"bench pipeline --set trace: {afile}/sub cannot be made: {afile} is not a folder" in err
+    assert f"bench pipeline --set trace: {afile}/sub lies under {afile}, which is a file" in err
 
 
 def test_bench_pipeline_accepts_the_edge_values(tmp_path: Path) -> None:

@@ -356,20 +356,11 @@ def parse_spec(overrides: list[str]) -> PipeSpec:
         raise UserError(f"bench pipeline --set steps: must exceed warmup_steps ({spec.warmup_steps}), got {spec.steps}")
     if spec.reward not in ("async", "thread"):
         raise UserError(f"bench pipeline --set reward: use async or thread, got {spec.reward!r}")
-    if spec.trace:
-        _check_trace_folder(Path(spec.trace))
+    if spec.trace:  # a folder made after the simulation: a path that cannot become one is refused now
+        from asyncflow.runner import check_folder_path
+
+        check_folder_path(Path(spec.trace), "bench pipeline --set trace")
     return spec
-
-
-def _check_trace_folder(folder: Path) -> None:
-    """`trace` is a folder made after the simulation: refuse now a path that cannot become one (an
-    existing file, or a file where one of its parent folders should be)."""
-    for p in (folder, *folder.parents):
-        if p.exists():
-            if not p.is_dir():
-                what = "exists and is not a folder" if p == folder else f"cannot be made: {p} is not a folder"
-                raise UserError(f"bench pipeline --set trace: {folder} {what}")
-            return
 
 
 def run_pipeline(overrides: list[str], report: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:

@@ -209,8 +209,9 @@ def _count(opts: dict[str, str], key: str, default: int) -> int:
 def _flag(opts: dict[str, str], key: str) -> bool:
     """`--set key=true|false` (or 1|0, any case); anything else is refused rather than read as false."""
     value = opts.get(key, "false")
-    if value.strip().lower() in ("true", "1"):
+    word = value.strip().lower()
+    if word in ("true", "1"):
         return True
-    if value.strip().lower() in ("false", "0"):
+    if word in ("false", "0"):
         return False
     raise UserError(f"bench store --set {key}: expected true or false, got {value!r}")
