@@ -14,8 +14,22 @@ from typing import Any
 from asyncflow.errors import UserError
 
 
+class Rows(list):  # type: ignore[type-arg]
+    """Rows read from a JSON-lines file, with each row's line number (1-based, blank lines counted)
+    in `lines`, so a message can name the line an editor shows."""
+
+    lines: list[int]
+
+
+def where(rows: list[dict[str, Any]], path: str | Path, i: int) -> str:
+    """Where row `i` of `rows` (read from `path`) is, for a message: "FILE, line N" for JSON lines,
+    else "FILE, row I" (counted from 0, as `datasets` and pandas index rows)."""
+    lines = getattr(rows, "lines", None)
+    return f"{path}, line {lines[i]}" if lines is not None else f"{path}, row {i}"
+
+
 def read_rows(path: str | Path, *, key: str = "dataset.path") -> list[dict[str, Any]]:
-    """All rows of a jsonl / parquet file or a `datasets.save_to_disk` folder."""
+    """All rows of a jsonl / parquet file or a `datasets.save_to_disk` folder (JSON lines as `Rows`)."""
     p = Path(path)
     if not p.exists():
         raise UserError(f"{key}: {p} does not exist")
@@ -37,8 +51,9 @@ def read_rows(path: str | Path, *, key: str = "dataset.path") -> list[dict[str, 
     return rows
 
 
-def _read_jsonl(p: Path) -> list[dict[str, Any]]:
-    rows = []
+def _read_jsonl(p: Path) -> Rows:
+    rows = Rows()
+    rows.lines = []
     with p.open("rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             try:
@@ -54,6 +69,7 @@ def _read_jsonl(p: Path) -> list[dict[str, Any]]:
             if not isinstance(row, dict):
                 raise UserError(f"{p}:{lineno}: expected a JSON object per line")
             rows.append(row)
+            rows.lines.append(lineno)
     return rows
 
 
@@ -73,34 +89,39 @@ def _read_datasets_dir(p: Path, key: str) -> list[dict[str, Any]]:
     return list(ds)
 
 
-def check_columns(rows: list[dict[str, Any]], path: str, prompt_key: str, label_key: str | None) -> None:
-    """Every row has the prompt column (and the label column if one is configured)."""
+def check_columns(rows: list[dict[str, Any]], path: str, prompt_key: str, label_key: str | None) -> str | None:
+    """Every row has the prompt column (and the label column if one is configured). Returns where the
+    first conversational row is (None: all prompts are text), for `check_chat_prompts`."""
+    first_chat = None
     for i, row in enumerate(rows):
         if prompt_key not in row:
-            raise UserError(f"{path}: row {i} has no column {prompt_key!r} (dataset.prompt_key); columns: {sorted(row)}")
+            raise UserError(f"{where(rows, path, i)} has no column {prompt_key!r} (dataset.prompt_key); "
+                            f"columns: {sorted(row)}")
         prompt = row[prompt_key]
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not all(isinstance(m, dict) for m in prompt)):
-            raise UserError(f"{path}: row {i} column {prompt_key!r} must be text or a list of chat messages")
+            raise UserError(f"{where(rows, path, i)}: column {prompt_key!r} must be text or a list of chat messages")
         if not prompt:  # an empty prompt has no token to condition on: generation cannot start from it
-            raise UserError(f"{path}: row {i} column {prompt_key!r} is empty")
+            raise UserError(f"{where(rows, path, i)}: column {prompt_key!r} is empty")
         if isinstance(prompt, list):
             for j, m in enumerate(prompt):
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise UserError(f"{path}: row {i} column {prompt_key!r} message {j} needs a text 'role' and "
-                                    f"'content'; it has keys {sorted(m)}")
+                    raise UserError(f"{where(rows, path, i)}: column {prompt_key!r} message {j} needs a text 'role' "
+                                    f"and 'content'; it has keys {sorted(m)}")
+            if first_chat is None:
+                first_chat = where(rows, path, i)
         if label_key is not None and label_key not in row:
-            raise UserError(f"{path}: row {i} has no column {label_key!r} (dataset.label_key); columns: {sorted(row)}")
+            raise UserError(f"{where(rows, path, i)} has no column {label_key!r} (dataset.label_key); "
+                            f"columns: {sorted(row)}")
+    return first_chat
 
 
-def check_chat_prompts(rows: list[dict[str, Any]], path: str, prompt_key: str, tokenizer: Any) -> None:
+def check_chat_prompts(first_chat: str | None, tokenizer: Any) -> None:
     """Conversational rows need the tokenizer's chat template: refused before the run starts (the
-    template is applied only when a prompt is first tokenized, after the run folder exists)."""
-    if getattr(tokenizer, "chat_template", None) is not None:
-        return
-    for i, row in enumerate(rows):
-        if isinstance(row[prompt_key], list):
-            raise UserError(f"{path}: row {i} is a chat conversation, but the tokenizer (model.path) has no chat "
-                            "template; give text prompts or a model folder whose tokenizer has one")
+    template is applied only when a prompt is first tokenized, after the run folder exists).
+    `first_chat`: where a dataset's first conversational row is (`check_columns`' answer)."""
+    if first_chat is not None and getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(f"{first_chat} is a chat conversation, but the tokenizer (model.path) has no chat "
+                        "template; give text prompts or a model folder whose tokenizer has one")
 
 
 def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:

@@ -58,6 +58,7 @@ class Inputs:
     reward_fn_path: str
     train_path: str = ""  # where the rows came from (for messages)
     eval_path: str = ""
+    first_chat: str | None = None  # where the first conversational prompt is (None: all are text)
 
 
 def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
@@ -86,15 +87,12 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
     else:
         data_path = str(model_dir / "train.jsonl")
     rows = read_rows(data_path)
-    check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key)
+    chats = [check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key)]
     eval_path = str(data_path)
-    if cfg.eval.path is not None:
-        eval_path = cfg.eval.path
-        eval_rows = read_rows(cfg.eval.path, key="eval.path")
-        check_columns(eval_rows, cfg.eval.path, cfg.dataset.prompt_key, cfg.dataset.label_key)
-    elif cfg.dataset.path is None and (model_dir / "eval.jsonl").is_file():
-        eval_path = str(model_dir / "eval.jsonl")
+    if cfg.eval.path is not None or (cfg.dataset.path is None and (model_dir / "eval.jsonl").is_file()):
+        eval_path = cfg.eval.path if cfg.eval.path is not None else str(model_dir / "eval.jsonl")
         eval_rows = read_rows(eval_path, key="eval.path")
+        chats.append(check_columns(eval_rows, eval_path, cfg.dataset.prompt_key, cfg.dataset.label_key))
     else:  # a held-out slice of the dataset, at most 10% of it
         rng = random.Random(cfg.seed + 1)
         idx = list(range(len(rows)))
@@ -108,7 +106,8 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
             log(f"[asyncflow] note: {data_path} has {len(rows)} rows, too few to hold out an eval set; evaluating "
                 "on the training prompts (give eval.path for a held-out set)")
     reward_path = cfg.reward.fn or (task.reward_fn_path if task is not None else "")
-    return Inputs(model_dir, rows, eval_rows[: cfg.eval.size], reward_path, str(data_path), eval_path)
+    first_chat = next((c for c in chats if c is not None), None)
+    return Inputs(model_dir, rows, eval_rows[: cfg.eval.size], reward_path, str(data_path), eval_path, first_chat)
 
 
 def load_tokenizer(model_dir: Path, log: Callable[[str], None] | None = None, key: str = "model.path") -> Any:
@@ -182,8 +181,7 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
         hf_logging.disable_progress_bar()
         from asyncflow.data import check_chat_prompts
 
-        check_chat_prompts(inputs.train_rows, inputs.train_path, cfg.dataset.prompt_key, hf_tok)
-        check_chat_prompts(inputs.eval_rows, inputs.eval_path, cfg.dataset.prompt_key, hf_tok)
+        check_chat_prompts(inputs.first_chat, hf_tok)
         env_factory = None
         if cfg.rollout.env is not None:  # an environment plugin that cannot be imported is bad input too
             from asyncflow.envs import make_env_factory

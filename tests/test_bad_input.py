@@ -65,7 +65,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "good.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n' * 20)
     (d / "empty.jsonl").write_text("\n")
     (d / "bad_line.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": oops}\n')
-    (d / "no_prompt.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
+    # a good row and a blank line first: messages name the file's line (3), not the row's index (1)
+    (d / "no_prompt.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"question": "1+1=", "answer": "2"}\n')
     (d / "rewards_ok.py").write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     (d / "rewards_broken.py").write_text("import not_a_module_anywhere\n")
     (d / "malformed.yaml").write_text("train:\n  lr: [1, 2\n")
@@ -128,11 +129,11 @@ LIGHT_CASES: list[tuple[list[str], str]] = [
     (["train", "missing_data.yaml"], "dataset.path: nothing.jsonl does not exist"),
     (["train", "empty_data.yaml"], "empty.jsonl: the dataset is empty"),
     (["train", "bad_line.yaml"], "bad_line.jsonl:3: malformed JSON"),
-    (["train", "no_prompt.yaml"], "no_prompt.jsonl: row 0 has no column 'prompt' (dataset.prompt_key)"),
+    (["train", "no_prompt.yaml"], "no_prompt.jsonl, line 3 has no column 'prompt' (dataset.prompt_key)"),
     (["train", "reward_broken.yaml"], "reward.fn: cannot import module 'rewards_broken': ModuleNotFoundError"),
     (["train", "reward_missing_fn.yaml"], "reward.fn: module 'rewards_ok' has no function 'nope'"),
-    (["train", "empty_prompt.yaml"], "empty_prompt.jsonl: row 0 column 'prompt' is empty"),
-    (["train", "bad_message.yaml"], "bad_message.jsonl: row 0 column 'prompt' message 0 needs a text 'role' and 'content'"),
+    (["train", "empty_prompt.yaml"], "empty_prompt.jsonl, line 1: column 'prompt' is empty"),
+    (["train", "bad_message.yaml"], "bad_message.jsonl, line 1: column 'prompt' message 0 needs a text 'role' and 'content'"),
     (["train", "latin1_data.yaml"], "latin1.jsonl:2: not UTF-8 text"),
     (["train", "dup.yaml"], "dup.yaml: line 3: key 'lr' is given twice in one section"),
     (["train", "latin1.yaml"], "latin1.yaml: not UTF-8 text"),
@@ -323,15 +324,20 @@ def test_a_timed_out_wait_ends_the_cli_with_one_line_and_exit_1(arith_dir: Path,
     assert "(workflow.step_timeout_s" in last and "no checkpoint was written" in last
 
 
-def test_chat_prompts_need_a_chat_template_named_with_file_and_row() -> None:
+def test_chat_prompts_need_a_chat_template_named_with_file_and_line(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from asyncflow.data import check_chat_prompts
+    from asyncflow.data import check_chat_prompts, check_columns, read_rows
 
-    rows = [{"prompt": "1+1="}, {"prompt": [{"role": "user", "content": "1+1="}]}]
-    check_chat_prompts(rows, "d.jsonl", "prompt", SimpleNamespace(chat_template="{{ x }}"))
-    with pytest.raises(UserError, match=r"d.jsonl: row 1 is a chat conversation, but the tokenizer"):
-        check_chat_prompts(rows, "d.jsonl", "prompt", SimpleNamespace(chat_template=None))
+    chat = '{"prompt": [{"role": "user", "content": "1+1="}]}'
+    (tmp_path / "d.jsonl").write_text(f'{{"prompt": "1+1="}}\n\n{chat}\n{chat}\n')
+    rows = read_rows(tmp_path / "d.jsonl")
+    first_chat = check_columns(rows, "d.jsonl", "prompt", None)
+    assert first_chat == "d.jsonl, line 3"
+    check_chat_prompts(first_chat, SimpleNamespace(chat_template="{{ x }}"))
+    check_chat_prompts(check_columns(rows[:1], "d.jsonl", "prompt", None), SimpleNamespace(chat_template=None))
+    with pytest.raises(UserError, match=r"^d.jsonl, line 3 is a chat conversation, but the tokenizer"):
+        check_chat_prompts(first_chat, SimpleNamespace(chat_template=None))
 
 
 @pytest.mark.parametrize(("body", "needle"), [

@@ -36,10 +36,15 @@ def test_bad_datasets_name_the_file_and_row(tmp_path: Path) -> None:
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(UserError, match="must be .jsonl, .parquet"):
         read_rows(tmp_path / "d.csv")
-    with pytest.raises(UserError, match=r"row 1 has no column 'prompt' \(dataset.prompt_key\)"):
-        check_columns([{"prompt": "a", "answer": "1"}, {"question": "b"}], "f.jsonl", "prompt", "answer")
-    with pytest.raises(UserError, match=r"row 0 has no column 'answer'"):
-        check_columns([{"prompt": "a"}], "f.jsonl", "prompt", "answer")
+    # rows not read from JSON lines (parquet, a datasets folder) are named by index, from 0
+    with pytest.raises(UserError, match=r"^f.parquet, row 1 has no column 'prompt' \(dataset.prompt_key\)"):
+        check_columns([{"prompt": "a", "answer": "1"}, {"question": "b"}], "f.parquet", "prompt", "answer")
+    with pytest.raises(UserError, match=r"^f.parquet, row 0 has no column 'answer'"):
+        check_columns([{"prompt": "a"}], "f.parquet", "prompt", "answer")
+    # JSON lines by the line an editor shows (blank lines counted)
+    (tmp_path / "gap.jsonl").write_text('{"prompt": "a", "answer": "1"}\n\n\n{"prompt": "b"}\n')
+    with pytest.raises(UserError, match=r"gap.jsonl, line 4 has no column 'answer'"):
+        check_columns(read_rows(tmp_path / "gap.jsonl"), str(tmp_path / "gap.jsonl"), "prompt", "answer")
 
 
 def test_text_prompts_are_tokenized_as_they_are_and_chats_use_the_template() -> None:
