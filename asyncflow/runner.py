@@ -295,7 +295,12 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
     if cfg.runtime.kind == "ray":
         from asyncflow.runtime.ray_runtime import RayWorkers
 
-        folder.open()  # the actors are given the folder
+        # The actors are given the folder (each opens samples.jsonl to append). A fresh run claims it
+        # first; a resumed one cuts its logs back only once the actors are up (in `_run`), so actors
+        # that fail to start leave it as it was. Cutting after they opened the file is safe: it is
+        # truncated in place and they append through O_APPEND, which writes at its end as it is then.
+        if resume is None:
+            folder.open()
         workers = RayWorkers.start(cfg, policy_dir, inputs.train_rows, out, inputs.reward_fn_path,
                                    torch_threads(cfg), log=progress.message, version=version)
         engines, trainer = list(workers.engines), workers.trainer

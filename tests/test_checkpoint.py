@@ -179,3 +179,13 @@ def test_a_resume_that_fails_to_build_changes_nothing_in_the_run(arith_dir: Path
     with pytest.raises(UserError, match="cannot be made here"):
         _train(arith_dir, out, ["train.max_steps=4", "checkpoint.resume=auto"])
     assert {name: (out / name).read_bytes() for name in before} == before
+
+    # the Ray runtime likewise: its actors are given the folder, but a resume cuts the logs only once
+    # they have started (here they cannot: no cluster is needed to see the folder left alone)
+    def no_actors(*args: Any, **kwargs: Any) -> Any:
+        raise UserError("runtime.kind: the actors cannot start here")
+
+    monkeypatch.setattr("asyncflow.runtime.ray_runtime.RayWorkers.start", no_actors)
+    with pytest.raises(UserError, match="the actors cannot start here"):
+        _train(arith_dir, out, ["train.max_steps=4", "checkpoint.resume=auto", "runtime.kind=ray"])
+    assert {name: (out / name).read_bytes() for name in before} == before

@@ -224,6 +224,11 @@ def test_a_dead_trainer_ends_the_run_with_one_line_and_exit_code_1(ray_session, 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 21))
     assert json.loads((out / "summary.json").read_text())["accounting"]["lost"] == 0
+    # samples.jsonl too: the resume cut it back once its actors had opened it (O_APPEND: they then
+    # write at the cut-back end), so the redone steps' samples appear once
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert not [u for u, k in Counter(s["uid"] for s in samples).items() if k > 1], "a sample was logged twice"
+    assert sum(s["status"] == "trained" for s in samples) == 20 * BATCH
 
 
 @pytest.mark.slow
