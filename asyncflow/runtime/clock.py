@@ -15,7 +15,7 @@ import asyncio
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
 from asyncflow.errors import WaitTimeout
@@ -114,9 +114,7 @@ class SweptClock:
         self._tick = math.inf
         self._sweeper: asyncio.Task[None] | None = None
         self.now: Callable[[], float] = clock.now  # bound, not forwarded: one Python call instead of two
-
-    async def sleep(self, seconds: float) -> None:
-        await self.clock.sleep(seconds)
+        self.sleep: Callable[[float], Coroutine[Any, Any, None]] = clock.sleep  # (likewise: one frame less per sleep)
 
     async def wait_for(self, aw: Awaitable[T], timeout: float | None, what: str) -> T:
         task = _current_task(asyncio.get_running_loop())

@@ -166,9 +166,9 @@ class VirtualClock:
         # the loop's own `time`, bound: `now` runs several times per sample, and a method that
         # forwards to it cost a second Python call each time
         self.now: Callable[[], float] = loop.time
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
+        # `asyncio.sleep` itself, not a coroutine that awaits it: one frame less per sleep (every
+        # simulated environment step sleeps once)
+        self.sleep: Callable[[float], Coroutine[Any, Any, None]] = asyncio.sleep
 
     async def wait_for(self, aw: Awaitable[T], timeout: float | None, what: str) -> T:
         return await bounded(aw, timeout, what, unit=self.unit)
