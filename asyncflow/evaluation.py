@@ -16,8 +16,16 @@ from asyncflow.config import Config
 from asyncflow.data import tokenize_prompt
 from asyncflow.engines.base import GenRequest, InferenceEngine
 from asyncflow.errors import WaitTimeout
-from asyncflow.rewards import RewardFn, score_group
+from asyncflow.rewards import (
+    RewardFn,
+    RewardOutcome,
+    call_reward_fn,
+    call_reward_fn_async,
+    is_async_reward_fn,
+)
 from asyncflow.telemetry.runlog import RunLog, Tracer
+
+_ASYNC_REWARD_CALLS = 64  # `async def` reward calls in flight at once during an evaluation (a remote verifier's load)
 
 
 class Evaluator:
@@ -76,32 +84,59 @@ class Evaluator:
         return row
 
     async def _completions(self) -> tuple[list[float], str | None]:
+        """Greedy completions, each prompt scored as a group of its own (the reward function's contract:
+        one call per group), so one bad value or one slow call costs that prompt (it counts 0; the first
+        error is reported), not the whole evaluation."""
         requests = [
             GenRequest(-(i + 1), ids, self.cfg.rollout.max_new_tokens, temperature=0.0) for i, ids in enumerate(self.prompt_ids)
         ]
-        # bounded as rollout requests are: all are submitted at once, so the engine decodes them in
-        # ceil(n / capacity) rounds, each within rollout.request_timeout_s
-        rounds = max(1, -(-len(requests) // max(1, self.engine.capacity)))
+        # at most the engine's capacity in flight (a server engine would otherwise get one connection per
+        # eval prompt), so it decodes them in ceil(n / capacity) rounds, each within rollout.request_timeout_s
+        capacity = max(1, self.engine.capacity)
+        rounds = max(1, -(-len(requests) // capacity))
+        gate = asyncio.Semaphore(capacity)
+
+        async def generate(request: GenRequest) -> Any:
+            async with gate:
+                return await self.engine.generate(request)
+
         try:
             results = await self.clock.wait_for(
-                asyncio.gather(*(self.engine.generate(r) for r in requests)),
+                asyncio.gather(*(generate(r) for r in requests)),
                 self.cfg.rollout.request_timeout_s * rounds,
                 f"greedy generation of the {len(requests)} eval prompts (rollout.request_timeout_s per round of "
                 "the engine's batch)")
         except WaitTimeout as exc:  # a stuck engine fails the evaluation, not the run (the run has its own bounds)
             return [0.0] * len(self.rows), str(exc)
         key = self.cfg.dataset.prompt_key
-        completions_ids = [r.response_ids for r in results]
-        conversational = bool(self.rows) and isinstance(self.rows[0][key], list)
-        completions = self.tok.completions(completions_ids, conversational)
-        columns = {c: [r.get(c) for r in self.rows] for c in self.rows[0] if c != key} if self.rows else {}
-        try:
-            outcome = await self.clock.wait_for(
-                score_group(self.reward_fn, [r[key] for r in self.rows], completions, completions_ids, columns),
-                self.cfg.reward.timeout_s, "the reward function on the eval set")
-        except WaitTimeout as exc:
-            return [0.0] * len(self.rows), str(exc)
-        return outcome.rewards or [0.0] * len(self.rows), outcome.error
+        calls = []
+        for row, result in zip(self.rows, results, strict=True):
+            ids = result.response_ids
+            completion = self.tok.completions([ids], isinstance(row[key], list))
+            calls.append((self.reward_fn, [row[key]], completion, [ids], {c: [v] for c, v in row.items() if c != key}))
+        timeout = self.cfg.reward.timeout_s
+        if is_async_reward_fn(self.reward_fn):
+            limit = asyncio.Semaphore(_ASYNC_REWARD_CALLS)
+
+            async def one(i: int, call: tuple[Any, ...]) -> RewardOutcome:
+                async with limit:
+                    try:
+                        return await self.clock.wait_for(call_reward_fn_async(*call), timeout,
+                                                         f"the reward function on eval prompt {i}")
+                    except WaitTimeout as exc:
+                        return RewardOutcome(None, str(exc))
+
+            outcomes = list(await asyncio.gather(*(one(i, c) for i, c in enumerate(calls))))
+        else:  # one thread hop for all of them, as the reward stage does for the groups of one take
+            try:
+                outcomes = await self.clock.wait_for(
+                    asyncio.to_thread(lambda: [call_reward_fn(*c) for c in calls]), timeout * max(1, len(calls)),
+                    f"the reward function on the {len(calls)} eval prompts (reward.timeout_s per prompt)")
+            except WaitTimeout as exc:
+                return [0.0] * len(self.rows), str(exc)
+        rewards = [o.rewards[0] if o.rewards else 0.0 for o in outcomes]
+        errors = [f"eval prompt {i}: {o.error}" for i, o in enumerate(outcomes) if o.error is not None]
+        return rewards, (errors[0] if errors else None)
 
     async def _episodes(self) -> tuple[list[float], str | None]:
         """Greedy episodes; an episode that failed counts 0 and the first error is reported."""

@@ -86,7 +86,7 @@ def test_loading_names_the_module_or_function_at_fault(tmp_path: Path) -> None:
 def test_async_functions_are_recognised_and_validated_like_plain_ones() -> None:
     import asyncio
 
-    from asyncflow.rewards import call_reward_fn_async, is_async_reward_fn, score_group
+    from asyncflow.rewards import call_reward_fn, call_reward_fn_async, is_async_reward_fn
 
     async def judge(prompts, completions, answer):  # no **kwargs: gets only the columns it names
         await asyncio.sleep(0)
@@ -103,8 +103,8 @@ def test_async_functions_are_recognised_and_validated_like_plain_ones() -> None:
     cols = {"answer": ["4", "5"], "other": [1, 2]}
     out = asyncio.run(call_reward_fn_async(judge, ["p", "p"], ["4", "4"], [[1], [1]], cols))
     assert out == RewardOutcome([1.0, 0.0], None)
-    assert asyncio.run(score_group(Judge(), ["p"], ["x"], [[1]], {})) == RewardOutcome([0.5], None)
-    assert asyncio.run(score_group(plain, ["p"], ["x"], [[1]], {})) == RewardOutcome([1.0], None)
+    assert asyncio.run(call_reward_fn_async(Judge(), ["p"], ["x"], [[1]], {})) == RewardOutcome([0.5], None)
+    assert call_reward_fn(plain, ["p"], ["x"], [[1]], {}) == RewardOutcome([1.0], None)
 
     async def wrong(prompts, completions, **kw):
         return [None] * len(completions)

@@ -8,7 +8,6 @@ a worker thread; an `async def` one (a remote judge or verifier service) is awai
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 import math
@@ -111,14 +110,6 @@ async def call_reward_fn_async(
     except Exception as exc:  # as in `call_reward_fn`; a cancellation (timeout) is not an Exception
         return _raised(exc)
     return validate_rewards(out, len(completions))
-
-
-async def score_group(fn: Any, prompts: list[Any], completions: list[str], completion_ids: list[list[int]],
-                      columns: dict[str, list[Any]]) -> RewardOutcome:
-    """One group's call, wherever it belongs: on the loop for an async function, else in a thread."""
-    if is_async_reward_fn(fn):
-        return await call_reward_fn_async(fn, prompts, completions, completion_ids, columns)
-    return await asyncio.to_thread(call_reward_fn, fn, prompts, completions, completion_ids, columns)
 
 
 _PLAIN_NUMBERS = frozenset((int, float))

@@ -1,0 +1,135 @@
+"""Greedy evaluation: the reward function's per-group contract, and the load it puts on an engine."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from asyncflow.engines.sim import SimEngine
+
+
+class _Tok:
+    hf = staticmethod(lambda text: {"input_ids": [5, 6]})
+
+    def completions(self, ids: Any, conversational: bool) -> list[str]:
+        return [f"c{len(i)}" for i in ids]
+
+
+class _Counting(SimEngine):
+    """Counts the requests in flight at once."""
+
+    in_flight = 0
+    most = 0
+
+    async def generate(self, request):  # type: ignore[no-untyped-def]
+        type(self).in_flight += 1
+        type(self).most = max(type(self).most, type(self).in_flight)
+        try:
+            return await super().generate(request)
+        finally:
+            type(self).in_flight -= 1
+
+
+def _evaluate(tmp_path: Path, reward_fn: Any, overrides: list[str], prompts: int = 6, real: bool = False) -> dict[str, Any]:
+    """One evaluation on a simulated engine, on virtual time (`real`: on the wall clock, for a reward
+    function that blocks a thread: virtual time stands still while a thread job is outstanding)."""
+    from asyncflow.config import load_config
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.runtime.clock import RealClock
+    from asyncflow.runtime.virtual_loop import run_virtual
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+
+    async def main(clock: Any) -> dict[str, Any]:
+        cfg, _ = load_config(None, overrides)
+        engine = _Counting(clock, lengths=lambda rng: 3, capacity=2, seed=0, step_s=0.001)
+        log = RunLog(tmp_path)
+        try:
+            rows = [{"prompt": f"p{i}", "answer": str(i), "level": i % 2} for i in range(prompts)]
+            evaluator = Evaluator(cfg, rows, _Tok(), reward_fn, engine, log, Tracer(now=clock.now), clock=clock)
+            return await evaluator.run(step=0)
+        finally:
+            log.close()
+
+    _Counting.in_flight = _Counting.most = 0
+    return asyncio.run(main(RealClock())) if real else run_virtual(main)
+
+
+def test_each_eval_prompt_is_a_group_of_its_own_and_a_bad_value_costs_only_that_prompt(tmp_path: Path) -> None:
+    """The reward function is called once per group (docs/rewards.md); at eval a group is one prompt's
+    greedy completion. It used to get the whole eval set in one call, so one bad value zeroed it."""
+    calls: list[tuple[list[Any], list[str], dict[str, Any]]] = []
+
+    def reward(prompts: list[Any], completions: list[str], **columns: Any) -> list[Any]:
+        calls.append((prompts, completions, columns))
+        if columns["answer"] == ["2"]:
+            return [None]
+        return [1.0 if columns["level"][0] == 0 else 0.0]
+
+    row = _evaluate(tmp_path, reward, [])
+    assert sorted(c[0] for c in calls) == [[f"p{i}"] for i in range(6)]
+    assert all(c[1] == ["c3"] and c[2]["answer"] == [c[0][0][1:]] for c in calls)
+    assert row["eval_size"] == 6
+    assert row["eval_accuracy"] == 2 / 6  # p0 and p4 (level 0, not p2, whose value was None)
+    assert row["eval_error"] == "eval prompt 2: reward function returned None for completion 0"
+    assert _Counting.most == 2  # never more requests in flight than the engine's capacity
+
+
+def test_an_async_reward_that_hangs_on_one_eval_prompt_fails_only_that_prompt(tmp_path: Path) -> None:
+    async def judge(prompts: list[Any], completions: list[str], answer: list[str]) -> list[float]:
+        if answer == ["4"]:
+            await asyncio.sleep(3600)
+        return [1.0]
+
+    row = _evaluate(tmp_path, judge, ["reward.timeout_s=5"])
+    assert row["eval_accuracy"] == 5 / 6
+    assert row["eval_error"] == "eval prompt 4: timed out after 5.0 virtual s waiting for the reward function on eval prompt 4"
+
+
+def test_a_plain_reward_function_is_bounded_per_prompt_over_the_whole_eval(tmp_path: Path) -> None:
+    """Plain functions run in one thread hop for all prompts, bounded by reward.timeout_s per prompt."""
+    import threading
+
+    release = threading.Event()
+
+    def stuck(prompts: list[Any], completions: list[str], **kw: Any) -> list[float]:
+        release.wait(5.0)  # (real seconds: the thread is released once the evaluation has given up)
+        return [1.0]
+
+    try:
+        row = _evaluate(tmp_path, stuck, ["reward.timeout_s=0.05"], prompts=2, real=True)
+    finally:
+        release.set()
+    assert row["eval_accuracy"] == 0.0
+    assert row["eval_error"].startswith("timed out after 0.1 s waiting for the reward function on the 2 eval "
+                                        "prompts (reward.timeout_s per prompt)")
+
+
+def test_an_evaluation_due_while_the_previous_one_runs_is_skipped_with_a_note(arith_dir: Path, tmp_path: Path,
+                                                                             monkeypatch: Any, capsys: Any) -> None:
+    """Evaluations run beside training; one due while the previous is still running is skipped (the
+    run never waits for them), and the first skip says so instead of rows silently missing."""
+    import json
+
+    from asyncflow.config import load_config
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.runner import train
+
+    run = Evaluator.run
+
+    async def slow(self: Any, step: int) -> Any:
+        if step > 0:
+            await asyncio.sleep(3.0)  # far longer than a train step of this run
+        return await run(self, step)
+
+    monkeypatch.setattr(Evaluator, "run", slow)
+    cfg, _ = load_config(None, [f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=8",
+                                "train.max_steps=4", "eval.every=1", "rollout.max_new_tokens=4"])
+    train(cfg, tmp_path / "run", progress_enabled=True)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["step"] for r in rows if r["kind"] == "eval"]
+    assert evals[:2] == [0, 1] and 2 not in evals  # step 2's was due while step 1's ran
+    err = capsys.readouterr().err
+    assert err.count("[asyncflow] note: the evaluation due at step 2 is skipped: the previous one is still "
+                     "running") == 1
+    assert err.count("is skipped") == 1  # later skips are not reported one by one
