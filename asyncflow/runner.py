@@ -349,9 +349,10 @@ def make_train_engine(cfg: Config, model_dir: Path) -> Any:
         return FSDPTrainEngine(model_dir, world_size=t.world_size, device=device,
                                threads=max(1, torch_threads(cfg) // t.world_size), timeout_s=t.worker_timeout_s,
                                seed=cfg.seed, **common)  # type: ignore[arg-type]
+    from asyncflow.engines.base import pick_device
     from asyncflow.engines.torch_train import TorchTrainEngine
 
-    return TorchTrainEngine(model_dir, **common)  # type: ignore[arg-type]
+    return TorchTrainEngine(model_dir, device=pick_device(cfg.model.device), **common)  # type: ignore[arg-type]
 
 
 def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int, version: int = 0) -> Any:
@@ -366,11 +367,12 @@ def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int, ve
         engine = VLLMEngine(model_dir, max_batch=cfg.rollout.max_batch, dtype=cfg.model.dtype, seed=cfg.seed + index)
         engine.version = version
         return engine
+    from asyncflow.engines.base import pick_device
     from asyncflow.engines.hf import HFEngine
 
     return HFEngine(model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                    max_batch=cfg.rollout.max_batch, dtype=dtype, seed=cfg.seed + index, name=f"rollout-{index}",
-                    version=version)
+                    max_batch=cfg.rollout.max_batch, device=pick_device(cfg.model.device, index), dtype=dtype,
+                    seed=cfg.seed + index, name=f"rollout-{index}", version=version)
 
 
 def loss_settings(cfg: Config) -> Any:
@@ -429,6 +431,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         last_eval = await evaluator.run(step=resume.step) if due and evaluator.history[-1]["step"] != resume.step \
             else evaluator.history[-1]
     pending_eval: asyncio.Task[dict[str, float]] | None = None
+    skipped_evals: list[int] = []
     pipeline: Pipeline
 
     async def on_step(result: StepResult) -> None:
@@ -466,6 +469,12 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             if pending_eval is not None:
                 last_eval = pending_eval.result()
             pending_eval = asyncio.create_task(evaluator.run(step=result.step))
+        elif due:  # evaluations run beside training; one still running means this one is skipped: say so once
+            skipped_evals.append(result.step)
+            if len(skipped_evals) == 1:
+                progress.message(f"[asyncflow] note: the evaluation due at step {result.step} is skipped: the previous "
+                                 "one is still running (eval.every is shorter than an evaluation takes; raise it or "
+                                 "lower eval.size). Later skips are not reported one by one.")
         progress.update(
             result.step,
             {"samples/s": row["samples_per_s"], "reward": row["reward_mean"], "stale": row["staleness_mean"],
