@@ -36,6 +36,13 @@ class ModelConfig:
     path: str | None = _f(None, "Hugging Face causal-LM folder. null: the task pack prepares (and caches) its model.")
     cache_dir: str | None = _f(None, "Where prepared task models are cached. null: $ASYNCFLOW_CACHE or ~/.cache/asyncflow.")
     dtype: Literal["float32", "bfloat16"] = _f("float32", "Parameter dtype for training and rollout (float32 keeps behaviour and trainer log-probs equal).")
+    device: Literal["auto", "cpu", "cuda"] = _f(
+        "auto",
+        "Where the hf rollout engines and the torch trainer run. auto: on a GPU when the process sees one "
+        "(rollout workers spread over the GPUs; with runtime.kind=ray, the GPUs Ray gives each actor: "
+        "runtime.rollout_gpus, runtime.train_gpus), else on the CPU; cuda: refused without a GPU. "
+        "(train.engine=fsdp places its ranks itself; rollout.engine=vllm always runs on a GPU.)",
+    )
 
 
 @dataclass
@@ -52,7 +59,7 @@ class DatasetConfig:
 class RewardConfig:
     """The reward function."""
 
-    fn: str | None = _f(None, "`module:function` with TRL's signature fn(prompts, completions, **columns) -> list[float|None]. null: the task pack's verifier.")
+    fn: str | None = _f(None, "`module:function` with TRL's signature fn(prompts, completions, **columns) -> list[float] (a None fails the group's call). null: the task pack's verifier.")
     timeout_s: float = _f(60.0, "Longest one reward call may take before its samples are marked as failed.", lo=0.001)
     fail_fast_calls: int = _f(32, "If this many first reward calls of a run all fail, stop the run (exit 2).", lo=1)
     concurrency: int = _f(
@@ -181,7 +188,8 @@ class TrainConfig:
         "mini-batch (with fsdp: the rank's share of it).",
         lo=1,
     )
-    lr: float = _f(1e-6, "AdamW learning rate (task packs set one that suits their model).", lo=0.0)
+    lr: float = _f(1e-6, "AdamW learning rate (task packs set one that suits their model). null: the task pack's, "
+                   "else this default.", lo=0.0)
     weight_decay: float = _f(0.0, "AdamW weight decay.", lo=0.0)
     max_steps: int = _f(100, "Train steps (weight publications) in the run.", lo=1)
     max_grad_norm: float = _f(1.0, "Gradient-norm clip per optimizer step (0: no clipping).", lo=0.0)
@@ -274,7 +282,9 @@ class WorkflowConfig:
         lo=0.0,
         hi=4.0,
     )
-    store_capacity: int = _f(8192, "Most samples the store holds; producers block beyond it (backpressure).", lo=1)
+    store_capacity: int = _f(8192, "Most samples the store holds; producers block beyond it (backpressure). Raised to "
+                             "(staleness + 2 + ceil(workflow.redundancy)) x train.batch_size when smaller: what the "
+                             "staleness gate may admit must fit.", lo=1)
     lease_timeout_s: float = _f(600.0, "A taken sample not acked within this returns to the queue.", lo=0.001)
     step_timeout_s: float = _f(1800.0, "Longest the trainer waits for one batch before failing with a message.", lo=0.001)
     gc_threshold: int = _f(
@@ -311,9 +321,9 @@ class RuntimeConfig:
     )
     address: str | None = _f(None, "Ray cluster address to join (runtime.kind: ray); null starts a local Ray (loopback, no dashboard).")
     rollout_cpus: float = _f(1.0, "CPUs reserved per rollout worker actor (ray).", lo=0.0)
-    rollout_gpus: float = _f(0.0, "GPUs per rollout worker actor (ray).", lo=0.0)
+    rollout_gpus: float = _f(0.0, "GPUs per rollout worker actor (ray); its hf engine runs on them (model.device).", lo=0.0)
     train_cpus: float = _f(1.0, "CPUs reserved for the trainer actor (ray).", lo=0.0)
-    train_gpus: float = _f(0.0, "GPUs for the trainer actor (ray).", lo=0.0)
+    train_gpus: float = _f(0.0, "GPUs for the trainer actor (ray); its torch trainer runs on them (model.device).", lo=0.0)
     reward_workers: int = _f(1, "Reward worker actors (ray); each scores whole groups as they complete.", lo=1)
     reward_cpus: float = _f(0.0, "CPUs reserved per reward worker actor (ray); 0 for light verifiers.", lo=0.0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _f(
@@ -490,6 +500,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     task = explicit.get("task", Config.task)
     if task is not None and not isinstance(task, str):
         raise UserError(f"task: expected a task name or null, got {task!r}")
+    train = explicit.get("train")
+    if isinstance(train, dict) and "lr" in train and train["lr"] is None:
+        # `lr: null` (DESIGN.md's contract config): the task pack's rate, else the default, as if not given
+        explicit = {**explicit, "train": {k: v for k, v in train.items() if k != "lr"}}
     raw = merge(task_defaults(task), explicit)
     cfg = from_dict(raw)
     validate(cfg, _flatten(explicit))
@@ -659,6 +673,9 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError("checkpoint.keep: not used while checkpoint.every is 0 (no periodic checkpoints)")
     if cfg.runtime.address is not None and cfg.runtime.kind == "local":
         raise UserError("runtime.address: only used with runtime.kind=ray")
+    if cfg.runtime.kind == "ray" and cfg.model.device == "cuda" and not (cfg.runtime.rollout_gpus and cfg.runtime.train_gpus):
+        raise UserError("model.device: cuda with runtime.kind=ray needs runtime.rollout_gpus and runtime.train_gpus "
+                        "above 0 (Ray shows an actor only the GPUs it was given)")
 
 
 ENV_NAMES = ("calculator", "guess_number")

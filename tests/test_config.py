@@ -28,6 +28,39 @@ def test_precedence_defaults_task_file_then_set(tmp_path: Path) -> None:
     assert "train.lr" in explicit and "rollout.n" in explicit and "eval.every" not in explicit
 
 
+_CONTRACT_CONFIG = """\
+task: arith
+seed: 0
+model: {path: null, cache_dir: null}
+dataset: {path: data.jsonl, prompt_key: prompt, label_key: answer}
+reward: {fn: "my_module:score"}
+rollout: {engine: hf, workers: 1, n: 8, max_new_tokens: 16, temperature: 1.0}
+train: {engine: torch, batch_size: 64, mini_batches: 1, micro_batch_size: null, lr: null,
+        max_steps: 100, max_grad_norm: 1.0}
+algorithm: {advantage: grpo, loss: ppo, kl_coef: 0.0}
+workflow: {mode: async, max_staleness: 1, weight_update: swap}
+eval: {path: null, every: 10, size: 1000, success_threshold: 1.0}
+runtime: {kind: local, address: null}
+logging: {progress: true, tensorboard: false}
+checkpoint: {every: 0, resume: false}
+"""
+
+
+def test_the_contract_config_of_design_md_loads_and_lr_null_means_not_given(tmp_path: Path) -> None:
+    """DESIGN.md's config block, as written there (its `lr: null` was refused: train.lr is a number)."""
+    from asyncflow.config import Config
+    from asyncflow.tasks import get_task
+
+    f = tmp_path / "contract.yaml"
+    f.write_text(_CONTRACT_CONFIG)
+    cfg, explicit = load_config(f)
+    assert cfg.train.lr == pytest.approx(get_task("arith").defaults["train"]["lr"])  # the task pack's
+    assert "train.lr" not in explicit and cfg.train.batch_size == 64 and cfg.workflow.max_staleness == 1
+    cfg, _ = load_config(f, ["task=null", "model.path=m", "reward.fn=m:f"])
+    assert cfg.train.lr == Config().train.lr  # no task pack: the built-in default
+    assert load_config(f, ["train.lr=0.5"])[0].train.lr == 0.5  # --set beats the file's null
+
+
 def test_set_values_are_parsed_as_yaml_scalars() -> None:
     assert parse_set(["a.b=3", "a.c=true", "d=null", "e=x"]) == {"a": {"b": 3, "c": True}, "d": None, "e": "x"}
 

@@ -331,3 +331,38 @@ def test_engine_failure_reaches_the_caller_instead_of_hanging(tiny_model) -> Non
     with pytest.raises(RuntimeError, match="closed after an error"):
         engine.submit(GenRequest(1, [3], 4, 1.0))
     engine.shutdown()
+
+
+def test_model_device_picks_a_gpu_only_where_the_process_sees_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """model.device (hf engines, torch trainer): auto is the CPU without a GPU, and spreads rollout
+    engines over the GPUs there are; cuda without one is bad input, named by its key."""
+    import torch
+
+    from asyncflow.config import load_config
+    from asyncflow.engines.base import pick_device
+    from asyncflow.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device("auto") == "cpu" and pick_device("cpu", 3) == "cpu"
+    with pytest.raises(UserError, match=r"^model.device: cuda, but this process sees no GPU"):
+        pick_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [pick_device("auto", i) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert pick_device("cuda") == "cuda:0" and pick_device("cpu") == "cpu"
+    # on Ray an actor sees only the GPUs it was given: cuda without any is refused up front
+    with pytest.raises(UserError, match=r"^model.device: cuda with runtime.kind=ray needs runtime.rollout_gpus"):
+        load_config(None, ["runtime.kind=ray", "model.device=cuda", "runtime.rollout_gpus=1"])
+    assert load_config(None, ["runtime.kind=ray", "model.device=cuda", "runtime.rollout_gpus=1",
+                              "runtime.train_gpus=1"])[0].model.device == "cuda"
+
+
+def test_batches_stay_put_on_the_cpu_and_trainer_outputs_come_back_to_it(tiny_model) -> None:
+    """A batch moved to the CPU is the batch itself (no copies on the CPU path); the torch trainer's
+    log-probs and exported weights are CPU tensors whatever its device (engines load them onto their
+    own; a Ray actor without a GPU unpickles them)."""
+    trainer = TorchTrainEngine(copy.deepcopy(tiny_model), lr=1e-3)
+    batch = build_train_batch([[3, 4], [5, 6]], [[7, 1], [8]], [[-1.0, -1.0], [-1.0]], torch.tensor([1.0, -1.0]), [True, True], 0)
+    assert batch.to(torch.device("cpu")) is batch
+    assert trainer.logprobs(batch, 1.0).device.type == "cpu"
+    assert all(v.device.type == "cpu" for v in trainer.export_weights().values())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
@@ -118,6 +118,13 @@ class TrainBatch:
             proximal_logprobs=None if self.proximal_logprobs is None else self.proximal_logprobs[ix],
         )
 
+    def to(self, device: torch.device) -> TrainBatch:
+        """The batch on `device` (itself when it is the CPU, where batches are built)."""
+        if device.type == "cpu":
+            return self
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: v.to(device) for k, v in values.items() if isinstance(v, torch.Tensor)})
+
     def norm(self) -> Norm:
         """This batch's loss normaliser: trained tokens and sequences with at least one."""
         per_seq = self.response_mask.sum(-1)
@@ -175,3 +182,19 @@ def requester(engine: InferenceEngine) -> Callable[[GenRequest], Awaitable[GenRe
     if start is not None and start is not InferenceEngine.start_generate:
         return engine.start_generate
     return engine.generate
+
+
+def pick_device(setting: str, index: int = 0) -> str:
+    """The torch device of engine number `index` under `model.device`: "cpu", or "cuda:i" with the
+    engines spread over the GPUs this process sees (in a Ray actor: the ones Ray gave it, as
+    CUDA_VISIBLE_DEVICES). `auto` takes a GPU when there is one; `cuda` without one is bad input."""
+    if setting == "cpu":
+        return "cpu"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        if setting == "cuda":
+            from asyncflow.errors import UserError
+
+            raise UserError("model.device: cuda, but this process sees no GPU (torch.cuda.is_available() is False)")
+        return "cpu"
+    return f"cuda:{index % gpus}"

@@ -35,7 +35,7 @@ import tempfile
 import time
 import traceback
 import weakref
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -108,13 +108,6 @@ def _free_port() -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    if device.type == "cpu":
-        return batch
-    values = {f.name: getattr(batch, f.name) for f in fields(batch)}
-    return replace(batch, **{k: v.to(device) for k, v in values.items() if isinstance(v, torch.Tensor)})
-
-
 class _Rank:
     """One rank's shard of the policy and of the optimizer state."""
 
@@ -169,9 +162,9 @@ class _Rank:
         for i in range(share.passes):
             idx = list(range(i * share.micro_batch_size, min((i + 1) * share.micro_batch_size, n)))
             if rows is not None and idx:
-                out.append((_to_device(rows.select(idx), self.device), True))
+                out.append((rows.select(idx).to(self.device), True))
             else:
-                out.append((_to_device(dummy, self.device), False))
+                out.append((dummy.to(self.device), False))
         return out
 
     def logprobs(self, share: Share, dummy: TrainBatch, temperature: float) -> torch.Tensor | None:

@@ -71,11 +71,12 @@ class TorchTrainEngine(TrainEngine):
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         with torch.no_grad():
             parts = [token_logprobs(self.model, mb, temperature)[0] for mb in self._micro(batch)]
-        return torch.cat(parts)
+        return torch.cat(parts).cpu()  # (batches live on the CPU, where they are built)
 
     def _micro(self, batch: TrainBatch) -> list[TrainBatch]:
+        """The micro-batches, each on the model's device."""
         size = self.micro_batch_size or len(batch)
-        return [batch.select(list(range(i, min(i + size, len(batch))))) for i in range(0, len(batch), size)]
+        return [batch.select(list(range(i, min(i + size, len(batch))))).to(self.device) for i in range(0, len(batch), size)]
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         order = list(range(len(batch)))
@@ -101,7 +102,9 @@ class TorchTrainEngine(TrainEngine):
         return sums
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        # CPU copies: engines load them onto their own devices, and a Ray actor without a GPU can
+        # unpickle them
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def save(self, path: str, *, with_optimizer: bool) -> None:
         os.makedirs(path, exist_ok=True)
@@ -111,4 +114,5 @@ class TorchTrainEngine(TrainEngine):
 
     def load_optimizer(self, path: str) -> None:
         """Restore the optimizer state written by `save(..., with_optimizer=True)`."""
-        self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True))
+        self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True,
+                                                  map_location=self.device))

@@ -51,7 +51,15 @@ from typing import Any
 import torch
 
 from asyncflow.config import Config, episodic
-from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, LossFn, TrainBatch, TrainEngine
+from asyncflow.engines.base import (
+    GenRequest,
+    GenResult,
+    InferenceEngine,
+    LossFn,
+    TrainBatch,
+    TrainEngine,
+    pick_device,
+)
 from asyncflow.errors import RunFailed, TrainerDied, UserError, WaitTimeout
 
 READY_TIMEOUT_S = 300.0  # an actor starting (or restarting: a new process loads the model again)
@@ -218,8 +226,8 @@ class RolloutWorker:
         self.index = index
         self.engine = HFEngine(
             Path(model_dir), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-            max_batch=cfg.rollout.max_batch, dtype=getattr(torch, cfg.model.dtype), seed=cfg.seed + index,
-            name=f"rollout-{index}", version=version,
+            max_batch=cfg.rollout.max_batch, device=pick_device(cfg.model.device), dtype=getattr(torch, cfg.model.dtype),
+            seed=cfg.seed + index, name=f"rollout-{index}", version=version,
         )
         self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [self.engine])
 
@@ -350,7 +358,7 @@ class TrainerWorker:
         self.engine = TorchTrainEngine(
             Path(model_dir), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
             mini_batches=cfg.train.mini_batches, micro_batch_size=cfg.train.micro_batch_size,
-            max_grad_norm=cfg.train.max_grad_norm, dtype=getattr(torch, cfg.model.dtype),
+            max_grad_norm=cfg.train.max_grad_norm, device=pick_device(cfg.model.device), dtype=getattr(torch, cfg.model.dtype),
         )
 
     def ready(self) -> bool:
