@@ -325,7 +325,8 @@ def test_async_reward_function_runs_in_the_reward_actor(ray_session, arith_dir: 
     actor = [pid for pid in by_pid if pid != os.getpid()]
     assert len(actor) == 1 and set(by_pid[actor[0]]) == {"4"}  # groups of 4, scored in the reward actor
     assert len(by_pid[actor[0]]) >= 8  # at least the 8 trained groups
-    assert set(by_pid.get(os.getpid(), [])) == {"8"}  # the driver's eval calls (8 prompts each)
+    driver = by_pid.get(os.getpid(), [])  # the driver's eval calls: one per eval prompt (a group of one)
+    assert set(driver) == {"1"} and len(driver) >= 8 and len(driver) % 8 == 0
 
 
 def test_columnar_put_lands_row_by_row_in_another_process(ray_session) -> None:
