@@ -39,9 +39,10 @@ class ModelConfig:
     device: Literal["auto", "cpu", "cuda"] = _f(
         "auto",
         "Where the hf rollout engines and the torch trainer run. auto: on a GPU when the process sees one "
-        "(rollout workers spread over the GPUs; with runtime.kind=ray, the GPUs Ray gives each actor: "
-        "runtime.rollout_gpus, runtime.train_gpus), else on the CPU; cuda: refused without a GPU. "
-        "(train.engine=fsdp places its ranks itself; rollout.engine=vllm always runs on a GPU.)",
+        "(rollout workers spread over the GPUs; with runtime.kind=ray, only actors given GPUs by "
+        "runtime.rollout_gpus / runtime.train_gpus use one), else on the CPU; cuda: refused without a GPU. "
+        "The KL reference model stays on the CPU. (train.engine=fsdp places its ranks itself; "
+        "rollout.engine=vllm always runs on a GPU.)",
     )
 
 

@@ -25,7 +25,11 @@ from asyncflow.rewards import (
 )
 from asyncflow.telemetry.runlog import RunLog, Tracer
 
-_ASYNC_REWARD_CALLS = 64  # `async def` reward calls in flight at once during an evaluation (a remote verifier's load)
+_PLAIN_CHUNK = 8  # eval prompts per thread hop of a plain reward function
+
+
+def _score_plain(calls: list[tuple[Any, ...]]) -> list[RewardOutcome]:
+    return [call_reward_fn(*c) for c in calls]
 
 
 class Evaluator:
@@ -116,7 +120,7 @@ class Evaluator:
             calls.append((self.reward_fn, [row[key]], completion, [ids], {c: [v] for c, v in row.items() if c != key}))
         timeout = self.cfg.reward.timeout_s
         if is_async_reward_fn(self.reward_fn):
-            limit = asyncio.Semaphore(_ASYNC_REWARD_CALLS)
+            limit = asyncio.Semaphore(self.cfg.reward.concurrency)  # (a rate-limited judge's setting holds here too)
 
             async def one(i: int, call: tuple[Any, ...]) -> RewardOutcome:
                 async with limit:
@@ -127,13 +131,17 @@ class Evaluator:
                         return RewardOutcome(None, str(exc))
 
             outcomes = list(await asyncio.gather(*(one(i, c) for i, c in enumerate(calls))))
-        else:  # one thread hop for all of them, as the reward stage does for the groups of one take
-            try:
-                outcomes = await self.clock.wait_for(
-                    asyncio.to_thread(lambda: [call_reward_fn(*c) for c in calls]), timeout * max(1, len(calls)),
-                    f"the reward function on the {len(calls)} eval prompts (reward.timeout_s per prompt)")
-            except WaitTimeout as exc:
-                return [0.0] * len(self.rows), str(exc)
+        else:  # a thread hop per 8 prompts, as the reward stage takes up to 8 groups: a call that hangs
+            # (a thread cannot be stopped) costs its chunk, after reward.timeout_s per prompt of it
+            outcomes = []
+            for at in range(0, len(calls), _PLAIN_CHUNK):
+                chunk = calls[at:at + _PLAIN_CHUNK]
+                try:
+                    outcomes += await self.clock.wait_for(
+                        asyncio.to_thread(_score_plain, chunk), timeout * len(chunk),
+                        f"the reward function on eval prompts {at}-{at + len(chunk) - 1} (reward.timeout_s per prompt)")
+                except WaitTimeout as exc:
+                    outcomes += [RewardOutcome(None, str(exc))] * len(chunk)
         rewards = [o.rewards[0] if o.rewards else 0.0 for o in outcomes]
         errors = [f"eval prompt {i}: {o.error}" for i, o in enumerate(outcomes) if o.error is not None]
         return rewards, (errors[0] if errors else None)

@@ -357,12 +357,24 @@ def test_model_device_picks_a_gpu_only_where_the_process_sees_one(monkeypatch: p
                               "runtime.train_gpus=1"])[0].model.device == "cuda"
 
 
-def test_batches_stay_put_on_the_cpu_and_trainer_outputs_come_back_to_it(tiny_model) -> None:
-    """A batch moved to the CPU is the batch itself (no copies on the CPU path); the torch trainer's
-    log-probs and exported weights are CPU tensors whatever its device (engines load them onto their
-    own; a Ray actor without a GPU unpickles them)."""
-    trainer = TorchTrainEngine(copy.deepcopy(tiny_model), lr=1e-3)
+def test_a_batch_moves_to_a_device_whole_and_stays_put_where_it_is() -> None:
+    """`TrainBatch.to`: every tensor field moves (None fields stay None); a batch already on the
+    device is itself (no copies on the CPU path). The "meta" device stands in for a GPU here."""
     batch = build_train_batch([[3, 4], [5, 6]], [[7, 1], [8]], [[-1.0, -1.0], [-1.0]], torch.tensor([1.0, -1.0]), [True, True], 0)
-    assert batch.to(torch.device("cpu")) is batch
-    assert trainer.logprobs(batch, 1.0).device.type == "cpu"
-    assert all(v.device.type == "cpu" for v in trainer.export_weights().values())
+    assert batch.to(torch.device("cpu")) is batch and batch.to("cpu") is batch
+    moved = batch.to("meta")
+    assert moved is not batch and moved.ref_logprobs is None and moved.proximal_logprobs is None
+    tensors = [moved.input_ids, moved.attention_mask, moved.response_mask, moved.advantages, moved.behavior_logprobs]
+    assert all(t.device.type == "meta" for t in tensors)
+    assert moved.to("meta") is moved and batch.input_ids.device.type == "cpu"
+
+
+def test_ray_actors_use_a_gpu_only_when_ray_gave_them_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray 2.x leaves CUDA_VISIBLE_DEVICES alone for an actor given no GPU, so `auto` must not take
+    GPU 0 there (every such actor would load its model onto a GPU nobody reserved)."""
+    from asyncflow.runtime.ray_runtime import actor_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert actor_device("auto", 0.0) == "cpu" and actor_device("auto", 0.5) == "cuda:0"
+    assert actor_device("cpu", 1.0) == "cpu"

@@ -86,18 +86,20 @@ def test_an_async_reward_that_hangs_on_one_eval_prompt_fails_only_that_prompt(tm
     assert row["eval_error"] == "eval prompt 4: timed out after 5.0 virtual s waiting for the reward function on eval prompt 4"
 
 
-def test_a_plain_reward_function_is_bounded_per_prompt_over_the_whole_eval(tmp_path: Path) -> None:
-    """Plain functions run in one thread hop for all prompts, bounded by reward.timeout_s per prompt."""
+def test_a_plain_reward_function_that_hangs_costs_its_chunk_of_eval_prompts(tmp_path: Path) -> None:
+    """Plain functions run in a thread hop per 8 eval prompts (as the reward stage takes up to 8
+    groups), bounded by reward.timeout_s per prompt of it: a hung call costs its chunk, not the eval."""
     import time
 
-    def slow(prompts: list[Any], completions: list[str], **kw: Any) -> list[float]:
-        time.sleep(0.3)  # (real seconds; the run's end waits for the thread: 0.6 s in all)
+    def slow(prompts: list[Any], completions: list[str], answer: list[str], **kw: Any) -> list[float]:
+        if answer == ["3"]:
+            time.sleep(0.6)  # (real seconds: longer than its chunk's 8 x 0.05 s)
         return [1.0]
 
-    row = _evaluate(tmp_path, slow, ["reward.timeout_s=0.05"], prompts=2, real=True)
-    assert row["eval_accuracy"] == 0.0
-    assert row["eval_error"].startswith("timed out after 0.1 s waiting for the reward function on the 2 eval "
-                                        "prompts (reward.timeout_s per prompt)")
+    row = _evaluate(tmp_path, slow, ["reward.timeout_s=0.05"], prompts=10, real=True)
+    assert row["eval_accuracy"] == 2 / 10  # prompts 8 and 9; the chunk 0-7 of the hung prompt 3 counts 0
+    assert row["eval_error"] == ("eval prompt 0: timed out after 0.4 s waiting for the reward function on eval "
+                                 "prompts 0-7 (reward.timeout_s per prompt)")
 
 
 def test_an_evaluation_due_while_the_previous_one_runs_is_skipped_with_a_note(arith_dir: Path, tmp_path: Path,
@@ -113,8 +115,8 @@ def test_an_evaluation_due_while_the_previous_one_runs_is_skipped_with_a_note(ar
     run = Evaluator.run
 
     async def slow(self: Any, step: int) -> Any:
-        if step > 0:
-            await asyncio.sleep(2.0)  # far longer than a train step of this run
+        if step == 1:
+            await asyncio.sleep(6.0)  # far longer than the train step after it
         return await run(self, step)
 
     monkeypatch.setattr(Evaluator, "run", slow)

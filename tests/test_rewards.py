@@ -50,6 +50,19 @@ def test_bad_return_values_become_an_error_for_the_group(value: object, message:
     assert out.rewards is None and message in str(out.error)
 
 
+def test_a_zero_dimensional_array_or_tensor_is_an_error_not_a_crash() -> None:
+    """`.squeeze()` of a group of one (an eval prompt) gives a 0-d value, whose tolist() is a number:
+    it crashed the run with a TypeError; a 1-element array is fine."""
+    import numpy as np
+    import torch
+
+    for value in (np.float64(1.0), np.array(1.0), torch.tensor(1.0)):
+        out = validate_rewards(value, 1)
+        assert out.rewards is None and "returned a 0-d" in str(out.error) and "a list of 1 numbers" in str(out.error)
+    assert validate_rewards(np.array([1.0]), 1).rewards == [1.0]
+    assert validate_rewards(torch.tensor([0.5]), 1).rewards == [0.5]
+
+
 def test_good_return_values_become_floats_whatever_their_number_type() -> None:
     import numpy as np
 

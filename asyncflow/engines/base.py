@@ -118,9 +118,10 @@ class TrainBatch:
             proximal_logprobs=None if self.proximal_logprobs is None else self.proximal_logprobs[ix],
         )
 
-    def to(self, device: torch.device) -> TrainBatch:
-        """The batch on `device` (itself when it is the CPU, where batches are built)."""
-        if device.type == "cpu":
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The batch on `device` (itself when it is there already: on the CPU, where batches are built)."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
             return self
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return replace(self, **{k: v.to(device) for k, v in values.items() if isinstance(v, torch.Tensor)})

@@ -114,5 +114,7 @@ class TorchTrainEngine(TrainEngine):
 
     def load_optimizer(self, path: str) -> None:
         """Restore the optimizer state written by `save(..., with_optimizer=True)`."""
+        # onto the CPU: load_state_dict moves each state tensor to its parameter's device itself, except
+        # AdamW's `step` counters, which stay on the CPU (on a GPU they would cost a sync per step)
         self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True,
-                                                  map_location=self.device))
+                                                  map_location="cpu"))

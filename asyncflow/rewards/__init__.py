@@ -120,6 +120,9 @@ def validate_rewards(out: Any, expected: int) -> RewardOutcome:
     if not isinstance(out, (list, tuple)) and not hasattr(out, "tolist"):
         return RewardOutcome(None, f"reward function returned {type(out).__name__}, expected a list of {expected} numbers")
     values = out.tolist() if hasattr(out, "tolist") else list(out)
+    if not isinstance(values, list):  # a 0-d array or tensor (e.g. `.squeeze()` of a group of one)
+        return RewardOutcome(None, f"reward function returned a 0-d {type(out).__name__}, expected a list of "
+                                   f"{expected} numbers (a group of one needs a list of one)")
     if len(values) != expected:
         return RewardOutcome(None, f"reward function returned {len(values)} values for {expected} completions")
     # the usual case, checked in C: only (non-bool) ints and floats, all finite (once per group:

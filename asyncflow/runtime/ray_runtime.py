@@ -226,7 +226,8 @@ class RolloutWorker:
         self.index = index
         self.engine = HFEngine(
             Path(model_dir), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-            max_batch=cfg.rollout.max_batch, device=pick_device(cfg.model.device), dtype=getattr(torch, cfg.model.dtype),
+            max_batch=cfg.rollout.max_batch, device=actor_device(cfg.model.device, cfg.runtime.rollout_gpus),
+            dtype=getattr(torch, cfg.model.dtype),
             seed=cfg.seed + index, name=f"rollout-{index}", version=version,
         )
         self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [self.engine])
@@ -347,6 +348,13 @@ class RewardWorker:
         return [(f"{t}/{self.index}" if t == "reward" else t, *rest) for t, *rest in self.pipeline.tracer.raw()]
 
 
+def actor_device(setting: str, gpus: float) -> str:
+    """An actor's device under `model.device`: a GPU only when Ray gave it one (`gpus` > 0). Ray 2.x
+    no longer hides the node's GPUs from an actor given none (CUDA_VISIBLE_DEVICES is left as it
+    is), so `auto` alone would put every such actor on GPU 0, which Ray never reserved for it."""
+    return pick_device(setting) if gpus > 0 else "cpu"
+
+
 class TrainerWorker:
     """Actor: the policy's optimizer state and weights."""
 
@@ -358,7 +366,8 @@ class TrainerWorker:
         self.engine = TorchTrainEngine(
             Path(model_dir), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
             mini_batches=cfg.train.mini_batches, micro_batch_size=cfg.train.micro_batch_size,
-            max_grad_norm=cfg.train.max_grad_norm, device=pick_device(cfg.model.device), dtype=getattr(torch, cfg.model.dtype),
+            max_grad_norm=cfg.train.max_grad_norm, device=actor_device(cfg.model.device, cfg.runtime.train_gpus),
+            dtype=getattr(torch, cfg.model.dtype),
         )
 
     def ready(self) -> bool:
