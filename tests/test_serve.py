@@ -145,7 +145,7 @@ def _slow_without_eos(server: Server) -> Any:
     import time
 
     engine = server.app.engine
-    engine.eos = torch.tensor([], dtype=torch.long)
+    engine.eos = frozenset()
     original = engine._decode_step
 
     def slow() -> None:

@@ -108,7 +108,7 @@ class HFEngine(InferenceEngine):
         self.model = model.to(device).eval()  # type: ignore[arg-type]
         self.device = torch.device(device)
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        self.eos = torch.tensor(eos, device=self.device)
+        self.eos = frozenset(eos)  # (a Python set, read every decode step: no copy from a GPU each time)
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
         self.version = version
@@ -332,7 +332,7 @@ class HFEngine(InferenceEngine):
 
     def _retire(self) -> None:
         """Resolve finished rows and drop them (and all-padding columns) from the running batch."""
-        eos = set(self.eos.tolist())
+        eos = self.eos
         keep: list[int] = []
         for i, row in enumerate(self._rows):
             reason = None
