@@ -17,6 +17,7 @@ from asyncflow.data import tokenize_prompt
 from asyncflow.engines.base import GenRequest, InferenceEngine
 from asyncflow.errors import WaitTimeout
 from asyncflow.rewards import (
+    PLAIN_CALLS_PER_HOP,
     RewardFn,
     RewardOutcome,
     call_reward_fn,
@@ -24,8 +25,6 @@ from asyncflow.rewards import (
     is_async_reward_fn,
 )
 from asyncflow.telemetry.runlog import RunLog, Tracer
-
-_PLAIN_CHUNK = 8  # eval prompts per thread hop of a plain reward function
 
 
 def _score_plain(calls: list[tuple[Any, ...]]) -> list[RewardOutcome]:
@@ -131,11 +130,11 @@ class Evaluator:
                         return RewardOutcome(None, str(exc))
 
             outcomes = list(await asyncio.gather(*(one(i, c) for i, c in enumerate(calls))))
-        else:  # a thread hop per 8 prompts, as the reward stage takes up to 8 groups: a call that hangs
+        else:  # a thread hop per 8 prompts, as the reward stage's per 8 groups: a call that hangs
             # (a thread cannot be stopped) costs its chunk, after reward.timeout_s per prompt of it
             outcomes = []
-            for at in range(0, len(calls), _PLAIN_CHUNK):
-                chunk = calls[at:at + _PLAIN_CHUNK]
+            for at in range(0, len(calls), PLAIN_CALLS_PER_HOP):
+                chunk = calls[at:at + PLAIN_CALLS_PER_HOP]
                 try:
                     outcomes += await self.clock.wait_for(
                         asyncio.to_thread(_score_plain, chunk), timeout * len(chunk),

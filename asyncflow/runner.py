@@ -56,8 +56,6 @@ class Inputs:
     train_rows: list[dict[str, Any]]
     eval_rows: list[dict[str, Any]]
     reward_fn_path: str
-    train_path: str = ""  # where the rows came from (for messages)
-    eval_path: str = ""
     first_chat: str | None = None  # where the first conversational prompt is (None: all are text)
 
 
@@ -88,7 +86,6 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
         data_path = str(model_dir / "train.jsonl")
     rows = read_rows(data_path)
     chats = [check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key)]
-    eval_path = str(data_path)
     if cfg.eval.path is not None or (cfg.dataset.path is None and (model_dir / "eval.jsonl").is_file()):
         eval_path = cfg.eval.path if cfg.eval.path is not None else str(model_dir / "eval.jsonl")
         eval_rows = read_rows(eval_path, key="eval.path")
@@ -107,7 +104,7 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
                 "on the training prompts (give eval.path for a held-out set)")
     reward_path = cfg.reward.fn or (task.reward_fn_path if task is not None else "")
     first_chat = next((c for c in chats if c is not None), None)
-    return Inputs(model_dir, rows, eval_rows[: cfg.eval.size], reward_path, str(data_path), eval_path, first_chat)
+    return Inputs(model_dir, rows, eval_rows[: cfg.eval.size], reward_path, first_chat)
 
 
 def load_tokenizer(model_dir: Path, log: Callable[[str], None] | None = None, key: str = "model.path") -> Any:
@@ -431,11 +428,11 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         last_eval = await evaluator.run(step=resume.step) if due and evaluator.history[-1]["step"] != resume.step \
             else evaluator.history[-1]
     pending_eval: asyncio.Task[dict[str, float]] | None = None
-    skipped_evals: list[int] = []
+    eval_skip_told = False
     pipeline: Pipeline
 
     async def on_step(result: StepResult) -> None:
-        nonlocal pending_eval, last_eval
+        nonlocal pending_eval, last_eval, eval_skip_told
         c = pipeline.counters
         now = clock.now()
         rollout_busy, train_busy = pipeline.busy_fractions()
@@ -469,12 +466,11 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             if pending_eval is not None:
                 last_eval = pending_eval.result()
             pending_eval = asyncio.create_task(evaluator.run(step=result.step))
-        elif due:  # evaluations run beside training; one still running means this one is skipped: say so once
-            skipped_evals.append(result.step)
-            if len(skipped_evals) == 1:
-                progress.message(f"[asyncflow] note: the evaluation due at step {result.step} is skipped: the previous "
-                                 "one is still running (eval.every is shorter than an evaluation takes; raise it or "
-                                 "lower eval.size). Later skips are not reported one by one.")
+        elif due and not eval_skip_told:  # evaluations run beside training: one still running means this
+            eval_skip_told = True  # one is skipped; said once
+            progress.message(f"[asyncflow] note: the evaluation due at step {result.step} is skipped: the previous "
+                             "one is still running (eval.every is shorter than an evaluation takes; raise it or "
+                             "lower eval.size). Later skips are not reported one by one.")
         progress.update(
             result.step,
             {"samples/s": row["samples_per_s"], "reward": row["reward_mean"], "stale": row["staleness_mean"],

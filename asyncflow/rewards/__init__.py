@@ -112,6 +112,8 @@ async def call_reward_fn_async(
     return validate_rewards(out, len(completions))
 
 
+PLAIN_CALLS_PER_HOP = 8  # groups a plain function scores per thread hop (the reward stage's take; evaluation)
+
 _PLAIN_NUMBERS = frozenset((int, float))
 
 

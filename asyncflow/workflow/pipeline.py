@@ -46,6 +46,7 @@ from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, LossF
 from asyncflow.engines.runs import oldest
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.rewards import (
+    PLAIN_CALLS_PER_HOP,
     RewardFn,
     RewardOutcome,
     call_reward_fn,
@@ -475,7 +476,7 @@ class Pipeline:
         if not self._reward_async:
             while True:
                 try:
-                    lease = await self._take_reward(self.n * 8)
+                    lease = await self._take_reward(self.n * PLAIN_CALLS_PER_HOP)
                 except WaitTimeout:
                     continue
                 except QueueClosed:
