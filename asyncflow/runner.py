@@ -391,7 +391,6 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     import torch
 
     from asyncflow.algorithms.losses import make_loss_fn
-    from asyncflow.engines.torch_train import token_logprobs
     from asyncflow.evaluation import Evaluator
     from asyncflow.runtime.clock import RealClock
     from asyncflow.telemetry.runlog import RunLog, Tracer
@@ -400,13 +399,14 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     dtype = getattr(torch, cfg.model.dtype)
     ref_fn = None
     if cfg.algorithm.kl_coef > 0:
-        from transformers import AutoModelForCausalLM
+        from asyncflow.engines.base import pick_device
+        from asyncflow.engines.torch_train import ReferenceModel
 
-        ref_model = AutoModelForCausalLM.from_pretrained(str(inputs.model_dir), dtype=dtype).eval()
-
-        def ref_fn(batch: Any) -> Any:
-            with torch.no_grad():
-                return token_logprobs(ref_model, batch, cfg.rollout.temperature)[0]
+        # it runs in this process: with the local runtime on the trainer's device (model.device), on
+        # Ray on the CPU (the driver is given no GPU; the actors hold them)
+        ref_fn = ReferenceModel(inputs.model_dir, temperature=cfg.rollout.temperature,
+                                micro_batch_size=cfg.train.micro_batch_size, dtype=dtype,
+                                device=pick_device(cfg.model.device) if cfg.runtime.kind == "local" else "cpu")
 
     from asyncflow.config import to_dict
     from asyncflow.telemetry.runlog import make_sinks

@@ -11,7 +11,7 @@ import torch
 from asyncflow.algorithms.losses import LossSettings, make_loss_fn
 from asyncflow.engines.base import GenRequest
 from asyncflow.engines.hf import HFEngine, truncate_logits
-from asyncflow.engines.torch_train import TorchTrainEngine
+from asyncflow.engines.torch_train import ReferenceModel, TorchTrainEngine
 from asyncflow.workflow.pipeline import build_train_batch
 
 
@@ -223,6 +223,24 @@ def test_loss_and_gradients_do_not_depend_on_micro_batch_size(tiny_model) -> Non
         part = _grads_after_step(tiny_model, batch, micro)
         for name, grad in full.items():
             torch.testing.assert_close(part[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_reference_model_runs_in_micro_batches_without_gradients_and_answers_on_the_cpu(tiny_model) -> None:
+    """The KL reference's pass is micro-batched like the trainer's (a whole batch's logits at once
+    would be batch x length x vocabulary floats) and gives the trainer's log-probs of the same weights."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 32, (2 + i % 4,), generator=g).tolist() for i in range(5)]
+    responses = [torch.randint(2, 32, (1 + (i * 3) % 6,), generator=g).tolist() for i in range(5)]
+    batch = build_train_batch(prompts, responses, [[0.0] * len(r) for r in responses], torch.zeros(5), [True] * 5, 0)
+    ref = ReferenceModel(copy.deepcopy(tiny_model), temperature=0.8, micro_batch_size=2)
+    rows: list[int] = []
+    ref.model.register_forward_pre_hook(lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    lp = ref(batch)
+    assert rows == [2, 2, 1]
+    assert lp.device.type == "cpu" and lp.shape == (5, batch.input_ids.shape[1] - 1)
+    assert not any(p.requires_grad for p in ref.model.parameters())
+    want = TorchTrainEngine(copy.deepcopy(tiny_model), lr=0.0).logprobs(batch, temperature=0.8)
+    torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
 
 
 def test_train_step_changes_weights_and_export_is_a_copy(tiny_model) -> None:

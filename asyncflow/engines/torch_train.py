@@ -29,6 +29,35 @@ def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float
     return logp, entropy
 
 
+def micro_batches(batch: TrainBatch, size: int | None, device: torch.device) -> list[TrainBatch]:
+    """`batch` in parts of at most `size` rows (None: one part), each on `device`."""
+    size = size or len(batch)
+    return [batch.select(list(range(i, min(i + size, len(batch))))).to(device) for i in range(0, len(batch), size)]
+
+
+class ReferenceModel:
+    """The frozen reference policy of the KL term (`algorithm.kl_coef` > 0): the base model's weights
+    on `device`, evaluated without gradients in micro-batches of `micro_batch_size` rows (as the
+    trainer's passes are: a whole batch's logits at once would be batch x length x vocabulary floats).
+    Calling it with a CPU batch gives the [B, L-1] log-probs as a CPU tensor."""
+
+    def __init__(self, model: str | Path | PreTrainedModel, *, temperature: float, micro_batch_size: int | None = None,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if isinstance(model, (str, Path)):
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+        self.model = model.to(device).eval()  # type: ignore[arg-type]
+        self.model.requires_grad_(False)
+        self.device = torch.device(device)
+        self.temperature = temperature
+        self.micro_batch_size = micro_batch_size
+
+    def __call__(self, batch: TrainBatch) -> torch.Tensor:
+        with torch.no_grad():
+            parts = [token_logprobs(self.model, mb, self.temperature)[0]
+                     for mb in micro_batches(batch, self.micro_batch_size, self.device)]
+        return torch.cat(parts).cpu()
+
+
 def combine_metrics(parts: list[dict[str, float]], *, mean: bool) -> dict[str, float]:
     """Combine metric dicts: keys ending in `_max` / `_min` by max / min; the rest summed (micro-batch
     shares of one mini-batch) or, with `mean`, averaged (one value per mini-batch)."""
@@ -75,8 +104,7 @@ class TorchTrainEngine(TrainEngine):
 
     def _micro(self, batch: TrainBatch) -> list[TrainBatch]:
         """The micro-batches, each on the model's device."""
-        size = self.micro_batch_size or len(batch)
-        return [batch.select(list(range(i, min(i + size, len(batch))))).to(self.device) for i in range(0, len(batch), size)]
+        return micro_batches(batch, self.micro_batch_size, self.device)
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         order = list(range(len(batch)))
