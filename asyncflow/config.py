@@ -287,7 +287,9 @@ class WorkflowConfig:
     store_capacity: int = _f(8192, "Most samples the store holds; producers block beyond it (backpressure). Raised to "
                              "(staleness + 2 + ceil(workflow.redundancy)) x train.batch_size when smaller: what the "
                              "staleness gate may admit must fit.", lo=1)
-    lease_timeout_s: float = _f(600.0, "A taken sample not acked within this returns to the queue.", lo=0.001)
+    lease_timeout_s: float = _f(600.0, "A taken sample not acked within this returns to the queue "
+                                   "(a live holder renews its leases every quarter of this: only a dead or hung one loses them).",
+                                   lo=0.001)
     step_timeout_s: float = _f(1800.0, "Longest the trainer waits for one batch before failing with a message.", lo=0.001)
     gc_threshold: int = _f(
         0,

@@ -18,17 +18,13 @@ from asyncflow.engines.base import GenRequest, InferenceEngine
 from asyncflow.errors import WaitTimeout
 from asyncflow.rewards import (
     PLAIN_CALLS_PER_HOP,
+    PlainCalls,
     RewardFn,
     RewardOutcome,
-    call_reward_fn,
     call_reward_fn_async,
     is_async_reward_fn,
 )
 from asyncflow.telemetry.runlog import RunLog, Tracer
-
-
-def _score_plain(calls: list[tuple[Any, ...]]) -> list[RewardOutcome]:
-    return [call_reward_fn(*c) for c in calls]
 
 
 class Evaluator:
@@ -59,6 +55,7 @@ class Evaluator:
         self.history: list[dict[str, Any]] = []
         self.env_factory = env_factory
         self.clock = clock
+        self._plain_calls = PlainCalls()  # a plain reward function's threads (started on first use)
 
     async def run(self, step: int) -> dict[str, Any]:
         """Evaluate the engine's current weights; log and return the eval row."""
@@ -131,16 +128,13 @@ class Evaluator:
 
             outcomes = list(await asyncio.gather(*(one(i, c) for i, c in enumerate(calls))))
         else:  # a thread hop per 8 prompts, as the reward stage's per 8 groups: a call that hangs
-            # (a thread cannot be stopped) costs its chunk, after reward.timeout_s per prompt of it
+            # (a thread cannot be stopped) costs the rest of its chunk, after reward.timeout_s per prompt of it
             outcomes = []
             for at in range(0, len(calls), PLAIN_CALLS_PER_HOP):
                 chunk = calls[at:at + PLAIN_CALLS_PER_HOP]
-                try:
-                    outcomes += await self.clock.wait_for(
-                        asyncio.to_thread(_score_plain, chunk), timeout * len(chunk),
-                        f"the reward function on eval prompts {at}-{at + len(chunk) - 1} (reward.timeout_s per prompt)")
-                except WaitTimeout as exc:
-                    outcomes += [RewardOutcome(None, str(exc))] * len(chunk)
+                outcomes += await self._plain_calls.score(
+                    chunk, self.clock.wait_for, timeout,
+                    f"the reward function on eval prompts {at}-{at + len(chunk) - 1} (reward.timeout_s per prompt)")
         rewards = [o.rewards[0] if o.rewards else 0.0 for o in outcomes]
         errors = [f"eval prompt {i}: {o.error}" for i, o in enumerate(outcomes) if o.error is not None]
         return rewards, (errors[0] if errors else None)

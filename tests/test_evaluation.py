@@ -86,9 +86,10 @@ def test_an_async_reward_that_hangs_on_one_eval_prompt_fails_only_that_prompt(tm
     assert row["eval_error"] == "eval prompt 4: timed out after 5.0 virtual s waiting for the reward function on eval prompt 4"
 
 
-def test_a_plain_reward_function_that_hangs_costs_its_chunk_of_eval_prompts(tmp_path: Path) -> None:
+def test_a_plain_reward_function_that_hangs_costs_the_rest_of_its_chunk_of_eval_prompts(tmp_path: Path) -> None:
     """Plain functions run in a thread hop per 8 eval prompts (as the reward stage takes up to 8
-    groups), bounded by reward.timeout_s per prompt of it: a hung call costs its chunk, not the eval."""
+    groups), bounded by reward.timeout_s per prompt of it: a hung call costs itself and the prompts
+    after it in its chunk, not the ones before it nor the eval."""
     import time
 
     def slow(prompts: list[Any], completions: list[str], answer: list[str], **kw: Any) -> list[float]:
@@ -97,8 +98,8 @@ def test_a_plain_reward_function_that_hangs_costs_its_chunk_of_eval_prompts(tmp_
         return [1.0]
 
     row = _evaluate(tmp_path, slow, ["reward.timeout_s=0.05"], prompts=10, real=True)
-    assert row["eval_accuracy"] == 2 / 10  # prompts 8 and 9; the chunk 0-7 of the hung prompt 3 counts 0
-    assert row["eval_error"] == ("eval prompt 0: timed out after 0.4 s waiting for the reward function on eval "
+    assert row["eval_accuracy"] == 5 / 10  # prompts 0-2 and 8-9; 3 (hung) to 7 count 0
+    assert row["eval_error"] == ("eval prompt 3: timed out after 0.4 s waiting for the reward function on eval "
                                  "prompts 0-7 (reward.timeout_s per prompt)")
 
 

@@ -139,6 +139,25 @@ def test_lease_deadline_is_the_backstop(ray_session) -> None:
         store.kill()
 
 
+def test_a_renewed_lease_is_kept_past_its_first_deadline(ray_session) -> None:
+    import time
+
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=8)
+    try:
+        store.register_stage("s", ["x"])
+        store.put_blocking([NewSample(0, 1, {"x": 1}), NewSample(1, 1, {"x": 2})], timeout=10)
+        held = store.take_blocking("s", 2, min_samples=2, timeout=10, lease_s=0.5)
+        store.renew([held], lease_s=60.0)
+        store.flush()
+        time.sleep(1.0)
+        assert store.take_nowait("s", 2) is None
+        assert store.metrics()["expired_leases"] == 0.0 and store.errors()[0] == 0
+    finally:
+        store.kill()
+
+
 # ---------------------------------------------------------------------------- weight sync on Ray
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from asyncflow.errors import UserError
-from asyncflow.rewards import RewardOutcome, call_reward_fn, load_reward_fn, validate_rewards
+from asyncflow.rewards import PlainCalls, RewardOutcome, call_reward_fn, load_reward_fn, validate_rewards
+from asyncflow.runtime.clock import RealClock
 
 
 def test_trl_style_function_gets_prompts_completions_ids_and_columns() -> None:
@@ -127,3 +131,63 @@ def test_async_functions_are_recognised_and_validated_like_plain_ones() -> None:
 
     assert asyncio.run(call_reward_fn_async(wrong, ["p"], ["x"], [[1]], {})).error == "reward function returned None for completion 0"
     assert asyncio.run(call_reward_fn_async(raises, ["p"], ["x"], [[1]], {})).error == "reward function raised KeyError: 'judge down'"
+
+
+def _hanging_after(release: threading.Event, good: int):
+    """A plain reward function whose calls after the first `good` block until `release` (or 30 s)."""
+    count = {"n": 0}
+
+    def fn(prompts, completions):
+        count["n"] += 1
+        if count["n"] > good:
+            release.wait(30)
+        return [1.0] * len(completions)
+
+    return fn
+
+
+def test_a_hung_plain_call_costs_its_group_and_those_after_it_not_the_ones_before() -> None:
+    release = threading.Event()
+    fn = _hanging_after(release, good=1)
+    calls = [(fn, ["p"], ["c"], [[1]], {})] * 3
+    plain = PlainCalls(threads=2)
+
+    async def run() -> tuple[list[RewardOutcome], int]:
+        out = await plain.score(calls, RealClock().wait_for, 0.1, "reward function on group(s) [0, 1, 2]")
+        # the default executor (the trainer's steps) is not where the hung call sits
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: 7), 5) == 7
+        return out, plain.running
+
+    try:
+        outcomes, running = asyncio.run(run())
+    finally:
+        release.set()
+    assert outcomes[0] == RewardOutcome([1.0], None)
+    assert [o.rewards for o in outcomes[1:]] == [None, None]
+    assert all("timed out after 0.3 s waiting for reward function on group(s) [0, 1, 2]" in str(o.error)
+               for o in outcomes[1:])
+    assert running == 1
+
+
+def test_when_hung_calls_hold_every_reward_thread_the_run_stops_with_one_line() -> None:
+    release = threading.Event()
+    fn = _hanging_after(release, good=0)
+    plain = PlainCalls(threads=2)
+
+    async def run() -> None:
+        first = await plain.score([(fn, ["p"], ["c"], [[1]], {})], RealClock().wait_for, 0.1, "group [0]")
+        assert first[0].error is not None  # one thread left: the run goes on
+        await plain.score([(fn, ["p"], ["c"], [[1]], {})], RealClock().wait_for, 0.1, "group [1]")
+
+    try:
+        with pytest.raises(UserError, match=r"^reward\.fn: 2 reward calls are still running after "
+                                            r"reward\.timeout_s=0\.1 s and hold every reward thread"):
+            asyncio.run(run())
+    finally:
+        release.set()
+    for _ in range(100):  # released, the threads finish their calls
+        if plain.running == 0:
+            break
+        time.sleep(0.05)
+    assert plain.running == 0
+    plain.close()

@@ -248,6 +248,29 @@ def test_lease_expiry_returns_samples_to_queue() -> None:
     assert second is not None and q.ack(second)
 
 
+def test_a_renewed_lease_outlives_its_first_deadline_and_expires_later() -> None:
+    clock = FakeClock()
+    q = TransferQueue(lease_timeout_s=10.0, clock=clock)
+    q.register_stage("s", ["prompt"])
+    uids = q.put_blocking(prompts(3))
+    kept = q.take_nowait("s", 2)
+    other = q.take_nowait("s", 1)
+    assert kept is not None and other is not None
+    clock.t += 8.0
+    q.renew([kept])  # deadline: now + 10
+    clock.t += 4.0  # past the first deadline: only the lease not renewed has ended
+    assert q.take_nowait("s", 3) is not None and q.metrics()["expired_leases"] == 1.0
+    assert not q.ack(other)
+    clock.t += 1.0
+    q.renew([kept], lease_s=1.0)  # a deadline never moves earlier
+    clock.t += 1.5
+    assert q.ack(kept, remove=True) and q.size() == 1
+    clock.t += 20.0
+    q.renew([kept])  # an ended lease is skipped
+    assert q.size() == 1 and q.metrics()["expired_leases"] == 2.0
+    assert uids_of(q.take_nowait("s", 3)) == [u for u in uids if u not in uids_of(kept)]
+
+
 def test_lease_ids_are_unique() -> None:
     q = TransferQueue()
     q.register_stage("s", ["prompt"])

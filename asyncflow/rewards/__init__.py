@@ -8,17 +8,21 @@ a worker thread; an `async def` one (a remote judge or verifier service) is awai
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib
 import inspect
 import math
 import numbers
+import queue
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncflow.errors import UserError
+from asyncflow.errors import UserError, WaitTimeout
 
 RewardFn = Callable[..., Sequence[Any]]
 
@@ -113,6 +117,111 @@ async def call_reward_fn_async(
 
 
 PLAIN_CALLS_PER_HOP = 8  # groups a plain function scores per thread hop (the reward stage's take; evaluation)
+PLAIN_THREADS = 4  # threads a plain function's calls run on (per pipeline, per evaluator)
+
+
+class _DaemonThreads(concurrent.futures.Executor):
+    """Up to `n` daemon worker threads, started as work arrives. Daemon, unlike a
+    `ThreadPoolExecutor`'s (joined at exit): a reward call that never returns must not keep the
+    process alive after its run ended."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._n, self._name = n, name
+        self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        f: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new calls after shutdown")
+            self._work.put((f, fn, args, kwargs))
+            if self._idle == 0 and len(self._threads) < self._n:
+                t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+        return f
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            item = self._work.get()
+            with self._lock:
+                self._idle -= 1
+            if item is None:
+                return
+            f, fn, args, kwargs = item
+            if not f.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # (handed to the waiting caller)
+                f.set_exception(exc)
+            else:
+                f.set_result(result)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Ask idle threads to stop; never waits (a thread may be stuck in a call that never returns)."""
+        with self._lock:
+            self._closed = True
+            for _ in self._threads:
+                self._work.put(None)
+
+
+class PlainCalls:
+    """Runs a plain (blocking) reward function's calls, a list of groups per thread hop, bounded by
+    `timeout` per call. A call past its time cannot be stopped (Python threads cannot be killed): its
+    group and the ones after it in the hop are marked failed, the calls before it keep their scores,
+    and its thread stays taken until the function returns. Calls run on threads of their own
+    (`PLAIN_THREADS`), not asyncio's default executor, which the trainer's steps use: hung reward
+    calls used to take those threads one by one until no train step could start and the run froze
+    without an error. When every reward thread is held by a call that timed out, nothing can be
+    scored any more: the run stops with a one-line error naming `reward.fn` (exit 2)."""
+
+    def __init__(self, threads: int = PLAIN_THREADS) -> None:
+        self.threads = threads
+        self._pool = _DaemonThreads(threads, "reward")
+        self._lock = threading.Lock()
+        self.running = 0  # calls running on the threads now, hung ones included
+
+    async def score(self, calls: list[tuple[Any, ...]], wait_for: Callable[..., Awaitable[Any]], timeout: float,
+                    what: str) -> list[RewardOutcome]:
+        """`call_reward_fn(*call)` for each call, in one hop; `wait_for(aw, limit, what)` bounds it
+        (the caller's clock) by `timeout` per call."""
+        done: list[RewardOutcome] = []
+        abandoned = threading.Event()
+
+        def work() -> None:
+            with self._lock:
+                self.running += 1
+            try:
+                for call in calls:
+                    if abandoned.is_set():
+                        return
+                    done.append(call_reward_fn(*call))
+            finally:
+                with self._lock:
+                    self.running -= 1
+
+        try:
+            await wait_for(asyncio.get_running_loop().run_in_executor(self._pool, work), timeout * len(calls), what)
+            return done
+        except WaitTimeout as exc:
+            abandoned.set()
+            kept = list(done)
+            if self.running >= self.threads:
+                raise UserError(
+                    f"reward.fn: {self.running} reward calls are still running after reward.timeout_s={timeout:g} s "
+                    f"and hold every reward thread (a thread cannot be stopped): make the function return within "
+                    f"its timeout, or make it `async def` (its calls are cancelled on timeout)") from None
+            return kept + [RewardOutcome(None, str(exc))] * (len(calls) - len(kept))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
 
 _PLAIN_NUMBERS = frozenset((int, float))
 

@@ -234,6 +234,9 @@ class StoreController:
     def remove(self, uids: list[int]) -> None:
         self._run("remove", lambda: self.q.remove(uids))
 
+    def renew(self, lease_ids: list[int], lease_s: float | None) -> None:
+        self._run("renew", lambda: self.q.renew([Lease(i, "", [], [], 0.0) for i in lease_ids], lease_s))
+
     def release_owner(self, owner: str) -> int:
         """Give back every live lease held by `owner`; returns how many leases that was."""
         ids = [lid for lid, o in self.lease_owner.items() if o == owner]
@@ -299,7 +302,7 @@ class StoreController:
         self.q.load_state_dict(state)
 
 
-_OPS = ("write", "complete", "ack", "release", "remove")
+_OPS = ("write", "complete", "ack", "release", "remove", "renew")
 
 
 def _compact(views: list[SampleView]) -> tuple[Any, ...]:
@@ -579,7 +582,7 @@ class RayTransferQueue:
         one call (a Ray call costs ~1 ms of CPU here: one per sample was a third of a rollout actor's
         time); from plain threads each goes at once."""
         self._buf.append((name, args))
-        self._unsettled |= name != "ack"
+        self._unsettled |= name != "ack" and name != "renew"  # (neither changes what a take can see)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -686,6 +689,10 @@ class RayTransferQueue:
 
     def remove(self, uids: Iterable[int]) -> None:
         self._op("remove", (list(uids),))
+
+    def renew(self, leases: Iterable[Lease], lease_s: float | None = None) -> None:
+        """Sent without waiting; see `TransferQueue.renew`."""
+        self._op("renew", ([lease.id for lease in leases], lease_s))
 
     def release_owner(self, owner: str) -> int:
         """Release every lease held by `owner` (an actor id) now, e.g. when a supervisor saw it die."""

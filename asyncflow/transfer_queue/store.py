@@ -132,6 +132,8 @@ class StoreClient(Protocol):
 
     def release(self, lease: Lease) -> bool: ...
 
+    def renew(self, leases: Iterable[Lease], lease_s: float | None = None) -> None: ...
+
     def remove(self, uids: Iterable[int]) -> None: ...
 
     def close(self) -> None: ...
@@ -1012,6 +1014,19 @@ class TransferQueue:
         for s in live:
             s.consumed |= bit
 
+    def renew(self, leases: Iterable[Lease], lease_s: float | None = None) -> None:
+        """Move each live lease's deadline to `lease_s` (default `lease_timeout_s`) from now: a holder
+        that is alive but slow (a long train step, a long episode) keeps what it holds. Leases that
+        already ended are skipped; a deadline never moves earlier."""
+        with self._lock:
+            self._reap()
+            deadline = self._clock.now() + (self.lease_timeout_s if lease_s is None else lease_s)
+            for lease in leases:
+                rec = self._leases.get(lease.id)
+                if rec is not None and deadline > rec.deadline:
+                    rec.deadline = deadline
+                    self._push_expiry(deadline, rec.id)  # (its old entry is skipped when it comes due)
+
     def release(self, lease: Lease) -> bool:
         """Give the samples back to the lease's stage, keeping their priority. False if already ended."""
         with self._lock:
@@ -1063,17 +1078,19 @@ class TransferQueue:
             due.append(fifo.popleft()[1])
         while heap and heap[0][0] <= now:
             due.append(heapq.heappop(heap)[1])
+        leases = self._leases
         for lid in due:
-            rec = self._leases.pop(lid, None)
-            if rec is not None:
+            rec = leases.get(lid)
+            if rec is not None and rec.deadline <= now:  # (a renewed lease has a later entry too)
+                del leases[lid]
                 self._expired_leases += 1
                 self._release(rec)
 
     def _next_expiry(self) -> float | None:
-        fifo, heap = self._expiry_fifo, self._expiries
-        while fifo and fifo[0][1] not in self._leases:
-            fifo.popleft()
-        while heap and heap[0][1] not in self._leases:
+        fifo, heap, leases = self._expiry_fifo, self._expiries, self._leases
+        while fifo and (fifo[0][1] not in leases or leases[fifo[0][1]].deadline != fifo[0][0]):
+            fifo.popleft()  # (ended, or renewed: its later entry stands)
+        while heap and (heap[0][1] not in leases or leases[heap[0][1]].deadline != heap[0][0]):
             heapq.heappop(heap)
         nexts = [q[0][0] for q in (fifo, heap) if q]
         return min(nexts) if nexts else None

@@ -32,7 +32,7 @@ import functools
 import gc
 import math
 import random
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,9 +47,9 @@ from asyncflow.engines.runs import oldest
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.rewards import (
     PLAIN_CALLS_PER_HOP,
+    PlainCalls,
     RewardFn,
     RewardOutcome,
-    call_reward_fn,
     call_reward_fn_async,
     is_async_reward_fn,
 )
@@ -155,6 +155,7 @@ class Pipeline:
         self.tok = tokenizer
         self.reward_fn = reward_fn
         self._reward_async = reward_fn is not None and is_async_reward_fn(reward_fn)
+        self._plain_calls = PlainCalls()  # a plain reward function's threads (started on first use)
         self.engines = list(engines)
         self.trainer = trainer
         self.loss_fn = loss_fn
@@ -181,6 +182,7 @@ class Pipeline:
                 capacity=store_capacity(cfg), lease_timeout_s=cfg.workflow.lease_timeout_s, clock=clock
             )
         self.store: StoreClient = store
+        self.keeper = LeaseKeeper(store, clock, cfg.workflow.lease_timeout_s)
         # queue scheduling: one "rollout" stage every worker pulls from, or with affinity a stage per
         # worker, whose samples carry that worker's routing field (per-field readiness does the routing)
         self.rollout_stages = [f"rollout/{i}" for i in range(cfg.rollout.workers)] if cfg.rollout.affinity else ["rollout"]
@@ -349,6 +351,11 @@ class Pipeline:
             proxy = AgentProxy()
             await proxy.start()
         watchdog = asyncio.create_task(self._watch(deadlines, expired))
+
+        def in_flight() -> list[Lease]:  # (request_timeout_s may exceed lease_timeout_s)
+            return [entry[2] for entry in deadlines.values()]
+
+        self.keeper.watch(in_flight)
         try:
             while True:
                 free = await flight.free()
@@ -370,6 +377,7 @@ class Pipeline:
             raise
         finally:
             watchdog.cancel()
+            self.keeper.unwatch(in_flight)
             episodes.cancel_all()
             for f in list(deadlines):
                 f.cancel()
@@ -433,6 +441,7 @@ class Pipeline:
         sample = lease.samples[0]
         ro = self.cfg.rollout
         track = f"env/{index}"
+        self.keeper.hold(lease)  # an episode of many turns may outlast workflow.lease_timeout_s
 
         def on_env_step(turn: int, start: float, end: float) -> None:
             self.tracer.span(track, f"episode {sample.uid} step {turn}", start, end)
@@ -457,12 +466,19 @@ class Pipeline:
                                              ro.top_p, ro.top_k),
                     on_env_step=None if self.tracer.off else on_env_step, barrier=barrier,
                 )
-            version = result.fields["behavior_version"]
-            if self.store.complete(lease, {sample.uid: result.fields}, versions={sample.uid: version}):
+            version: int | None = result.fields["behavior_version"]
+            if version is not None and version < 0 and result.fields["finish_reason"] != "cancelled":
+                # no generated token (an environment or agent failed first): the sample has no
+                # version, rather than one older than any floor that would drop its whole group as
+                # stale; its reward_error keeps it out of the loss and its siblings train
+                version = None
+            if self.store.complete(lease, {sample.uid: result.fields},
+                                   versions=None if version is None else {sample.uid: version}):
                 self.counters.produced += 1
         except (QueueClosed, KeyError):
             return  # the run is ending, or the sample was removed meanwhile
         finally:
+            self.keeper.drop(lease)
             slots.release()
 
     # ------------------------------------------------------------------ reward
@@ -518,7 +534,11 @@ class Pipeline:
         groups = _by_group(lease.samples)
         # a group with a cancelled sample is never trained: do not spend a reward call on it
         live = [g for g in groups if "cancelled" not in [s.fields.get("finish_reason") for s in g]]
-        scored = dict(zip((g[0].group_id for g in live), await self._score_groups(live), strict=True))
+        self.keeper.hold(lease)
+        try:
+            scored = dict(zip((g[0].group_id for g in live), await self._score_groups(live), strict=True))
+        finally:
+            self.keeper.drop(lease)
         writes = {}
         for group in groups:
             outcome = scored.get(group[0].group_id, _CANCELLED_OUTCOME)
@@ -558,13 +578,8 @@ class Pipeline:
             else:
                 outcomes = list(await asyncio.gather(*(one(c, g) for c, g in zip(calls, ids, strict=True))))
         else:
-            try:
-                outcomes = await self.clock.wait_for(
-                    asyncio.to_thread(lambda: [call_reward_fn(*c) for c in calls]), timeout * len(groups),
-                    f"reward function on group(s) {ids}",
-                )
-            except WaitTimeout as exc:
-                outcomes = [RewardOutcome(None, str(exc))] * len(groups)
+            outcomes = await self._plain_calls.score(calls, self.clock.wait_for, timeout,
+                                                     f"reward function on group(s) {ids}")
         self.tracer.span("reward", "reward", start, self.clock.now(), groups=ids)
         limit = self.cfg.reward.fail_fast_calls
         for outcome in outcomes:
@@ -591,10 +606,14 @@ class Pipeline:
                 return
             samples = lease.samples
             start = self.clock.now()
-            rows = await self.clock.wait_for(
-                asyncio.to_thread(self._ref_rows, samples), self.cfg.workflow.step_timeout_s,
-                f"reference log-probs of {len(samples)} samples",
-            )
+            self.keeper.hold(lease)
+            try:
+                rows = await self.clock.wait_for(
+                    asyncio.to_thread(self._ref_rows, samples), self.cfg.workflow.step_timeout_s,
+                    f"reference log-probs of {len(samples)} samples",
+                )
+            finally:
+                self.keeper.drop(lease)
             self.tracer.span("reference", f"ref log-probs x{len(samples)}", start, self.clock.now())
             self.store.complete(lease, {s.uid: {"ref_logprobs": r} for s, r in zip(samples, rows, strict=True)})
 
@@ -616,7 +635,9 @@ class Pipeline:
             groups, leases = await self._collect_batch()
             result = await self._train_on(step, groups)
             for lease in leases:
-                self.store.ack(lease, remove=True)
+                self.keeper.drop(lease)
+                if not self.store.ack(lease, remove=True):  # (kept alive by the keeper: should not happen)
+                    self.store.remove([s.uid for s in (*lease.samples, *lease.expired)])  # never train them again
             if self.on_step is not None:
                 await self.on_step(result)
 
@@ -637,6 +658,7 @@ class Pipeline:
                 )
             except WaitTimeout as exc:  # name the setting that bounds this wait
                 raise WaitTimeout(f"{exc} (workflow.step_timeout_s: the trainer's wait for a batch)") from None
+            self.keeper.hold(lease)
             self._drop_stale(lease)
             for group in _by_group(lease.samples):
                 if any(s.fields.get("finish_reason") == "cancelled" for s in group):
@@ -645,7 +667,7 @@ class Pipeline:
                 if all(s.fields["reward_error"] is not None for s in group):
                     self.counters.reward_errors += len(group)
                     self._log_samples([(s, None, "reward_error", s.fields["reward_error"]) for s in group])
-                    self.gate.drop()
+                    self._discard(group)
                     continue
                 if self.cfg.algorithm.filter_groups and _all_equal(group):
                     if filtered < self._filter_budget:
@@ -653,7 +675,7 @@ class Pipeline:
                         self.counters.filtered += len(group)
                         msg = "filtered: all rewards in the group are equal (no learning signal)"
                         self._log_samples([(s, None, "filtered", msg) for s in group])
-                        self.gate.drop()
+                        self._discard(group)
                         continue
                     self.counters.filter_overflow += 1
                 groups.append(group)
@@ -681,7 +703,15 @@ class Pipeline:
                 self.counters.dropped_stale += 1
                 logged.append((s, None, "dropped_stale", msg))
         self._log_samples(logged)
-        self.gate.drop(len(_by_group(samples)))
+        self._discard(samples)
+
+    def _discard(self, samples: list[SampleView]) -> None:
+        """Remove groups the trainer will not train from the store at once (their lease's ack skips
+        them) and free their admission slots. Freeing the slot while the group still took store room
+        until the step's ack let a dynamic-sampling filter fill the store with groups it had dropped:
+        the feeder then blocked on a full store and the trainer waited for groups never admitted."""
+        self.store.remove([s.uid for s in samples])
+        self.gate.drop(len({s.group_id for s in samples}))
 
     async def _train_on(self, step: int, groups: list[list[SampleView]]) -> StepResult:
         samples = [s for g in groups for s in g]
@@ -714,7 +744,8 @@ class Pipeline:
                 logged.append((s, trained_version, "trained", None))
             else:
                 logged.append((s, None, "reward_error", f["reward_error"]))
-        self._log_samples(logged, rewards=rewards)
+        # (a reward_error sample trains with reward 0 masked out: it is logged with none)
+        self._log_samples(logged, rewards=[r if ok else None for r, ok in zip(rewards, valid, strict=True)])
         n_valid = len(staleness)
         self.counters.trained += n_valid
         self.counters.reward_errors += len(samples) - n_valid
@@ -818,7 +849,7 @@ class Pipeline:
     # ------------------------------------------------------------------ bookkeeping
 
     def _log_samples(
-        self, items: list[tuple[SampleView, int | None, str, str | None]], rewards: list[float] | None = None
+        self, items: list[tuple[SampleView, int | None, str, str | None]], rewards: list[float | None] | None = None
     ) -> None:
         """One samples.jsonl row per item; `rewards`: the reward each was trained with, item by item
         (default: its `reward` field)."""
@@ -931,11 +962,70 @@ class Pipeline:
                 t.cancel()
             stopped, stuck = await asyncio.wait([*tasks, trainer], timeout=60)
             self._swept.close()  # the episodes' and reward calls' deadline sweeper (a task of its own)
+            self.keeper.close()
+            self._plain_calls.close()
             for t in stopped:  # retrieve shutdown errors (QueueClosed, ...) so asyncio does not log them
                 if not t.cancelled():
                     t.exception()
             if stuck:
                 raise RuntimeError(f"stages did not stop within 60 s: {sorted(t.get_name() for t in stuck)}")
+
+
+class LeaseKeeper:
+    """Renews the store leases that this process's stages hold while they work on them, every
+    quarter of `workflow.lease_timeout_s`. A lease's deadline is the backstop for a holder that died
+    or hung (its samples go back to the queue); a live holder may legitimately hold longer than
+    that: the trainer holds its batch's groups while it collects the rest and trains, an episode
+    holds its sample for all of its turns. Without renewal those leases expired under them, and the
+    trainer took the same groups again (trained twice, admission credit freed twice) or an episode
+    was started over and over. One timer per process, not per lease; stops when nothing is held."""
+
+    def __init__(self, store: StoreClient, clock: Clock, lease_s: float) -> None:
+        self.store = store
+        self.clock = clock
+        self.every = lease_s / 4
+        self.held: dict[int, Lease] = {}
+        self.sources: list[Callable[[], Iterable[Lease]]] = []  # leases held elsewhere (requests in flight)
+        self._task: asyncio.Task[None] | None = None
+
+    def hold(self, lease: Lease) -> None:
+        self.held[lease.id] = lease
+        if self._task is None:
+            self._start()
+
+    def drop(self, lease: Lease) -> None:
+        self.held.pop(lease.id, None)
+
+    def watch(self, source: Callable[[], Iterable[Lease]]) -> None:
+        """Also renew what `source()` lists at each tick, until `unwatch(source)`."""
+        self.sources.append(source)
+        if self._task is None:
+            self._start()
+
+    def unwatch(self, source: Callable[[], Iterable[Lease]]) -> None:
+        with contextlib.suppress(ValueError):
+            self.sources.remove(source)
+
+    def _start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="lease keeper")
+
+    async def _run(self) -> None:
+        try:
+            while self.held or self.sources:
+                await self.clock.sleep(self.every)
+                leases = list(self.held.values())
+                for source in self.sources:
+                    leases.extend(source())
+                if leases:
+                    with contextlib.suppress(QueueClosed):
+                        self.store.renew(leases)
+        finally:
+            self._task = None
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
 
 
 class _Children:

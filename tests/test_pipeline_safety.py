@@ -1,0 +1,198 @@
+"""Nothing lost, nothing trained twice, no stall: the real pipeline on a virtual clock (simulated
+engines and trainer, as PIPE) under slow holders, failing environments and an aggressive filter."""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from asyncflow.bench.pipeline import _make_sim_pipeline_class, _SimTokenizer
+from asyncflow.config import load_config
+from asyncflow.engines.sim import SimEngine, SimTrainer
+from asyncflow.envs.base import Env, EnvStep
+from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
+from asyncflow.telemetry.runlog import RunLog, Tracer
+
+
+def _parity(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
+    return [float(i % 2) for i in range(len(prompts))]
+
+
+def _sim_run(tmp_path: Path, settings: list[str], *, token_s: float = 1e-3,
+             lengths: Callable[[random.Random], int] = lambda rng: rng.randint(5, 50),
+             reward_fn: Callable[..., list[float]] = _parity,
+             env_factory: Callable[[VirtualClock], Env] | None = None) -> tuple[Any, list[dict[str, Any]]]:
+    """Run the sim pipeline to its end; returns it and its samples.jsonl rows."""
+
+    async def main(clock: VirtualClock) -> Any:
+        cfg, _ = load_config(None, ["logging.progress=false", *settings])
+        engines = [SimEngine(clock, lengths=lengths, capacity=8, step_s=0.03, load_s=1.0, seed=0)]
+        trainer = SimTrainer(clock, token_s=token_s, devices=1)
+        log = RunLog(tmp_path, metrics=False)
+        pipeline = _make_sim_pipeline_class()(
+            cfg, rows=[{"prompt": i} for i in range(512)], tokenizer=_SimTokenizer(), reward_fn=reward_fn,
+            engines=engines, trainer=trainer, loss_fn=None, clock=clock, log=log,
+            tracer=Tracer(now=clock.now, max_events=0), env_factory=env_factory)
+        pipeline.sim_trainer = trainer
+        try:
+            await pipeline.run()
+        finally:
+            log.close()
+            await engines[0].close()
+        return pipeline
+
+    pipeline = run_virtual(main)
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    return pipeline, rows
+
+
+BASE = ["rollout.n=4", "train.batch_size=16", "train.max_steps=4", "workflow.max_staleness=1",
+        "rollout.max_new_tokens=4096"]
+
+
+def test_a_train_step_longer_than_the_lease_trains_every_sample_once(tmp_path: Path) -> None:
+    """The trainer holds its batch's leases while it trains (here ~40 virtual s against a 20 s
+    lease); they are renewed, so they neither expire under it nor come back to be trained again
+    (which also freed their admission slots twice)."""
+    pipeline, rows = _sim_run(tmp_path, [*BASE, "workflow.lease_timeout_s=20", "workflow.step_timeout_s=100000",
+                                         "rollout.request_timeout_s=100000"], token_s=0.5)
+    trained = collections.Counter(r["uid"] for r in rows if r["status"] == "trained")
+    assert len(trained) == 64 and max(trained.values()) == 1
+    assert pipeline.counters.trained == 64
+    assert pipeline.store.metrics()["expired_leases"] == 0
+    assert pipeline.final_accounting["lost"] == 0
+
+
+def test_an_episode_longer_than_the_lease_is_played_once(tmp_path: Path) -> None:
+    """A 10-turn episode takes ~700 virtual s, longer than the default 600 s lease: it keeps its
+    sample (renewed) instead of the sample being leased again and started over while it runs."""
+    resets: collections.Counter[int] = collections.Counter()
+
+    class SlowEnv(Env):
+        name = "slow"
+        max_turns = 10
+
+        def __init__(self, clock: VirtualClock) -> None:
+            self.clock = clock
+            self.turn = 0
+
+        async def reset(self, row: dict[str, Any], seed: int) -> str:
+            resets[seed] += 1
+            return ""
+
+        async def step(self, action: str) -> EnvStep:
+            await self.clock.sleep(50)
+            self.turn += 1
+            return EnvStep("", reward=float(self.turn % 2), done=self.turn >= 10)
+
+    pipeline, rows = _sim_run(tmp_path, ["rollout.n=2", "train.batch_size=4", "train.max_steps=2",
+                                         "workflow.max_staleness=1", "rollout.max_turns=10",
+                                         "rollout.max_new_tokens=4096", "workflow.step_timeout_s=5000"],
+                              lengths=lambda rng: 5000, env_factory=SlowEnv)
+    assert pipeline.counters.trained == 8
+    assert set(resets.values()) == {1}
+    assert pipeline.store.metrics()["expired_leases"] == 0
+    assert all(r["turns"] == 10 for r in rows if r["status"] == "trained")
+
+
+def test_a_filter_that_drops_more_than_the_store_holds_does_not_stall(tmp_path: Path) -> None:
+    """Every group has equal rewards, so the dynamic-sampling filter drops up to 4 x a step's groups
+    before it lets some through: more than this store holds (48 samples). Dropped groups leave the
+    store at once, so the feeder keeps admitting (before: the store filled with groups the trainer
+    had dropped, and the run stopped with a store-full timeout)."""
+    pipeline, rows = _sim_run(
+        tmp_path, [*BASE, "train.max_steps=3", "algorithm.filter_groups=true", "workflow.store_capacity=1",
+                   "workflow.step_timeout_s=500"], reward_fn=lambda prompts, completions, **_: [1.0] * len(prompts))
+    assert pipeline.store.capacity == 48
+    status = collections.Counter(r["status"] for r in rows)
+    assert status["filtered"] == pipeline.counters.filtered > 48
+    assert status["trained"] == pipeline.counters.trained == 48
+    assert pipeline.final_accounting["lost"] == 0
+
+
+def test_an_environment_failing_before_its_first_turn_costs_only_its_own_sample(tmp_path: Path) -> None:
+    """An episode whose environment fails in `reset` has no generated token, hence no version. It is
+    a reward_error kept out of the loss, logged with no reward; its group's other samples train
+    (before: its version -1 put the whole group under the staleness floor, logged dropped_stale)."""
+
+    class FlakyEnv(Env):
+        name = "flaky"
+        max_turns = 2
+
+        def __init__(self, clock: VirtualClock) -> None:
+            self.clock = clock
+
+        async def reset(self, row: dict[str, Any], seed: int) -> str:
+            if seed % 8 == 3:  # one sample of every other group (n=4)
+                raise RuntimeError("sandbox failed to start")
+            return ""
+
+        async def step(self, action: str) -> EnvStep:
+            await self.clock.sleep(0.1)
+            return EnvStep("", reward=float(len(action) % 2), done=True)
+
+    pipeline, rows = _sim_run(tmp_path, [*BASE, "train.max_steps=3", "rollout.max_turns=2"], env_factory=FlakyEnv)
+    failed = [r for r in rows if r["status"] == "reward_error"]
+    assert failed and all("sandbox failed to start" in r["error"] and r["reward"] is None for r in failed)
+    assert pipeline.counters.dropped_stale == 0
+    by_group = collections.defaultdict(list)
+    for r in rows:
+        by_group[r["group_id"]].append(r["status"])
+    for r in failed:
+        assert sorted(by_group[r["group_id"]]) == ["reward_error", "trained", "trained", "trained"]
+
+
+def test_a_plain_reward_function_that_keeps_hanging_stops_the_run_instead_of_freezing_it(tmp_path: Path) -> None:
+    """Each reward call past `reward.timeout_s` keeps its thread (threads cannot be stopped). The
+    calls run on reward threads of their own, so the trainer's steps still get threads; once hung
+    calls hold every reward thread the run stops with a one-line error naming reward.fn (before:
+    they took asyncio's default threads, the trainer's step never started, and the run froze)."""
+    import asyncio
+    import threading
+
+    import pytest
+
+    from asyncflow.errors import UserError
+    from asyncflow.runtime.clock import RealClock
+    from asyncflow.workflow.pipeline import Pipeline
+
+    release = threading.Event()
+    calls = {"n": 0}
+
+    def reward(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
+        calls["n"] += 1
+        if calls["n"] > 20:
+            release.wait(60)
+        return [float(i % 2) for i in range(len(prompts))]
+
+    class ThreadedStep(Pipeline):  # the optimizer step in a worker thread, as the real one
+        async def _optimize(self, samples: list[Any], valid: list[bool], rewards: list[float]) -> tuple[dict[str, Any], int]:
+            await asyncio.to_thread(lambda: None)
+            return {"loss": 0.0}, 1
+
+    async def main() -> None:
+        clock = RealClock()
+        cfg, _ = load_config(None, ["logging.progress=false", "rollout.n=2", "train.batch_size=4", "train.max_steps=1000",
+                                    "reward.timeout_s=0.2", "rollout.max_new_tokens=8"])
+        engine = SimEngine(clock, lengths=lambda rng: 4, capacity=8, step_s=0.001)
+        log = RunLog(tmp_path, metrics=False)
+        pipeline = ThreadedStep(cfg, rows=[{"prompt": i} for i in range(1000)], tokenizer=_SimTokenizer(),
+                                reward_fn=reward, engines=[engine], trainer=SimTrainer(clock, token_s=0, devices=1),
+                                loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0))
+        try:
+            await asyncio.wait_for(pipeline.run(), 60)
+        finally:
+            log.close()
+            await engine.close()
+
+    try:
+        with pytest.raises(UserError, match=r"^reward\.fn: 4 reward calls are still running after reward\.timeout_s=0\.2 s"):
+            asyncio.run(main())
+    finally:
+        release.set()
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert sum(r["status"] == "trained" for r in rows) >= 8  # the first 20 calls' groups trained
