@@ -146,6 +146,41 @@ def test_an_environment_failing_before_its_first_turn_costs_only_its_own_sample(
         assert sorted(by_group[r["group_id"]]) == ["reward_error", "trained", "trained", "trained"]
 
 
+def test_an_episode_that_can_no_longer_meet_the_staleness_bound_ends_before_its_next_turn(tmp_path: Path) -> None:
+    """The groups of one prompt in 8 play 8 slow turns, the rest 1: with max_staleness 1 the long
+    episodes fall under the trainer's floor while they play. Each ends at its next turn boundary as
+    `cancelled` (before: it played all 8 turns, then the trainer dropped it as stale)."""
+    steps: collections.Counter[int] = collections.Counter()  # environment steps per episode (its seed: its uid at seed 0)
+
+    class Uneven(Env):
+        name = "uneven"
+        max_turns = 8
+
+        def __init__(self, clock: VirtualClock) -> None:
+            self.clock = clock
+            self.turn = 0
+
+        async def reset(self, row: dict[str, Any], seed: int) -> str:
+            self.seed, self.turns = seed, 8 if row["prompt"] % 8 == 0 else 1
+            return ""
+
+        async def step(self, action: str) -> EnvStep:
+            await self.clock.sleep(50)
+            self.turn += 1
+            steps[self.seed] += 1
+            return EnvStep("", reward=float((self.seed + self.turn) % 2), done=self.turn >= self.turns)
+
+    pipeline, rows = _sim_run(tmp_path, ["rollout.n=4", "train.batch_size=16", "train.max_steps=6",
+                                         "workflow.max_staleness=1", "rollout.max_turns=8", "rollout.max_new_tokens=16"],
+                              env_factory=Uneven)
+    cancelled = [r for r in rows if r["status"] == "cancelled"]
+    assert cancelled and pipeline.counters.cancelled == len(cancelled)
+    assert all(r["prompt"] % 8 == 0 and r["turns"] < 8 for r in cancelled)
+    assert all(steps[r["uid"]] < 8 for r in cancelled)
+    assert not [r for r in rows if r["status"] == "dropped_stale" and r["turns"] == 8]
+    assert pipeline.final_accounting["lost"] == 0
+
+
 def test_a_plain_reward_function_that_keeps_hanging_stops_the_run_instead_of_freezing_it(tmp_path: Path) -> None:
     """Each reward call past `reward.timeout_s` keeps its thread (threads cannot be stopped). The
     calls run on reward threads of their own, so the trainer's steps still get threads; once hung

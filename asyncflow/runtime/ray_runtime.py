@@ -252,6 +252,7 @@ class RolloutWorker:
         return {"seconds": seconds, **self.stats()}
 
     def cancel_older_than(self, min_version: int) -> int:
+        self.pipeline.floor = max(self.pipeline.floor, min_version)  # (this actor's episodes check it per turn)
         return self.engine.cancel_older_than(min_version)
 
     def stats(self) -> dict[str, float]:

@@ -16,6 +16,7 @@ engine), so thousand-token episodes stay small.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -157,24 +158,35 @@ async def run_episode(
     settings: EpisodeSettings,
     on_env_step: Callable[[int, float, float], None] | None = None,
     barrier: TurnBarrier | None = None,
+    floor: Callable[[], float] | None = None,
 ) -> EpisodeResult:
     """Play one episode to its end. An environment that fails or hangs ends the episode with its
     error as `reward_error` (the sample is then kept out of the loss); a cancelled generation ends
     it with `finish_reason: cancelled` (the trainer drops its group). Generation failures propagate.
     `on_env_step(turn, start, end)` is told the clock times of every environment step (tracing).
-    `barrier`: wait for the batch's other episodes after every generation and environment step."""
+    `barrier`: wait for the batch's other episodes after every generation and environment step.
+    `floor()`: the oldest policy version a sample may still be trained with (`max_staleness`); an
+    episode whose earliest generated token is older ends before its next turn with `finish_reason:
+    cancelled`, as the engine cancels a single-turn request (the engine sees only the current turn's
+    tokens, so without this a stale episode played all its remaining turns, then was dropped)."""
     traj = Trajectory(prompt_ids)
     reward, error, finish, turns = 0.0, None, "length", 0
     submit = requester(engine)
+    first_version = math.inf  # the oldest version of the tokens generated so far
     try:
         traj.add_env(tok.encode(await env_call(clock, env.reset(row, seed), settings.env_timeout_s, env, "reset")))
         for turn in range(1, env.max_turns + 1):
+            if floor is not None and first_version < floor():
+                finish = "cancelled"
+                break
             turns = turn
             req = GenRequest(uid, traj.context(), settings.max_new_tokens,  # type: ignore[arg-type]
                              settings.temperature, settings.top_p, settings.top_k)
             res = await clock.wait_for(submit(req), settings.request_timeout_s,
                                        f"generation of sample {uid}, turn {turn}")
             traj.add_generated(res.response_ids, res.behavior_logprobs, res.token_versions)
+            if floor is not None and len(res.token_versions):
+                first_version = min(first_version, oldest(res.token_versions))
             if barrier is not None:
                 await barrier.wait()
             if res.finish_reason == "cancelled":

@@ -183,6 +183,9 @@ class Pipeline:
             )
         self.store: StoreClient = store
         self.keeper = LeaseKeeper(store, clock, cfg.workflow.lease_timeout_s)
+        # the staleness floor the engines were last told (`cancel_older_than`): episodes older than
+        # it end before their next turn
+        self.floor: float = -math.inf
         # queue scheduling: one "rollout" stage every worker pulls from, or with affinity a stage per
         # worker, whose samples carry that worker's routing field (per-field readiness does the routing)
         self.rollout_stages = [f"rollout/{i}" for i in range(cfg.rollout.workers)] if cfg.rollout.affinity else ["rollout"]
@@ -433,6 +436,9 @@ class Pipeline:
         except (QueueClosed, KeyError):
             return  # the run is ending, or the sample was removed meanwhile
 
+    def _floor(self) -> float:
+        return self.floor
+
     async def _episode(self, index: int, engine: InferenceEngine, lease: Lease, slots: _Flight | asyncio.Semaphore,
                        barrier: TurnBarrier | None = None, proxy: AgentProxy | None = None) -> None:
         """One multi-turn episode (see `workflow/episode.py`, or `workflow/agent.py` with `proxy`),
@@ -464,7 +470,7 @@ class Pipeline:
                     seed=self.cfg.seed * 1_000_003 + sample.uid,
                     settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
                                              ro.top_p, ro.top_k),
-                    on_env_step=None if self.tracer.off else on_env_step, barrier=barrier,
+                    on_env_step=None if self.tracer.off else on_env_step, barrier=barrier, floor=self._floor,
                 )
             version: int | None = result.fields["behavior_version"]
             if version is not None and version < 0 and result.fields["finish_reason"] != "cancelled":
@@ -840,7 +846,7 @@ class Pipeline:
         )
         self.version = new_version
         self.gate.publish(new_version)
-        floor = self.gate.min_version(new_version)
+        floor = self.floor = self.gate.min_version(new_version)
         for e in self.engines:
             e.cancel_older_than(floor)
         self.tracer.span("weight sync", f"v{new_version}", start, self.clock.now())
