@@ -125,6 +125,30 @@ def test_a_consumer_actor_killed_while_holding_a_lease_loses_nothing(ray_session
         store.kill()
 
 
+def test_a_consumer_actor_s_lease_that_expires_is_forgotten_by_the_controller(ray_session) -> None:
+    ray = ray_session
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64, owner_check_s=0.3)
+    try:
+        store.register_stage("score", ["big"], groups=True)
+        producer = ray.remote(_Producer).options(num_cpus=0).remote()
+        ray.get(producer.put.remote(store, 8, 4), timeout=60)
+        holder = ray.remote(_Consumer).options(num_cpus=0).remote()
+        ray.get(holder.take.remote(store, "score", 8, 0.5), timeout=60)  # never acked: it expires
+        assert store.metrics()["owned_leases"] == 1
+        again = store.take_blocking("score", 8, min_samples=8, timeout=30)  # back after the deadline
+        store.ack(again, remove=True)
+        for _ in range(50):
+            if store.metrics()["owned_leases"] == 0:
+                break
+            time.sleep(0.1)
+        assert store.metrics()["owned_leases"] == 0 and store.metrics()["released_from_dead_owners"] == 0
+        ray.kill(holder)
+    finally:
+        store.kill()
+
+
 def test_lease_deadline_is_the_backstop(ray_session) -> None:
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
 
@@ -140,8 +164,6 @@ def test_lease_deadline_is_the_backstop(ray_session) -> None:
 
 
 def test_a_renewed_lease_is_kept_past_its_first_deadline(ray_session) -> None:
-    import time
-
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
 
     store = RayTransferQueue.create(capacity=8)

@@ -254,6 +254,8 @@ class StoreController:
 
         while True:
             await asyncio.sleep(self.owner_check_s)
+            for lid in [lid for lid in self.leases if not self.q.lease_live(lid)]:
+                self._forget(lid)  # ended in the store without an ack here (expired): forget it too
             holding = {o for o in self.lease_owner.values()}
             for owner in list(holding):
                 handle = self.owners.get(owner)
@@ -283,6 +285,7 @@ class StoreController:
         m["op_errors"] = float(self.op_errors)
         m["blobs"] = float(len(self.blobs))
         m["released_from_dead_owners"] = float(self.released_from_dead)
+        m["owned_leases"] = float(len(self.leases))  # leases of consumer actors this controller watches
         return m
 
     def errors(self) -> tuple[int, str]:

@@ -1014,6 +1014,12 @@ class TransferQueue:
         for s in live:
             s.consumed |= bit
 
+    def lease_live(self, lease_id: int) -> bool:
+        """Whether the lease is still held (not acked, released or expired)."""
+        with self._lock:
+            self._reap()
+            return lease_id in self._leases
+
     def renew(self, leases: Iterable[Lease], lease_s: float | None = None) -> None:
         """Move each live lease's deadline to `lease_s` (default `lease_timeout_s`) from now: a holder
         that is alive but slow (a long train step, a long episode) keeps what it holds. Leases that
