@@ -49,12 +49,17 @@ def make_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="build a task's base model and data as a Hugging Face folder")
     prep.add_argument("task", help="task pack name, e.g. arith")
     prep.add_argument("--out", type=Path, required=True, help="output folder")
-    prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--seed", type=int, default=0, help="seed of the base model and data (0 to 2^31-1, as the config's seed)")
 
     bench = sub.add_parser("bench", help="run a benchmark workload")
     bench.add_argument("workload", choices=["store", "pipeline", "e2e"])
     bench.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (e2e)")
+    bench.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="e2e: a config key (as for train); store: samples, repeats, placements (local,ray), transferqueue; "
+             "pipeline: profiles, devices, modes, steps, warmup_steps, slots, step_s, n, prompts_per_device, "
+             "train_token_s, switch_s, weight_sync_s, max_staleness, seed, reward (async|thread), trace "
+             "(docs/performance.md)")
     report = sub.add_parser("report", help="draw report.png and summary.md for one or more run folders")
     report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run folders (the first gets the files)")
 
@@ -131,6 +136,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise UserError(f"prepare: unknown task {args.task!r}; known: {', '.join(TASK_NAMES)}")
         from asyncflow.runner import check_folder_path
 
+        if not 0 <= args.seed <= 2**31 - 1:  # (the config's bound: seeds derived from it must fit torch's)
+            raise UserError(f"--seed: {args.seed} is outside 0 to 2^31-1")
         check_folder_path(args.out, "--out")
         if args.out.exists() and any(args.out.iterdir()):
             raise UserError(f"--out: {args.out} exists and is not empty")

@@ -651,7 +651,7 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         _validate_agent(cfg, explicit)
     if cfg.rollout.turn_barrier and cfg.rollout.env is None:
         raise UserError("rollout.turn_barrier: only used with rollout.env (multi-turn episodes)")
-    if cfg.rollout.env is not None and "reward.fn" in explicit:
+    if cfg.rollout.env is not None and cfg.reward.fn is not None and "reward.fn" in explicit:
         raise UserError("reward.fn: not used with rollout.env (an episode's reward is the sum of its environment's "
                         "step rewards); remove one of them")
     if cfg.task is None:
@@ -677,12 +677,29 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError("checkpoint.keep: not used while checkpoint.every is 0 (no periodic checkpoints)")
     if cfg.runtime.address is not None and cfg.runtime.kind == "local":
         raise UserError("runtime.address: only used with runtime.kind=ray")
+    if cfg.runtime.kind == "local":
+        for key in _RAY_KEYS:
+            if f"runtime.{key}" in explicit:
+                raise UserError(f"runtime.{key}: only used with runtime.kind=ray (kind is local)")
+    if cfg.rollout.env is None:
+        for key in ("env_latency_s", "env_timeout_s"):
+            if f"rollout.{key}" in explicit:
+                raise UserError(f"rollout.{key}: only used with rollout.env (multi-turn environments)")
+    if not episodic(cfg) and "rollout.max_turns" in explicit:
+        raise UserError("rollout.max_turns: only used with rollout.env or rollout.agent (multi-turn episodes)")
+    if cfg.rollout.agent is None and "rollout.agent_timeout_s" in explicit:
+        raise UserError("rollout.agent_timeout_s: only used with rollout.agent")
+    if not cfg.algorithm.filter_groups and "algorithm.filter_max_groups_per_step" in explicit:
+        raise UserError("algorithm.filter_max_groups_per_step: not used while algorithm.filter_groups is false")
     if cfg.runtime.kind == "ray" and cfg.model.device == "cuda" and not (cfg.runtime.rollout_gpus and cfg.runtime.train_gpus):
         raise UserError("model.device: cuda with runtime.kind=ray needs runtime.rollout_gpus and runtime.train_gpus "
                         "above 0 (Ray shows an actor only the GPUs it was given)")
 
 
 ENV_NAMES = ("calculator", "guess_number")
+# runtime.* keys only the Ray runtime reads (placement of its actors)
+_RAY_KEYS = ("rollout_cpus", "rollout_gpus", "train_cpus", "train_gpus", "reward_workers", "reward_cpus",
+             "placement_strategy", "max_restarts")
 
 
 def _validate_agent(cfg: Config, explicit: set[str]) -> None:
@@ -696,7 +713,7 @@ def _validate_agent(cfg: Config, explicit: set[str]) -> None:
     if cfg.runtime.kind != "local":
         raise UserError("rollout.agent: only with runtime.kind=local (the Ray rollout actors do not host agent "
                         "endpoints yet)")
-    if "reward.fn" in explicit:
+    if cfg.reward.fn is not None and "reward.fn" in explicit:
         raise UserError("reward.fn: not used with rollout.agent (an agent episode's reward is what the agent "
                         "returns); remove one of them")
 _SERVER_KEYS = ("server_urls", "server_type", "server_model", "server_token_env", "sync_dir", "sync_timeout_s")

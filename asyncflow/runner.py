@@ -44,7 +44,13 @@ def check_out_dir(out: Path, cfg: Config) -> Any:
             from asyncflow.checkpoint import find_resume
 
             return find_resume(out, cfg)
-        raise UserError(f"--out: {out} already holds a run; choose another folder or set checkpoint.resume=auto")
+        from asyncflow.checkpoint import complete_checkpoints
+
+        if complete_checkpoints(out):
+            raise UserError(f"--out: {out} already holds a run; choose another folder or set checkpoint.resume=auto "
+                            "to go on from its newest checkpoint")
+        raise UserError(f"--out: {out} already holds a run (with no complete checkpoint to go on from); choose "
+                        "another folder")
     return None
 
 
@@ -204,6 +210,9 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
             raise type(exc)(f"{exc}; {_resume_hint(out)}") from exc
         except Exception:
             print(f"[asyncflow] the run failed; {_resume_hint(out)}", file=sys.stderr)
+            raise
+        except KeyboardInterrupt:  # (Ctrl-C: the CLI then says "interrupted", exit 130)
+            print(f"[asyncflow] the run was interrupted; {_resume_hint(out)}", file=sys.stderr)
             raise
     finally:
         progress.close()
@@ -421,7 +430,9 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     last_eval: dict[str, float]
     if resume is None:
         last_eval = await evaluator.run(step=0)
-        progress.message(f"[asyncflow] eval before training: accuracy={last_eval['eval_accuracy']:.3f}")
+        error = last_eval.get("eval_error")
+        progress.message(f"[asyncflow] eval before training: accuracy={last_eval['eval_accuracy']:.3f}"
+                         + (f" (eval_error: {error})" if error else ""))
     else:  # the evaluations logged up to the checkpoint; one due at its step runs now (it may have been cut)
         evaluator.history = list(resume.state["eval_history"])
         due = cfg.eval.every > 0 and resume.step % cfg.eval.every == 0
@@ -461,10 +472,10 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         log.metric(row)
         if cfg.checkpoint.every > 0 and result.step % cfg.checkpoint.every == 0:
             await save_checkpoint(result.step)
+        if pending_eval is not None and pending_eval.done():  # (the progress line shows it from now on)
+            last_eval, pending_eval = pending_eval.result(), None
         due = cfg.eval.every > 0 and result.step % cfg.eval.every == 0 and result.step < cfg.train.max_steps
-        if due and (pending_eval is None or pending_eval.done()):
-            if pending_eval is not None:
-                last_eval = pending_eval.result()
+        if due and pending_eval is None:
             pending_eval = asyncio.create_task(evaluator.run(step=result.step))
         elif due and not eval_skip_told:  # evaluations run beside training: one still running means this
             eval_skip_told = True  # one is skipped; said once

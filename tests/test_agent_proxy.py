@@ -230,6 +230,13 @@ def test_rollout_agent_is_refused_with_env_or_reward_fn(tmp_path: Path) -> None:
         load_config(None, ["rollout.agent=nocolon"])
     cfg, _ = load_config(None, ["rollout.agent=m:f"])
     assert cfg.rollout.agent == "m:f"
+    # a base config's reward.fn set back to null on the command line is not "set": an agent or env is taken
+    base = tmp_path / "base.yaml"
+    base.write_text("reward: {fn: m:g}\n")
+    assert load_config(base, ["reward.fn=null", "rollout.agent=m:f"])[0].rollout.agent == "m:f"
+    assert load_config(base, ["reward.fn=null", "rollout.env=calculator"])[0].rollout.env == "calculator"
+    with pytest.raises(UserError, match="reward.fn: not used with rollout.env"):
+        load_config(base, ["rollout.env=calculator"])
 
 
 AGENT_MODULE = '''

@@ -143,8 +143,11 @@ LIGHT_CASES: list[tuple[list[str], str]] = [
     (["demo", "--set", "seed=99999999999999999999999"], "seed: 99999999999999999999999 is above the maximum"),
     (["demo", "--out", "good.jsonl/run"], "--out: good.jsonl/run lies under"),
     (["prepare", "arith", "--out", "good.jsonl"], "--out: good.jsonl is a file, not a folder"),
+    (["prepare", "arith", "--seed", "-1", "--out", "p"], "--seed: -1 is outside 0 to 2^31-1"),
+    (["prepare", "arith", "--seed", "99999999999999999999999", "--out", "p"], "--seed: 99999999999999999999999 is outside"),
     (["demo", "--set", "model.cache_dir=good.jsonl"], "model.cache_dir: good.jsonl is a file, not a folder"),
-    (["demo", "--out", "old_run"], "--out: old_run already holds a run"),
+    (["demo", "--out", "old_run"], "--out: old_run already holds a run (with no complete checkpoint to go on from); "
+                                    "choose another folder"),
     (["demo", "--out", "good.jsonl"], "--out: good.jsonl is a file, not a folder"),
 ]
 # these need transformers (and with it torch) to find the fault

@@ -125,6 +125,9 @@ def test_a_crash_mid_run_resumes_without_losing_or_repeating_anything(arith_dir:
     assert in_flight, "the checkpoint should hold samples admitted ahead of the trainer"
 
     del env["CRASH_AFTER"]
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert again.returncode == 2 and again.stderr.strip().endswith(  # (it has a checkpoint: resuming is offered)
+        "already holds a run; choose another folder or set checkpoint.resume=auto to go on from its newest checkpoint")
     resumed = subprocess.run([*cmd, "--set", "checkpoint.resume=auto"], env=env, capture_output=True, text=True,
                              timeout=600, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -131,3 +131,35 @@ def test_an_evaluation_due_while_the_previous_one_runs_is_skipped_with_a_note(ar
     assert err.count("[asyncflow] note: the evaluation due at step 2 is skipped: the previous one is still "
                      "running") == 1
     assert err.count("is skipped") == 1  # later skips are not reported one by one
+
+
+def test_the_progress_line_shows_an_evaluation_as_soon_as_it_is_done(arith_dir: Path, tmp_path: Path,
+                                                                    monkeypatch: Any) -> None:
+    """A finished evaluation's accuracy reaches the progress line at the next step, not when the
+    next evaluation comes due (a whole eval interval later), and the eval before training names its
+    error on the console."""
+    from asyncflow.config import load_config
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.runner import train
+    from asyncflow.telemetry.progress import Progress
+
+    shown: dict[int, float] = {}
+    messages: list[str] = []
+    run = Evaluator.run
+
+    async def marked(self: Any, step: int) -> Any:
+        if step == 0:
+            return {"step": 0, "eval_accuracy": 0.0, "eval_error": "eval prompt 0: no answer"}
+        if step == 2:
+            return {"step": 2, "eval_accuracy": 0.4242}  # done at once: long before step 3 ends
+        return await run(self, step)
+
+    monkeypatch.setattr(Evaluator, "run", marked)
+    monkeypatch.setattr(Progress, "update", lambda self, step, figures: shown.__setitem__(step, figures["eval"]))
+    monkeypatch.setattr(Progress, "message", lambda self, text: messages.append(text))
+    cfg, _ = load_config(None, [f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=4",
+                                "train.max_steps=5", "eval.every=2", "rollout.max_new_tokens=4"])
+    train(cfg, tmp_path / "run", progress_enabled=True)
+    assert shown[1] == shown[2] == 0.0
+    assert shown[3] == 0.4242  # (before: step 4's evaluation had to come due first)
+    assert "[asyncflow] eval before training: accuracy=0.000 (eval_error: eval prompt 0: no answer)" in messages

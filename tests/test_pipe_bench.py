@@ -297,7 +297,7 @@ def test_an_episode_whose_generation_fails_ends_the_run_with_that_error(tmp_path
 
     async def main(clock: VirtualClock) -> None:
         cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=16", "train.max_steps=2", "rollout.max_batch=4",
-                                    "rollout.max_new_tokens=300", "rollout.max_turns=20"])
+                                    "rollout.max_new_tokens=300"])
         trainer = SimTrainer(clock, token_s=1e-4, devices=1)
         log = RunLog(tmp_path, metrics=False)
         pipeline = _make_sim_pipeline_class()(

@@ -90,7 +90,7 @@ def test_an_episode_longer_than_the_lease_is_played_once(tmp_path: Path) -> None
             return EnvStep("", reward=float(self.turn % 2), done=self.turn >= 10)
 
     pipeline, rows = _sim_run(tmp_path, ["rollout.n=2", "train.batch_size=4", "train.max_steps=2",
-                                         "workflow.max_staleness=1", "rollout.max_turns=10",
+                                         "workflow.max_staleness=1",
                                          "rollout.max_new_tokens=4096", "workflow.step_timeout_s=5000"],
                               lengths=lambda rng: 5000, env_factory=SlowEnv)
     assert pipeline.counters.trained == 8
@@ -135,7 +135,7 @@ def test_an_environment_failing_before_its_first_turn_costs_only_its_own_sample(
             await self.clock.sleep(0.1)
             return EnvStep("", reward=float(len(action) % 2), done=True)
 
-    pipeline, rows = _sim_run(tmp_path, [*BASE, "train.max_steps=3", "rollout.max_turns=2"], env_factory=FlakyEnv)
+    pipeline, rows = _sim_run(tmp_path, [*BASE, "train.max_steps=3"], env_factory=FlakyEnv)
     failed = [r for r in rows if r["status"] == "reward_error"]
     assert failed and all("sandbox failed to start" in r["error"] and r["reward"] is None for r in failed)
     assert pipeline.counters.dropped_stale == 0
@@ -171,7 +171,7 @@ def test_an_episode_that_can_no_longer_meet_the_staleness_bound_ends_before_its_
             return EnvStep("", reward=float((self.seed + self.turn) % 2), done=self.turn >= self.turns)
 
     pipeline, rows = _sim_run(tmp_path, ["rollout.n=4", "train.batch_size=16", "train.max_steps=6",
-                                         "workflow.max_staleness=1", "rollout.max_turns=8", "rollout.max_new_tokens=16"],
+                                         "workflow.max_staleness=1", "rollout.max_new_tokens=16"],
                               env_factory=Uneven)
     cancelled = [r for r in rows if r["status"] == "cancelled"]
     assert cancelled and pipeline.counters.cancelled == len(cancelled)
@@ -231,3 +231,28 @@ def test_a_plain_reward_function_that_keeps_hanging_stops_the_run_instead_of_fre
         release.set()
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert sum(r["status"] == "trained" for r in rows) >= 8  # the first 20 calls' groups trained
+
+
+def test_an_environment_that_never_works_stops_the_run_after_the_fail_fast_count(tmp_path: Path) -> None:
+    """Episodes share reward.fail_fast_calls: if the first N all fail, the run stops with the last
+    error (exit 2 at the CLI) instead of logging failed samples until the trainer's batch timeout."""
+    import pytest
+
+    from asyncflow.errors import UserError
+
+    class Broken(Env):
+        name = "broken"
+        max_turns = 2
+
+        def __init__(self, clock: VirtualClock) -> None:
+            self.clock = clock
+
+        async def reset(self, row: dict[str, Any], seed: int) -> str:
+            return ""
+
+        async def step(self, action: str) -> EnvStep:
+            raise ValueError("no such tool")
+
+    with pytest.raises(UserError, match=r"^rollout\.env: the first 6 episodes all failed \(reward\.fail_fast_calls\); "
+                                        r"last error: environment 'broken' failed in step 1: ValueError: no such tool$"):
+        _sim_run(tmp_path, [*BASE, "reward.fail_fast_calls=6"], env_factory=Broken)

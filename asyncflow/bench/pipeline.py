@@ -163,15 +163,15 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
         f"rollout.max_new_tokens={profile.max_new_tokens}", f"rollout.max_batch={spec.slots}",
         f"workflow.mode={mode}", f"workflow.weight_update={'drain' if sync else 'swap'}", f"seed={spec.seed}",
         "workflow.step_timeout_s=100000", "rollout.request_timeout_s=100000", "workflow.lease_timeout_s=100000",
-        "rollout.env_timeout_s=1000", "reward.timeout_s=1000",
+        "reward.timeout_s=1000",
         # a step's worth of tracked objects (~25 per sample) between young collections: see docs/performance.md
         f"workflow.gc_threshold={32 * batch}",
     ]
     if not sync:
         settings.append(f"workflow.max_staleness={spec.max_staleness}")
-    if profile.turns is not None:
-        settings.append("rollout.max_turns=20")
     cfg, _ = load_config(None, settings)
+    if profile.turns is not None:  # its environments come from _env_factory, not rollout.env (20 turns at most)
+        cfg.rollout.env_timeout_s = 1000.0
     meter = CpuMeter()
     load_s = spec.switch_s if sync else spec.weight_sync_s
     engines = [SimEngine(clock, lengths=profile.lengths, capacity=spec.slots, step_s=spec.step_s, load_s=load_s,

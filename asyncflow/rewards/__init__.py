@@ -1,7 +1,7 @@
 """Reward functions: loading `module:function` plugins and calling them safely, one call per group.
 
 The signature is TRL's, so TRL users' reward functions work unchanged:
-`fn(prompts: list, completions: list, completion_ids: list[list[int]], **columns) -> list[float | None]`,
+`fn(prompts: list, completions: list, completion_ids: list[list[int]], **columns) -> list[float]` (a None fails its group),
 where every dataset column is passed as a list aligned with the completions. A plain function runs in
 a worker thread; an `async def` one (a remote judge or verifier service) is awaited on the event loop.
 """

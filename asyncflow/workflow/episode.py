@@ -185,8 +185,9 @@ async def run_episode(
             res = await clock.wait_for(submit(req), settings.request_timeout_s,
                                        f"generation of sample {uid}, turn {turn}")
             traj.add_generated(res.response_ids, res.behavior_logprobs, res.token_versions)
-            if floor is not None and len(res.token_versions):
-                first_version = min(first_version, oldest(res.token_versions))
+            if first_version == math.inf and floor is not None and len(res.token_versions):
+                # (versions never go back, so the first turn with tokens holds the episode's oldest)
+                first_version = oldest(res.token_versions)
             if barrier is not None:
                 await barrier.wait()
             if res.finish_reason == "cancelled":

@@ -84,6 +84,8 @@ class Counters:
     cancelled: int = 0
     reward_calls: int = 0
     reward_call_failures: int = 0
+    episodes: int = 0  # multi-turn episodes ended (environment or agent), and those that failed
+    episode_failures: int = 0
     train_busy_s: float = 0.0
 
 
@@ -472,6 +474,7 @@ class Pipeline:
                                              ro.top_p, ro.top_k),
                     on_env_step=None if self.tracer.off else on_env_step, barrier=barrier, floor=self._floor,
                 )
+            self._count_episode(result.fields["reward_error"], "rollout.agent" if proxy is not None else "rollout.env")
             version: int | None = result.fields["behavior_version"]
             if version is not None and version < 0 and result.fields["finish_reason"] != "cancelled":
                 # no generated token (an environment or agent failed first): the sample has no
@@ -486,6 +489,19 @@ class Pipeline:
         finally:
             self.keeper.drop(lease)
             slots.release()
+
+    def _count_episode(self, error: str | None, key: str) -> None:
+        """Episodes share the reward function's fail-fast rule: if the first `reward.fail_fast_calls`
+        episodes all failed (an environment or agent that never works), stop the run with the last
+        error instead of logging failed samples until a timeout."""
+        c = self.counters
+        c.episodes += 1
+        if error is not None:
+            c.episode_failures += 1
+            limit = self.cfg.reward.fail_fast_calls
+            if c.episodes == limit and c.episode_failures == limit:
+                raise UserError(f"{key}: the first {limit} episodes all failed (reward.fail_fast_calls); "
+                                f"last error: {error}")
 
     # ------------------------------------------------------------------ reward
 
