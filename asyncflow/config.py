@@ -63,7 +63,8 @@ class RewardConfig:
 
     fn: str | None = _f(None, "`module:function` with TRL's signature fn(prompts, completions, **columns) -> list[float] (a None fails the group's call). null: the task pack's verifier.")
     timeout_s: float = _f(60.0, "Longest one reward call may take before its samples are marked as failed.", lo=0.001)
-    fail_fast_calls: int = _f(32, "If this many first reward calls of a run all fail, stop the run (exit 2).", lo=1)
+    fail_fast_calls: int = _f(32, "If this many first reward calls of a run all fail, stop the run (exit 2). "
+                               "With rollout.env or rollout.agent: this many first episodes.", lo=1)
     concurrency: int = _f(
         64,
         "Most groups scored at once by an async def reward function (awaited on the event loop, e.g. a remote judge), "
