@@ -512,6 +512,10 @@ class RayTransferQueue:
         unless `put_window` earlier puts are still unanswered (that wait is the backpressure). An
         error of a pipelined put (closed store, timeout) is raised by a later put or by `flush`.
         """
+        if self._uid_end - self._uid_next < len(samples):  # (awaited here: `_uids` would block the loop)
+            block = max(len(samples), 4096)
+            self._uid_next = int(await self._aget(self.handle.reserve_uids.remote(block), 60, "reserve_uids"))
+            self._uid_end = self._uid_next + block
         args = self._put_args(samples, timeout)
         self._pending.append((self.handle.put.remote(*args), timeout))
         while len(self._pending) > self.put_window:
