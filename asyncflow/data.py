@@ -124,6 +124,46 @@ def check_chat_prompts(first_chat: str | None, tokenizer: Any) -> None:
                         "template; give text prompts or a model folder whose tokenizer has one")
 
 
+def model_positions(model_dir: str | Path) -> int | None:
+    """How many positions the model in `model_dir` was built for (its config.json's
+    `max_position_embeddings`, or GPT-2's `n_positions`); None when it does not say."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_prompts_fit(prompts: list[Any], tokenizer: Any, max_new_tokens: int, positions: int | None) -> None:
+    """Every prompt plus `rollout.max_new_tokens` must fit the model's positions: past them a model
+    with learned position embeddings fails mid-run (an index error) and a rotary one degrades
+    without a word. One line naming the longest prompt and how many do not fit. (Multi-turn
+    episodes: this checks their first turn only; their context grows with every turn.)"""
+    if positions is None:
+        return
+    if max_new_tokens >= positions:
+        raise UserError(f"rollout.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
+                        f"{positions} positions (model.path's config.json)")
+    texts = [p for p in prompts if isinstance(p, str)]
+    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]] if texts else []
+    chats = [p for p in prompts if not isinstance(p, str)]
+    lengths += [len(tokenize_prompt(tokenizer, c)) for c in chats]
+    room = positions - max_new_tokens
+    over = sum(n > room for n in lengths)
+    if over:
+        longest, prompt = max(zip(lengths, [*texts, *chats], strict=True), key=lambda t: t[0])
+        shown = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise UserError(
+            f"rollout.max_new_tokens: {over} prompt(s) leave less room than {max_new_tokens} new tokens in the "
+            f"model's {positions} positions; the longest has {longest} tokens ({shown!r}); lower "
+            "rollout.max_new_tokens or drop the long prompts")
+
+
 def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
     """Token ids of a prompt: text as it is, chat messages through the chat template."""
     if isinstance(prompt, str):

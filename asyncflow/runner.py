@@ -182,9 +182,13 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        from asyncflow.data import check_chat_prompts
+        from asyncflow.data import check_chat_prompts, check_prompts_fit, model_positions
 
         check_chat_prompts(inputs.first_chat, hf_tok)
+        if cfg.rollout.agent is None:  # (an agent writes its own prompts)
+            key = cfg.dataset.prompt_key
+            check_prompts_fit([r[key] for r in (*inputs.train_rows, *inputs.eval_rows)], hf_tok,
+                              cfg.rollout.max_new_tokens, model_positions(inputs.model_dir))
         env_factory = None
         if cfg.rollout.env is not None:  # an environment plugin that cannot be imported is bad input too
             from asyncflow.envs import make_env_factory

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from asyncflow.data import check_columns, read_rows, tokenize_prompt
+from asyncflow.data import check_columns, check_prompts_fit, model_positions, read_rows, tokenize_prompt
 from asyncflow.errors import UserError
 
 
@@ -57,3 +58,23 @@ def test_text_prompts_are_tokenized_as_they_are_and_chats_use_the_template() -> 
         tokenize_prompt(tok, [{"role": "user", "content": "12+3="}])
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
     assert tokenize_prompt(tok, [{"role": "user", "content": "12+3"}]) == tok("12+3=")["input_ids"]
+
+
+def test_prompts_that_do_not_fit_the_model_with_max_new_tokens_are_refused_in_one_line(tmp_path: Path) -> None:
+    from asyncflow.tasks.arith import make_tokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 16}))
+    assert model_positions(tmp_path) == 16
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32, "n_positions": 16}))
+    assert model_positions(tmp_path) == 32
+    assert model_positions(tmp_path / "nowhere") is None
+    tok = make_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    prompts: list[Any] = ["1+2=", "12+345=", [{"role": "user", "content": "1234+5678+9"}]]  # 4, 7, 12 tokens
+    check_prompts_fit(prompts, tok, 20, 32)  # 12 + 20 fits 32
+    check_prompts_fit(prompts, tok, 10_000, None)  # the model does not say: nothing to check
+    with pytest.raises(UserError, match=r"^rollout\.max_new_tokens: 2 prompt\(s\) leave less room than 26 new tokens in "
+                                        r"the model's 32 positions; the longest has 12 tokens \('\[\{\"role\": \"user\", "):
+        check_prompts_fit(prompts, tok, 26, 32)
+    with pytest.raises(UserError, match=r"^rollout\.max_new_tokens: 32 leaves no room for a prompt in the model's 32 "):
+        check_prompts_fit(prompts, tok, 32, 32)

@@ -70,6 +70,16 @@ def test_short_run_writes_the_run_folder_and_respects_staleness(
     AutoTokenizer.from_pretrained(str(out / "final"))
 
 
+def test_max_new_tokens_past_the_model_s_positions_is_refused_before_the_run(arith_dir: Path, tmp_path: Path) -> None:
+    """The arith model has 32 positions: asking for more new tokens than a prompt leaves is bad input
+    (one line, no run folder), not an index error in the middle of the run."""
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match=r"^rollout\.max_new_tokens: \d+ prompt\(s\) leave less room than 30 new tokens "
+                                        r"in the model's 32 positions; the longest has \d+ tokens \('"):
+        _run(arith_dir, out, ["rollout.max_new_tokens=30"])
+    assert not out.exists()
+
+
 def test_existing_run_folder_is_refused(arith_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()
