@@ -41,8 +41,8 @@ class ModelConfig:
         "Where the hf rollout engines and the torch trainer run. auto: on a GPU when the process sees one "
         "(rollout workers spread over the GPUs; with runtime.kind=ray, only actors given GPUs by "
         "runtime.rollout_gpus / runtime.train_gpus use one), else on the CPU; cuda: refused without a GPU. "
-        "The KL reference model runs in the driver: with runtime.kind=local on the trainer's device, with "
-        "ray on the CPU. (train.engine=fsdp places its ranks itself; "
+        "The KL reference model runs in the driver: on the torch trainer's device, else (ray, fsdp, local "
+        "vllm) on the CPU. (train.engine=fsdp places its ranks itself; "
         "rollout.engine=vllm always runs on a GPU.)",
     )
 

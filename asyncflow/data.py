@@ -126,13 +126,16 @@ def check_chat_prompts(first_chat: str | None, tokenizer: Any) -> None:
 
 def model_positions(model_dir: str | Path) -> int | None:
     """How many positions the model in `model_dir` was built for (its config.json's
-    `max_position_embeddings`, or GPT-2's `n_positions`); None when it does not say."""
+    `max_position_embeddings`, or GPT-2's `n_positions`); None when it does not say, or when it
+    scales its rotary positions (`rope_scaling`, e.g. YaRN: the stored number is not its limit)."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    if not isinstance(config, dict) or config.get("rope_scaling"):
+        return None
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = config.get(key) if isinstance(config, dict) else None
+        value = config.get(key)
         if isinstance(value, int) and value > 0:
             return value
     return None
@@ -142,7 +145,8 @@ def check_prompts_fit(prompts: list[Any], tokenizer: Any, max_new_tokens: int, p
     """Every prompt plus `rollout.max_new_tokens` must fit the model's positions: past them a model
     with learned position embeddings fails mid-run (an index error) and a rotary one degrades
     without a word. One line naming the longest prompt and how many do not fit. (Multi-turn
-    episodes: this checks their first turn only; their context grows with every turn.)"""
+    episodes: this checks the dataset prompt only, not the environment's observations that extend
+    it turn by turn.)"""
     if positions is None:
         return
     if max_new_tokens >= positions:

@@ -55,7 +55,9 @@ class Evaluator:
         self.history: list[dict[str, Any]] = []
         self.env_factory = env_factory
         self.clock = clock
-        self._plain_calls = PlainCalls()  # a plain reward function's threads (started on first use)
+        # a plain reward function's threads (started on first use); hung calls that hold them all fail
+        # the evaluation's remaining prompts, never the run (its final evaluation precedes the final save)
+        self._plain_calls = PlainCalls(stop_when_full=False)
 
     async def run(self, step: int) -> dict[str, Any]:
         """Evaluate the engine's current weights; log and return the eval row."""

@@ -415,11 +415,13 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         from asyncflow.engines.base import pick_device
         from asyncflow.engines.torch_train import ReferenceModel
 
-        # it runs in this process: with the local runtime on the trainer's device (model.device), on
-        # Ray on the CPU (the driver is given no GPU; the actors hold them)
+        # it runs in this process: beside the torch trainer on its device (model.device); on the CPU
+        # with Ray (the driver is given no GPU; the actors hold them), with fsdp (an unsharded copy on
+        # rank 0's GPU is what sharding saves) and with local vllm (it holds its GPU's memory)
+        beside_trainer = cfg.runtime.kind == "local" and cfg.train.engine == "torch" and cfg.rollout.engine != "vllm"
         ref_fn = ReferenceModel(inputs.model_dir, temperature=cfg.rollout.temperature,
                                 micro_batch_size=cfg.train.micro_batch_size, dtype=dtype,
-                                device=pick_device(cfg.model.device) if cfg.runtime.kind == "local" else "cpu")
+                                device=pick_device(cfg.model.device) if beside_trainer else "cpu")
 
     from asyncflow.config import to_dict
     from asyncflow.telemetry.runlog import make_sinks

@@ -68,6 +68,11 @@ def test_prompts_that_do_not_fit_the_model_with_max_new_tokens_are_refused_in_on
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32, "n_positions": 16}))
     assert model_positions(tmp_path) == 32
     assert model_positions(tmp_path / "nowhere") is None
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32768,
+                                                      "rope_scaling": {"type": "yarn", "factor": 4.0}}))
+    assert model_positions(tmp_path) is None  # (YaRN: 32,768 is not its limit)
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32, "rope_scaling": None}))
+    assert model_positions(tmp_path) == 32
     tok = make_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
     prompts: list[Any] = ["1+2=", "12+345=", [{"role": "user", "content": "1234+5678+9"}]]  # 4, 7, 12 tokens

@@ -191,3 +191,27 @@ def test_when_hung_calls_hold_every_reward_thread_the_run_stops_with_one_line() 
         time.sleep(0.05)
     assert plain.running == 0
     plain.close()
+
+
+def test_for_evaluation_hung_calls_holding_every_thread_fail_the_rest_at_once_instead_of_stopping_the_run() -> None:
+    """Evaluation's calls (`stop_when_full=False`): once hung calls hold every thread, later calls fail
+    at once with the reason (no wait of reward.timeout_s per call for a thread that never frees, and
+    no error that would stop a run before its final save)."""
+    release = threading.Event()
+    fn = _hanging_after(release, good=0)
+    plain = PlainCalls(threads=1, stop_when_full=False)
+
+    async def run() -> tuple[list[RewardOutcome], list[RewardOutcome]]:
+        first = await plain.score([(fn, ["p"], ["c"], [[1]], {})] * 2, RealClock().wait_for, 0.1, "eval prompts 0-1")
+        # (had it waited for a thread, these would read "timed out after 30 s")
+        later = await plain.score([(fn, ["p"], ["c"], [[1]], {})] * 3, RealClock().wait_for, 10.0, "eval prompts 2-4")
+        return first, later
+
+    try:
+        first, later = asyncio.run(run())
+    finally:
+        release.set()
+    assert all(o.rewards is None and "timed out after 0.2 s" in str(o.error) for o in first)
+    assert len(later) == 3
+    assert all(str(o.error).startswith("reward.fn: 1 reward calls are still running after reward.timeout_s=10 s and "
+                                       "hold every reward thread") for o in later)

@@ -271,6 +271,21 @@ def test_a_renewed_lease_outlives_its_first_deadline_and_expires_later() -> None
     assert uids_of(q.take_nowait("s", 3)) == [u for u in uids if u not in uids_of(kept)]
 
 
+def test_renewing_held_leases_keeps_the_expiry_queue_bounded() -> None:
+    """Each renewal queues a new deadline; superseded ones are dropped by the queue's clean-up (it kept
+    every entry of a live lease, so 2,000 long-held leases made each renewal rebuild a growing queue)."""
+    clock = FakeClock()
+    q = TransferQueue(capacity=10_000, lease_timeout_s=600.0, clock=clock)
+    q.register_stage("s", ["prompt"])
+    q.put_blocking(prompts(2000))
+    held = q.take_each_nowait("s", 2000)
+    for _ in range(20):
+        clock.t += 150.0
+        q.renew(held)
+        assert len(q._expiry_fifo) + len(q._expiries) <= 2 * 2000 + 1024 + 2000
+    assert q.metrics()["expired_leases"] == 0.0 and all(q.ack(lease) for lease in held)
+
+
 def test_lease_ids_are_unique() -> None:
     q = TransferQueue()
     q.register_stage("s", ["prompt"])

@@ -180,10 +180,13 @@ class PlainCalls:
     (`PLAIN_THREADS`), not asyncio's default executor, which the trainer's steps use: hung reward
     calls used to take those threads one by one until no train step could start and the run froze
     without an error. When every reward thread is held by a call that timed out, nothing can be
-    scored any more: the run stops with a one-line error naming `reward.fn` (exit 2)."""
+    scored any more: with `stop_when_full` (the reward stage) the run stops with a one-line error
+    naming `reward.fn` (exit 2); without (evaluation: it must not cost a trained run its final
+    save) the calls fail at once, each with that message."""
 
-    def __init__(self, threads: int = PLAIN_THREADS) -> None:
+    def __init__(self, threads: int = PLAIN_THREADS, *, stop_when_full: bool = True) -> None:
         self.threads = threads
+        self.stop_when_full = stop_when_full
         self._pool = _DaemonThreads(threads, "reward")
         self._lock = threading.Lock()
         self.running = 0  # calls running on the threads now, hung ones included
@@ -192,6 +195,10 @@ class PlainCalls:
                     what: str) -> list[RewardOutcome]:
         """`call_reward_fn(*call)` for each call, in one hop; `wait_for(aw, limit, what)` bounds it
         (the caller's clock) by `timeout` per call."""
+        if self.running >= self.threads:  # every thread is held by a hung call: this hop would never start
+            if self.stop_when_full:
+                raise UserError(self._full(timeout))
+            return [RewardOutcome(None, self._full(timeout))] * len(calls)
         done: list[RewardOutcome] = []
         abandoned = threading.Event()
 
@@ -213,12 +220,14 @@ class PlainCalls:
         except WaitTimeout as exc:
             abandoned.set()
             kept = list(done)
-            if self.running >= self.threads:
-                raise UserError(
-                    f"reward.fn: {self.running} reward calls are still running after reward.timeout_s={timeout:g} s "
-                    f"and hold every reward thread (a thread cannot be stopped): make the function return within "
-                    f"its timeout, or make it `async def` (its calls are cancelled on timeout)") from None
+            if self.running >= self.threads and self.stop_when_full:
+                raise UserError(self._full(timeout)) from None
             return kept + [RewardOutcome(None, str(exc))] * (len(calls) - len(kept))
+
+    def _full(self, timeout: float) -> str:
+        return (f"reward.fn: {self.running} reward calls are still running after reward.timeout_s={timeout:g} s "
+                f"and hold every reward thread (a thread cannot be stopped): make the function return within "
+                f"its timeout, or make it `async def` (its calls are cancelled on timeout)")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

@@ -892,13 +892,18 @@ class TransferQueue:
         fifo = self._expiry_fifo
         if not fifo or deadline >= fifo[-1][0]:
             fifo.append((deadline, lid))
-            if len(fifo) > 2 * len(self._leases) + 1024:  # mostly leases that ended early: drop those
-                self._expiry_fifo = deque(e for e in fifo if e[1] in self._leases)
+            if len(fifo) > 2 * len(self._leases) + 1024:  # mostly leases that ended early or were renewed: drop those
+                self._expiry_fifo = deque(e for e in fifo if self._current(e))
         else:
             heapq.heappush(self._expiries, (deadline, lid))
             if len(self._expiries) > 2 * len(self._leases) + 1024:
-                self._expiries = [e for e in self._expiries if e[1] in self._leases]
+                self._expiries = [e for e in self._expiries if self._current(e)]
                 heapq.heapify(self._expiries)
+
+    def _current(self, entry: tuple[float, int]) -> bool:
+        """Whether an expiry entry is its lease's deadline now (not ended, not superseded by a renewal)."""
+        rec = self._leases.get(entry[1])
+        return rec is not None and rec.deadline == entry[0]
 
     def _claim_samples(self, st: _Stage, rec: _LeaseRec, uids: list[int], names: tuple[str, ...],
                        min_version: int | None, lease: Lease) -> None:
