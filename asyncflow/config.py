@@ -232,7 +232,8 @@ class AlgorithmConfig:
     agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo"] = _f(
         "token_mean",
         "Loss aggregation over the mini-batch: token_mean, seq_mean_token_sum, seq_mean_token_mean, or dr_grpo "
-        "(sum / (sequences x norm_length)). Invariant to micro_batch_size.",
+        "(sum / (sequences x norm_length)). Invariant to micro_batch_size. With loss=gspo, when not given: "
+        "seq_mean_token_mean (GSPO's objective is a mean over sequences; token_mean weights them by length).",
     )
     norm_length: int | None = _f(
         None,
@@ -242,7 +243,9 @@ class AlgorithmConfig:
     )
     kl_coef: float = _f(0.0, "Weight of the KL penalty to the frozen initial policy (0: no reference model).", lo=0.0)
     kl_estimator: Literal["k1", "k2", "k3"] = _f(
-        "k3", "KL estimator (with kl_coef > 0): k1 = log(pi/ref), k2 = log(pi/ref)^2 / 2, k3 = ref/pi - log(ref/pi) - 1."
+        "k3", "KL estimator (with kl_coef > 0): k1 = log(pi/ref), k2 = log(pi/ref)^2 / 2, k3 = ref/pi - log(ref/pi) - 1. "
+        "As a loss term: k2's gradient is that of KL(pi||ref), k3's (GRPO's choice) that of KL(ref||pi); k1's "
+        "expected gradient is 0 (it only adds noise; docs/algorithms.md)."
     )
     overlong_buffer: int = _f(
         0,
@@ -253,8 +256,8 @@ class AlgorithmConfig:
     overlong_penalty: float = _f(1.0, "The largest over-long penalty (with overlong_buffer > 0).", lo=0.0)
     filter_groups: bool = _f(
         False,
-        "Dynamic sampling (DAPO): drop groups whose rewards are all equal (zero advantage, no learning "
-        "signal) and admit replacements. Logged as status `filtered`; metrics compare their response "
+        "Dynamic sampling (DAPO): drop groups whose rewards (before over-long shaping) are all equal (zero "
+        "advantage, no learning signal, unless the shaping separates them) and admit replacements. Logged as status `filtered`; metrics compare their response "
         "lengths with the trained ones, since the filter biases what is trained.",
     )
     filter_max_groups_per_step: int = _f(
@@ -783,6 +786,8 @@ _LOSS_KEYS: dict[str, tuple[str, ...]] = {
 
 def _validate_algorithm(cfg: Config, explicit: set[str]) -> None:
     a = cfg.algorithm
+    if a.loss == "gspo" and "algorithm.agg" not in explicit:
+        a.agg = "seq_mean_token_mean"  # GSPO's own aggregation (a mean over sequences), unless asked otherwise
     used = _LOSS_KEYS[a.loss]
     for key in ("clip_low", "clip_high", "dual_clip", "is_level", "is_cap"):
         if f"algorithm.{key}" in explicit and key not in used:

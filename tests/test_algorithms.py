@@ -76,6 +76,20 @@ def test_all_equal_rewards_give_zero_advantage_for_every_estimator() -> None:
         assert adv.abs().max() == 0, name
 
 
+def test_equal_rewards_that_float32_cannot_average_exactly_still_give_zero_advantage() -> None:
+    """The float32 mean of 16 x 0.9 (or 7 x 0.1) is a rounding step off; GRPO's std of that residue,
+    divided into it, gave the whole group one sizeable advantage (+0.106 for 16 x 0.9)."""
+    for value, n in ((0.9, 16), (0.1, 7), (1 - 0.1, 8)):
+        rewards = torch.full((n,), value)
+        for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
+            adv = make_advantage_fn(name)(rewards, torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.bool))
+            assert adv.abs().max() == 0, (name, value, n)
+    # a group of equal valid rewards stays at 0 beside an invalid sample with another reward
+    adv = compute_grpo_advantages(torch.tensor([0.9, 0.9, 0.9, 5.0]), torch.zeros(4, dtype=torch.long),
+                                  torch.tensor([True, True, True, False]))
+    assert adv.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
 def test_dr_grpo_does_not_divide_by_std() -> None:
     adv = compute_dr_grpo_advantages(torch.tensor([3.0, 1.0]), torch.tensor([0, 0]), torch.ones(2, dtype=torch.bool))
     assert adv.tolist() == [1.0, -1.0]
@@ -342,6 +356,19 @@ def test_loss_and_gradients_do_not_depend_on_micro_batch_size(tiny_model: torch.
         assert m["is_weight_mean"] == pytest.approx(m0["is_weight_mean"], rel=1e-5)
         assert m["is_weight_max"] == pytest.approx(m0["is_weight_max"], rel=1e-5)
         assert torch.allclose(g, g0, rtol=1e-4, atol=1e-7)
+
+
+def test_a_micro_batch_without_trained_tokens_does_not_put_a_1_into_the_max_and_min(tiny_model: torch.nn.Module) -> None:
+    """Rows 0-1 have no trained tokens (reward errors): their micro-batch must not contribute a neutral
+    1.0 to is_weight_max/min while every real weight is 0.61."""
+    from asyncflow.engines.torch_train import TorchTrainEngine
+
+    batch = _engine_batch(tiny_model)
+    batch.response_mask[:2] = 0.0
+    batch.behavior_logprobs = (batch.behavior_logprobs - math.log(0.61)) * batch.response_mask  # every ratio 0.61
+    engine = TorchTrainEngine(copy.deepcopy(tiny_model), lr=0.0, micro_batch_size=2)
+    m = engine._optimizer_step(batch, make_loss_fn(LossSettings(loss="tis")), 1.0)
+    assert m["is_weight_max"] == pytest.approx(0.61, rel=1e-4) and m["is_weight_min"] == pytest.approx(0.61, rel=1e-4)
 
 
 @pytest.mark.parametrize("loss", ["ppo", "decoupled_ppo"])

@@ -140,6 +140,12 @@ def test_algorithm_settings_that_are_used_load() -> None:
     assert (cfg.rollout.top_p, cfg.algorithm.kl_estimator, cfg.algorithm.overlong_buffer) == (0.9, "k2", 2)
 
 
+def test_gspo_aggregates_over_sequences_unless_told_otherwise() -> None:
+    assert load_config(None, ["algorithm.loss=gspo"])[0].algorithm.agg == "seq_mean_token_mean"
+    assert load_config(None, ["algorithm.loss=gspo", "algorithm.agg=token_mean"])[0].algorithm.agg == "token_mean"
+    assert load_config(None, ["algorithm.loss=ppo"])[0].algorithm.agg == "token_mean"
+
+
 def test_sync_mode_means_staleness_zero() -> None:
     assert load_config(None, ["workflow.mode=sync"])[0].staleness == 0
     assert load_config(None, [])[0].staleness == 1

@@ -15,16 +15,26 @@ AdvantageFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample mean and (unbiased) std of the valid rewards of its group."""
+    """Per-sample mean and (unbiased) std of the valid rewards of its group, computed in float64.
+    The std is exactly 0 for a group whose valid rewards are all equal: the float32 mean of equal
+    values can be one rounding step off, and the std of ~1e-7 that leaves, divided by itself in
+    GRPO, gave every sample of such a group the same sizeable advantage (e.g. +0.1 for 16 x 0.9)."""
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    w = valid.to(rewards.dtype)
-    r = torch.where(valid, rewards, torch.zeros_like(rewards))
-    count = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, inverse, w)
-    total = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, inverse, r)
+    r64 = rewards.to(torch.float64)
+    w = valid.to(torch.float64)
+    r = torch.where(valid, r64, torch.zeros_like(r64))
+    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, w)
+    total = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, r)
     mean = total / count.clamp(min=1)
-    sq = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, inverse, w * (r - mean[inverse]) ** 2)
+    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, w * (r - mean[inverse]) ** 2)
     std = (sq / (count - 1).clamp(min=1)).sqrt()
+    inf = torch.full_like(r64, float("inf"))
+    lo = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce(
+        0, inverse, torch.where(valid, r64, inf), "amin")
+    hi = torch.full((n_groups,), -float("inf"), dtype=torch.float64).scatter_reduce(
+        0, inverse, torch.where(valid, r64, -inf), "amax")
+    std = torch.where(hi > lo, std, torch.zeros_like(std))
     return mean[inverse], std[inverse]
 
 
@@ -33,15 +43,15 @@ def compute_grpo_advantages(
 ) -> torch.Tensor:
     """GRPO: (r - group mean) / (group std + eps). A group whose rewards are all equal gets 0."""
     mean, std = _group_stats(rewards, group_ids, valid)
-    centred = rewards - mean
-    adv = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+    centred = rewards.to(torch.float64) - mean
+    adv = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred)).to(rewards.dtype)
     return torch.where(valid, adv, torch.zeros_like(adv))
 
 
 def compute_dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Dr.GRPO: r - group mean, without the std division (which up-weights easy and hard groups)."""
     mean, _ = _group_stats(rewards, group_ids, valid)
-    return torch.where(valid, rewards - mean, torch.zeros_like(rewards))
+    return torch.where(valid, (rewards.to(torch.float64) - mean).to(rewards.dtype), torch.zeros_like(rewards))
 
 
 def compute_rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -52,7 +62,7 @@ def compute_rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, vali
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     count = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, inverse, valid.to(rewards.dtype))[inverse]
     scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
-    return torch.where(valid, scale * (rewards - mean), torch.zeros_like(rewards))
+    return torch.where(valid, (scale * (rewards.to(torch.float64) - mean)).to(rewards.dtype), torch.zeros_like(rewards))
 
 
 def compute_reinforce_pp_advantages(
@@ -65,10 +75,12 @@ def compute_reinforce_pp_advantages(
     r = rewards[valid]
     if r.numel() < 2:
         return torch.zeros_like(rewards)
-    mean, std = r.mean(), r.std()
-    if float(std) == 0.0:
+    if float(r.max()) == float(r.min()):  # (not std == 0: float rounding leaves ~1e-7, see _group_stats)
         return torch.zeros_like(rewards)
-    return torch.where(valid, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
+    r64 = r.to(torch.float64)
+    mean, std = r64.mean(), r64.std()
+    return torch.where(valid, ((rewards.to(torch.float64) - mean) / (std + eps)).to(rewards.dtype),
+                       torch.zeros_like(rewards))
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float) -> torch.Tensor:

@@ -695,7 +695,7 @@ class Pipeline:
                     if filtered < self._filter_budget:
                         filtered += 1
                         self.counters.filtered += len(group)
-                        msg = "filtered: all rewards in the group are equal (no learning signal)"
+                        msg = "filtered: all rewards in the group are equal (DAPO dynamic sampling, before over-long shaping)"
                         self._log_samples([(s, None, "filtered", msg) for s in group])
                         self._discard(group)
                         continue
