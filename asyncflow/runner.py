@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.config import Config, dump_yaml, episodic
+from asyncflow.engines.http_client import HTTPError
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
 
 RUN_MARKERS = ("config.yaml", "metrics.jsonl")
@@ -210,6 +211,8 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
             raise  # one line, no hint
         except WaitTimeout as exc:  # a bounded wait ran out: one line with the key that bounds it
             raise RunFailed(f"{exc}; {_resume_hint(out)}") from exc
+        except HTTPError as exc:  # an inference server refused or failed a call (rollout.engine: openai)
+            raise RunFailed(f"inference server error: {exc}; {_resume_hint(out)}") from exc
         except RunFailed as exc:  # a worker the run needs died: say where it can go on from
             raise type(exc)(f"{exc}; {_resume_hint(out)}") from exc
         except Exception:

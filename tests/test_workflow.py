@@ -80,6 +80,23 @@ def test_max_new_tokens_past_the_model_s_positions_is_refused_before_the_run(ari
     assert not out.exists()
 
 
+def test_an_inference_server_error_ends_the_run_with_one_line_not_a_traceback(arith_dir: Path, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """rollout.engine=openai: a server that refuses a call (here the first evaluation's) is an outside
+    failure: RunFailed (one line at the CLI, exit 1) saying where the run can go on from."""
+    from asyncflow.engines.http_client import HTTPError
+    from asyncflow.errors import RunFailed
+    from asyncflow.evaluation import Evaluator
+
+    async def refused(self: Any, step: int) -> Any:
+        raise HTTPError(400, "POST http://127.0.0.1:1/v1/completions: HTTP 400: prompt too long")
+
+    monkeypatch.setattr(Evaluator, "run", refused)
+    with pytest.raises(RunFailed, match=r"^inference server error: POST http://127\.0\.0\.1:1/v1/completions: HTTP 400: "
+                                        r"prompt too long; no checkpoint was written"):
+        _run(arith_dir, tmp_path / "run", [])
+
+
 def test_existing_run_folder_is_refused(arith_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()
