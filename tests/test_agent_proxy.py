@@ -60,14 +60,14 @@ def _tiny(tiny_model: Any) -> tuple[Any, InferenceEngine]:
 
 
 def _episode(engine: InferenceEngine, tok: Any, agent: Callable[[str, dict[str, Any], int], Awaitable[Any]],
-             timeout_s: float = 30.0) -> dict[str, Any]:
+             timeout_s: float = 30.0, floor: Callable[[], float] | None = None) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         proxy = AgentProxy()
         await proxy.start()
         try:
             result = await run_agent_episode(agent=agent, proxy=proxy, engine=engine, clock=RealClock(), tok=tok,
                                              uid=7, row={"prompt": "1+2=", "answer": "3"}, seed=0, settings=SETTINGS,
-                                             timeout_s=timeout_s)
+                                             timeout_s=timeout_s, floor=floor)
         finally:
             await proxy.close()
             await engine.close()
@@ -162,6 +162,31 @@ def test_a_rewritten_history_keeps_the_longest_consistent_prefix_of_calls() -> N
     assert list(f["behavior_logprobs"]) == [-0.25, -0.5, 0.0, -0.25, -0.5]
     assert list(f["token_versions"]) == [1, 1, 1, 2, 2] and f["behavior_version"] == 1
     assert f["finish_reason"] == "stop"
+
+
+def test_an_agent_episode_under_the_staleness_floor_is_refused_its_next_call_and_cancelled() -> None:
+    """The trainer's floor passes the episode's first call (version 1) after it: its next call gets
+    409 and the episode ends `cancelled` (its group is dropped), instead of playing on to be dropped
+    as stale anyway."""
+    floor = {"v": 0.0}
+    seen: list[str] = []
+
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
+        c1 = await _post(base_url, "/completions", {"prompt": [5, 6]})
+        floor["v"] = 2.0  # weights published meanwhile: version 1 is now too old
+        try:
+            await _post(base_url, "/completions", {"prompt": [5, 6, *c1["token_ids"], 20]})
+        except HTTPError as exc:
+            seen.append(str(exc))
+            raise
+        return 1.0
+
+    f = _episode(_Scripted([[10, 11], [12]]), _FakeTok(), agent, floor=lambda: floor["v"])
+    assert f["finish_reason"] == "cancelled" and f["agent_calls"] == 1
+    assert seen and "HTTP 409" in seen[0] and "older than workflow.max_staleness allows" in seen[0]
+    floor["v"] = 1.0  # at the floor, not under it: the episode plays on
+    f = _episode(_Scripted([[10, 11], [12]]), _FakeTok(), agent, floor=lambda: floor["v"] - 1.0)
+    assert f["finish_reason"] == "stop" and f["agent_calls"] == 2 and f["reward"] == 1.0
 
 
 def test_hung_failing_or_silent_agents_end_their_episode_with_reward_error() -> None:

@@ -90,11 +90,12 @@ async def run_agent_episode(
     seed: int,
     settings: RecorderSettings,
     timeout_s: float,
+    floor: Callable[[], float] | None = None,
 ) -> EpisodeResult:
     """Run one agent episode to its end; its fields as `run_episode` returns them, plus `prompt_ids`
     (the first call's prompt) and `agent_calls`/`agent_calls_dropped`. A generation failure
     propagates (it is the run's, not the agent's)."""
-    rec = EpisodeRecorder(engine, tok, uid, settings, clock)
+    rec = EpisodeRecorder(engine, tok, uid, settings, clock, floor)
     base_url = proxy.register(rec)
     reward: float | None = None
     error: str | None = None
@@ -118,7 +119,7 @@ async def run_agent_episode(
         prompt, traj, kept = stitch(calls)
         fields = {**traj.fields(), "prompt_ids": prompt}
     used = calls[:kept]
-    finish = "cancelled" if any(c.finish_reason == "cancelled" for c in calls) else \
+    finish = "cancelled" if rec.stale or any(c.finish_reason == "cancelled" for c in calls) else \
         (used[-1].finish_reason if used else "length")
     fields.update(finish_reason=finish, turns=kept, agent_calls=len(calls), agent_calls_dropped=len(calls) - kept,
                   reward=None if error else reward, reward_error=error)

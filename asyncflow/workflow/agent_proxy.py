@@ -36,6 +36,7 @@ import json
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,9 +87,14 @@ class _Last:
 class EpisodeRecorder:
     """Answers one episode's OpenAI calls from the engine and records each call's exact tokens."""
 
-    def __init__(self, engine: InferenceEngine, tok: Any, uid: int, settings: RecorderSettings, clock: Clock) -> None:
-        """`tok`: the workflow's `Tokenizer` (`.hf`, `.encode`, `.decode`, `.eos_token_id`)."""
+    def __init__(self, engine: InferenceEngine, tok: Any, uid: int, settings: RecorderSettings, clock: Clock,
+                 floor: Callable[[], float] | None = None) -> None:
+        """`tok`: the workflow's `Tokenizer` (`.hf`, `.encode`, `.decode`, `.eos_token_id`). `floor()`:
+        the oldest policy version a sample may still be trained with; a call made once the episode's
+        first generated token is older is refused (409) and the episode is `stale`."""
         self.engine, self.tok, self.uid, self.settings, self.clock = engine, tok, uid, settings, clock
+        self.floor = floor
+        self.stale = False
         self.calls: list[Call] = []
         self.failure: BaseException | None = None  # a generation failure: the run's, not the agent's
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -194,6 +200,12 @@ class EpisodeRecorder:
         if self._started >= s.max_calls:
             raise RequestError(f"this episode has made its rollout.max_turns={s.max_calls} model calls",
                                status=429, kind="max_turns_reached")
+        if self.floor is not None and self.calls and self.calls[0].versions and self.calls[0].versions[0] < self.floor():
+            # (versions never go back: the first call's first token is the episode's oldest)
+            self.stale = True
+            raise RequestError("this episode's first model call is older than workflow.max_staleness allows: the "
+                               "episode is cancelled (its sample will not be trained)", status=409,
+                               kind="episode_cancelled")
         if not prompt_ids:
             raise RequestError("prompt: empty after tokenization", param="prompt")
         self._started += 1

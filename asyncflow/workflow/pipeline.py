@@ -462,6 +462,7 @@ class Pipeline:
                     agent=self.agent, proxy=proxy, engine=engine, clock=self.clock, tok=self.tok, uid=sample.uid,
                     row=self.rows[sample.fields["row"]], seed=self.cfg.seed * 1_000_003 + sample.uid,
                     settings=recorder_settings(self.cfg, ro.temperature), timeout_s=ro.agent_timeout_s,
+                    floor=self._floor,
                 )
                 self.tracer.span(track, f"agent episode {sample.uid}", start, self.clock.now())
             else:
@@ -474,7 +475,9 @@ class Pipeline:
                                              ro.top_p, ro.top_k),
                     on_env_step=None if self.tracer.off else on_env_step, barrier=barrier, floor=self._floor,
                 )
-            self._count_episode(result.fields["reward_error"], "rollout.agent" if proxy is not None else "rollout.env")
+            cancelled = result.fields["finish_reason"] == "cancelled"  # (not a failure of the env or agent)
+            self._count_episode(None if cancelled else result.fields["reward_error"],
+                                "rollout.agent" if proxy is not None else "rollout.env")
             version: int | None = result.fields["behavior_version"]
             if version is not None and version < 0 and result.fields["finish_reason"] != "cancelled":
                 # no generated token (an environment or agent failed first): the sample has no
