@@ -257,8 +257,9 @@ class AlgorithmConfig:
     filter_groups: bool = _f(
         False,
         "Dynamic sampling (DAPO): drop groups whose rewards (before over-long shaping) are all equal (zero "
-        "advantage, no learning signal, unless the shaping separates them) and admit replacements. Logged as status `filtered`; metrics compare their response "
-        "lengths with the trained ones, since the filter biases what is trained.",
+        "advantage, no learning signal, unless the shaping separates them) and admit replacements. Logged "
+        "as status `filtered`; metrics compare their response lengths with the trained ones, since the "
+        "filter biases what is trained.",
     )
     filter_max_groups_per_step: int = _f(
         0,

@@ -1098,10 +1098,10 @@ class TransferQueue:
                 self._release(rec)
 
     def _next_expiry(self) -> float | None:
-        fifo, heap, leases = self._expiry_fifo, self._expiries, self._leases
-        while fifo and (fifo[0][1] not in leases or leases[fifo[0][1]].deadline != fifo[0][0]):
+        fifo, heap = self._expiry_fifo, self._expiries
+        while fifo and not self._current(fifo[0]):
             fifo.popleft()  # (ended, or renewed: its later entry stands)
-        while heap and (heap[0][1] not in leases or leases[heap[0][1]].deadline != heap[0][0]):
+        while heap and not self._current(heap[0]):
             heapq.heappop(heap)
         nexts = [q[0][0] for q in (fifo, heap) if q]
         return min(nexts) if nexts else None

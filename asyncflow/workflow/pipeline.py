@@ -32,7 +32,7 @@ import functools
 import gc
 import math
 import random
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -479,7 +479,7 @@ class Pipeline:
             self._count_episode(None if cancelled else result.fields["reward_error"],
                                 "rollout.agent" if proxy is not None else "rollout.env")
             version: int | None = result.fields["behavior_version"]
-            if version is not None and version < 0 and result.fields["finish_reason"] != "cancelled":
+            if version is not None and version < 0 and not cancelled:
                 # no generated token (an environment or agent failed first): the sample has no
                 # version, rather than one older than any floor that would drop its whole group as
                 # stale; its reward_error keeps it out of the loss and its siblings train
@@ -559,11 +559,8 @@ class Pipeline:
         groups = _by_group(lease.samples)
         # a group with a cancelled sample is never trained: do not spend a reward call on it
         live = [g for g in groups if "cancelled" not in [s.fields.get("finish_reason") for s in g]]
-        self.keeper.hold(lease)
-        try:
+        with self.keeper.holding(lease):
             scored = dict(zip((g[0].group_id for g in live), await self._score_groups(live), strict=True))
-        finally:
-            self.keeper.drop(lease)
         writes = {}
         for group in groups:
             outcome = scored.get(group[0].group_id, _CANCELLED_OUTCOME)
@@ -631,14 +628,11 @@ class Pipeline:
                 return
             samples = lease.samples
             start = self.clock.now()
-            self.keeper.hold(lease)
-            try:
+            with self.keeper.holding(lease):
                 rows = await self.clock.wait_for(
                     asyncio.to_thread(self._ref_rows, samples), self.cfg.workflow.step_timeout_s,
                     f"reference log-probs of {len(samples)} samples",
                 )
-            finally:
-                self.keeper.drop(lease)
             self.tracer.span("reference", f"ref log-probs x{len(samples)}", start, self.clock.now())
             self.store.complete(lease, {s.uid: {"ref_logprobs": r} for s, r in zip(samples, rows, strict=True)})
 
@@ -1020,6 +1014,15 @@ class LeaseKeeper:
 
     def drop(self, lease: Lease) -> None:
         self.held.pop(lease.id, None)
+
+    @contextlib.contextmanager
+    def holding(self, lease: Lease) -> Iterator[None]:
+        """`hold(lease)` for the block, `drop(lease)` after it, however it ends."""
+        self.hold(lease)
+        try:
+            yield
+        finally:
+            self.drop(lease)
 
     def watch(self, source: Callable[[], Iterable[Lease]]) -> None:
         """Also renew what `source()` lists at each tick, until `unwatch(source)`."""
