@@ -189,6 +189,22 @@ def test_an_agent_episode_under_the_staleness_floor_is_refused_its_next_call_and
     assert f["finish_reason"] == "stop" and f["agent_calls"] == 2 and f["reward"] == 1.0
 
 
+def test_the_staleness_floor_reads_the_first_call_that_generated_tokens() -> None:
+    """A first call that generated nothing has no version: the check reads the next one (version 2
+    here), which it used to skip, so such an episode was never cut."""
+    floor = {"v": 0.0}
+
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
+        await _post(base_url, "/completions", {"prompt": [5, 6]})  # generates nothing
+        await _post(base_url, "/completions", {"prompt": [5, 6, 7]})  # tokens of version 2
+        floor["v"] = 3.0
+        await _post(base_url, "/completions", {"prompt": [5, 6, 7, 10, 11]})
+        return 1.0
+
+    f = _episode(_Scripted([[], [10, 11], [12]]), _FakeTok(), agent, floor=lambda: floor["v"])
+    assert f["finish_reason"] == "cancelled" and f["agent_calls"] == 2
+
+
 def test_hung_failing_or_silent_agents_end_their_episode_with_reward_error() -> None:
     async def hangs(base_url: str, row: dict[str, Any], seed: int) -> float:
         await _post(base_url, "/completions", {"prompt": [5]})

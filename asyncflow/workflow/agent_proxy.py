@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import secrets
 import time
 import uuid
@@ -91,7 +92,8 @@ class EpisodeRecorder:
                  floor: Callable[[], float] | None = None) -> None:
         """`tok`: the workflow's `Tokenizer` (`.hf`, `.encode`, `.decode`, `.eos_token_id`). `floor()`:
         the oldest policy version a sample may still be trained with; a call made once the episode's
-        first generated token is older is refused (409) and the episode is `stale`."""
+        oldest generated token is older is refused (409) and the episode is `stale` (calls that generated
+        nothing do not count)."""
         self.engine, self.tok, self.uid, self.settings, self.clock = engine, tok, uid, settings, clock
         self.floor = floor
         self.stale = False
@@ -101,6 +103,7 @@ class EpisodeRecorder:
         self._last: _Last | None = None
         self._started = 0
         self._generated: set[int] = set()
+        self._oldest: float = math.inf  # the oldest policy version among the tokens generated so far
 
     async def completions(self, req: dict[str, Any]) -> dict[str, Any]:
         prompt = req.get("prompt")
@@ -200,8 +203,8 @@ class EpisodeRecorder:
         if self._started >= s.max_calls:
             raise RequestError(f"this episode has made its rollout.max_turns={s.max_calls} model calls",
                                status=429, kind="max_turns_reached")
-        if self.floor is not None and self.calls and self.calls[0].versions and self.calls[0].versions[0] < self.floor():
-            # (versions never go back: the first call's first token is the episode's oldest)
+        if self.floor is not None and self._oldest < self.floor():
+            # (`_oldest`: the first token of every call that generated any; within a call versions never go back)
             self.stale = True
             raise RequestError("this episode's first model call is older than workflow.max_staleness allows: the "
                                "episode is cancelled (its sample will not be trained)", status=409,
@@ -223,6 +226,8 @@ class EpisodeRecorder:
         call = Call(list(prompt_ids), list(res.response_ids), list(res.behavior_logprobs), list(res.token_versions),
                     res.finish_reason)
         self.calls.append(call)
+        if call.versions:
+            self._oldest = min(self._oldest, call.versions[0])
         self._generated.update(call.response_ids)
         return call
 
