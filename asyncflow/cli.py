@@ -116,16 +116,16 @@ def _dispatch(args: argparse.Namespace) -> int:
     from asyncflow.config import load_config
 
     if args.command == "demo":
-        cfg, _ = load_config(None, args.set)
+        cfg, explicit = load_config(None, args.set)
         from asyncflow.runner import train
 
-        train(cfg, args.out or _default_out("demo"))
+        train(cfg, args.out or _default_out("demo"), explicit=explicit)
         return 0
     if args.command == "train":
-        cfg, _ = load_config(args.config, args.set)
+        cfg, explicit = load_config(args.config, args.set)
         from asyncflow.runner import train
 
-        train(cfg, args.out or _default_out("train"))
+        train(cfg, args.out or _default_out("train"), explicit=explicit)
         return 0
     if args.command == "prepare":
         import importlib

@@ -69,7 +69,7 @@ class RewardConfig:
         64,
         "Most groups scored at once by an async def reward function (awaited on the event loop, e.g. a remote judge), "
         "per reward worker (runtime.kind=ray: per reward actor): each batch of ready groups is scored in its own task. "
-        "A plain function runs one batch at a time in a worker thread.",
+        "A plain function runs one batch at a time in a worker thread (setting this key for one is refused).",
         lo=1,
     )
 

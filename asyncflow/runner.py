@@ -12,7 +12,7 @@ import json
 import os
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,10 +159,13 @@ def torch_threads(cfg: Config) -> int:
     return cores if cfg.workflow.mode == "sync" else max(1, cores // 2)
 
 
-def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> dict[str, Any]:
-    """Run training as configured; returns a summary (final eval accuracy, samples/s, ...)."""
+def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
+          explicit: Collection[str] = ()) -> dict[str, Any]:
+    """Run training as configured; returns a summary (final eval accuracy, samples/s, ...).
+    `explicit`: the dotted keys the user set (`load_config`'s second value), for the checks that
+    need the loaded reward function."""
     resume = check_out_dir(out, cfg)
-    from asyncflow.rewards import load_reward_fn
+    from asyncflow.rewards import is_async_reward_fn, load_reward_fn
     from asyncflow.telemetry.progress import Progress
 
     show = cfg.logging.progress if progress_enabled is None else progress_enabled
@@ -173,6 +176,9 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None) -> di
         inputs = resolve_inputs(cfg, progress.message)
         # multi-turn episodes are scored by their environment: no reward function is loaded
         reward_fn = None if episodic(cfg) else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
+        if reward_fn is not None and "reward.concurrency" in explicit and not is_async_reward_fn(reward_fn):
+            raise UserError(f"reward.concurrency: applies to an async def reward function; {inputs.reward_fn_path} "
+                            "is a plain function, called one batch at a time in a worker thread (remove the key)")
         if cfg.rollout.agent is not None:  # an agent that cannot be imported is bad input, before the run starts
             from asyncflow.workflow.agent import load_agent
 

@@ -132,6 +132,9 @@ LIGHT_CASES: list[tuple[list[str], str]] = [
     (["train", "no_prompt.yaml"], "no_prompt.jsonl, line 3 has no column 'prompt' (dataset.prompt_key)"),
     (["train", "reward_broken.yaml"], "reward.fn: cannot import module 'rewards_broken': ModuleNotFoundError"),
     (["train", "reward_missing_fn.yaml"], "reward.fn: module 'rewards_ok' has no function 'nope'"),
+    # a setting that would do nothing: a plain function is called one batch at a time
+    (["train", "tokenizer.yaml", "--set", "reward.concurrency=8"],
+     "reward.concurrency: applies to an async def reward function; rewards_ok:score is a plain function"),
     (["train", "empty_prompt.yaml"], "empty_prompt.jsonl, line 1: column 'prompt' is empty"),
     (["train", "bad_message.yaml"], "bad_message.jsonl, line 1: column 'prompt' message 0 needs a text 'role' and 'content'"),
     (["train", "latin1_data.yaml"], "latin1.jsonl:2: not UTF-8 text"),
