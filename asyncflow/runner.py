@@ -184,11 +184,9 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
 
             load_agent(cfg.rollout.agent)
         hf_tok = load_tokenizer(inputs.model_dir, log=progress.message)
-        # transformers' own bars ("Loading weights", "Writing model shards") are noise beside the run's
-        # progress line, and turn a late one-line error into three lines (process-wide setting)
-        from transformers.utils import logging as hf_logging
+        from asyncflow.engines.base import quiet_transformers
 
-        hf_logging.disable_progress_bar()
+        quiet_transformers()
         from asyncflow.data import check_chat_prompts, check_prompts_fit, model_positions
 
         check_chat_prompts(inputs.first_chat, hf_tok)

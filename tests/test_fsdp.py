@@ -96,7 +96,8 @@ def test_a_dead_worker_is_an_error_naming_its_rank_not_a_hang(tiny_model) -> Non
 
 
 @pytest.mark.slow
-def test_short_training_run_with_the_fsdp_engine(arith_dir: Path, tmp_path: Path) -> None:
+def test_short_training_run_with_the_fsdp_engine(arith_dir: Path, tmp_path: Path,
+                                                 capfd: pytest.CaptureFixture[str]) -> None:
     from asyncflow.config import load_config
     from asyncflow.runner import train
 
@@ -108,6 +109,8 @@ def test_short_training_run_with_the_fsdp_engine(arith_dir: Path, tmp_path: Path
     out = tmp_path / "run"
     summary = train(cfg, out, progress_enabled=False)
     assert summary["samples"] == 2 * 16
+    # the ranks are spawned processes: transformers' progress bars are turned off in each of them too
+    assert "Loading weights" not in capfd.readouterr().err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in steps] == [1, 2]

@@ -19,6 +19,16 @@ import torch
 WeightUpdateMode = Literal["drain", "swap", "abort"]
 
 
+def quiet_transformers() -> None:
+    """Turn off transformers' own progress bars ("Loading weights", "Writing model shards") in this
+    process: noise beside the run's progress line, and a late one-line error became three lines. Each
+    process that loads a model calls it (the driver, FSDP ranks, Ray actors: the setting is per
+    process, and spawned ranks and Ray workers do not inherit it)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 @dataclass
 class GenRequest:
     """One generation request: one sample (prompt replication makes n of these per prompt)."""

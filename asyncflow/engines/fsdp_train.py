@@ -45,7 +45,7 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers shared-memory pickling of tensors for the pipes)
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from asyncflow.engines.base import LossFn, Norm, TrainBatch, TrainEngine
+from asyncflow.engines.base import LossFn, Norm, TrainBatch, TrainEngine, quiet_transformers
 from asyncflow.engines.torch_train import combine_metrics, token_logprobs
 from asyncflow.errors import WaitTimeout
 
@@ -247,6 +247,7 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
     """A rank's command loop: ("method", args) in, ("ok", result) or ("error", traceback) out."""
     try:
+        quiet_transformers()
         worker = _Rank(rank, spec)
         conn.send(("ok", None))
     except Exception:
