@@ -8,6 +8,8 @@ are tokenized once, here; nothing downstream ever re-tokenizes decoded text.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,17 @@ class Rows(list):  # type: ignore[type-arg]
     lines: list[int]
 
 
-def where(rows: list[dict[str, Any]], path: str | Path, i: int) -> str:
+def subset(rows: Sequence[dict[str, Any]], indices: Sequence[int]) -> list[dict[str, Any]]:
+    """Rows `indices` of `rows`, keeping their line numbers (for messages) when they have them."""
+    lines = getattr(rows, "lines", None)
+    if lines is None:
+        return [rows[i] for i in indices]
+    out = Rows(rows[i] for i in indices)
+    out.lines = [lines[i] for i in indices]
+    return out
+
+
+def where(rows: Sequence[Any], path: str | Path, i: int) -> str:
     """Where row `i` of `rows` (read from `path`) is, for a message: "FILE, line N" for JSON lines,
     else "FILE, row I" (counted from 0, as `datasets` and pandas index rows)."""
     lines = getattr(rows, "lines", None)
@@ -35,9 +47,9 @@ def read_rows(path: str | Path, *, key: str = "dataset.path") -> list[dict[str, 
         raise UserError(f"{key}: {p} does not exist")
     if p.is_dir():
         rows = _read_datasets_dir(p, key)
-    elif p.suffix in (".jsonl", ".json"):
+    elif p.suffix.lower() in (".jsonl", ".json"):
         rows = _read_jsonl(p)
-    elif p.suffix == ".parquet":
+    elif p.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
         try:
@@ -57,15 +69,15 @@ def _read_jsonl(p: Path) -> Rows:
     with p.open("rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a byte-order mark is no data)
             except UnicodeDecodeError as exc:
                 raise UserError(f"{p}:{lineno}: not UTF-8 text (byte {exc.start} of the line: {exc.reason})") from None
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # (so an error's column is on this line, not past its end)
             except json.JSONDecodeError as exc:
-                raise UserError(f"{p}:{lineno}: malformed JSON ({exc.msg})") from None
+                raise UserError(f"{p}:{lineno}: malformed JSON ({exc.msg}, column {exc.colno})") from None
             if not isinstance(row, dict):
                 raise UserError(f"{p}:{lineno}: expected a JSON object per line")
             rows.append(row)
@@ -141,31 +153,44 @@ def model_positions(model_dir: str | Path) -> int | None:
     return None
 
 
-def check_prompts_fit(prompts: list[Any], tokenizer: Any, max_new_tokens: int, positions: int | None) -> None:
-    """Every prompt plus `rollout.max_new_tokens` must fit the model's positions: past them a model
-    with learned position embeddings fails mid-run (an index error) and a rotary one degrades
-    without a word. One line naming the longest prompt and how many do not fit. (Multi-turn
-    episodes: this checks the dataset prompt only, not the environment's observations that extend
-    it turn by turn.)"""
-    if positions is None:
-        return
-    if max_new_tokens >= positions:
+def check_prompts_fit(sources: Sequence[tuple[Sequence[Any], str | Path]], prompt_key: str, tokenizer: Any,
+                      max_new_tokens: int, positions: int | None) -> None:
+    """Every prompt must tokenize to at least one token (a tokenizer that knows none of its
+    characters gives none, and generation cannot start from nothing: it failed mid-run with a
+    tensor-shape traceback), and with `rollout.max_new_tokens` it must fit the model's positions:
+    past them a model with learned position embeddings fails mid-run (an index error) and a rotary
+    one degrades without a word. `sources`: (rows, file) pairs; each refusal is one line naming the
+    file and line. (Multi-turn episodes: this checks the dataset prompt only, not the environment's
+    observations that extend it turn by turn.)"""
+    if positions is not None and max_new_tokens >= positions:
         raise UserError(f"rollout.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
                         f"{positions} positions (model.path's config.json)")
-    texts = [p for p in prompts if isinstance(p, str)]
-    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]] if texts else []
-    chats = [p for p in prompts if not isinstance(p, str)]
-    lengths += [len(tokenize_prompt(tokenizer, c)) for c in chats]
-    room = positions - max_new_tokens
-    over = sum(n > room for n in lengths)
+    room = math.inf if positions is None else positions - max_new_tokens
+    over, longest = 0, (0, "", "")
+    for rows, path in sources:
+        prompts = [r[prompt_key] for r in rows]
+        text_at = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        lengths = dict(zip(text_at, (len(ids) for ids in tokenizer([prompts[i] for i in text_at])["input_ids"]),
+                           strict=True)) if text_at else {}
+        lengths.update((i, len(tokenize_prompt(tokenizer, p))) for i, p in enumerate(prompts) if not isinstance(p, str))
+        for i, n in sorted(lengths.items()):
+            if n == 0:
+                raise UserError(f"{where(rows, path, i)}: column {prompt_key!r} ({_shown(prompts[i])!r}) has no "
+                                "tokens with model.path's tokenizer (it knows none of its characters)")
+            if n > room:
+                over += 1
+                if n > longest[0]:
+                    longest = (n, where(rows, path, i), _shown(prompts[i]))
     if over:
-        longest, prompt = max(zip(lengths, [*texts, *chats], strict=True), key=lambda t: t[0])
-        shown = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise UserError(
             f"rollout.max_new_tokens: {over} prompt(s) leave less room than {max_new_tokens} new tokens in the "
-            f"model's {positions} positions; the longest has {longest} tokens ({shown!r}); lower "
-            "rollout.max_new_tokens or drop the long prompts")
+            f"model's {positions} positions; the longest has {longest[0]} tokens ({longest[1]}: {longest[2]!r}); "
+            "lower rollout.max_new_tokens or drop the long prompts")
+
+
+def _shown(prompt: Any) -> str:
+    shown = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:

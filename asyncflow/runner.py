@@ -64,6 +64,8 @@ class Inputs:
     eval_rows: list[dict[str, Any]]
     reward_fn_path: str
     first_chat: str | None = None  # where the first conversational prompt is (None: all are text)
+    train_path: str = ""  # the files the rows came from (for messages naming a row)
+    eval_path: str = ""
 
 
 def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
@@ -72,7 +74,7 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
     Given paths are checked without torch (a bad model folder or dataset costs milliseconds); only
     preparing a task pack's own model imports it.
     """
-    from asyncflow.data import check_columns, read_rows
+    from asyncflow.data import check_columns, read_rows, subset
     from asyncflow.model_folder import check_model_dir
 
     task = None
@@ -97,21 +99,33 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
         eval_path = cfg.eval.path if cfg.eval.path is not None else str(model_dir / "eval.jsonl")
         eval_rows = read_rows(eval_path, key="eval.path")
         chats.append(check_columns(eval_rows, eval_path, cfg.dataset.prompt_key, cfg.dataset.label_key))
-    else:  # a held-out slice of the dataset, at most 10% of it
+    else:  # a held-out slice of the dataset, at most 10% of it (plus the rest of its last prompt's copies)
+        eval_path = data_path
         rng = random.Random(cfg.seed + 1)
-        idx = list(range(len(rows)))
-        rng.shuffle(idx)
+        copies: dict[str, list[int]] = {}  # rows by prompt: a prompt's copies are held out together, so an
+        for i, r in enumerate(rows):     # eval prompt is never also trained on (that inflated eval accuracy)
+            p = r[cfg.dataset.prompt_key]
+            copies.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True), []).append(i)
+        groups = list(copies.values())
+        rng.shuffle(groups)
         n_eval = min(cfg.eval.size, len(rows) // 10)
-        held = set(idx[:n_eval])
-        eval_rows = [rows[i] for i in sorted(held)]
-        rows = [r for i, r in enumerate(rows) if i not in held]
+        held: set[int] = set()
+        for g in groups:
+            if len(held) >= n_eval:
+                break
+            held.update(g)
+        if len(held) >= len(rows):  # one prompt repeated throughout: nothing left to train on
+            held = set()
+        eval_rows = subset(rows, sorted(held))
+        rows = subset(rows, [i for i in range(len(rows)) if i not in held])
         if not eval_rows:  # under 10 rows: nothing to hold out; evaluate on the training prompts, and say so
-            eval_rows = list(rows)
-            log(f"[asyncflow] note: {data_path} has {len(rows)} rows, too few to hold out an eval set; evaluating "
-                "on the training prompts (give eval.path for a held-out set)")
+            eval_rows = rows
+            log(f"[asyncflow] note: {data_path} has {len(rows)} rows of {len(groups)} distinct prompt(s), too few to "
+                "hold out an eval set; evaluating on the training prompts (give eval.path for a held-out set)")
     reward_path = cfg.reward.fn or (task.reward_fn_path if task is not None else "")
     first_chat = next((c for c in chats if c is not None), None)
-    return Inputs(model_dir, rows, eval_rows[: cfg.eval.size], reward_path, first_chat)
+    eval_rows = subset(eval_rows, range(min(len(eval_rows), cfg.eval.size)))
+    return Inputs(model_dir, rows, eval_rows, reward_path, first_chat, data_path, eval_path)
 
 
 def load_tokenizer(model_dir: Path, log: Callable[[str], None] | None = None, key: str = "model.path") -> Any:
@@ -191,9 +205,9 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
 
         check_chat_prompts(inputs.first_chat, hf_tok)
         if cfg.rollout.agent is None:  # (an agent writes its own prompts)
-            key = cfg.dataset.prompt_key
-            check_prompts_fit([r[key] for r in (*inputs.train_rows, *inputs.eval_rows)], hf_tok,
-                              cfg.rollout.max_new_tokens, model_positions(inputs.model_dir))
+            check_prompts_fit([(inputs.train_rows, inputs.train_path), (inputs.eval_rows, inputs.eval_path)],
+                              cfg.dataset.prompt_key, hf_tok, cfg.rollout.max_new_tokens,
+                              model_positions(inputs.model_dir))
         env_factory = None
         if cfg.rollout.env is not None:  # an environment plugin that cannot be imported is bad input too
             from asyncflow.envs import make_env_factory

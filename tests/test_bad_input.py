@@ -378,4 +378,24 @@ def test_a_dataset_too_small_to_hold_out_evaluates_on_its_training_prompts(tmp_p
     notes: list[str] = []
     inputs = resolve_inputs(cfg, notes.append)
     assert len(inputs.train_rows) == 5 and inputs.eval_rows == inputs.train_rows
-    assert len(notes) == 1 and "has 5 rows, too few to hold out an eval set" in notes[0]
+    assert len(notes) == 1 and "has 5 rows of 5 distinct prompt(s), too few to hold out an eval set" in notes[0]
+
+
+def test_the_held_out_eval_slice_takes_every_copy_of_its_prompts(tmp_path: Path) -> None:
+    """A dataset with repeated prompts (30 prompts twice) held out rows by index: 6 of the eval
+    prompts were also trained on, which inflated eval accuracy. Now a prompt's copies stay together,
+    and the rows keep their line numbers (messages name them)."""
+    from asyncflow.config import load_config
+    from asyncflow.runner import resolve_inputs
+
+    make_model_dir(tmp_path / "model")
+    rows = "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(30))
+    (tmp_path / "dups.jsonl").write_text(rows + rows)
+    cfg, _ = load_config(None, ["task=null", f"model.path={tmp_path / 'model'}",
+                                f"dataset.path={tmp_path / 'dups.jsonl'}", "reward.fn=x:y"])
+    inputs = resolve_inputs(cfg, print)
+    train = {r["prompt"] for r in inputs.train_rows}
+    held = [r["prompt"] for r in inputs.eval_rows]
+    assert len(held) == 6 and len(set(held)) == 3 and not train & set(held)
+    assert len(inputs.train_rows) == 54 and len(train) == 27
+    assert all(60 >= n > 0 for n in inputs.train_rows.lines) and len(inputs.eval_rows.lines) == 6  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from asyncflow.data import check_columns, check_prompts_fit, model_positions, read_rows, tokenize_prompt
+from asyncflow.data import Rows, check_columns, check_prompts_fit, model_positions, read_rows, tokenize_prompt
 from asyncflow.errors import UserError
 
 
@@ -32,8 +32,11 @@ def test_bad_datasets_name_the_file_and_row(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="empty.jsonl: the dataset is empty"):
         read_rows(tmp_path / "empty.jsonl")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{"prompt": \n')
-    with pytest.raises(UserError, match=r"bad.jsonl:2: malformed JSON"):
+    with pytest.raises(UserError, match=r"bad.jsonl:2: malformed JSON \(Expecting value, column 12\)"):
         read_rows(tmp_path / "bad.jsonl")
+    # a byte-order mark (Windows editors write one) and an upper-case suffix are still JSON lines
+    (tmp_path / "bom.JSONL").write_bytes('{"prompt": "x"}\n{"prompt": "y"}\n'.encode("utf-8-sig"))
+    assert read_rows(tmp_path / "bom.JSONL") == [{"prompt": "x"}, {"prompt": "y"}]
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(UserError, match="must be .jsonl, .parquet"):
         read_rows(tmp_path / "d.csv")
@@ -75,11 +78,27 @@ def test_prompts_that_do_not_fit_the_model_with_max_new_tokens_are_refused_in_on
     assert model_positions(tmp_path) == 32
     tok = make_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
-    prompts: list[Any] = ["1+2=", "12+345=", [{"role": "user", "content": "1234+5678+9"}]]  # 4, 7, 12 tokens
-    check_prompts_fit(prompts, tok, 20, 32)  # 12 + 20 fits 32
-    check_prompts_fit(prompts, tok, 10_000, None)  # the model does not say: nothing to check
+    rows = Rows({"q": p} for p in ["1+2=", "12+345=", [{"role": "user", "content": "1234+5678+9"}]])  # 4, 7, 12 tokens
+    rows.lines = [1, 3, 4]
+    sources: list[Any] = [(rows[:1], "eval.jsonl"), (rows, "train.jsonl")]
+    check_prompts_fit(sources, "q", tok, 20, 32)  # 12 + 20 fits 32
+    check_prompts_fit(sources, "q", tok, 10_000, None)  # the model does not say: no length to check
     with pytest.raises(UserError, match=r"^rollout\.max_new_tokens: 2 prompt\(s\) leave less room than 26 new tokens in "
-                                        r"the model's 32 positions; the longest has 12 tokens \('\[\{\"role\": \"user\", "):
-        check_prompts_fit(prompts, tok, 26, 32)
+                                        r"the model's 32 positions; the longest has 12 tokens \(train.jsonl, line 4: "
+                                        r"'\[\{\"role\": \"user\", "):
+        check_prompts_fit(sources, "q", tok, 26, 32)
     with pytest.raises(UserError, match=r"^rollout\.max_new_tokens: 32 leaves no room for a prompt in the model's 32 "):
-        check_prompts_fit(prompts, tok, 32, 32)
+        check_prompts_fit(sources, "q", tok, 32, 32)
+
+
+def test_a_prompt_with_no_tokens_for_the_tokenizer_is_refused_naming_its_line() -> None:
+    """The arith tokenizer knows no letters: "XYZ" became no tokens at all, passed every check, and
+    the run died mid-way with a tensor-shape traceback."""
+    from asyncflow.tasks.arith import make_tokenizer
+
+    rows = Rows([{"prompt": "1+2="}, {"prompt": "XYZ"}])
+    rows.lines = [1, 3]
+    for positions in (None, 64):
+        with pytest.raises(UserError, match=r"^data.jsonl, line 3: column 'prompt' \('XYZ'\) has no tokens with "
+                                            r"model.path's tokenizer"):
+            check_prompts_fit([(rows, "data.jsonl")], "prompt", make_tokenizer(), 8, positions)
