@@ -70,13 +70,17 @@ class Evaluator:
         else:
             rewards, error = await self._completions()
         threshold = self.cfg.eval.success_threshold
+        n = max(len(rewards), 1)
         row = {
             "kind": "eval",
             "step": step,
             "policy_version": version,
-            "eval_reward": sum(rewards) / max(len(rewards), 1),
-            "eval_accuracy": sum(r >= threshold for r in rewards) / max(len(rewards), 1),
+            # a prompt whose generation or scoring failed counts reward 0 and is never solved (with
+            # eval.success_threshold <= 0 a failure's 0 used to count as solved)
+            "eval_reward": sum(r or 0.0 for r in rewards) / n,
+            "eval_accuracy": sum(r is not None and r >= threshold for r in rewards) / n,
             "eval_size": len(rewards),
+            "eval_errors": sum(r is None for r in rewards),
             "eval_error": error,
             "eval_seconds": self.tracer.now() - start,
         }
@@ -85,9 +89,9 @@ class Evaluator:
         self.history.append(row)
         return row
 
-    async def _completions(self) -> tuple[list[float], str | None]:
+    async def _completions(self) -> tuple[list[float | None], str | None]:
         """Greedy completions, each prompt scored as a group of its own (the reward function's contract:
-        one call per group), so one bad value or one slow call costs that prompt (it counts 0; the first
+        one call per group), so one bad value or one slow call costs that prompt (None: failed; the first
         error is reported), not the whole evaluation."""
         requests = [
             GenRequest(-(i + 1), ids, self.cfg.rollout.max_new_tokens, temperature=0.0) for i, ids in enumerate(self.prompt_ids)
@@ -109,7 +113,7 @@ class Evaluator:
                 f"greedy generation of the {len(requests)} eval prompts (rollout.request_timeout_s per round of "
                 "the engine's batch)")
         except WaitTimeout as exc:  # a stuck engine fails the evaluation, not the run (the run has its own bounds)
-            return [0.0] * len(self.rows), str(exc)
+            return [None] * len(self.rows), str(exc)
         key = self.cfg.dataset.prompt_key
         calls = []
         for row, result in zip(self.rows, results, strict=True):
@@ -137,12 +141,12 @@ class Evaluator:
                 outcomes += await self._plain_calls.score(
                     chunk, self.clock.wait_for, timeout,
                     f"the reward function on eval prompts {at}-{at + len(chunk) - 1} (reward.timeout_s per prompt)")
-        rewards = [o.rewards[0] if o.rewards else 0.0 for o in outcomes]
+        rewards = [o.rewards[0] if o.rewards else None for o in outcomes]
         errors = [f"eval prompt {i}: {o.error}" for i, o in enumerate(outcomes) if o.error is not None]
         return rewards, (errors[0] if errors else None)
 
-    async def _episodes(self) -> tuple[list[float], str | None]:
-        """Greedy episodes; an episode that failed counts 0 and the first error is reported."""
+    async def _episodes(self) -> tuple[list[float | None], str | None]:
+        """Greedy episodes; an episode that failed is None and the first error is reported."""
         from asyncflow.workflow.episode import EpisodeSettings, run_episode
 
         ro = self.cfg.rollout
@@ -154,10 +158,10 @@ class Evaluator:
             for i, (ids, row) in enumerate(zip(self.prompt_ids, self.rows, strict=True))
         ))
         errors = [r.fields["reward_error"] for r in results if r.fields["reward_error"] is not None]
-        return [r.fields["reward"] or 0.0 for r in results], (errors[0] if errors else None)
+        return [r.fields["reward"] for r in results], (errors[0] if errors else None)
 
-    async def _agent_episodes(self) -> tuple[list[float], str | None]:
-        """Greedy agent episodes through a recording endpoint of their own; failed episodes count 0."""
+    async def _agent_episodes(self) -> tuple[list[float | None], str | None]:
+        """Greedy agent episodes through a recording endpoint of their own; failed episodes are None."""
         from asyncflow.runtime.clock import RealClock
         from asyncflow.workflow.agent import load_agent, run_agent_episode
         from asyncflow.workflow.agent_proxy import AgentProxy
@@ -178,4 +182,4 @@ class Evaluator:
         finally:
             await proxy.close()
         errors = [r.fields["reward_error"] for r in results if r.fields["reward_error"] is not None]
-        return [r.fields["reward"] or 0.0 for r in results], (errors[0] if errors else None)
+        return [r.fields["reward"] for r in results], (errors[0] if errors else None)

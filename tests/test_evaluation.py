@@ -75,6 +75,21 @@ def test_each_eval_prompt_is_a_group_of_its_own_and_a_bad_value_costs_only_that_
     assert _Counting.most == 2  # never more requests in flight than the engine's capacity
 
 
+def test_a_failed_eval_prompt_is_never_solved_and_the_row_counts_the_failures(tmp_path: Path) -> None:
+    """A failure counts reward 0; with eval.success_threshold <= 0 (rewards of -1 / +1, say) that 0
+    used to count as solved, so an evaluation whose every reward call failed reported accuracy 1.0."""
+
+    def reward(prompts: list[Any], completions: list[str], **columns: Any) -> list[float]:
+        if columns["level"] == [1]:
+            raise ValueError("judge down")
+        return [-1.0]
+
+    row = _evaluate(tmp_path, reward, ["eval.success_threshold=0.0"])
+    assert row["eval_accuracy"] == 0.0 and row["eval_errors"] == 3 and row["eval_size"] == 6
+    assert row["eval_reward"] == -3 / 6  # (a failure counts 0 in the mean reward, as before)
+    assert row["eval_error"].startswith("eval prompt 1: reward function raised ValueError")
+
+
 def test_an_async_reward_that_hangs_on_one_eval_prompt_fails_only_that_prompt(tmp_path: Path) -> None:
     async def judge(prompts: list[Any], completions: list[str], answer: list[str]) -> list[float]:
         if answer == ["4"]:
