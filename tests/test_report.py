@@ -63,3 +63,24 @@ def test_bad_run_folders_are_one_line_errors(tmp_path: Path, capsys: pytest.Capt
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     with pytest.raises(UserError, match="no train rows"):
         write_report([tmp_path / "empty"])
+
+
+def test_a_run_cut_short_mid_line_is_reported_up_to_its_last_whole_row(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that crashed (or is still writing) can end in half a line; `report` refused the whole
+    run ("line 6 is not JSON"). The torn row is left out with a note; a bad line before the end is
+    still an error, and so is a torn line followed by more lines."""
+    run_dir = _run(tmp_path / "crashed", rate=4.0)
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        (run_dir / name).write_bytes((run_dir / name).read_bytes()[:-9])
+    monkeypatch.chdir(run_dir)
+    assert main(["report", "."]) == 0
+    err = capsys.readouterr().err
+    assert "metrics.jsonl: line 6 is cut short" in err and "samples.jsonl: line 7 is cut short" in err
+    text = (run_dir / "summary.md").read_text()
+    assert "| crashed | 4 | 40 |" in text  # "." is labelled with the folder's name, not ""
+    assert "0.200 -> 0.200" in text  # the last eval row was the torn one
+    with (run_dir / "metrics.jsonl").open("a") as fh:
+        fh.write('\n{"kind": "eval"}\n')
+    with pytest.raises(UserError, match="metrics.jsonl: line 6 is not JSON"):
+        load_run(run_dir)

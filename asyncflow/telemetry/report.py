@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ class RunData:
     train: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     staleness: Counter[int] = field(default_factory=Counter)
+    notes: list[str] = field(default_factory=list)  # what was left out while reading (a cut-short last line)
     status: Counter[str] = field(default_factory=Counter)
     spans: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # track -> (start, end) s
 
@@ -49,20 +51,35 @@ def _read_text(path: Path) -> str:
         raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
 
 
-def _numbered_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, row) for every non-blank line; a line that is not a JSON object is a `UserError`."""
-    rows = []
-    for i, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise UserError(f"{path}: line {i} is not JSON") from None
-        if not isinstance(row, dict):
-            raise UserError(f"{path}: line {i} is not a JSON object")
-        rows.append((i, row))
-    return rows
+def _numbered_rows(path: Path, notes: list[str] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, row) for every non-blank line, read line by line (a long run's samples.jsonl
+    is hundreds of MB); a line that is not a JSON object is a `UserError`. A last line that is cut
+    short (no line end, not JSON: a run that crashed or is still writing) is skipped, with a note in
+    `notes` when given."""
+    try:
+        fh = path.open("rb")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    with fh:
+        for i, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{path}: line {i} is not UTF-8 text (byte {exc.start})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if not raw.endswith(b"\n") and fh.read(1) == b"":
+                    if notes is not None:
+                        notes.append(f"{path}: line {i} is cut short (a run that crashed or is still writing); "
+                                     "left out")
+                    return
+                raise UserError(f"{path}: line {i} is not JSON") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}: line {i} is not a JSON object")
+            yield i, row
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -102,7 +119,7 @@ def _add_metrics(run: RunData, path: Path) -> None:
     and `time_s` (its place on every axis); `reward_mean` may be missing (drawn as a gap) and
     `samples_per_s` is derived when missing. An eval row without `eval_accuracy` has nothing to draw
     and is left out. Other kinds of rows are not read."""
-    for i, r in _numbered_rows(path):
+    for i, r in _numbered_rows(path, run.notes):
         where = f"{path}: line {i}"
         if r.get("kind") == "train":
             step, samples, time_s = (_number(r, k, where) for k in ("step", "samples", "time_s"))
@@ -120,7 +137,7 @@ def _add_metrics(run: RunData, path: Path) -> None:
 
 def _add_samples(run: RunData, path: Path) -> None:
     """Status counts and the staleness (trained minus behaviour version) of trained samples."""
-    for i, s in _numbered_rows(path):
+    for i, s in _numbered_rows(path, run.notes):
         run.status[str(s.get("status"))] += 1
         if s.get("status") == "trained" and s.get("trained_version") is not None:
             where = f"{path}: line {i}"
@@ -346,14 +363,18 @@ def plot_report(runs: list[RunData], out_png: str | Path) -> None:
     plt.close(fig)
 
 
-def write_report(run_dirs: list[str | Path]) -> tuple[Path, Path]:
-    """Write `report.png` and `summary.md` into the first run folder; returns their paths."""
+def write_report(run_dirs: list[str | Path], log: Callable[[str], None] | None = None) -> tuple[Path, Path]:
+    """Write `report.png` and `summary.md` into the first run folder; returns their paths. `log`
+    gets a note for each thing left out while reading (a run's cut-short last line)."""
     if not run_dirs:
         raise UserError("report: give at least one run folder")
-    labels = [Path(d).name for d in run_dirs]
+    labels = [Path(d).name or Path(d).resolve().name for d in run_dirs]  # ("." has no name of its own)
     if len(set(labels)) < len(labels):  # same folder names in different places: use the full paths
         labels = [str(d) for d in run_dirs]
     runs = [load_run(d, label) for d, label in zip(run_dirs, labels, strict=True)]
+    for note in (n for r in runs for n in r.notes):
+        if log is not None:
+            log(f"[asyncflow] note: {note}")
     for r in runs:
         if not r.train:
             raise UserError(f"{r.path}: metrics.jsonl has no train rows yet")
