@@ -9,7 +9,7 @@ episode and its reward the episode's.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from asyncflow.config import Config
@@ -64,17 +64,20 @@ class Evaluator:
         start = self.tracer.now()
         version = self.engine.version
         if self.cfg.rollout.agent is not None:
-            rewards, error = await self._agent_episodes()
+            rewards, error, newest = await self._agent_episodes()
         elif self.env_factory is not None:
-            rewards, error = await self._episodes()
+            rewards, error, newest = await self._episodes()
         else:
-            rewards, error = await self._completions()
+            rewards, error, newest = await self._completions()
         threshold = self.cfg.eval.success_threshold
         n = max(len(rewards), 1)
         row = {
             "kind": "eval",
             "step": step,
             "policy_version": version,
+            # the newest weights any eval token came from: with rollout.weight_update swap or abort the
+            # evaluation runs beside training, and a publication during it moves its later tokens on
+            "policy_version_max": version if newest is None else max(version, newest),
             # a prompt whose generation or scoring failed counts reward 0 and is never solved (with
             # eval.success_threshold <= 0 a failure's 0 used to count as solved)
             "eval_reward": sum(r or 0.0 for r in rewards) / n,
@@ -89,7 +92,7 @@ class Evaluator:
         self.history.append(row)
         return row
 
-    async def _completions(self) -> tuple[list[float | None], str | None]:
+    async def _completions(self) -> tuple[list[float | None], str | None, int | None]:
         """Greedy completions, each prompt scored as a group of its own (the reward function's contract:
         one call per group), so one bad value or one slow call costs that prompt (None: failed; the first
         error is reported), not the whole evaluation."""
@@ -113,7 +116,7 @@ class Evaluator:
                 f"greedy generation of the {len(requests)} eval prompts (rollout.request_timeout_s per round of "
                 "the engine's batch)")
         except WaitTimeout as exc:  # a stuck engine fails the evaluation, not the run (the run has its own bounds)
-            return [None] * len(self.rows), str(exc)
+            return [None] * len(self.rows), str(exc), None
         key = self.cfg.dataset.prompt_key
         calls = []
         for row, result in zip(self.rows, results, strict=True):
@@ -143,9 +146,9 @@ class Evaluator:
                     f"the reward function on eval prompts {at}-{at + len(chunk) - 1} (reward.timeout_s per prompt)")
         rewards = [o.rewards[0] if o.rewards else None for o in outcomes]
         errors = [f"eval prompt {i}: {o.error}" for i, o in enumerate(outcomes) if o.error is not None]
-        return rewards, (errors[0] if errors else None)
+        return rewards, (errors[0] if errors else None), _newest(r.token_versions for r in results)
 
-    async def _episodes(self) -> tuple[list[float | None], str | None]:
+    async def _episodes(self) -> tuple[list[float | None], str | None, int | None]:
         """Greedy episodes; an episode that failed is None and the first error is reported."""
         from asyncflow.workflow.episode import EpisodeSettings, run_episode
 
@@ -158,9 +161,10 @@ class Evaluator:
             for i, (ids, row) in enumerate(zip(self.prompt_ids, self.rows, strict=True))
         ))
         errors = [r.fields["reward_error"] for r in results if r.fields["reward_error"] is not None]
-        return [r.fields["reward"] for r in results], (errors[0] if errors else None)
+        return ([r.fields["reward"] for r in results], (errors[0] if errors else None),
+                _newest(r.fields["token_versions"] for r in results))
 
-    async def _agent_episodes(self) -> tuple[list[float | None], str | None]:
+    async def _agent_episodes(self) -> tuple[list[float | None], str | None, int | None]:
         """Greedy agent episodes through a recording endpoint of their own; failed episodes are None."""
         from asyncflow.runtime.clock import RealClock
         from asyncflow.workflow.agent import load_agent, run_agent_episode
@@ -182,4 +186,11 @@ class Evaluator:
         finally:
             await proxy.close()
         errors = [r.fields["reward_error"] for r in results if r.fields["reward_error"] is not None]
-        return [r.fields["reward"] for r in results], (errors[0] if errors else None)
+        return ([r.fields["reward"] for r in results], (errors[0] if errors else None),
+                _newest(r.fields["token_versions"] for r in results))
+
+
+def _newest(versions: Iterable[Sequence[int]]) -> int | None:
+    """The newest policy version among sequences of per-token versions (each never goes back, so its
+    last token is its newest); None when no token was generated."""
+    return max((int(v[-1]) for v in versions if len(v)), default=None)

@@ -178,3 +178,33 @@ def test_the_progress_line_shows_an_evaluation_as_soon_as_it_is_done(arith_dir: 
     assert shown[1] == shown[2] == 0.0
     assert shown[3] == 0.4242  # (before: step 4's evaluation had to come due first)
     assert "[asyncflow] eval before training: accuracy=0.000 (eval_error: eval prompt 0: no answer)" in messages
+
+
+def test_an_eval_row_names_the_newest_weights_its_tokens_came_from(tmp_path: Path) -> None:
+    """With `swap` weight updates an evaluation runs beside training: a publication during it moves
+    its later tokens to the new version. The row's `policy_version` is the version at its start; it
+    now also gives `policy_version_max`, so a curve is not read as one version's score when it is not."""
+    from asyncflow.config import load_config
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.runtime.virtual_loop import run_virtual
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+
+    async def main(clock: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        cfg, _ = load_config(None, ["rollout.max_new_tokens=64"])
+        engine = SimEngine(clock, lengths=lambda rng: 50, capacity=2, seed=0, step_s=0.01)
+        log = RunLog(tmp_path)
+        try:
+            rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(4)]
+            evaluator = Evaluator(cfg, rows, _Tok(), lambda prompts, completions, **kw: [1.0], engine, log,
+                                  Tracer(now=clock.now), clock=clock)
+            quiet = await evaluator.run(step=0)
+            task = asyncio.get_running_loop().create_task(evaluator.run(step=1))
+            await clock.sleep(0.2)  # the first round of 2 prompts is mid-way
+            await engine.load_weights(None, 1, "swap")
+            return quiet, await task
+        finally:
+            log.close()
+
+    quiet, moved = run_virtual(main)
+    assert quiet["policy_version"] == quiet["policy_version_max"] == 0
+    assert moved["policy_version"] == 0 and moved["policy_version_max"] == 1
