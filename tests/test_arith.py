@@ -136,3 +136,27 @@ def test_trailing_dot_share_is_honoured_and_does_not_change_the_data_order(monke
     assert 0.4 < share < 0.6
     # labels score exactly the answer (with or without the dot) and the EOS
     assert int((labels[0] != -100).sum()) in (3, 4)
+
+
+def test_a_task_folder_written_through_a_symbolic_link_keeps_the_link(tmp_path: Path) -> None:
+    """`prepare --out LINK` (a link to a folder) failed after the whole warm start: rmtree refuses a
+    link. The folder it points to is built now, and the link stays."""
+    from asyncflow.tasks.tiny import write_task_folder
+
+    class _Saves:  # stands in for the model and tokenizer: each writes one file
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def save_pretrained(self, path: Path, **kw: object) -> None:
+            (Path(path) / self.name).write_text("x")
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "old.txt").write_text("replaced")
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    row = {"prompt": "1+1=", "answer": "2"}
+    write_task_folder(link, _Saves("model.bin"), _Saves("tok.json"), [row], [row], {"task": "t"})
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert sorted(p.name for p in real.iterdir()) == ["asyncflow_task.json", "eval.jsonl", "model.bin",
+                                                      "tok.json", "train.jsonl"]

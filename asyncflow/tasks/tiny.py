@@ -172,7 +172,10 @@ def write_task_folder(
 ) -> Path:
     """Save the HF model folder plus `train.jsonl`, `eval.jsonl` and `asyncflow_task.json` to `out`,
     atomically: built in a sibling temp dir and renamed into place (an existing `out` is replaced),
-    so a half-written folder is never mistaken for a finished one."""
+    so a half-written folder is never mistaken for a finished one. An `out` that is a symbolic link
+    keeps it: the folder it points to is the one built (rmtree refuses a link)."""
+    if out.is_symlink():
+        out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
