@@ -84,3 +84,11 @@ def test_a_run_cut_short_mid_line_is_reported_up_to_its_last_whole_row(
         fh.write('\n{"kind": "eval"}\n')
     with pytest.raises(UserError, match="metrics.jsonl: line 6 is not JSON"):
         load_run(run_dir)
+
+
+def test_without_samples_jsonl_the_staleness_comes_from_the_train_rows(tmp_path: Path) -> None:
+    """It showed "0.00 / 0" (no trained samples read) although metrics.jsonl has it."""
+    run_dir = _run(tmp_path / "nosamples", rate=4.0)
+    (run_dir / "samples.jsonl").unlink()
+    _, md = write_report([run_dir])
+    assert "| nosamples | 4 | 40 | 10.0 | 4.00 | 0.200 -> 0.600 | 0.400 | 0.50 / n/a | 0 / 0 / 0 |" in md.read_text()

@@ -227,10 +227,28 @@ def _figures(run: RunData) -> dict[str, Any]:
         "eval_first": run.evals[0]["eval_accuracy"] if run.evals else None,
         "eval_last": run.evals[-1]["eval_accuracy"] if run.evals else None,
         "reward_last": last["reward_mean"] if last and not math.isnan(last["reward_mean"]) else None,
-        "staleness_mean": sum(k * n for k, n in run.staleness.items()) / trained if trained else 0.0,
-        "staleness_max": max(run.staleness, default=0),
+        # from samples.jsonl; without it, from the train rows (per-step means weighted by step size)
+        "staleness_mean": sum(k * n for k, n in run.staleness.items()) / trained if trained else _step_mean(run),
+        "staleness_max": max(run.staleness) if trained else _step_max(run),
         "status": dict(run.status),
     }
+
+
+def _step_mean(run: RunData) -> float | None:
+    """Staleness mean over the train rows' `staleness_mean`, each weighted by its step's samples."""
+    total = weight = 0.0
+    before = 0.0
+    for r in run.train:
+        n = r["samples"] - before
+        before = r["samples"]
+        if isinstance(r.get("staleness_mean"), (int, float)) and math.isfinite(r["staleness_mean"]) and n > 0:
+            total, weight = total + r["staleness_mean"] * n, weight + n
+    return total / weight if weight else None
+
+
+def _step_max(run: RunData) -> int | None:
+    values = [r["staleness_max"] for r in run.train if isinstance(r.get("staleness_max"), (int, float))]
+    return int(max(values)) if values else None
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
@@ -242,7 +260,7 @@ def summary_markdown(runs: list[RunData]) -> str:
     lines = ["# asyncflow report", ""]
     figs = [_figures(r) for r in runs]
     lines += [
-        "| run | steps | trained samples | wall s | samples/s | eval accuracy (first -> last) | last reward | "
+        "| run | steps | trained samples | s at last step | samples/s | eval accuracy (first -> last) | last reward | "
         "staleness mean / max | dropped / filtered / errors |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -251,7 +269,7 @@ def summary_markdown(runs: list[RunData]) -> str:
         lines.append(
             f"| {r.label} | {f['steps']} | {f['samples']} | {f['time_s']:.1f} | {f['samples_per_s']:.2f} | "
             f"{_fmt(f['eval_first'])} -> {_fmt(f['eval_last'])} | {_fmt(f['reward_last'])} | "
-            f"{f['staleness_mean']:.2f} / {f['staleness_max']} | "
+            f"{_fmt(f['staleness_mean'], '.2f')} / {_fmt(f['staleness_max'], 'd')} | "
             f"{st.get('dropped_stale', 0) + st.get('cancelled', 0)} / {st.get('filtered', 0)} / {st.get('reward_error', 0)} |"
         )
     if len(runs) > 1 and figs[0]["samples_per_s"]:
