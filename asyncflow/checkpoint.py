@@ -6,7 +6,7 @@ checkpoints/step_N/
   optimizer.pt     # the trainer's optimizer state
   store.pt         # the TransferQueue's live samples (fields, versions, priorities, consumed marks)
   rng.pt           # torch and Python RNG states of the driver
-  state.json       # step, policy version, data position, counters, eval history, log offsets (written last)
+  state.json       # step, policy version, data position, counters, eval history, log offsets, rows' fingerprint (last)
 ```
 
 A checkpoint is taken at a step boundary: the step's samples are acked and its weights published,
@@ -49,8 +49,10 @@ LOGS = ("metrics.jsonl", "samples.jsonl")
 
 # Settings a resumed run must share with the run it continues: they decide which prompt every group
 # id stands for and what the saved samples are (prompt ids, group size, kind of episode).
+# `train.engine`: torch and fsdp write different optimizer.pt layouts. `rollout.affinity`: decides the
+# rollout stages the saved samples are routed to (and `rollout.workers` with it on; see below).
 MUST_MATCH = ("seed", "task", "model.path", "model.cache_dir", "dataset.", "rollout.n", "train.batch_size",
-              "rollout.env", "rollout.agent", "rollout.max_turns")
+              "rollout.env", "rollout.agent", "rollout.max_turns", "train.engine", "rollout.affinity")
 
 
 @dataclass
@@ -104,15 +106,35 @@ def write_checkpoint(out: Path, step: int, *, save_policy: Any, state: dict[str,
     save_policy(str(tmp))
     torch.save(store_state, tmp / "store.pt")
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
+    for f in tmp.iterdir():  # on disk before state.json marks the folder complete (a power loss must
+        _fsync(f)            # not leave a "complete" checkpoint of empty files)
     body = json.dumps({"format": STATE_FORMAT, **state}, indent=1)
     (tmp / "state.json.tmp").write_text(body)
+    _fsync(tmp / "state.json.tmp")
     os.replace(tmp / "state.json.tmp", tmp / "state.json")
+    _fsync(tmp)
     if final.exists():  # a step redone after a resume: the new one replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync(final.parent)
     for _, old in complete_checkpoints(out)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') data to the disk; best effort where a file system
+    cannot (some network file systems refuse a directory fsync)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def find_resume(out: Path, cfg: Any) -> Resume:
@@ -132,16 +154,76 @@ def find_resume(out: Path, cfg: Any) -> Resume:
         raise UserError(f"checkpoint.resume: {path / 'state.json'} is not a JSON object")
     if state.get("format") != STATE_FORMAT:
         raise UserError(f"checkpoint.resume: {path} has state format {state.get('format')!r}, expected {STATE_FORMAT}")
-    missing = [k for k in ("step", "version", "logs", "eval_history", "counters", "elapsed_s", "next_group_id")
-               if k not in state]
-    if missing:
-        raise UserError(f"checkpoint.resume: {path / 'state.json'} lacks {', '.join(missing)} (a damaged checkpoint)")
+    _check_checkpoint(path, state)
     if step >= cfg.train.max_steps:
         raise UserError(
             f"checkpoint.resume: the newest checkpoint ({path}) is at step {step}, and train.max_steps is "
             f"{cfg.train.max_steps}: nothing left to train; raise train.max_steps to continue"
         )
     return Resume(path, int(state["step"]), int(state["version"]), state, _changed_settings(out, cfg))
+
+
+_STATE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "step": int, "version": int, "logs": dict, "eval_history": list, "counters": dict,
+    "elapsed_s": (int, float), "next_group_id": int}
+
+
+def _check_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Everything a resume reads from the checkpoint is there and readable, checked before anything
+    is written (the logs are cut only once the run is built): a damaged file ended the resume in a
+    traceback, after the logs were cut when it was `store.pt`. One line naming the file."""
+    import zipfile
+
+    from asyncflow.model_folder import check_model_dir
+
+    damaged = f"(a damaged checkpoint: remove {path} to resume from the one before)"
+    missing = [k for k in _STATE_TYPES if k not in state]
+    if missing:
+        raise UserError(f"checkpoint.resume: {path / 'state.json'} lacks {', '.join(missing)} {damaged}")
+    for key, kind in _STATE_TYPES.items():
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            raise UserError(f"checkpoint.resume: {path / 'state.json'}: {key!r} is {state[key]!r} {damaged}")
+    if not all(isinstance(v, int) for v in state["logs"].values()) or not state["eval_history"] \
+            or not all(isinstance(r, dict) for r in state["eval_history"]):
+        raise UserError(f"checkpoint.resume: {path / 'state.json'}: 'logs' or 'eval_history' is malformed {damaged}")
+    try:
+        check_model_dir(path, key="checkpoint.resume")
+    except UserError as exc:
+        raise UserError(f"{exc} {damaged}") from None
+    for name in ("optimizer.pt", "store.pt", "rng.pt"):  # torch.save files: zip archives
+        f = path / name
+        try:
+            with zipfile.ZipFile(f) as z:
+                bad = z.testzip() if name == "rng.pt" else None  # (small: every byte checked)
+        except FileNotFoundError:
+            raise UserError(f"checkpoint.resume: {path} has no {name} {damaged}") from None
+        except (OSError, zipfile.BadZipFile, EOFError) as exc:
+            raise UserError(f"checkpoint.resume: {f} cannot be read ({exc}) {damaged}") from None
+        if bad is not None:
+            raise UserError(f"checkpoint.resume: {f} is corrupt (member {bad}) {damaged}")
+
+
+def rows_fingerprint(rows: list[dict[str, Any]], keys: tuple[str | None, ...]) -> str:
+    """"COUNT:HASH" of the training rows' prompt and label columns, in order: a saved sample names its
+    prompt by row index, so a resume must see the same rows (`check_rows`)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(json.dumps([r.get(k) for k in keys if k is not None], sort_keys=True, default=str).encode())
+        h.update(b"\n")
+    return f"{len(rows)}:{h.hexdigest()[:16]}"
+
+
+def check_rows(resume: Resume, fingerprint: str) -> None:
+    """Refuse a resume whose training rows differ from the run's (checkpoints from before 2026-11-24
+    did not record them: not checked)."""
+    saved = resume.state.get("train_rows")
+    if saved is not None and saved != fingerprint:
+        raise UserError(
+            f"checkpoint.resume: the training rows differ from the run's ({saved.split(':')[0]} rows then, "
+            f"{fingerprint.split(':')[0]} now, or other prompts): a changed dataset file, eval.path or eval.size "
+            "(which rows are held out for eval) would score saved samples against other prompts; keep them")
 
 
 def _leaves(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -167,8 +249,10 @@ def _changed_settings(out: Path, cfg: Any) -> list[str]:
         raise UserError(f"checkpoint.resume: cannot read {out / 'config.yaml'}: {exc}") from None
     new = _leaves(yaml.safe_load(dump_yaml(cfg)))
     changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    routed = bool(old.get("rollout.affinity")) or bool(new.get("rollout.affinity"))
     for key in changed:
-        if any(key == m or (m.endswith(".") and key.startswith(m)) for m in MUST_MATCH):
+        if any(key == m or (m.endswith(".") and key.startswith(m)) for m in MUST_MATCH) \
+                or (key == "rollout.workers" and routed):  # samples routed to a worker that no longer exists
             raise UserError(
                 f"checkpoint.resume: {key} is {new.get(key)!r} but the run in {out} used {old.get(key)!r}; "
                 f"a resumed run must keep it (it decides which prompts and samples the checkpoint holds)"

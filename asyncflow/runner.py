@@ -8,6 +8,7 @@ the pipeline with periodic greedy evaluation, and saves `final/`. Components nev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -66,6 +67,7 @@ class Inputs:
     first_chat: str | None = None  # where the first conversational prompt is (None: all are text)
     train_path: str = ""  # the files the rows came from (for messages naming a row)
     eval_path: str = ""
+    fingerprint: str = ""  # of the training rows (`checkpoint.rows_fingerprint`), saved with each checkpoint
 
 
 def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
@@ -189,6 +191,11 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         # folder is written, so a mistake never leaves a half-made "run" that a retry would refuse
         inputs = resolve_inputs(cfg, progress.message)
         # multi-turn episodes are scored by their environment: no reward function is loaded
+        from asyncflow.checkpoint import check_rows, rows_fingerprint
+
+        inputs.fingerprint = rows_fingerprint(inputs.train_rows, (cfg.dataset.prompt_key, cfg.dataset.label_key))
+        if resume is not None:
+            check_rows(resume, inputs.fingerprint)
         reward_fn = None if episodic(cfg) else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
         if reward_fn is not None and "reward.concurrency" in explicit and not is_async_reward_fn(reward_fn):
             raise UserError(f"reward.concurrency: applies to an async def reward function; {inputs.reward_fn_path} "
@@ -239,6 +246,8 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         except KeyboardInterrupt:  # (Ctrl-C: the CLI then says "interrupted", exit 130)
             print(f"[asyncflow] the run was interrupted; {_resume_hint(out)}", file=sys.stderr)
             raise
+        finally:
+            folder.close()
     finally:
         progress.close()
 
@@ -251,12 +260,14 @@ class RunFolder:
     `open()` (idempotent) cuts a resumed run's logs back to its checkpoint and writes `config.yaml`;
     a fresh run claims the folder by creating `config.yaml` exclusively, so two runs started at once
     into one folder cannot both write there. `abandon()`: a fresh run that ends with bad input before
-    its first train step removes the files it made (there is nothing in them to keep)."""
+    its first train step removes the files it made (there is nothing in them to keep). The folder is
+    locked for the run (`_lock`); `close()` releases it."""
 
     def __init__(self, out: Path, cfg: Config, resume: Any) -> None:
         self.out, self.cfg, self.resume = out, cfg, resume
         self.opened = False
         self._created_dir = False
+        self._lock_fd: int | None = None
 
     def open(self) -> Path:
         if self.opened:
@@ -265,20 +276,50 @@ class RunFolder:
         if self.resume is not None:
             from asyncflow.checkpoint import cut_logs
 
+            self._lock()
             cut_logs(out, self.resume.state["logs"])
             (out / "config.yaml").write_text(dump_yaml(self.cfg))
         else:
             self._created_dir = not out.exists()
             try:
                 out.mkdir(parents=True, exist_ok=True)
+                self._lock()
                 with (out / "config.yaml").open("x") as fh:
                     fh.write(dump_yaml(self.cfg))
             except FileExistsError:
+                self.close()
                 raise UserError(f"--out: another run started in {out} meanwhile; choose another folder") from None
             except OSError as exc:
                 raise UserError(f"--out: cannot create {out}: {exc.strerror or exc}") from None
         self.opened = True
         return out
+
+    def _lock(self) -> None:
+        """Hold `RUN_DIR/.lock` for the whole run, fresh or resumed: a second process resuming a run
+        that is still going (or two resumes at once) is refused before it cuts any log. Without it
+        both trained on, duplicating steps and samples in the logs, or one deleted the other's
+        checkpoint. The lock is the kernel's (flock): a process that dies releases it."""
+        try:
+            import fcntl
+        except ImportError:  # (not on Windows)
+            return
+        fd = os.open(self.out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            if self._created_dir:
+                with contextlib.suppress(OSError):
+                    self.out.rmdir()
+            raise UserError(f"--out: another asyncflow process is running in {self.out}; wait for it to end or "
+                            "choose another folder") from None
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        """Release the folder's lock (the run is over)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def abandon(self) -> None:
         if not self.opened or self.resume is not None:
@@ -287,7 +328,7 @@ class RunFolder:
         try:
             if metrics.is_file() and '"kind": "train"' in metrics.read_text():
                 return  # it trained: what it logged is kept
-            for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json"):
+            for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", ".lock"):
                 (self.out / name).unlink(missing_ok=True)
             if self._created_dir and not any(self.out.iterdir()):
                 self.out.rmdir()
@@ -348,12 +389,17 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
             engines = list(remote)
         else:
             engines = [make_inference_engine(cfg, policy_dir, tok, i, version) for i in range(cfg.rollout.workers)]
-    if resume is not None:
-        from asyncflow.checkpoint import restore_rng
-
-        trainer.load_optimizer(str(resume.path))
-        restore_rng(resume.path)
     try:
+        if resume is not None:
+            from asyncflow.checkpoint import restore_rng
+
+            try:
+                trainer.load_optimizer(str(resume.path))
+                restore_rng(resume.path)
+            except Exception as exc:  # (checked as archives in find_resume; a damaged member shows only now)
+                raise UserError(f"checkpoint.resume: {resume.path}: the optimizer or RNG state cannot be loaded "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) (a damaged "
+                                f"checkpoint: remove {resume.path} to resume from the one before)") from None
         return await _run(cfg, folder, progress, inputs, reward_fn, hf_tok, tok, trainer, engines, workers, resume,
                           env_factory)
     finally:
@@ -447,10 +493,18 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     from asyncflow.config import to_dict
     from asyncflow.telemetry.runlog import make_sinks
 
+    saved_store = None
+    if resume is not None:  # read before the logs are cut: a damaged store.pt leaves the run as it was
+        try:
+            saved_store = resume.store
+        except Exception as exc:
+            raise UserError(f"checkpoint.resume: {resume.path / 'store.pt'} cannot be loaded ({type(exc).__name__}: "
+                            f"{exc}) (a damaged checkpoint: remove {resume.path} to resume from the one before)") \
+                from None
     out = folder.open()  # the run is built: from here on it writes its folder
     log = RunLog(out, sinks=make_sinks(out, tensorboard=cfg.logging.tensorboard,
                                        wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
-                                       config=to_dict(cfg)))
+                                       config=to_dict(cfg), resume_step=None if resume is None else resume.step))
     clock = RealClock()
     tracer = Tracer(now=clock.now)
     evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock)
@@ -498,6 +552,8 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         }
         log.metric(row)
         if cfg.checkpoint.every > 0 and result.step % cfg.checkpoint.every == 0:
+            if pending_eval is not None:  # its row goes into this checkpoint's logs: a resume lost it
+                await pending_eval
             await save_checkpoint(result.step)
         if pending_eval is not None and pending_eval.done():  # (the progress line shows it from now on)
             last_eval, pending_eval = pending_eval.result(), None
@@ -528,7 +584,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         state = {
             "step": step, "version": pipeline.version, "next_group_id": store_state["next_group_id"],
             "counters": asdict(pipeline.counters), "elapsed_s": clock.now() - pipeline.t_start,
-            "eval_history": evaluator.history, "logs": log_offsets(out),
+            "eval_history": list(evaluator.history), "logs": log_offsets(out), "train_rows": inputs.fingerprint,
         }
 
         def save_policy(folder: str) -> None:
@@ -549,7 +605,8 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     )
     if resume is not None:
         st = resume.state
-        store_state = resume.store
+        assert saved_store is not None
+        store_state = saved_store
         live_groups = len({d["group_id"] for d in store_state["samples"]})
         pipeline.store.load_state_dict(store_state)
         pipeline.restore_trainer(resume.step, resume.version, st["counters"], st["elapsed_s"])

@@ -309,7 +309,10 @@ def test_two_runs_cannot_claim_one_folder(tmp_path: Path, monkeypatch: pytest.Mo
     assert _default_out("train") == Path("runs/train-20261123-120000-2")
     a, b = RunFolder(first, Config(), None), RunFolder(first, Config(), None)
     a.open()
-    with pytest.raises(UserError, match="another run started in .* meanwhile"):
+    with pytest.raises(UserError, match="another asyncflow process is running in"):  # (its lock comes first)
+        b.open()
+    a.close()
+    with pytest.raises(UserError, match="another run started in .* meanwhile"):  # (a finished run's config.yaml)
         b.open()
 
 

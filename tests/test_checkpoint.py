@@ -192,3 +192,82 @@ def test_a_resume_that_fails_to_build_changes_nothing_in_the_run(arith_dir: Path
     with pytest.raises(UserError, match="the actors cannot start here"):
         _train(arith_dir, out, ["train.max_steps=4", "checkpoint.resume=auto", "runtime.kind=ray"])
     assert {name: (out / name).read_bytes() for name in before} == before
+
+
+ALWAYS_FAILS = '''
+def reward_fn(prompts, completions, **kw):
+    raise ValueError("judge down")
+'''
+
+
+def test_a_damaged_or_changed_resume_is_refused_before_anything_is_written(
+        arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a review found a resume would do wrong (each refused with one line, the run left as it was,
+    or now done right):
+    - a damaged checkpoint file ended in a traceback (store.pt: after the logs were cut);
+    - a changed eval.size re-carved the held-out rows, so saved samples were scored against other
+      prompts; train.engine or rollout.affinity changes could not work;
+    - a second process could resume a run that was still going (logs duplicated);
+    - the fail-fast rule was off after a resume (restored counts), so an always-failing reward ran on;
+    - train.lr given at resume was replaced by the saved optimizer's;
+    - an evaluation still running at a checkpoint was lost to the resume."""
+    import asyncio
+    import fcntl
+    import shutil
+
+    from asyncflow.evaluation import Evaluator
+
+    slow_eval = Evaluator.run
+
+    async def eval_slowly_at_step_1(self: Any, step: int) -> Any:
+        if step == 1:
+            await asyncio.sleep(3.0)
+        return await slow_eval(self, step)
+
+    monkeypatch.setattr(Evaluator, "run", eval_slowly_at_step_1)
+    data = [f"dataset.path={arith_dir / 'train.jsonl'}"]
+    out = tmp_path / "run"
+    _train(arith_dir, out, [*data, "train.max_steps=3", "checkpoint.every=2", "eval.every=1"])
+    monkeypatch.setattr(Evaluator, "run", slow_eval)
+    state = json.loads((out / "checkpoints" / "step_2" / "state.json").read_text())
+    assert [r["step"] for r in state["eval_history"]][:2] == [0, 1]  # the slow step-1 evaluation waited for
+    before = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "samples.jsonl", "config.yaml")}
+    resume = [*data, "train.max_steps=4", "checkpoint.every=2", "eval.every=1", "checkpoint.resume=auto"]
+
+    for damage, needle in [
+        (lambda c: (c / "store.pt").write_text("garbage"), r"store.pt cannot be read"),
+        (lambda c: (c / "rng.pt").write_text("garbage"), r"rng.pt cannot be read"),
+        (lambda c: (c / "optimizer.pt").unlink(), r"has no optimizer.pt"),
+        (lambda c: (c / "model.safetensors").write_text("garbage"), r"model.safetensors is corrupt"),
+        (lambda c: (c / "state.json").write_text(json.dumps({**state, "logs": None})), r"'logs' is None"),
+    ]:
+        copy = tmp_path / "copy"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(out, copy)
+        damage(copy / "checkpoints" / "step_2")
+        with pytest.raises(UserError, match=r"^checkpoint.resume: .*" + needle + r".*remove .*step_2 to resume from "
+                                            "the one before"):
+            _train(arith_dir, copy, resume)
+        assert (copy / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]
+    for change, needle in [("eval.size=64", "the training rows differ from the run's"),
+                           ("train.engine=fsdp", "train.engine is 'fsdp'"),
+                           ("rollout.affinity=true", "rollout.affinity is True")]:
+        with pytest.raises(UserError, match=needle):
+            _train(arith_dir, out, [*resume, change])
+    fd = os.open(out / ".lock", os.O_RDWR)  # as a run still going holds it
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(UserError, match=r"^--out: another asyncflow process is running in"):
+            _train(arith_dir, out, resume)
+    finally:
+        os.close(fd)
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+    (tmp_path / "failing_reward.py").write_text(ALWAYS_FAILS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match=r"^reward.fn: the first 4 reward calls all failed"):
+        _train(arith_dir, out, [*resume, "reward.fn=failing_reward:reward_fn", "reward.fail_fast_calls=4"])
+
+    _train(arith_dir, out, [*resume, "train.lr=0.5"])
+    opt = torch.load(out / "checkpoints" / "step_4" / "optimizer.pt", weights_only=True)
+    assert {g["lr"] for g in opt["param_groups"]} == {0.5}

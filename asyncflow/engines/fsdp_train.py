@@ -46,7 +46,7 @@ import torch.multiprocessing  # noqa: F401  (registers shared-memory pickling of
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from asyncflow.engines.base import LossFn, Norm, TrainBatch, TrainEngine, quiet_transformers
-from asyncflow.engines.torch_train import combine_metrics, token_logprobs
+from asyncflow.engines.torch_train import combine_metrics, keep_hyperparameters, token_logprobs
 from asyncflow.errors import WaitTimeout
 
 POLL_S = 0.2  # how often a wait on a worker checks that every worker is still alive
@@ -233,7 +233,8 @@ class _Rank:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         state = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+        with keep_hyperparameters(self.optimizer):
+            set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -8,13 +8,25 @@ result does not depend on the micro-batch size.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine
+
+
+@contextlib.contextmanager
+def keep_hyperparameters(optimizer: torch.optim.Optimizer, keys: tuple[str, ...] = ("lr", "weight_decay")) -> Iterator[None]:
+    """Loading an optimizer state brings back the saved run's `lr` and `weight_decay` with it; keep
+    this run's (the config's: a resume that changes `train.lr` means it)."""
+    kept = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
+    yield
+    for group, values in zip(optimizer.param_groups, kept, strict=True):
+        group.update(values)
 
 
 def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,5 +156,6 @@ class TorchTrainEngine(TrainEngine):
         """Restore the optimizer state written by `save(..., with_optimizer=True)`."""
         # onto the CPU: load_state_dict moves each state tensor to its parameter's device itself, except
         # AdamW's `step` counters, which stay on the CPU (on a GPU they would cost a sync per step)
-        self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True,
-                                                  map_location="cpu"))
+        with keep_hyperparameters(self.optimizer):
+            self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True,
+                                                      map_location="cpu"))

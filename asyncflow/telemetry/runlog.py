@@ -43,10 +43,12 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
 class TensorBoardSink(MetricSink):
     """`logging.tensorboard`: scalars in `RUN_DIR/tensorboard/` (`tensorboard --logdir RUN_DIR`)."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, purge_step: int | None = None) -> None:
+        """`purge_step`: a resumed run's first redone step; the event files' points from it on are
+        dropped (as `cut_logs` cuts metrics.jsonl), so redone steps are not drawn twice."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+        self.writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge_step)
 
     def write(self, row: dict[str, Any]) -> None:
         step = int(row.get("step", 0))
@@ -74,11 +76,13 @@ class WandbSink(MetricSink):
         self.run.finish()
 
 
-def make_sinks(out: Path, *, tensorboard: bool, wandb_project: str | None, config: dict[str, Any]) -> list[MetricSink]:
-    """The sinks a run's `logging` section asks for (their packages were checked at config load)."""
+def make_sinks(out: Path, *, tensorboard: bool, wandb_project: str | None, config: dict[str, Any],
+               resume_step: int | None = None) -> list[MetricSink]:
+    """The sinks a run's `logging` section asks for (their packages were checked at config load).
+    `resume_step`: the checkpoint a resumed run goes on from."""
     sinks: list[MetricSink] = []
     if tensorboard:
-        sinks.append(TensorBoardSink(out))
+        sinks.append(TensorBoardSink(out, None if resume_step is None else resume_step + 1))
     if wandb_project is not None:
         sinks.append(WandbSink(out, wandb_project, config))
     return sinks

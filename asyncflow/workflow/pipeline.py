@@ -82,9 +82,9 @@ class Counters:
     response_count: dict[str, int] = field(default_factory=dict)
     reward_errors: int = 0
     cancelled: int = 0
-    reward_calls: int = 0
+    reward_calls: int = 0  # reward calls made by this process (a resume starts them again: fail-fast)
     reward_call_failures: int = 0
-    episodes: int = 0  # multi-turn episodes ended (environment or agent), and those that failed
+    episodes: int = 0  # multi-turn episodes ended (environment or agent), and those that failed (likewise)
     episode_failures: int = 0
     train_busy_s: float = 0.0
 
@@ -239,9 +239,13 @@ class Pipeline:
         """Resume the trainer loop after `step` (weights at `version` are loaded by the caller)."""
         self.first_step = step + 1
         self.version = version
-        self.counters = Counters(**counters)
+        # the fail-fast rule is about this process's first calls: restored counts (all past the limit)
+        # turned it off, and a resumed run whose reward function always fails ran on, logging errors
+        self.counters = Counters(**{**counters, "reward_calls": 0, "reward_call_failures": 0, "episodes": 0,
+                                    "episode_failures": 0})
         self.t_start = self.clock.now() - elapsed_s
         self._last_row_time = self.clock.now()
+        self._last_busy = (0.0, self.counters.train_busy_s)  # (engines are new: their busy time starts at 0)
 
     def _row_order(self) -> Any:
         rng = random.Random(self.cfg.seed)
