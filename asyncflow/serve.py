@@ -19,6 +19,7 @@ computes, which threads do well.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import errno
 import hmac
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # torch stays unimported until a server starts: the CLI valid
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_N = 128
 _GONE_POLL_S = 0.25  # while generating, how often a request checks that its client is still connected
+READ_TIMEOUT_S = 60.0  # longest a client may take to send one request (then its connection is closed)
 
 
 class RequestError(Exception):
@@ -98,7 +100,7 @@ class OpenAIServer:
             if method == "GET":
                 getters: dict[str, Callable[[], dict[str, Any]]] = {
                     "/v1/models": self._models, "/admin/version": self._version, "/admin/stats": self._stats,
-                    "/health": lambda: {"status": "ok"},
+                    "/health": self._health,
                 }
                 if route in getters:
                     return 200, getters[route]()
@@ -117,6 +119,14 @@ class OpenAIServer:
             traceback.print_exc(file=sys.stderr)
             return 500, {"error": {"message": f"internal error: {exc!r}", "type": "server_error", "param": None,
                                    "code": None}}
+
+    def _health(self) -> dict[str, Any]:
+        """200 while the engine can answer; 503 once it stopped after an error (a load balancer or
+        supervisor then sees it: every request would fail)."""
+        error = getattr(self.engine, "error", None)
+        if error is not None:
+            raise RequestError(f"the engine stopped after an error: {error!r}", status=503, kind="server_error")
+        return {"status": "ok"}
 
     def _check_auth(self, headers: Mapping[str, str]) -> None:
         if self.token is None:
@@ -151,6 +161,7 @@ class OpenAIServer:
         if getattr(self.tok, "chat_template", None) is None:
             raise RequestError(f"model {self.model_name!r} has no chat template (its tokenizer defines none); "
                                "use /v1/completions with a text or token-id prompt", param="messages")
+        messages = [_flatten_content(m, i) for i, m in enumerate(messages)]
         try:
             ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as exc:
@@ -158,8 +169,12 @@ class OpenAIServer:
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         prompt = [int(t) for t in ids]
+        if not prompt:
+            raise RequestError("messages: empty after the chat template", param="messages")
         if "max_completion_tokens" in req and "max_tokens" not in req:
             req = {**req, "max_tokens": req["max_completion_tokens"]}
+        if req.get("max_tokens") is None and self.max_context is not None:  # (as OpenAI and vLLM: the rest of
+            req = {**req, "max_tokens": max(1, self.max_context - len(prompt))}  # the context, not 16)
         params = _sampling(req, _UNSUPPORTED)
         results = self._run([prompt], params)
         choices = [{"index": i, "message": {"role": "assistant", "content": self._text(res.response_ids)},
@@ -220,12 +235,12 @@ class OpenAIServer:
                     try:
                         results.append((index, fut.result(timeout=max(0.0, wait))))
                         break
-                    except TimeoutError:
+                    except (TimeoutError, cf.TimeoutError):  # (distinct classes before Python 3.11)
                         if time.monotonic() >= deadline:
                             raise
                         if gone is not None and gone():
                             raise RequestError("the client disconnected", status=499, kind="client_closed") from None
-        except TimeoutError:
+        except (TimeoutError, cf.TimeoutError):
             raise RequestError(f"generation timed out after {self.request_timeout_s:g} s", status=504,
                                kind="timeout") from None
         finally:  # a request that failed or timed out (or could not submit them all): its other choices are abandoned
@@ -256,7 +271,11 @@ class OpenAIServer:
         if mode not in ("drain", "swap", "abort"):
             raise RequestError(f"mode: {mode!r} is not one of drain, swap, abort", param="mode")
         state = read_weights(Path(path), self.engine.model)
-        seconds = self.engine.request_weights(state, version, mode).result(timeout=self.request_timeout_s)
+        try:
+            seconds = self.engine.request_weights(state, version, mode).result(timeout=self.request_timeout_s)
+        except (TimeoutError, cf.TimeoutError):
+            raise RequestError(f"the weight load did not finish within {self.request_timeout_s:g} s", status=504,
+                               kind="timeout") from None
         return {"version": self.engine.version, "seconds": seconds}
 
     def _pause(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -287,7 +306,11 @@ def read_weights(folder: Path, model: Any) -> dict[str, Any]:
         raise RequestError(f"path: {folder} holds no *.safetensors files", param="path")
     loaded: dict[str, Any] = {}
     for f in files:
-        loaded.update(load_file(str(f)))
+        try:
+            loaded.update(load_file(str(f)))
+        except Exception as exc:  # (safetensors' own error class, OSError): a bad file is the caller's input
+            raise RequestError(f"path: {f} cannot be read as safetensors ({type(exc).__name__}: {exc})",
+                               param="path") from None
     own = model.state_dict()
     unknown = sorted(set(loaded) - set(own))
     if unknown:
@@ -305,6 +328,22 @@ def read_weights(folder: Path, model: Any) -> dict[str, Any]:
                                param="path")
         state[k] = loaded[src].to(v.dtype)
     return state
+
+
+def _flatten_content(message: dict[str, Any], i: int) -> dict[str, Any]:
+    """A message whose `content` is a list of parts (OpenAI's `[{"type": "text", "text": ...}]`) as one
+    text, which is what a text model's chat template renders (it printed the list's repr); a part of
+    another type (an image) is refused."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"messages[{i}].content: only text parts are supported, got {kind!r}", param="messages")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
 
 
 def _parse_body(body: bytes) -> dict[str, Any]:
@@ -339,8 +378,12 @@ def _integer(req: dict[str, Any], key: str, default: int, lo: int, hi: int) -> i
     return value
 
 
+# refused when set to anything but their neutral value (vLLM's extra sampling keys too: a client that
+# sends `ignore_eos` or `min_tokens` must not get EOS-stopped text it did not ask for)
 _UNSUPPORTED: dict[str, Any] = {"stream": False, "stop": None, "seed": None, "best_of": 1, "presence_penalty": 0,
-                                "frequency_penalty": 0, "logit_bias": None, "tools": None, "response_format": None}
+                                "frequency_penalty": 0, "logit_bias": None, "tools": None, "response_format": None,
+                                "ignore_eos": False, "min_tokens": 0, "stop_token_ids": None,
+                                "repetition_penalty": 1, "min_p": 0, "top_logprobs": 0}
 
 
 def _sampling(req: dict[str, Any], unsupported: dict[str, Any], server: str = "asyncflow serve") -> dict[str, Any]:
@@ -353,9 +396,9 @@ def _sampling(req: dict[str, Any], unsupported: dict[str, Any], server: str = "a
                 else f"is not supported by {server}"
             raise RequestError(f"{key}: {why}", param=key)
     logprobs = req.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, (bool, int)):
-        raise RequestError("logprobs: expected an integer or a boolean (token_logprobs are always returned)",
-                           param="logprobs")
+    if logprobs is not None and (not isinstance(logprobs, (bool, int)) or logprobs > 1):
+        raise RequestError("logprobs: expected 0, 1 or a boolean: each choice's token_logprobs (the sampled "
+                           "tokens') are always returned; top alternatives are not", param="logprobs")
     top_k = _integer(req, "top_k", 0, -1, 1 << 30)
     return {
         "max_tokens": _integer(req, "max_tokens", 16, 1, 1 << 20),
@@ -373,7 +416,7 @@ def _rl_fields(res: GenResult) -> dict[str, Any]:
 
 
 def _usage(prompts: list[list[int]], n: int, results: list[tuple[int, GenResult]]) -> dict[str, int]:
-    prompt_tokens = sum(len(p) for p in prompts) * n
+    prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, whatever n (as OpenAI and vLLM count)
     completion = sum(len(r.response_ids) for _, r in results)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
@@ -384,6 +427,7 @@ def _usage(prompts: list[list[int]], n: int, results: list[tuple[int, GenResult]
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: _HTTPServer
     protocol_version = "HTTP/1.1"
+    timeout = READ_TIMEOUT_S  # a client that stops sending mid-request: its thread is freed, not held forever
 
     def do_GET(self) -> None:
         self._answer("GET")
@@ -397,7 +441,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except ValueError:
             length = -1
         headers = {k.lower(): v for k, v in self.headers.items()}
-        if not 0 <= length <= MAX_BODY_BYTES:
+        if "chunked" in headers.get("transfer-encoding", "").lower():  # (its body was read as empty)
+            status, reply = 411, {"error": {"message": "send the body with a Content-Length (chunked transfer "
+                                                       "encoding is not supported)", "type": "invalid_request_error",
+                                            "param": None, "code": None}}
+        elif not 0 <= length <= MAX_BODY_BYTES:
             status, reply = 400, {"error": {"message": "bad or too large Content-Length", "type": "invalid_request_error",
                                             "param": None, "code": None}}
         else:

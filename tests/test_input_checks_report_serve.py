@@ -37,7 +37,7 @@ def _run_dir(path: Path, metrics: list[Any] | bytes, samples: list[Any] | None =
         ({"metrics": [TRAIN, [1, 2]]}, "metrics.jsonl: line 2 is not a JSON object"),
         ({"metrics": [{"kind": "train", "step": 1}]}, "metrics.jsonl: line 1: missing 'samples'"),
         ({"metrics": [{**TRAIN, "time_s": "2s"}]}, "metrics.jsonl: line 1: 'time_s' must be a number, got '2s'"),
-        ({"metrics": b"\xff\xfe{}\n"}, "metrics.jsonl: not UTF-8 text"),
+        ({"metrics": b"\xff\xfe{}\n"}, "metrics.jsonl: line 1 is not UTF-8 text"),
         ({"metrics": [TRAIN], "samples": [{"status": "trained", "behavior_version": 0, "trained_version": "v1"}]},
          "samples.jsonl: line 1: 'trained_version' must be an integer, got 'v1'"),
         ({"metrics": [TRAIN], "samples": [{"status": "trained", "trained_version": 2}]},

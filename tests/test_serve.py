@@ -98,7 +98,7 @@ def test_completions_with_text_and_token_id_prompts_match_a_full_forward_pass(se
             assert choice["token_versions"] == [0] * len(out)
             ref = full_forward_logprobs(model, ids, out, 0.7)
             assert max(abs(a - b) for a, b in zip(ref, lps, strict=True)) < 1e-4
-        assert reply["usage"]["prompt_tokens"] == 3 * len(ids)
+        assert reply["usage"]["prompt_tokens"] == len(ids)  # the prompt once, as OpenAI and vLLM count (n=3)
     # greedy: the first token is the argmax of a full forward pass
     status, reply = call(f"{server.url}/v1/completions", {"prompt": text_ids, "max_tokens": 3, "temperature": 0})
     with torch.no_grad():
@@ -241,6 +241,12 @@ def test_load_weights_changes_outputs_and_version(server: Server, serve_dir: Pat
         ({"prompt": [5, 999]}, "vocabulary"),
         ({"prompt": [5], "max_tokens": 10_000}, "context"),
         (b"{not json", "JSON"),
+        # vLLM's extra sampling keys and top alternatives: refused, not silently ignored
+        ({"prompt": [5], "ignore_eos": True}, "ignore_eos"),
+        ({"prompt": [5], "min_tokens": 2}, "min_tokens"),
+        ({"prompt": [5], "stop_token_ids": [7]}, "stop_token_ids"),
+        ({"prompt": [5], "repetition_penalty": 2.0}, "repetition_penalty"),
+        ({"prompt": [5], "logprobs": 5}, "top alternatives are not"),
     ],
 )
 def test_bad_requests_get_openai_style_400s(server: Server, body: Any, needle: str) -> None:
@@ -249,6 +255,55 @@ def test_bad_requests_get_openai_style_400s(server: Server, body: Any, needle: s
     assert needle in reply["error"]["message"] and reply["error"]["type"] == "invalid_request_error"
     assert "Traceback" not in json.dumps(reply)
     assert call(f"{server.url}/v1/nowhere")[0] == 404
+
+
+def test_requests_that_used_to_stop_the_engine_are_answered_and_it_keeps_serving(server: Server,
+                                                                                tmp_path: Path) -> None:
+    """A temperature of 1e-38 (logits / t overflowed to NaN probabilities) or a chat conversation that
+    renders to no tokens raised inside the decode thread, which stopped the engine for good: every
+    later request got 500 while /health said ok. Now the first samples greedily (below 1e-5, as vLLM)
+    and the second is a 400; /health turns 503 if the engine does stop."""
+    status, reply = call(f"{server.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "temperature": 1e-38})
+    greedy = call(f"{server.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "temperature": 0})[1]
+    assert status == 200 and reply["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+    tok = server.app.tok
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        status, reply = call(f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]})
+        assert status == 400 and "empty after the chat template" in reply["error"]["message"]
+        # content as a list of text parts (OpenAI's format) is the text it holds, not its repr
+        status, reply = call(f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "1+"}, {"type": "text", "text": "1="}]}], "temperature": 0, "n": 2})
+        assert status == 200 and reply["usage"]["prompt_tokens"] == len(tok("1+1=")["input_ids"])  # once, n=2
+        assert len(reply["choices"][0]["token_ids"]) > 16 or reply["choices"][0]["finish_reason"] == "stop"
+        status, reply = call(f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]})
+        assert status == 400 and "only text parts" in reply["error"]["message"]
+    finally:
+        tok.chat_template = None
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_text("garbage")
+    status, reply = call(f"{server.url}/admin/load_weights", {"path": str(tmp_path / "bad"), "version": 1})
+    assert status == 400 and "cannot be read as safetensors" in reply["error"]["message"]
+    with pytest.raises(ValueError, match="empty prompt"):  # (refused for its caller, not in the decode thread)
+        server.app.engine.submit(GenRequest(99, [], 2))
+    assert call(f"{server.url}/health") == (200, {"status": "ok"})
+    assert call(f"{server.url}/v1/completions", {"prompt": [5], "max_tokens": 2})[0] == 200
+    server.app.engine.error = RuntimeError("CUDA out of memory")  # as the decode thread records a failure
+    status, reply = call(f"{server.url}/health")
+    assert status == 503 and "CUDA out of memory" in reply["error"]["message"]
+    server.app.engine.error = None
+
+
+def test_a_chunked_request_body_gets_411_not_an_empty_prompt(server: Server) -> None:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.http.server_address[1], timeout=30)
+    conn.request("POST", "/v1/completions", body=iter([b'{"prompt": [5], "max_tokens": 2}']),
+                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+    resp = conn.getresponse()
+    assert resp.status == 411 and "Content-Length" in json.loads(resp.read())["error"]["message"]
+    conn.close()
 
 
 def test_a_token_is_required_off_loopback_and_checked_on_every_request(serve_dir: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,6 +154,33 @@ def test_every_http_call_has_a_deadline(fake: FakeServer) -> None:
         asyncio.run(request_json("POST", f"{fake.url}/slow", {}, timeout=0.3))
     with pytest.raises(HTTPError, match="cannot connect"):
         asyncio.run(request_json("GET", "http://127.0.0.1:1/v1/models", timeout=5))
+
+
+@pytest.mark.parametrize(("reply", "needle"), [
+    (b"", "closed the connection without a reply"),  # (a server killed mid-request)
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n{\"a\"", "connection was lost mid-reply (IncompleteReadError"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\n{}", "connection was lost mid-reply (ValueError"),
+])
+def test_a_connection_lost_mid_reply_is_an_http_error_naming_the_call(reply: bytes, needle: str) -> None:
+    """A reset, a cut-short body or a bad Content-Length escaped as ConnectionResetError,
+    IncompleteReadError or ValueError: a traceback where the run prints one line for an HTTPError."""
+
+    async def main() -> None:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(reply)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            with pytest.raises(HTTPError, match=r"^GET http://127.0.0.1:\d+/v1/models: .*" + re.escape(needle)):
+                await request_json("GET", f"http://127.0.0.1:{port}/v1/models", timeout=10)
+        finally:
+            server.close()
+
+    asyncio.run(main())
 
 
 def test_vllm_style_replies_give_token_ids_and_the_sent_version() -> None:

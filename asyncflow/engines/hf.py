@@ -36,6 +36,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
 
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's rule: logits / t overflows)
+
 
 @dataclass
 class _Row:
@@ -137,6 +139,8 @@ class HFEngine(InferenceEngine):
 
     def submit(self, request: GenRequest) -> cf.Future[GenResult]:
         """Queue a request; the future resolves when it finishes."""
+        if not request.prompt_ids:  # (refused here, for this request: in the decode thread it stopped the engine)
+            raise ValueError(f"request {request.uid}: empty prompt (nothing to condition on)")
         row = _Row(req=request, future=cf.Future())
         with self._cv:
             if self._stop:
@@ -318,7 +322,7 @@ class HFEngine(InferenceEngine):
 
     def _sample_into(self, rows: list[_Row], logits: torch.Tensor) -> None:
         temps = torch.tensor([r.req.temperature for r in rows], dtype=logits.dtype, device=logits.device)
-        greedy = temps <= 0
+        greedy = temps < SAMPLING_EPS  # (a tiny temperature overflows logits / t to inf: NaN probabilities)
         scaled = logits.float() / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)
         scaled = truncate_logits(scaled, [r.req.top_p for r in rows], [r.req.top_k for r in rows])
         logp = torch.log_softmax(scaled, dim=-1)

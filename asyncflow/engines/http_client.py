@@ -59,6 +59,10 @@ async def _request(method: str, url: str, body: Any, token: str | None) -> Any:
         await writer.drain()
         status, headers = await _read_head(reader)
         raw = await _read_body(reader, headers)
+    except HTTPError as exc:
+        raise HTTPError(exc.status, f"{method} {url}: {exc}") from None
+    except (OSError, EOFError, ValueError) as exc:  # reset, cut-short body (IncompleteReadError), bad length
+        raise HTTPError(0, f"{method} {url}: the connection was lost mid-reply ({type(exc).__name__}: {exc})") from None
     finally:
         writer.close()
         with contextlib.suppress(OSError):
@@ -74,6 +78,8 @@ async def _request(method: str, url: str, body: Any, token: str | None) -> Any:
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
     status_line = await reader.readline()
+    if not status_line:
+        raise HTTPError(0, "the server closed the connection without a reply")
     fields = status_line.decode("latin-1").split(None, 2)
     if len(fields) < 2 or not fields[0].startswith("HTTP/") or not fields[1].isdigit():
         raise HTTPError(0, f"malformed HTTP status line {status_line[:100]!r}")

@@ -44,12 +44,19 @@ from typing import Any
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
 from asyncflow.engines.http_client import read_headers
 from asyncflow.runtime.clock import Clock
-from asyncflow.serve import MAX_BODY_BYTES, RequestError, _is_ids, _parse_body, _rl_fields, _sampling, _usage
+from asyncflow.serve import _UNSUPPORTED as SERVE_UNSUPPORTED
+from asyncflow.serve import (
+    MAX_BODY_BYTES,
+    READ_TIMEOUT_S,
+    RequestError,
+    _is_ids,
+    _parse_body,
+    _rl_fields,
+    _sampling,
+    _usage,
+)
 
-_UNSUPPORTED: dict[str, Any] = {"stream": False, "stop": None, "seed": None, "best_of": 1, "presence_penalty": 0,
-                                "frequency_penalty": 0, "logit_bias": None, "tools": None, "response_format": None,
-                                "suffix": None, "echo": False}
-READ_TIMEOUT_S = 60.0  # longest a client may take to send one request
+_UNSUPPORTED: dict[str, Any] = {**SERVE_UNSUPPORTED, "suffix": None, "echo": False}
 
 
 @dataclass
@@ -337,6 +344,8 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
     if len(line) != 3 or not line[2].startswith("HTTP/"):
         raise ValueError(f"malformed request line {' '.join(line)[:100]!r}")
     headers = await read_headers(reader)
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        raise ValueError("send the body with a Content-Length (chunked transfer encoding is not supported)")
     length = int(headers.get("content-length") or 0)
     if not 0 <= length <= MAX_BODY_BYTES:
         raise ValueError("bad or too large Content-Length")
