@@ -75,7 +75,8 @@ def test_max_new_tokens_past_the_model_s_positions_is_refused_before_the_run(ari
     (one line, no run folder), not an index error in the middle of the run."""
     out = tmp_path / "run"
     with pytest.raises(UserError, match=r"^rollout\.max_new_tokens: \d+ prompt\(s\) leave less room than 30 new tokens "
-                                        r"in the model's 32 positions; the longest has \d+ tokens \('"):
+                                        r"in the model's 32 positions; the longest has \d+ tokens \(\S+train.jsonl, "
+                                        r"line \d+: '"):
         _run(arith_dir, out, ["rollout.max_new_tokens=30"])
     assert not out.exists()
 
