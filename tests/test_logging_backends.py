@@ -35,6 +35,25 @@ def test_tensorboard_sink_writes_every_train_and_eval_scalar(tmp_path: Path) -> 
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3  # the jsonl is unchanged
 
 
+def test_a_resumed_runs_tensorboard_drops_the_redone_steps(tmp_path: Path) -> None:
+    """A resume from the step-2 checkpoint redoes step 3: its first points (and anything later) are
+    purged from the event files, as metrics.jsonl is cut; they were drawn twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = RunLog(tmp_path, sinks=make_sinks(tmp_path, tensorboard=True, wandb_project=None, config={}))
+    for step in (1, 2, 3, 4):
+        log.metric({"kind": "train", "step": step, "reward_mean": 0.1 * step})
+    log.close()
+    log = RunLog(tmp_path, sinks=make_sinks(tmp_path, tensorboard=True, wandb_project=None, config={}, resume_step=2))
+    for step in (3, 4):
+        log.metric({"kind": "train", "step": step, "reward_mean": 0.5 * step})
+    log.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, round(e.value, 3)) for e in acc.Scalars("train/reward_mean")] == \
+        [(1, 0.1), (2, 0.2), (3, 1.5), (4, 2.0)]
+
+
 def test_wandb_sink_logs_through_the_wandb_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, Any]] = []
 
