@@ -112,6 +112,9 @@ class OpenAIServer:
                 }
                 if route in posts:
                     return 200, posts[route](_parse_body(body))
+            if method not in ("GET", "POST"):
+                raise RequestError(f"method {method} is not allowed (GET or POST)", status=405,
+                                   kind="invalid_request_error")
             raise RequestError(f"no route {method} {route}", status=404, kind="not_found_error")
         except RequestError as exc:
             return exc.status, {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": None}}
@@ -434,6 +437,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self._answer("POST")
+
+    def do_PUT(self) -> None:  # (other methods: an OpenAI-style JSON error, not the standard library's HTML page)
+        self._answer("PUT")
+
+    def do_DELETE(self) -> None:
+        self._answer("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._answer("PATCH")
 
     def _answer(self, method: str) -> None:
         try:

@@ -255,6 +255,7 @@ def test_bad_requests_get_openai_style_400s(server: Server, body: Any, needle: s
     assert needle in reply["error"]["message"] and reply["error"]["type"] == "invalid_request_error"
     assert "Traceback" not in json.dumps(reply)
     assert call(f"{server.url}/v1/nowhere")[0] == 404
+    assert call(f"{server.url}/v1/completions", {"prompt": [5]}, method="PUT")[0] == 405  # (was an HTML 501 page)
 
 
 def test_requests_that_used_to_stop_the_engine_are_answered_and_it_keeps_serving(server: Server,
