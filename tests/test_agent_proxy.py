@@ -339,3 +339,15 @@ class _FakeTok:
 
     def encode(self, text: str) -> list[int]:
         return []
+
+
+def test_an_agent_may_return_a_numpy_number_as_its_reward() -> None:
+    """`reward.fn` accepts NumPy scalars; the agent's reward refused them as a reward_error."""
+    import numpy as np
+
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> Any:
+        await _post(base_url, "/completions", {"prompt": [5]})
+        return {"reward": np.float32(0.5)}
+
+    f = _episode(_Scripted([[9]]), _FakeTok(), agent)
+    assert f["reward"] == 0.5 and f["reward_error"] is None

@@ -149,6 +149,40 @@ def test_episode_tokens_are_exactly_the_generated_ones_plus_masked_env_text() ->
     assert f["reward"] == 1.0 and f["reward_error"] is None and f["turns"] == 2 and f["finish_reason"] == "stop"
 
 
+class _Returns(_Echo):
+    """Steps return `value` (or reset returns it, with `on_reset`)."""
+
+    def __init__(self, value: Any, on_reset: bool = False) -> None:
+        super().__init__()
+        self.value, self.on_reset = value, on_reset
+
+    async def reset(self, row: dict[str, Any], seed: int) -> str:
+        return self.value if self.on_reset else "R"  # type: ignore[no-any-return]
+
+    async def step(self, action: str) -> EnvStep:
+        return self.value  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("value", "on_reset", "needle"), [
+    (EnvStep("O", reward=float("nan")), False, "step 1 returned reward nan, expected a finite number"),
+    (EnvStep("O", reward=float("inf")), False, "returned reward inf"),
+    (EnvStep("O", reward="abc"), False, "returned reward 'abc'"),  # type: ignore[arg-type]
+    (EnvStep("O", reward=None), False, "returned reward None"),  # type: ignore[arg-type]
+    (EnvStep("O", reward=True), False, "returned reward True"),
+    (EnvStep("O", done="False"), False, "returned done='False', expected True or False"),  # type: ignore[arg-type]
+    (EnvStep(42), False, "step 1 observation returned int, expected the observation text"),  # type: ignore[arg-type]
+    (("O", 1.0, True), False, "step 1 returned tuple, expected an EnvStep"),
+    (None, True, "reset returned NoneType, expected the observation text"),
+])
+def test_what_an_environment_returns_is_checked_and_ends_only_its_episode(value: Any, on_reset: bool,
+                                                                          needle: str) -> None:
+    """Unchecked, a NaN reward made its group's advantages NaN (or silently 0 under grpo), "False"
+    ended the episode as done, and a wrong type raised outside the episode's error handling: a
+    traceback that stopped the run. Each is now this episode's `reward_error`."""
+    f = _play(_Returns(value, on_reset), _Scripted([[65, 1], [66, 1]])).fields
+    assert f["reward"] is None and needle in f["reward_error"] and f["reward_error"].startswith("environment 'echo' ")
+
+
 def test_a_hung_environment_ends_its_episode_with_an_error() -> None:
     f = _play(_Echo(hang_on_step=1), _Scripted([[65, 1]])).fields
     assert f["reward"] is None and "hung" in f["reward_error"] and "echo" in f["reward_error"]
@@ -207,6 +241,8 @@ def test_module_factory_envs_get_the_run_settings_or_are_refused(
         "    return E(clock, **kw)\n"
         "def wrong(clock):\n"
         "    return object()\n"
+        "def no_clock():\n"
+        "    return E(None)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     from asyncflow.runtime.clock import RealClock
@@ -222,5 +258,8 @@ def test_module_factory_envs_get_the_run_settings_or_are_refused(
         make_env_factory("fac_envs:plain", latency_s=0.1)
     with pytest.raises(UserError, match="not an asyncflow.envs.Env"):
         make_env_factory("fac_envs:wrong")(clock)
+    # (a factory that fails on every episode: one line naming it, where it was a traceback mid-run)
+    with pytest.raises(UserError, match=r"^rollout.env: 'fac_envs:no_clock' failed to make an environment: TypeError"):
+        make_env_factory("fac_envs:no_clock")(clock)
     with pytest.raises(UserError, match="cannot import"):
         make_env_factory("fac_envs:missing")

@@ -48,7 +48,11 @@ def make_env_factory(spec: str, *, latency_s: float = 0.0, max_turns: int = 4) -
     kwargs = {k: v for k, v in (("max_turns", max_turns), ("latency_s", latency_s)) if k in takes}
 
     def make(clock: Clock) -> Env:
-        env = factory(clock, **kwargs)
+        try:
+            env = factory(clock, **kwargs)
+        except Exception as exc:  # (a factory without the clock parameter, or one that raises): the plugin's
+            raise UserError(f"rollout.env: {spec!r} failed to make an environment: {type(exc).__name__}: "
+                            f"{exc}") from None  # fault, every episode alike: one line, not a traceback
         if not isinstance(env, Env):
             raise UserError(f"rollout.env: {spec!r} returned {type(env).__name__}, not an asyncflow.envs.Env")
         if "max_turns" not in takes:

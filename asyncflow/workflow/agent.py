@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import numbers
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -73,7 +74,7 @@ def stitch(calls: Sequence[Call]) -> tuple[list[int], Trajectory, int]:
 
 def _reward_of(value: Any) -> float:
     reward = value.get("reward") if isinstance(value, dict) else value
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
         raise ValueError(f"the agent returned {value!r}; expected a finite number or a dict with 'reward'")
     return float(reward)
 

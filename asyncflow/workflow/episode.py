@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from asyncflow.engines.base import GenRequest, InferenceEngine, requester
 from asyncflow.engines.runs import Runs, concat, oldest, total
-from asyncflow.envs.base import Env, EnvError, env_call
+from asyncflow.envs.base import Env, EnvError, EnvStep, env_call
 from asyncflow.runtime.clock import Clock
 
 
@@ -174,7 +177,8 @@ async def run_episode(
     submit = requester(engine)
     first_version = math.inf  # the oldest version of the tokens generated so far
     try:
-        traj.add_env(tok.encode(await env_call(clock, env.reset(row, seed), settings.env_timeout_s, env, "reset")))
+        traj.add_env(tok.encode(_observation(
+            await env_call(clock, env.reset(row, seed), settings.env_timeout_s, env, "reset"), env, "reset")))
         for turn in range(1, env.max_turns + 1):
             if floor is not None and first_version < floor():
                 finish = "cancelled"
@@ -197,7 +201,8 @@ async def run_episode(
             if len(ids) and ids[-1] == tok.eos_token_id:
                 ids = ids[:-1]
             start = clock.now()
-            step = await env_call(clock, env.step(tok.decode(ids)), settings.env_timeout_s, env, f"step {turn}")
+            step = _checked_step(await env_call(clock, env.step(tok.decode(ids)), settings.env_timeout_s, env,
+                                                f"step {turn}"), env, turn)
             if on_env_step is not None:
                 on_env_step(turn, start, clock.now())
             if barrier is not None:
@@ -220,6 +225,30 @@ async def run_episode(
     fields = traj.fields()
     fields.update(finish_reason=finish, turns=turns, reward=None if error else reward, reward_error=error)
     return EpisodeResult(fields)
+
+
+def _observation(value: Any, env: Env, what: str) -> str:
+    if not isinstance(value, str):
+        raise EnvError(f"environment {env.name!r} {what} returned {type(value).__name__}, expected the observation "
+                       "text (str)")
+    return value
+
+
+def _checked_step(step: Any, env: Env, turn: int) -> EnvStep:
+    """What `Env.step` returned, checked: an `EnvStep` with a text observation, a finite real reward
+    and a bool `done`. Anything else ends the episode with an `EnvError` naming it (it went into the
+    trajectory unchecked: a NaN reward made a whole group's advantages NaN, and a wrong type stopped
+    the run with a traceback)."""
+    what = f"step {turn}"
+    if not isinstance(step, EnvStep):
+        raise EnvError(f"environment {env.name!r} {what} returned {type(step).__name__}, expected an EnvStep")
+    _observation(step.observation, env, f"{what} observation")
+    r = step.reward
+    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r)):
+        raise EnvError(f"environment {env.name!r} {what} returned reward {r!r}, expected a finite number")
+    if not isinstance(step.done, (bool, np.bool_)):
+        raise EnvError(f"environment {env.name!r} {what} returned done={step.done!r}, expected True or False")
+    return step
 
 
 def generated_tokens(loss_mask: Sequence[int]) -> int:
