@@ -94,9 +94,10 @@ def log_offsets(out: Path) -> dict[str, int]:
 
 
 def write_checkpoint(out: Path, step: int, *, save_policy: Any, state: dict[str, Any], store_state: dict[str, Any],
-                     keep: int) -> Path:
+                     keep: int, protect: Path | None = None) -> Path:
     """Write checkpoint `step` (blocking; call it in a worker thread). `save_policy(folder)` writes the
-    HF folder and `optimizer.pt` into `folder`. Older checkpoints beyond `keep` are deleted after."""
+    HF folder and `optimizer.pt` into `folder`. Older checkpoints beyond `keep` are deleted after,
+    except `protect` (see `prune_checkpoints`)."""
     import torch
 
     final = step_dir(out, step)
@@ -117,9 +118,17 @@ def write_checkpoint(out: Path, step: int, *, save_policy: Any, state: dict[str,
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync(final.parent)
-    for _, old in complete_checkpoints(out)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(out, keep, protect)
     return final
+
+
+def prune_checkpoints(out: Path, keep: int, protect: Path | None = None) -> None:
+    """Delete complete checkpoints beyond the newest `keep`, but not `protect`: the checkpoint a Ray
+    run resumed from, which its rollout and reward actors are built from again when Ray restarts
+    one (deleted, the restart failed and ended the run). The run prunes once more at its end."""
+    for _, old in complete_checkpoints(out)[:-keep]:
+        if protect is None or old.resolve() != protect.resolve():
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync(path: Path) -> None:

@@ -228,11 +228,15 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
             changed = resume.changed
             progress.message(f"[asyncflow] resuming from {resume.path} (step {resume.step}, policy version "
                              f"{resume.version})" + (f"; changed settings: {', '.join(changed)}" if changed else ""))
-        folder = RunFolder(out, cfg, resume)
+        # Ray: the folder's absolute path, which actors are given (those of a joined cluster start in its
+        # raylet's directory: a relative folder put the trainer's weights and checkpoints there)
+        folder = RunFolder(out.resolve() if cfg.runtime.kind == "ray" else out, cfg, resume)
+        ended = False
         try:
-            return asyncio.run(_train(cfg, folder, progress, inputs, reward_fn, hf_tok, resume, env_factory))
+            summary = asyncio.run(_train(cfg, folder, progress, inputs, reward_fn, hf_tok, resume, env_factory))
+            ended = True
+            return summary
         except UserError:
-            folder.abandon()  # bad input found after the folder was written (e.g. an unreachable server)
             raise  # one line, no hint
         except WaitTimeout as exc:  # a bounded wait ran out: one line with the key that bounds it
             raise RunFailed(f"{exc}; {_resume_hint(out)}") from exc
@@ -247,6 +251,11 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
             print(f"[asyncflow] the run was interrupted; {_resume_hint(out)}", file=sys.stderr)
             raise
         finally:
+            # a fresh run that ends (bad input, a cluster that cannot start, Ctrl-C) before its first
+            # train step leaves nothing to keep: its files go, so the same command, retried, is not
+            # refused as "already holds a run" (only bad input did this until 2026-11-24)
+            if not ended:
+                folder.abandon()
             folder.close()
     finally:
         progress.close()
@@ -373,7 +382,7 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
         # truncated in place and they append through O_APPEND, which writes at its end as it is then.
         if resume is None:
             folder.open()
-        workers = RayWorkers.start(cfg, policy_dir, inputs.train_rows, out, inputs.reward_fn_path,
+        workers = RayWorkers.start(cfg, policy_dir.resolve(), inputs.train_rows, out, inputs.reward_fn_path,
                                    torch_threads(cfg), log=progress.message, version=version)
         engines, trainer = list(workers.engines), workers.trainer
         trainer.steps, trainer.exported = (0, 0) if resume is None else (resume.step, resume.version)
@@ -571,6 +580,9 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
              "eval": last_eval["eval_accuracy"], "depth": pipeline.store.size()},
         )
 
+    # Ray actors that restart are built from the folder the run started from: keep it while they may
+    actors_from = resume.path if resume is not None and workers is not None else None
+
     async def save_checkpoint(step: int) -> None:
         """At a step boundary (this step's samples acked, its weights published, the trainer idle):
         snapshot the store and the counters at once, then write the folder in a worker thread while
@@ -592,7 +604,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             hf_tok.save_pretrained(folder)
 
         path = await asyncio.to_thread(write_checkpoint, out, step, save_policy=save_policy, state=state,
-                                       store_state=store_state, keep=cfg.checkpoint.keep)
+                                       store_state=store_state, keep=cfg.checkpoint.keep, protect=actors_from)
         tracer.span("trainer", f"checkpoint step {step}", start, clock.now())
         progress.message(f"[asyncflow] checkpoint {path} ({len(store_state['samples'])} in-flight samples, "
                          f"{clock.now() - start:.1f} s)")
@@ -649,6 +661,10 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         "restarts": restarts,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if actors_from is not None:  # the actors are gone: the kept starting checkpoint may go now
+        from asyncflow.checkpoint import prune_checkpoints
+
+        prune_checkpoints(out, cfg.checkpoint.keep)
     progress.message(
         f"[asyncflow] done: {summary['samples']} samples in {train_seconds:.1f} s "
         f"({summary['samples_per_s']:.0f}/s); eval accuracy {summary['eval_accuracy_before']:.3f} -> "

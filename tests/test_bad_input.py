@@ -293,6 +293,39 @@ def test_bad_input_found_after_the_folder_is_written_leaves_no_half_made_run(ari
     assert check_out_dir(kept, cfg) is None  # the retry is not refused
 
 
+def test_a_run_that_fails_to_start_for_any_reason_leaves_no_half_made_run(arith_dir: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only bad input removed the files a fresh run had made; a Ray cluster that could not start (a
+    RuntimeError here) left config.yaml behind, and the same command, retried, was refused."""
+    from asyncflow.config import load_config
+    from asyncflow.runner import check_out_dir, train
+
+    def cannot_start(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("When connecting to an existing cluster, num_cpus must not be provided")
+
+    monkeypatch.setattr("asyncflow.runtime.ray_runtime.RayWorkers.start", cannot_start)
+    cfg, _ = load_config(None, [f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=8",
+                                "train.max_steps=1", "logging.progress=false", "runtime.kind=ray"])
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="existing cluster"):
+        train(cfg, out, progress_enabled=False)
+    assert not out.exists() and check_out_dir(out, cfg) is None
+
+
+def test_prune_keeps_the_checkpoint_a_ray_run_resumed_from(tmp_path: Path) -> None:
+    """Restarted Ray actors are built from the checkpoint the run resumed from; rotation deleted it
+    and the restart then failed, ending the run."""
+    from asyncflow.checkpoint import complete_checkpoints, prune_checkpoints
+
+    for step in (2, 3, 4, 5):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step}" / "state.json").write_text("{}")
+    prune_checkpoints(tmp_path, 2, protect=tmp_path / "checkpoints" / "step_2")
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [2, 4, 5]
+    prune_checkpoints(tmp_path, 2)  # (at the end of the run)
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [4, 5]
+
+
 def test_two_runs_cannot_claim_one_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default run folder gets a suffix when a run started in the same second took its name, and
     a fresh run claims its folder by creating config.yaml exclusively (two runs at once into one

@@ -392,3 +392,40 @@ def test_columnar_put_lands_row_by_row_in_another_process(ray_session) -> None:
             store.put_columns_blocking({"b": [1, 2]}, [0, 1, 2], 1)
     finally:
         store.kill()
+
+
+class _BadInputActor:
+    def __init__(self) -> None:
+        from asyncflow.errors import UserError
+
+        raise UserError("reward.fn: cannot import module 'nowhere' (on this node)")
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_bad_input_in_an_actor_constructor_is_one_line_not_an_actor_death(ray_session) -> None:
+    """A UserError raised while an actor starts (a reward module missing on a node) reached the driver
+    as ActorDiedError: a traceback and exit 1 instead of one line and exit 2."""
+    import ray
+
+    from asyncflow.errors import UserError
+    from asyncflow.runtime.ray_runtime import _ready
+
+    actor = ray.remote(_BadInputActor).options(num_cpus=0).remote()
+    try:
+        with pytest.raises(UserError, match=r"^reward.fn: cannot import module 'nowhere' \(on this node\)$"):
+            _ready([actor.ready.remote()], ["reward-0"])
+    finally:
+        ray.kill(actor)
+
+
+def test_an_unreachable_cluster_address_is_one_line_not_minutes_of_retries() -> None:
+    from asyncflow.errors import UserError
+    from asyncflow.runtime.ray_init import check_reachable
+
+    with pytest.raises(UserError, match=r"^runtime.address: cannot reach 127.0.0.1:1 \("):
+        check_reachable("127.0.0.1:1", timeout_s=5)
+    with pytest.raises(UserError, match="cannot reach ray://127.0.0.1:1"):
+        check_reachable("ray://127.0.0.1:1", timeout_s=5)
+    check_reachable("auto")  # (forms Ray resolves itself are left to it)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 
@@ -11,15 +12,20 @@ def ensure_ray(address: str | None, num_cpus: int | None = None) -> Any:
 
     A Ray that is already initialised in this process (tests, notebooks) is reused as it is.
     """
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # (read when ray is imported: set it first)
     import ray
 
     if ray.is_initialized():
         return ray
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if address:
+        check_reachable(address)
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
     else:
         ray.init(
+            # "local": a new Ray of this process's own, even where RAY_ADDRESS (set by `ray job submit`)
+            # or a `ray start` on this machine would make a bare init join that cluster (which refuses
+            # num_cpus: a traceback)
+            address="local",
             num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 1),
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
@@ -27,3 +33,19 @@ def ensure_ray(address: str | None, num_cpus: int | None = None) -> Any:
             configure_logging=False,
         )
     return ray
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A `host:port` (or `ray://host:port`) address must accept a connection: `ray.init` retries an
+    unreachable one for minutes before failing. "auto" and other forms are left to Ray."""
+    from asyncflow.errors import UserError
+
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise UserError(f"runtime.address: cannot reach {address} ({exc.strerror or exc}); is the cluster's head "
+                        "running there (`ray start --head`)?") from None

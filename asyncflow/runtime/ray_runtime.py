@@ -943,6 +943,12 @@ def _ready(refs: list[Any], names: list[str]) -> list[Any]:
         if isinstance(exc.cause, UserError):
             raise exc.cause from None
         raise
+    except ray.exceptions.ActorDiedError as exc:  # an error in an actor's constructor arrives as its death, with
+        last = str(getattr(exc, "error_msg", "")).strip().splitlines()[-1:]  # the error only as text
+        prefix = f"{UserError.__module__}.{UserError.__name__}: "
+        if getattr(exc, "actor_init_failed", False) and last and last[0].startswith(prefix):
+            raise UserError(last[0][len(prefix):]) from None  # (bad input on a node: one line, exit 2)
+        raise
 
 
 def _stage_error(stage: str, exc: Any) -> Exception:
