@@ -10,7 +10,9 @@ appended after it, empty for both.
 - `CalculatorEnv`: the row holds the question (the prompt) and `answer`. A turn may call the tool with
   `<calc>12*(3+4)</calc>`; the observation is `<result>84</result>`. A turn with
   `<answer>84</answer>` ends the episode with reward 1.0 if it equals the row's answer, else 0.0.
-  Expressions are evaluated by `safe_arith` (numbers and + - * / // % ** only; no names, no calls).
+  Expressions are evaluated by `safe_arith` (numbers and + - * / // % ** only; no names, no calls;
+  exponents up to 64, integers up to 256 bits, finite real results: anything else is an error
+  result, `<result>error: ...</result>`, never an error of the episode).
 - `GuessNumberEnv`: a secret number in [1, high] drawn from the episode's seed; a turn
   `<guess>37</guess>` gets `higher`, `lower` or `correct`; a correct guess ends the episode with
   reward 1.0 (later turns are worth the same: the score is success). A turn without a guess gets a
@@ -20,6 +22,7 @@ appended after it, empty for both.
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import random
 import re
@@ -36,6 +39,7 @@ _BINOPS: dict[type, Callable[[Any, Any], Any]] = {
 _UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPR_CHARS = 200
 MAX_POWER = 64
+MAX_RESULT_BITS = 256  # every intermediate integer: nested powers grew without bound (hours on the loop)
 
 
 def safe_arith(expr: str) -> int | float:
@@ -57,9 +61,16 @@ def safe_arith(expr: str) -> int | float:
             if isinstance(node.op, ast.Pow) and abs(right) > MAX_POWER:
                 raise ValueError(f"exponent above {MAX_POWER}")
             try:
-                return _BINOPS[type(node.op)](left, right)  # type: ignore[no-any-return]
+                value = _BINOPS[type(node.op)](left, right)
             except ZeroDivisionError as exc:
                 raise ValueError("division by zero") from exc
+            except OverflowError as exc:  # (float overflow, or an int too large for a float division)
+                raise ValueError("result too large") from exc
+            if isinstance(value, complex):  # (a negative number to a fractional power)
+                raise ValueError("the result is not a real number")
+            if (value.bit_length() > MAX_RESULT_BITS) if isinstance(value, int) else not math.isfinite(value):
+                raise ValueError("result too large")
+            return value  # type: ignore[no-any-return]
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](ev(node.operand))  # type: ignore[no-any-return]
         raise ValueError(f"not allowed in an arithmetic expression: {type(node).__name__}")
@@ -68,7 +79,7 @@ def safe_arith(expr: str) -> int | float:
 
 
 def _fmt(x: int | float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:.6g}"
+    return str(x) if isinstance(x, int) else str(int(x)) if x.is_integer() else f"{x:.6g}"
 
 
 class _Timed(Env):
