@@ -429,3 +429,72 @@ def test_an_unreachable_cluster_address_is_one_line_not_minutes_of_retries() -> 
     with pytest.raises(UserError, match="cannot reach ray://127.0.0.1:1"):
         check_reachable("ray://127.0.0.1:1", timeout_s=5)
     check_reachable("auto")  # (forms Ray resolves itself are left to it)
+
+
+class _BigWriter:
+    """Takes rollout leases and completes them with responses large enough for the object store."""
+
+    def __init__(self, store) -> None:  # type: ignore[no-untyped-def]
+        self.store = store
+
+    async def work(self, n: int) -> int:
+        leases = await self.store.take_each("rollout", n, timeout=30)
+        for lease in leases:
+            uid = lease.samples[0].uid
+            self.store.complete(lease, {uid: {"response_ids": list(range(1024)), "token_versions": [0] * 1024,
+                                              "behavior_logprobs": np.zeros(1024, np.float32),
+                                              "finish_reason": "length"}})
+        await self.store.flush_async()
+        return len(leases)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def test_responses_whose_writer_died_are_marked_cancelled_not_lost_with_it(ray_session) -> None:
+    """A response over 16 KiB goes into the object store from the rollout actor's own process, which
+    owns it: when that process died (Ray restarting the actor), the next take failed with
+    OwnerDiedError and the run ended. Now a reader that finds it gone, or the supervisor once it has
+    seen the restart (`release_owner`), marks those samples `cancelled` with empty responses: their
+    groups are dropped and refilled."""
+    import os
+
+    import ray
+
+    from asyncflow.runtime.ray_runtime import _actor_id
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64, owner_check_s=60.0)
+    store.register_stage("rollout", ["prompt_ids"])
+    store.register_stage("train", ["response_ids"], groups=True)
+    store.put_blocking([NewSample(g, 2, {"prompt_ids": [1, 2, 3]}) for g in range(2) for _ in range(2)], timeout=10)
+    store.flush()
+    writer = ray.remote(_BigWriter).options(num_cpus=0, max_restarts=1).remote(store)
+    try:
+        assert ray.get(writer.work.remote(4), timeout=60) == 4
+        assert store.metrics()["blobs"] >= 1  # (the responses went into the object store)
+        pid = ray.get(writer.pid.remote(), timeout=30)
+        os.kill(pid, 9)
+        deadline = time.monotonic() + 60
+        while True:  # Ray restarts it; the supervisor then returns its leases and, now, its lost results
+            try:
+                if ray.get(writer.pid.remote(), timeout=10) != pid:
+                    break
+            except ray.exceptions.RayActorError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        # a reader that gets there before the supervisor (the restart takes seconds: a model load)
+        lease = store.take_blocking("train", 4, min_samples=4, timeout=10, fields_extra=["finish_reason"])
+        assert sorted(len(s.fields["response_ids"]) for s in lease.samples) == [0, 0, 0, 0]
+        assert {s.fields["finish_reason"] for s in lease.samples} == {"cancelled"}
+        store.release(lease)
+        store.release_owner(_actor_id(writer))  # (the supervisor, once the new process answers)
+        lease = store.take_blocking("train", 4, min_samples=4, timeout=10, fields_extra=["finish_reason"])
+        assert {s.fields["finish_reason"] for s in lease.samples} == {"cancelled"}
+        assert store.metrics()["lost_with_dead_writer"] == 4.0 and store.metrics()["blobs"] == 0
+    finally:
+        ray.kill(writer)
+        store.close()

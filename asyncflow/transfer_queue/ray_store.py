@@ -77,6 +77,8 @@ class StoreController:
         self.last_error = ""
         self.owner_check_s = owner_check_s
         self.released_from_dead = 0
+        self.blob_writer: dict[int, str] = {}  # blob id -> the owner (actor id) whose process put it
+        self.lost_with_writer = 0
         self._watch: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ data slots
@@ -96,6 +98,7 @@ class StoreController:
                     b[1] -= 1
                     if b[1] <= 0:
                         del self.blobs[v.blob]
+                        self.blob_writer.pop(v.blob, None)
 
     def _materialize(self, payload: list[dict[str, Any]] | None, names: Any, nbytes: Any, ref: Any,
                      held: Any = None) -> list[dict[str, Any]]:
@@ -205,8 +208,11 @@ class StoreController:
     def complete(self, lease_id: int, stage: str, uids: list[int], payload: list[dict[str, Any]] | None,
                  names: Any, nbytes: Any, ref: Any, versions: dict[int, int] | None,
                  remove: bool) -> bool:
+        writer = self.lease_owner.get(lease_id)
         self._forget(lease_id)
         fields = self._materialize(payload, names, nbytes, ref)
+        if ref is not None and writer is not None:  # its process owns the object: see `_lose_writer`
+            self.blob_writer[self.next_blob - 1] = writer
         writes = dict(zip(uids, fields, strict=True))
         ok = self._run("complete", lambda: self.q.complete(Lease(lease_id, stage, [], [], 0.0), writes,
                                                            versions=versions, remove=remove))
@@ -247,6 +253,38 @@ class StoreController:
             n += bool(self.q.release(lease))
         self.owners.pop(owner, None)
         self.released_from_dead += n
+        self._lose_writer(owner)
+        return n
+
+    def _lose_writer(self, owner: str) -> int:
+        """Results that a dead actor's process put into the object store died with it (Ray frees an
+        object with its owner: `OwnerDiedError` for whoever reads it next). Their samples are kept,
+        with values that say so: a response is `cancelled` (its group is then dropped and refilled,
+        as a cancelled request's is), a reward a `reward_error`. Returns how many samples."""
+        return self.lose_blobs([b for b, o in self.blob_writer.items() if o == owner])
+
+    def lose_blobs(self, blob_ids: list[int]) -> int:
+        """Blobs a reader found gone (or whose writer died): their slots get `_LOST` values."""
+        lost = {b for b in blob_ids if b in self.blobs}
+        if not lost:
+            return 0
+
+        def fix(fields: dict[str, Any]) -> dict[str, Any] | None:
+            hit = [k for k, v in fields.items() if type(v) is _Slot and v.blob in lost]
+            if not hit:
+                return None
+            new = dict(fields)
+            for k in hit:
+                new[k] = _LOST.get(k)
+            if "finish_reason" in hit:
+                new["finish_reason"] = "cancelled"
+            return new
+
+        n = self.q.replace_values(fix)
+        for b in lost:
+            self.blobs.pop(b, None)
+            self.blob_writer.pop(b, None)
+        self.lost_with_writer += n
         return n
 
     async def _watch_owners(self) -> None:
@@ -285,6 +323,7 @@ class StoreController:
         m["op_errors"] = float(self.op_errors)
         m["blobs"] = float(len(self.blobs))
         m["released_from_dead_owners"] = float(self.released_from_dead)
+        m["lost_with_dead_writer"] = float(self.lost_with_writer)  # samples whose results died with their writer
         m["owned_leases"] = float(len(self.leases))  # leases of consumer actors this controller watches
         return m
 
@@ -305,7 +344,27 @@ class StoreController:
         self.q.load_state_dict(state)
 
 
-_OPS = ("write", "complete", "ack", "release", "remove", "renew")
+_OPS = ("write", "complete", "ack", "release", "remove", "renew", "lose_blobs")
+
+
+class _LostRow(dict):  # type: ignore[type-arg]
+    """A row of a blob that died with its writer: every field reads as its `_LOST` value."""
+
+    def __missing__(self, key: str) -> Any:
+        return _LOST.get(key)
+
+
+class _LostBlob:
+    """Stands in for a blob that could not be fetched (`ObjectLostError`): any row is a `_LostRow`."""
+
+    def __getitem__(self, row: int) -> _LostRow:
+        return _LostRow()
+
+# what a field whose value died with its writer's process becomes (see `StoreController._lose_writer`;
+# any other field: None)
+_LOST: dict[str, Any] = {"response_ids": [], "behavior_logprobs": [], "token_versions": [], "loss_mask": [],
+                         "finish_reason": "cancelled", "reward": None,
+                         "reward_error": "its reward died with the reward actor that wrote it (restarted)"}
 
 
 def _compact(views: list[SampleView]) -> tuple[Any, ...]:
@@ -471,8 +530,40 @@ class RayTransferQueue:
         import ray
 
         fetch = [b for b, r in refs.items() if isinstance(r, ray.ObjectRef)]
-        got = ray.get([refs[b] for b in fetch], timeout=self.rpc_grace_s) if fetch else []
+        try:
+            got = ray.get([refs[b] for b in fetch], timeout=self.rpc_grace_s) if fetch else []
+        except ray.exceptions.ObjectLostError:  # one of them died with its writer: see `_lost`
+            got = []
+            for b in fetch:
+                try:
+                    got.append(ray.get(refs[b], timeout=self.rpc_grace_s))
+                except ray.exceptions.ObjectLostError:
+                    got.append(self._lost(b))
         return {**refs, **dict(zip(fetch, got, strict=True))}
+
+    async def _afetch(self, refs: dict[int, Any]) -> dict[int, Any]:
+        """`_fetch` on the caller's event loop (bounded by `rpc_grace_s` as well)."""
+        import ray
+
+        fetch = [b for b, r in refs.items() if isinstance(r, ray.ObjectRef)]
+        if not fetch:
+            return dict(refs)
+        try:
+            got = list(await self._aget(asyncio.gather(*(refs[b] for b in fetch)), 0.0, "a take's data"))
+        except ray.exceptions.ObjectLostError:
+            got = []
+            for b in fetch:
+                try:
+                    got.append(await self._aget(refs[b], 0.0, "a take's data"))
+                except ray.exceptions.ObjectLostError:
+                    got.append(self._lost(b))
+        return {**refs, **dict(zip(fetch, got, strict=True))}
+
+    def _lost(self, blob: int) -> _LostBlob:
+        """A blob that died with the process that put it (a rollout actor Ray restarted, before its
+        supervisor told the controller): read as `_LOST` values, and the controller told too."""
+        self._op("lose_blobs", ([blob],))
+        return _LostBlob()
 
     @staticmethod
     def _fill(compact: Any, values: dict[int, Any]) -> Lease:
@@ -624,18 +715,12 @@ class RayTransferQueue:
         ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
                                       list(fields_extra), self._get_owner())
         lease, refs = await self._aget(ref, timeout, f"take({stage!r})")
-        import ray
-
-        fetch = [b for b, r in refs.items() if isinstance(r, ray.ObjectRef)]
-        got = await asyncio.gather(*(refs[b] for b in fetch))
-        return self._fill(lease, {**refs, **dict(zip(fetch, got, strict=True))})
+        return self._fill(lease, await self._afetch(refs))
 
     async def take_each(self, stage: str, max_samples: int, *, timeout: float | None = None,
                         lease_s: float | None = None, min_version: int | None = None,
                         fields_extra: Sequence[str] = ()) -> list[Lease]:
         """See `TransferQueue.take_each`: one call, one lease per sample (or group)."""
-        import ray
-
         if self._before_take():
             await self.flush_async()
         ref = self.handle.take_each.remote(stage, max_samples, timeout, lease_s, min_version, list(fields_extra),
@@ -644,8 +729,7 @@ class RayTransferQueue:
         refs: dict[int, Any] = {}
         for _, r in got:
             refs.update(r)
-        fetch = [b for b, r in refs.items() if isinstance(r, ray.ObjectRef)]
-        values = dict(zip(fetch, await asyncio.gather(*(refs[b] for b in fetch)), strict=True))
+        values = await self._afetch(refs)
         return [self._fill(compact, {**r, **values}) for compact, r in got]
 
     def take_blocking(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,

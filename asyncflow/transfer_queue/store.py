@@ -1268,6 +1268,22 @@ class TransferQueue:
                 self._wake(st.waiters, 1 << 62)
             self._wake(self._put_waiters, 1 << 62)
 
+    def replace_values(self, fix: Callable[[dict[str, Any]], dict[str, Any] | None]) -> int:
+        """Give every live sample the field values `fix(fields)` returns (None: unchanged); returns how
+        many changed. The names must stay the same: readiness, leases and marks are untouched. For a
+        store that must swap values it can no longer serve (the Ray controller's slots into objects
+        whose owner died) for ones that say so."""
+        with self._lock:
+            n = 0
+            for s in self._samples.values():
+                new = fix(s.fields)
+                if new is not None:
+                    if new.keys() != s.fields.keys():
+                        raise ValueError(f"replace_values: sample {s.uid}'s field names changed")
+                    s.fields = new
+                    n += 1
+            return n
+
     def drop_all(self) -> int:
         """Delete every sample of a closed store at once (ending its leases) and return how many
         there were: a finished run's leftovers, admitted and never trained. Freed here, they are
