@@ -163,6 +163,23 @@ def test_lease_deadline_is_the_backstop(ray_session) -> None:
         store.kill()
 
 
+def test_an_ack_with_remove_of_an_ended_lease_still_removes_its_samples(ray_session) -> None:
+    """In process a False ack makes the trainer remove what it trained; on Ray ack answers True before
+    the controller runs it, so trained samples of an expired lease stayed, to be trained again."""
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=8)
+    try:
+        store.register_stage("s", ["x"])
+        store.put_blocking([NewSample(0, 1, {"x": 1}), NewSample(1, 1, {"x": 2})], timeout=10)
+        lease = store.take_blocking("s", 2, min_samples=2, timeout=10, lease_s=0.2)
+        time.sleep(0.6)  # (the lease ends)
+        store.ack(lease, remove=True)
+        assert store.size() == 0
+    finally:
+        store.kill()
+
+
 def test_a_renewed_lease_is_kept_past_its_first_deadline(ray_session) -> None:
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
 

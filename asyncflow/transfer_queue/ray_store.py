@@ -229,9 +229,15 @@ class StoreController:
             self._run(name, lambda n=name, a=args: getattr(self, n)(*a))
         return len(ops)
 
-    def ack(self, lease_id: int, stage: str, remove: bool) -> bool:
+    def ack(self, lease_id: int, stage: str, remove: bool, uids: list[int] | None = None) -> bool:
+        """`uids` (with `remove`): the lease's samples, removed even when the lease had ended. The
+        client answers before this runs, so it cannot do what an in-process caller does on a False
+        ack (remove them itself, so that they are never trained again)."""
         self._forget(lease_id)
-        return bool(self._run("ack", lambda: self.q.ack(Lease(lease_id, stage, [], [], 0.0), remove=remove)))
+        ok = bool(self._run("ack", lambda: self.q.ack(Lease(lease_id, stage, [], [], 0.0), remove=remove)))
+        if not ok and remove and uids:
+            self.q.remove(uids)
+        return ok
 
     def release(self, lease_id: int, stage: str) -> bool:
         self._forget(lease_id)
@@ -770,8 +776,10 @@ class RayTransferQueue:
         return True
 
     def ack(self, lease: Lease, *, remove: bool = False) -> bool:
-        """Sent without waiting (returns True); an ack of an ended lease is a no-op, as in process."""
-        self._op("ack", (lease.id, lease.stage, remove))
+        """Sent without waiting (returns True). An ack of an ended lease acks nothing, as in process;
+        with `remove` its samples are removed anyway (in process the caller sees False and does it)."""
+        uids = [s.uid for s in (*lease.samples, *lease.expired)] if remove else None
+        self._op("ack", (lease.id, lease.stage, remove, uids))
         return True
 
     def release(self, lease: Lease) -> bool:
