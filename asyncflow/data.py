@@ -160,8 +160,8 @@ def check_prompts_fit(sources: Sequence[tuple[Sequence[Any], str | Path]], promp
     tensor-shape traceback), and with `rollout.max_new_tokens` it must fit the model's positions:
     past them a model with learned position embeddings fails mid-run (an index error) and a rotary
     one degrades without a word. `sources`: (rows, file) pairs; each refusal is one line naming the
-    file and line. (Multi-turn episodes: this checks the dataset prompt only, not the environment's
-    observations that extend it turn by turn.)"""
+    file and line. (Multi-turn episodes: this checks the dataset prompt only; as observations extend
+    it turn by turn, `run_episode` caps each turn at the positions left, `EpisodeSettings.max_context`.)"""
     if positions is not None and max_new_tokens >= positions:
         raise UserError(f"rollout.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
                         f"{positions} positions (model.path's config.json)")

@@ -55,6 +55,7 @@ class Evaluator:
         self.history: list[dict[str, Any]] = []
         self.env_factory = env_factory
         self.clock = clock
+        self.max_context: int | None = None  # the model's positions, for episodes (set by the runner)
         # a plain reward function's threads (started on first use); hung calls that hold them all fail
         # the evaluation's remaining prompts, never the run (its final evaluation precedes the final save)
         self._plain_calls = PlainCalls(stop_when_full=False)
@@ -153,7 +154,8 @@ class Evaluator:
         from asyncflow.workflow.episode import EpisodeSettings, run_episode
 
         ro = self.cfg.rollout
-        settings = EpisodeSettings(ro.max_new_tokens, 0.0, ro.request_timeout_s, ro.env_timeout_s)
+        settings = EpisodeSettings(ro.max_new_tokens, 0.0, ro.request_timeout_s, ro.env_timeout_s,
+                                   max_context=self.max_context)
         assert self.env_factory is not None
         results = await asyncio.gather(*(
             run_episode(env=self.env_factory(self.clock), engine=self.engine, clock=self.clock, tok=self.tok,

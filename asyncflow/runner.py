@@ -517,6 +517,10 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     clock = RealClock()
     tracer = Tracer(now=clock.now)
     evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock)
+    from asyncflow.data import model_positions
+
+    positions = model_positions(inputs.model_dir)
+    evaluator.max_context = positions
     last_eval: dict[str, float]
     if resume is None:
         last_eval = await evaluator.run(step=0)
@@ -615,6 +619,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         ref_logprobs=ref_fn, on_step=on_step, store=None if workers is None else workers.store,
         gate=None if workers is None else workers.gate,
     )
+    pipeline.max_context = positions
     if resume is not None:
         st = resume.state
         assert saved_store is not None

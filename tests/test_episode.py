@@ -183,6 +183,31 @@ def test_what_an_environment_returns_is_checked_and_ends_only_its_episode(value:
     assert f["reward"] is None and needle in f["reward_error"] and f["reward_error"].startswith("environment 'echo' ")
 
 
+def test_an_episode_never_asks_for_more_tokens_than_the_model_has_positions_left() -> None:
+    """The context grows by every turn and observation; with the model's positions known, a turn gets
+    at most what is left and an episode with no room left ends as `length`. It used to send the
+    request anyway: a server refused it (ending the run), a learned-position model hit an index error."""
+
+    class _Limits(_Scripted):
+        async def generate(self, request: GenRequest) -> GenResult:
+            self.asked = [*getattr(self, "asked", []), request.max_new_tokens]
+            return await super().generate(request)
+
+    def play(max_context: int) -> tuple[Any, list[int]]:
+        engine = _Limits([[65, 66, 1], [67, 1]])
+
+        async def main(clock: VirtualClock) -> Any:
+            return await run_episode(env=_Echo(), engine=engine, clock=clock, tok=_Tok(), uid=9, prompt_ids=[100, 101],
+                                     row={}, seed=0, settings=EpisodeSettings(8, 1.0, 60.0, 5.0, max_context=max_context))
+
+        return run_virtual(main).fields, engine.asked
+
+    f, asked = play(9)  # prompt 2 + reset "R" 1: 6 left for turn 1; + 3 generated + "OB" 2: 1 left for turn 2
+    assert asked == [6, 1] and f["turns"] == 2 and f["finish_reason"] == "stop"
+    f, asked = play(8)  # no room for turn 2
+    assert asked == [5] and f["turns"] == 1 and f["finish_reason"] == "length" and f["reward_error"] is None
+
+
 def test_a_hung_environment_ends_its_episode_with_an_error() -> None:
     f = _play(_Echo(hang_on_step=1), _Scripted([[65, 1]])).fields
     assert f["reward"] is None and "hung" in f["reward_error"] and "echo" in f["reward_error"]

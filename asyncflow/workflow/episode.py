@@ -46,6 +46,11 @@ class EpisodeSettings:
     env_timeout_s: float
     top_p: float = 1.0
     top_k: int = 0
+    # the model's positions (None: unknown): a turn generates at most what is left of them, and an
+    # episode whose context has filled them ends (`length`). The context grows by every turn and
+    # observation; past the positions a server refused the request (ending the run) and a model with
+    # learned position embeddings failed with an index error.
+    max_context: int | None = None
 
 
 @dataclass
@@ -183,8 +188,14 @@ async def run_episode(
             if floor is not None and first_version < floor():
                 finish = "cancelled"
                 break
+            context = traj.context()
+            max_new = settings.max_new_tokens
+            if settings.max_context is not None:
+                max_new = min(max_new, settings.max_context - len(context))
+                if max_new < 1:
+                    break  # (finish stays "length": the episode ran out of room)
             turns = turn
-            req = GenRequest(uid, traj.context(), settings.max_new_tokens,  # type: ignore[arg-type]
+            req = GenRequest(uid, context, max_new,  # type: ignore[arg-type]
                              settings.temperature, settings.top_p, settings.top_k)
             res = await clock.wait_for(submit(req), settings.request_timeout_s,
                                        f"generation of sample {uid}, turn {turn}")

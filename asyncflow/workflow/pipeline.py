@@ -222,6 +222,7 @@ class Pipeline:
         self.next_group = 0  # the feeder's next group id: also how many prompts it has drawn
         self.first_step = 1
         self.final_accounting: dict[str, int] = {}
+        self.max_context: int | None = None  # the model's positions, for multi-turn episodes (set by the runner)
         self._filter_budget = cfg.algorithm.filter_max_groups_per_step or 4 * self.groups_per_step
 
     # ------------------------------------------------------------------ feeder
@@ -476,7 +477,7 @@ class Pipeline:
                     prompt_ids=sample.fields["prompt_ids"], row=self.rows[sample.fields["row"]],
                     seed=self.cfg.seed * 1_000_003 + sample.uid,
                     settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
-                                             ro.top_p, ro.top_k),
+                                             ro.top_p, ro.top_k, self.max_context),
                     on_env_step=None if self.tracer.off else on_env_step, barrier=barrier, floor=self._floor,
                 )
             cancelled = result.fields["finish_reason"] == "cancelled"  # (not a failure of the env or agent)
