@@ -250,6 +250,9 @@ def _checked_step(step: Any, env: Env, turn: int) -> EnvStep:
     and a bool `done`. Anything else ends the episode with an `EnvError` naming it (it went into the
     trajectory unchecked: a NaN reward made a whole group's advantages NaN, and a wrong type stopped
     the run with a traceback)."""
+    if type(step) is EnvStep and type(step.observation) is str and type(step.reward) in (float, int) \
+            and math.isfinite(step.reward) and type(step.done) is bool:
+        return step  # (the common case, in one expression: this runs every turn of every episode)
     what = f"step {turn}"
     if not isinstance(step, EnvStep):
         raise EnvError(f"environment {env.name!r} {what} returned {type(step).__name__}, expected an EnvStep")
