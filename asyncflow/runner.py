@@ -190,12 +190,12 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         # bad input fails here, before torch loads (except for the tokenizer) and before the run
         # folder is written, so a mistake never leaves a half-made "run" that a retry would refuse
         inputs = resolve_inputs(cfg, progress.message)
-        # multi-turn episodes are scored by their environment: no reward function is loaded
         from asyncflow.checkpoint import check_rows, rows_fingerprint
 
         inputs.fingerprint = rows_fingerprint(inputs.train_rows, (cfg.dataset.prompt_key, cfg.dataset.label_key))
         if resume is not None:
             check_rows(resume, inputs.fingerprint)
+        # multi-turn episodes are scored by their environment: no reward function is loaded
         reward_fn = None if episodic(cfg) else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
         if reward_fn is not None and "reward.concurrency" in explicit and not is_async_reward_fn(reward_fn):
             raise UserError(f"reward.concurrency: applies to an async def reward function; {inputs.reward_fn_path} "
