@@ -177,6 +177,11 @@ _STATE_TYPES: dict[str, type | tuple[type, ...]] = {
     "elapsed_s": (int, float), "next_group_id": int}
 
 
+def damaged_hint(path: Path) -> str:
+    """The end of every message about an unreadable checkpoint file: what to do about it."""
+    return f"(a damaged checkpoint: remove {path} to resume from the one before)"
+
+
 def _check_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Everything a resume reads from the checkpoint is there and readable, checked before anything
     is written (the logs are cut only once the run is built): a damaged file ended the resume in a
@@ -185,7 +190,7 @@ def _check_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
     from asyncflow.model_folder import check_model_dir
 
-    damaged = f"(a damaged checkpoint: remove {path} to resume from the one before)"
+    damaged = damaged_hint(path)
     missing = [k for k in _STATE_TYPES if k not in state]
     if missing:
         raise UserError(f"checkpoint.resume: {path / 'state.json'} lacks {', '.join(missing)} {damaged}")

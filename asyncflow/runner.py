@@ -68,6 +68,7 @@ class Inputs:
     train_path: str = ""  # the files the rows came from (for messages naming a row)
     eval_path: str = ""
     fingerprint: str = ""  # of the training rows (`checkpoint.rows_fingerprint`), saved with each checkpoint
+    positions: int | None = None  # the model's positions (`data.model_positions`; None: unknown)
 
 
 def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
@@ -76,7 +77,7 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
     Given paths are checked without torch (a bad model folder or dataset costs milliseconds); only
     preparing a task pack's own model imports it.
     """
-    from asyncflow.data import check_columns, read_rows, subset
+    from asyncflow.data import check_columns, model_positions, read_rows, subset
     from asyncflow.model_folder import check_model_dir
 
     task = None
@@ -127,7 +128,8 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
     reward_path = cfg.reward.fn or (task.reward_fn_path if task is not None else "")
     first_chat = next((c for c in chats if c is not None), None)
     eval_rows = subset(eval_rows, range(min(len(eval_rows), cfg.eval.size)))
-    return Inputs(model_dir, rows, eval_rows, reward_path, first_chat, data_path, eval_path)
+    return Inputs(model_dir, rows, eval_rows, reward_path, first_chat, data_path, eval_path,
+                  positions=model_positions(model_dir))
 
 
 def load_tokenizer(model_dir: Path, log: Callable[[str], None] | None = None, key: str = "model.path") -> Any:
@@ -208,13 +210,12 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         from asyncflow.engines.base import quiet_transformers
 
         quiet_transformers()
-        from asyncflow.data import check_chat_prompts, check_prompts_fit, model_positions
+        from asyncflow.data import check_chat_prompts, check_prompts_fit
 
         check_chat_prompts(inputs.first_chat, hf_tok)
         if cfg.rollout.agent is None:  # (an agent writes its own prompts)
             check_prompts_fit([(inputs.train_rows, inputs.train_path), (inputs.eval_rows, inputs.eval_path)],
-                              cfg.dataset.prompt_key, hf_tok, cfg.rollout.max_new_tokens,
-                              model_positions(inputs.model_dir))
+                              cfg.dataset.prompt_key, hf_tok, cfg.rollout.max_new_tokens, inputs.positions)
         env_factory = None
         if cfg.rollout.env is not None:  # an environment plugin that cannot be imported is bad input too
             from asyncflow.envs import make_env_factory
@@ -400,15 +401,15 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
             engines = [make_inference_engine(cfg, policy_dir, tok, i, version) for i in range(cfg.rollout.workers)]
     try:
         if resume is not None:
-            from asyncflow.checkpoint import restore_rng
+            from asyncflow.checkpoint import damaged_hint, restore_rng
 
             try:
                 trainer.load_optimizer(str(resume.path))
                 restore_rng(resume.path)
             except Exception as exc:  # (checked as archives in find_resume; a damaged member shows only now)
                 raise UserError(f"checkpoint.resume: {resume.path}: the optimizer or RNG state cannot be loaded "
-                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) (a damaged "
-                                f"checkpoint: remove {resume.path} to resume from the one before)") from None
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) "
+                                f"{damaged_hint(resume.path)}") from None
         return await _run(cfg, folder, progress, inputs, reward_fn, hf_tok, tok, trainer, engines, workers, resume,
                           env_factory)
     finally:
@@ -504,12 +505,13 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
 
     saved_store = None
     if resume is not None:  # read before the logs are cut: a damaged store.pt leaves the run as it was
+        from asyncflow.checkpoint import damaged_hint
+
         try:
             saved_store = resume.store
         except Exception as exc:
             raise UserError(f"checkpoint.resume: {resume.path / 'store.pt'} cannot be loaded ({type(exc).__name__}: "
-                            f"{exc}) (a damaged checkpoint: remove {resume.path} to resume from the one before)") \
-                from None
+                            f"{exc}) {damaged_hint(resume.path)}") from None
     out = folder.open()  # the run is built: from here on it writes its folder
     log = RunLog(out, sinks=make_sinks(out, tensorboard=cfg.logging.tensorboard,
                                        wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
@@ -517,10 +519,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     clock = RealClock()
     tracer = Tracer(now=clock.now)
     evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock)
-    from asyncflow.data import model_positions
-
-    positions = model_positions(inputs.model_dir)
-    evaluator.max_context = positions
+    evaluator.max_context = inputs.positions
     last_eval: dict[str, float]
     if resume is None:
         last_eval = await evaluator.run(step=0)
@@ -619,7 +618,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         ref_logprobs=ref_fn, on_step=on_step, store=None if workers is None else workers.store,
         gate=None if workers is None else workers.gate,
     )
-    pipeline.max_context = positions
+    pipeline.max_context = inputs.positions
     if resume is not None:
         st = resume.state
         assert saved_store is not None

@@ -390,8 +390,8 @@ def write_report(run_dirs: list[str | Path], log: Callable[[str], None] | None =
     if len(set(labels)) < len(labels):  # same folder names in different places: use the full paths
         labels = [str(d) for d in run_dirs]
     runs = [load_run(d, label) for d, label in zip(run_dirs, labels, strict=True)]
-    for note in (n for r in runs for n in r.notes):
-        if log is not None:
+    if log is not None:
+        for note in (n for r in runs for n in r.notes):
             log(f"[asyncflow] note: {note}")
     for r in runs:
         if not r.train:

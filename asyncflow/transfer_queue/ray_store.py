@@ -281,9 +281,7 @@ class StoreController:
                 return None
             new = dict(fields)
             for k in hit:
-                new[k] = _LOST.get(k)
-            if "finish_reason" in hit:
-                new["finish_reason"] = "cancelled"
+                new[k] = _LOST.get(k)  # (a response's finish_reason becomes "cancelled")
             return new
 
         n = self.q.replace_values(fix)

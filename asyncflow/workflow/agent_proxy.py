@@ -213,8 +213,8 @@ class EpisodeRecorder:
         if self.floor is not None and self._oldest < self.floor():
             # (`_oldest`: the first token of every call that generated any; within a call versions never go back)
             self.stale = True
-            raise RequestError("this episode's first model call is older than workflow.max_staleness allows: the "
-                               "episode is cancelled (its sample will not be trained)", status=409,
+            raise RequestError("this episode's oldest generated token is older than workflow.max_staleness allows: "
+                               "the episode is cancelled (its sample will not be trained)", status=409,
                                kind="episode_cancelled")
         if not prompt_ids:
             raise RequestError("prompt: empty after tokenization", param="prompt")
