@@ -454,6 +454,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             length = -1
         headers = {k.lower(): v for k, v in self.headers.items()}
         if "chunked" in headers.get("transfer-encoding", "").lower():  # (its body was read as empty)
+            self._skip_chunked_body()  # (answered and closed mid-body, the client's send broke: no 411 seen)
             status, reply = 411, {"error": {"message": "send the body with a Content-Length (chunked transfer "
                                                        "encoding is not supported)", "type": "invalid_request_error",
                                             "param": None, "code": None}}
@@ -472,6 +473,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
+
+    def _skip_chunked_body(self) -> None:
+        """Read a chunked body to its end, discarding it (at most `MAX_BODY_BYTES`; the socket's
+        `timeout` bounds each read), so the client has sent it all before it is answered."""
+        left = MAX_BODY_BYTES
+        with contextlib.suppress(OSError, ValueError):
+            while left > 0:
+                size = int(self.rfile.readline(1024).split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    self.rfile.readline(1024)  # (the blank line after the last chunk; trailers are not read)
+                    return
+                if not 0 < size <= left:
+                    return  # (too large: answered without reading it all)
+                left -= size
+                self.rfile.read(size + 2)  # the chunk and its line end
 
     def _client_gone(self) -> bool:
         """The client closed its connection: its socket reads end-of-file (its request was read whole)."""
