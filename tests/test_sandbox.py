@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from asyncflow.rewards import sandbox
 from asyncflow.rewards.sandbox import SandboxLimits, run_code, run_tests
 
 
@@ -127,3 +135,89 @@ def test_the_sandbox_does_not_leave_descriptors_open() -> None:
     for _ in range(3):
         run_code("print(1)")
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_tests_larger_than_one_command_line_argument_still_run() -> None:
+    big = "assert sum(" + repr(list(range(30000))) + ") == 449985000"  # ~200 KB: over Linux's 128 KiB per argument
+    assert run_tests("x = 1\n", [big, "assert x == 1"]) == 1.0
+
+
+def test_run_tests_raises_when_the_sandbox_itself_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = sandbox.run_code
+    monkeypatch.setattr(sandbox, "run_code", functools.partial(real, python="/nonexistent/python3"))
+    with pytest.raises(RuntimeError, match="cannot start /nonexistent/python3"):
+        sandbox.run_tests("x = 1\n", ["assert x == 1"])  # a 0.0 here would punish a correct solution
+
+
+def test_run_tests_timeout_replaces_the_one_in_limits() -> None:
+    slow = "import time\ntime.sleep(30)\n"
+    res_limits = SandboxLimits(timeout_s=60, cpu_s=30)
+    assert run_tests(slow, ["assert True"], timeout_s=1, limits=res_limits) == 0.0
+    assert run_tests("x = 1\n", ["assert x == 1"], limits=res_limits) == 1.0
+
+
+def test_the_code_cannot_forge_test_results_or_read_the_tests() -> None:
+    tests = ["assert False", "assert 1 == 2"]
+    replace_exec = "import builtins\nbuiltins.exec = lambda *a, **k: None\nbuiltins.compile = lambda *a, **k: None\n"
+    assert run_tests(replace_exec, tests) == 0.0
+    forge = ("import os\nfor fd in map(int, os.listdir('/proc/self/fd')):\n"
+             "    for i in range(2):\n"
+             "        try:\n            os.write(fd, b'{\"test\": %d, \"passed\": true}\\n' % i)\n"
+             "        except OSError:\n            pass\n")
+    assert run_tests(forge, tests) == 0.0
+    res = run_code("import sys, os\nprint(sys.argv)\nprint(sorted(os.listdir('.')))\n", tests=["assert True"])
+    workdir = os.path.dirname(eval(res.stdout.splitlines()[0])[0])
+    assert res.stdout.splitlines() == [f"['{workdir}/solution.py']", "['solution.py']"]  # no config, no tests
+
+
+def test_the_code_runs_as_a_real_module() -> None:
+    res = run_code("import pickle, sys\nclass P:\n    pass\nprint(len(pickle.loads(pickle.dumps([P()]))))\n"
+                   "print(sys.modules['__main__'].P is P)\n")
+    assert (res.status, res.stdout) == ("ok", "1\nTrue\n"), res.stderr
+
+
+def test_threads_are_joined_and_atexit_runs_as_in_a_normal_exit() -> None:
+    code = ("import atexit, threading, time\natexit.register(lambda: print('bye'))\n"
+            "def main():\n    time.sleep(0.2)\n    print(3)\nthreading.Thread(target=main).start()\n")
+    res = run_code(code)
+    assert (res.status, res.stdout) == ("ok", "3\nbye\n"), res.stderr
+
+
+def test_statuses_are_not_taken_from_the_codes_own_exit() -> None:
+    assert (run_code("import sys\nsys.exit(86)").status, run_code("import sys\nsys.exit(87)").status) == ("error", "error")
+    killed = run_code("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", limits=SandboxLimits(cpu_s=5))
+    assert (killed.status, killed.exit_code) == ("error", -9)  # a kill, not the CPU limit: no CPU was used
+    message = run_code("import sys\nsys.exit('usage: solve N')")
+    assert (message.status, message.exit_code, message.stderr) == ("error", 1, "usage: solve N\n")
+
+
+def test_a_process_that_escapes_the_group_does_not_hold_run_code() -> None:
+    code = ("import os, sys, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n"
+            "    os.write(w, str(os.getpid()).encode())\n    time.sleep(60)\n    os._exit(0)\n"
+            "print(os.read(r, 32).decode())\n")
+    threads = threading.active_count()
+    res = run_code(code, limits=SandboxLimits(timeout_s=30))
+    try:
+        assert res.status == "ok", res.stderr
+        assert threading.active_count() == threads  # no reader thread left blocked on the escapee's pipes
+    finally:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(res.stdout), signal.SIGKILL)
+
+
+def test_a_locked_folder_is_removed_without_root_permissions(tmp_path: Path) -> None:
+    """As root (CI) every permission check passes; without the capabilities that let root ignore
+    them, a folder of mode 000 made removing the work folder fail (TypeError) and leave it behind."""
+    script = ("import glob, os, tempfile\nfrom asyncflow.rewards.sandbox import run_code\n"
+              "res = run_code(\"import os\\nos.makedirs('a/b')\\nopen('a/b/f', 'w').write('x')\\n"
+              "os.chmod('a/b', 0)\\nos.chmod('a', 0o500)\\nprint(os.getcwd())\\n\")\n"
+              "print(res.status, os.path.exists(res.stdout.strip()))\n")
+    cmd = [sys.executable, "-c", script]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: cannot drop the capabilities")
+        drop = "-dac_override,-dac_read_search"
+        cmd = ["setpriv", "--bounding-set", drop, "--inh-caps", drop, *cmd]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(sandbox.__file__).parents[2])})
+    assert (done.returncode, done.stdout) == (0, "ok False\n"), done.stderr
