@@ -61,7 +61,7 @@ class DatasetConfig:
 class RewardConfig:
     """The reward function."""
 
-    fn: str | None = _f(None, "`module:function` with TRL's signature fn(prompts, completions, **columns) -> list[float] (a None fails the group's call). null: the task pack's verifier.")
+    fn: str | None = _f(None, "`module:function` (or `path/to/file.py:function`) with TRL's signature fn(prompts, completions, **columns) -> list[float] (a None fails the group's call). null: the task pack's verifier.")
     timeout_s: float = _f(60.0, "Longest one reward call may take before its samples are marked as failed.", lo=0.001)
     fail_fast_calls: int = _f(32, "If this many first reward calls of a run all fail, stop the run (exit 2). "
                                "With rollout.env or rollout.agent: this many first episodes.", lo=1)
@@ -667,7 +667,7 @@ def validate(cfg: Config, explicit: set[str]) -> None:
     if cfg.rollout.env is not None and cfg.rollout.env not in ENV_NAMES and ":" not in cfg.rollout.env:
         raise UserError(f"rollout.env: {cfg.rollout.env!r} is neither a built-in ({', '.join(ENV_NAMES)}) nor 'module:factory'")
     if cfg.reward.fn is not None and ":" not in cfg.reward.fn:
-        raise UserError(f"reward.fn: {cfg.reward.fn!r} must be 'module:function'")
+        raise UserError(f"reward.fn: {cfg.reward.fn!r} must be 'module:function' or 'path/to/file.py:function'")
     _validate_algorithm(cfg, explicit)
     _validate_servers(cfg, explicit)
     _validate_engines(cfg, explicit)

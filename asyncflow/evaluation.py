@@ -60,6 +60,10 @@ class Evaluator:
         # the evaluation's remaining prompts, never the run (its final evaluation precedes the final save)
         self._plain_calls = PlainCalls(stop_when_full=False)
 
+    def close(self) -> None:
+        """Let the plain reward function's idle threads end (a hung call's thread ends when it returns)."""
+        self._plain_calls.close()
+
     async def run(self, step: int) -> dict[str, Any]:
         """Evaluate the engine's current weights; log and return the eval row."""
         start = self.tracer.now()

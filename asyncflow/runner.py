@@ -79,6 +79,7 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
     """
     from asyncflow.data import check_columns, model_positions, read_rows, subset
     from asyncflow.model_folder import check_model_dir
+    from asyncflow.rewards import absolute_reward_path
 
     task = None
     if cfg.task is not None:
@@ -125,7 +126,7 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
             eval_rows = rows
             log(f"[asyncflow] note: {data_path} has {len(rows)} rows of {len(groups)} distinct prompt(s), too few to "
                 "hold out an eval set; evaluating on the training prompts (give eval.path for a held-out set)")
-    reward_path = cfg.reward.fn or (task.reward_fn_path if task is not None else "")
+    reward_path = absolute_reward_path(cfg.reward.fn) if cfg.reward.fn else (task.reward_fn_path if task is not None else "")
     first_chat = next((c for c in chats if c is not None), None)
     eval_rows = subset(eval_rows, range(min(len(eval_rows), cfg.eval.size)))
     return Inputs(model_dir, rows, eval_rows, reward_path, first_chat, data_path, eval_path,
@@ -639,6 +640,10 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             await pending_eval
         final_eval = await evaluator.run(step=cfg.train.max_steps)
     finally:
+        if pending_eval is not None and not pending_eval.done():  # the run failed while it was running
+            pending_eval.cancel()
+            await asyncio.wait([pending_eval], timeout=10)
+        evaluator.close()
         if workers is not None:
             workers.collect(tracer, pipeline.counters)
             restarts = {k: v for k, v in workers.restarts.items() if v}

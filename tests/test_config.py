@@ -78,7 +78,7 @@ def test_set_values_are_parsed_as_yaml_scalars() -> None:
         (["train.batch_size=12", "rollout.n=8"], "train.batch_size: 12 is not divisible"),
         (["task=null"], "model.path: required when task is null"),
         (["task=nope"], "task: unknown task pack 'nope'"),
-        (["reward.fn=mymodule"], "reward.fn: 'mymodule' must be 'module:function'"),
+        (["reward.fn=mymodule"], "reward.fn: 'mymodule' must be 'module:function' or 'path/to/file.py:function'"),
         (["logging.wandb_project=x"], "logging.wandb_project: not used while logging.wandb is false"),
         (["checkpoint.keep=5"], "checkpoint.keep: not used while checkpoint.every is 0"),
         (["runtime.rollout_cpus=2"], "runtime.rollout_cpus: only used with runtime.kind=ray (kind is local)"),

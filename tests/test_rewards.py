@@ -85,6 +85,48 @@ def test_a_raising_function_marks_its_samples_instead_of_crashing() -> None:
     assert out.rewards is None and out.error == "reward function raised KeyError: 'missing'"
 
 
+def test_sys_exit_or_a_stray_cancellation_in_a_reward_function_marks_its_samples() -> None:
+    import asyncio
+
+    from asyncflow.rewards import call_reward_fn_async
+
+    def exits(prompts, completions, **kw):
+        sys.exit("usage: grader [-h]")  # e.g. an argparse helper inside the verifier
+
+    def bad_tolist(prompts, completions, **kw):
+        class Rewards(list):
+            def __iter__(self):
+                raise NotImplementedError("meta tensor")
+        return Rewards([1.0])
+
+    assert call_reward_fn(exits, ["p"], ["c"], [[1]], {}).error == "reward function raised SystemExit: usage: grader [-h]"
+    assert call_reward_fn(bad_tolist, ["p"], ["c"], [[1]], {}).error.startswith("reward function raised NotImplementedError")
+
+    async def inner_cancelled(prompts, completions, **kw):
+        raise asyncio.CancelledError()  # its own request was cancelled; this call was not
+
+    async def interrupted(prompts, completions, **kw):
+        raise KeyboardInterrupt
+
+    out = asyncio.run(call_reward_fn_async(inner_cancelled, ["p"], ["c"], [[1]], {}))
+    assert out.rewards is None and out.error.startswith("reward function raised CancelledError")
+    assert asyncio.run(call_reward_fn_async(interrupted, ["p"], ["c"], [[1]], {})).error == (
+        "reward function raised KeyboardInterrupt: ")
+
+    async def cancelled_from_outside() -> None:
+        async def slow(prompts, completions, **kw):
+            await asyncio.sleep(60)
+            return [1.0]
+
+        task = asyncio.ensure_future(call_reward_fn_async(slow, ["p"], ["c"], [[1]], {}))
+        await asyncio.sleep(0.01)
+        task.cancel()  # a timeout: must stay a cancellation, not become a reward error
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled_from_outside())
+
+
 def test_loading_names_the_module_or_function_at_fault(tmp_path: Path) -> None:
     (tmp_path / "plug_ok.py").write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     (tmp_path / "plug_broken.py").write_text("import does_not_exist\n")
@@ -98,6 +140,33 @@ def test_loading_names_the_module_or_function_at_fault(tmp_path: Path) -> None:
             load_reward_fn("plug_ok", [tmp_path])
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_a_reward_function_loads_from_a_python_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncflow.rewards import absolute_reward_path
+
+    (tmp_path / "graders").mkdir()
+    (tmp_path / "graders" / "helpers.py").write_text("def norm(s):\n    return s.strip()\n")
+    (tmp_path / "graders" / "score.py").write_text(
+        "import dataclasses\nfrom helpers import norm\n@dataclasses.dataclass\nclass R:\n    v: float\n"
+        "def exact(prompts, completions, answer, **kw):\n"
+        "    return [R(float(norm(c) == a)).v for c, a in zip(completions, answer)]\n")
+    (tmp_path / "graders" / "broken.py").write_text("raise RuntimeError('no key')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    fn = load_reward_fn("graders/score.py:exact")
+    assert fn(["p", "p"], [" 4 ", "5"], ["4", "4"]) == [1.0, 0.0]
+    assert load_reward_fn(str(tmp_path / "graders" / "score.py") + ":exact") is fn  # loaded once per file
+    assert absolute_reward_path("graders/score.py:exact") == f"{tmp_path.resolve()}/graders/score.py:exact"
+    assert absolute_reward_path("my_mod:exact") == "my_mod:exact"
+    with pytest.raises(UserError, match=r"reward.fn: no file 'graders/nope.py' in "):
+        load_reward_fn("graders/nope.py:exact")
+    with pytest.raises(UserError, match=r"reward.fn: cannot load '.*broken.py': RuntimeError: no key$"):
+        load_reward_fn("graders/broken.py:exact")
+    with pytest.raises(UserError, match=r"file 'graders/score.py' has no function 'nope'"):
+        load_reward_fn("graders/score.py:nope")
+    with pytest.raises(UserError, match=r"a file is given as 'path/to/file.py:function'"):
+        load_reward_fn("graders/score:exact")
 
 
 def test_async_functions_are_recognised_and_validated_like_plain_ones() -> None:

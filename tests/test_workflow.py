@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -326,10 +328,20 @@ def test_cancelled_generations_drop_their_group_and_free_its_admission_slot(
     assert last["cancelled"] == len(cancelled)
 
 
+def _reward_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("reward-")}
+
+
 def test_redundant_rollouts_train_the_first_groups_and_end_the_rest_cleanly(arith_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
+    before = _reward_threads()
     summary = _run(arith_dir, out, ["workflow.mode=sync", "workflow.redundancy=0.5", "eval.every=0"])
     assert summary["samples"] == 4 * 32
+    for _ in range(100):  # the run's (idle) reward threads, the evaluation's too, end once it is over
+        if not _reward_threads() - before:
+            break
+        time.sleep(0.05)
+    assert not _reward_threads() - before
     samples = _rows(out, "samples.jsonl")
     trained = [s for s in samples if s["status"] == "trained"]
     extra = [s for s in samples if s["status"] in ("cancelled", "dropped_stale")]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import importlib
+import importlib.util
 import inspect
 import math
 import numbers
@@ -28,21 +29,65 @@ RewardFn = Callable[..., Sequence[Any]]
 
 
 def load_reward_fn(path: str, search_dirs: Sequence[str | Path] = ()) -> RewardFn:
-    """Import `module:function`. The current directory and `search_dirs` are importable."""
-    module_name, _, attr = path.partition(":")
+    """Import `module:function`, or load `path/to/file.py:function` from a file. The current
+    directory and `search_dirs` are importable, and a relative file is looked for in them."""
+    module_name, _, attr = path.rpartition(":")
     if not module_name or not attr:
-        raise UserError(f"reward.fn: {path!r} must be 'module:function'")
-    for d in [Path.cwd(), *map(Path, search_dirs)]:
+        raise UserError(f"reward.fn: {path!r} must be 'module:function' or 'path/to/file.py:function'")
+    dirs = [Path.cwd(), *map(Path, search_dirs)]
+    for d in dirs:
         if str(d) not in sys.path:
             sys.path.insert(0, str(d))
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import failure is the user's plugin: name it, one line
-        raise UserError(f"reward.fn: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+    if module_name.endswith(".py"):
+        module = _load_file(module_name, dirs)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:  # any import failure is the user's plugin: name it, one line
+            hint = " (a file is given as 'path/to/file.py:function')" if "/" in module_name else ""
+            raise UserError(f"reward.fn: cannot import module {module_name!r}: {type(exc).__name__}: {exc}{hint}") from None
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
-        raise UserError(f"reward.fn: module {module_name!r} has no function {attr!r}")
+        kind = "file" if module_name.endswith(".py") else "module"
+        raise UserError(f"reward.fn: {kind} {module_name!r} has no function {attr!r}")
     return fn
+
+
+def _load_file(name: str, dirs: Sequence[Path]) -> Any:
+    """The module of a `.py` file (a relative name is found in `dirs`); its folder becomes importable."""
+    given = Path(name).expanduser()
+    file = next((f for f in ([given] if given.is_absolute() else [d / given for d in dirs]) if f.is_file()), None)
+    if file is None:
+        where = "" if given.is_absolute() else " in " + ", ".join(str(d) for d in dirs)
+        raise UserError(f"reward.fn: no file {name!r}{where}")
+    file = file.resolve()
+    key = f"asyncflow_reward_file_{abs(hash(str(file))):x}"
+    module = sys.modules.get(key)
+    if module is not None:
+        return module
+    if str(file.parent) not in sys.path:
+        sys.path.insert(0, str(file.parent))  # its own helper modules import as from a script
+    spec = importlib.util.spec_from_file_location(key, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module  # before running it: dataclasses and pickle look their module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[key]
+        raise UserError(f"reward.fn: cannot load {str(file)!r}: {type(exc).__name__}: {exc}") from None
+    return module
+
+
+def absolute_reward_path(path: str) -> str:
+    """`file.py:function` relative to the current directory made absolute (for Ray actors, whose
+    working directory differs); anything else unchanged."""
+    module_name, _, attr = path.rpartition(":")
+    if module_name.endswith(".py") and not Path(module_name).expanduser().is_absolute():
+        here = Path.cwd() / module_name
+        if here.is_file():
+            return f"{here.resolve()}:{attr}"
+    return path
 
 
 @dataclass
@@ -93,12 +138,12 @@ def call_reward_fn(
     kwargs = _kwargs(fn, completion_ids, columns)
     try:
         out = fn(prompts=prompts, completions=completions, **kwargs)
-    except Exception as exc:  # the plugin failed: mark its samples, never crash the run for one call
+        return validate_rewards(out, len(completions))  # converting what it returned can raise too
+    except BaseException as exc:  # the plugin failed, even with sys.exit(): mark its samples, never end the run
         return _raised(exc)
-    return validate_rewards(out, len(completions))
 
 
-def _raised(exc: Exception) -> RewardOutcome:
+def _raised(exc: BaseException) -> RewardOutcome:
     return RewardOutcome(None, f"reward function raised {type(exc).__name__}: {exc}")
 
 
@@ -111,9 +156,14 @@ async def call_reward_fn_async(
     kwargs = _kwargs(fn, completion_ids, columns)
     try:
         out = await fn(prompts=prompts, completions=completions, **kwargs)
-    except Exception as exc:  # as in `call_reward_fn`; a cancellation (timeout) is not an Exception
+        return validate_rewards(out, len(completions))
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is None or getattr(task, "cancelling", lambda: 1)():  # Python 3.10 has no cancelling(): raise
+            raise  # this call was cancelled (its timeout, the run's end): not the plugin's error
+        return _raised(exc)  # the plugin raised CancelledError of its own (e.g. a cancelled inner request)
+    except BaseException as exc:  # as in `call_reward_fn`
         return _raised(exc)
-    return validate_rewards(out, len(completions))
 
 
 PLAIN_CALLS_PER_HOP = 8  # groups a plain function scores per thread hop (the reward stage's take; evaluation)
