@@ -35,7 +35,7 @@ class ModelConfig:
 
     path: str | None = _f(None, "Hugging Face causal-LM folder. null: the task pack prepares (and caches) its model.")
     cache_dir: str | None = _f(None, "Where prepared task models are cached. null: $ASYNCFLOW_CACHE or ~/.cache/asyncflow.")
-    dtype: Literal["float32", "bfloat16"] = _f("float32", "Parameter dtype for training and rollout (float32 keeps behaviour and trainer log-probs equal).")
+    dtype: Literal["float32", "bfloat16"] = _f("float32", "Compute dtype for rollout and the trainer's passes; the trainer keeps float32 master weights and optimizer states either way (float32 keeps behaviour and trainer log-probs equal).")
     device: Literal["auto", "cpu", "cuda"] = _f(
         "auto",
         "Where the hf rollout engines and the torch trainer run. auto: on a GPU when the process sees one "
@@ -796,6 +796,9 @@ def _validate_algorithm(cfg: Config, explicit: set[str]) -> None:
             raise UserError(f"algorithm.{key}: not used by algorithm.loss={a.loss} (used by: {users}); remove it")
     if 0 < a.dual_clip <= 1:
         raise UserError(f"algorithm.dual_clip: {a.dual_clip} must be 0 (off) or > 1")
+    if a.loss == "mis" and a.is_cap <= 1:
+        raise UserError(f"algorithm.is_cap: {a.is_cap:g} with algorithm.loss=mis keeps only weights of exactly 1 "
+                        "(the window is [1/cap, cap]): any engine/trainer difference masks every token; use a cap > 1")
     if "algorithm.kl_estimator" in explicit and a.kl_coef == 0:
         raise UserError("algorithm.kl_estimator: not used while algorithm.kl_coef is 0 (no KL term); set kl_coef > 0")
     if a.norm_length is not None and a.agg != "dr_grpo":

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from asyncflow.algorithms.losses import LossSettings, make_loss_fn
-from asyncflow.engines.base import GenRequest
+from asyncflow.engines.base import GenRequest, TrainBatch
 from asyncflow.engines.hf import HFEngine, truncate_logits
 from asyncflow.engines.torch_train import ReferenceModel, TorchTrainEngine
 from asyncflow.workflow.pipeline import build_train_batch
@@ -396,3 +399,61 @@ def test_ray_actors_use_a_gpu_only_when_ray_gave_them_one(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert actor_device("auto", 0.0) == "cpu" and actor_device("auto", 0.5) == "cuda:0"
     assert actor_device("cpu", 1.0) == "cpu"
+
+
+def _step_batch() -> TrainBatch:
+    return build_train_batch([[3, 4], [5, 6]], [[7, 1], [8]], [[-1.0, -1.0], [-1.0]], torch.tensor([1.0, -1.0]),
+                             [True, True], 0)
+
+
+def test_bfloat16_training_keeps_float32_master_weights_so_small_updates_land(tiny_model, tmp_path: Path) -> None:
+    """AdamW on bf16 weights rounded away most steps of ~lr (10 steps at lr 1e-6 changed 2% of the
+    weights); the master weights are float32 and only the passes and the exports are bf16."""
+    trainer = TorchTrainEngine(copy.deepcopy(tiny_model).to(torch.bfloat16), lr=1e-6, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train_step(_step_batch(), make_loss_fn(LossSettings()), 1.0)
+    changed = [not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items() if k.endswith("weight")]
+    assert sum(changed) == len(changed)
+    assert {v.dtype for v in trainer.export_weights().values()} == {torch.bfloat16}
+    trainer.save(str(tmp_path / "ckpt"), with_optimizer=True)  # a checkpoint keeps the master weights
+    trainer.save(str(tmp_path / "final"), with_optimizer=False)  # the final folder is in model.dtype
+    ckpt = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=None)
+    final = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"), dtype=None)
+    name, weight = next((k, v) for k, v in trainer.model.state_dict().items() if k.endswith("q_proj.weight"))
+    assert torch.equal(ckpt.state_dict()[name], weight) and final.state_dict()[name].dtype == torch.bfloat16
+
+
+def test_a_non_finite_gradient_skips_the_step_and_an_empty_mini_batch_takes_none(tiny_model) -> None:
+    trainer = TorchTrainEngine(copy.deepcopy(tiny_model), lr=1e-2)
+    before = trainer.export_weights()
+
+    def nan_loss(logp, mb, norm):
+        return (logp * mb.response_mask).sum() * float("nan"), {}
+
+    metrics = trainer.train_step(_step_batch(), nan_loss, 1.0)
+    assert metrics["skipped_nonfinite"] == 1.0 and math.isnan(metrics["grad_norm"])
+    after = trainer.export_weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no NaN weight was made (or published)
+    masked = _step_batch()
+    masked.response_mask.zero_()  # every row masked out (e.g. reward errors)
+    metrics = trainer.train_step(masked, make_loss_fn(LossSettings()), 1.0)
+    assert metrics["grad_norm"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in trainer.export_weights().items())  # AdamW did not move them
+    metrics = trainer.train_step(_step_batch(), make_loss_fn(LossSettings()), 1.0)
+    assert metrics["skipped_nonfinite"] == 0.0 and any(not torch.equal(before[k], v)
+                                                       for k, v in trainer.export_weights().items())
+
+
+def test_the_trainer_runs_without_dropout(tiny_model) -> None:
+    """With dropout on, two log-prob passes of one batch differed and decoupled PPO's first ratio was not 1."""
+    config = copy.deepcopy(tiny_model.config)
+    config.attention_dropout = 0.5
+    model = type(tiny_model)(config)
+    model.load_state_dict(tiny_model.state_dict())
+    trainer = TorchTrainEngine(model.train(), lr=0.0)
+    batch = _step_batch()
+    torch.testing.assert_close(trainer.logprobs(batch, 1.0), trainer.logprobs(batch, 1.0), rtol=0, atol=0)
+    batch.proximal_logprobs = trainer.logprobs(batch, 1.0)
+    metrics = trainer.train_step(batch, make_loss_fn(LossSettings(loss="decoupled_ppo")), 1.0)
+    assert metrics["ratio_max"] == pytest.approx(1.0) and metrics["ratio_min"] == pytest.approx(1.0)

@@ -118,3 +118,30 @@ def test_short_training_run_with_the_fsdp_engine(arith_dir: Path, tmp_path: Path
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(str(out / "final"))
+
+
+def test_fsdp_bfloat16_trains_float32_master_weights_and_skips_non_finite_steps(tiny_model, tmp_path: Path) -> None:
+    """FSDP's mixed-precision policy: bf16 passes over float32 shards (bf16 shards lost most small
+    AdamW updates); a NaN gradient leaves every rank's shard as it was."""
+    fsdp = FSDPTrainEngine(copy.deepcopy(tiny_model), world_size=2, lr=1e-6, dtype=torch.bfloat16)
+    try:
+        batch = _batch(4)
+        before = fsdp.export_weights(master=True)
+        assert {v.dtype for v in before.values()} == {torch.float32}
+
+        def nan_loss(logp, mb, norm):
+            return (logp * mb.response_mask).sum() * float("nan"), {}
+
+        assert fsdp.train_step(batch, nan_loss, 1.0)["skipped_nonfinite"] == 1.0
+        _assert_same_weights(fsdp.export_weights(master=True), before)
+        metrics = fsdp.train_step(batch, make_loss_fn(LossSettings()), 1.0)
+        assert metrics["skipped_nonfinite"] == 0.0
+        after = fsdp.export_weights(master=True)
+        weights = [k for k in after if k.endswith("weight")]
+        assert all(not torch.equal(before[k], after[k]) for k in weights)  # a step of ~1e-6 lands on every weight
+        assert {v.dtype for v in fsdp.export_weights().values()} == {torch.bfloat16}  # what rollout engines get
+        fsdp.save(str(tmp_path / "ckpt"), with_optimizer=True)
+        saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+        assert saved.get("dtype", saved.get("torch_dtype")) == "float32"
+    finally:
+        fsdp.close()

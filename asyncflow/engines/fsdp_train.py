@@ -46,7 +46,12 @@ import torch.multiprocessing  # noqa: F401  (registers shared-memory pickling of
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from asyncflow.engines.base import LossFn, Norm, TrainBatch, TrainEngine, quiet_transformers
-from asyncflow.engines.torch_train import combine_metrics, keep_hyperparameters, token_logprobs
+from asyncflow.engines.torch_train import (
+    combine_metrics,
+    finish_optimizer_step,
+    keep_hyperparameters,
+    token_logprobs,
+)
 from asyncflow.errors import WaitTimeout
 
 POLL_S = 0.2  # how often a wait on a worker checks that every worker is still alive
@@ -113,7 +118,7 @@ class _Rank:
 
     def __init__(self, rank: int, spec: WorkerSpec) -> None:
         import torch.distributed as dist
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         self.rank, self.spec = rank, spec
         torch.set_num_threads(spec.threads)
@@ -130,7 +135,10 @@ class _Rank:
             world_size=spec.world_size,
             timeout=timedelta(seconds=spec.timeout_s),
         )
-        model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=getattr(torch, spec.dtype))
+        # float32 master weights and AdamW states; a lower model.dtype is FSDP's compute dtype (its
+        # mixed-precision policy casts the gathered parameters; gradients are reduced in float32)
+        model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
+        self.dtype = getattr(torch, spec.dtype)
         # the plain model's state-dict keys, and tied aliases (e.g. lm_head.weight -> embed_tokens.weight),
         # so the exported dict loads strictly into an unsharded model
         self.keys = list(model.state_dict().keys())
@@ -142,16 +150,18 @@ class _Rank:
             else:
                 first[id(param)] = name
         model.to(self.device)  # type: ignore[arg-type]
+        policy = MixedPrecisionPolicy(param_dtype=None if self.dtype == torch.float32 else self.dtype,
+                                      reduce_dtype=torch.float32)
         for layer in _decoder_layers(model):
-            fully_shard(layer)
-        sharded: Any = fully_shard(model)
+            fully_shard(layer, mp_policy=policy)
+        sharded: Any = fully_shard(model, mp_policy=policy)
         # losses are normalised by the whole mini-batch: rank contributions add up, so sum gradients
         # (gloo has no pre-multiplied sum: force a plain SUM reduction); the setting is per FSDP module
         for module in sharded.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
-        self.model: Any = sharded.train()
+        self.model: Any = sharded.eval()  # no dropout (as the plain engine: the log-prob passes must agree)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
 
     def _passes(self, share: Share, dummy: TrainBatch) -> list[tuple[TrainBatch, bool]]:
@@ -192,6 +202,8 @@ class _Rank:
         counts = torch.tensor([local.tokens, local.seqs], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)  # the whole mini-batch's normaliser, over all ranks
         norm = Norm(tokens=float(counts[0]), seqs=float(counts[1]))
+        if norm.tokens == 0:  # no rank has a trained token: every rank skips the step together
+            return {}, 0.0
         parts: list[dict[str, float]] = []
         passes = self._passes(share, dummy)
         for i, (mb, real) in enumerate(passes):
@@ -209,16 +221,22 @@ class _Rank:
         clip = self.spec.max_grad_norm if self.spec.max_grad_norm > 0 else float("inf")
         total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         full = total.full_tensor() if hasattr(total, "full_tensor") else total
-        self.optimizer.step()
-        return combine_metrics(parts, mean=False), float(full)
+        sums = combine_metrics(parts, mean=False)
+        finish_optimizer_step(self.optimizer, float(full), sums)  # the norm is global: every rank decides alike
+        del sums["grad_norm"], sums["skipped_nonfinite"]  # the driver sets both once, from the norm
+        return sums, float(full)
 
-    def export(self) -> dict[str, torch.Tensor] | None:
+    def export(self, master: bool = False) -> dict[str, torch.Tensor] | None:
+        """The full weights on rank 0: in the compute dtype (for the rollout engines and the final
+        folder), or with `master` the float32 master weights (a checkpoint, so a resume is exact)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state: dict[str, Any] = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
-        return {k: state[k] if k in state else state[self.aliases[k]] for k in self.keys}
+        dtype = torch.float32 if master else self.dtype
+        full = {k: state[k] if k in state else state[self.aliases[k]] for k in self.keys}
+        return {k: v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v for k, v in full.items()}
 
     def save_optimizer(self, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -418,11 +436,12 @@ class FSDPTrainEngine(TrainEngine):
         for i in range(len(minis)):
             sums = combine_metrics([replies[r][i][0] for r in range(self.world_size)], mean=False)
             sums["grad_norm"] = replies[0][i][1]  # the norm of the whole gradient: equal on every rank
+            sums["skipped_nonfinite"] = 0.0 if math.isfinite(sums["grad_norm"]) else 1.0
             steps.append(sums)
         return combine_metrics(steps, mean=True)
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        state: dict[str, torch.Tensor] = self._call("export", [()] * self.world_size, "gather the full weights")[0]
+    def export_weights(self, master: bool = False) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = self._call("export", [(master,)] * self.world_size, "gather the full weights")[0]
         return state
 
     def save(self, path: str, *, with_optimizer: bool) -> None:
@@ -430,9 +449,9 @@ class FSDPTrainEngine(TrainEngine):
 
         The optimizer file holds the full FSDP optimizer state keyed by parameter name; it is read back
         by `FSDPTrainEngine.load_optimizer` (not by the plain engine, whose file is keyed by index)."""
-        state = self.export_weights()
+        state = self.export_weights(master=with_optimizer)  # a checkpoint keeps the float32 master weights
         config = AutoConfig.from_pretrained(self.model_dir)
-        model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if with_optimizer else self.dtype)
         model.load_state_dict(state, strict=True)
         os.makedirs(path, exist_ok=True)
         model.save_pretrained(path)

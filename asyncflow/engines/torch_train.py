@@ -9,9 +9,11 @@ result does not depend on the micro-batch size.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -37,8 +39,30 @@ def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float
     logp_all = torch.log_softmax(logits, dim=-1)
     targets = batch.input_ids[:, 1:]
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    with torch.no_grad():  # a metric: built with autograd it kept a [B, L-1, V] tensor alive until backward
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+def compute_dtype_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
+    """Mixed precision: the trainer keeps float32 master weights (and AdamW states); with a lower
+    `model.dtype` the passes run under autocast in it. Training bf16 weights directly loses most
+    updates: an AdamW step of ~lr is far below half a bf16 rounding step of a typical weight."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def finish_optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: float, sums: dict[str, float]) -> None:
+    """Apply the step unless the gradient is not finite (a NaN/inf loss or gradient): then the weights
+    stay as they are (published NaN weights would end the run's usefulness) and `skipped_nonfinite` is 1."""
+    sums["grad_norm"] = grad_norm
+    if math.isfinite(grad_norm):
+        optimizer.step()
+        sums["skipped_nonfinite"] = 0.0
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        sums["skipped_nonfinite"] = 1.0
 
 
 def micro_batches(batch: TrainBatch, size: int | None, device: torch.device) -> list[TrainBatch]:
@@ -101,16 +125,19 @@ class TorchTrainEngine(TrainEngine):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         if isinstance(model, (str, Path)):
-            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
-        self.model = model.to(device).train()  # type: ignore[arg-type]
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+        # float32 master weights (see compute_dtype_context); eval mode: no dropout, as RL trainers run
+        # (with it the proximal log-probs and the ratio's first value would be noisy samples)
+        self.model = model.to(device=device, dtype=torch.float32).eval()  # type: ignore[arg-type,call-arg]
         self.device = torch.device(device)
+        self.dtype = dtype  # the compute dtype: passes, exported and final weights
         self.mini_batches = mini_batches
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
 
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), compute_dtype_context(self.device, self.dtype):
             parts = [token_logprobs(self.model, mb, temperature)[0] for mb in self._micro(batch)]
         return torch.cat(parts).cpu()  # (batches live on the CPU, where they are built)
 
@@ -126,9 +153,12 @@ class TorchTrainEngine(TrainEngine):
     def _optimizer_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         norm = batch.norm()
+        if norm.tokens == 0:  # every row masked (e.g. reward errors): AdamW's momentum would still move the weights
+            return {"grad_norm": 0.0, "skipped_nonfinite": 0.0}
         parts: list[dict[str, float]] = []
         for mb in self._micro(batch):
-            logp, entropy = token_logprobs(self.model, mb, temperature)
+            with compute_dtype_context(self.device, self.dtype):
+                logp, entropy = token_logprobs(self.model, mb, temperature)
             loss, metrics = loss_fn(logp, mb, norm)
             loss.backward()
             part = {k: float(v) for k, v in metrics.items()}
@@ -137,18 +167,23 @@ class TorchTrainEngine(TrainEngine):
             parts.append(part)
         sums = combine_metrics(parts, mean=False)
         clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        self.optimizer.step()
+        finish_optimizer_step(self.optimizer, float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)), sums)
         return sums
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        # CPU copies: engines load them onto their own devices, and a Ray actor without a GPU can
-        # unpickle them
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        # CPU copies in the compute dtype: engines load them onto their own devices, and a Ray actor
+        # without a GPU can unpickle them
+        return {k: v.detach().to("cpu", dtype=self.dtype if v.is_floating_point() else v.dtype, copy=True)
+                for k, v in self.model.state_dict().items()}
 
     def save(self, path: str, *, with_optimizer: bool) -> None:
+        """A checkpoint (`with_optimizer`) keeps the float32 master weights, so a resume continues
+        exactly; the final folder is in the compute dtype (`model.dtype`), as the model came."""
         os.makedirs(path, exist_ok=True)
-        self.model.save_pretrained(path)
+        if with_optimizer or self.dtype == torch.float32:
+            self.model.save_pretrained(path)
+        else:
+            self.model.save_pretrained(path, state_dict=self.export_weights())
         if with_optimizer:
             torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
 
