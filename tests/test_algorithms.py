@@ -46,8 +46,10 @@ def _loss(
     mask = torch.ones_like(lp) if mask is None else mask
     per = mask.sum(-1)
     norm = Norm(tokens=float(per.sum()), seqs=float((per > 0).sum()))
+    ref = kw.pop("ref", None)
     settings = LossSettings(loss=name, **kw)  # type: ignore[arg-type]
-    loss, metrics = policy_loss(lp, blp, torch.tensor(adv), mask, norm, settings, proximal_logprobs=prox)
+    loss, metrics = policy_loss(lp, blp, torch.tensor(adv), mask, norm, settings, proximal_logprobs=prox,
+                                ref_logprobs=ref)  # type: ignore[arg-type]
     loss.backward()
     assert lp.grad is not None
     return loss.detach(), metrics, lp.grad
@@ -300,6 +302,27 @@ def test_extreme_ratios_stay_finite(loss: str) -> None:
         assert float(m["is_weight_max"]) == pytest.approx(2.0)
     if loss == "mis":
         assert float(m["is_mask_frac"]) == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("loss", LOSS_NAMES)
+def test_log_ratios_past_exps_range_stay_finite(loss: str) -> None:
+    """e^95 is inf in float32: unclamped, ppo's clipped branch had a NaN gradient and its loss was inf."""
+    lp = torch.tensor([[-0.01, -95.5, -0.5]])
+    blp = torch.tensor([[-95.5, -0.01, -0.5]])
+    for adv in ([1.0], [-1.0]):
+        out, m, grad = _loss(loss, lp, blp, adv, prox=blp.clone())
+        assert math.isfinite(float(out)) and torch.isfinite(grad).all(), (loss, adv)
+        assert all(math.isfinite(float(v)) for v in m.values()), (loss, adv, m)
+
+
+def test_the_kl_term_ignores_positions_outside_the_mask_even_when_they_diverge() -> None:
+    lp = torch.tensor([[-95.0, -0.5, -0.5]])  # a prompt position where the policy is 95 nats below the reference
+    ref = torch.tensor([[0.0, -0.4, -0.6]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    out, m, grad = _loss("ppo", lp, lp.clone(), [1.0], mask=mask, kl_coef=0.1, ref=ref)
+    assert math.isfinite(float(out)) and torch.isfinite(grad).all() and float(grad[0, 0]) == 0.0
+    k3 = lambda d: math.exp(-d) + d - 1  # noqa: E731
+    assert float(m["kl"]) == pytest.approx((k3(-0.1) + k3(0.1)) / 2, rel=1e-5)
 
 
 def test_make_loss_fn_reads_the_batch_fields_and_refuses_unknown_names() -> None:

@@ -95,6 +95,7 @@ def test_set_values_are_parsed_as_yaml_scalars() -> None:
         (["algorithm.loss=gspo", "algorithm.dual_clip=3"], "algorithm.dual_clip: not used by algorithm.loss=gspo"),
         (["algorithm.loss=reinforce", "algorithm.is_level=sequence"], "algorithm.is_level: not used by"),
         (["algorithm.dual_clip=0.5"], "algorithm.dual_clip: 0.5 must be 0 (off) or > 1"),
+        (["algorithm.loss=mis", "algorithm.is_cap=1"], "algorithm.is_cap: 1 with algorithm.loss=mis keeps only weights"),
         (["algorithm.is_cap=0.5"], "algorithm.is_cap: 0.5 is below the minimum 1"),
         (["algorithm.kl_estimator=k1"], "algorithm.kl_estimator: not used while algorithm.kl_coef is 0"),
         (["algorithm.norm_length=16"], "algorithm.norm_length: only used with algorithm.agg=dr_grpo"),

@@ -55,6 +55,8 @@ class LossSettings:
     kl_estimator: str = "k3"
 
 
+LOG_RATIO_LIMIT = 20.0  # |log ratio| is clamped here before exp (policy_loss)
+
 # ---------------------------------------------------------------------------------------------------
 # Building blocks
 # ---------------------------------------------------------------------------------------------------
@@ -179,7 +181,9 @@ def policy_loss(
     mask = mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
     t = max(norm.tokens, 1.0)
-    log_r = (logprobs - behavior_logprobs) * mask  # current vs behavior, 0 off the mask
+    # current vs behavior, 0 off the mask; clamped (as verl does) so exp never overflows: past e^20 a
+    # ratio's clip or cap has long taken over, but exp(89) is inf and the clipped branch's gradient NaN
+    log_r = ((logprobs - behavior_logprobs) * mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     metrics: dict[str, torch.Tensor] = {}
     if s.loss == "ppo":
         ratio = torch.exp(log_r)
@@ -188,7 +192,7 @@ def policy_loss(
     elif s.loss == "decoupled_ppo":
         if proximal_logprobs is None:
             raise ValueError("decoupled_ppo needs proximal log-probs (TrainBatch.proximal_logprobs)")
-        ratio = torch.exp((logprobs - proximal_logprobs) * mask)
+        ratio = torch.exp(((logprobs - proximal_logprobs) * mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
         per_token, metrics = _clip_objective(ratio, adv, s, mask, t)
         log_w = log_is_weight((proximal_logprobs - behavior_logprobs) * mask, mask, s.is_level)
         raw = torch.exp(log_w)
@@ -221,7 +225,7 @@ def policy_loss(
         metrics["is_trunc_frac"] = (((adv < 0) & (ratio > 1)).to(mask.dtype) * mask).sum() / t
         metrics.update(_masked_stats("ratio", ratio, mask, t))
     elif s.loss == "gspo":
-        seq_log_r = log_is_weight(log_r, mask, "geometric")
+        seq_log_r = log_is_weight(log_r, mask, "geometric")  # a mean of clamped values: within the limit
         ratio = torch.exp(seq_log_r.detach() + logprobs - logprobs.detach())
         per_token, metrics = _clip_objective(ratio, adv, s, mask, t)
         metrics.update(_masked_stats("ratio", ratio, mask, t))
@@ -232,7 +236,9 @@ def policy_loss(
     loss = aggregate(per_token, mask, norm, s.agg, s.norm_length)
     metrics["pg_loss"] = loss.detach()
     if ref_logprobs is not None and s.kl_coef > 0:
-        kl = kl_estimate(logprobs, ref_logprobs, s.kl_estimator)
+        # masked before the estimate: k3's exp(-d) at a prompt or padding position could be inf, and
+        # inf x 0 (the mask) is NaN in the loss and its gradient
+        kl = kl_estimate(logprobs * mask, ref_logprobs * mask, s.kl_estimator)
         loss = loss + s.kl_coef * aggregate(kl, mask, norm, s.agg, s.norm_length)  # aggregation is linear
         metrics["kl"] = (kl.detach() * mask).sum() / t
     return loss, {k: v.detach() for k, v in metrics.items()}
