@@ -90,7 +90,8 @@ def test_a_trainer_starved_of_samples_fails_naming_what_it_waited_for(tmp_path: 
         def start_generate(self, request):  # type: ignore[no-untyped-def]
             return asyncio.get_running_loop().create_future()
 
-    with pytest.raises(WaitTimeout, match=r"timed out after 30.0 virtual s waiting for .*train"):
+    with pytest.raises(WaitTimeout, match=r"timed out after 30 s waiting for a training batch from stage 'train': "
+                                          r"0 of 4 groups; .*\(workflow.step_timeout_s"):
         _run(tmp_path, ["workflow.step_timeout_s=30", "rollout.request_timeout_s=1000"], engine_cls=AllHang)
 
 
@@ -146,3 +147,23 @@ def test_an_eval_whose_generation_never_returns_records_the_timeout(tmp_path: Pa
     row = run_virtual(main)
     assert row["eval_accuracy"] == 0.0
     assert row["eval_error"].startswith("timed out after 14.0 virtual s waiting for greedy generation of the 4 eval")
+
+
+def test_a_reward_outage_after_the_first_calls_ends_the_run_at_the_batch_deadline(tmp_path: Path) -> None:
+    """The verifier works for its first 40 calls, then every call fails: each group is discarded and
+    refilled, so every take succeeds. The bound is on the whole batch (the run used to go on for
+    ever, scoring and discarding the dataset in a loop)."""
+    from asyncflow.bench.pipeline import _reward
+
+    calls: list[int] = []
+
+    def goes_down(prompts: list[Any], completions: list[Any], **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) > 40:
+            raise RuntimeError("verifier down")
+        return _reward(prompts, completions, **kw)
+
+    with pytest.raises(WaitTimeout, match=r"timed out after 300 s waiting for a training batch from stage 'train': [0-3] of 4 groups; "
+                                          r"meanwhile [1-9]\d* groups failed every reward call"):
+        _run(tmp_path, ["workflow.step_timeout_s=300", "train.max_steps=50"], reward=goes_down)
+    assert len(calls) > 100  # it went on past the first calls (fail-fast did not end it) until the deadline

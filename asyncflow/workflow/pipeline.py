@@ -670,18 +670,28 @@ class Pipeline:
         leases: list[Lease] = []
         have = 0
         filtered = 0
+        failed = 0  # groups whose every reward call failed, in this batch's wait
         start = self.clock.now()
+        # one deadline for the whole batch, not per take: while every group fails (a verifier that went
+        # down after the run's first calls) each take succeeds, and the batch never filled nor ended
+        limit = self.cfg.workflow.step_timeout_s
         while len(groups) < self.groups_per_step:
+            left = start + limit - self.clock.now()
             try:
+                if left <= 0:
+                    raise WaitTimeout("the batch's deadline passed")
                 lease = await self.store.take(
                     "train",
                     max(self.n, self.cfg.train.batch_size - have),
-                    timeout=self.cfg.workflow.step_timeout_s,
+                    timeout=left,
                     min_version=self.gate.min_version(self.version),
                     fields_extra=TRAIN_FIELDS,
                 )
-            except WaitTimeout as exc:  # name the setting that bounds this wait
-                raise WaitTimeout(f"{exc} (workflow.step_timeout_s: the trainer's wait for a batch)") from None
+            except WaitTimeout:  # name the setting that bounds this wait, and what the wait saw
+                raise WaitTimeout(
+                    f"timed out after {limit:g} s waiting for a training batch from stage 'train': {len(groups)} of "
+                    f"{self.groups_per_step} groups; meanwhile {failed} groups failed every reward call and "
+                    f"{filtered} were filtered (workflow.step_timeout_s: the trainer's wait for a batch)") from None
             self.keeper.hold(lease)
             self._drop_stale(lease)
             for group in _by_group(lease.samples):
@@ -689,6 +699,7 @@ class Pipeline:
                     self._drop_groups(group, "dropped with its group: a sample of the group was cancelled")
                     continue
                 if all(s.fields["reward_error"] is not None for s in group):
+                    failed += 1
                     self.counters.reward_errors += len(group)
                     self._log_samples([(s, None, "reward_error", s.fields["reward_error"]) for s in group])
                     self._discard(group)
