@@ -200,12 +200,16 @@ def test_an_episode_never_asks_for_more_tokens_than_the_model_has_positions_left
             return await run_episode(env=_Echo(), engine=engine, clock=clock, tok=_Tok(), uid=9, prompt_ids=[100, 101],
                                      row={}, seed=0, settings=EpisodeSettings(8, 1.0, 60.0, 5.0, max_context=max_context))
 
-        return run_virtual(main).fields, engine.asked
+        return run_virtual(main).fields, getattr(engine, "asked", [])
 
     f, asked = play(9)  # prompt 2 + reset "R" 1: 6 left for turn 1; + 3 generated + "OB" 2: 1 left for turn 2
     assert asked == [6, 1] and f["turns"] == 2 and f["finish_reason"] == "stop"
     f, asked = play(8)  # no room for turn 2
     assert asked == [5] and f["turns"] == 1 and f["finish_reason"] == "length" and f["reward_error"] is None
+    f, asked = play(3)  # prompt 2 + reset 1 fill the model: nothing generated, so nothing to train
+    assert asked == [] and f["turns"] == 0 and f["reward"] is None
+    assert f["reward_error"] == ("the prompt and the environment's first observation take 3 of the model's 3 positions: "
+                                 "no room for a turn")
 
 
 def test_a_hung_environment_ends_its_episode_with_an_error() -> None:

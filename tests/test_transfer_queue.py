@@ -929,3 +929,67 @@ def test_a_group_take_views_only_the_stage_fields_and_the_extras_asked_for() -> 
     q.release(full)
     again = q.take_nowait("score", 2)
     assert again is not None and [s.fields for s in again.samples] == [{"resp": 1}, {"resp": 1}]
+
+
+def test_a_put_that_fails_validation_leaves_the_store_as_it_was() -> None:
+    """Fields and priority are checked with everything else before the first sample is admitted: a
+    bad one used to fail half way, admitting the samples before it unannounced (their group could
+    then never be completed: a retry was refused as 'more than group_size')."""
+    q = TransferQueue(capacity=16)
+    q.register_stage("s", ["x"])
+    for bad, err in ((NewSample(0, 2, None), TypeError), (NewSample(0, 2, {"x": 2}, priority="high"), ValueError),  # type: ignore[arg-type]
+                     (NewSample(0, 2, {"x": 2}, priority=float("nan")), ValueError)):
+        with pytest.raises(err, match="group 0: "):
+            q.put_blocking([NewSample(0, 2, {"x": 1}), bad])
+        assert q.size() == 0 and q.ready_count("s") == 0
+    assert len(q.put_blocking([NewSample(0, 2, {"x": 1}), NewSample(0, 2, {"x": 2})])) == 2  # the retry goes in
+    first = q.reserve_uids(2)
+    with pytest.raises(ValueError, match=f"uid {first} is in use"):
+        q.put_blocking([NewSample(1, 2, {"x": 1}, uid=first), NewSample(1, 2, {"x": 2}, uid=first)])
+    assert q.size() == 2
+    for n in (0, -2):
+        with pytest.raises(ValueError, match="reserve_uids: n must be an int >= 1"):
+            q.reserve_uids(n)
+
+
+def test_take_each_leases_whole_groups_and_refuses_a_budget_below_one() -> None:
+    q = TransferQueue(capacity=32)
+    q.register_stage("g", ["prompt"], groups=True)
+    q.register_stage("s", ["prompt"])
+    q.put_blocking(prompts(8, group_size=4))
+    leases = q.take_each_nowait("g", 8)
+    assert [sorted(s.group_id for s in lease.samples) for lease in leases] == [[0] * 4, [1] * 4]
+    for budget in (0, -1):
+        with pytest.raises(ValueError, match="min_samples <= max_samples"):
+            q.take_each_nowait("s", budget)
+
+
+def test_a_lease_that_expires_wakes_a_waiter_that_started_waiting_before_it_existed() -> None:
+    """The waiter's wake time (the next lease expiry) was worked out once, when it began to wait with
+    no lease in the store: a lease taken later and abandoned was never reaped, and the waiter slept to
+    its own timeout (for ever with none)."""
+
+    async def main() -> tuple[list[int], float]:
+        q = TransferQueue(capacity=16, lease_timeout_s=600)
+        q.register_stage("s", ["x"])
+        start = time.monotonic()
+        waiter = asyncio.create_task(q.take("s", 2, min_samples=2, timeout=None))
+        await asyncio.sleep(0.05)
+        await q.put([NewSample(0, 1, {"x": 0})])
+        assert q.take_nowait("s", 1, lease_s=0.2) is not None  # its holder dies: the lease runs out at 0.2 s
+        await q.put([NewSample(1, 1, {"x": 1})])
+        lease = await asyncio.wait_for(waiter, 30)  # (a bound for the test itself, far above 0.2 s)
+        return sorted(s.uid for s in lease.samples), time.monotonic() - start
+
+    got, _ = asyncio.run(main())
+    assert got == [0, 1]
+
+
+def test_counters_count_an_expired_lease_as_expired_before_anything_else_calls_the_store() -> None:
+    clock = FakeClock()
+    q = TransferQueue(lease_timeout_s=10.0, clock=clock)
+    q.register_stage("s", ["prompt"])
+    q.put_blocking(prompts(2))
+    assert q.take_nowait("s", 1) is not None
+    clock.t += 11.0
+    assert (q.ready_count("s"), q.in_flight("s"), q.metrics()["expired_leases"]) == (2, 0, 1.0)

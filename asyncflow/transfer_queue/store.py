@@ -30,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -341,6 +342,7 @@ class TransferQueue:
         self._expiries: list[tuple[float, int]] = []
         self._expiry_fifo: deque[tuple[float, int]] = deque()
         self._put_waiters: list[_Waiter] = []
+        self._latest_wake = -math.inf  # the latest wake time handed to a waiter since all were last woken
         self._next_uid = 0
         self._next_group = 0  # one past the highest group id ever put (a feeder's position, checkpoints)
         self._next_lease = 1
@@ -420,12 +422,26 @@ class TransferQueue:
             assert on is not None
             w = _Waiter(len(samples), self._put_waiters, on)
             self._put_waiters.append(w)
-            return None, w, self._next_expiry()
+            return None, w, self._wake_at()
 
     def _validate_new(self, samples: list[NewSample]) -> None:
+        """Everything `_insert_many` relies on, checked before anything changes: a put that fails
+        leaves the store as it was (it used to admit the samples before the bad one, unannounced)."""
+        client_uids: set[int] = set()
         for ns in samples:
-            if ns.uid is not None and (ns.uid in self._samples or ns.uid >= self._next_uid):
-                raise ValueError(f"uid {ns.uid} is in use or was never reserved")
+            if ns.uid is not None:
+                if ns.uid in self._samples or ns.uid >= self._next_uid or ns.uid in client_uids:
+                    raise ValueError(f"uid {ns.uid} is in use or was never reserved")
+                client_uids.add(ns.uid)
+            if type(ns.fields) is not dict and not isinstance(ns.fields, Mapping):
+                raise TypeError(f"group {ns.group_id}: fields must be a mapping, got {type(ns.fields).__name__}")
+            if ns.priority is not None:
+                try:
+                    ok = math.isfinite(float(ns.priority))
+                except (TypeError, ValueError):
+                    ok = False
+                if not ok:
+                    raise ValueError(f"group {ns.group_id}: priority must be a finite number, got {ns.priority!r}")
         if len(samples) > self.capacity:
             raise ValueError(f"cannot put {len(samples)} samples into a store of capacity {self.capacity}")
         counts: dict[int, int] = {}
@@ -441,6 +457,8 @@ class TransferQueue:
 
     def reserve_uids(self, n: int) -> int:
         """Reserve `n` consecutive uids for a client to assign itself (pipelined puts); returns the first."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"reserve_uids: n must be an int >= 1, got {n!r}")
         with self._lock:
             start = self._next_uid
             self._next_uid += n
@@ -458,6 +476,16 @@ class TransferQueue:
         memo: dict[int, tuple[tuple[_Stage, ...], tuple[_Stage, ...], int]] = {}
         touched: dict[str, _Stage] = {}
         groups, by_uid = self._groups, self._samples
+        try:
+            self._insert_each(samples, uids, memo, touched, groups, by_uid)
+        finally:
+            for st in touched.values():
+                self._notify(st)
+        return uids
+
+    def _insert_each(self, samples: list[NewSample], uids: list[int],
+                     memo: dict[int, tuple[tuple[_Stage, ...], tuple[_Stage, ...], int]], touched: dict[str, _Stage],
+                     groups: dict[int, _Group], by_uid: dict[int, _Sample]) -> None:
         for ns in samples:
             if ns.uid is None:
                 uid = self._next_uid
@@ -497,9 +525,6 @@ class TransferQueue:
             for st in grouped:
                 self._check_ready(st, s)
             uids.append(uid)
-        for st in touched.values():
-            self._notify(st)
-        return uids
 
     def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None:
         """Set fields of a live sample; `version` lowers the sample's version to min(current, version)."""
@@ -676,10 +701,12 @@ class TransferQueue:
         with self._lock:
             self._check_open()
             st = self._stage(stage)
-            self._validate_take(st, 1, 1)
+            self._validate_take(st, max_samples, 1)
             self._reap()
             out: list[Lease] = []
             budget = max_samples
+            # a group stage's lease is a whole group (with groups of mixed sizes, possibly several small ones)
+            per_lease = max(1, self._max_group_size) if st.groups else 1
             if not st.groups and min_version is None:  # the rollout refill: one sample per lease
                 deadline = self._clock.now() + (self.lease_timeout_s if lease_s is None else lease_s)
                 names = st.view_fields(extra)
@@ -689,8 +716,8 @@ class TransferQueue:
                         break
                     out.append(one)
                     budget -= 1
-            while budget > 0 and st.depth >= 1:
-                lease = self._lease(st, 1, lease_s, min_version, extra)
+            while budget >= per_lease and st.depth >= 1:
+                lease = self._lease(st, per_lease, lease_s, min_version, extra)
                 if lease is None:
                     break
                 out.append(lease)
@@ -699,7 +726,7 @@ class TransferQueue:
                 return out or None, None, None
             w = _Waiter(1, st.waiters, on)
             st.waiters.append(w)
-            return None, w, self._next_expiry()
+            return None, w, self._wake_at()
 
     def take_blocking(
         self,
@@ -762,7 +789,7 @@ class TransferQueue:
                 return lease, None, None
             w = _Waiter(min_samples, st.waiters, on)
             st.waiters.append(w)
-            return None, w, self._next_expiry()
+            return None, w, self._wake_at()
 
     def _validate_take(self, st: _Stage, max_samples: int, min_samples: int) -> None:
         if not 1 <= min_samples <= max_samples:
@@ -889,6 +916,9 @@ class TransferQueue:
         return Lease(lid, name, [SampleView(uid, s.group_id, s.version, view)], [], deadline)
 
     def _push_expiry(self, deadline: float, lid: int) -> None:
+        if deadline < self._latest_wake:  # a waiter sleeps past this lease's expiry: let it retry then
+            self._latest_wake = -math.inf
+            self._wake_all_waiters()
         fifo = self._expiry_fifo
         if not fifo or deadline >= fifo[-1][0]:
             fifo.append((deadline, lid))
@@ -1097,6 +1127,15 @@ class TransferQueue:
                 self._expired_leases += 1
                 self._release(rec)
 
+    def _wake_at(self) -> float | None:
+        """When a waiter registered now should retry at the latest (the next lease expiry, which may
+        make samples available again); remembered so a lease that expires earlier wakes it."""
+        at = self._next_expiry()
+        latest = math.inf if at is None else at
+        if latest > self._latest_wake:
+            self._latest_wake = latest
+        return at
+
     def _next_expiry(self) -> float | None:
         fifo, heap = self._expiry_fifo, self._expiries
         while fifo and not self._current(fifo[0]):
@@ -1173,6 +1212,13 @@ class TransferQueue:
         return True
 
     # ----------------------------------------------------------------------------- waiting
+    def _wake_all_waiters(self) -> None:
+        """Every waiter retries (and, if it still cannot go on, sleeps with a fresh wake time)."""
+        for st in self._stages.values():
+            if st.waiters:
+                self._wake(st.waiters, 1 << 62)
+        self._wake(self._put_waiters, 1 << 62)
+
     def _notify(self, st: _Stage) -> None:
         if st.waiters:
             self._wake(st.waiters, st.depth)
@@ -1320,15 +1366,18 @@ class TransferQueue:
     def ready_count(self, stage: str) -> int:
         """Samples available to `stage` now (in complete groups, for group stages)."""
         with self._lock:
+            self._reap()  # (an expired lease's samples are available again)
             return self._stage(stage).depth
 
     def in_flight(self, stage: str) -> int:
         """Live samples currently leased by `stage`."""
         with self._lock:
+            self._reap()
             return self._stage(stage).leased
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
+            self._reap()
             out: dict[str, float] = {}
             for st in self._stages.values():
                 out[f"depth/{st.name}"] = float(st.depth)

@@ -193,6 +193,9 @@ async def run_episode(
             if settings.max_context is not None:
                 max_new = min(max_new, settings.max_context - len(context))
                 if max_new < 1:
+                    if turn == 1:  # nothing generated: not a sample to train (its reward would say nothing)
+                        error = (f"the prompt and the environment's first observation take {len(context)} of the "
+                                 f"model's {settings.max_context} positions: no room for a turn")
                     break  # (finish stays "length": the episode ran out of room)
             turns = turn
             req = GenRequest(uid, context, max_new,  # type: ignore[arg-type]
