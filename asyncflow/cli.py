@@ -33,22 +33,29 @@ def _default_out(prefix: str) -> Path:
     return out
 
 
+def _path(text: str) -> Path:
+    """A path argument; an empty one (`--out "$DIR"` with DIR unset) is refused, not read as `.`."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
+    return Path(text).expanduser()
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="asyncflow", description="Asynchronous, streaming RL post-training for LLMs.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="train the built-in arith task with async GRPO on this machine")
-    demo.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo-TIMESTAMP)")
+    demo.add_argument("--out", type=_path, default=None, help="run folder (default runs/demo-TIMESTAMP)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
 
     train = sub.add_parser("train", help="train from a YAML config")
-    train.add_argument("config", type=Path, help="YAML config file")
+    train.add_argument("config", type=_path, help="YAML config file")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    train.add_argument("--out", type=Path, default=None, help="run folder (default runs/train-TIMESTAMP)")
+    train.add_argument("--out", type=_path, default=None, help="run folder (default runs/train-TIMESTAMP)")
 
     prep = sub.add_parser("prepare", help="build a task's base model and data as a Hugging Face folder")
     prep.add_argument("task", help="task pack name, e.g. arith")
-    prep.add_argument("--out", type=Path, required=True, help="output folder")
+    prep.add_argument("--out", type=_path, required=True, help="output folder")
     prep.add_argument("--seed", type=int, default=0, help="seed of the base model and data (0 to 2^31-1, as the config's seed)")
 
     bench = sub.add_parser("bench", help="run a benchmark workload")
@@ -61,10 +68,10 @@ def make_parser() -> argparse.ArgumentParser:
              "train_token_s, switch_s, weight_sync_s, max_staleness, seed, reward (async|thread), trace "
              "(docs/performance.md)")
     report = sub.add_parser("report", help="draw report.png and summary.md for one or more run folders")
-    report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run folders (the first gets the files)")
+    report.add_argument("runs", nargs="+", type=_path, metavar="RUN_DIR", help="run folders (the first gets the files)")
 
     serve = sub.add_parser("serve", help="serve a model folder over an OpenAI-compatible HTTP API")
-    serve.add_argument("model_dir", type=Path, help="Hugging Face model folder (config, safetensors, tokenizer)")
+    serve.add_argument("model_dir", type=_path, help="Hugging Face model folder (config, safetensors, tokenizer)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     serve.add_argument("--served-model-name", default=None, help="model name in replies (default: the folder's name)")

@@ -13,8 +13,10 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import os
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -84,7 +86,7 @@ class RolloutConfig:
         "OpenAI-compatible server per rollout.server_urls entry: asyncflow serve, vLLM or SGLang) or vllm "
         "(in-process vLLM on a GPU; needs the vllm package; runtime.kind=local only). docs/engines.md.",
     )
-    workers: int = _f(1, "Number of rollout workers (one engine each).", lo=1)
+    workers: int = _f(1, "Number of rollout workers (one engine each).", lo=1, hi=4096)
     n: int = _f(8, "Samples per prompt (a GRPO group). Each is its own request (prompt replication).", lo=1)
     max_new_tokens: int = _f(16, "Longest response, in tokens.", lo=1)
     temperature: float = _f(1.0, "Sampling temperature. The trainer divides logits by it too.", lo=1e-3)
@@ -183,7 +185,7 @@ class TrainConfig:
         "stops them all with an error naming the rank. fsdp only.",
         lo=0.001,
     )
-    batch_size: int = _f(64, "Samples per train step; must be divisible by rollout.n (whole groups).", lo=1)
+    batch_size: int = _f(64, "Samples per train step; must be divisible by rollout.n (whole groups).", lo=1, hi=2**20)
     mini_batches: int = _f(1, "Optimizer steps per train step (the batch is split into this many parts).", lo=1)
     micro_batch_size: int | None = _f(
         None,
@@ -294,7 +296,7 @@ class WorkflowConfig:
                              "staleness gate may admit must fit.", lo=1)
     lease_timeout_s: float = _f(600.0, "A taken sample not acked within this returns to the queue "
                                    "(a live holder renews its leases every quarter of this: only a dead or hung one loses them).",
-                                   lo=0.001)
+                                   lo=1.0)
     step_timeout_s: float = _f(1800.0, "Longest the trainer waits for one batch before failing with a message.", lo=0.001)
     gc_threshold: int = _f(
         0,
@@ -349,7 +351,7 @@ class RuntimeConfig:
         None,
         "torch CPU threads of the process. null: all cores in sync mode (each phase has the machine to "
         "itself); half of them in async mode (rollout and training run at once and split the cores).",
-        lo=1,
+        lo=1, hi=4096,
     )
 
 
@@ -456,7 +458,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: its keys may be overridden here
+                continue
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key must be a plain value, got {type(key).__name__}", key_node.start_mark) from None
             if isinstance(key, str) and key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is given twice in one section", key_node.start_mark)
@@ -505,6 +514,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Build the resolved config. Returns it with the set of dotted keys the user set explicitly."""
     user = read_yaml(path) if path is not None else {}
     cli = parse_set(overrides or [])
+    _check_sections(user, cli)
     explicit = merge(user, cli)
     task = explicit.get("task", Config.task)
     if task is not None and not isinstance(task, str):
@@ -515,8 +525,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         explicit = {**explicit, "train": {k: v for k, v in train.items() if k != "lr"}}
     raw = merge(task_defaults(task), explicit)
     cfg = from_dict(raw)
+    for section, key in _PATH_KEYS:  # `~/data.jsonl` means the home folder, as in a shell
+        holder = getattr(cfg, section)
+        value = getattr(holder, key)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(holder, key, os.path.expanduser(value))
     validate(cfg, _flatten(explicit))
     return cfg, _flatten(explicit)
+
+
+_PATH_KEYS = (("model", "path"), ("model", "cache_dir"), ("dataset", "path"), ("eval", "path"), ("rollout", "sync_dir"))
+
+
+def _check_sections(user: dict[str, Any], cli: dict[str, Any], prefix: str = "") -> None:
+    """A `--set` into a section the file gives as something else (`train: 5`) would replace it
+    silently; refuse it, naming the file's value, as it is refused without the `--set`."""
+    for key, value in cli.items():
+        if isinstance(value, dict) and key in user:
+            if isinstance(user[key], dict):
+                _check_sections(user[key], value, f"{prefix}{key}.")
+            elif user[key] is not None:
+                raise UserError(f"{prefix}{key}: expected a mapping, got {user[key]!r}")
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> set[str]:
@@ -737,6 +766,13 @@ def _validate_servers(cfg: Config, explicit: set[str]) -> None:
     for url in ro.server_urls:
         if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
             raise UserError(f"rollout.server_urls: {url!r} is not an http:// or https:// URL")
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018  (parsing it is the check: out of range or not a number raises)
+        except ValueError as exc:
+            raise UserError(f"rollout.server_urls: {url!r}: {exc}") from None
+        if not parts.hostname:
+            raise UserError(f"rollout.server_urls: {url!r} has no host")
     if len(set(u.rstrip("/") for u in ro.server_urls)) != len(ro.server_urls):
         raise UserError("rollout.server_urls: a server is listed twice")
     if "rollout.workers" in explicit and ro.workers != len(ro.server_urls):

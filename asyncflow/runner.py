@@ -92,7 +92,14 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
         assert task is not None
         if cfg.model.cache_dir is not None:
             check_folder_path(Path(cfg.model.cache_dir), "model.cache_dir")
+        else:  # (the default: $ASYNCFLOW_CACHE, else ~/.cache/asyncflow)
+            from asyncflow.tasks.tiny import default_cache_dir
+
+            env = "ASYNCFLOW_CACHE" if os.environ.get("ASYNCFLOW_CACHE") else "model.cache_dir (default)"
+            check_folder_path(default_cache_dir(), env)
         model_dir = task.prepare(cfg.model.cache_dir, seed=cfg.seed, log=log)
+    if cfg.rollout.sync_dir is not None:  # the openai engine writes weights there: a file would fail late
+        check_folder_path(Path(cfg.rollout.sync_dir), "rollout.sync_dir")
     if cfg.dataset.path is not None:
         data_path = cfg.dataset.path
     else:

@@ -77,6 +77,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "latin1.jsonl").write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
     (d / "dup.yaml").write_text("train:\n  lr: 0.1\n  lr: 0.2\n")
     (d / "latin1.yaml").write_bytes(b"seed: 1\n# caf\xe9\n")
+    (d / "section.yaml").write_text("train: 5\n")
+    (d / "complex_key.yaml").write_text("? [a, b]\n: 1\n")
     (d / "old_run").mkdir()
     (d / "old_run" / "config.yaml").write_text("seed: 0\n")
     for name, model, data, reward in [
@@ -152,6 +154,20 @@ LIGHT_CASES: list[tuple[list[str], str]] = [
     (["demo", "--out", "old_run"], "--out: old_run already holds a run (with no complete checkpoint to go on from); "
                                     "choose another folder"),
     (["demo", "--out", "good.jsonl"], "--out: good.jsonl is a file, not a folder"),
+    # an unset shell variable: `--out ""` used to write the run into the current folder
+    (["demo", "--out", ""], "argument --out: an empty path (an unset shell variable?)"),
+    # accepted, these grew memory for minutes with Ctrl-C ignored, or ended in a traceback
+    (["demo", "--set", "train.batch_size=1073741824"], "train.batch_size: 1073741824 is above the maximum 1048576"),
+    (["demo", "--set", "rollout.workers=100000"], "rollout.workers: 100000 is above the maximum 4096"),
+    (["demo", "--set", "runtime.torch_threads=100000000000"], "runtime.torch_threads: 100000000000 is above the maximum"),
+    (["demo", "--set", "workflow.lease_timeout_s=0.001"], "workflow.lease_timeout_s: 0.001 is below the minimum 1.0"),
+    # a --set into a section the file gives as a number replaced it silently
+    (["train", "section.yaml", "--set", "train.max_steps=1"], "train: expected a mapping, got 5"),
+    (["train", "complex_key.yaml"], "complex_key.yaml: line 1: a key must be a plain value, got list"),
+    (["train", "tokenizer.yaml", "--set", "rollout.engine=openai", "--set", "rollout.server_urls=[http://127.0.0.1:99999]"],
+     "rollout.server_urls: 'http://127.0.0.1:99999': Port out of range 0-65535"),
+    (["train", "tokenizer.yaml", "--set", "rollout.engine=openai", "--set", "rollout.server_urls=[http://127.0.0.1:8000]",
+      "--set", "rollout.sync_dir=good.jsonl"], "rollout.sync_dir: good.jsonl is a file, not a folder"),
 ]
 # these need transformers (and with it torch) to find the fault
 HEAVY_CASES: list[tuple[list[str], str]] = [
@@ -164,14 +180,23 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.parametrize(("argv", "needle"), LIGHT_CASES + HEAVY_CASES, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
-def test_cli_refuses_bad_input_with_one_line_and_exit_2(inputs: Path, argv: list[str], needle: str) -> None:
+def test_cli_refuses_bad_input_with_one_line_and_exit_2(inputs: Path, argv: list[str], needle: str,
+                                                       env: dict[str, str] | None = None) -> None:
     proc = subprocess.run([sys.executable, "-m", "asyncflow", *argv], capture_output=True, text=True, timeout=120,
-                          cwd=inputs, env=_env())
+                          cwd=inputs, env=env or _env())
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("asyncflow: error: ") and needle in lines[0], lines[0]
+
+
+def test_a_cache_folder_from_the_environment_that_is_a_file_is_refused_before_the_model_build(inputs: Path) -> None:
+    """It was not checked (only model.cache_dir was): the run failed with a traceback after minutes of
+    building the task's model."""
+    test_cli_refuses_bad_input_with_one_line_and_exit_2(
+        inputs, ["demo", "--set", "train.max_steps=1"], "ASYNCFLOW_CACHE: good.jsonl is a file, not a folder",
+        env={**_env(), "ASYNCFLOW_CACHE": "good.jsonl"})
 
 
 def test_bad_input_is_refused_before_torch_transformers_or_ray_load(inputs: Path) -> None:

@@ -204,3 +204,11 @@ def test_vllm_rollout_engine_is_refused_when_vllm_is_not_installed() -> None:
     with pytest.raises(UserError, match="rollout.engine: vllm is not installed") as info:
         load_config(None, ["rollout.engine=vllm"])
     assert "\n" not in str(info.value)
+
+
+def test_yaml_merge_keys_load_and_a_home_path_is_expanded(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("train: {<<: {batch_size: 16, max_steps: 3}, max_steps: 1}\ndataset: {path: ~/data.jsonl}\n")
+    cfg, _ = load_config(f)
+    assert (cfg.train.batch_size, cfg.train.max_steps) == (16, 1)  # a merged key may be overridden beside it
+    assert cfg.dataset.path == str(Path.home() / "data.jsonl")

@@ -457,3 +457,13 @@ def test_the_trainer_runs_without_dropout(tiny_model) -> None:
     batch.proximal_logprobs = trainer.logprobs(batch, 1.0)
     metrics = trainer.train_step(batch, make_loss_fn(LossSettings(loss="decoupled_ppo")), 1.0)
     assert metrics["ratio_max"] == pytest.approx(1.0) and metrics["ratio_min"] == pytest.approx(1.0)
+
+
+def test_an_encoder_model_is_refused_with_one_line_not_an_assertion_in_the_decode_loop() -> None:
+    from transformers import BertConfig, BertLMHeadModel
+
+    from asyncflow.errors import UserError
+
+    config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    with pytest.raises(UserError, match=r"returned no KV cache: it is not a causal decoder"):
+        HFEngine(BertLMHeadModel(config), eos_token_id=1)

@@ -35,6 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
+from asyncflow.errors import UserError
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's rule: logits / t overflows)
 
@@ -89,6 +90,17 @@ def truncate_logits(logits: torch.Tensor, top_p: list[float], top_k: list[int]) 
     return out.masked_fill(drop, float("-inf"))
 
 
+def _check_decoder(model: Any, device: torch.device) -> None:
+    """Refuse a model that returns no KV cache (an encoder such as BERT behind a causal-LM class): the
+    decode loop needs one, and without this check the first request failed inside it (AssertionError)."""
+    with torch.no_grad():
+        out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True)
+    if getattr(out, "past_key_values", None) is None:
+        name = getattr(model.config, "name_or_path", "") or type(model).__name__
+        raise UserError(f"model.path: {name} ({type(model).__name__}) returned no KV cache: it is not a causal "
+                        "decoder (an encoder-only model such as BERT?); a causal language model is needed")
+
+
 class HFEngine(InferenceEngine):
     """Continuous-batching generation over a transformers model (CPU or one GPU)."""
 
@@ -109,6 +121,7 @@ class HFEngine(InferenceEngine):
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
         self.model = model.to(device).eval()  # type: ignore[arg-type]
         self.device = torch.device(device)
+        _check_decoder(self.model, self.device)
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.eos = frozenset(eos)  # (a Python set, read every decode step: no copy from a GPU each time)
         self.pad_token_id = pad_token_id

@@ -284,6 +284,9 @@ class Pipeline:
             except QueueClosed:
                 return
             self.next_group += burst
+            # neither wait above yields while there is credit and room: without this the feeder kept the
+            # loop to itself for as long as a huge batch's admission took (no rollout, no Ctrl-C)
+            await asyncio.sleep(0)
 
     def _least_loaded_worker(self) -> int:
         """The rollout worker with the fewest samples queued for it or in flight (affinity routing)."""
