@@ -467,3 +467,20 @@ def test_an_encoder_model_is_refused_with_one_line_not_an_assertion_in_the_decod
     config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     with pytest.raises(UserError, match=r"returned no KV cache: it is not a causal decoder"):
         HFEngine(BertLMHeadModel(config), eos_token_id=1)
+
+
+def test_weights_that_diverge_end_the_run_with_one_line_in_the_trainer_and_in_the_engine(tiny_model) -> None:
+    from asyncflow.errors import RunFailed
+
+    trainer = TorchTrainEngine(copy.deepcopy(tiny_model), lr=1e30)  # one AdamW step of ~lr: weights of ~1e30
+    with pytest.raises(RunFailed, match=r"^train.lr: the policy's weights diverged in an optimizer step"):
+        trainer.train_step(_step_batch(), make_loss_fn(LossSettings()), 1.0)
+    broken = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        next(broken.parameters()).fill_(float("nan"))
+    engine = HFEngine(broken, eos_token_id=1)
+    try:
+        with pytest.raises(RunFailed, match=r"gives NaN or inf logits: its weights diverged"):
+            engine.submit(_requests(1)[0]).result(timeout=60)
+    finally:
+        engine.shutdown()

@@ -50,6 +50,7 @@ from asyncflow.engines.torch_train import (
     combine_metrics,
     finish_optimizer_step,
     keep_hyperparameters,
+    nonfinite_weights_error,
     token_logprobs,
 )
 from asyncflow.errors import WaitTimeout
@@ -222,8 +223,10 @@ class _Rank:
         total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         full = total.full_tensor() if hasattr(total, "full_tensor") else total
         sums = combine_metrics(parts, mean=False)
-        finish_optimizer_step(self.optimizer, float(full), sums)  # the norm is global: every rank decides alike
+        finite = finish_optimizer_step(self.optimizer, float(full), sums)  # the norm is global: ranks decide alike
         del sums["grad_norm"], sums["skipped_nonfinite"]  # the driver sets both once, from the norm
+        if not finite:  # this rank's shards overflowed: the driver ends the run with one line
+            sums["nonfinite_weights"] = 1.0
         return sums, float(full)
 
     def export(self, master: bool = False) -> dict[str, torch.Tensor] | None:
@@ -341,6 +344,7 @@ class FSDPTrainEngine(TrainEngine):
         self.mini_batches = mini_batches
         self.micro_batch_size = micro_batch_size
         self.dtype = dtype
+        self.lr = lr
         self.timeout_s = timeout_s
         self._loss_cache: tuple[LossFn, bytes] | None = None
         spec = WorkerSpec(
@@ -435,6 +439,8 @@ class FSDPTrainEngine(TrainEngine):
         steps = []
         for i in range(len(minis)):
             sums = combine_metrics([replies[r][i][0] for r in range(self.world_size)], mean=False)
+            if sums.pop("nonfinite_weights", 0.0):
+                raise nonfinite_weights_error(replies[0][i][1], self.lr)
             sums["grad_norm"] = replies[0][i][1]  # the norm of the whole gradient: equal on every rank
             sums["skipped_nonfinite"] = 0.0 if math.isfinite(sums["grad_norm"]) else 1.0
             steps.append(sums)

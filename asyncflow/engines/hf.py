@@ -35,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
-from asyncflow.errors import UserError
+from asyncflow.errors import RunFailed, UserError
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's rule: logits / t overflows)
 
@@ -339,7 +339,13 @@ class HFEngine(InferenceEngine):
         scaled = logits.float() / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)
         scaled = truncate_logits(scaled, [r.req.top_p for r in rows], [r.req.top_k for r in rows])
         logp = torch.log_softmax(scaled, dim=-1)
-        sampled = torch.multinomial(logp.exp(), 1, generator=self._gen).squeeze(-1)
+        try:
+            sampled = torch.multinomial(logp.exp(), 1, generator=self._gen).squeeze(-1)
+        except RuntimeError as exc:  # NaN/inf probabilities: the weights diverged (checked here, not per step)
+            if not bool(logp.isfinite().all()):
+                raise RunFailed(f"{self.name}: the policy of version {self.version} gives NaN or inf logits: its "
+                                "weights diverged (train.lr too high?); the run cannot go on") from exc
+            raise
         tokens = torch.where(greedy, scaled.argmax(-1), sampled)
         chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         for row, tok, lp in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine
+from asyncflow.errors import RunFailed
 
 
 @contextlib.contextmanager
@@ -53,16 +54,28 @@ def compute_dtype_context(device: torch.device, dtype: torch.dtype) -> contextli
     return torch.autocast(device.type, dtype=dtype)
 
 
-def finish_optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: float, sums: dict[str, float]) -> None:
+def finish_optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: float, sums: dict[str, float]) -> bool:
     """Apply the step unless the gradient is not finite (a NaN/inf loss or gradient): then the weights
-    stay as they are (published NaN weights would end the run's usefulness) and `skipped_nonfinite` is 1."""
+    stay as they are (published NaN weights would end the run's usefulness) and `skipped_nonfinite` is 1.
+    Returns whether the norm of this process's weights is finite after it (a finite gradient times a
+    huge `train.lr` can still overflow them; a norm past float range means weights of ~1e19 and more)."""
     sums["grad_norm"] = grad_norm
-    if math.isfinite(grad_norm):
-        optimizer.step()
-        sums["skipped_nonfinite"] = 0.0
-    else:
+    if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         sums["skipped_nonfinite"] = 1.0
+        return True
+    optimizer.step()
+    sums["skipped_nonfinite"] = 0.0
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # (FSDP: this rank's shards)
+    norms = torch._foreach_norm([t for t in local if t.numel()])
+    return bool(torch.stack(norms).isfinite().all()) if norms else True
+
+
+def nonfinite_weights_error(grad_norm: float, lr: float) -> RunFailed:
+    return RunFailed(f"train.lr: the policy's weights diverged in an optimizer step (their norm is NaN or inf; gradient norm "
+                     f"{grad_norm:.3g}, lr {lr:g}); the run cannot go on: lower train.lr (or clip harder with a "
+                     "lower train.max_grad_norm) and start again from the last checkpoint")
 
 
 def micro_batches(batch: TrainBatch, size: int | None, device: torch.device) -> list[TrainBatch]:
@@ -167,7 +180,9 @@ class TorchTrainEngine(TrainEngine):
             parts.append(part)
         sums = combine_metrics(parts, mean=False)
         clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        finish_optimizer_step(self.optimizer, float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)), sums)
+        if not finish_optimizer_step(self.optimizer, float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)),
+                                     sums):
+            raise nonfinite_weights_error(sums["grad_norm"], self.optimizer.param_groups[0]["lr"])
         return sums
 
     def export_weights(self) -> dict[str, torch.Tensor]:
