@@ -600,6 +600,14 @@ def _check_value(key: str, value: Any, tp: Any, meta: Any) -> Any:
     return value
 
 
+def _yaml_text(value: Any) -> str:
+    """A value as YAML writes it (true, null, 2024-01-01), a string in quotes: messages speak the
+    config's language, not Python's (`True`, `datetime.date(...)`)."""
+    if value is None or isinstance(value, (bool, int, float)) or hasattr(value, "isoformat"):
+        return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+    return repr(value)
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -620,9 +628,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         for choice in choices:
             if value == choice and type(value) is type(choice):
                 return value
-        shown = ", ".join(repr(c) for c in choices)
-        hint = _closest(str(value), [str(c) for c in choices]) if isinstance(value, str) else ""
-        raise UserError(f"{key}: {value!r} is not one of {shown}{hint}")
+        shown = ", ".join(_yaml_text(c) for c in choices)
+        hint = _closest(str(value), [_yaml_text(c).strip("'") for c in choices]) if isinstance(value, str) else ""
+        raise UserError(f"{key}: {_yaml_text(value)} is not one of {shown}{hint}")
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -631,7 +639,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise UserError(f"{key}: expected true or false, got {value!r}")
+        quoted = " (a string: remove the quotes)" if isinstance(value, str) and value.lower() in ("true", "false") else ""
+        raise UserError(f"{key}: expected true or false, got {_yaml_text(value)}{quoted}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -654,7 +663,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
-        raise UserError(f"{key}: expected a string, got {value!r}")
+        raise UserError(f"{key}: expected a string, got {_yaml_text(value)} (YAML reads it as a {type(value).__name__}: "
+                        f"quote it)")
     raise TypeError(f"config type {tp} of {key} is not supported")
 
 

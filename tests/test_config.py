@@ -74,6 +74,10 @@ def test_set_values_are_parsed_as_yaml_scalars() -> None:
         (["train.max_steps=1.5"], "train.max_steps: expected an integer"),
         (["rollout.n=0"], "rollout.n: 0 is below the minimum 1"),
         (["workflow.mode=fast"], "workflow.mode: 'fast' is not one of"),
+        # messages in the config's language: the value as YAML reads it, and what to do
+        (['logging.progress="false"'], "logging.progress: expected true or false, got 'false' (a string: remove the quotes)"),
+        (["checkpoint.resume=true"], "checkpoint.resume: true is not one of false, 'auto'"),
+        (["dataset.prompt_key=on"], "dataset.prompt_key: expected a string, got true (YAML reads it as a bool: quote it)"),
         (["workflow.mode=sync", "workflow.max_staleness=2"], "workflow.max_staleness: 2 contradicts"),
         (["train.batch_size=12", "rollout.n=8"], "train.batch_size: 12 is not divisible"),
         (["task=null"], "model.path: required when task is null"),
