@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncflow.algorithms.losses import LossSettings, make_loss_fn
-from asyncflow.engines.fsdp_train import FSDPTrainEngine, make_shares, split_rows
+from asyncflow.engines.fsdp_train import FSDPTrainEngine, make_shares
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.workflow.pipeline import build_train_batch
 
@@ -27,13 +27,25 @@ def _batch(n: int = 6, seed: int = 0):
 
 
 def test_rows_split_evenly_and_every_rank_runs_the_same_number_of_passes() -> None:
-    assert split_rows(5, 2) == [[0, 1, 2], [3, 4]]
-    assert split_rows(1, 2) == [[0], []]
     shares = make_shares(_batch(5), 2, micro_batch_size=2)
     assert [len(s.rows) if s.rows is not None else 0 for s in shares] == [3, 2]
     assert [s.passes for s in shares] == [2, 2]  # rank 1 needs one pass, runs two (the second a dummy)
     shares = make_shares(_batch(1), 2, micro_batch_size=None)
     assert shares[1].rows is None and shares[1].passes == 1
+
+
+def test_ranks_get_equal_row_counts_with_balanced_token_counts() -> None:
+    """Contiguous shares gave one rank the long rows (it set the pace of every collective); rows are
+    dealt by length now, as many per rank as before, and the log-probs come back in the batch's order."""
+    from asyncflow.transfer_queue import balance_equal_counts
+
+    assert balance_equal_counts([10, 9, 1, 1], 2) == [[0, 3], [1, 2]]  # sums 11 and 10 (contiguous: 19 and 2)
+    assert balance_equal_counts([5, 1, 1, 1, 1], 2) == [[0, 3, 4], [1, 2]]  # sizes stay 3 and 2, never 1 and 4
+    assert balance_equal_counts([1], 3) == [[0], [], []]
+    batch = build_train_batch([[3] * 9, [3] * 8, [3], [3]], [[4]] * 4, [[-1.0]] * 4, torch.zeros(4), [True] * 4, 0)
+    shares = make_shares(batch, 2, micro_batch_size=None)
+    assert [s.index for s in shares] == [[0, 3], [1, 2]]
+    assert [int(s.rows.attention_mask.sum()) for s in shares if s.rows is not None] == [12, 11]
 
 
 def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

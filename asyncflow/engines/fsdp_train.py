@@ -25,6 +25,7 @@ continue without it).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -54,6 +55,7 @@ from asyncflow.engines.torch_train import (
     token_logprobs,
 )
 from asyncflow.errors import WaitTimeout
+from asyncflow.transfer_queue.samplers import balance_equal_counts
 
 POLL_S = 0.2  # how often a wait on a worker checks that every worker is still alive
 
@@ -82,25 +84,17 @@ class Share:
     rows: TrainBatch | None  # None: this rank has no rows; it still runs `passes` dummy passes
     passes: int
     micro_batch_size: int
-
-
-def split_rows(n: int, world_size: int) -> list[list[int]]:
-    """Contiguous shares of `n` rows for `world_size` ranks; sizes differ by at most one."""
-    base, extra = divmod(n, world_size)
-    out, start = [], 0
-    for r in range(world_size):
-        size = base + (1 if r < extra else 0)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
+    index: list[int] = dataclasses.field(default_factory=list)  # the rows' positions in the split batch
 
 
 def make_shares(batch: TrainBatch, world_size: int, micro_batch_size: int | None) -> list[Share]:
-    """Split `batch` by rank; every rank runs as many passes as the rank with the most micro-batches."""
-    parts = split_rows(len(batch), world_size)
+    """Split `batch` by rank: as many rows each as `split_sequential` gives, chosen so every rank gets about
+    the same number of tokens (`balance_equal_counts`: a rank with the long rows would make the others
+    wait at every collective); every rank runs as many passes as the rank with the most micro-batches."""
+    parts = balance_equal_counts(batch.attention_mask.sum(-1).tolist(), world_size)
     micro = micro_batch_size or max(len(p) for p in parts)
     passes = max(math.ceil(len(p) / micro) for p in parts)
-    return [Share(batch.select(p) if p else None, passes, micro) for p in parts]
+    return [Share(batch.select(p) if p else None, passes, micro, p) for p in parts]
 
 
 def _free_port() -> int:
@@ -418,7 +412,9 @@ class FSDPTrainEngine(TrainEngine):
         shares = make_shares(batch, self.world_size, self.micro_batch_size)
         dummy = batch.select([0])
         parts = self._call("logprobs", [(s, dummy, temperature) for s in shares], "compute log-probs")
-        return torch.cat([p for p in parts if p is not None])
+        out = torch.cat([p for p in parts if p is not None])
+        order = torch.tensor([i for s in shares for i in s.index], dtype=torch.long)
+        return out[torch.argsort(order)]  # back into the batch's row order
 
     def _loss_bytes(self, loss_fn: LossFn) -> bytes:
         """The loss function pickled by value (closures included), once per distinct function."""

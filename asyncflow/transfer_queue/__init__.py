@@ -1,6 +1,6 @@
 """The streaming data store where stages meet (see `store` for the why)."""
 
-from asyncflow.transfer_queue.samplers import balance_by_length, split_sequential
+from asyncflow.transfer_queue.samplers import balance_by_length, balance_equal_counts, split_sequential
 from asyncflow.transfer_queue.store import (
     Lease,
     NewSample,
@@ -18,5 +18,6 @@ __all__ = [
     "StoreClient",
     "TransferQueue",
     "balance_by_length",
+    "balance_equal_counts",
     "split_sequential",
 ]
