@@ -484,3 +484,82 @@ def test_weights_that_diverge_end_the_run_with_one_line_in_the_trainer_and_in_th
             engine.submit(_requests(1)[0]).result(timeout=60)
     finally:
         engine.shutdown()
+
+
+def test_an_abort_load_then_cancel_older_than_ends_the_parked_requests(tiny_model) -> None:
+    """An abort-mode load parks every running request in the queue; the pipeline calls
+    cancel_older_than right after the load, when none is in the running batch: it used to cancel
+    nothing, and stale requests ran to their end only to be dropped by the trainer."""
+    engine = _slow_engine(tiny_model)
+    try:
+        futures = [engine.submit(GenRequest(i, [5, 6], 200, 1.0)) for i in range(3)]
+        time.sleep(0.08)
+        engine.request_weights(_perturbed(tiny_model), 1, "abort").result(timeout=60)
+        assert engine.cancel_older_than(1) == 3
+        results = [f.result(timeout=60) for f in futures]
+    finally:
+        engine.shutdown()
+    assert all(r.finish_reason == "cancelled" and len(r.response_ids) < 200 for r in results)
+    assert all(set(r.token_versions) == {0} for r in results)  # ended where they were parked: no new-weight tokens
+
+
+def test_weights_that_do_not_fit_are_refused_and_the_engine_keeps_serving(tiny_model) -> None:
+    engine = HFEngine(copy.deepcopy(tiny_model), eos_token_id=1)
+    try:
+        state = _perturbed(tiny_model)
+        state["extra.weight"] = torch.zeros(1)
+        with pytest.raises(ValueError, match=r"version 1's weights do not fit the model: unexpected \['extra.weight'\]"):
+            engine.request_weights(state, 1, "swap").result(timeout=60)
+        assert engine.version == 0 and engine.error is None
+        for name, value in engine.model.state_dict().items():  # nothing was copied before the refusal
+            torch.testing.assert_close(value, tiny_model.state_dict()[name], rtol=0, atol=0)
+        assert engine.submit(_requests(1)[0]).result(timeout=60).finish_reason in ("stop", "length")
+    finally:
+        engine.shutdown()
+    with pytest.raises(RuntimeError, match=r"engine rollout is closed \(shut down\); cannot load version 2"):
+        engine.request_weights(_perturbed(tiny_model), 2, "swap").result(timeout=10)  # at once, not at a timeout
+
+
+def test_a_sliding_window_model_decodes_rows_of_different_lengths_together(tiny_model) -> None:
+    """Its own cache keeps only the window per layer, which fell out of step with the engine's mask
+    once rows of different lengths shared the batch (every request then failed)."""
+    config = copy.deepcopy(tiny_model.config)
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 0
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    model = type(tiny_model)(config).eval()
+    model.load_state_dict(tiny_model.state_dict())
+    engine = HFEngine(model, eos_token_id=[], max_batch=4, seed=1)
+    requests = [GenRequest(0, list(range(2, 22)), 2, 0.7), GenRequest(1, [5, 6, 7], 12, 0.7)]
+    try:
+        results = engine.generate_many(requests, timeout=60)
+    finally:
+        engine.shutdown()
+    for req, res in zip(requests, results, strict=True):
+        ref = _full_forward_logprobs(model, req.prompt_ids, res.response_ids, 0.7)
+        assert max(abs(a - b) for a, b in zip(ref, res.behavior_logprobs, strict=True)) < 1e-4
+
+
+def test_prefill_asks_for_last_position_logits_only_and_bf16_keeps_the_exact_temperature(tiny_model) -> None:
+    import concurrent.futures as cf
+
+    from asyncflow.engines.hf import _Row
+
+    engine = HFEngine(copy.deepcopy(tiny_model), eos_token_id=1)
+    shapes: list[tuple[int, ...]] = []
+    engine.model.register_forward_hook(lambda _m, _a, out: shapes.append(tuple(out.logits.shape)))
+    try:
+        engine.generate_many([GenRequest(0, list(range(2, 30)), 1, 1.0)], timeout=60)
+    finally:
+        engine.shutdown()
+    assert shapes[0] == (1, 1, 32)  # not (1, 28, 32): a batch of long prompts made [rows, width, vocabulary]
+    logits = (torch.randn(4, 32, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
+    rows = [_Row(GenRequest(i, [2], 8, 0.7), cf.Future()) for i in range(4)]
+    engine._sample_into(rows, logits)
+    for row, lg in zip(rows, logits, strict=True):  # the trainer divides by 0.7, not by bf16's 0.69921875
+        assert row.logprobs[0] == pytest.approx(float(torch.log_softmax(lg.float() / 0.7, -1)[row.tokens[0]]), abs=1e-6)
+
+
+def test_top_k_comes_before_the_nucleus_as_in_transformers_and_vllm() -> None:
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    kept = truncate_logits(logits, [0.5], [2]).isfinite()[0].tolist()
+    assert kept == [True, False, False, False]  # of top-2 renormalised (0.57, 0.43), 0.57 reaches p=0.5

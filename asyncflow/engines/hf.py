@@ -83,11 +83,24 @@ def truncate_logits(logits: torch.Tensor, top_p: list[float], top_k: list[int]) 
     ranks = torch.arange(vocab, device=logits.device).expand_as(logits)
     k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device).unsqueeze(-1)
     p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device).unsqueeze(-1)
-    probs = torch.softmax(sorted_logits, dim=-1)
+    outside_k = ranks >= k
+    # the nucleus is measured on the top-k distribution (top-k applied first, as in transformers and vLLM)
+    probs = torch.softmax(sorted_logits.masked_fill(outside_k, float("-inf")), dim=-1)
     before = probs.cumsum(-1) - probs  # probability of the tokens ranked above this one
-    drop_sorted = (ranks >= k) | (before >= p)  # the top token is always kept (before = 0 < p)
+    drop_sorted = outside_k | (before >= p)  # the top token is always kept (before = 0 < p)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return out.masked_fill(drop, float("-inf"))
+
+
+def _state_mismatch(model: Any, state: dict[str, torch.Tensor]) -> str | None:
+    """Why `state` cannot load strictly into `model` (missing or unexpected names, other shapes), or None."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    extra = [k for k in state if k not in own]
+    shapes = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    parts = [f"{what} {names[:3]}{' ...' if len(names) > 3 else ''}"
+             for what, names in (("missing", missing), ("unexpected", extra), ("other shape", shapes)) if names]
+    return "; ".join(parts) or None
 
 
 def _check_decoder(model: Any, device: torch.device) -> None:
@@ -179,6 +192,10 @@ class HFEngine(InferenceEngine):
         """Ask the decode thread to load `state` as `version`; the future gives seconds until in use."""
         done: cf.Future[float] = cf.Future()
         with self._cv:
+            if self._stop:  # no decode thread will pick it up: say why now, not at the caller's timeout
+                reason = f"after an error: {self.error!r}" if self.error is not None else "(shut down)"
+                done.set_exception(RuntimeError(f"engine {self.name} is closed {reason}; cannot load version {version}"))
+                return done
             if self._pending is not None:  # a newer version supersedes one not yet loaded
                 with contextlib.suppress(cf.InvalidStateError):  # (its caller stopped waiting)
                     self._pending.done.set_result(0.0)
@@ -190,9 +207,12 @@ class HFEngine(InferenceEngine):
         return await asyncio.wrap_future(self.request_weights(state, version, mode))
 
     def cancel_older_than(self, min_version: int) -> int:
+        """Mark every request whose first token is older than `min_version` cancelled: running, being
+        prefilled, or queued (an abort-mode load puts all running rows back in the queue, which is
+        exactly when the pipeline calls this). Queued ones end without another prefill."""
         n = 0
         with self._cv:
-            for row in self._rows:
+            for row in (*self._rows, *self._admitting, *self._waiting):
                 if row.versions and row.versions[0] < min_version and not row.cancelled:
                     row.cancelled = True
                     n += 1
@@ -230,14 +250,14 @@ class HFEngine(InferenceEngine):
                         break
                     pending = self._pending
                     admit = self._take_admissions(pending)
+                    self._admitting = admit  # (under the lock: cancel_older_than sees every row)
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     if pending is not None:
                         self._maybe_load(pending)
                     if admit:
-                        self._admitting = admit
                         self._prefill(admit)
-                        self._admitting = []
+                    self._admitting = []
                     if self._rows:
                         self._decode_step()
                 self._busy += time.perf_counter() - t0
@@ -256,7 +276,9 @@ class HFEngine(InferenceEngine):
         admit: list[_Row] = []
         while self._waiting and len(admit) < free:
             row = self._waiting.popleft()
-            if not row.future.cancelled():  # abandoned before it started: never prefilled
+            if row.cancelled:  # cancelled while queued (e.g. parked by an abort): ends with the tokens it has
+                row.resolve("cancelled")
+            elif not row.future.cancelled():  # abandoned before it started: never prefilled
                 admit.append(row)
         return admit
 
@@ -268,6 +290,15 @@ class HFEngine(InferenceEngine):
             self._rows, self._cache, self._mask = [], None, None
             with self._cv:
                 self._waiting.extendleft(reversed(evicted))  # re-prefilled first, with tokens so far
+        problem = _state_mismatch(self.model, pending.state)
+        if problem is not None:  # refused before any tensor is copied: the engine keeps serving the old weights
+            with self._cv:
+                if self._pending is pending:
+                    self._pending = None
+            with contextlib.suppress(cf.InvalidStateError):
+                pending.done.set_exception(ValueError(f"engine {self.name}: version {pending.version}'s weights do not "
+                                                      f"fit the model: {problem}"))
+            return
         self.model.load_state_dict(pending.state, strict=True)
         self.version = pending.version
         with self._cv:
@@ -288,7 +319,12 @@ class HFEngine(InferenceEngine):
             mask[i, width - len(ctx) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        # logits of the last position only (all of them: [rows, width, vocabulary] floats, tens of GiB for a
+        # full batch of long prompts); a cache of plain full layers, which `_merge` and `_retire` can pad and
+        # trim: a model's own cache may hold sliding-window layers that keep only the window, and with rows
+        # of different lengths those fell out of step with the mask (the model's mask still slides)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         past_key_values=DynamicCache(), logits_to_keep=1)
         cache = out.past_key_values
         fresh = [not r.tokens for r in rows]
         # rows re-prefilled after an abort already hold their next input token: no new sample
@@ -334,7 +370,7 @@ class HFEngine(InferenceEngine):
         self._retire()
 
     def _sample_into(self, rows: list[_Row], logits: torch.Tensor) -> None:
-        temps = torch.tensor([r.req.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+        temps = torch.tensor([r.req.temperature for r in rows], dtype=torch.float32, device=logits.device)
         greedy = temps < SAMPLING_EPS  # (a tiny temperature overflows logits / t to inf: NaN probabilities)
         scaled = logits.float() / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)
         scaled = truncate_logits(scaled, [r.req.top_p for r in rows], [r.req.top_k for r in rows])
