@@ -233,7 +233,7 @@ class _Rank:
             return None
         dtype = torch.float32 if master else self.dtype
         full = {k: state[k] if k in state else state[self.aliases[k]] for k in self.keys}
-        return {k: v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v for k, v in full.items()}
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}  # (.to: no copy if same)
 
     def save_optimizer(self, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict

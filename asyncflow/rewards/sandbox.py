@@ -325,8 +325,9 @@ def _exchange(pid: int, stdin: IO[bytes], data: bytes, sinks: dict[int, _Capped]
         while sel.get_map():
             now = time.monotonic()
             if drain_until is None:
-                if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None or now >= deadline:
-                    killed = now >= deadline and os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+                exited = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+                if exited or now >= deadline:
+                    killed = not exited
                     _kill_group(pid)  # ends what the code left running; its pipes then close
                     drain_until = now + _DRAIN_S
                     continue

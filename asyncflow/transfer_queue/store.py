@@ -476,55 +476,50 @@ class TransferQueue:
         memo: dict[int, tuple[tuple[_Stage, ...], tuple[_Stage, ...], int]] = {}
         touched: dict[str, _Stage] = {}
         groups, by_uid = self._groups, self._samples
-        try:
-            self._insert_each(samples, uids, memo, touched, groups, by_uid)
+        try:  # (validated before: nothing below should fail; if it does, what was admitted is announced)
+            for ns in samples:
+                if ns.uid is None:
+                    uid = self._next_uid
+                    self._next_uid = uid + 1
+                else:
+                    uid = ns.uid
+                priority = float(uid) if ns.priority is None else float(ns.priority)
+                s = _Sample(uid, ns.group_id, priority, dict(ns.fields))
+                g = groups.get(ns.group_id)
+                if g is None:  # (not setdefault: that would build a _Group per sample and drop all but one)
+                    g = groups[ns.group_id] = _Group(ns.group_size)
+                if ns.group_id >= self._next_group:
+                    self._next_group = ns.group_id + 1
+                g.put += 1
+                g.uids.append(uid)
+                if ns.group_size > self._max_group_size:
+                    self._max_group_size = ns.group_size
+                by_uid[uid] = s
+                known = memo.get(id(ns.fields))
+                if known is None:
+                    fields = s.fields
+                    names = tuple(fields)
+                    split = self._put_stages.get(names)
+                    if split is None:
+                        ready = [st for st in self._stages.values() if all(f in fields for f in st.fields)]
+                        split = self._put_stages[names] = (tuple(st for st in ready if not st.groups),
+                                                           tuple(st for st in ready if st.groups))
+                    known = memo[id(ns.fields)] = (*split, _payload_bytes(fields))
+                flat, grouped, nbytes = known
+                self._bytes_put += nbytes
+                for st in flat:  # `_check_ready` + `_sync_sample` for a new sample, inlined
+                    s.ready |= st.bit
+                    s.avail |= st.bit
+                    st.depth += 1
+                    self._push(st, priority, uid)
+                    touched[st.name] = st
+                for st in grouped:
+                    self._check_ready(st, s)
+                uids.append(uid)
         finally:
             for st in touched.values():
                 self._notify(st)
         return uids
-
-    def _insert_each(self, samples: list[NewSample], uids: list[int],
-                     memo: dict[int, tuple[tuple[_Stage, ...], tuple[_Stage, ...], int]], touched: dict[str, _Stage],
-                     groups: dict[int, _Group], by_uid: dict[int, _Sample]) -> None:
-        for ns in samples:
-            if ns.uid is None:
-                uid = self._next_uid
-                self._next_uid = uid + 1
-            else:
-                uid = ns.uid
-            priority = float(uid) if ns.priority is None else float(ns.priority)
-            s = _Sample(uid, ns.group_id, priority, dict(ns.fields))
-            g = groups.get(ns.group_id)
-            if g is None:  # (not setdefault: that would build a _Group per sample and drop all but one)
-                g = groups[ns.group_id] = _Group(ns.group_size)
-            if ns.group_id >= self._next_group:
-                self._next_group = ns.group_id + 1
-            g.put += 1
-            g.uids.append(uid)
-            if ns.group_size > self._max_group_size:
-                self._max_group_size = ns.group_size
-            by_uid[uid] = s
-            known = memo.get(id(ns.fields))
-            if known is None:
-                fields = s.fields
-                names = tuple(fields)
-                split = self._put_stages.get(names)
-                if split is None:
-                    ready = [st for st in self._stages.values() if all(f in fields for f in st.fields)]
-                    split = self._put_stages[names] = (tuple(st for st in ready if not st.groups),
-                                                       tuple(st for st in ready if st.groups))
-                known = memo[id(ns.fields)] = (*split, _payload_bytes(fields))
-            flat, grouped, nbytes = known
-            self._bytes_put += nbytes
-            for st in flat:  # `_check_ready` + `_sync_sample` for a new sample, inlined
-                s.ready |= st.bit
-                s.avail |= st.bit
-                st.depth += 1
-                self._push(st, priority, uid)
-                touched[st.name] = st
-            for st in grouped:
-                self._check_ready(st, s)
-            uids.append(uid)
 
     def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None:
         """Set fields of a live sample; `version` lowers the sample's version to min(current, version)."""
@@ -1310,9 +1305,7 @@ class TransferQueue:
         """Refuse further takes and puts and wake every waiter (they raise `QueueClosed`)."""
         with self._lock:
             self._closed = True
-            for st in self._stages.values():
-                self._wake(st.waiters, 1 << 62)
-            self._wake(self._put_waiters, 1 << 62)
+            self._wake_all_waiters()
 
     def replace_values(self, fix: Callable[[dict[str, Any]], dict[str, Any] | None]) -> int:
         """Give every live sample the field values `fix(fields)` returns (None: unchanged); returns how
