@@ -121,3 +121,31 @@ def test_gloo_broadcast_delivers_identical_tensors_and_versions() -> None:
     assert got[0] == "sent"
     assert got[1] == [(7, "equal"), (8, "equal")]
     assert all(p.exitcode == 0 for p in procs)
+
+
+def test_a_strided_tensor_is_made_contiguous_once_not_once_per_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-contiguous tensor over several buckets is copied once by the broadcast sender (it was
+    copied whole for each bucket holding a piece of it: a 1 GB transposed weight over 4 buckets is
+    4 GB of copies), and its bytes still arrive intact."""
+    import asyncflow.engines.weight_sync as ws
+
+    strided = torch.randn(40, 25).t()  # 4,000 bytes over four 1,024-byte buckets, not contiguous
+    state = {"strided": strided, "w": torch.randn(3)}
+    copies: list[int] = []
+    real = ws.as_bytes
+
+    def counting(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_contiguous():
+            copies.append(t.numel())
+        return real(t)
+
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(ws, "as_bytes", counting)
+    monkeypatch.setattr(ws, "_bcast", lambda t, *a: sent.append(t.clone()))
+    BroadcastWeightSender(bucket_bytes=BUCKET).send(state, 3)
+    assert copies == [strided.numel()]
+    specs = describe(state)
+    out = allocate(specs)
+    for buf, segments in zip(sent[2:], plan_buckets(specs, BUCKET), strict=True):
+        unpack_bucket(buf, segments, out)
+    assert torch.equal(out[0], strided) and torch.equal(out[1], state["w"])

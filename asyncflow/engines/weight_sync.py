@@ -151,7 +151,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_bucket(tensors: list[torch.Tensor], segments: list[Segment], device: torch.device | str = "cpu") -> torch.Tensor:
-    """The bucket's bytes: each segment's slice of its tensor, at its offset."""
+    """The bucket's bytes: each segment's slice of its tensor, at its offset. Give it `as_bytes`
+    views when packing many buckets: a non-contiguous tensor is otherwise copied whole once per
+    bucket that holds a piece of it."""
     buf = torch.empty(bucket_size(segments), dtype=torch.uint8, device=device)
     for s in segments:
         src = as_bytes(tensors[s.index])[s.tensor_offset : s.tensor_offset + s.nbytes]
@@ -202,7 +204,8 @@ class BroadcastWeightSender(WeightSender):
         header = torch.tensor([version, meta.numel()], dtype=torch.int64, device=self.device)
         _bcast(header, self.src, self.group, self.timeout_s, f"the header of version {version}")
         _bcast(meta.to(self.device), self.src, self.group, self.timeout_s, f"the metadata of version {version}")
-        tensors = [v.to(self.device) for v in state.values()]
+        # flat byte views made once: a non-contiguous tensor is copied once, not once per bucket
+        tensors = [as_bytes(v.to(self.device)) for v in state.values()]
         buckets = plan_buckets(specs, self.bucket_bytes)
         for i, segments in enumerate(buckets):
             buf = pack_bucket(tensors, segments, self.device)
