@@ -476,6 +476,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file into a dict, with clear errors."""
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{p}: is a folder; give the config's YAML file")
     if not p.is_file():
         raise UserError(f"{p}: config file not found")
     try:

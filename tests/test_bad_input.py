@@ -114,6 +114,7 @@ LIGHT_CASES: list[tuple[list[str], str]] = [
     (["train", "typo.yaml"], "rollout.tempreature: unknown key (did you mean 'temperature'?)"),
     (["train", "list.yaml"], "list.yaml: expected a mapping of config sections"),
     (["train", "absent.yaml"], "absent.yaml: config file not found"),
+    (["train", "model"], "model: is a folder; give the config's YAML file"),
     (["demo", "--set", "train.lr=fast"], "train.lr: expected a number, got 'fast'"),
     (["demo", "--set", "rollout.temprature=0.5"], "rollout.temprature: unknown key (did you mean 'temperature'?)"),
     (["demo", "--set", "workflow.mode=sync", "--set", "workflow.max_staleness=2"],
