@@ -952,6 +952,29 @@ def test_a_put_that_fails_validation_leaves_the_store_as_it_was() -> None:
             q.reserve_uids(n)
 
 
+def test_a_reserved_uid_is_put_once_even_after_its_sample_is_removed() -> None:
+    """A client uid whose sample was trained and removed could be put again (a retried put would be
+    trained twice): only reserved, never-used uids are accepted."""
+    q = TransferQueue(capacity=16)
+    q.register_stage("s", ["x"])
+    first = q.reserve_uids(3)
+    q.put_blocking([NewSample(0, 1, {"x": 1}, uid=first)])
+    q.remove([first])
+    assert q.size() == 0
+    with pytest.raises(ValueError, match=f"uid {first} is in use, was used before"):
+        q.put_blocking([NewSample(1, 1, {"x": 1}, uid=first)])
+    with pytest.raises(ValueError, match="never reserved"):
+        q.put_blocking([NewSample(1, 1, {"x": 1}, uid=first + 3)])  # one past the range
+    q.put_blocking([NewSample(1, 1, {"x": 1}, uid=first + 2), NewSample(2, 1, {"x": 1}, uid=first + 1)])
+    second = q.reserve_uids(2)  # the first range is all used and forgotten; a second one works alike
+    q.put_blocking([NewSample(3, 1, {"x": 1}, uid=second + 1)])
+    for uid in (first, first + 1, second + 1):
+        with pytest.raises(ValueError, match=f"uid {uid} is in use"):
+            q.put_blocking([NewSample(4, 1, {"x": 1}, uid=uid)])
+    q.put_blocking([NewSample(4, 1, {"x": 1}, uid=second)])
+    assert q.size() == 4 and q.ready_count("s") == 4
+
+
 def test_take_each_leases_whole_groups_and_refuses_a_budget_below_one() -> None:
     q = TransferQueue(capacity=32)
     q.register_stage("g", ["prompt"], groups=True)

@@ -28,6 +28,7 @@ is `register_stage(..., groups=True)`; length-balanced splitting of a taken batc
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import heapq
 import math
@@ -344,6 +345,11 @@ class TransferQueue:
         self._put_waiters: list[_Waiter] = []
         self._latest_wake = -math.inf  # the latest wake time handed to a waiter since all were last woken
         self._next_uid = 0
+        # reserved uid ranges not yet all put: start -> [end, how many are left]; a client uid must lie
+        # in one and not be used already (else a uid whose sample was removed could be put again)
+        self._reserved: dict[int, list[int]] = {}
+        self._reserved_starts: list[int] = []  # its keys, ascending (uids are reserved in order)
+        self._reserved_used: set[int] = set()
         self._next_group = 0  # one past the highest group id ever put (a feeder's position, checkpoints)
         self._next_lease = 1
         self._max_group_size = 1
@@ -430,8 +436,8 @@ class TransferQueue:
         client_uids: set[int] = set()
         for ns in samples:
             if ns.uid is not None:
-                if ns.uid in self._samples or ns.uid >= self._next_uid or ns.uid in client_uids:
-                    raise ValueError(f"uid {ns.uid} is in use or was never reserved")
+                if ns.uid in client_uids or ns.uid in self._reserved_used or self._reservation(ns.uid) is None:
+                    raise ValueError(f"uid {ns.uid} is in use, was used before or was never reserved")
                 client_uids.add(ns.uid)
             if type(ns.fields) is not dict and not isinstance(ns.fields, Mapping):
                 raise TypeError(f"group {ns.group_id}: fields must be a mapping, got {type(ns.fields).__name__}")
@@ -462,7 +468,29 @@ class TransferQueue:
         with self._lock:
             start = self._next_uid
             self._next_uid += n
+            self._reserved[start] = [start + n, n]
+            self._reserved_starts.append(start)
             return start
+
+    def _reservation(self, uid: int) -> int | None:
+        """The start of the outstanding reserved range holding `uid`, if any."""
+        i = bisect.bisect_right(self._reserved_starts, uid) - 1
+        if i < 0:
+            return None
+        start = self._reserved_starts[i]
+        return start if uid < self._reserved[start][0] else None
+
+    def _use_reserved(self, uid: int) -> None:
+        start = self._reservation(uid)
+        assert start is not None  # (validated)
+        entry = self._reserved[start]
+        entry[1] -= 1
+        if entry[1] == 0:  # all of the range put: forget it (its uids are then never reserved)
+            del self._reserved[start]
+            del self._reserved_starts[bisect.bisect_left(self._reserved_starts, start)]
+            self._reserved_used.difference_update(range(start, entry[0]))
+        else:
+            self._reserved_used.add(uid)
 
     def _insert_many(self, samples: list[NewSample]) -> list[int]:
         """Admit validated samples; returns their uids. Per initial-fields dict (by identity: a feeder
@@ -483,6 +511,7 @@ class TransferQueue:
                     self._next_uid = uid + 1
                 else:
                     uid = ns.uid
+                    self._use_reserved(uid)
                 priority = float(uid) if ns.priority is None else float(ns.priority)
                 s = _Sample(uid, ns.group_id, priority, dict(ns.fields))
                 g = groups.get(ns.group_id)
