@@ -987,6 +987,21 @@ def test_take_each_leases_whole_groups_and_refuses_a_budget_below_one() -> None:
             q.take_each_nowait("s", budget)
 
 
+def test_take_each_gives_one_lease_per_group_when_group_sizes_differ() -> None:
+    """Each lease held as many samples as the largest group, so small groups shared leases (one
+    episode task would have got two groups); and a budget below the largest size took nothing."""
+    q = TransferQueue(capacity=32)
+    q.register_stage("g", ["prompt"], groups=True)
+    q.put_blocking(prompts(4, group_size=4) + prompts(4, group_size=2, first_group=1) + prompts(1, first_group=3))
+    with pytest.raises(ValueError, match="max_samples 3 < group_size 4"):  # as `take`
+        q.take_each_nowait("g", 3)
+    leases = q.take_each_nowait("g", 7)  # groups 0 and 1; group 2 would go over the budget
+    assert [[s.group_id for s in lease.samples] for lease in leases] == [[0] * 4, [1] * 2]
+    leases = q.take_each_nowait("g", 8)
+    assert [[s.group_id for s in lease.samples] for lease in leases] == [[2] * 2, [3]]
+    assert q.take_each_nowait("g", 8) == []
+
+
 def test_a_lease_that_expires_wakes_a_waiter_that_started_waiting_before_it_existed() -> None:
     """The waiter's wake time (the next lease expiry) was worked out once, when it began to wait with
     no lease in the store: a lease taken later and abandoned was never reaped, and the waiter slept to

@@ -729,8 +729,6 @@ class TransferQueue:
             self._reap()
             out: list[Lease] = []
             budget = max_samples
-            # a group stage's lease is a whole group (with groups of mixed sizes, possibly several small ones)
-            per_lease = max(1, self._max_group_size) if st.groups else 1
             if not st.groups and min_version is None:  # the rollout refill: one sample per lease
                 deadline = self._clock.now() + (self.lease_timeout_s if lease_s is None else lease_s)
                 names = st.view_fields(extra)
@@ -740,8 +738,8 @@ class TransferQueue:
                         break
                     out.append(one)
                     budget -= 1
-            while budget >= per_lease and st.depth >= 1:
-                lease = self._lease(st, per_lease, lease_s, min_version, extra)
+            while budget >= 1 and st.depth >= 1:  # one sample, or one whole group, per lease
+                lease = self._lease(st, budget if st.groups else 1, lease_s, min_version, extra, max_keys=1)
                 if lease is None:
                     break
                 out.append(lease)
@@ -825,8 +823,9 @@ class TransferQueue:
                 f"take({st.name!r}): max_samples {max_samples} < group_size {self._max_group_size}"
             )
 
-    def _pop_keys(self, st: _Stage, max_samples: int) -> list[int]:
-        """Pop the lowest-priority available uids (or whole groups) that fit in `max_samples`."""
+    def _pop_keys(self, st: _Stage, max_samples: int, max_keys: int | None = None) -> list[int]:
+        """Pop the lowest-priority available uids (or whole groups) that fit in `max_samples`, at most
+        `max_keys` groups."""
         keys: list[int] = []
         heap, fifo, queued = st.heap, st.fifo, st.queued
         if not st.groups:  # one sample per entry: every live entry fits
@@ -839,7 +838,7 @@ class TransferQueue:
                     keys.append(key)
             return keys
         total = 0
-        while (heap or fifo) and total < max_samples:
+        while (heap or fifo) and total < max_samples and (max_keys is None or len(keys) < max_keys):
             from_heap = bool(heap) and (not fifo or heap[0] < fifo[0])
             key = (heap[0] if from_heap else fifo[0])[1]
             n = self._offers(st, key)
@@ -862,8 +861,9 @@ class TransferQueue:
         lease_s: float | None,
         min_version: int | None,
         extra: tuple[str, ...],
+        max_keys: int | None = None,
     ) -> Lease | None:
-        keys = self._pop_keys(st, max_samples)
+        keys = self._pop_keys(st, max_samples, max_keys)
         if not keys:
             return None
         rec = _LeaseRec(self._next_lease, st.name, [], [], 0.0)
