@@ -160,6 +160,10 @@ def test_every_http_call_has_a_deadline(fake: FakeServer) -> None:
     (b"", "closed the connection without a reply"),  # (a server killed mid-request)
     (b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n{\"a\"", "connection was lost mid-reply (IncompleteReadError"),
     (b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\n{}", "connection was lost mid-reply (ValueError"),
+    # chunked, cut at a chunk boundary: it read as the end of the body ("not JSON: b'{\\"a\\": '")
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n6\r\n{\"a\": \r\n",
+     "connection was lost mid-reply (EOFError: the chunked body ended before its last chunk"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n6\r\n{\"a\": ", "connection was lost mid-reply (EOFError"),
 ])
 def test_a_connection_lost_mid_reply_is_an_http_error_naming_the_call(reply: bytes, needle: str) -> None:
     """A reset, a cut-short body or a bad Content-Length escaped as ConnectionResetError,
@@ -238,3 +242,22 @@ def test_invalid_openai_engine_settings_are_refused_at_load(sets: list[str], nee
 def test_openai_engine_resolves_one_worker_per_server() -> None:
     cfg, _ = load_config(None, ["rollout.engine=openai", "rollout.server_urls=[http://a:1, http://b:2]"])
     assert cfg.rollout.workers == 2 and cfg.rollout.server_type == "asyncflow"
+
+
+def test_a_chunked_reply_with_trailer_fields_is_read_whole() -> None:
+    async def main() -> Any:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"4;ext=1\r\n{\"a\"\r\n3\r\n: 1\r\n1\r\n}\r\n0\r\nX-Checksum: 7\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return await request_json("GET", f"http://127.0.0.1:{port}/v1/models", timeout=10)
+        finally:
+            server.close()
+
+    assert asyncio.run(main()) == {"a": 1}

@@ -102,12 +102,17 @@ async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> b
     if "chunked" in headers.get("transfer-encoding", "").lower():
         out = bytearray()
         while True:
-            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+            line = await reader.readline()
+            if not line.endswith(b"\n"):  # the connection ended at a chunk boundary: the body is cut short
+                raise EOFError("the chunked body ended before its last chunk")
+            size = int(line.split(b";")[0].strip(), 16)
             if size == 0:
-                await reader.readline()
+                while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    pass  # trailer fields, up to the blank line
                 return bytes(out)
             out += await reader.readexactly(size)
-            await reader.readline()
+            if not (await reader.readline()).endswith(b"\n"):
+                raise EOFError("the chunked body ended inside a chunk")
     if "content-length" in headers:
         return await reader.readexactly(int(headers["content-length"]))
     return await reader.read()
