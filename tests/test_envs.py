@@ -21,7 +21,9 @@ def test_safe_arith_evaluates_arithmetic(expr: str, value: float) -> None:
     "expr", ["__import__('os')", "x+1", "len('abc')", "1/0", "2**1000", "1" * 300, "(1,2)", "'a'*3",
              # a model's text used to end its episode with TypeError/OverflowError, or to run for hours
              # on the event loop (nested powers pass the exponent rule)
-             "(-1)**.5", "10**64*10**64*10**64*10**64*10**64", "((((9**64)**64)**64)**64)**64", "1e308*10*1"]
+             "(-1)**.5", "10**64*10**64*10**64*10**64*10**64", "((((9**64)**64)**64)**64)**64", "1e308*10*1",
+             # literals beyond the bounds the docs give (inf; 662 bits), alone or negated
+             "1e999", "-1e999", "9" * 199, "-" + "9" * 150]
 )
 def test_safe_arith_refuses_everything_else(expr: str) -> None:
     with pytest.raises(ValueError):

@@ -169,6 +169,8 @@ class _Returns(_Echo):
     (EnvStep("O", reward="abc"), False, "returned reward 'abc'"),  # type: ignore[arg-type]
     (EnvStep("O", reward=None), False, "returned reward None"),  # type: ignore[arg-type]
     (EnvStep("O", reward=True), False, "returned reward True"),
+    # beyond a float's range: OverflowError escaped the episode and stopped the rollout worker
+    (EnvStep("O", reward=10**400), False, "0000, expected a finite number"),
     (EnvStep("O", done="False"), False, "returned done='False', expected True or False"),  # type: ignore[arg-type]
     (EnvStep(42), False, "step 1 observation returned int, expected the observation text"),  # type: ignore[arg-type]
     (("O", 1.0, True), False, "step 1 returned tuple, expected an EnvStep"),
@@ -191,7 +193,10 @@ def test_an_episode_never_asks_for_more_tokens_than_the_model_has_positions_left
     class _Limits(_Scripted):
         async def generate(self, request: GenRequest) -> GenResult:
             self.asked = [*getattr(self, "asked", []), request.max_new_tokens]
-            return await super().generate(request)
+            res = await super().generate(request)
+            k = request.max_new_tokens  # an engine stops at the tokens it was asked for
+            return GenResult(res.uid, res.response_ids[:k], res.behavior_logprobs[:k], res.token_versions[:k],
+                             res.finish_reason if len(res.response_ids) <= k else "length")
 
     def play(max_context: int) -> tuple[Any, list[int]]:
         engine = _Limits([[65, 66, 1], [67, 1]])
@@ -210,6 +215,11 @@ def test_an_episode_never_asks_for_more_tokens_than_the_model_has_positions_left
     assert asked == [] and f["turns"] == 0 and f["reward"] is None
     assert f["reward_error"] == ("the prompt and the environment's first observation take 3 of the model's 3 positions: "
                                  "no room for a turn")
+    for max_context in range(6, 12):  # an observation is appended only with room for it and a turn after it
+        f, asked = play(max_context)  # (it was appended regardless: the sample outgrew the model's positions
+        assert 2 + len(f["response_ids"]) <= max_context, max_context  # and failed the trainer)
+    f, asked = play(7)  # turn 1 leaves 1 position; "OB" needs 2
+    assert asked == [4] and f["finish_reason"] == "length" and list(f["response_ids"]) == [ord("R"), 65, 66, 1]
 
 
 def test_a_hung_environment_ends_its_episode_with_an_error() -> None:

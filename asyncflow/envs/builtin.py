@@ -42,6 +42,13 @@ MAX_POWER = 64
 MAX_RESULT_BITS = 256  # every intermediate integer: nested powers grew without bound (hours on the loop)
 
 
+def _bounded(value: int | float) -> int | float:
+    """`value`, or ValueError when it is infinite or an integer over `MAX_RESULT_BITS` bits."""
+    if (value.bit_length() > MAX_RESULT_BITS) if isinstance(value, int) else not math.isfinite(value):
+        raise ValueError("result too large")
+    return value
+
+
 def safe_arith(expr: str) -> int | float:
     """Evaluate an arithmetic expression without `eval`; raises ValueError on anything else."""
     if len(expr) > MAX_EXPR_CHARS:
@@ -55,7 +62,7 @@ def safe_arith(expr: str) -> int | float:
         if isinstance(node, ast.Expression):
             return ev(node.body)
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-            return node.value
+            return _bounded(node.value)  # (`1e999` is inf; a literal may be longer than the bound)
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
             left, right = ev(node.left), ev(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > MAX_POWER:
@@ -68,11 +75,9 @@ def safe_arith(expr: str) -> int | float:
                 raise ValueError("result too large") from exc
             if isinstance(value, complex):  # (a negative number to a fractional power)
                 raise ValueError("the result is not a real number")
-            if (value.bit_length() > MAX_RESULT_BITS) if isinstance(value, int) else not math.isfinite(value):
-                raise ValueError("result too large")
-            return value  # type: ignore[no-any-return]
+            return _bounded(value)  # type: ignore[arg-type]
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-            return _UNARY[type(node.op)](ev(node.operand))  # type: ignore[no-any-return]
+            return _bounded(_UNARY[type(node.op)](ev(node.operand)))
         raise ValueError(f"not allowed in an arithmetic expression: {type(node).__name__}")
 
     return ev(tree)

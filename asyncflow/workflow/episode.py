@@ -226,7 +226,11 @@ async def run_episode(
                 finish = "stop"
                 break
             if turn < env.max_turns:
-                traj.add_env(tok.encode(step.observation))
+                obs = tok.encode(step.observation)
+                if settings.max_context is not None and len(traj.context()) + len(obs) >= settings.max_context:
+                    break  # no room for it and a turn: the episode ran out of positions (finish "length";
+                    # appended, the sample outgrew the model's positions and failed the trainer)
+                traj.add_env(obs)
     except EnvError as exc:
         error = str(exc)
     finally:
@@ -253,7 +257,7 @@ def _checked_step(step: Any, env: Env, turn: int) -> EnvStep:
     and a bool `done`. Anything else ends the episode with an `EnvError` naming it (it went into the
     trajectory unchecked: a NaN reward made a whole group's advantages NaN, and a wrong type stopped
     the run with a traceback)."""
-    if type(step) is EnvStep and type(step.observation) is str and type(step.reward) in (float, int) \
+    if type(step) is EnvStep and type(step.observation) is str and type(step.reward) is float \
             and math.isfinite(step.reward) and type(step.done) is bool:
         return step  # (the common case, in one expression: this runs every turn of every episode)
     what = f"step {turn}"
@@ -261,7 +265,11 @@ def _checked_step(step: Any, env: Env, turn: int) -> EnvStep:
         raise EnvError(f"environment {env.name!r} {what} returned {type(step).__name__}, expected an EnvStep")
     _observation(step.observation, env, f"{what} observation")
     r = step.reward
-    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r)):
+    try:  # (an int beyond a float's range raised OverflowError here, which stopped the rollout worker)
+        finite = not isinstance(r, bool) and isinstance(r, numbers.Real) and math.isfinite(float(r))
+    except (OverflowError, TypeError, ValueError):
+        finite = False
+    if not finite:
         raise EnvError(f"environment {env.name!r} {what} returned reward {r!r}, expected a finite number")
     if not isinstance(step.done, (bool, np.bool_)):
         raise EnvError(f"environment {env.name!r} {what} returned done={step.done!r}, expected True or False")
