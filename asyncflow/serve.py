@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # torch stays unimported until a server starts: the CLI valid
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_N = 128
+MAX_CHOICES = 4096  # prompts x n of one request: each queued choice holds memory until it runs
 _GONE_POLL_S = 0.25  # while generating, how often a request checks that its client is still connected
 READ_TIMEOUT_S = 60.0  # longest a client may take to send one request (then its connection is closed)
 
@@ -68,6 +69,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _local_host_name(host: str) -> bool:
+    """Whether a `Host` header (name or address, optional port) names this machine's loopback."""
+    name = host.strip().lower()
+    if name.startswith("["):  # [IPv6]:port
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    return is_loopback(name.rstrip(".")) or name.rstrip(".").endswith(".localhost")
+
+
 class OpenAIServer:
     """The routes of `asyncflow serve`, independent of the HTTP transport (so tests can call
     `handle` directly and the transport stays a thin shell)."""
@@ -86,6 +97,7 @@ class OpenAIServer:
         self._uid = 0
         self.created = int(time.time())
         self._local = threading.local()  # per HTTP thread: `gone`, whether its client has left
+        self._loading = threading.Lock()  # one weight load at a time, each answered after it is in use
 
     # ------------------------------------------------------------------ dispatch
 
@@ -96,6 +108,7 @@ class OpenAIServer:
         self._local.gone = gone
         try:
             self._check_auth(headers)
+            self._check_origin(headers)
             route = path.split("?", 1)[0].rstrip("/") or "/"
             if method == "GET":
                 getters: dict[str, Callable[[], dict[str, Any]]] = {
@@ -131,11 +144,26 @@ class OpenAIServer:
             raise RequestError(f"the engine stopped after an error: {error!r}", status=503, kind="server_error")
         return {"status": "ok"}
 
+    def _check_origin(self, headers: Mapping[str, str]) -> None:
+        """Without a token (loopback), only local clients that are not web pages: a request a browser
+        sends for a page (it carries `Origin`), or one for another host name (DNS rebinding: a page's
+        own name resolved to 127.0.0.1), is refused. Any site the user had open could otherwise
+        pause the server, load weights from any folder, or generate."""
+        if self.token is not None:
+            return  # (a browser cannot add the Authorization header to a cross-site request unasked)
+        if "origin" in headers:
+            raise RequestError("requests from web pages (an Origin header) need the server started with --token",
+                               status=403, kind="permission_error")
+        host = headers.get("host")
+        if host is not None and not _local_host_name(host):
+            raise RequestError(f"host {host!r} is not this server's loopback name: start the server with --token to "
+                               "serve other names", status=403, kind="permission_error")
+
     def _check_auth(self, headers: Mapping[str, str]) -> None:
         if self.token is None:
             return
-        given = headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+        scheme, _, given = headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
             raise RequestError("missing or wrong token: send 'Authorization: Bearer TOKEN'", status=401,
                                kind="authentication_error")
 
@@ -164,7 +192,7 @@ class OpenAIServer:
         if getattr(self.tok, "chat_template", None) is None:
             raise RequestError(f"model {self.model_name!r} has no chat template (its tokenizer defines none); "
                                "use /v1/completions with a text or token-id prompt", param="messages")
-        messages = [_flatten_content(m, i) for i, m in enumerate(messages)]
+        messages = [flatten_content(m, i) for i, m in enumerate(messages)]
         try:
             ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as exc:
@@ -174,8 +202,7 @@ class OpenAIServer:
         prompt = [int(t) for t in ids]
         if not prompt:
             raise RequestError("messages: empty after the chat template", param="messages")
-        if "max_completion_tokens" in req and "max_tokens" not in req:
-            req = {**req, "max_tokens": req["max_completion_tokens"]}
+        req = completion_tokens_key(req)
         if req.get("max_tokens") is None and self.max_context is not None:  # (as OpenAI and vLLM: the rest of
             req = {**req, "max_tokens": max(1, self.max_context - len(prompt))}  # the context, not 16)
         params = _sampling(req, _UNSUPPORTED)
@@ -214,6 +241,9 @@ class OpenAIServer:
         from asyncflow.engines.base import GenRequest
 
         deadline = time.monotonic() + self.request_timeout_s
+        if len(prompts) * params["n"] > MAX_CHOICES:
+            raise RequestError(f"{len(prompts)} prompts x n={params['n']} is more than {MAX_CHOICES} choices in one "
+                               "request; split it", param="prompt")
         for ids in prompts:
             if self.max_context is not None and len(ids) + params["max_tokens"] > self.max_context:
                 raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params['max_tokens']}) exceeds the "
@@ -252,13 +282,16 @@ class OpenAIServer:
         return results
 
     def _wait_unpaused(self, deadline: float) -> None:
+        gone = getattr(self._local, "gone", None)
         with self._gate:
             while self._paused:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RequestError(f"server paused for longer than {self.request_timeout_s:g} s", status=503,
                                        kind="server_paused")
-                self._gate.wait(timeout=left)
+                if gone is not None and gone():  # (it held its thread to the timeout, then was generated anyway)
+                    raise RequestError("the client disconnected", status=499, kind="client_closed")
+                self._gate.wait(timeout=left if gone is None else min(left, _GONE_POLL_S))
 
     def _text(self, ids: list[int]) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=True))
@@ -274,11 +307,23 @@ class OpenAIServer:
         if mode not in ("drain", "swap", "abort"):
             raise RequestError(f"mode: {mode!r} is not one of drain, swap, abort", param="mode")
         state = read_weights(Path(path), self.engine.model)
+        deadline = time.monotonic() + self.request_timeout_s
+        # one at a time: a load that another overtook was answered 200 with weights never loaded
+        if not self._loading.acquire(timeout=self.request_timeout_s):
+            raise RequestError(f"another weight load held the engine for {self.request_timeout_s:g} s", status=504,
+                               kind="timeout")
         try:
-            seconds = self.engine.request_weights(state, version, mode).result(timeout=self.request_timeout_s)
-        except (TimeoutError, cf.TimeoutError):
-            raise RequestError(f"the weight load did not finish within {self.request_timeout_s:g} s", status=504,
-                               kind="timeout") from None
+            done = self.engine.request_weights(state, version, mode)
+            try:
+                seconds = done.result(timeout=max(0.0, deadline - time.monotonic()))
+            except (TimeoutError, cf.TimeoutError):
+                if self.engine.withdraw_weights(done):  # (it took effect later, after this 504)
+                    raise RequestError(f"the weight load did not start within {self.request_timeout_s:g} s; it is "
+                                       f"withdrawn and version {self.engine.version} stays", status=504,
+                                       kind="timeout") from None
+                seconds = done.result(timeout=self.request_timeout_s)  # begun: it is being copied in
+        finally:
+            self._loading.release()
         return {"version": self.engine.version, "seconds": seconds}
 
     def _pause(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -333,7 +378,16 @@ def read_weights(folder: Path, model: Any) -> dict[str, Any]:
     return state
 
 
-def _flatten_content(message: dict[str, Any], i: int) -> dict[str, Any]:
+def completion_tokens_key(req: dict[str, Any]) -> dict[str, Any]:
+    """A chat request's `max_completion_tokens` (OpenAI's newer name) as `max_tokens` when that is
+    absent or null (clients that send unset fields as null: it was ignored, and generation ran to
+    the end of the context)."""
+    if req.get("max_tokens") is None and req.get("max_completion_tokens") is not None:
+        return {**req, "max_tokens": req["max_completion_tokens"]}
+    return req
+
+
+def flatten_content(message: dict[str, Any], i: int) -> dict[str, Any]:
     """A message whose `content` is a list of parts (OpenAI's `[{"type": "text", "text": ...}]`) as one
     text, which is what a text model's chat template renders (it printed the list's repr); a part of
     another type (an image) is refused."""
@@ -352,7 +406,7 @@ def _flatten_content(message: dict[str, Any], i: int) -> dict[str, Any]:
 def _parse_body(body: bytes) -> dict[str, Any]:
     try:
         req = json.loads(body) if body else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # (nesting deeper than the parser's stack: a 500 and a traceback)
         raise RequestError("the request body is not valid JSON") from None
     if not isinstance(req, dict):
         raise RequestError("the request body must be a JSON object")
@@ -399,7 +453,7 @@ def _sampling(req: dict[str, Any], unsupported: dict[str, Any], server: str = "a
                 else f"is not supported by {server}"
             raise RequestError(f"{key}: {why}", param=key)
     logprobs = req.get("logprobs")
-    if logprobs is not None and (not isinstance(logprobs, (bool, int)) or logprobs > 1):
+    if logprobs is not None and (not isinstance(logprobs, (bool, int)) or not 0 <= logprobs <= 1):
         raise RequestError("logprobs: expected 0, 1 or a boolean: each choice's token_logprobs (the sampled "
                            "tokens') are always returned; top alternatives are not", param="logprobs")
     top_k = _integer(req, "top_k", 0, -1, 1 << 30)
@@ -447,6 +501,30 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_PATCH(self) -> None:
         self._answer("PATCH")
 
+    def do_HEAD(self) -> None:
+        self._answer("HEAD")
+
+    def do_OPTIONS(self) -> None:
+        self._answer("OPTIONS")
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The standard library's own refusals (a malformed request line, an over-long header, an
+        unknown method) as the OpenAI-style JSON object every other error is, not its HTML page."""
+        if self.request_version == "HTTP/0.9":  # (a request line it could not parse: no status line was written)
+            self.request_version = "HTTP/1.0"
+        phrase = message or http.server.BaseHTTPRequestHandler.responses.get(code, ("error",))[0]
+        data = json.dumps({"error": {"message": phrase, "type": "invalid_request_error", "param": None,
+                                     "code": None}}).encode()
+        self.close_connection = True
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
     def _answer(self, method: str) -> None:
         try:
             length = int(self.headers.get("Content-Length") or 0)
@@ -472,7 +550,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(data)))
             self.send_header("Connection", "close")
             self.end_headers()
-            self.wfile.write(data)
+            if method != "HEAD":  # (a HEAD reply has headers only)
+                self.wfile.write(data)
 
     def _skip_chunked_body(self) -> None:
         """Read a chunked body to its end, discarding it (at most `MAX_BODY_BYTES`; the socket's

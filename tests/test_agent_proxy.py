@@ -126,10 +126,14 @@ def test_chat_calls_splice_generated_ids_and_render_only_the_new_turn(tiny_model
     replies: list[dict[str, Any]] = []
 
     async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
-        msgs = [{"role": "user", "content": "1+2="}]
+        # OpenAI content parts are read as their text, as `asyncflow serve` does (their repr was the prompt)
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "1+2"},
+                                                                   {"type": "text", "text": "="}]}]
         c1 = await _post(base_url, "/chat/completions", {"messages": msgs, "max_tokens": 3})
-        msgs += [c1["message"], {"role": "user", "content": "2+2="}]
-        c2 = await _post(base_url, "/chat/completions", {"messages": msgs, "max_completion_tokens": 3})
+        msgs += [c1["message"], {"role": "user", "content": [{"type": "text", "text": "2+2="}]}]
+        # a null max_tokens beside max_completion_tokens (clients that send unset fields as null)
+        c2 = await _post(base_url, "/chat/completions", {"messages": msgs, "max_tokens": None,
+                                                         "max_completion_tokens": 1})
         replies.extend([c1, c2])
         return 0.5
 
@@ -140,6 +144,7 @@ def test_chat_calls_splice_generated_ids_and_render_only_the_new_turn(tiny_model
     closing = space if r1[-1] == eos else [eos, *space]  # the template's end of turn, minus an EOS generated
     added = closing + tok.encode("q 2+2= a ")
     assert replies[0]["prompt_token_ids"] == p1 and replies[1]["prompt_token_ids"] == p1 + r1 + added
+    assert len(r2) == 1
     assert f["reward"] == 0.5 and f["turns"] == 2 and list(f["prompt_ids"]) == p1
     assert list(f["response_ids"]) == r1 + added + r2
     assert list(f["loss_mask"]) == [1] * len(r1) + [0] * len(added) + [1] * len(r2)

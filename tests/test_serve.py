@@ -181,7 +181,7 @@ def test_a_client_that_disconnects_has_its_requests_cancelled(server: Server) ->
     body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 25, "n": 4}).encode()
     host, port = server.http.server_address[:2]
     with socket.create_connection((host, port), timeout=30) as client:
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         deadline = time.monotonic() + 30
         while engine.load() < 4 and time.monotonic() < deadline:
@@ -247,6 +247,9 @@ def test_load_weights_changes_outputs_and_version(server: Server, serve_dir: Pat
         ({"prompt": [5], "stop_token_ids": [7]}, "stop_token_ids"),
         ({"prompt": [5], "repetition_penalty": 2.0}, "repetition_penalty"),
         ({"prompt": [5], "logprobs": 5}, "top alternatives are not"),
+        ({"prompt": [5], "logprobs": -3}, "logprobs: expected 0, 1"),
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, "not valid JSON", id="deep JSON"),  # (RecursionError: a 500)
+        ({"prompt": [[5, 6]] * 40, "n": 128}, "40 prompts x n=128 is more than 4096 choices"),  # (unbounded memory)
     ],
 )
 def test_bad_requests_get_openai_style_400s(server: Server, body: Any, needle: str) -> None:
@@ -319,6 +322,11 @@ def test_a_token_is_required_off_loopback_and_checked_on_every_request(serve_dir
             assert status == 401 and reply["error"]["type"] == "authentication_error"
             assert call(f"{s.url}{path}", token="wrong")[0] == 401
             assert call(f"{s.url}{path}", token="s3cret")[0] == 200
+        for header in ("bearer s3cret", "BEARER  s3cret"):  # the scheme is case-insensitive (RFC 7235)
+            assert _raw(s, f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {header}\r\n\r\n")[0] == 200
+        # with a token, a web page that has it may call (the browser had to ask before sending it)
+        assert _raw(s, "GET /v1/models HTTP/1.1\r\nHost: example.org\r\nOrigin: https://example.org\r\n"
+                       "Authorization: Bearer s3cret\r\n\r\n")[0] == 200
         assert call(f"{s.url}/admin/pause", {})[0] == 401
         assert call(f"{s.url}/v1/completions", {"prompt": [5], "max_tokens": 1}, token="s3cret")[0] == 200
     finally:
@@ -390,3 +398,127 @@ def test_train_with_the_openai_engine_against_a_real_asyncflow_serve(arith_dir: 
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def _raw(server: Server, request: str, body: bytes = b"") -> tuple[int, Any, bytes]:
+    """(status, JSON reply, raw bytes) of one request written as it is on a fresh connection."""
+    import socket
+
+    host, port = server.http.server_address[:2]
+    with socket.create_connection((host, port), timeout=30) as client:
+        client.sendall(request.encode("latin-1") + body)
+        raw = b""
+        while chunk := client.recv(65536):
+            raw += chunk
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(payload) if payload else None, raw
+
+
+def test_without_a_token_web_pages_and_other_host_names_are_refused(server: Server) -> None:
+    """A loopback server without a token answered any page the user had open: a browser sends a
+    text/plain POST cross-site unasked (pause, load weights from any folder, generate), and a page
+    whose name re-resolves to 127.0.0.1 (DNS rebinding) could read the replies."""
+    body = b'{"prompt": [5], "max_tokens": 1}'
+    post = ("POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Type: text/plain\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    port = server.http.server_address[1]
+    status, reply, _ = _raw(server, post.format(host=f"127.0.0.1:{port}", extra="Origin: https://evil.example\r\n"), body)
+    assert status == 403 and "--token" in reply["error"]["message"]
+    status, reply, _ = _raw(server, "POST /admin/pause HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: null\r\n"
+                                    "Content-Length: 0\r\n\r\n")
+    assert status == 403 and call(f"{server.url}/admin/version")[1]["paused"] is False
+    status, reply, _ = _raw(server, f"GET /admin/version HTTP/1.1\r\nHost: rebind.evil.example:{port}\r\n\r\n")
+    assert status == 403 and "rebind.evil.example" in reply["error"]["message"]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"[::1]:{port}", "app.localhost"):
+        assert _raw(server, post.format(host=host, extra=""), body)[0] == 200, host
+
+
+def test_the_standard_librarys_own_refusals_are_json_too(server: Server) -> None:
+    """A malformed request line, an over-long header and HEAD/OPTIONS got its HTML page (the first
+    without even a status line)."""
+    status, reply, raw = _raw(server, "GARBAGE\r\n\r\n")
+    assert raw.startswith(b"HTTP/1.1 400") and reply["error"]["type"] == "invalid_request_error"
+    status, reply, _ = _raw(server, "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + "a" * 70_000 + "\r\n\r\n")
+    assert status == 431 and "error" in reply
+    status, reply, _ = _raw(server, "OPTIONS /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert status == 405 and "OPTIONS" in reply["error"]["message"]
+    status, reply, raw = _raw(server, "HEAD /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert status == 405 and reply is None  # headers only
+
+
+def test_chat_takes_max_completion_tokens_when_max_tokens_is_null(server: Server) -> None:
+    """Clients that send unset fields as null: `max_completion_tokens` was ignored and the choice ran
+    to the end of the context."""
+    server.app.engine.eos = frozenset()  # (never stops early: only the limit ends the choice)
+    tok = server.app.tok
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        status, reply = call(f"{server.url}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "1+1="}], "max_tokens": None, "max_completion_tokens": 2})
+    finally:
+        tok.chat_template = None
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
+
+
+def test_a_paused_request_whose_client_left_is_never_generated(server: Server) -> None:
+    """It held its thread until the pause ended (or the 600 s timeout), then its choices were prefilled
+    for nobody."""
+    import socket
+    import time
+
+    assert call(f"{server.url}/admin/pause", {})[0] == 200
+    uid_before = server.app._uid
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4, "n": 8}).encode()
+    host, port = server.http.server_address[:2]
+    with socket.create_connection((host, port), timeout=30) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.3)
+    time.sleep(1.0)  # four times the paused request's check for its client (_GONE_POLL_S)
+    assert call(f"{server.url}/admin/resume", {})[0] == 200
+    time.sleep(0.3)
+    assert server.app._uid == uid_before and server.app.engine.load() == 0
+
+
+def test_weight_loads_are_one_at_a_time_and_a_timed_out_one_never_takes_effect(server: Server, serve_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """Two loads at once: the first was superseded by the second before it was used and answered 200
+    with the old version. A load answered 504 stayed queued and took effect after the caller was told
+    it had not."""
+    import time
+
+    from asyncflow.tasks.arith import make_model, make_tokenizer
+
+    new_dir = tmp_path / "new"
+    make_model(make_tokenizer(), seed=1, hidden=64).save_pretrained(str(new_dir))
+    engine = _slow_without_eos(server)
+    busy = threading.Thread(target=call, args=(f"{server.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 15}))
+    busy.start()  # ~1.5 s of decoding: a drain load waits for it
+    while engine.load() == 0:
+        time.sleep(0.02)
+    replies: dict[int, tuple[int, Any]] = {}
+
+    def load(version: int) -> None:
+        replies[version] = call(f"{server.url}/admin/load_weights", {"path": str(new_dir), "version": version,
+                                                                     "mode": "drain"})
+
+    first = threading.Thread(target=load, args=(5,))
+    first.start()
+    time.sleep(0.3)
+    second = threading.Thread(target=load, args=(6,))
+    second.start()
+    for t in (first, second, busy):
+        t.join(timeout=60)
+    assert replies[5][0] == 200 and replies[5][1]["version"] == 5, replies[5]
+    assert replies[6][0] == 200 and replies[6][1]["version"] == 6
+    busy = threading.Thread(target=call, args=(f"{server.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 15}))
+    busy.start()
+    while engine.load() == 0:
+        time.sleep(0.02)
+    server.app.request_timeout_s = 0.4
+    status, reply = call(f"{server.url}/admin/load_weights", {"path": str(new_dir), "version": 9, "mode": "drain"})
+    assert status == 504 and "withdrawn and version 6 stays" in reply["error"]["message"]
+    busy.join(timeout=60)
+    time.sleep(0.3)
+    assert engine.version == 6 and call(f"{server.url}/admin/version")[1]["version"] == 6

@@ -164,6 +164,9 @@ def test_every_http_call_has_a_deadline(fake: FakeServer) -> None:
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n6\r\n{\"a\": \r\n",
      "connection was lost mid-reply (EOFError: the chunked body ended before its last chunk"),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n6\r\n{\"a\": ", "connection was lost mid-reply (EOFError"),
+    # a redirect was success: a weight sync through a redirecting proxy did nothing and passed
+    (b"HTTP/1.1 302 Found\r\nLocation: https://x/v1/models\r\nContent-Length: 0\r\n\r\n",
+     "HTTP 302, a redirect to https://x/v1/models: give the final URL"),
 ])
 def test_a_connection_lost_mid_reply_is_an_http_error_naming_the_call(reply: bytes, needle: str) -> None:
     """A reset, a cut-short body or a bad Content-Length escaped as ConnectionResetError,
@@ -261,3 +264,25 @@ def test_a_chunked_reply_with_trailer_fields_is_read_whole() -> None:
             server.close()
 
     assert asyncio.run(main()) == {"a": 1}
+
+
+def test_an_ipv6_server_gets_its_host_header_in_brackets() -> None:
+    """`Host: ::1:PORT` (no brackets) is refused by strict front ends such as nginx."""
+    seen: list[bytes] = []
+
+    async def main() -> Any:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "::1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return await request_json("GET", f"http://[::1]:{port}/v1/models", timeout=10), port
+        finally:
+            server.close()
+
+    reply, port = asyncio.run(main())
+    assert reply == {} and f"\r\nHost: [::1]:{port}\r\n".encode() in seen[0]

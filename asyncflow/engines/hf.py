@@ -69,6 +69,7 @@ class _PendingWeights:
     mode: WeightUpdateMode
     done: cf.Future[float]
     requested_at: float
+    claimed: bool = False  # the decode thread is loading it: it can no longer be withdrawn
 
 
 def truncate_logits(logits: torch.Tensor, top_p: list[float], top_k: list[int]) -> torch.Tensor:
@@ -203,6 +204,17 @@ class HFEngine(InferenceEngine):
             self._cv.notify()
         return done
 
+    def withdraw_weights(self, done: cf.Future[float]) -> bool:
+        """Withdraw the load whose future is `done` if the decode thread has not begun it (its caller
+        gave up waiting: it must not take effect after the caller was told it did not); True if withdrawn."""
+        with self._cv:
+            pending = self._pending
+            if pending is None or pending.done is not done or pending.claimed:
+                return False
+            self._pending = None
+        done.cancel()
+        return True
+
     async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
         return await asyncio.wrap_future(self.request_weights(state, version, mode))
 
@@ -285,6 +297,10 @@ class HFEngine(InferenceEngine):
     def _maybe_load(self, pending: _PendingWeights) -> None:
         if pending.mode == "drain" and self._rows:
             return
+        with self._cv:
+            if self._pending is not pending:
+                return  # withdrawn by its caller (or superseded) since this step began
+            pending.claimed = True
         if pending.mode == "abort" and self._rows:
             evicted = self._rows
             self._rows, self._cache, self._mask = [], None, None

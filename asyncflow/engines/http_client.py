@@ -43,7 +43,8 @@ async def _request(method: str, url: str, body: Any, token: str | None) -> Any:
     port = parts.port or (443 if parts.scheme == "https" else 80)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     data = b"" if body is None else json.dumps(body).encode()
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.hostname}:{port}", "Accept: application/json",
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # (IPv6 in brackets)
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}:{port}", "Accept: application/json",
              "Connection: close", f"Content-Length: {len(data)}"]
     if body is not None:
         lines.append("Content-Type: application/json")
@@ -67,11 +68,14 @@ async def _request(method: str, url: str, body: Any, token: str | None) -> Any:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+    if 300 <= status < 400:  # (not followed: a redirect of a POST loses its body; it was taken as success)
+        raise HTTPError(status, f"{method} {url}: HTTP {status}, a redirect to {headers.get('location', '?')}: "
+                                "give the final URL")
     try:
         reply = json.loads(raw) if raw else None
     except ValueError:
         raise HTTPError(status, f"{method} {url}: HTTP {status}, not JSON: {raw[:200]!r}") from None
-    if status >= 400:
+    if not 200 <= status < 300:
         raise HTTPError(status, f"{method} {url}: HTTP {status}: {_error_message(reply)}")
     return reply
 

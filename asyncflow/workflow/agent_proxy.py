@@ -54,6 +54,8 @@ from asyncflow.serve import (
     _rl_fields,
     _sampling,
     _usage,
+    completion_tokens_key,
+    flatten_content,
 )
 
 _UNSUPPORTED: dict[str, Any] = {**SERVE_UNSUPPORTED, "suffix": None, "echo": False}
@@ -141,9 +143,11 @@ class EpisodeRecorder:
             raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages")
         if getattr(self.tok.hf, "chat_template", None) is None:
             raise RequestError("the policy's tokenizer has no chat template; use /v1/completions", param="messages")
+        # content parts as one text, as `asyncflow serve` reads them (their repr went into the prompt);
+        # the flattened messages are what the next call's history is compared with
+        messages = [flatten_content(m, i) for i, m in enumerate(messages)]
         ids, skeleton = self._chat_ids(messages)
-        if "max_completion_tokens" in req and "max_tokens" not in req:
-            req = {**req, "max_tokens": req["max_completion_tokens"]}
+        req = completion_tokens_key(req)
         call = await self._generate(ids, req)
         reply = self.tok.decode(call.response_ids)
         self._last = _Last(call, reply, messages=[dict(m) for m in messages], skeleton=skeleton)
