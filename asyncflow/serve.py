@@ -374,7 +374,10 @@ def read_weights(folder: Path, model: Any) -> dict[str, Any]:
         if tuple(loaded[src].shape) != tuple(v.shape):
             raise RequestError(f"path: weight {src} has shape {tuple(loaded[src].shape)}, the model {tuple(v.shape)}",
                                param="path")
-        state[k] = loaded[src].to(v.dtype)
+        t = loaded[src]
+        if t.is_floating_point() and not bool(t.isfinite().all()):  # (the decode thread would stop for good)
+            raise RequestError(f"path: weight {src} holds NaN or infinite values", param="path")
+        state[k] = t.to(v.dtype)
     return state
 
 

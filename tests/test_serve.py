@@ -228,6 +228,17 @@ def test_load_weights_changes_outputs_and_version(server: Server, serve_dir: Pat
     status, reply = call(f"{server.url}/admin/load_weights", {"path": str(tmp_path / "missing"), "version": 6})
     assert status == 400 and "safetensors" in reply["error"]["message"]
     assert call(f"{server.url}/admin/version")[1]["version"] == 5
+    # NaN weights: refused (loaded, the first request stopped the decode thread and the server for good)
+    from safetensors.torch import load_file, save_file
+
+    bad = load_file(str(new_dir / "model.safetensors"))
+    name = next(k for k, t in bad.items() if t.is_floating_point())
+    bad[name][0] = float("nan")
+    (tmp_path / "nan").mkdir()
+    save_file(bad, str(tmp_path / "nan" / "model.safetensors"))
+    status, reply = call(f"{server.url}/admin/load_weights", {"path": str(tmp_path / "nan"), "version": 7})
+    assert status == 400 and f"weight {name} holds NaN" in reply["error"]["message"]
+    assert call(f"{server.url}/v1/completions", body)[0] == 200 and call(f"{server.url}/health")[0] == 200
 
 
 @pytest.mark.parametrize(
