@@ -186,7 +186,7 @@ class Evaluator:
             results = await asyncio.gather(*(
                 run_agent_episode(agent=agent, proxy=proxy, engine=self.engine, clock=clock, tok=self.tok,
                                   uid=-(i + 1), row=row, seed=self.cfg.seed * 7_919 + i,
-                                  settings=recorder_settings(self.cfg, 0.0), timeout_s=self.cfg.rollout.agent_timeout_s)
+                                  settings=recorder_settings(self.cfg, 0.0, self.max_context), timeout_s=self.cfg.rollout.agent_timeout_s)
                 for i, row in enumerate(self.rows)
             ))
         finally:

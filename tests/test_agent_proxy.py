@@ -60,13 +60,14 @@ def _tiny(tiny_model: Any) -> tuple[Any, InferenceEngine]:
 
 
 def _episode(engine: InferenceEngine, tok: Any, agent: Callable[[str, dict[str, Any], int], Awaitable[Any]],
-             timeout_s: float = 30.0, floor: Callable[[], float] | None = None) -> dict[str, Any]:
+             timeout_s: float = 30.0, floor: Callable[[], float] | None = None,
+             settings: RecorderSettings = SETTINGS) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         proxy = AgentProxy()
         await proxy.start()
         try:
             result = await run_agent_episode(agent=agent, proxy=proxy, engine=engine, clock=RealClock(), tok=tok,
-                                             uid=7, row={"prompt": "1+2=", "answer": "3"}, seed=0, settings=SETTINGS,
+                                             uid=7, row={"prompt": "1+2=", "answer": "3"}, seed=0, settings=settings,
                                              timeout_s=timeout_s, floor=floor)
         finally:
             await proxy.close()
@@ -263,6 +264,34 @@ def test_the_endpoint_refuses_what_it_cannot_record_faithfully() -> None:
     assert f["reward_error"] is None, f["reward_error"]
     assert "rollout.temperature=1" in seen[0] and "n:" in seen[1] and "stop" in seen[2] and "vocabulary" in seen[3]
     assert "max_turns=4" in seen[4] and "429" in seen[4]
+
+
+def test_an_agent_call_gets_at_most_the_positions_its_prompt_leaves() -> None:
+    """An agent's call was sent whatever its length: past the model's positions a learned-position
+    model failed the engine (ending the run). Now `max_tokens` is cut to the room left, and a prompt
+    that fills the positions is a 400 the agent can act on, not counted as a turn."""
+    import dataclasses
+
+    asked: list[int] = []
+
+    class _Asked(_Scripted):
+        async def generate(self, request: GenRequest) -> GenResult:
+            asked.append(request.max_new_tokens)
+            return await super().generate(request)
+
+    seen: list[str] = []
+
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
+        await _post(base_url, "/completions", {"prompt": [5, 5, 5], "max_tokens": 4})
+        for n in (6, 7):
+            with pytest.raises(HTTPError) as err:
+                await _post(base_url, "/completions", {"prompt": [5] * n})
+            seen.append(str(err.value))
+        return 1.0
+
+    f = _episode(_Asked([[9, 9, 9]]), _FakeTok(), agent, settings=dataclasses.replace(SETTINGS, max_context=6))
+    assert asked == [3] and f["reward"] == 1.0 and f["turns"] == 1
+    assert all("HTTP 400" in e and "fill the model's 6 positions" in e for e in seen), seen
 
 
 def test_rollout_agent_is_refused_with_env_or_reward_fn(tmp_path: Path) -> None:

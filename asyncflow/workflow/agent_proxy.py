@@ -81,6 +81,7 @@ class RecorderSettings:
     max_calls: int
     top_p: float = 1.0
     top_k: int = 0
+    max_context: int | None = None  # the model's positions: a call gets at most what its prompt leaves
 
 
 @dataclass
@@ -222,9 +223,14 @@ class EpisodeRecorder:
                                kind="episode_cancelled")
         if not prompt_ids:
             raise RequestError("prompt: empty after tokenization", param="prompt")
-        self._started += 1
         max_tokens = min(params["max_tokens"], s.max_new_tokens) if req.get("max_tokens") is not None \
             else s.max_new_tokens
+        if s.max_context is not None:  # (a call past the model's positions failed the engine, ending the run)
+            if len(prompt_ids) >= s.max_context:
+                raise RequestError(f"prompt: {len(prompt_ids)} tokens fill the model's {s.max_context} positions; "
+                                   "no room to generate (end the episode)", param="prompt", kind="context_length_exceeded")
+            max_tokens = min(max_tokens, s.max_context - len(prompt_ids))
+        self._started += 1
         request = GenRequest(self.uid, prompt_ids, max_tokens, s.temperature, s.top_p, s.top_k)
         try:
             res = await self.clock.wait_for(self.engine.generate(request), s.request_timeout_s,

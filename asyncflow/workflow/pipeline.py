@@ -469,7 +469,7 @@ class Pipeline:
                 result = await run_agent_episode(
                     agent=self.agent, proxy=proxy, engine=engine, clock=self.clock, tok=self.tok, uid=sample.uid,
                     row=self.rows[sample.fields["row"]], seed=self.cfg.seed * 1_000_003 + sample.uid,
-                    settings=recorder_settings(self.cfg, ro.temperature), timeout_s=ro.agent_timeout_s,
+                    settings=recorder_settings(self.cfg, ro.temperature, self.max_context), timeout_s=ro.agent_timeout_s,
                     floor=self._floor,
                 )
                 self.tracer.span(track, f"agent episode {sample.uid}", start, self.clock.now())
@@ -1170,11 +1170,12 @@ class _Flight:
         return self.limit - self.n
 
 
-def recorder_settings(cfg: Config, temperature: float) -> RecorderSettings:
-    """How an agent episode's calls are sampled (`temperature`: the run's, or 0 for evaluation)."""
+def recorder_settings(cfg: Config, temperature: float, max_context: int | None = None) -> RecorderSettings:
+    """How an agent episode's calls are sampled (`temperature`: the run's, or 0 for evaluation;
+    `max_context`: the model's positions, when known)."""
     ro = cfg.rollout
     return RecorderSettings(ro.max_new_tokens, temperature, ro.temperature, ro.request_timeout_s, ro.max_turns,
-                            ro.top_p, ro.top_k)
+                            ro.top_p, ro.top_k, max_context)
 
 
 def store_capacity(cfg: Config) -> int:
