@@ -116,7 +116,8 @@ def check_weights_match_config(path: str | Path, *, key: str = "model.path") -> 
     `from_pretrained` with a traceback, or — a parameter missing from the file — is silently left at
     its random initialisation. Tied parameters are checked once (under the first name); a file with
     no parameter name in common with the model (a legacy naming transformers renames on load) is
-    left to transformers.
+    left to transformers, and for a model type whose names transformers converts on load (MoE) only
+    the names both have are checked.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -139,14 +140,31 @@ def check_weights_match_config(path: str | Path, *, key: str = "model.path") -> 
             found[name] = ([int(d) for d in info["shape"]], f)
     if not set(expected) & set(found):
         return
+    renamed = _renames_on_load(config.model_type)
     for name, shape in expected.items():
         if name not in found:
+            if renamed:  # (MoE experts: stored per expert, fused into one parameter when loaded)
+                continue
             raise UserError(f"{key}: {folder} has no tensor {name!r}, which its config.json implies "
                             f"(shape {shape}); the weights are of another model or incomplete")
         got, f = found[name]
         if got != shape:
             raise UserError(f"{key}: {f}: tensor {name!r} has shape {got}, but config.json implies {shape}; "
                             "the weights are of another model")
+
+
+def _renames_on_load(model_type: str) -> bool:
+    """Whether transformers converts this model type's checkpoint names on load (Mixtral, Qwen2-MoE,
+    OLMoE, DeepSeek-V3: per-expert tensors become fused parameters). Their names then differ from
+    the model's by design: only the names both have are compared (every such folder was refused)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # (transformers before 5: no renaming on load)
+        return False
+    try:
+        return bool(get_checkpoint_conversion_mapping(model_type))
+    except Exception:
+        return True  # unknown: do not refuse what transformers may well load
 
 
 def check_safetensors(path: Path, key: str = "model.path") -> None:

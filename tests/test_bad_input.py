@@ -291,6 +291,24 @@ def test_weights_of_another_model_are_named_before_any_load(tiny_model, tmp_path
         check_weights_match_config(partial)
 
 
+def test_a_moe_checkpoint_whose_names_transformers_converts_on_load_is_accepted(tmp_path: Path) -> None:
+    """transformers 5 stores Mixtral's experts one tensor each and fuses them on load: every such
+    folder (Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3) was refused as "the weights of another model"."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncflow.model_folder import check_weights_match_config
+
+    config = AutoConfig.for_model("mixtral", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=4, num_local_experts=2,
+                                  num_experts_per_tok=1, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    check_weights_match_config(tmp_path / "moe")
+    cfg = json.loads((tmp_path / "moe" / "config.json").read_text())  # a shape that differs is still named
+    (tmp_path / "moe" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 80}))
+    with pytest.raises(UserError, match=r"tensor 'model.embed_tokens.weight' has shape \[64, 32\]"):
+        check_weights_match_config(tmp_path / "moe")
+
+
 def test_bad_input_found_after_the_folder_is_written_leaves_no_half_made_run(arith_dir: Path, tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A fresh run that ends with bad input before its first train step (found only once running:
