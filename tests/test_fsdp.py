@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -78,6 +79,7 @@ def test_fsdp_on_two_ranks_matches_the_plain_engine_and_round_trips_a_checkpoint
         # a checkpoint restores weights and optimizer state: a fresh engine then takes the same step
         fsdp.save(str(tmp_path / "ckpt"), with_optimizer=True)
         assert (tmp_path / "ckpt" / "optimizer.pt").is_file() and (tmp_path / "ckpt" / "config.json").is_file()
+        (tmp_path / "ckpt" / "generation_config.json").write_text('{"max_length": 7}')
         resumed = FSDPTrainEngine(tmp_path / "ckpt", world_size=2, lr=1e-2, mini_batches=2, micro_batch_size=1)
         try:
             resumed.load_optimizer(str(tmp_path / "ckpt"))
@@ -85,6 +87,12 @@ def test_fsdp_on_two_ranks_matches_the_plain_engine_and_round_trips_a_checkpoint
             fsdp.train_step(batch, loss_fn, 1.0)
             resumed.train_step(batch, loss_fn, 1.0)
             _assert_same_weights(resumed.export_weights(), fsdp.export_weights())
+            # the checkpoint it started from is pruned later (checkpoint.keep): its saves still work
+            # (they re-read its config.json: a resumed run crashed at its next checkpoint)
+            shutil.rmtree(tmp_path / "ckpt")
+            resumed.save(str(tmp_path / "next"), with_optimizer=False)
+            assert (tmp_path / "next" / "config.json").is_file()
+            assert json.loads((tmp_path / "next" / "generation_config.json").read_text())["max_length"] == 7
         finally:
             resumed.close()
     finally:

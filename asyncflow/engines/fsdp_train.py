@@ -334,6 +334,11 @@ class FSDPTrainEngine(TrainEngine):
             model.save_pretrained(self._tmp)
             model = self._tmp
         self.model_dir = str(model)
+        # read now, not at each save: the folder may be a checkpoint that pruning removes later (a run
+        # resumed from one crashed at its next save once `checkpoint.keep` newer ones existed)
+        self._config = AutoConfig.from_pretrained(self.model_dir)
+        gen = Path(self.model_dir) / "generation_config.json"
+        self._generation_config = gen.read_bytes() if gen.is_file() else None
         self.world_size = world_size
         self.mini_batches = mini_batches
         self.micro_batch_size = micro_batch_size
@@ -452,14 +457,12 @@ class FSDPTrainEngine(TrainEngine):
         The optimizer file holds the full FSDP optimizer state keyed by parameter name; it is read back
         by `FSDPTrainEngine.load_optimizer` (not by the plain engine, whose file is keyed by index)."""
         state = self.export_weights(master=with_optimizer)  # a checkpoint keeps the float32 master weights
-        config = AutoConfig.from_pretrained(self.model_dir)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if with_optimizer else self.dtype)
+        model = AutoModelForCausalLM.from_config(self._config, dtype=torch.float32 if with_optimizer else self.dtype)
         model.load_state_dict(state, strict=True)
         os.makedirs(path, exist_ok=True)
         model.save_pretrained(path)
-        gen = Path(self.model_dir) / "generation_config.json"
-        if gen.is_file() and not (Path(path) / "generation_config.json").exists():
-            shutil.copy(gen, path)
+        if self._generation_config is not None:  # the model's own (its EOS ids...), not the defaults that
+            (Path(path) / "generation_config.json").write_bytes(self._generation_config)  # save_pretrained wrote
         if with_optimizer:
             self._call("save_optimizer", [(path,)] * self.world_size, "save the optimizer state")
 
