@@ -102,7 +102,10 @@ def write_checkpoint(out: Path, step: int, *, save_policy: Any, state: dict[str,
 
     final = step_dir(out, step)
     tmp = final.parent / f".step_{step}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # every partial folder (a write cut short, of this step or one the resumed run never checkpoints
+    # again): the run folder's lock means no other writer; each was a whole model and optimizer
+    for partial in final.parent.glob(".step_*.partial"):
+        shutil.rmtree(partial, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_policy(str(tmp))
     torch.save(store_state, tmp / "store.pt")
@@ -120,6 +123,15 @@ def write_checkpoint(out: Path, step: int, *, save_policy: Any, state: dict[str,
     _fsync(final.parent)
     prune_checkpoints(out, keep, protect)
     return final
+
+
+def _finished_steps(out: Path) -> int | None:
+    """The steps of the finished run in `out` (its `summary.json`), None when it did not finish."""
+    try:
+        steps = json.loads((out / "summary.json").read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def prune_checkpoints(out: Path, keep: int, protect: Path | None = None) -> None:
@@ -147,7 +159,15 @@ def _fsync(path: Path) -> None:
 
 
 def find_resume(out: Path, cfg: Any) -> Resume:
-    """The newest complete checkpoint of the run in `out`, checked against `cfg`; one-line errors."""
+    """The newest complete checkpoint of the run in `out`, checked against `cfg`; one-line errors.
+    A run whose `summary.json` (written last, once `final/` is saved) says it reached
+    `train.max_steps` is finished: its newest checkpoint may be older when `max_steps` is not a
+    multiple of `checkpoint.every`, and resuming from it redid the last steps and replaced `final/`."""
+    finished = _finished_steps(out)
+    if finished is not None and finished >= cfg.train.max_steps:
+        raise UserError(f"checkpoint.resume: the run in {out} finished at step {finished} (its summary.json), and "
+                        f"train.max_steps is {cfg.train.max_steps}: nothing left to train; raise train.max_steps "
+                        "to continue")
     found = complete_checkpoints(out)
     if not found:
         raise UserError(

@@ -296,6 +296,8 @@ class RunFolder:
 
             self._lock()
             cut_logs(out, self.resume.state["logs"])
+            # an earlier segment's totals (and its mark of a finished run) no longer describe the folder
+            (out / "summary.json").unlink(missing_ok=True)
             (out / "config.yaml").write_text(dump_yaml(self.cfg))
         else:
             self._created_dir = not out.exists()

@@ -163,6 +163,21 @@ def test_resume_refuses_what_it_cannot_continue(arith_dir: Path, tmp_path: Path)
     assert _train(arith_dir, out2, ["train.max_steps=2", "checkpoint.resume=auto"])["samples"] == 64
     # resume=auto on a new folder just starts
     assert _train(arith_dir, tmp_path / "new", ["train.max_steps=1", "checkpoint.resume=auto"])["samples"] == 32
+    # a finished run whose max_steps is not a multiple of checkpoint.every: its newest checkpoint (step 2)
+    # is older than its end (step 3); re-running the command redid step 3 and replaced final/
+    out3 = tmp_path / "run3"
+    _train(arith_dir, out3, ["train.max_steps=3", "checkpoint.every=2"])
+    final = (out3 / "final" / "model.safetensors").read_bytes()
+    with pytest.raises(UserError, match=r"the run in .* finished at step 3 \(its summary.json\).*nothing left"):
+        _train(arith_dir, out3, ["train.max_steps=3", "checkpoint.every=2", "checkpoint.resume=auto"])
+    assert (out3 / "final" / "model.safetensors").read_bytes() == final
+    # a checkpoint write cut short leaves a partial folder; the next checkpoint written removes every one
+    partial = out3 / "checkpoints" / ".step_9.partial"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"x" * 100)
+    summary = _train(arith_dir, out3, ["train.max_steps=4", "checkpoint.every=2", "checkpoint.resume=auto"])
+    assert summary["steps"] == 4 and json.loads((out3 / "summary.json").read_text())["steps"] == 4
+    assert not partial.exists() and sorted(p.name for p in (out3 / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
 
 def test_a_resume_that_fails_to_build_changes_nothing_in_the_run(arith_dir: Path, tmp_path: Path,
