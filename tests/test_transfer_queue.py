@@ -469,6 +469,8 @@ def test_state_dict_round_trip_redelivers_unacked_leases() -> None:
     leased = q.take_nowait("reward", 2)  # never acked
     train = q.take_nowait("train", 2)
     assert train is not None and q.ack(train)
+    q._stages["reward"].wait_s, q._stages["train"].wait_s, q._expired_leases = 1.5, 2.5, 3
+    totals = {k: v for k, v in q.metrics().items() if k.startswith(("wait_s/", "bytes_put", "expired_leases"))}
     state = q.state_dict()
 
     r = TransferQueue()
@@ -476,6 +478,8 @@ def test_state_dict_round_trip_redelivers_unacked_leases() -> None:
     r.load_state_dict(state)
     r.register_stage("train", ["prompt"], groups=True)  # registering after the restore also works
     assert r.size() == 6
+    # the running totals metrics report go on from the saved ones (they restarted at 0 after a resume)
+    assert {k: v for k, v in r.metrics().items() if k in totals} == totals and totals["wait_s/train"] == 2.5
     assert uids_of(r.take_nowait("reward", 10)) == uids_of(leased) + uids[4:]
     assert uids_of(r.take_nowait("train", 10)) == uids[2:]
     r.remove(uids[:1])

@@ -355,6 +355,7 @@ class TransferQueue:
         self._max_group_size = 1
         self._bytes_put = 0
         self._expired_leases = 0
+        self._restored_wait_s: dict[str, float] = {}  # restored wait totals of stages not registered yet
         self._closed = False
         self._on_remove = on_remove
 
@@ -371,6 +372,7 @@ class TransferQueue:
                     raise ValueError(f"stage {stage!r} is already registered with other fields/mode")
                 return
             st = _Stage(stage, tuple(dict.fromkeys(fields)), groups, self._bit(stage))
+            st.wait_s = self._restored_wait_s.pop(stage, 0.0)
             self._stages[stage] = st
             for f in st.fields:
                 self._by_field.setdefault(f, []).append(st)
@@ -1432,8 +1434,11 @@ class TransferQueue:
                 {"group_id": gid, "size": g.size, "put": g.put, "removed": g.removed}
                 for gid, g in self._groups.items()
             ]
+            # running totals that `metrics()` reports, so a resumed run's continue (they restarted at 0)
+            totals = {"bytes_put": self._bytes_put, "expired_leases": self._expired_leases,
+                      "wait_s": {name: st.wait_s for name, st in self._stages.items()}}
             return {"format": _STATE_FORMAT, "next_uid": self._next_uid, "next_group_id": self._next_group,
-                    "samples": samples, "groups": groups}
+                    "samples": samples, "groups": groups, "totals": totals}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore into an empty store; samples leased at save time become available again."""
@@ -1443,6 +1448,14 @@ class TransferQueue:
             if self._samples or self._leases:
                 raise ValueError("load_state_dict needs an empty transfer queue")
             self._next_uid = int(state["next_uid"])
+            totals = state.get("totals") or {}  # (absent from checkpoints before 2026-11-24)
+            self._bytes_put = int(totals.get("bytes_put", 0))
+            self._expired_leases = int(totals.get("expired_leases", 0))
+            for name, waited in dict(totals.get("wait_s", {})).items():
+                if name in self._stages:
+                    self._stages[name].wait_s = float(waited)
+                else:  # (a stage registered after the restore takes it then)
+                    self._restored_wait_s[name] = float(waited)
             self._next_group = int(state.get("next_group_id", 1 + max((g["group_id"] for g in state["groups"]), default=-1)))
             for gs in state["groups"]:
                 self._groups[gs["group_id"]] = _Group(gs["size"], gs["put"], gs["removed"])
