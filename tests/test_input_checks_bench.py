@@ -74,27 +74,40 @@ def test_bench_pipeline_trace_must_be_a_folder_it_can_make(tmp_path: Path, one_l
     assert f"bench pipeline --set trace: {afile} is a file, not a folder" in err
     err = one_line_error(["bench", "pipeline", *S, "--set", f"trace={afile}/sub"])
     assert f"bench pipeline --set trace: {afile}/sub lies under {afile}, which is a file" in err
+    # a folder it may not make or write: refused before the rows (a traceback after the first one)
+    err = one_line_error(["bench", "pipeline", *S, "--set", "trace=/proc/asyncflow-trace"])
+    assert "bench pipeline --set trace: cannot create /proc/asyncflow-trace" in err
 
 
-def test_bench_pipeline_accepts_the_edge_values(tmp_path: Path) -> None:
-    spec = parse_spec(["step_s=1e-3", "train_token_s=2e-4", "switch_s=0", "weight_sync_s=0", "warmup_steps=0",
-                       "max_staleness=0", "seed=0", f"trace={tmp_path}", "devices=2,8", "modes=async",
-                       "profiles=agentic"])
-    assert (spec.step_s, spec.switch_s, spec.warmup_steps, spec.max_staleness) == (1e-3, 0.0, 0, 0)
-    assert (spec.devices, spec.modes, spec.profiles, spec.trace) == ("2,8", "async", "agentic", str(tmp_path))
-    assert parse_spec([f"trace={tmp_path / 'new' / 'folder'}"]).trace  # made after the run
+def test_a_pipeline_row_too_large_for_the_trainer_is_refused_before_any_row(one_line_error: Any) -> None:
+    """It was found at its own row, under a key the user never set (train.batch_size), and the rows
+    before it were lost."""
+    from asyncflow.bench.pipeline import run_pipeline
+
+    argv = ["--set", "profiles=rlvr", "--set", "devices=2,8192", "--set", "modes=async", "--set", "steps=3"]
+    err = one_line_error(["bench", "pipeline", "--json", *argv])
+    assert "bench pipeline --set devices: 8192 x prompts_per_device 32 x n 8 = 2097152 samples a step" in err
+    rows: list[Any] = []
+    with pytest.raises(UserError, match="above the 1048576 train.batch_size allows"):
+        run_pipeline(argv[1::2], report=rows.append)
+    assert rows == []  # refused before the first row ran
 
 
-@pytest.mark.parametrize(
-    ("setting", "needle"),
-    [
-        # e2e runs both modes itself: a workflow.mode of the user's was silently replaced
-        ("workflow.mode=sync", "bench e2e --set workflow.mode=sync: e2e runs both modes"),
-        # a setting the sync run cannot take: refused before either run starts, naming the key
-        ("workflow.max_staleness=2", "workflow.max_staleness: 2 contradicts workflow.mode=sync"),
-    ],
-)
-def test_bad_bench_e2e_settings_fail_before_either_run(setting: str, needle: str,
-                                                       one_line_error: Any) -> None:
-    err = one_line_error(["bench", "e2e", "--set", setting])
-    assert needle in err
+def test_e2e_steady_rate_is_null_with_too_few_steps_and_store_warm_up_covers_its_samples(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`steady_samples_per_s` was NaN under 4 steps (the last line was then not JSON). The Ray warm-up
+    put whole batches rounded down (64 of samples=100) while its consumer waited for 100: 120 s, then
+    a crash."""
+    import asyncflow.bench.store as store_mod
+    from asyncflow.bench.e2e import _steady
+    from asyncflow.bench.store1 import Store1Spec
+
+    assert _steady([{"kind": "train", "samples": 8, "time_s": 1.0}] * 3) is None
+    assert _steady([{"kind": "train", "samples": 8 * i, "time_s": float(i)} for i in range(1, 9)]) == 8.0
+    put: list[int] = []
+    monkeypatch.setattr(store_mod, "produce", lambda store, batches: put.append(sum(len(b["idx"]) for b in batches)))
+    for samples, limit in ((100, 100), (4096, 256), (300, 256), (40, 40)):
+        store_mod._Producer(Store1Spec(samples=samples)).run(None, limit)
+        assert put[-1] == limit, (samples, put[-1])  # every sample its consumer then waits for
+    store_mod._Producer(Store1Spec(samples=100)).run(None)
+    assert put[-1] == 100

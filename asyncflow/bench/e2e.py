@@ -21,10 +21,12 @@ from asyncflow.config import load_config
 E2E_SETTINGS = ["logging.progress=false", "eval.every=0", "rollout.max_batch=8", "train.max_steps=100"]
 
 
-def _steady(rows: list[dict[str, Any]]) -> float:
+def _steady(rows: list[dict[str, Any]]) -> float | None:
+    """Samples/s from a quarter of the way in to the end; None (JSON null) with under 4 steps (it was
+    NaN, which the last line's JSON then held: not JSON)."""
     train = [r for r in rows if r.get("kind") == "train"]
     if len(train) < 4:
-        return float("nan")
+        return None
     a = train[len(train) // 4]
     b = train[-1]
     return (b["samples"] - a["samples"]) / max(b["time_s"] - a["time_s"], 1e-9)
@@ -57,11 +59,11 @@ def run_e2e(overrides: list[str]) -> list[dict[str, Any]]:
                     "mode": mode,
                     "runtime": cfg.runtime.kind,
                     "rollout_workers": cfg.rollout.workers,
-                    "train_workers": 1,
+                    "train_workers": cfg.train.world_size if cfg.train.engine == "fsdp" else 1,
                     "samples": summary["samples"],
                     "seconds": round(summary["train_seconds"], 3),
                     "samples_per_s": round(summary["samples_per_s"], 2),
-                    "steady_samples_per_s": round(_steady(metrics), 2),
+                    "steady_samples_per_s": None if (steady := _steady(metrics)) is None else round(steady, 2),
                     "eval_accuracy": summary["eval_accuracy_after"],
                     "rollout_busy_frac": round(_mean(metrics, "rollout_busy_frac"), 3),
                     "train_busy_frac": round(_mean(metrics, "train_busy_frac"), 3),

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import gc
 import math
+import os
 import random
 import shutil
 import tempfile
@@ -114,8 +115,14 @@ def split_devices(devices: int, gen_s: float, train_s: float) -> tuple[int, int]
 
 
 def _run_one(spec: PipeSpec, profile: Profile, devices: int, mode: str) -> dict[str, Any]:
-    import asyncflow.workflow.pipeline  # noqa: F401  (imported outside the measured window)
+    import asyncflow.engines.sim  # noqa: F401  (imported, and the config's first load done, outside the
+    import asyncflow.workflow.pipeline  # noqa: F401  measured window: ~0.1 s, ~2 us a sample of a first row)
+    from asyncflow.config import load_config
+    from asyncflow.engines.sim import meter_overhead_s
     from asyncflow.runtime.virtual_loop import run_virtual
+
+    load_config(None, [])
+    overhead = meter_overhead_s()
 
     gen_s = profile.mean_tokens * spec.step_s / spec.slots  # device-seconds per sample, slots full
     train_s = profile.mean_tokens * spec.train_token_s
@@ -134,13 +141,15 @@ def _run_one(spec: PipeSpec, profile: Profile, devices: int, mode: str) -> dict[
         gc.unfreeze()
         shutil.rmtree(tmp, ignore_errors=True)
     rate = result["window_samples"] / result["window_s"]
+    # the run's CPU less the simulation's, less the meter's own reads outside its sections
+    sched = cpu - result["sim_cpu_s"] - result["meter_entries"] * overhead
     return {
         "profile": profile.name, "devices": devices, "runtime": "virtual", "mode": mode,
         "rollout_devices": rollout_dev, "train_devices": train_dev,
         "samples_per_s": round(rate, 3), "ideal_samples_per_s": round(ideal, 3), "efficiency": round(rate / ideal, 4),
         "rollout_busy_frac": round(result["rollout_busy_frac"], 4), "train_busy_frac": round(result["train_busy_frac"], 4),
-        "scheduler_us_per_sample": round((cpu - result["sim_cpu_s"]) / max(result["samples_seen"], 1) * 1e6, 1),
-        "scheduler_us_per_request": round((cpu - result["sim_cpu_s"]) / max(result["requests"], 1) * 1e6, 1),
+        "scheduler_us_per_sample": round(sched / max(result["samples_seen"], 1) * 1e6, 1),
+        "scheduler_us_per_request": round(sched / max(result["requests"], 1) * 1e6, 1),
         "max_staleness": 0 if mode == "sync" else spec.max_staleness, "staleness_max": result["staleness_max"],
         "steps": spec.steps, "samples": result["samples"], "dropped": result["dropped"],
         "mean_tokens_profile": round(profile.mean_tokens, 1), "mean_tokens_trained": round(result["mean_tokens"], 1),
@@ -217,7 +226,7 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
         "rollout_busy_frac": (r1 - r0) / ((t1 - t0) * rollout_dev), "train_busy_frac": (tr1 - tr0) / (t1 - t0),
         "samples": c.trained, "dropped": c.dropped_stale + c.cancelled + c.filtered,
         "samples_seen": c.produced, "requests": sum(e.requests for e in engines),
-        "staleness_max": pipeline.staleness_max, "sim_cpu_s": meter.seconds,
+        "staleness_max": pipeline.staleness_max, "sim_cpu_s": meter.seconds, "meter_entries": meter.entries,
         "mean_tokens": c.tokens / max(c.trained, 1),
     }
 
@@ -360,6 +369,12 @@ def parse_spec(overrides: list[str]) -> PipeSpec:
         from asyncflow.runner import check_folder_path
 
         check_folder_path(Path(spec.trace), "bench pipeline --set trace")
+        try:  # (a folder it may not write, e.g. under /proc: a traceback after the first row)
+            Path(spec.trace).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"bench pipeline --set trace: cannot create {spec.trace}: {exc.strerror or exc}") from None
+        if not os.access(spec.trace, os.W_OK):
+            raise UserError(f"bench pipeline --set trace: {spec.trace} is not writable")
     return spec
 
 
@@ -372,6 +387,11 @@ def run_pipeline(overrides: list[str], report: Callable[[dict[str, Any]], None] 
         raise UserError(f"bench pipeline --set devices: expected comma-separated integers, got {spec.devices!r}") from None
     if any(d < 2 for d in devices):
         raise UserError("bench pipeline --set devices: each must be >= 2 (async splits rollout and training)")
+    for d in devices:  # checked before any row runs: found at its row, the rows before were lost with it
+        if d * spec.prompts_per_device * spec.n > 2**20:
+            raise UserError(f"bench pipeline --set devices: {d} x prompts_per_device {spec.prompts_per_device} x n "
+                            f"{spec.n} = {d * spec.prompts_per_device * spec.n} samples a step, above the "
+                            f"{2**20} train.batch_size allows")
     modes = spec.modes.split(",")
     if set(modes) - {"sync", "async"}:
         raise UserError(f"bench pipeline --set modes: use sync, async; got {spec.modes!r}")

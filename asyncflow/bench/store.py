@@ -80,7 +80,16 @@ class _Producer:
         self.batches = make_batches(spec)
 
     def run(self, store: Any, limit: int | None = None) -> float:
-        batches = self.batches if limit is None else self.batches[: max(1, limit // len(self.batches[0]["idx"]))]
+        """Put every batch, or (a warm-up) the first batches that hold at least `limit` samples: whole
+        batches rounded down left a consumer waiting for `limit` 120 s, then a crash, when `limit`
+        was not a multiple of the batch size (samples=100)."""
+        batches = self.batches
+        if limit is not None:
+            count, upto = 0, 0
+            while upto < len(batches) and count < limit:
+                count += len(batches[upto]["idx"])
+                upto += 1
+            batches = batches[:upto]
         return produce(store, batches)
 
 

@@ -70,21 +70,37 @@ class _Load:
 
 
 class CpuMeter:
-    """Seconds spent inside simulation code, so a benchmark can subtract them from the process's
-    CPU time and report what the real code (store, scheduler, gate) cost. Simulation code never
-    blocks, so its elapsed time is its CPU time; `perf_counter` is read instead of `thread_time`
-    because it costs 0.1 us here, `thread_time` 0.46 us (a system call on this VM), and the meter runs
-    a few times per sample."""
+    """CPU seconds spent inside simulation code (this thread's), so a benchmark can subtract them
+    from the process's CPU time and report what the real code (store, scheduler, gate) cost.
+    `thread_time`, not elapsed time: until 2026-11-24 it read `perf_counter` (0.1 us against 0.46 us
+    a read on this VM), and on a busy machine every moment the process waited for a core inside a
+    simulated section was subtracted as simulation CPU, so the scheduler's figure fell as the load
+    rose (18.7 us per sample at load 8, 84.7 at load 3, the same run). The reads' own cost outside
+    the section is measured once (`meter_overhead_s`) and subtracted per entry."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.entries = 0
         self._t = 0.0
 
     def __enter__(self) -> None:
-        self._t = time.perf_counter()
+        self.entries += 1
+        self._t = time.thread_time()
 
     def __exit__(self, *exc: object) -> None:
-        self.seconds += time.perf_counter() - self._t
+        self.seconds += time.thread_time() - self._t
+
+
+def meter_overhead_s(n: int = 20_000) -> float:
+    """CPU seconds one metered section costs outside what the meter counts as inside (its reads and
+    the `with`): a benchmark subtracts `entries` times this from the scheduler's CPU, so the meter's
+    own cost is not reported as scheduling (~5 us a sample for PIPE rlvr on this VM)."""
+    meter = CpuMeter()
+    start = time.process_time()
+    for _ in range(n):
+        with meter:
+            pass
+    return max(0.0, (time.process_time() - start - meter.seconds) / n)
 
 
 class SimEngine(InferenceEngine):
