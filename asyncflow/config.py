@@ -53,7 +53,8 @@ class ModelConfig:
 class DatasetConfig:
     """Training prompts."""
 
-    path: str | None = _f(None, "jsonl, parquet or a saved `datasets` folder. null: the task pack's train split.")
+    path: str | None = _f(None, "jsonl, parquet or a saved `datasets` folder (its `train` split, or its only one). "
+                                "null: the task pack's train split.")
     prompt_key: str = _f("prompt", "Column holding the prompt (text, or a list of chat messages).")
     label_key: str | None = _f("answer", "Column passed to the reward function under its own name (null: none required).")
     shuffle: bool = _f(True, "Shuffle the prompt order (seeded by `seed`) once per epoch.")
@@ -314,7 +315,9 @@ class WorkflowConfig:
 class EvalConfig:
     """Greedy evaluation on held-out prompts."""
 
-    path: str | None = _f(None, "Eval prompts. null: the task's eval split, else a held-out slice (<= 10%) of the dataset.")
+    path: str | None = _f(None, "Eval prompts (a saved `datasets` folder: its `test`, else `validation`, else only "
+                                "split). null: the task's eval split, else a held-out slice of whole prompts, at most "
+                                "10% of the dataset and eval.size rows.")
     every: int = _f(10, "Evaluate every this many train steps (0: only before and after).", lo=0)
     size: int = _f(1000, "Most eval prompts used.", lo=1)
     success_threshold: float = _f(1.0, "A prompt counts as solved when its greedy reward >= this.")

@@ -95,10 +95,16 @@ def _read_datasets_dir(p: Path, key: str) -> list[dict[str, Any]]:
     except Exception as exc:
         raise UserError(f"{key}: {p} is not a saved datasets folder ({exc})") from None
     if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise UserError(f"{key}: {p} holds splits {list(ds)} but no 'train'")
-        ds = ds["train"]
-    return list(ds)
+        # dataset.path reads `train`, eval.path `test` then `validation` (it read `train` too: evaluation
+        # ran on the training rows when both keys named one folder); a folder of one split gives that one
+        wanted = ("test", "validation") if key == "eval.path" else ("train",)
+        split = next((s for s in wanted if s in ds), None) or (next(iter(ds)) if len(ds) == 1 else None)
+        if split is None:
+            raise UserError(f"{key}: {p} holds splits {list(ds)} but no {' or '.join(repr(w) for w in wanted)}")
+        ds = ds[split]
+    # plain Python rows whatever format was saved with it (`set_format("numpy")` gave numpy labels to
+    # the reward function; "pandas" refused text prompts)
+    return list(ds.with_format(None).to_list())
 
 
 def check_columns(rows: list[dict[str, Any]], path: str, prompt_key: str, label_key: str | None) -> str | None:
@@ -170,8 +176,11 @@ def check_prompts_fit(sources: Sequence[tuple[Sequence[Any], str | Path]], promp
     for rows, path in sources:
         prompts = [r[prompt_key] for r in rows]
         text_at = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-        lengths = dict(zip(text_at, (len(ids) for ids in tokenizer([prompts[i] for i in text_at])["input_ids"]),
-                           strict=True)) if text_at else {}
+        lengths: dict[int, int] = {}
+        for k in range(0, len(text_at), 4096):  # in chunks, lengths only: one call for the whole dataset
+            chunk = text_at[k:k + 4096]         # held every encoding at once (2.2 GB for 100k prompts)
+            ids = tokenizer([prompts[i] for i in chunk], return_attention_mask=False)["input_ids"]
+            lengths.update(zip(chunk, (len(x) for x in ids), strict=True))
         lengths.update((i, len(tokenize_prompt(tokenizer, p))) for i, p in enumerate(prompts) if not isinstance(p, str))
         for i, n in sorted(lengths.items()):
             if n == 0:
@@ -189,7 +198,7 @@ def check_prompts_fit(sources: Sequence[tuple[Sequence[Any], str | Path]], promp
 
 
 def _shown(prompt: Any) -> str:
-    shown = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+    shown = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False, default=str)
     return shown if len(shown) <= 60 else shown[:57] + "..."
 
 

@@ -104,27 +104,31 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
         data_path = cfg.dataset.path
     else:
         data_path = str(model_dir / "train.jsonl")
+        if not Path(data_path).is_file():  # (the message named a dataset.path the user never set)
+            raise UserError(f"dataset.path: not set, and model.path ({model_dir}) has no train.jsonl to default to; "
+                            "set dataset.path")
     rows = read_rows(data_path)
     chats = [check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key)]
     if cfg.eval.path is not None or (cfg.dataset.path is None and (model_dir / "eval.jsonl").is_file()):
         eval_path = cfg.eval.path if cfg.eval.path is not None else str(model_dir / "eval.jsonl")
         eval_rows = read_rows(eval_path, key="eval.path")
         chats.append(check_columns(eval_rows, eval_path, cfg.dataset.prompt_key, cfg.dataset.label_key))
-    else:  # a held-out slice of the dataset, at most 10% of it (plus the rest of its last prompt's copies)
+    else:  # a held-out slice of the dataset: whole prompts (all their copies), at most 10% of it
         eval_path = data_path
         rng = random.Random(cfg.seed + 1)
         copies: dict[str, list[int]] = {}  # rows by prompt: a prompt's copies are held out together, so an
         for i, r in enumerate(rows):     # eval prompt is never also trained on (that inflated eval accuracy)
             p = r[cfg.dataset.prompt_key]
-            copies.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True), []).append(i)
+            copies.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str), []).append(i)
         groups = list(copies.values())
         rng.shuffle(groups)
         n_eval = min(cfg.eval.size, len(rows) // 10)
         held: set[int] = set()
-        for g in groups:
-            if len(held) >= n_eval:
+        for g in groups:  # whole prompts that fit: never above n_eval (one prompt copied 95 times of 100 was
+            if len(held) + len(g) <= n_eval:  # held out whole, and rows past eval.size were neither trained
+                held.update(g)                # nor evaluated)
+            if len(held) == n_eval:
                 break
-            held.update(g)
         if len(held) >= len(rows):  # one prompt repeated throughout: nothing left to train on
             held = set()
         eval_rows = subset(rows, sorted(held))

@@ -479,3 +479,63 @@ def test_the_held_out_eval_slice_takes_every_copy_of_its_prompts(tmp_path: Path)
     assert len(held) == 6 and len(set(held)) == 3 and not train & set(held)
     assert len(inputs.train_rows) == 54 and len(train) == 27
     assert all(60 >= n > 0 for n in inputs.train_rows.lines) and len(inputs.eval_rows.lines) == 6  # type: ignore[attr-defined]
+
+
+def test_the_held_out_slice_never_exceeds_its_share_and_every_row_is_trained_or_evaluated(tmp_path: Path) -> None:
+    """Whole prompts were held out until the share was reached, so one prompt copied 95 times of 100
+    took 95-98% of the data; and rows held out past eval.size were neither trained nor evaluated."""
+    from asyncflow.config import load_config
+    from asyncflow.runner import resolve_inputs
+
+    make_model_dir(tmp_path / "model")
+    rows = ['{"prompt": "7+1=", "answer": "8"}\n'] * 95 + [f'{{"prompt": "{i}+2=", "answer": "{i + 2}"}}\n'
+                                                           for i in range(5)]
+    (tmp_path / "skew.jsonl").write_text("".join(rows))
+    for seed in range(4):
+        cfg, _ = load_config(None, ["task=null", f"model.path={tmp_path / 'model'}", f"seed={seed}",
+                                    f"dataset.path={tmp_path / 'skew.jsonl'}", "reward.fn=x:y"])
+        inputs = resolve_inputs(cfg, print)
+        assert len(inputs.eval_rows) <= 10 and len(inputs.train_rows) + len(inputs.eval_rows) == 100, seed
+    dups = "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(40)) * 8  # 40 prompts x 8
+    (tmp_path / "dups.jsonl").write_text(dups)
+    cfg, _ = load_config(None, ["task=null", f"model.path={tmp_path / 'model'}", "eval.size=10",
+                                f"dataset.path={tmp_path / 'dups.jsonl'}", "reward.fn=x:y"])
+    inputs = resolve_inputs(cfg, print)
+    assert len(inputs.eval_rows) == 8 and len(inputs.train_rows) == 312  # one whole prompt; none lost
+
+
+def test_a_datasets_folder_gives_plain_rows_and_the_split_each_key_reads(tmp_path: Path) -> None:
+    """eval.path read a DatasetDict's `train` split (evaluation on the training rows when both keys
+    named one folder) and refused a folder of only `test`; a saved numpy format gave the reward
+    function numpy labels."""
+    import datasets
+
+    from asyncflow.data import read_rows
+
+    train = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(4)]
+    test = [{"prompt": f"{i}+5=", "answer": i + 5} for i in range(2)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
+                          "test": datasets.Dataset.from_list(test)}).save_to_disk(str(tmp_path / "both"))
+    assert read_rows(tmp_path / "both") == train
+    assert read_rows(tmp_path / "both", key="eval.path") == test
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list(test)}).save_to_disk(str(tmp_path / "val"))
+    assert read_rows(tmp_path / "val", key="eval.path") == test and read_rows(tmp_path / "val") == test
+    datasets.DatasetDict({"a": datasets.Dataset.from_list(test), "b": datasets.Dataset.from_list(test)}).save_to_disk(
+        str(tmp_path / "two"))
+    with pytest.raises(UserError, match=r"holds splits \['a', 'b'\] but no 'test' or 'validation'"):
+        read_rows(tmp_path / "two", key="eval.path")
+    ds = datasets.Dataset.from_list(train)
+    ds.set_format("numpy")
+    ds.save_to_disk(str(tmp_path / "np"))
+    got = read_rows(tmp_path / "np")
+    assert got == train and type(got[0]["answer"]) is int and type(got[0]["prompt"]) is str
+
+
+def test_no_dataset_path_and_no_train_jsonl_in_the_model_folder_names_what_to_set(tmp_path: Path) -> None:
+    from asyncflow.config import load_config
+    from asyncflow.runner import resolve_inputs
+
+    make_model_dir(tmp_path / "model")
+    cfg, _ = load_config(None, [f"model.path={tmp_path / 'model'}"])
+    with pytest.raises(UserError, match=r"dataset.path: not set, and model.path \(.*model\) has no train.jsonl"):
+        resolve_inputs(cfg, print)
