@@ -12,8 +12,10 @@ import contextlib
 import json
 import os
 import random
+import signal
 import sys
-from collections.abc import Callable, Collection
+import threading
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -189,6 +191,22 @@ def torch_threads(cfg: Config) -> int:
     return cores if cfg.workflow.mode == "sync" else max(1, cores // 2)
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (`kill`, a scheduler's preemption, `docker stop`) ends the run as Ctrl-C does: its
+    default action killed the process at once, so `trace.json`, the "it can go on from" line and the
+    metric sinks' closing never happened. Main thread only, and only over the default handler."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
           explicit: Collection[str] = ()) -> dict[str, Any]:
     """Run training as configured; returns a summary (final eval accuracy, samples/s, ...).
@@ -246,7 +264,8 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         folder = RunFolder(out.resolve() if cfg.runtime.kind == "ray" else out, cfg, resume)
         ended = False
         try:
-            summary = asyncio.run(_train(cfg, folder, progress, inputs, reward_fn, hf_tok, resume, env_factory))
+            with _sigterm_as_interrupt():
+                summary = asyncio.run(_train(cfg, folder, progress, inputs, reward_fn, hf_tok, resume, env_factory))
             ended = True
             return summary
         except UserError:

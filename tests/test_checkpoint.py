@@ -286,3 +286,34 @@ def test_a_damaged_or_changed_resume_is_refused_before_anything_is_written(
     _train(arith_dir, out, [*resume, "train.lr=0.5"])
     opt = torch.load(out / "checkpoints" / "step_4" / "optimizer.pt", weights_only=True)
     assert {g["lr"] for g in opt["param_groups"]} == {0.5}
+
+
+def test_sigterm_ends_a_run_as_ctrl_c_does(arith_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM (kill, a scheduler's preemption, docker stop) killed the process at once: no
+    trace.json, no line saying where the run can go on from, sinks never closed."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "asyncflow", "demo", "--out", str(out), "--set", f"model.path={arith_dir}",
+            "--set", "train.max_steps=500", "--set", "checkpoint.every=1", "--set", "eval.every=0",
+            *[x for s in SMALL for x in ("--set", s)]]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file() and '"kind": "train"' in metrics.read_text():
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "checkpoint.resume=auto" in err and "Traceback" not in err
+    trace = json.loads((out / "trace.json").read_text())
+    assert trace["traceEvents"]
