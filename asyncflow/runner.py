@@ -516,7 +516,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     from asyncflow.algorithms.losses import make_loss_fn
     from asyncflow.evaluation import Evaluator
     from asyncflow.runtime.clock import RealClock
-    from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, RunLog, Tracer
     from asyncflow.workflow.pipeline import Pipeline, StepResult
 
     dtype = getattr(torch, cfg.model.dtype)
@@ -550,7 +550,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
                                        wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
                                        config=to_dict(cfg), resume_step=None if resume is None else resume.step))
     clock = RealClock()
-    tracer = Tracer(now=clock.now)
+    tracer = Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS)
     evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock)
     evaluator.max_context = inputs.positions
     last_eval: dict[str, float]

@@ -317,3 +317,16 @@ def test_sigterm_ends_a_run_as_ctrl_c_does(arith_dir: Path, tmp_path: Path) -> N
     assert "interrupted" in err and "checkpoint.resume=auto" in err and "Traceback" not in err
     trace = json.loads((out / "trace.json").read_text())
     assert trace["traceEvents"]
+
+
+def test_a_runs_trace_keeps_at_most_its_cap_of_spans(arith_dir: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's tracer had no cap: a long multi-turn run (a span per environment step) grew it
+    without bound in memory. Spans past the cap are counted in trace.json's otherData."""
+    import asyncflow.telemetry.runlog as runlog
+
+    monkeypatch.setattr(runlog, "RUN_TRACE_EVENTS", 10)
+    _train(arith_dir, tmp_path / "run", ["train.max_steps=2"])
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert len(spans) == 10 and trace["otherData"]["dropped_spans"] > 0

@@ -200,14 +200,14 @@ def _stage_pipeline(cfg: Config, rows: Any, model_dir: Path, out: Path, store: A
     """A `Pipeline` holding only what one remote stage needs."""
     from asyncflow.data import model_positions
     from asyncflow.runtime.clock import RealClock
-    from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, RunLog, Tracer
     from asyncflow.workflow.pipeline import Pipeline
 
     clock = RealClock()
     pipeline = Pipeline(
         cfg, rows=_rows(rows), tokenizer=_tokenizer(model_dir), reward_fn=reward_fn, engines=engines,
         trainer=None, loss_fn=None, clock=clock, log=RunLog(out, metrics=False),  # type: ignore[arg-type]
-        tracer=Tracer(now=clock.now), store=_store(store),
+        tracer=Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS), store=_store(store),
     )
     pipeline.max_context = model_positions(model_dir)
     return pipeline

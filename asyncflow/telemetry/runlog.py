@@ -153,6 +153,10 @@ def _make_json_line() -> Callable[[Any], str]:
 _json_line = _make_json_line()
 
 
+RUN_TRACE_EVENTS = 300_000  # a run's trace: ~140 MB in memory and ~35 MB on disk at most; later spans
+# are counted as dropped (a multi-turn run adds one per environment step: it grew without bound)
+
+
 class Tracer:
     """Collects spans per track and writes Chrome trace JSON.
 
