@@ -92,3 +92,22 @@ def test_without_samples_jsonl_the_staleness_comes_from_the_train_rows(tmp_path:
     (run_dir / "samples.jsonl").unlink()
     _, md = write_report([run_dir])
     assert "| nosamples | 4 | 40 | 10.0 | 4.00 | 0.200 -> 0.600 | 0.400 | 0.50 / n/a | 0 / 0 / 0 |" in md.read_text()
+
+
+def test_non_finite_values_are_gaps_or_one_line_errors_not_tracebacks(tmp_path: Path) -> None:
+    """A NaN staleness_max failed `int(max(...))`, an infinite time_s or trace `ts` failed the axis
+    limits: tracebacks, exit 1. A NaN optional value is now a gap; a required one is one line."""
+    run_dir = _run(tmp_path / "nan", rate=4.0)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r["kind"] == "train":
+            r["staleness_max"] = float("nan")
+    rows[2]["reward_mean"] = float("nan")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "samples.jsonl").unlink()
+    write_report([run_dir])
+    assert "| nan | 4 |" in (run_dir / "summary.md").read_text()
+    rows[3]["time_s"] = float("inf")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError, match=r"metrics.jsonl: line 4: 'time_s' must be a finite number, got inf"):
+        load_run(run_dir)

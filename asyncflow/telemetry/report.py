@@ -95,14 +95,18 @@ def _optional_number(row: dict[str, Any], key: str, where: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UserError(f"{where}: {key!r} must be a number, got {value!r}")
+    if not math.isfinite(value):  # (a NaN reward is a gap, as a missing one)
+        return None
     return value
 
 
 def _number(row: dict[str, Any], key: str, where: str) -> float:
-    """`row[key]` as a number; missing is a `UserError` too."""
+    """`row[key]` as a finite number; missing is a `UserError` too (an infinite `time_s` or `ts`
+    failed the drawing with a traceback: axis limits cannot be inf)."""
     value = _optional_number(row, key, where)
     if value is None:
-        raise UserError(f"{where}: missing {key!r}")
+        raise UserError(f"{where}: missing {key!r}" if row.get(key) is None else
+                        f"{where}: {key!r} must be a finite number, got {row[key]!r}")
     return value
 
 
@@ -247,7 +251,8 @@ def _step_mean(run: RunData) -> float | None:
 
 
 def _step_max(run: RunData) -> int | None:
-    values = [r["staleness_max"] for r in run.train if isinstance(r.get("staleness_max"), (int, float))]
+    values = [r["staleness_max"] for r in run.train
+              if isinstance(r.get("staleness_max"), (int, float)) and math.isfinite(r["staleness_max"])]
     return int(max(values)) if values else None
 
 
