@@ -29,7 +29,12 @@ class Progress:
             return
         text = " ".join(f"{k}={_fmt(v)}" for k, v in figures.items())
         if self._bar is not None:
-            self._bar.n = step
+            if self._first is None:  # the rate and ETA count from the first step seen, not from the bar's
+                self._first = (step, time.monotonic())  # creation (set-up) nor from 0 (a resumed run's
+                self._bar.reset(total=self.total)        # earlier steps: 95/100 at 47 it/s for 5 it/s)
+                self._bar.initial = self._bar.n = self._bar.last_print_n = step
+            else:
+                self._bar.update(step - self._bar.n)
             self._bar.set_postfix_str(text, refresh=True)
             return
         now = time.monotonic()
