@@ -49,4 +49,4 @@ def test_the_terminal_bar_rates_only_the_steps_it_saw_run() -> None:
     rate = progress._bar.format_dict["rate"] or (progress._bar.n - progress._bar.initial) / progress._bar.format_dict[
         "elapsed"]
     progress.close()
-    assert progress._bar.n == 95 and 5 <= rate <= 40, rate  # 5 steps in ~0.2 s; it was 95 / 0.5 s
+    assert progress._bar.n == 95 and 1 <= rate <= 60, rate  # ~20/s (4 steps in ~0.2 s); it read 190-920
