@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -371,8 +372,10 @@ class RunFolder:
         try:
             if metrics.is_file() and '"kind": "train"' in metrics.read_text():
                 return  # it trained: what it logged is kept
-            for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", ".lock"):
+            for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", "wandb_id", ".lock"):
                 (self.out / name).unlink(missing_ok=True)
+            for name in ("tensorboard", "wandb"):  # the sinks' folders (they kept the folder, and a retry
+                shutil.rmtree(self.out / name, ignore_errors=True)  # added a second event file beside)
             if self._created_dir and not any(self.out.iterdir()):
                 self.out.rmdir()
         except OSError:

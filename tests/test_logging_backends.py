@@ -58,6 +58,9 @@ def test_wandb_sink_logs_through_the_wandb_api(tmp_path: Path, monkeypatch: pyte
     calls: list[tuple[str, Any]] = []
 
     class FakeRun:  # a test double of wandb's Run (wandb is not installed here)
+        def define_metric(self, name: str, step_metric: str | None = None) -> None:
+            calls.append(("define_metric", (name, step_metric)))
+
         def log(self, data: dict[str, float], step: int | None = None) -> None:
             calls.append(("log", (data, step)))
 
@@ -69,9 +72,19 @@ def test_wandb_sink_logs_through_the_wandb_api(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setitem(sys.modules, "wandb", fake)
     log = RunLog(tmp_path, sinks=make_sinks(tmp_path, tensorboard=False, wandb_project="proj", config={"seed": 1}))
     log.metric({"kind": "train", "step": 4, "loss": 1.5})
+    log.metric({"kind": "eval", "step": 2, "eval_accuracy": 0.5})  # an eval that ended after step 4
     log.close()
-    assert calls[0][0] == "init" and calls[0][1]["project"] == "proj" and calls[0][1]["config"] == {"seed": 1}
-    assert calls[1] == ("log", ({"train/loss": 1.5}, 4)) and calls[2] == ("finish", None)
+    init = calls[0][1]
+    assert calls[0][0] == "init" and init["project"] == "proj" and init["config"] == {"seed": 1}
+    assert ("define_metric", ("*", "step")) in calls
+    logs = [c[1] for c in calls if c[0] == "log"]  # placed by their own step (the eval landed at W&B's step 4)
+    assert logs == [({"step": 4, "train/loss": 1.5}, None), ({"step": 2, "eval/eval_accuracy": 0.5}, None)]
+    assert calls[-1] == ("finish", None)
+    # a resumed run goes on in the same W&B run (each resume opened a second one of the same name)
+    calls.clear()
+    make_sinks(tmp_path, tensorboard=False, wandb_project="proj", config={}, resume_step=4)[0].close()
+    assert calls[0][1]["id"] == init["id"] and init["resume"] == calls[0][1]["resume"] == "allow"
+    assert (tmp_path / "wandb_id").read_text().strip() == init["id"]
 
 
 def test_backends_whose_package_is_missing_are_refused_at_load(monkeypatch: pytest.MonkeyPatch) -> None:

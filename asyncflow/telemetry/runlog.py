@@ -62,15 +62,30 @@ class TensorBoardSink(MetricSink):
 
 class WandbSink(MetricSink):
     """`logging.wandb`: one W&B run per asyncflow run (project `logging.wandb_project`); the resolved
-    config is its config. Offline mode and API keys are W&B's own environment variables."""
+    config is its config. Offline mode and API keys are W&B's own environment variables.
+
+    The W&B run's id is kept in `RUN_DIR/wandb_id`, so a resumed asyncflow run goes on in the same W&B
+    run (`resume="allow"`; each resume opened a second run of the same name). Rows are placed by their
+    own `step` (a metric W&B plots against, not W&B's internal step): an evaluation that ends after a
+    later train step, or one redone at a resume, lands at its step (they landed at W&B's current one)."""
 
     def __init__(self, out: Path, project: str, config: dict[str, Any]) -> None:
+        import secrets
+
         import wandb
 
-        self.run = wandb.init(project=project, name=out.name, dir=str(out), config=config)
+        id_file = out / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else ""
+        if not run_id:
+            run_id = secrets.token_hex(8)
+            id_file.write_text(run_id + "\n")
+        self.run = wandb.init(project=project, name=out.name, dir=str(out), config=config, id=run_id,
+                              resume="allow")
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
 
     def write(self, row: dict[str, Any]) -> None:
-        self.run.log(scalars(row), step=int(row.get("step", 0)) if row.get("kind") == "train" else None)
+        self.run.log({"step": int(row.get("step", 0)), **scalars(row)})
 
     def close(self) -> None:
         self.run.finish()
