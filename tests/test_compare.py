@@ -41,3 +41,17 @@ def test_a_folder_without_metrics_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text("{not json\n")
     with pytest.raises(UserError, match="line 1 is not JSON"):
         read_run(tmp_path)
+
+
+def test_seeds_are_averaged_at_the_sample_counts_they_share_not_by_position(tmp_path: Path) -> None:
+    """Points were matched by list position: a seed whose eval at 1,000 samples was skipped had its
+    2,000-sample value averaged into the 1,000 point, and the last point was dropped."""
+    from asyncflow.telemetry.compare import RunCurve, aligned
+
+    a = RunCurve(tmp_path, samples=[0, 1000, 2000, 3000], accuracy=[0.1, 0.2, 0.4, 0.6])
+    b = RunCurve(tmp_path, samples=[0, 2000, 3000], accuracy=[0.1, 0.4, 0.6])
+    assert aligned([a, b]) == ([0, 2000, 3000], [[0.1, 0.1], [0.4, 0.4], [0.6, 0.6]])
+    assert aligned([a, RunCurve(tmp_path, samples=[500], accuracy=[0.3])]) == ([], [])
+    png = tmp_path / "apart.png"
+    compare({"x": [_run(tmp_path / "r1", [0.1, 0.2], 0.0)]}, png)  # one run: its own points
+    assert png.stat().st_size > 10_000

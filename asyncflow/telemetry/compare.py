@@ -70,6 +70,16 @@ def summary_table(groups: dict[str, list[RunCurve]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def aligned(runs: list[RunCurve]) -> tuple[list[int], list[list[float]]]:
+    """The trained-sample counts at which every run was evaluated, and each count's accuracies (one
+    per run). Points were matched by position, so runs whose evaluations fell at different steps
+    (one skipped while the previous ran) were averaged across different steps, and drawn at the
+    first run's counts."""
+    points = [dict(zip(r.samples, r.accuracy, strict=True)) for r in runs]
+    common = sorted(set.intersection(*(set(p) for p in points)))
+    return common, [[p[x] for p in points] for x in common]
+
+
 def plot_groups(groups: dict[str, list[RunCurve]], out_png: str | Path, title: str = "") -> None:
     """Eval accuracy vs trained samples: each group's mean over its runs and its min-max band."""
     import matplotlib
@@ -79,9 +89,12 @@ def plot_groups(groups: dict[str, list[RunCurve]], out_png: str | Path, title: s
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     for name, runs in groups.items():
-        n = min(len(r.accuracy) for r in runs)
-        xs = runs[0].samples[:n]
-        cols = [[r.accuracy[i] for r in runs] for i in range(n)]
+        xs, cols = aligned(runs)
+        if not xs:  # no sample count every run evaluated at: each run's own curve
+            for i, r in enumerate(runs):
+                (line,) = ax.plot(r.samples, r.accuracy, marker="o", markersize=3, alpha=0.7,
+                                  label=f"{name} (run {i + 1})")
+            continue
         mean = [statistics.fmean(c) for c in cols]
         (line,) = ax.plot(xs, mean, marker="o", markersize=3, label=f"{name} (n={len(runs)})")
         if len(runs) > 1:
