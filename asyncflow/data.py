@@ -18,26 +18,35 @@ from asyncflow.errors import UserError
 
 class Rows(list):  # type: ignore[type-arg]
     """Rows read from a JSON-lines file, with each row's line number (1-based, blank lines counted)
-    in `lines`, so a message can name the line an editor shows."""
+    in `lines`, so a message can name the line an editor shows; or a subset of rows of another
+    source, with each row's index in it (`row_at`)."""
 
     lines: list[int]
+    row_at: list[int]
 
 
 def subset(rows: Sequence[dict[str, Any]], indices: Sequence[int]) -> list[dict[str, Any]]:
-    """Rows `indices` of `rows`, keeping their line numbers (for messages) when they have them."""
-    lines = getattr(rows, "lines", None)
-    if lines is None:
-        return [rows[i] for i in indices]
+    """Rows `indices` of `rows`, keeping where each came from (for messages): its line in a JSON-lines
+    file, else its row in the source (a parquet or datasets row after the eval hold-out was named by
+    its position among the rows left)."""
     out = Rows(rows[i] for i in indices)
-    out.lines = [lines[i] for i in indices]
+    lines = getattr(rows, "lines", None)
+    if lines is not None:
+        out.lines = [lines[i] for i in indices]
+    else:
+        at = getattr(rows, "row_at", None)
+        out.row_at = [at[i] if at is not None else i for i in indices]
     return out
 
 
 def where(rows: Sequence[Any], path: str | Path, i: int) -> str:
     """Where row `i` of `rows` (read from `path`) is, for a message: "FILE, line N" for JSON lines,
-    else "FILE, row I" (counted from 0, as `datasets` and pandas index rows)."""
+    else "FILE, row I" (counted from 0 in the source, as `datasets` and pandas index rows)."""
     lines = getattr(rows, "lines", None)
-    return f"{path}, line {lines[i]}" if lines is not None else f"{path}, row {i}"
+    if lines is not None:
+        return f"{path}, line {lines[i]}"
+    at = getattr(rows, "row_at", None)
+    return f"{path}, row {at[i] if at is not None else i}"
 
 
 def read_rows(path: str | Path, *, key: str = "dataset.path") -> list[dict[str, Any]]:

@@ -102,3 +102,22 @@ def test_a_prompt_with_no_tokens_for_the_tokenizer_is_refused_naming_its_line() 
         with pytest.raises(UserError, match=r"^data.jsonl, line 3: column 'prompt' \('XYZ'\) has no tokens with "
                                             r"model.path's tokenizer"):
             check_prompts_fit([(rows, "data.jsonl")], "prompt", make_tokenizer(), 8, positions)
+
+
+def test_a_parquet_row_keeps_its_index_in_messages_after_the_hold_out(tmp_path: Path) -> None:
+    """Messages about parquet or datasets rows named a row's position among the rows left after the
+    eval hold-out (row 80 for row 90); JSON lines kept their line numbers."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from asyncflow.data import subset, where
+
+    rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(100)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    read = read_rows(tmp_path / "d.parquet")
+    kept = subset(read, [i for i in range(100) if i % 10 != 3])  # 3, 13, ... held out
+    assert kept[80]["prompt"] == "89+1=" and where(kept, "d.parquet", 80) == "d.parquet, row 89"
+    again = subset(kept, [80])  # (the eval.size cut is a second subset)
+    assert where(again, "d.parquet", 0) == "d.parquet, row 89"
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert where(subset(read_rows(tmp_path / "d.jsonl"), [89]), "d.jsonl", 0) == "d.jsonl, line 90"
