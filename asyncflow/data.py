@@ -113,7 +113,7 @@ def _read_datasets_dir(p: Path, key: str) -> list[dict[str, Any]]:
         ds = ds[split]
     # plain Python rows whatever format was saved with it (`set_format("numpy")` gave numpy labels to
     # the reward function; "pandas" refused text prompts)
-    return list(ds.with_format(None).to_list())
+    return ds.with_format(None).to_list()
 
 
 def check_columns(rows: list[dict[str, Any]], path: str, prompt_key: str, label_key: str | None) -> str | None:
