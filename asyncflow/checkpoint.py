@@ -184,7 +184,9 @@ def find_resume(out: Path, cfg: Any) -> Resume:
     if state.get("format") != STATE_FORMAT:
         raise UserError(f"checkpoint.resume: {path} has state format {state.get('format')!r}, expected {STATE_FORMAT}")
     _check_checkpoint(path, state)
-    if step >= cfg.train.max_steps:
+    # at max_steps exactly (and not finished, above): the run died after its last checkpoint, before
+    # `final/` and summary.json were written (in the final evaluation, say); the resume finishes it
+    if step > cfg.train.max_steps:
         raise UserError(
             f"checkpoint.resume: the newest checkpoint ({path}) is at step {step}, and train.max_steps is "
             f"{cfg.train.max_steps}: nothing left to train; raise train.max_steps to continue"

@@ -564,7 +564,8 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
                          + (f" (eval_error: {error})" if error else ""))
     else:  # the evaluations logged up to the checkpoint; one due at its step runs now (it may have been cut)
         evaluator.history = list(resume.state["eval_history"])
-        due = cfg.eval.every > 0 and resume.step % cfg.eval.every == 0
+        # (at max_steps: the run died before its end; the final evaluation below is that step's)
+        due = cfg.eval.every > 0 and resume.step % cfg.eval.every == 0 and resume.step < cfg.train.max_steps
         last_eval = await evaluator.run(step=resume.step) if due and evaluator.history[-1]["step"] != resume.step \
             else evaluator.history[-1]
     pending_eval: asyncio.Task[dict[str, float]] | None = None

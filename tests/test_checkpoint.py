@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -178,6 +179,25 @@ def test_resume_refuses_what_it_cannot_continue(arith_dir: Path, tmp_path: Path)
     summary = _train(arith_dir, out3, ["train.max_steps=4", "checkpoint.every=2", "checkpoint.resume=auto"])
     assert summary["steps"] == 4 and json.loads((out3 / "summary.json").read_text())["steps"] == 4
     assert not partial.exists() and sorted(p.name for p in (out3 / "checkpoints").iterdir()) == ["step_2", "step_4"]
+
+
+def test_a_run_that_died_after_its_last_checkpoint_is_finished_by_a_resume(arith_dir: Path, tmp_path: Path) -> None:
+    """The newest checkpoint is at train.max_steps but the run died before final/ and summary.json
+    (say, in its final evaluation): a resume with the same max_steps finishes it (final evaluation,
+    final/, summary.json) without training a step; it used to say "nothing left to train"."""
+    out = tmp_path / "run"
+    done = _train(arith_dir, out, ["train.max_steps=2", "checkpoint.every=2"])
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()  # what a death after the step-2 checkpoint leaves
+    summary = _train(arith_dir, out, ["train.max_steps=2", "checkpoint.every=2", "checkpoint.resume=auto"])
+    assert summary["steps"] == 2 and summary["samples"] == done["samples"] == 64
+    assert (out / "final" / "model.safetensors").is_file() and json.loads((out / "summary.json").read_text())["steps"] == 2
+    _check_run_logs(out, 2, 32)
+    evals = [r["step"] for r in _rows(out, "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals == [0, 2]  # the final evaluation once (the step-2 one is the final one, as in a run that did not die)
+    assert summary["accounting"]["lost"] == 0
+    with pytest.raises(UserError, match=r"finished at step 2 \(its summary.json\)"):  # and now it is finished
+        _train(arith_dir, out, ["train.max_steps=2", "checkpoint.every=2", "checkpoint.resume=auto"])
 
 
 def test_a_resume_that_fails_to_build_changes_nothing_in_the_run(arith_dir: Path, tmp_path: Path,
