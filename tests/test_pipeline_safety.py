@@ -146,6 +146,52 @@ def test_an_environment_failing_before_its_first_turn_costs_only_its_own_sample(
         assert sorted(by_group[r["group_id"]]) == ["reward_error", "trained", "trained", "trained"]
 
 
+def test_a_filtered_group_logs_its_failed_samples_as_reward_errors(tmp_path: Path) -> None:
+    """The dynamic-sampling filter drops a group whose valid rewards are all equal; a sample of it
+    whose environment failed is logged (and counted) as `reward_error` with its own error, not as
+    `filtered` with the filter's message."""
+
+    class OneFails(Env):
+        name = "onefails"
+        max_turns = 1
+
+        def __init__(self, clock: VirtualClock) -> None:
+            self.clock = clock
+
+        async def reset(self, row: dict[str, Any], seed: int) -> str:
+            if seed % 4 == 3:  # one sample of every group (n=4)
+                raise RuntimeError("sandbox failed to start")
+            return ""
+
+        async def step(self, action: str) -> EnvStep:
+            await self.clock.sleep(0.1)
+            return EnvStep("", reward=1.0, done=True)
+
+    pipeline, rows = _sim_run(tmp_path, [*BASE, "train.max_steps=2", "algorithm.filter_groups=true"],
+                              env_factory=OneFails)
+    status = collections.Counter(r["status"] for r in rows)
+    assert status["filtered"] == pipeline.counters.filtered > 0
+    assert status["reward_error"] == pipeline.counters.reward_errors == status["filtered"] // 3 + status["trained"] // 3
+    assert all("sandbox failed to start" in r["error"] for r in rows if r["status"] == "reward_error")
+    assert all(r["reward"] == 1.0 for r in rows if r["status"] == "filtered")
+    assert pipeline.final_accounting["lost"] == 0
+
+
+def test_sync_drain_cancels_the_requests_the_next_version_drops_before_it_waits(tmp_path: Path) -> None:
+    """Sync (max_staleness 0) with redundancy and `weight_update: drain`: at a publication every
+    request still generating is below the new floor. It is cancelled before the load, so the drain
+    does not wait for the long stragglers that redundancy exists to cut (it waited, then dropped them
+    all: slower than no redundancy, and nothing counted cancelled)."""
+    long_tail = lambda rng: 2000 if rng.random() < 0.1 else 20  # noqa: E731
+    base = ["rollout.n=4", "train.batch_size=16", "train.max_steps=6", "rollout.max_new_tokens=4096",
+            "workflow.mode=sync", "workflow.weight_update=drain", "workflow.step_timeout_s=50000"]
+    plain, _ = _sim_run(tmp_path / "plain", base, lengths=long_tail)
+    redundant, rows = _sim_run(tmp_path / "redundant", [*base, "workflow.redundancy=1.0"], lengths=long_tail)
+    assert redundant.counters.cancelled > 0 and redundant.counters.trained == plain.counters.trained == 96
+    assert redundant.clock.now() - redundant.t_start < 0.5 * (plain.clock.now() - plain.t_start)
+    assert redundant.final_accounting["lost"] == 0 and len({r["uid"] for r in rows}) == len(rows)
+
+
 def test_an_episode_that_can_no_longer_meet_the_staleness_bound_ends_before_its_next_turn(tmp_path: Path) -> None:
     """The groups of one prompt in 8 play 8 slow turns, the rest 1: with max_staleness 1 the long
     episodes fall under the trainer's floor while they play. Each ends at its next turn boundary as

@@ -710,9 +710,14 @@ class Pipeline:
                 if self.cfg.algorithm.filter_groups and _all_equal(group):
                     if filtered < self._filter_budget:
                         filtered += 1
-                        self.counters.filtered += len(group)
                         msg = "filtered: all rewards in the group are equal (DAPO dynamic sampling, before over-long shaping)"
-                        self._log_samples([(s, None, "filtered", msg) for s in group])
+                        # a sample whose reward failed (an episode's environment) keeps its own status and error
+                        logged = [(s, None, "filtered", msg) if s.fields["reward_error"] is None
+                                  else (s, None, "reward_error", s.fields["reward_error"]) for s in group]
+                        failures = sum(1 for item in logged if item[2] == "reward_error")
+                        self.counters.filtered += len(group) - failures
+                        self.counters.reward_errors += failures
+                        self._log_samples(logged)
                         self._discard(group)
                         continue
                     self.counters.filter_overflow += 1
@@ -871,6 +876,12 @@ class Pipeline:
         start = self.clock.now()
         state = self.trainer.export_weights()
         new_version = self.version + 1
+        # requests that the new version's floor drops are cancelled before the load, not after it:
+        # a `drain` load waits for what is running, and at max_staleness 0 (sync) everything running
+        # is below the floor, so redundant stragglers were waited for, then dropped (none cancelled)
+        floor = self.gate.min_version(new_version)
+        for e in self.engines:
+            e.cancel_older_than(floor)
         await self.clock.wait_for(
             asyncio.gather(*(e.load_weights(state, new_version, self.cfg.workflow.weight_update) for e in self.engines)),
             self.cfg.workflow.step_timeout_s,
@@ -878,8 +889,8 @@ class Pipeline:
         )
         self.version = new_version
         self.gate.publish(new_version)
-        floor = self.floor = self.gate.min_version(new_version)
-        for e in self.engines:
+        self.floor = floor
+        for e in self.engines:  # (again: what started meanwhile from the old version, or an abort put back)
             e.cancel_older_than(floor)
         self.tracer.span("weight sync", f"v{new_version}", start, self.clock.now())
         return self.clock.now() - start
