@@ -53,6 +53,8 @@ def test_short_run_writes_the_run_folder_and_respects_staleness(
         assert required <= set(r)
         assert r["staleness_max"] <= (0 if mode == "sync" else 1)
         assert r["policy_version"] == r["step"]
+        if mode == "sync":  # every token is the trainer's own version: the same policy on both sides
+            assert r["mismatch_kl"] is not None and -1e-6 < r["mismatch_kl"] < 1e-3  # (rounding: a hair below 0)
     assert train_rows[-1]["samples"] == 4 * 32 == summary["samples"]
     evals = [r for r in metrics if r["kind"] == "eval"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 4 and {"eval_reward", "eval_accuracy"} <= set(evals[0])
