@@ -24,6 +24,7 @@ from asyncflow.rewards import (
     call_reward_fn_async,
     is_async_reward_fn,
 )
+from asyncflow.runtime.clock import wait_detached
 from asyncflow.telemetry.runlog import RunLog, Tracer
 
 
@@ -135,8 +136,8 @@ class Evaluator:
             async def one(i: int, call: tuple[Any, ...]) -> RewardOutcome:
                 async with limit:
                     try:
-                        return await self.clock.wait_for(call_reward_fn_async(*call), timeout,
-                                                         f"the reward function on eval prompt {i}")
+                        return await wait_detached(self.clock, call_reward_fn_async(*call), timeout,
+                                                   f"the reward function on eval prompt {i}")
                     except WaitTimeout as exc:
                         return RewardOutcome(None, str(exc))
 

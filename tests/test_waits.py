@@ -115,6 +115,57 @@ def test_a_reward_call_past_its_limit_marks_its_group_and_the_run_goes_on(tmp_pa
     assert sum(r["status"] == "trained" for r in rows) == 3 * 16
 
 
+def test_an_async_reward_call_that_swallows_its_cancellation_still_ends_at_its_limit(tmp_path: Path) -> None:
+    """A judge client whose retry loop has a bare `except:` swallows the timeout's cancellation. The
+    first call does so forever, the second for 50 retries then returns: both groups end as reward_error
+    at `reward.timeout_s` and the run trains all its steps (awaited in place, the first wait never
+    ended and the second's late result was taken as a score)."""
+    from asyncflow.bench.pipeline import _reward
+
+    calls: list[int] = []
+
+    async def stubborn(prompts: list[Any], completions: list[Any], **kw: Any) -> Any:
+        calls.append(1)
+        n = len(calls)
+        tries = 0
+        while n <= 2 and (n == 1 or tries < 50):
+            tries += 1
+            try:
+                await asyncio.sleep(1.0)
+                raise ConnectionError("judge unavailable")
+            except:  # noqa: E722  (the bug this survives)
+                pass
+        return _reward(prompts, completions, **kw)
+
+    _run(tmp_path, ["reward.timeout_s=5", "reward.concurrency=2"], reward=stubborn)
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    failed = [r for r in rows if r["status"] == "reward_error"]
+    assert len({r["group_id"] for r in failed}) == 2 and len(failed) == 8
+    assert all(r["error"].startswith("timed out after 5.0 virtual s waiting for reward function on group(s)")
+               for r in failed)
+    assert sum(r["status"] == "trained" for r in rows) == 3 * 16
+
+
+def test_wait_detached_ends_at_its_deadline_on_the_real_clock() -> None:
+    """The evaluation's bound (`RealClock`): a coroutine that never lets itself be cancelled."""
+    from asyncflow.runtime.clock import RealClock, wait_detached
+
+    async def forever() -> None:
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except BaseException:  # noqa: S110
+                pass
+
+    async def main() -> float:
+        start = time.monotonic()
+        with pytest.raises(WaitTimeout, match="waiting for the stubborn call"):
+            await wait_detached(RealClock(), forever(), 0.2, "the stubborn call")
+        return time.monotonic() - start
+
+    assert asyncio.run(main(), debug=False) < 5
+
+
 def test_an_eval_whose_generation_never_returns_records_the_timeout(tmp_path: Path) -> None:
     """Greedy eval generation is bounded like rollout requests (rollout.request_timeout_s per round
     of the engine's batch): an engine that never answers fails the eval row with the reason, and the

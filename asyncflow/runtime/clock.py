@@ -12,6 +12,7 @@ from `now()` mean the same thing to `asyncio.wait_for` and to threads waiting on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import sys
 import time
@@ -163,6 +164,35 @@ class SweptClock:
                     w.fired = True
                     w.task.cancel()
         self._tick = math.inf
+
+
+async def wait_detached(clock: Clock, aw: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
+    """`clock.wait_for(aw, ...)` for a plugin's coroutine that may swallow its cancellation (a judge
+    client's retry loop with a bare `except:`): it runs as a task of its own, waited for through a
+    shield, so the wait ends at its deadline whatever the coroutine does (awaited in place, a
+    swallowed cancel meant no timeout at all: the wait never ended, or a late result was taken).
+    On timeout, or when the caller is cancelled, the task is cancelled and left to end; whatever it
+    ends with is discarded, and it is taken out of asyncio's task registry (`asyncio.run` waits, at
+    its end, for every registered task, without a bound: one that never ends hung the process after
+    the run). A task and a shield per call: for calls per group, not per token."""
+    task = asyncio.ensure_future(aw)
+    try:
+        return await clock.wait_for(asyncio.shield(task), timeout, what)
+    except BaseException:
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_discard_outcome)
+            unregister = getattr(asyncio.tasks, "_unregister_task", None)  # (asyncio's own, for task implementations)
+            if unregister is not None:
+                unregister(task)
+            with contextlib.suppress(AttributeError):  # its timeout is already reported: no "Task was destroyed
+                task._log_destroy_pending = False  # type: ignore[attr-defined]  # but it is pending!" at exit
+        raise
+
+
+def _discard_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # (retrieved: asyncio does not log an abandoned call's error)
 
 
 def _uncancel(task: asyncio.Task[Any]) -> None:

@@ -54,7 +54,7 @@ from asyncflow.rewards import (
     call_reward_fn_async,
     is_async_reward_fn,
 )
-from asyncflow.runtime.clock import Clock, SweptClock
+from asyncflow.runtime.clock import Clock, SweptClock, wait_detached
 from asyncflow.telemetry.runlog import RunLog, Tracer
 from asyncflow.transfer_queue import Lease, NewSample, QueueClosed, SampleView, StoreClient, TransferQueue
 from asyncflow.workflow.agent import AgentFn, load_agent, run_agent_episode
@@ -600,7 +600,8 @@ class Pipeline:
         if self._reward_async:
             async def one(call: tuple[Any, ...], gid: int) -> RewardOutcome:
                 try:
-                    return await self._swept.wait_for(call_reward_fn_async(*call), timeout, f"reward function on group(s) [{gid}]")
+                    return await wait_detached(self._swept, call_reward_fn_async(*call), timeout,
+                                               f"reward function on group(s) [{gid}]")
                 except WaitTimeout as exc:
                     return RewardOutcome(None, str(exc))
 
