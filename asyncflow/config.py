@@ -352,8 +352,9 @@ class RuntimeConfig:
     )
     torch_threads: int | None = _f(
         None,
-        "torch CPU threads of the process. null: all cores in sync mode (each phase has the machine to "
-        "itself); half of them in async mode (rollout and training run at once and split the cores).",
+        "torch CPU threads of the process. null: all the cores it may run on (its CPU affinity: taskset, a "
+        "container's cpuset) in sync mode (each phase has the machine to itself); half of them in async "
+        "mode (rollout and training run at once and split the cores).",
         lo=1, hi=4096,
     )
 

@@ -188,8 +188,14 @@ def torch_threads(cfg: Config) -> int:
     """CPU threads for torch: measured best placement per mode (docs/performance.md, E2E)."""
     if cfg.runtime.torch_threads is not None:
         return cfg.runtime.torch_threads
-    cores = os.cpu_count() or 1
-    return cores if cfg.workflow.mode == "sync" else max(1, cores // 2)
+    return usable_cores() if cfg.workflow.mode == "sync" else max(1, usable_cores() // 2)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (`taskset`, a container's cpuset), not the machine's:
+    `os.cpu_count()` put 2 torch threads on the 1 core a `taskset -c 0` run had."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 @contextlib.contextmanager
@@ -201,11 +207,22 @@ def _sigterm_as_interrupt() -> Iterator[None]:
             signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
-    signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(os.getpid(), signal.SIGINT))
+    signal.signal(signal.SIGTERM, _as_sigint)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _as_sigint(signum: int, frame: Any) -> None:
+    """SIGTERM's handler: what SIGINT's handler does (asyncio's, which cancels the run's main task),
+    called directly. It sent the process a SIGINT, which a process started with `&` from a script
+    ignores (the shell starts it with SIGINT ignored): SIGTERM then did nothing and the run went on."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    else:  # SIGINT ignored (no asyncio handler installed): Ctrl-C's plain effect
+        raise KeyboardInterrupt
 
 
 def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,

@@ -308,9 +308,11 @@ def test_a_damaged_or_changed_resume_is_refused_before_anything_is_written(
     assert {g["lr"] for g in opt["param_groups"]} == {0.5}
 
 
-def test_sigterm_ends_a_run_as_ctrl_c_does(arith_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigint_ignored", [False, True])
+def test_sigterm_ends_a_run_as_ctrl_c_does(arith_dir: Path, tmp_path: Path, sigint_ignored: bool) -> None:
     """SIGTERM (kill, a scheduler's preemption, docker stop) killed the process at once: no
-    trace.json, no line saying where the run can go on from, sinks never closed."""
+    trace.json, no line saying where the run can go on from, sinks never closed. `sigint_ignored`:
+    started as a script's `cmd &` is (SIGINT ignored), where SIGTERM, once sent on as a SIGINT, did nothing."""
     import signal
     import time
 
@@ -319,7 +321,8 @@ def test_sigterm_ends_a_run_as_ctrl_c_does(arith_dir: Path, tmp_path: Path) -> N
             "--set", "train.max_steps=500", "--set", "checkpoint.every=1", "--set", "eval.every=0",
             *[x for s in SMALL for x in ("--set", s)]]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
