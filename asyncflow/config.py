@@ -654,7 +654,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # (an int beyond a float's range: a traceback)
+                raise UserError(f"{key}: expected a finite number, got an integer of {len(str(value))} digits") from None
         elif isinstance(value, str):  # PyYAML reads `3e-4` (no dot) as a string: accept what is clearly a number
             try:
                 number = float(value)
@@ -735,6 +738,11 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         for key in ("env_latency_s", "env_timeout_s"):
             if f"rollout.{key}" in explicit:
                 raise UserError(f"rollout.{key}: only used with rollout.env (multi-turn environments)")
+    if episodic(cfg):  # an episode's reward comes from its environment or agent: no reward function runs
+        for key in ("timeout_s", "concurrency"):
+            if f"reward.{key}" in explicit:
+                raise UserError(f"reward.{key}: not used with rollout.env or rollout.agent (no reward function "
+                                "runs: an episode is scored by its environment or agent)")
     if not episodic(cfg) and "rollout.max_turns" in explicit:
         raise UserError("rollout.max_turns: only used with rollout.env or rollout.agent (multi-turn episodes)")
     if cfg.rollout.agent is None and "rollout.agent_timeout_s" in explicit:

@@ -69,6 +69,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "no_prompt.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"question": "1+1=", "answer": "2"}\n')
     (d / "rewards_ok.py").write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     (d / "rewards_broken.py").write_text("import not_a_module_anywhere\n")
+    (d / "rewards_exits.py").write_text("import sys\nsys.exit(0)  # a script guard: asyncflow ended, exit 0, no word\n")
     (d / "malformed.yaml").write_text("train:\n  lr: [1, 2\n")
     (d / "typo.yaml").write_text("rollout:\n  tempreature: 0.5\n")
     (d / "list.yaml").write_text("- train\n")
@@ -99,6 +100,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("latin1_data", "model", "latin1.jsonl", "rewards_ok:score"),
         ("reward_broken", "model", "good.jsonl", "rewards_broken:score"),
         ("reward_missing_fn", "model", "good.jsonl", "rewards_ok:nope"),
+        ("reward_exits", "model", "good.jsonl", "rewards_exits:score"),
+        ("reward_file_exits", "model", "good.jsonl", "rewards_exits.py:score"),
         ("tokenizer", "model", "good.jsonl", "rewards_ok:score"),
     ]:
         (d / f"{name}.yaml").write_text(
@@ -134,6 +137,8 @@ LIGHT_CASES: list[tuple[list[str], str]] = [
     (["train", "bad_line.yaml"], "bad_line.jsonl:3: malformed JSON"),
     (["train", "no_prompt.yaml"], "no_prompt.jsonl, line 3 has no column 'prompt' (dataset.prompt_key)"),
     (["train", "reward_broken.yaml"], "reward.fn: cannot import module 'rewards_broken': ModuleNotFoundError"),
+    (["train", "reward_exits.yaml"], "reward.fn: cannot import module 'rewards_exits': SystemExit"),
+    (["train", "reward_file_exits.yaml"], "rewards_exits.py': SystemExit"),
     (["train", "reward_missing_fn.yaml"], "reward.fn: module 'rewards_ok' has no function 'nope'"),
     # a setting that would do nothing: a plain function is called one batch at a time
     (["train", "tokenizer.yaml", "--set", "reward.concurrency=8"],
@@ -162,6 +167,9 @@ LIGHT_CASES: list[tuple[list[str], str]] = [
     (["demo", "--set", "rollout.workers=100000"], "rollout.workers: 100000 is above the maximum 4096"),
     (["demo", "--set", "runtime.torch_threads=100000000000"], "runtime.torch_threads: 100000000000 is above the maximum"),
     (["demo", "--set", "workflow.lease_timeout_s=0.001"], "workflow.lease_timeout_s: 0.001 is below the minimum 1.0"),
+    (["demo", "--set", "reward.timeout_s=1" + "0" * 400], "reward.timeout_s: expected a finite number, got an integer of 401"),
+    # accepted, and read by nothing (an episode is scored by its environment)
+    (["demo", "--set", "rollout.env=calculator", "--set", "reward.concurrency=8"], "reward.concurrency: not used with rollout.env"),
     # a --set into a section the file gives as a number replaced it silently
     (["train", "section.yaml", "--set", "train.max_steps=1"], "train: expected a mapping, got 5"),
     (["train", "complex_key.yaml"], "complex_key.yaml: line 1: a key must be a plain value, got list"),

@@ -47,6 +47,9 @@ def test_columns_the_function_does_not_take_are_not_passed() -> None:
         ([True, 1.0], "returned bool True for completion 0"),
         (0.5, "returned float, expected a list of 2 numbers"),
         ([1.0, 10**400], "returned an int too large for a float for completion 1"),
+        # finite, but inf as the trainer's float32 (the group's advantages became NaN/inf, silently)
+        ([1e39, 1.0], "returned 1e+39 for completion 0, beyond float32's range"),
+        ([1.0, -10**39], "for completion 1, beyond float32's range"),
     ],
 )
 def test_bad_return_values_become_an_error_for_the_group(value: object, message: str) -> None:

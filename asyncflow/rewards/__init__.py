@@ -43,7 +43,10 @@ def load_reward_fn(path: str, search_dirs: Sequence[str | Path] = ()) -> RewardF
     else:
         try:
             module = importlib.import_module(module_name)
-        except Exception as exc:  # any import failure is the user's plugin: name it, one line
+        except BaseException as exc:  # any import failure is the user's plugin: name it, one line (`sys.exit()`
+            # or a module-level argparse in it ended asyncflow with the plugin's exit code, 0 included)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             hint = " (a file is given as 'path/to/file.py:function')" if "/" in module_name else ""
             raise UserError(f"reward.fn: cannot import module {module_name!r}: {type(exc).__name__}: {exc}{hint}") from None
     fn = getattr(module, attr, None)
@@ -73,8 +76,10 @@ def _load_file(name: str, dirs: Sequence[Path]) -> Any:
     sys.modules[key] = module  # before running it: dataclasses and pickle look their module up by name
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except BaseException as exc:  # (SystemExit included, as above)
         del sys.modules[key]
+        if isinstance(exc, KeyboardInterrupt):
+            raise
         raise UserError(f"reward.fn: cannot load {str(file)!r}: {type(exc).__name__}: {exc}") from None
     return module
 
@@ -283,6 +288,7 @@ class PlainCalls:
         self._pool.shutdown(wait=False)
 
 _PLAIN_NUMBERS = frozenset((int, float))
+_FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: the trainer's rewards and advantages are float32
 
 
 def validate_rewards(out: Any, expected: int) -> RewardOutcome:
@@ -298,7 +304,8 @@ def validate_rewards(out: Any, expected: int) -> RewardOutcome:
     # the usual case, checked in C: only (non-bool) ints and floats, all finite (once per group:
     # the per-value checks below cost ~1 us a value on the 2-core VM); else they find the first bad one
     try:
-        if _PLAIN_NUMBERS.issuperset(map(type, values)) and all(map(math.isfinite, values)):
+        if _PLAIN_NUMBERS.issuperset(map(type, values)) and all(map(math.isfinite, values)) \
+                and (not values or (max(values) <= _FLOAT32_MAX and min(values) >= -_FLOAT32_MAX)):
             return RewardOutcome(list(map(float, values)), None)
     except OverflowError:  # an int too large for a float: named below
         pass
@@ -314,5 +321,8 @@ def validate_rewards(out: Any, expected: int) -> RewardOutcome:
             return RewardOutcome(None, f"reward function returned an int too large for a float for completion {i}")
         if not math.isfinite(f):
             return RewardOutcome(None, f"reward function returned {v} for completion {i}")
+        if abs(f) > _FLOAT32_MAX:  # (rewards are float32 tensors: it became inf, and the group's advantages NaN)
+            return RewardOutcome(None, f"reward function returned {v} for completion {i}, beyond float32's range "
+                                       f"(±{_FLOAT32_MAX:.4g})")
         rewards.append(f)
     return RewardOutcome(rewards, None)
