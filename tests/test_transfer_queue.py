@@ -1035,3 +1035,30 @@ def test_counters_count_an_expired_lease_as_expired_before_anything_else_calls_t
     assert q.take_nowait("s", 1) is not None
     clock.t += 11.0
     assert (q.ready_count("s"), q.in_flight("s"), q.metrics()["expired_leases"]) == (2, 0, 1.0)
+
+
+def test_a_take_that_waited_while_its_owners_process_died_hands_nothing_out() -> None:
+    """Ray: a rollout actor's `take_each` waits in the store controller; the actor dies and is
+    restarted (same actor id) and its leases are given back (`release_owner`). When samples come,
+    the dead process's take must not lease them to the owner: nothing would renew or complete them
+    (the new process does not know them) until lease_timeout_s, 600 s by default."""
+    from asyncflow.transfer_queue.ray_store import StoreController
+
+    async def main() -> None:
+        c = StoreController(capacity=64, lease_timeout_s=600)
+        c.register_stage("rollout", ["prompt_ids"], False)
+        c.register_stage("reward", ["prompt_ids", "reward"], False)
+        old_each = asyncio.ensure_future(c.take_each("rollout", 4, 30, None, None, (), "actor-A"))
+        old_take = asyncio.ensure_future(c.take("rollout", 4, 1, 30, None, None, (), "actor-A"))
+        await asyncio.sleep(0.01)
+        c.release_owner("actor-A")  # the restart's give-back, before any data came
+        await c.put(([0] * 4, [4] * 4, [0.0] * 4, [None] * 4), [{"prompt_ids": [1]}] * 4, None, None, None, 5)
+        assert await old_each == []
+        with pytest.raises(WaitTimeout, match="its caller's process died"):
+            await old_take
+        assert c.q.in_flight("rollout") == 0 and c.q.ready_count("rollout") == 4
+        assert c.lease_owner == {}
+        fresh = await c.take_each("rollout", 4, 5, None, None, (), "actor-A")  # the new process takes them
+        assert len(fresh) == 4 and set(c.lease_owner.values()) == {"actor-A"}
+
+    asyncio.run(main())

@@ -80,6 +80,9 @@ class StoreController:
         self.blob_writer: dict[int, str] = {}  # blob id -> the owner (actor id) whose process put it
         self.lost_with_writer = 0
         self._watch: asyncio.Task[None] | None = None
+        # owner -> how many times its leases were given back (`release_owner`): a take that began
+        # before that (a waiting call of the owner's dead process) hands nothing out when it ends
+        self.owner_epoch: dict[str, int] = {}
 
     # ------------------------------------------------------------------ data slots
     def _add_blob(self, ref: Any, rows: int, held: Any = None) -> int:
@@ -138,15 +141,32 @@ class StoreController:
     async def take(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
                    lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
                    owner: str | None) -> tuple[Any, dict[int, Any]]:
+        epoch = self.owner_epoch.get(owner, 0) if owner is not None else 0
         lease = await self.q.take(stage, max_samples, min_samples=min_samples, timeout=timeout, lease_s=lease_s,
                                   min_version=min_version, fields_extra=fields_extra)
+        if self._orphaned([lease], owner, epoch):
+            raise WaitTimeout(f"take for stage {stage!r}: its caller's process died while it waited")
         return self._hand_out(lease, owner)
 
     async def take_each(self, stage: str, max_samples: int, timeout: float | None, lease_s: float | None,
                         min_version: int | None, fields_extra: Sequence[str], owner: str | None) -> list[tuple[Any, dict[int, Any]]]:
+        epoch = self.owner_epoch.get(owner, 0) if owner is not None else 0
         leases = await self.q.take_each(stage, max_samples, timeout=timeout, lease_s=lease_s, min_version=min_version,
                                         fields_extra=fields_extra)
+        if self._orphaned(leases, owner, epoch):
+            return []
         return [self._hand_out(lease, owner) for lease in leases]
+
+    def _orphaned(self, leases: list[Lease], owner: str | None, epoch: int) -> bool:
+        """A take that waited here while its owner's process died (and the owner's leases were given
+        back) would hand its leases to no one: Ray keeps an actor's id across a restart, so neither
+        the owner watch nor the restart's `release_owner` (already done) would give them back, and
+        they sat leased until `workflow.lease_timeout_s`. They are released at once instead."""
+        if owner is None or self.owner_epoch.get(owner, 0) == epoch:
+            return False
+        for lease in leases:
+            self.q.release(lease)
+        return True
 
     def take_nowait(self, stage: str, max_samples: int, min_samples: int, lease_s: float | None,
                     min_version: int | None, fields_extra: Sequence[str], owner: str | None) -> tuple[Any, dict[int, Any]] | None:
@@ -258,6 +278,7 @@ class StoreController:
             self.lease_owner.pop(lid, None)
             n += bool(self.q.release(lease))
         self.owners.pop(owner, None)
+        self.owner_epoch[owner] = self.owner_epoch.get(owner, 0) + 1  # (its process's waiting takes: `_orphaned`)
         self.released_from_dead += n
         self._lose_writer(owner)
         return n
