@@ -730,6 +730,8 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError("checkpoint.keep: not used while checkpoint.every is 0 (no periodic checkpoints)")
     if cfg.runtime.address is not None and cfg.runtime.kind == "local":
         raise UserError("runtime.address: only used with runtime.kind=ray")
+    if cfg.runtime.address is not None:
+        _check_ray_address(cfg.runtime.address)
     if cfg.runtime.kind == "local":
         for key in _RAY_KEYS:
             if f"runtime.{key}" in explicit:
@@ -752,6 +754,17 @@ def validate(cfg: Config, explicit: set[str]) -> None:
     if cfg.runtime.kind == "ray" and cfg.model.device == "cuda" and not (cfg.runtime.rollout_gpus and cfg.runtime.train_gpus):
         raise UserError("model.device: cuda with runtime.kind=ray needs runtime.rollout_gpus and runtime.train_gpus "
                         "above 0 (Ray shows an actor only the GPUs it was given)")
+
+
+def _check_ray_address(address: str) -> None:
+    """`auto`, HOST:PORT or ray://HOST:PORT (what `ray.init` joins); anything else was a traceback
+    from inside Ray (`foo`: ValueError), or a dashboard URL that Ray retried for minutes."""
+    if address.startswith(("http://", "https://")):
+        raise UserError(f"runtime.address: {address!r} is a web address (the dashboard's or job submission's?); "
+                        "give the head's HOST:PORT from `ray start --head` (port 6379 by default) or ray://HOST:PORT")
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if address != "auto" and not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise UserError(f"runtime.address: expected auto, HOST:PORT or ray://HOST:PORT, got {address!r}")
 
 
 ENV_NAMES = ("calculator", "guess_number")

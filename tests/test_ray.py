@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 import time
 import types
@@ -445,6 +446,33 @@ def test_an_unreachable_cluster_address_is_one_line_not_minutes_of_retries() -> 
     with pytest.raises(UserError, match="cannot reach ray://127.0.0.1:1"):
         check_reachable("ray://127.0.0.1:1", timeout_s=5)
     check_reachable("auto")  # (forms Ray resolves itself are left to it)
+
+
+def test_a_web_server_given_as_the_cluster_address_is_one_line_not_minutes_of_retries(tmp_path: Path) -> None:
+    """The dashboard's port (:8265, what `ray job submit` takes) accepts connections, so ray.init
+    retried it for minutes; a Ray GCS answers an HTTP/1 request with HTTP/2 frames, a web server with
+    `HTTP/1.x`. Malformed addresses were a ValueError traceback from inside Ray."""
+    import http.server
+    import threading
+
+    from asyncflow.config import load_config
+    from asyncflow.errors import UserError
+    from asyncflow.runtime.ray_init import check_reachable
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(UserError, match=r"^runtime.address: 127.0.0.1:\d+ answers as a web server"):
+            check_reachable(f"127.0.0.1:{server.server_address[1]}", timeout_s=5)
+    finally:
+        server.shutdown()
+    for address, needle in [("foo", "expected auto, HOST:PORT or ray://HOST:PORT, got 'foo'"),
+                            ("host:99999", "got 'host:99999'"),
+                            ("http://127.0.0.1:8265", "is a web address")]:
+        with pytest.raises(UserError, match=f"^runtime.address: .*{re.escape(needle)}"):
+            load_config(None, ["runtime.kind=ray", f"runtime.address={address}"])
+    for good in ("auto", "10.0.0.1:6379", "ray://head:10001", "[::1]:6379"):
+        load_config(None, ["runtime.kind=ray", f"runtime.address={good}"])
 
 
 class _BigWriter:

@@ -45,7 +45,20 @@ def check_reachable(address: str, timeout_s: float = 10.0) -> None:
     if not sep or not port.isdigit() or not host:
         return
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
     except OSError as exc:
         raise UserError(f"runtime.address: cannot reach {address} ({exc.strerror or exc}); is the cluster's head "
                         "running there (`ray start --head`)?") from None
+    # Ray's GCS and client server speak gRPC (HTTP/2: a request in HTTP/1 gets binary frames back);
+    # an HTTP/1 answer is a web server, e.g. the dashboard (:8265), which ray.init retried for minutes
+    try:
+        conn.settimeout(3.0)
+        conn.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        web = conn.recv(5) == b"HTTP/"
+    except OSError:
+        web = False  # (no answer in time: left to Ray)
+    finally:
+        conn.close()
+    if web:
+        raise UserError(f"runtime.address: {address} answers as a web server (the dashboard's port?), not as a Ray "
+                        "cluster; give the head's HOST:PORT from `ray start --head` (port 6379 by default)")
