@@ -164,11 +164,12 @@ def find_resume(out: Path, cfg: Any) -> Resume:
     `train.max_steps` is finished: its newest checkpoint may be older when `max_steps` is not a
     multiple of `checkpoint.every`, and resuming from it redid the last steps and replaced `final/`."""
     finished = _finished_steps(out)
-    if finished is not None and finished >= cfg.train.max_steps:
-        raise UserError(f"checkpoint.resume: the run in {out} finished at step {finished} (its summary.json), and "
-                        f"train.max_steps is {cfg.train.max_steps}: nothing left to train; raise train.max_steps "
-                        "to continue")
     found = complete_checkpoints(out)
+    if finished is not None and finished >= cfg.train.max_steps:
+        how = "raise train.max_steps to continue" if found else \
+            "it has no checkpoint to continue from (checkpoint.every was 0): start again in a new --out"
+        raise UserError(f"checkpoint.resume: the run in {out} finished at step {finished} (its summary.json), and "
+                        f"train.max_steps is {cfg.train.max_steps}: nothing left to train; {how}")
     if not found:
         raise UserError(
             f"checkpoint.resume: {out} holds a run but no complete checkpoint (was checkpoint.every 0, or did it stop "

@@ -152,6 +152,9 @@ def test_resume_refuses_what_it_cannot_continue(arith_dir: Path, tmp_path: Path)
     _train(arith_dir, out, ["train.max_steps=1"])
     with pytest.raises(UserError, match="no complete checkpoint"):
         _train(arith_dir, out, ["train.max_steps=2", "checkpoint.resume=auto"])
+    # finished, and no checkpoint: raising max_steps (what the line said) cannot help
+    with pytest.raises(UserError, match=r"finished at step 1 .* no checkpoint to continue from .* new --out$"):
+        _train(arith_dir, out, ["train.max_steps=1", "checkpoint.resume=auto"])
     out2 = tmp_path / "run2"
     _train(arith_dir, out2, ["train.max_steps=1", "checkpoint.every=1"])
     with pytest.raises(UserError, match="nothing left to train"):
