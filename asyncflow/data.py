@@ -116,11 +116,23 @@ def _read_datasets_dir(p: Path, key: str) -> list[dict[str, Any]]:
     return ds.with_format(None).to_list()
 
 
-def check_columns(rows: list[dict[str, Any]], path: str, prompt_key: str, label_key: str | None) -> str | None:
-    """Every row has the prompt column (and the label column if one is configured). Returns where the
-    first conversational row is (None: all prompts are text), for `check_chat_prompts`."""
+# argument names a reward function is called with besides the dataset's columns (`rewards._kwargs`)
+REWARD_ARGUMENTS = frozenset(("prompts", "completions", "completion_ids"))
+
+
+def check_columns(rows: list[dict[str, Any]], path: str, prompt_key: str, label_key: str | None,
+                  reserved: frozenset[str] = frozenset()) -> str | None:
+    """Every row has the prompt column (and the label column if one is configured), and no column
+    named in `reserved` (a reward function's own arguments: such a column made every call fail with
+    "got multiple values for keyword argument", or replaced `completion_ids` unseen). Returns where
+    the first conversational row is (None: all prompts are text), for `check_chat_prompts`."""
     first_chat = None
+    reserved = reserved - {prompt_key}  # (the prompt column is passed as `prompts`, not as a column)
     for i, row in enumerate(rows):
+        if reserved and not reserved.isdisjoint(row):
+            name = sorted(reserved.intersection(row))[0]
+            raise UserError(f"{where(rows, path, i)} has a column {name!r}, a name the reward function is called "
+                            f"with for its own argument; rename the column")
         if prompt_key not in row:
             raise UserError(f"{where(rows, path, i)} has no column {prompt_key!r} (dataset.prompt_key); "
                             f"columns: {sorted(row)}")

@@ -80,7 +80,7 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
     Given paths are checked without torch (a bad model folder or dataset costs milliseconds); only
     preparing a task pack's own model imports it.
     """
-    from asyncflow.data import check_columns, model_positions, read_rows, subset
+    from asyncflow.data import REWARD_ARGUMENTS, check_columns, model_positions, read_rows, subset
     from asyncflow.model_folder import check_model_dir
     from asyncflow.rewards import absolute_reward_path
 
@@ -111,11 +111,12 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
             raise UserError(f"dataset.path: not set, and model.path ({model_dir}) has no train.jsonl to default to; "
                             "set dataset.path")
     rows = read_rows(data_path)
-    chats = [check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key)]
+    reserved = frozenset() if episodic(cfg) else REWARD_ARGUMENTS  # (an environment gets the row as it is)
+    chats = [check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved)]
     if cfg.eval.path is not None or (cfg.dataset.path is None and (model_dir / "eval.jsonl").is_file()):
         eval_path = cfg.eval.path if cfg.eval.path is not None else str(model_dir / "eval.jsonl")
         eval_rows = read_rows(eval_path, key="eval.path")
-        chats.append(check_columns(eval_rows, eval_path, cfg.dataset.prompt_key, cfg.dataset.label_key))
+        chats.append(check_columns(eval_rows, eval_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved))
     else:  # a held-out slice of the dataset: whole prompts (all their copies), at most 10% of it
         eval_path = data_path
         rng = random.Random(cfg.seed + 1)

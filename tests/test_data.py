@@ -49,6 +49,15 @@ def test_bad_datasets_name_the_file_and_row(tmp_path: Path) -> None:
     (tmp_path / "gap.jsonl").write_text('{"prompt": "a", "answer": "1"}\n\n\n{"prompt": "b"}\n')
     with pytest.raises(UserError, match=r"gap.jsonl, line 4 has no column 'answer'"):
         check_columns(read_rows(tmp_path / "gap.jsonl"), str(tmp_path / "gap.jsonl"), "prompt", "answer")
+    # a column named as a reward function's own argument: every call failed ("multiple values for
+    # keyword argument"), or `completion_ids` was replaced unseen
+    from asyncflow.data import REWARD_ARGUMENTS
+
+    for name in ("completions", "prompts", "completion_ids"):
+        with pytest.raises(UserError, match=rf"^f.parquet, row 1 has a column '{name}', a name the reward function"):
+            check_columns([{"prompt": "a"}, {"prompt": "b", name: 1}], "f.parquet", "prompt", None, REWARD_ARGUMENTS)
+    check_columns([{"prompts": "a"}], "f.parquet", "prompts", None, REWARD_ARGUMENTS)  # (the prompt column itself)
+    check_columns([{"prompt": "a", "completions": 1}], "f.parquet", "prompt", None)  # (no reward function: env runs)
 
 
 def test_text_prompts_are_tokenized_as_they_are_and_chats_use_the_template() -> None:
