@@ -1062,3 +1062,29 @@ def test_a_take_that_waited_while_its_owners_process_died_hands_nothing_out() ->
         assert len(fresh) == 4 and set(c.lease_owner.values()) == {"actor-A"}
 
     asyncio.run(main())
+
+
+def test_the_store_controller_lets_go_of_blobs_no_sample_holds() -> None:
+    """Ray: a put that fails (a full store's timeout) admits nothing, and a completion whose sample
+    was removed meanwhile is skipped: their object-store blobs were kept (with their ref) all run."""
+    from asyncflow.transfer_queue.ray_store import StoreController
+
+    async def main() -> None:
+        c = StoreController(capacity=2, lease_timeout_s=600)
+        c.register_stage("rollout", ["prompt_ids"], False)
+        c.register_stage("reward", ["prompt_ids", "response_ids"], False)
+        put = ([0, 0], [2, 2], [0.0, 0.0], [None, None])
+        await c.put(put, [{"prompt_ids": [1]}] * 2, None, None, None, 5)
+        with pytest.raises(WaitTimeout):  # the store is full: nothing admitted
+            await c.put(([1, 1], [2, 2], [1.0, 1.0], [None, None]), None, ["prompt_ids"], np.array([[8], [8]]),
+                        ["ref-of-a-blob"], 0.05)
+        assert c.blobs == {}
+        leases = await c.take_each("rollout", 2, 5, None, None, (), None)
+        (lid, _, _, part, _), _ = leases[0]
+        uid = int(part[0][0])
+        c.remove([uid])  # (e.g. its group was dropped)
+        assert c.complete(lid, "rollout", [uid], None, ["response_ids"], np.array([[8]]), ["ref-of-a-blob"], None,
+                          False)
+        assert c.blobs == {}
+
+    asyncio.run(main())

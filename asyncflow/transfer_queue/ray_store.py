@@ -136,7 +136,12 @@ class StoreController:
                   held: Any = None) -> list[int]:
         fields = self._materialize(payload, names, nbytes, ref, held)
         samples = [NewSample(g, n, f, p, u) for g, n, p, u, f in zip(*meta, fields, strict=True)]
-        return await self.q.put(samples, timeout=timeout)
+        try:
+            return await self.q.put(samples, timeout=timeout)
+        except BaseException:  # (a full store's timeout, closed): nothing was admitted, so nothing holds the blob
+            for f in fields:
+                self._unref(f)
+            raise
 
     async def take(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
                    lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
@@ -234,11 +239,11 @@ class StoreController:
         if ref is not None and writer is not None:  # its process owns the object: see `_lose_writer`
             self.blob_writer[self.next_blob - 1] = writer
         writes = dict(zip(uids, fields, strict=True))
+        gone = [f for uid, f in writes.items() if uid not in self.q]  # (deleted meanwhile: skipped by complete)
         ok = self._run("complete", lambda: self.q.complete(Lease(lease_id, stage, [], [], 0.0), writes,
                                                            versions=versions, remove=remove))
-        if not ok:
-            for f in fields:
-                self._unref(f)
+        for f in fields if not ok else gone:  # nothing holds these rows of the blob: let it go when none does
+            self._unref(f)
         return bool(ok)
 
     def apply(self, ops: list[tuple[str, tuple[Any, ...]]]) -> int:

@@ -1075,6 +1075,11 @@ class TransferQueue:
         for s in live:
             s.consumed |= bit
 
+    def __contains__(self, uid: object) -> bool:
+        """Whether sample `uid` is live (put and not yet removed)."""
+        with self._lock:
+            return uid in self._samples
+
     def lease_live(self, lease_id: int) -> bool:
         """Whether the lease is still held (not acked, released or expired)."""
         with self._lock:
