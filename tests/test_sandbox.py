@@ -221,3 +221,10 @@ def test_a_locked_folder_is_removed_without_root_permissions(tmp_path: Path) -> 
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(Path(sandbox.__file__).parents[2])})
     assert (done.returncode, done.stdout) == (0, "ok False\n"), done.stderr
+
+
+def test_the_code_runs_without_writing_bytecode_and_with_utf8_stdio() -> None:
+    """They were asked for with PYTHONDONTWRITEBYTECODE and PYTHONIOENCODING, which `python -I`
+    ignores: an import by the code could write .pyc files beside the module it imported."""
+    r = run_code("import sys; print(sys.flags.dont_write_bytecode, sys.flags.utf8_mode, sys.stdout.encoding); print('é')")
+    assert r.status == "ok" and r.stdout.splitlines() == ["1 1 utf-8", "é"]

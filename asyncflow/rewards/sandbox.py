@@ -261,12 +261,14 @@ def _run_in(workdir: Path, code: str, stdin: str, lim: SandboxLimits, tests: lis
     cfg_file.write_text(json.dumps({"code_file": str(code_file), "tests": tests, "cpu_s": cpu, "nonce": nonce,
                                     "memory": lim.memory_mb * 2**20, "fsize": lim.max_file_mb * 2**20}))
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
-           "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}
+           "LANG": "C.UTF-8"}
     report_r, report_w = os.pipe()
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            [python, "-I", "-c", _BOOTSTRAP, str(report_w), str(cfg_file)], bufsize=0,
+            # -B, -X utf8: no .pyc written, UTF-8 stdio (as options: -I ignores the PYTHON* variables
+            # that were set for these, so they had no effect)
+            [python, "-I", "-B", "-X", "utf8", "-c", _BOOTSTRAP, str(report_w), str(cfg_file)], bufsize=0,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
             pass_fds=(report_w,), start_new_session=True, close_fds=True,
         )
