@@ -714,8 +714,9 @@ class Pipeline:
                         filtered += 1
                         msg = "filtered: all rewards in the group are equal (DAPO dynamic sampling, before over-long shaping)"
                         # a sample whose reward failed (an episode's environment) keeps its own status and error
-                        logged = [(s, None, "filtered", msg) if s.fields["reward_error"] is None
-                                  else (s, None, "reward_error", s.fields["reward_error"]) for s in group]
+                        logged: list[tuple[SampleView, int | None, str, str | None]] = [
+                            (s, None, "filtered", msg) if s.fields["reward_error"] is None
+                            else (s, None, "reward_error", s.fields["reward_error"]) for s in group]
                         failures = sum(1 for item in logged if item[2] == "reward_error")
                         self.counters.filtered += len(group) - failures
                         self.counters.reward_errors += failures
