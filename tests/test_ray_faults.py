@@ -190,6 +190,40 @@ def test_a_killed_reward_actor_is_restarted_and_the_run_completes(ray_session, a
 
 
 @pytest.mark.slow
+def test_a_rollout_actor_killed_in_an_evaluation_outside_the_stages_is_restarted(
+        ray_session, arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The step-0 evaluation runs before the stages (and their supervisors) start, the final one after
+    they end: a rollout actor that died there ended the run, with restarts left (in the final one, a
+    fully trained run without final/). The evaluation's requests now bring it back themselves."""
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.runner import train
+
+    ray = ray_session
+    watch = _Watch(monkeypatch, ray)
+    run = Evaluator.run
+    killed: list[int] = []
+
+    async def kill_first(self: Any, step: int) -> Any:
+        if step in (0, STEPS):  # before the stages and after them
+            actor = watch.workers.rollout_actors[0]
+            killed.append(ray.get(actor.pid.remote(), timeout=30))
+            ray.kill(actor, no_restart=False)
+        return await run(self, step)
+
+    monkeypatch.setattr(Evaluator, "run", kill_first)
+    out = tmp_path / "run"
+    summary = train(_config(arith_dir), out, progress_enabled=True)
+    assert len(killed) == 2 and summary["samples"] == STEPS * BATCH
+    assert watch.workers.restarts == {"rollout/0": 2, "reward/0": 0}
+    assert (out / "final" / "model.safetensors").is_file()
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if r["kind"] == "eval"] == [0, STEPS]
+    err = capsys.readouterr().err
+    assert len(re.findall(r"\[asyncflow\] ray: rollout/0 died \(.+?\); restarted \([12] of 3\)", err)) == 2, err
+    _check_samples(out)
+
+
+@pytest.mark.slow
 def test_a_dead_trainer_ends_the_run_with_one_line_and_exit_code_1(ray_session, arith_dir: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     from asyncflow.cli import main

@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import secrets
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -425,6 +427,9 @@ class RemoteEngine(InferenceEngine):
         self.down = False  # the actor died; the supervisor has not brought it back yet
         self.gone: str | None = None  # the actor is dead for good: why
         self.supervised = False  # a supervisor restarts the actor when it dies (while the run's stages run)
+        # unsupervised (evaluations before and after the stages): what brings the actor back (`RayWorkers`)
+        self.restart: Callable[[BaseException], Awaitable[None]] | None = None
+        self._restarting: asyncio.Future[None] | None = None
         self.incarnation = 0  # restarts seen
         self._lock = asyncio.Lock()  # one weight load at a time
 
@@ -471,8 +476,13 @@ class RemoteEngine(InferenceEngine):
             except ray.exceptions.RayTaskError:
                 raise
             except ray.exceptions.RayActorError as exc:
-                if not (self.supervised and self._own(exc)):
+                restart = self.restart
+                if not self._own(exc) or (not self.supervised and restart is None):
                     raise _death_error(exc) from exc
+                if restart is not None and not self.supervised and self.incarnation == seen and (
+                        self._restarting is None or self._restarting.done()):  # (one restart for all its requests)
+                    self._restarting = asyncio.ensure_future(restart(exc))
+                    self._restarting.add_done_callback(_retrieve)
                 await self._until_up(what, after=seen)
 
     async def _unless_down(self, ref: Any, what: str) -> Any:
@@ -677,6 +687,13 @@ class RayWorkers:
     runs: dict[str, Any] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # by stage ("rollout/0"): restarts so far
     pids: dict[str, int] = field(default_factory=dict)  # by stage: the actor's current process
+
+    def __post_init__(self) -> None:
+        # outside the stages' supervision (the step-0 and final evaluations), a request that meets
+        # its dead rollout actor brings it back itself: such a death ended the run with max_restarts
+        # left (in the final evaluation: a fully trained run without final/)
+        for i, engine in enumerate(self.engines):
+            engine.restart = functools.partial(self._restart, f"rollout/{i}", self.rollout_actors[i], engine)
 
     @classmethod
     def start(cls, cfg: Config, model_dir: Path, rows: list[dict[str, Any]], out: Path, reward_fn_path: str,
