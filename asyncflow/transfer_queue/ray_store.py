@@ -335,6 +335,9 @@ class StoreController:
                     self.release_owner(owner)
                 except asyncio.TimeoutError:
                     pass  # busy, not dead: the lease deadline still applies
+                except Exception as exc:  # (e.g. ActorUnschedulableError): it ended this watch for good, unseen
+                    self.op_errors += 1
+                    self.last_error = f"owner check of {owner}: {type(exc).__name__}: {exc}"
 
     def close(self) -> None:
         self.q.close()
