@@ -498,6 +498,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         problem = getattr(exc, "problem", None) or "malformed YAML"
         raise UserError(f"{p}:{where}: {problem}") from None
     if data is None:
+        if not text.strip():  # (comments only is a choice; no text at all looks like a file cut short)
+            raise UserError(f"{p}: the config file is empty; write the settings into it (for the built-in default "
+                            "run: `asyncflow demo`)")
         return {}
     if not isinstance(data, dict):
         raise UserError(f"{p}: expected a mapping of config sections at the top level")

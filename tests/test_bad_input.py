@@ -73,6 +73,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "malformed.yaml").write_text("train:\n  lr: [1, 2\n")
     (d / "typo.yaml").write_text("rollout:\n  tempreature: 0.5\n")
     (d / "list.yaml").write_text("- train\n")
+    (d / "empty.yaml").write_text("\n")  # (a file cut short: it ran the 600-step default job)
     (d / "empty_prompt.jsonl").write_text('{"prompt": "", "answer": "2"}\n')
     (d / "bad_message.jsonl").write_text('{"prompt": [{"foo": 1}], "answer": "2"}\n')
     (d / "latin1.jsonl").write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
@@ -116,6 +117,7 @@ LIGHT_CASES: list[tuple[list[str], str]] = [
     (["train", "malformed.yaml"], "malformed.yaml: line 3:"),
     (["train", "typo.yaml"], "rollout.tempreature: unknown key (did you mean 'temperature'?)"),
     (["train", "list.yaml"], "list.yaml: expected a mapping of config sections"),
+    (["train", "empty.yaml"], "empty.yaml: the config file is empty"),
     (["train", "absent.yaml"], "absent.yaml: config file not found"),
     (["train", "model"], "model: is a folder; give the config's YAML file"),
     (["demo", "--set", "train.lr=fast"], "train.lr: expected a number, got 'fast'"),
