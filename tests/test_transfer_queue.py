@@ -1088,3 +1088,21 @@ def test_the_store_controller_lets_go_of_blobs_no_sample_holds() -> None:
         assert c.blobs == {}
 
     asyncio.run(main())
+
+
+def test_the_leases_a_dead_owner_held_are_counted_whoever_gave_them_back() -> None:
+    """The restart's line says how many leases went back to the queue. The store's owner watch often
+    gives them back first (within 2 s of the death); the restart's own `release_owner` then finds
+    none, and a before/after total read around it said 0. `released_of` counts per owner."""
+    from asyncflow.transfer_queue.ray_store import StoreController
+
+    async def main() -> None:
+        c = StoreController(capacity=64, lease_timeout_s=600)
+        c.register_stage("rollout", ["prompt_ids"], False)
+        await c.put(([0] * 4, [4] * 4, [0.0] * 4, [None] * 4), [{"prompt_ids": [1]}] * 4, None, None, None, 5)
+        assert len(await c.take_each("rollout", 3, 5, None, None, (), "actor-A")) == 3
+        assert c.release_owner("actor-A") == 3  # the owner watch saw it die
+        assert c.release_owner("actor-A") == 0  # the restart's give-back: nothing left
+        assert c.released_of("actor-A") == 3 and c.released_of("actor-B") == 0
+
+    asyncio.run(main())

@@ -687,6 +687,7 @@ class RayWorkers:
     runs: dict[str, Any] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # by stage ("rollout/0"): restarts so far
     pids: dict[str, int] = field(default_factory=dict)  # by stage: the actor's current process
+    released: dict[str, int] = field(default_factory=dict)  # by stage: its actor's leases given back so far
 
     def __post_init__(self) -> None:
         # outside the stages' supervision (the step-0 and final evaluations), a request that meets
@@ -870,7 +871,6 @@ class RayWorkers:
                 raise RunFailed(f"{who} died ({why}); runtime.max_restarts=0 allows no restart")
             raise RunFailed(f"{who} died ({why}) after {used} restart(s); runtime.max_restarts={self.max_restarts} "
                             f"allows no more")
-        before = (await self._store_call("metrics", "report its metrics")).get("released_from_dead_owners", 0.0)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:  # the restarted process answers once its constructor (model load) is done
             left = deadline - time.monotonic()
@@ -892,7 +892,10 @@ class RayWorkers:
         # same actor id across restarts: the new process registers as the same owner at its first take,
         # so this must come before the loop runs again
         await self._store_call("release_owner", f"return the leases of {stage} to the queue", _actor_id(actor))
-        returned = (await self._store_call("metrics", "report its metrics")).get("released_from_dead_owners", 0.0) - before
+        # counted per owner since its last restart: the store's owner watch often gives them back
+        # first (within 2 s of the death), and a total read here before and after said 0
+        total = int(await self._store_call("released_of", "report the leases it gave back", _actor_id(actor)))
+        returned, self.released[stage] = total - self.released.get(stage, 0), total
         loaded = await engine.restarted() if engine is not None else None
         self.restarts[stage] = used + 1
         weights = "" if engine is None else f"; loaded policy version {loaded or 0} before any request"

@@ -83,6 +83,7 @@ class StoreController:
         # owner -> how many times its leases were given back (`release_owner`): a take that began
         # before that (a waiting call of the owner's dead process) hands nothing out when it ends
         self.owner_epoch: dict[str, int] = {}
+        self.released_by_owner: dict[str, int] = {}  # owner -> leases given back for it so far (all releases)
 
     # ------------------------------------------------------------------ data slots
     def _add_blob(self, ref: Any, rows: int, held: Any = None) -> int:
@@ -285,8 +286,14 @@ class StoreController:
         self.owners.pop(owner, None)
         self.owner_epoch[owner] = self.owner_epoch.get(owner, 0) + 1  # (its process's waiting takes: `_orphaned`)
         self.released_from_dead += n
+        self.released_by_owner[owner] = self.released_by_owner.get(owner, 0) + n
         self._lose_writer(owner)
         return n
+
+    def released_of(self, owner: str) -> int:
+        """How many leases of `owner` were given back because it died, whoever noticed first (the
+        owner watch, every 2 s, or the restart)."""
+        return self.released_by_owner.get(owner, 0)
 
     def _lose_writer(self, owner: str) -> int:
         """Results that a dead actor's process put into the object store died with it (Ray frees an
