@@ -130,7 +130,7 @@ def check_columns(rows: list[dict[str, Any]], path: str, prompt_key: str, label_
     reserved = reserved - {prompt_key}  # (the prompt column is passed as `prompts`, not as a column)
     for i, row in enumerate(rows):
         if reserved and not reserved.isdisjoint(row):
-            name = sorted(reserved.intersection(row))[0]
+            name = min(reserved.intersection(row))
             raise UserError(f"{where(rows, path, i)} has a column {name!r}, a name the reward function is called "
                             f"with for its own argument; rename the column")
         if prompt_key not in row:

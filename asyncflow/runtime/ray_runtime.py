@@ -476,13 +476,14 @@ class RemoteEngine(InferenceEngine):
             except ray.exceptions.RayTaskError:
                 raise
             except ray.exceptions.RayActorError as exc:
-                restart = self.restart
-                if not self._own(exc) or (not self.supervised and restart is None):
+                if not self._own(exc):
                     raise _death_error(exc) from exc
-                if restart is not None and not self.supervised and self.incarnation == seen and (
-                        self._restarting is None or self._restarting.done()):  # (one restart for all its requests)
-                    self._restarting = asyncio.ensure_future(restart(exc))
-                    self._restarting.add_done_callback(_retrieve)
+                if not self.supervised:  # (no supervisor brings it back: this request does, once for all)
+                    if self.restart is None:
+                        raise _death_error(exc) from exc
+                    if self.incarnation == seen and (self._restarting is None or self._restarting.done()):
+                        self._restarting = asyncio.ensure_future(self.restart(exc))
+                        self._restarting.add_done_callback(_retrieve)
                 await self._until_up(what, after=seen)
 
     async def _unless_down(self, ref: Any, what: str) -> Any:

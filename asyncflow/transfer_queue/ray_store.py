@@ -76,7 +76,6 @@ class StoreController:
         self.op_errors = 0
         self.last_error = ""
         self.owner_check_s = owner_check_s
-        self.released_from_dead = 0
         self.blob_writer: dict[int, str] = {}  # blob id -> the owner (actor id) whose process put it
         self.lost_with_writer = 0
         self._watch: asyncio.Task[None] | None = None
@@ -285,7 +284,6 @@ class StoreController:
             n += bool(self.q.release(lease))
         self.owners.pop(owner, None)
         self.owner_epoch[owner] = self.owner_epoch.get(owner, 0) + 1  # (its process's waiting takes: `_orphaned`)
-        self.released_from_dead += n
         self.released_by_owner[owner] = self.released_by_owner.get(owner, 0) + n
         self._lose_writer(owner)
         return n
@@ -362,7 +360,7 @@ class StoreController:
         m = self.q.metrics()
         m["op_errors"] = float(self.op_errors)
         m["blobs"] = float(len(self.blobs))
-        m["released_from_dead_owners"] = float(self.released_from_dead)
+        m["released_from_dead_owners"] = float(sum(self.released_by_owner.values()))
         m["lost_with_dead_writer"] = float(self.lost_with_writer)  # samples whose results died with their writer
         m["owned_leases"] = float(len(self.leases))  # leases of consumer actors this controller watches
         return m
