@@ -151,6 +151,10 @@ def check_columns(rows: list[dict[str, Any]], path: str, prompt_key: str, label_
         if label_key is not None and label_key not in row:
             raise UserError(f"{where(rows, path, i)} has no column {label_key!r} (dataset.label_key); "
                             f"columns: {sorted(row)}")
+        if label_key is not None and row[label_key] is None:  # (a parquet gap, a JSON null: every reward of
+            # the row's samples was scored against None, i.e. failed or was 0, and the run trained on it)
+            raise UserError(f"{where(rows, path, i)}: column {label_key!r} (dataset.label_key) is null; give the "
+                            "row a label or drop it (dataset.label_key: null if rows need none)")
     return first_chat
 
 

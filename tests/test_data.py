@@ -49,6 +49,11 @@ def test_bad_datasets_name_the_file_and_row(tmp_path: Path) -> None:
     (tmp_path / "gap.jsonl").write_text('{"prompt": "a", "answer": "1"}\n\n\n{"prompt": "b"}\n')
     with pytest.raises(UserError, match=r"gap.jsonl, line 4 has no column 'answer'"):
         check_columns(read_rows(tmp_path / "gap.jsonl"), str(tmp_path / "gap.jsonl"), "prompt", "answer")
+    # a null label (a parquet gap, a JSON null) is no label: every sample of the row was scored against None
+    (tmp_path / "null.jsonl").write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": null}\n')
+    with pytest.raises(UserError, match=r"null.jsonl, line 2: column 'answer' \(dataset.label_key\) is null"):
+        check_columns(read_rows(tmp_path / "null.jsonl"), str(tmp_path / "null.jsonl"), "prompt", "answer")
+    check_columns([{"prompt": "a", "answer": None}], "f.parquet", "prompt", None)  # (no label required)
     # a column named as a reward function's own argument: every call failed ("multiple values for
     # keyword argument"), or `completion_ids` was replaced unseen
     from asyncflow.data import REWARD_ARGUMENTS
