@@ -572,135 +572,141 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
                                        config=to_dict(cfg), resume_step=None if resume is None else resume.step))
     clock = RealClock()
     tracer = Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS)
-    evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock)
-    evaluator.max_context = inputs.positions
-    last_eval: dict[str, float]
-    if resume is None:
-        last_eval = await evaluator.run(step=0)
-        error = last_eval.get("eval_error")
-        progress.message(f"[asyncflow] eval before training: accuracy={last_eval['eval_accuracy']:.3f}"
-                         + (f" (eval_error: {error})" if error else ""))
-    else:  # the evaluations logged up to the checkpoint; one due at its step runs now (it may have been cut)
-        evaluator.history = list(resume.state["eval_history"])
-        # (at max_steps: the run died before its end; the final evaluation below is that step's)
-        due = cfg.eval.every > 0 and resume.step % cfg.eval.every == 0 and resume.step < cfg.train.max_steps
-        last_eval = await evaluator.run(step=resume.step) if due and evaluator.history[-1]["step"] != resume.step \
-            else evaluator.history[-1]
-    pending_eval: asyncio.Task[dict[str, float]] | None = None
-    eval_skip_told = False
-    pipeline: Pipeline
+    evaluator = None
+    try:  # whatever fails from here (the step-0 evaluation, a resume's, the run) closes what the run opened:
+        # the metric sinks (a W&B run left "running", TensorBoard's last events unflushed), the engines'
+        # connections and threads, the reward threads, and the trace of what ran
+        evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock)
+        evaluator.max_context = inputs.positions
+        last_eval: dict[str, float]
+        if resume is None:
+            last_eval = await evaluator.run(step=0)
+            error = last_eval.get("eval_error")
+            progress.message(f"[asyncflow] eval before training: accuracy={last_eval['eval_accuracy']:.3f}"
+                             + (f" (eval_error: {error})" if error else ""))
+        else:  # the evaluations logged up to the checkpoint; one due at its step runs now (it may have been cut)
+            evaluator.history = list(resume.state["eval_history"])
+            # (at max_steps: the run died before its end; the final evaluation below is that step's)
+            due = cfg.eval.every > 0 and resume.step % cfg.eval.every == 0 and resume.step < cfg.train.max_steps
+            last_eval = await evaluator.run(step=resume.step) if due and evaluator.history[-1]["step"] != resume.step \
+                else evaluator.history[-1]
+        pending_eval: asyncio.Task[dict[str, float]] | None = None
+        eval_skip_told = False
+        pipeline: Pipeline
 
-    async def on_step(result: StepResult) -> None:
-        nonlocal pending_eval, last_eval, eval_skip_told
-        c = pipeline.counters
-        now = clock.now()
-        rollout_busy, train_busy = pipeline.busy_fractions()
-        row = {
-            "kind": "train",
-            "step": result.step,
-            "policy_version": result.version,
-            "samples": c.trained,
-            "tokens": c.tokens,
-            "time_s": now - pipeline.t_start,
-            "samples_per_s": c.trained / max(now - pipeline.t_start, 1e-9),
-            **{k: v for k, v in result.metrics.items()},
-            "kl": result.metrics.get("kl", 0.0),
-            **_engine_batching(engines),
-            "rollout_busy_frac": rollout_busy,
-            "train_busy_frac": train_busy,
-            "dropped_stale": c.dropped_stale,
-            "filtered": c.filtered,
-            "filter_overflow": c.filter_overflow,
-            **{f"response_len/{k}": c.response_tokens[k] / n for k, n in c.response_count.items() if n},
-            "reward_errors": c.reward_errors,
-            "cancelled": c.cancelled,
-            **({} if workers is None else {"restarts": workers.restarts_total}),
-            **{f"store/{k}": v for k, v in pipeline.store.metrics().items()},
-        }
-        log.metric(row)
-        if cfg.checkpoint.every > 0 and result.step % cfg.checkpoint.every == 0:
-            if pending_eval is not None:  # its row goes into this checkpoint's logs: a resume lost it
-                await pending_eval
-            await save_checkpoint(result.step)
-        if pending_eval is not None and pending_eval.done():  # (the progress line shows it from now on)
-            last_eval, pending_eval = pending_eval.result(), None
-        due = cfg.eval.every > 0 and result.step % cfg.eval.every == 0 and result.step < cfg.train.max_steps
-        if due and pending_eval is None:
-            pending_eval = asyncio.create_task(evaluator.run(step=result.step))
-        elif due and not eval_skip_told:  # evaluations run beside training: one still running means this
-            eval_skip_told = True  # one is skipped; said once
-            progress.message(f"[asyncflow] note: the evaluation due at step {result.step} is skipped: the previous "
-                             "one is still running (eval.every is shorter than an evaluation takes; raise it or "
-                             "lower eval.size). Later skips are not reported one by one.")
-        progress.update(
-            result.step,
-            {"samples/s": row["samples_per_s"], "reward": row["reward_mean"], "stale": row["staleness_mean"],
-             "eval": last_eval["eval_accuracy"], "depth": pipeline.store.size()},
+        async def on_step(result: StepResult) -> None:
+            nonlocal pending_eval, last_eval, eval_skip_told
+            c = pipeline.counters
+            now = clock.now()
+            rollout_busy, train_busy = pipeline.busy_fractions()
+            row = {
+                "kind": "train",
+                "step": result.step,
+                "policy_version": result.version,
+                "samples": c.trained,
+                "tokens": c.tokens,
+                "time_s": now - pipeline.t_start,
+                "samples_per_s": c.trained / max(now - pipeline.t_start, 1e-9),
+                **{k: v for k, v in result.metrics.items()},
+                "kl": result.metrics.get("kl", 0.0),
+                **_engine_batching(engines),
+                "rollout_busy_frac": rollout_busy,
+                "train_busy_frac": train_busy,
+                "dropped_stale": c.dropped_stale,
+                "filtered": c.filtered,
+                "filter_overflow": c.filter_overflow,
+                **{f"response_len/{k}": c.response_tokens[k] / n for k, n in c.response_count.items() if n},
+                "reward_errors": c.reward_errors,
+                "cancelled": c.cancelled,
+                **({} if workers is None else {"restarts": workers.restarts_total}),
+                **{f"store/{k}": v for k, v in pipeline.store.metrics().items()},
+            }
+            log.metric(row)
+            if cfg.checkpoint.every > 0 and result.step % cfg.checkpoint.every == 0:
+                if pending_eval is not None:  # its row goes into this checkpoint's logs: a resume lost it
+                    await pending_eval
+                await save_checkpoint(result.step)
+            if pending_eval is not None and pending_eval.done():  # (the progress line shows it from now on)
+                last_eval, pending_eval = pending_eval.result(), None
+            due = cfg.eval.every > 0 and result.step % cfg.eval.every == 0 and result.step < cfg.train.max_steps
+            if due and pending_eval is None:
+                pending_eval = asyncio.create_task(evaluator.run(step=result.step))
+            elif due and not eval_skip_told:  # evaluations run beside training: one still running means this
+                eval_skip_told = True  # one is skipped; said once
+                progress.message(f"[asyncflow] note: the evaluation due at step {result.step} is skipped: the previous "
+                                 "one is still running (eval.every is shorter than an evaluation takes; raise it or "
+                                 "lower eval.size). Later skips are not reported one by one.")
+            progress.update(
+                result.step,
+                {"samples/s": row["samples_per_s"], "reward": row["reward_mean"], "stale": row["staleness_mean"],
+                 "eval": last_eval["eval_accuracy"], "depth": pipeline.store.size()},
+            )
+
+        # Ray actors that restart are built from the folder the run started from: keep it while they may
+        actors_from = resume.path if resume is not None and workers is not None else None
+
+        async def save_checkpoint(step: int) -> None:
+            """At a step boundary (this step's samples acked, its weights published, the trainer idle):
+            snapshot the store and the counters at once, then write the folder in a worker thread while
+            rollout goes on."""
+            from dataclasses import asdict
+
+            from asyncflow.checkpoint import log_offsets, write_checkpoint
+
+            start = clock.now()
+            store_state = pipeline.store.state_dict()
+            state = {
+                "step": step, "version": pipeline.version, "next_group_id": store_state["next_group_id"],
+                "counters": asdict(pipeline.counters), "elapsed_s": clock.now() - pipeline.t_start,
+                "eval_history": list(evaluator.history), "logs": log_offsets(out), "train_rows": inputs.fingerprint,
+            }
+
+            def save_policy(folder: str) -> None:
+                trainer.save(folder, with_optimizer=True)
+                hf_tok.save_pretrained(folder)
+
+            path = await asyncio.to_thread(write_checkpoint, out, step, save_policy=save_policy, state=state,
+                                           store_state=store_state, keep=cfg.checkpoint.keep, protect=actors_from)
+            tracer.span("trainer", f"checkpoint step {step}", start, clock.now())
+            progress.message(f"[asyncflow] checkpoint {path} ({len(store_state['samples'])} in-flight samples, "
+                             f"{clock.now() - start:.1f} s)")
+
+        pipeline = Pipeline(
+            cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
+            loss_fn=make_loss_fn(loss_settings(cfg)), clock=clock, log=log, tracer=tracer,
+            ref_logprobs=ref_fn, on_step=on_step, store=None if workers is None else workers.store,
+            gate=None if workers is None else workers.gate,
         )
-
-    # Ray actors that restart are built from the folder the run started from: keep it while they may
-    actors_from = resume.path if resume is not None and workers is not None else None
-
-    async def save_checkpoint(step: int) -> None:
-        """At a step boundary (this step's samples acked, its weights published, the trainer idle):
-        snapshot the store and the counters at once, then write the folder in a worker thread while
-        rollout goes on."""
-        from dataclasses import asdict
-
-        from asyncflow.checkpoint import log_offsets, write_checkpoint
-
-        start = clock.now()
-        store_state = pipeline.store.state_dict()
-        state = {
-            "step": step, "version": pipeline.version, "next_group_id": store_state["next_group_id"],
-            "counters": asdict(pipeline.counters), "elapsed_s": clock.now() - pipeline.t_start,
-            "eval_history": list(evaluator.history), "logs": log_offsets(out), "train_rows": inputs.fingerprint,
-        }
-
-        def save_policy(folder: str) -> None:
-            trainer.save(folder, with_optimizer=True)
-            hf_tok.save_pretrained(folder)
-
-        path = await asyncio.to_thread(write_checkpoint, out, step, save_policy=save_policy, state=state,
-                                       store_state=store_state, keep=cfg.checkpoint.keep, protect=actors_from)
-        tracer.span("trainer", f"checkpoint step {step}", start, clock.now())
-        progress.message(f"[asyncflow] checkpoint {path} ({len(store_state['samples'])} in-flight samples, "
-                         f"{clock.now() - start:.1f} s)")
-
-    pipeline = Pipeline(
-        cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
-        loss_fn=make_loss_fn(loss_settings(cfg)), clock=clock, log=log, tracer=tracer,
-        ref_logprobs=ref_fn, on_step=on_step, store=None if workers is None else workers.store,
-        gate=None if workers is None else workers.gate,
-    )
-    pipeline.max_context = inputs.positions
-    if resume is not None:
-        st = resume.state
-        assert saved_store is not None
-        store_state = saved_store
-        live_groups = len({d["group_id"] for d in store_state["samples"]})
-        pipeline.store.load_state_dict(store_state)
-        pipeline.restore_trainer(resume.step, resume.version, st["counters"], st["elapsed_s"])
-        admitted = resume.step * pipeline.groups_per_step + live_groups
-        if workers is None:
-            pipeline.restore_feeder(st["next_group_id"], resume.version, admitted)
-        else:
-            workers.restore_feeder(st["next_group_id"], resume.version, admitted)
-    restarts: dict[str, int] = {}
-    try:
-        await pipeline.run(remote=None if workers is None else workers.stages())
-        train_seconds = clock.now() - pipeline.t_start  # a resumed run's includes the time before the checkpoint
-        if pending_eval is not None:
-            await pending_eval
-        final_eval = await evaluator.run(step=cfg.train.max_steps)
+        pipeline.max_context = inputs.positions
+        if resume is not None:
+            st = resume.state
+            assert saved_store is not None
+            store_state = saved_store
+            live_groups = len({d["group_id"] for d in store_state["samples"]})
+            pipeline.store.load_state_dict(store_state)
+            pipeline.restore_trainer(resume.step, resume.version, st["counters"], st["elapsed_s"])
+            admitted = resume.step * pipeline.groups_per_step + live_groups
+            if workers is None:
+                pipeline.restore_feeder(st["next_group_id"], resume.version, admitted)
+            else:
+                workers.restore_feeder(st["next_group_id"], resume.version, admitted)
+        restarts: dict[str, int] = {}
+        try:
+            await pipeline.run(remote=None if workers is None else workers.stages())
+            train_seconds = clock.now() - pipeline.t_start  # a resumed run's includes the time before the checkpoint
+            if pending_eval is not None:
+                await pending_eval
+            final_eval = await evaluator.run(step=cfg.train.max_steps)
+        finally:
+            if pending_eval is not None and not pending_eval.done():  # the run failed while it was running
+                pending_eval.cancel()
+                await asyncio.wait([pending_eval], timeout=10)
+            if workers is not None:
+                workers.collect(tracer, pipeline.counters)
+                restarts = {k: v for k, v in workers.restarts.items() if v}
     finally:
-        if pending_eval is not None and not pending_eval.done():  # the run failed while it was running
-            pending_eval.cancel()
-            await asyncio.wait([pending_eval], timeout=10)
-        evaluator.close()
-        if workers is not None:
-            workers.collect(tracer, pipeline.counters)
-            restarts = {k: v for k, v in workers.restarts.items() if v}
+        if evaluator is not None:
+            evaluator.close()
         for e in engines:
             await e.close()
         tracer.write(out / "trace.json")

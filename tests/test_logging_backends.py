@@ -110,3 +110,42 @@ def test_samples_lines_are_exactly_json_dumps_of_each_row() -> None:
         assert _json_line(row) == json.dumps(row) + "\n"
     with pytest.raises(TypeError):
         _json_line({"bad": object()})
+
+
+def test_a_run_cut_in_its_first_evaluation_closes_its_sinks_and_engines(
+        arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or an engine failing) in the step-0 evaluation left the metric sinks open (a W&B run
+    shown "running" for good, TensorBoard's last events unflushed) and the engines unclosed: only the
+    training part of the run closed them."""
+    from asyncflow.engines.hf import HFEngine
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.runner import train
+    from asyncflow.telemetry import runlog
+
+    closed: list[str] = []
+
+    class Sink(runlog.MetricSink):
+        def write(self, row: dict[str, Any]) -> None:
+            pass
+
+        def close(self) -> None:
+            closed.append("sink")
+
+    async def interrupted(self: Any, step: int) -> dict[str, Any]:
+        raise KeyboardInterrupt
+
+    real_close = HFEngine.close
+
+    async def engine_close(self: Any) -> None:
+        closed.append("engine")
+        await real_close(self)
+
+    monkeypatch.setattr(runlog, "make_sinks", lambda *a, **kw: [Sink()])
+    monkeypatch.setattr(Evaluator, "run", interrupted)
+    monkeypatch.setattr(HFEngine, "close", engine_close)
+    cfg, _ = load_config(None, [f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=8",
+                                "logging.progress=false"])
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "run", progress_enabled=False)
+    assert closed == ["engine", "sink"]
+    assert not (tmp_path / "run" / "config.yaml").exists()  # (a fresh run cut before its first step leaves no run)
