@@ -51,6 +51,16 @@ def test_reward_fn_takes_trl_signature() -> None:
         prompts=["2+3=", "9-4="], completions=["5", "4"], answer=["5", "5"], level=[1, 3]
     )
     assert rewards == [1.0, 0.0]
+    # with the ids (as asyncflow and TRL pass them): paid only for an answer that ends with the EOS and
+    # holds no other special token (decoding drops them: "12" + pad never stopped; "1<pad>2" read "12")
+    tok = arith.make_tokenizer()
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    twelve = tok("12")["input_ids"]
+    ids = [twelve + [eos], twelve + [pad, pad], [twelve[0], pad, twelve[1], eos], twelve]
+    texts = [tok.decode(i, skip_special_tokens=True) for i in ids]
+    assert texts == ["12"] * 4
+    assert arith.reward_fn(prompts=["7+5="] * 4, completions=texts, answer=["12"] * 4,
+                           completion_ids=ids) == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_tokenizer_encodes_chars_without_extra_tokens_and_round_trips() -> None:

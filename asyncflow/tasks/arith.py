@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,10 +101,22 @@ def score(completion: str, answer: str) -> float:
     return 1.0 if completion.strip() == str(answer).strip() else 0.0
 
 
-def reward_fn(prompts: list[str], completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
-    """TRL-signature reward: exact-match score of each completion against its `answer` column."""
+def finished_cleanly(ids: Sequence[int]) -> bool:
+    """The completion ends with the EOS and holds no other special token. Completions are decoded
+    without special tokens, so "12" + padding up to `rollout.max_new_tokens` (no EOS: the model never
+    stopped) or "1<pad>2" read as the answer "12" and were paid."""
+    eos = SPECIALS.index("<eos>")
+    return bool(ids) and ids[-1] == eos and all(i >= len(SPECIALS) for i in ids[:-1])
+
+
+def reward_fn(prompts: list[str], completions: list[str], answer: list[str],
+              completion_ids: list[list[int]] | None = None, **kwargs: Any) -> list[float]:
+    """TRL-signature reward: exact-match score of each completion against its `answer` column; a
+    completion that did not end with the EOS, or holds another special token, scores 0."""
     del prompts, kwargs
-    return [score(c, a) for c, a in zip(completions, answer, strict=True)]
+    ids = completion_ids if completion_ids is not None else [None] * len(completions)
+    return [score(c, a) if i is None or finished_cleanly(i) else 0.0
+            for c, a, i in zip(completions, answer, ids, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------------
