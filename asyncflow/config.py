@@ -343,6 +343,13 @@ class RuntimeConfig:
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _f(
         "PACK", "Ray placement-group strategy for the worker bundles."
     )
+    placement_timeout_s: float = _f(
+        120.0,
+        "How long the run waits for Ray to place the worker bundles (ray) before it stops with a message "
+        "naming them; raise it for a joined cluster whose autoscaler adds nodes. A local Ray (runtime.address: "
+        "null) that cannot ever hold them is refused at once.",
+        lo=1.0,
+    )
     max_restarts: int = _f(
         3,
         "How many times each rollout and reward actor is restarted after it dies (ray); its leased samples "

@@ -346,6 +346,30 @@ def test_short_training_run_on_ray(ray_session, arith_dir: Path, tmp_path: Path)
     )
 
 
+def test_workers_a_local_ray_can_never_hold_are_refused_at_once(ray_session, arith_dir: Path, tmp_path: Path) -> None:
+    """A GPU asked of a local Ray without one (or STRICT_SPREAD on its one node) waited the placement
+    group's 2 minutes before the run stopped; it is now one line before any actor starts."""
+    from asyncflow.config import load_config
+    from asyncflow.errors import UserError
+    from asyncflow.runner import train
+    from asyncflow.runtime.ray_runtime import _check_placeable
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0
+    cfg, _ = load_config(None, [f"model.path={arith_dir}", "runtime.kind=ray", "runtime.rollout_gpus=1",
+                                "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5", "logging.progress=false"])
+    with pytest.raises(UserError, match=r"^runtime.rollout_gpus / runtime.train_gpus: the workers need 1 GPU\(s\) in "
+                                        r"all; this Ray has 0 "):
+        train(cfg, tmp_path / "run", progress_enabled=False)
+    assert not (tmp_path / "run" / "config.yaml").exists()
+    assert not ray_session.util.placement_group_table() or all(
+        pg["state"] == "REMOVED" for pg in ray_session.util.placement_group_table().values())
+    with pytest.raises(UserError, match=r"^runtime.placement_strategy: STRICT_SPREAD puts each of the 2 worker"):
+        _check_placeable([{"CPU": 1.0}, {"CPU": 1.0}], "STRICT_SPREAD", {"CPU": 4.0}, nodes=1)
+    with pytest.raises(UserError, match=r"^runtime.rollout_cpus / .*: the workers need 3 CPU\(s\) in all; this Ray has 2"):
+        _check_placeable([{"CPU": 1.5}, {"CPU": 1.5}], "PACK", {"CPU": 2.0}, nodes=1)
+    _check_placeable([{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}], "SPREAD", {"CPU": 2.0, "GPU": 1.0}, nodes=2)
+
+
 @pytest.mark.slow
 def test_async_reward_function_runs_in_the_reward_actor(ray_session, arith_dir: Path, tmp_path: Path) -> None:
     """An `async def` reward function on the Ray runtime: awaited in the reward actor's event loop

@@ -669,6 +669,21 @@ class RemoteTrainEngine(TrainEngine):
         self._get(self.handle.load_optimizer.remote(path), "load the optimizer state")
 
 
+def _check_placeable(bundles: list[dict[str, float]], strategy: str, total: dict[str, float], nodes: int) -> None:
+    """Refuse, in one line, worker bundles a Ray of fixed size can never place (more GPUs or CPUs than it
+    has, or STRICT_SPREAD over more bundles than nodes): the placement group waited
+    `runtime.placement_timeout_s` (2 minutes by default) before saying so."""
+    for res, keys in (("GPU", "runtime.rollout_gpus / runtime.train_gpus"),
+                      ("CPU", "runtime.rollout_cpus / runtime.train_cpus / runtime.reward_cpus")):
+        want = sum(b.get(res, 0.0) for b in bundles)
+        if want > total.get(res, 0.0) + 1e-9:
+            raise UserError(f"{keys}: the workers need {want:g} {res}(s) in all; this Ray has {total.get(res, 0.0):g} "
+                            f"(runtime.address: null starts a local Ray of this machine's)")
+    if strategy == "STRICT_SPREAD" and len(bundles) > nodes:
+        raise UserError(f"runtime.placement_strategy: STRICT_SPREAD puts each of the {len(bundles)} worker bundles "
+                        f"on its own node; this Ray has {nodes} node(s)")
+
+
 @dataclass
 class RayWorkers:
     """The actors of one run, and how to supervise and stop them."""
@@ -721,12 +736,16 @@ class RayWorkers:
         placed = [i for i, b in enumerate(bundles) if b]
         pg = None
         if placed:
+            if rt.address is None:  # a local Ray holds all it ever will: what it cannot hold is refused now
+                _check_placeable([bundles[i] for i in placed], rt.placement_strategy, ray.cluster_resources(),
+                                 sum(1 for node in ray.nodes() if node.get("Alive")))
             pg = placement_group([bundles[i] for i in placed], strategy=rt.placement_strategy)
-            if not pg.wait(timeout_seconds=120):
+            if not pg.wait(timeout_seconds=rt.placement_timeout_s):
                 remove_placement_group(pg)
                 raise UserError(
-                    f"runtime: Ray cannot place the worker bundles {[bundles[i] for i in placed]} "
-                    f"(cluster resources: {ray.cluster_resources()}); lower runtime.*_cpus / *_gpus or add nodes"
+                    f"runtime: Ray cannot place the worker bundles {[bundles[i] for i in placed]} within "
+                    f"runtime.placement_timeout_s ({rt.placement_timeout_s:g} s; cluster resources: "
+                    f"{ray.cluster_resources()}); lower runtime.*_cpus / *_gpus, add nodes or raise the timeout"
                 )
         prefix = f"asyncflow-{secrets.token_hex(4)}"
 
