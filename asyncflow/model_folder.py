@@ -114,10 +114,11 @@ def check_weights_match_config(path: str | Path, *, key: str = "model.path") -> 
     Needs transformers and torch (the model is built on the meta device: no memory, milliseconds), so
     it runs after the file checks. Without it a weight file of another model fails deep inside
     `from_pretrained` with a traceback, or — a parameter missing from the file — is silently left at
-    its random initialisation. Tied parameters are checked once (under the first name); a file with
-    no parameter name in common with the model (a legacy naming transformers renames on load) is
-    left to transformers, and for a model type whose names transformers converts on load (MoE) only
-    the names both have are checked.
+    its random initialisation. Tied parameters are checked once (under the first name); names saved
+    without the base model's prefix are found as such (transformers adds it on load); a file with no
+    tensor, or none of the model's names, is refused (transformers initialised the whole model at
+    random); for a model type whose names transformers converts on load (MoE) only the names both
+    have are checked.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -138,18 +139,29 @@ def check_weights_match_config(path: str | Path, *, key: str = "model.path") -> 
     for f in files:
         for name, info in _header(f).items():
             found[name] = ([int(d) for d in info["shape"]], f)
-    if not set(expected) & set(found):
-        return
+    if not found:  # (from_pretrained initialised every parameter at random, without a word)
+        raise UserError(f"{key}: {folder}'s weights ({', '.join(f.name for f in files)}) hold no tensors")
     renamed = _renames_on_load(config.model_type)
+    # a checkpoint saved without the base model's prefix ("layers.0..." for "model.layers.0...", the
+    # head keeping its name) gets the prefix from transformers on load: its names are looked up both ways
+    prefix = f"{getattr(model, 'base_model_prefix', '') or '-'}."
+    stored = {name: name if name in found else name.removeprefix(prefix) for name in expected}
+    if not any(n in found for n in stored.values()):
+        if renamed:
+            return  # (names converted on load: left to transformers)
+        # another model's weights: from_pretrained served and trained the model at random weights
+        raise UserError(f"{key}: {folder}'s weights share no tensor name with the {config.model_type!r} model "
+                        f"its config.json describes (e.g. {min(found)!r}, where it has {min(expected)!r}); "
+                        "the weights are of another model")
     for name, shape in expected.items():
-        if name not in found:
+        if stored[name] not in found:
             if renamed:  # (MoE experts: stored per expert, fused into one parameter when loaded)
                 continue
             raise UserError(f"{key}: {folder} has no tensor {name!r}, which its config.json implies "
                             f"(shape {shape}); the weights are of another model or incomplete")
-        got, f = found[name]
+        got, f = found[stored[name]]
         if got != shape:
-            raise UserError(f"{key}: {f}: tensor {name!r} has shape {got}, but config.json implies {shape}; "
+            raise UserError(f"{key}: {f}: tensor {stored[name]!r} has shape {got}, but config.json implies {shape}; "
                             "the weights are of another model")
 
 

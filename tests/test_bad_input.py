@@ -275,6 +275,7 @@ def test_sharded_safetensors_index_names_a_missing_shard(tmp_path: Path) -> None
 def test_weights_of_another_model_are_named_before_any_load(tiny_model, tmp_path: Path) -> None:
     """Well-formed safetensors that do not fit config.json: a shape off or a parameter missing is one
     line naming the tensor (not a traceback from `from_pretrained`, nor a silently random parameter)."""
+    import torch
     from safetensors.torch import save_file
 
     from asyncflow.model_folder import check_weights_match_config
@@ -297,6 +298,23 @@ def test_weights_of_another_model_are_named_before_any_load(tiny_model, tmp_path
     (partial / "config.json").write_text(json.dumps(cfg))
     state = {k: v.contiguous() for k, v in tiny_model.state_dict().items() if k != "model.norm.weight"}
     save_file(state, str(partial / "model.safetensors"))
+    with pytest.raises(UserError, match=r"has no tensor 'model.norm.weight'"):
+        check_weights_match_config(partial)
+
+    # a file of no tensors, or of none of the model's names: from_pretrained initialised every
+    # parameter at random without a word, and the folder was served and trained as the model
+    save_file({}, str(partial / "model.safetensors"))
+    with pytest.raises(UserError, match=r"partial's weights \(model.safetensors\) hold no tensors$"):
+        check_weights_match_config(partial)
+    save_file({"bert.embeddings.word_embeddings.weight": torch.zeros(32, 64)}, str(partial / "model.safetensors"))
+    with pytest.raises(UserError, match=r"partial's weights share no tensor name with the 'qwen2' model its config.json "
+                                        r"describes \(e.g. 'bert.embeddings.word_embeddings.weight', where it has "):
+        check_weights_match_config(partial)
+    # names saved without the base model's prefix are the model's own (transformers adds it on load)
+    bare = {k.removeprefix("model."): v.contiguous() for k, v in tiny_model.state_dict().items()}
+    save_file(bare, str(partial / "model.safetensors"))
+    check_weights_match_config(partial)
+    save_file({k: v for k, v in bare.items() if k != "norm.weight"}, str(partial / "model.safetensors"))
     with pytest.raises(UserError, match=r"has no tensor 'model.norm.weight'"):
         check_weights_match_config(partial)
 
