@@ -111,6 +111,34 @@ def test_an_abort_load_survives_requests_ending_while_it_aborts(fake_vllm: Any) 
     assert [len(r.response_ids) for r in results] == [3 + i % 5 for i in range(40)]
 
 
+def test_requests_parked_by_an_abort_load_and_then_cancelled_are_not_resubmitted(fake_vllm: Any) -> None:
+    """The publication cancels what the new version's floor drops right after an abort-mode load
+    (`Pipeline._publish`): requests the load had parked were resubmitted anyway and decoded to their
+    max_new_tokens for nobody (the hf engine ends them)."""
+    from asyncflow.engines.base import GenRequest
+
+    submitted: list[str] = []
+    generate = fake_vllm.llm.generate
+
+    def counting(prompt: Any, params: Any, rid: str) -> Any:
+        submitted.append(rid)
+        return generate(prompt, params, rid)
+
+    fake_vllm.llm.generate = counting
+
+    async def main() -> tuple[int, list[Any]]:
+        gens = [asyncio.ensure_future(fake_vllm.generate(GenRequest(i, [1], 200, 1.0))) for i in range(8)]
+        await asyncio.sleep(0.05)  # each holds a few tokens of version 0
+        await fake_vllm.load_weights({"w": torch.zeros(4)}, 1, "abort")
+        cancelled = fake_vllm.cancel_older_than(1)
+        return cancelled, await asyncio.wait_for(asyncio.gather(*gens), 5)
+
+    cancelled, results = asyncio.run(main())
+    assert cancelled == 8 and len(submitted) == 8  # none sent again
+    assert {r.finish_reason for r in results} == {"cancelled"}
+    assert all(0 < len(r.response_ids) < 200 for r in results)
+
+
 def _hf_logprobs(model_dir: Path, prompt: list[int], response: list[int], temperature: float) -> list[float]:
     from transformers import AutoModelForCausalLM
 

@@ -136,13 +136,13 @@ class VLLMEngine(InferenceEngine):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        await asyncio.wait_for(self._admit.wait(), self._timeout)
+        await self._admitted()
         row = _Running()
         logprobs: list[float] = []
         finish = "length"
         self._track(request.uid, row)
         try:
-            while True:
+            while not row.cancelled:
                 row.restart = False
                 row.request_id = f"{request.uid}-{next(self._ids)}"
                 left = request.max_new_tokens - len(row.tokens)
@@ -169,7 +169,10 @@ class VLLMEngine(InferenceEngine):
                     row.streaming = False
                 finish = "stop" if reason == "stop" else "length"
                 if row.restart and not row.cancelled and reason not in ("stop", "length"):
-                    await asyncio.wait_for(self._admit.wait(), self._timeout)  # the new weights are in
+                    # parked until the new weights are in; the publication's `cancel_older_than` may
+                    # cancel it meanwhile (the loop's check): it was resubmitted and decoded to its
+                    # max_new_tokens for nobody
+                    await self._admitted()
                     continue
                 break
         finally:
@@ -177,6 +180,14 @@ class VLLMEngine(InferenceEngine):
         if row.cancelled:
             finish = "cancelled"
         return GenResult(request.uid, row.tokens, logprobs, row.versions, finish)  # type: ignore[arg-type]
+
+    async def _admitted(self) -> None:
+        """Wait until no abort-mode weight load holds new requests back (bounded by the request timeout)."""
+        try:
+            await asyncio.wait_for(self._admit.wait(), self._timeout)
+        except asyncio.TimeoutError:
+            raise WaitTimeout(f"timed out after {self._timeout:.0f} s waiting for vLLM to finish a weight load "
+                              "(rollout.request_timeout_s)") from None
 
     def cancel_older_than(self, min_version: int) -> int:
         rows = [r for r in self._running.values() if r.versions and r.versions[0] < min_version and not r.cancelled]
