@@ -198,6 +198,21 @@ def test_vllm_style_replies_give_token_ids_and_the_sent_version() -> None:
     assert parse_choice(reply, 0, "x")[3] == "cancelled"
     with pytest.raises(HTTPError, match="exact ids"):
         parse_choice({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": [-1.0]}}]}, 0, "x")
+    # what the trainer indexes with is checked: a float id was truncated, a null version or a string id
+    # was a traceback, a short version list or a negative id failed later inside the trainer
+    def choice(**kw: Any) -> dict[str, Any]:
+        return {"choices": [{"finish_reason": "stop", "logprobs": {"token_logprobs": [-0.5, -0.1]},
+                             "token_ids": [5, 1], **kw}]}
+
+    for bad, needle in (({"token_ids": [5.7, 1]}, "token ids are not all non-negative integers (e.g. 5.7)"),
+                        ({"token_ids": ["a", "b"]}, "token ids are not all non-negative integers (e.g. 'a')"),
+                        ({"token_ids": [5, -3]}, "token ids are not all non-negative integers (e.g. -3)"),
+                        ({"token_versions": [0, None]}, "token_versions are not one integer per generated token (2 for 2"),
+                        ({"token_versions": [0]}, "token_versions are not one integer per generated token (1 for 2"),
+                        ({"logprobs": {"token_logprobs": [-0.5, float("nan")]}}, "token_logprobs are not all finite")):
+        with pytest.raises(HTTPError, match=r"^x/v1/completions: the reply's " + re.escape(needle)):
+            parse_choice(choice(**bad), 0, "x")
+    assert parse_choice(choice(token_versions=[2, 3]), 0, "x") == ([5, 1], [-0.5, -0.1], [2, 3], "stop")
 
 
 def test_openai_engine_request_and_cancel_floor(fake: FakeServer, tmp_path: Path) -> None:
@@ -286,3 +301,18 @@ def test_an_ipv6_server_gets_its_host_header_in_brackets() -> None:
 
     reply, port = asyncio.run(main())
     assert reply == {} and f"\r\nHost: [::1]:{port}\r\n".encode() in seen[0]
+
+
+def test_a_model_list_that_names_no_model_id_is_one_line(fake: FakeServer, tmp_path: Path) -> None:
+    """`/v1/models` answering without `data[0].id` (a proxy's own shape) was a KeyError/TypeError traceback."""
+    engine = OpenAIEngine(fake.url, sync=VLLMSync(), writer=WeightFolderWriter(tmp_path, tmp_path, in_place=True),
+                          server_type="vllm", max_batch=8, request_timeout_s=10)
+    for data, needle in (([{"name": "m"}], "does not name its model as data[0].id"),
+                         (["m"], "does not name its model as data[0].id"),
+                         ({"x": 1}, "lists no model"), ([], "lists no model")):
+        fake.replies["/v1/models"] = {"data": data}
+        with pytest.raises(UserError, match=r"^rollout.server_urls: http://127.0.0.1:\d+/v1/models " + re.escape(needle)):
+            asyncio.run(engine.connect(None))
+    fake.replies["/v1/models"] = {"data": [{"id": "tiny"}]}
+    asyncio.run(engine.connect(None))
+    assert engine.model == "tiny"

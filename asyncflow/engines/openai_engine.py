@@ -14,6 +14,7 @@ oldest it can be, which is what staleness counts. Weights go out through `weight
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from pathlib import Path
@@ -61,9 +62,13 @@ class OpenAIEngine(InferenceEngine):
                                f"that answers: {exc}") from None
         if self.model is None:
             data = models.get("data") if isinstance(models, dict) else None
-            if not data:
+            if not data or not isinstance(data, list):
                 raise UserError(f"rollout.server_urls: {self.base_url}/v1/models lists no model")
-            self.model = str(data[0]["id"])
+            first = data[0]
+            if not isinstance(first, dict) or not isinstance(first.get("id"), str) or not first["id"]:
+                raise UserError(f"rollout.server_urls: {self.base_url}/v1/models does not name its model as "
+                                f"data[0].id (it sent {str(first)[:80]!r}); set rollout.server_model")
+            self.model = first["id"]
         if initial_state is not None:
             await self.load_weights(initial_state, 0, "drain")
 
@@ -122,9 +127,23 @@ def parse_choice(reply: Any, sent_version: int, where: str) -> tuple[list[int], 
         raise HTTPError(200, f"{where}/v1/completions: the reply has no generated token ids matching its "
                              "log-probs (asyncflow needs exact ids; see docs/engines.md for each server's flags)")
     versions = choice.get("token_versions") or [sent_version] * len(ids)
+    # what the trainer indexes with must be exact: a float id was truncated, a null version or a
+    # string id was a traceback, a short version list or a negative id failed later inside the trainer
+    if not _whole_numbers(ids) or min(ids, default=0) < 0:
+        raise HTTPError(200, f"{where}/v1/completions: the reply's token ids are not all non-negative integers "
+                             f"(e.g. {next((t for t in ids if not isinstance(t, int) or t < 0), ids[:1])!r})")
+    if not _whole_numbers(versions) or len(versions) != len(ids):
+        raise HTTPError(200, f"{where}/v1/completions: the reply's token_versions are not one integer per "
+                             f"generated token ({len(versions)} for {len(ids)} tokens)")
+    if not all(math.isfinite(x) for x in logprobs):
+        raise HTTPError(200, f"{where}/v1/completions: the reply's token_logprobs are not all finite")
     finish = choice.get("finish_reason")
     reason = finish if finish in ("stop", "length") else "cancelled"
-    return [int(t) for t in ids], logprobs, [int(v) for v in versions], reason
+    return list(ids), logprobs, list(versions), reason
+
+
+def _whole_numbers(values: Any) -> bool:
+    return isinstance(values, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 def make_openai_engines(rollout: Any, model_dir: Path, run_dir: Path) -> list[OpenAIEngine]:
