@@ -184,15 +184,27 @@ def model_positions(model_dir: str | Path) -> int | None:
     return None
 
 
+def model_vocab_size(model_dir: str | Path) -> int | None:
+    """Rows of the model's embedding (its config.json's `vocab_size`; None when it does not say)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = config.get("vocab_size") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def check_prompts_fit(sources: Sequence[tuple[Sequence[Any], str | Path]], prompt_key: str, tokenizer: Any,
-                      max_new_tokens: int, positions: int | None) -> None:
+                      max_new_tokens: int, positions: int | None, vocab: int | None = None) -> None:
     """Every prompt must tokenize to at least one token (a tokenizer that knows none of its
     characters gives none, and generation cannot start from nothing: it failed mid-run with a
     tensor-shape traceback), and with `rollout.max_new_tokens` it must fit the model's positions:
     past them a model with learned position embeddings fails mid-run (an index error) and a rotary
     one degrades without a word. `sources`: (rows, file) pairs; each refusal is one line naming the
     file and line. (Multi-turn episodes: this checks the dataset prompt only; as observations extend
-    it turn by turn, `run_episode` caps each turn at the positions left, `EpisodeSettings.max_context`.)"""
+    it turn by turn, `run_episode` caps each turn at the positions left, `EpisodeSettings.max_context`.)
+    With `vocab` (the model's embedding rows), a prompt holding a token id past it (a token added to
+    the tokenizer but not to the model) is refused too: it failed mid-run in the embedding lookup."""
     if positions is not None and max_new_tokens >= positions:
         raise UserError(f"rollout.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
                         f"{positions} positions (model.path's config.json)")
@@ -201,16 +213,23 @@ def check_prompts_fit(sources: Sequence[tuple[Sequence[Any], str | Path]], promp
     for rows, path in sources:
         prompts = [r[prompt_key] for r in rows]
         text_at = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-        lengths: dict[int, int] = {}
+        lengths: dict[int, tuple[int, int]] = {}  # row -> (tokens, largest id)
         for k in range(0, len(text_at), 4096):  # in chunks, lengths only: one call for the whole dataset
             chunk = text_at[k:k + 4096]         # held every encoding at once (2.2 GB for 100k prompts)
             ids = tokenizer([prompts[i] for i in chunk], return_attention_mask=False)["input_ids"]
-            lengths.update(zip(chunk, (len(x) for x in ids), strict=True))
-        lengths.update((i, len(tokenize_prompt(tokenizer, p))) for i, p in enumerate(prompts) if not isinstance(p, str))
-        for i, n in sorted(lengths.items()):
+            lengths.update(zip(chunk, ((len(x), max(x, default=-1)) for x in ids), strict=True))
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                x = tokenize_prompt(tokenizer, p)
+                lengths[i] = (len(x), max(x, default=-1))
+        for i, (n, top) in sorted(lengths.items()):
             if n == 0:
                 raise UserError(f"{where(rows, path, i)}: column {prompt_key!r} ({_shown(prompts[i])!r}) has no "
                                 "tokens with model.path's tokenizer (it knows none of its characters)")
+            if vocab is not None and top >= vocab:
+                raise UserError(f"{where(rows, path, i)}: column {prompt_key!r} ({_shown(prompts[i])!r}) has token id "
+                                f"{top}, past the model's {vocab}-token vocabulary (config.json vocab_size): the "
+                                "tokenizer has tokens the model's embedding lacks")
             if n > room:
                 over += 1
                 if n > longest[0]:

@@ -152,8 +152,9 @@ def load_tokenizer(model_dir: Path, log: Callable[[str], None] | None = None, ke
     """The model folder's tokenizer, with a pad token.
 
     A tokenizer without a pad token gets its EOS token as pad, with a logged note (as TRL does):
-    padding here is always masked out by attention and loss masks, so the pad id's value never
-    reaches the model or the loss, and EOS stays an ordinary, trained action.
+    padding here is always masked out by attention and loss masks, so the pad token never counts in
+    the model's output or the loss, and EOS stays an ordinary, trained action. Padding is still
+    looked up in the embedding, so an EOS or pad id past the model's vocabulary is refused.
     """
     from transformers import AutoTokenizer
 
@@ -170,6 +171,15 @@ def load_tokenizer(model_dir: Path, log: Callable[[str], None] | None = None, ke
         if log is not None:
             log(f"[asyncflow] note: the tokenizer in {model_dir} has no pad token; using EOS "
                 f"({tok.eos_token!r}, id {tok.eos_token_id}) as pad (padding is masked out)")
+    from asyncflow.data import model_vocab_size
+
+    vocab = model_vocab_size(model_dir)
+    for role, token, tid in (("EOS", tok.eos_token, tok.eos_token_id), ("pad", tok.pad_token, tok.pad_token_id)):
+        if vocab is not None and tid >= vocab:  # (padding is masked, but still looked up in the embedding:
+            # the engine's decode thread died of an IndexError and every request failed)
+            raise UserError(f"{key}: the tokenizer's {role} token {token!r} has id {tid}, past the model's {vocab}-token "
+                            f"vocabulary (config.json vocab_size); resize the model's embeddings to the tokenizer "
+                            "(model.resize_token_embeddings(len(tokenizer))) or use the model's own tokenizer")
     return tok
 
 
@@ -259,12 +269,13 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         from asyncflow.engines.base import quiet_transformers
 
         quiet_transformers()
-        from asyncflow.data import check_chat_prompts, check_prompts_fit
+        from asyncflow.data import check_chat_prompts, check_prompts_fit, model_vocab_size
 
         check_chat_prompts(inputs.first_chat, hf_tok)
         if cfg.rollout.agent is None:  # (an agent writes its own prompts)
             check_prompts_fit([(inputs.train_rows, inputs.train_path), (inputs.eval_rows, inputs.eval_path)],
-                              cfg.dataset.prompt_key, hf_tok, cfg.rollout.max_new_tokens, inputs.positions)
+                              cfg.dataset.prompt_key, hf_tok, cfg.rollout.max_new_tokens, inputs.positions,
+                              model_vocab_size(inputs.model_dir))
         env_factory = None
         if cfg.rollout.env is not None:  # an environment plugin that cannot be imported is bad input too
             from asyncflow.envs import make_env_factory

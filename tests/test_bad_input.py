@@ -258,6 +258,32 @@ def test_tokenizer_without_eos_token_is_refused(tmp_path: Path) -> None:
         load_tokenizer(tmp_path)
 
 
+def test_token_ids_past_the_models_vocabulary_are_refused_before_the_run(tmp_path: Path) -> None:
+    """A token added to the tokenizer but not to the model (a new <pad>, a tool tag) was looked up in
+    the embedding mid-run: the decode thread died of an IndexError and every request failed."""
+    from asyncflow.data import check_prompts_fit, model_vocab_size
+    from asyncflow.runner import load_tokenizer
+    from asyncflow.tasks.arith import make_tokenizer
+
+    tok = make_tokenizer()
+    vocab = len(tok)
+    tok.add_special_tokens({"pad_token": "<newpad>"})  # id `vocab`: one past the model's rows
+    tok.save_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": vocab}))
+    assert model_vocab_size(tmp_path) == vocab
+    with pytest.raises(UserError, match=rf"^model.path: the tokenizer's pad token '<newpad>' has id {vocab}, past the "
+                                        rf"model's {vocab}-token vocabulary \(config.json vocab_size\)"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": vocab + 1}))
+    loaded = load_tokenizer(tmp_path)
+    rows = [{"prompt": "1+2="}, {"prompt": "3+4=<newpad>"}]
+    check_prompts_fit([(rows[:1], "d.jsonl")], "prompt", loaded, 4, None, vocab)
+    with pytest.raises(UserError, match=rf"^d.jsonl, row 1: column 'prompt' \('3\+4=<newpad>'\) has token id {vocab}, "
+                                        rf"past the model's {vocab}-token vocabulary"):
+        check_prompts_fit([(rows, "d.jsonl")], "prompt", loaded, 4, None, vocab)
+    check_prompts_fit([(rows, "d.jsonl")], "prompt", loaded, 4, None, vocab + 1)
+
+
 def test_sharded_safetensors_index_names_a_missing_shard(tmp_path: Path) -> None:
     from asyncflow.model_folder import check_model_dir
 
