@@ -37,10 +37,22 @@ def _rows(out: Path, name: str) -> list[dict[str, Any]]:
     ("mode", "update"), [("async", "swap"), ("sync", "swap"), ("async", "drain"), ("async", "abort")]
 )
 def test_short_run_writes_the_run_folder_and_respects_staleness(
-    arith_dir: Path, tmp_path: Path, mode: str, update: str
+    arith_dir: Path, tmp_path: Path, mode: str, update: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from asyncflow.engines.torch_train import TorchTrainEngine
+
+    export = TorchTrainEngine.export_weights
+    exported_on: list[bool] = []  # whether each weight export ran on the event loop's thread
+
+    def recorded(self: Any) -> Any:
+        exported_on.append(threading.current_thread() is threading.main_thread())
+        return export(self)
+
+    monkeypatch.setattr(TorchTrainEngine, "export_weights", recorded)
     out = tmp_path / mode
     summary = _run(arith_dir, out, [f"workflow.mode={mode}", f"workflow.weight_update={update}"])
+    # a publication's full copy of the weights held the event loop (rollout, evaluation) for its length
+    assert len(exported_on) >= 4 and not any(exported_on[-4:])
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", "final/config.json"):
         assert (out / name).exists(), name
     metrics = _rows(out, "metrics.jsonl")
