@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 import time
 from pathlib import Path
@@ -422,6 +423,11 @@ def test_bfloat16_training_keeps_float32_master_weights_so_small_updates_land(ti
     final = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"), dtype=None)
     name, weight = next((k, v) for k, v in trainer.model.state_dict().items() if k.endswith("q_proj.weight"))
     assert torch.equal(ckpt.state_dict()[name], weight) and final.state_dict()[name].dtype == torch.bfloat16
+    # each folder's config.json names its tensors' dtype (the final one said float32: loaded by default,
+    # or by vLLM's dtype auto, at twice the memory)
+    saved = {d: json.loads((tmp_path / d / "config.json").read_text())["dtype"] for d in ("ckpt", "final")}
+    assert saved == {"ckpt": "float32", "final": "bfloat16"}
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "final")).dtype == torch.bfloat16
 
 
 def test_a_non_finite_gradient_skips_the_step_and_an_empty_mini_batch_takes_none(tiny_model) -> None:

@@ -9,6 +9,7 @@ result does not depend on the micro-batch size.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -199,6 +200,15 @@ class TorchTrainEngine(TrainEngine):
             self.model.save_pretrained(path)
         else:
             self.model.save_pretrained(path, state_dict=self.export_weights())
+            # its config.json names that dtype: save_pretrained writes the (float32) parameters' dtype,
+            # and from_pretrained, or vLLM's dtype auto, loaded the folder at twice the memory
+            config_file = os.path.join(path, "config.json")
+            with open(config_file, encoding="utf-8") as fh:
+                config = json.load(fh)
+            config["dtype"] = str(self.dtype).removeprefix("torch.")
+            with open(config_file, "w", encoding="utf-8") as fh:
+                json.dump(config, fh, indent=2, sort_keys=True)
+                fh.write("\n")
         if with_optimizer:
             torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
 
