@@ -253,7 +253,16 @@ class _Rank:
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks to shard one by one (HF decoder models keep them in a ModuleList `layers`)."""
+    """The repeated blocks to shard one by one: the modules of the classes the model names in
+    `_no_split_modules` (transformers' own list of its blocks: `Qwen2DecoderLayer`, GPT-2's `GPT2Block`
+    in `transformer.h`, Bloom's, Falcon's), else those of a ModuleList named `layers`. Without them
+    only the root is sharded and the whole model is gathered at once (no memory saved)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in names]
+    # the outermost ones (a block listed inside another is sharded with it)
+    blocks = [m for n, m in found if not any(n.startswith(f"{other}.") for other, _ in found)]
+    if blocks:
+        return blocks
     for name, module in model.named_modules():
         if name.endswith("layers") and isinstance(module, torch.nn.ModuleList):
             return list(module)
