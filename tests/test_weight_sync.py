@@ -72,6 +72,39 @@ def test_local_sync_carries_the_newest_version_and_times_out() -> None:
         sync.receive(0.01)
     threading.Timer(0.05, sync.send, args=(_state(3), 3)).start()
     assert sync.receive(5.0)[1] == 3
+    # every receiver gets every version (one engine's take hid it from the others)
+    engines = [sync.receiver(), sync.receiver()]
+    assert [r.receive(1.0)[1] for r in engines] == [3, 3]
+    sync.send(_state(4), 4)
+    assert [r.receive(1.0)[1] for r in engines] == [4, 4]
+    with pytest.raises(WaitTimeout, match="newer than version 4"):
+        engines[1].receive(0.01)
+
+
+def test_a_broadcast_side_that_timed_out_refuses_later_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timed-out collective stays posted in the group: a retry was paired with it out of step and
+    gloo aborted the process (and the sender's) from C++."""
+    import asyncflow.engines.weight_sync as ws
+
+    calls: list[str] = []
+
+    def stuck(t: torch.Tensor, src: int, group: object, timeout_s: float, what: str) -> None:
+        calls.append(what)
+        raise WaitTimeout(f"weight broadcast: {what} did not complete within {timeout_s:.0f} s")
+
+    monkeypatch.setattr(ws, "_bcast", stuck)
+    receiver = BroadcastWeightReceiver()
+    with pytest.raises(WaitTimeout, match="the header of the next version did not complete"):
+        receiver.receive(0.01)
+    with pytest.raises(RuntimeError, match="out of step with its group since the header of the next version timed "
+                                           "out; rebuild the process group"):
+        receiver.receive(0.01)
+    sender = BroadcastWeightSender(timeout_s=0.01)
+    with pytest.raises(WaitTimeout):
+        sender.send(_state(1), 1)
+    with pytest.raises(RuntimeError, match="BroadcastWeightSender is out of step"):
+        sender.send(_state(2), 2)
+    assert calls == ["the header of the next version", "the header of version 1"]  # (no collective after)
 
 
 def _broadcast_rank(rank: int, port: int, results: object) -> None:

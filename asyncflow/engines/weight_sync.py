@@ -62,26 +62,41 @@ class WeightReceiver(abc.ABC):
 
 
 class LocalWeightSync(WeightSender, WeightReceiver):
-    """In-process publication: the sender leaves the newest (state, version); a receiver takes a
-    version newer than the one it took last (an older unread one is superseded, as in the engines)."""
+    """In-process publication: the sender leaves the newest (state, version); each receiver
+    (`receiver()`, one per engine) takes a version newer than the one *it* took last (an older unread
+    one is superseded, as in the engines). `receive` on the sync itself is one such receiver's."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._latest: tuple[dict[str, torch.Tensor], int] | None = None
-        self._taken = -1
+        self._default = _LocalReceiver(self)
 
     def send(self, state: dict[str, torch.Tensor], version: int) -> None:
         with self._cv:
             self._latest = (state, version)
             self._cv.notify_all()
 
+    def receiver(self) -> WeightReceiver:
+        """A receiver of its own: every receiver gets every version (one receiver's take hid it from
+        the others when they shared one "last taken")."""
+        return _LocalReceiver(self)
+
     def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
-        with self._cv:
-            ok = self._cv.wait_for(lambda: self._latest is not None and self._latest[1] > self._taken, timeout_s)
-            if not ok or self._latest is None:
-                raise WaitTimeout(f"timed out after {timeout_s:.1f} s waiting for weights newer than version {self._taken}")
-            self._taken = self._latest[1]
-            return self._latest
+        return self._default.receive(timeout_s)
+
+
+class _LocalReceiver(WeightReceiver):
+    def __init__(self, sync: LocalWeightSync) -> None:
+        self.sync, self.taken = sync, -1
+
+    def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
+        sync = self.sync
+        with sync._cv:
+            ok = sync._cv.wait_for(lambda: sync._latest is not None and sync._latest[1] > self.taken, timeout_s)
+            if not ok or sync._latest is None:
+                raise WaitTimeout(f"timed out after {timeout_s:.1f} s waiting for weights newer than version {self.taken}")
+            self.taken = sync._latest[1]
+            return sync._latest
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -190,7 +205,25 @@ def _bcast(t: torch.Tensor, src: int, group: Any, timeout_s: float, what: str) -
         raise WaitTimeout(f"weight broadcast: {what} did not complete within {timeout_s:.0f} s")
 
 
-class BroadcastWeightSender(WeightSender):
+class _Collective:
+    """A side of the broadcast. A collective that timed out stays posted in the process group, so the
+    next one would be paired with it out of step (gloo then aborts the process from C++): after a
+    timeout the side refuses every later call; the group must be rebuilt."""
+
+    broken: str | None = None
+
+    def _run(self, t: torch.Tensor, src: int, group: Any, timeout_s: float, what: str) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"weight broadcast: this {type(self).__name__} is out of step with its group since "
+                               f"{self.broken}; rebuild the process group and the sender/receiver")
+        try:
+            _bcast(t, src, group, timeout_s, what)
+        except WaitTimeout:
+            self.broken = f"{what} timed out"
+            raise
+
+
+class BroadcastWeightSender(WeightSender, _Collective):
     """Broadcast state dicts from rank `src` of `group` (None: the default group), bucket by bucket."""
 
     def __init__(self, *, src: int = 0, group: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -202,17 +235,17 @@ class BroadcastWeightSender(WeightSender):
         specs = describe(state)
         meta = torch.frombuffer(bytearray(pickle.dumps((specs, self.bucket_bytes))), dtype=torch.uint8)
         header = torch.tensor([version, meta.numel()], dtype=torch.int64, device=self.device)
-        _bcast(header, self.src, self.group, self.timeout_s, f"the header of version {version}")
-        _bcast(meta.to(self.device), self.src, self.group, self.timeout_s, f"the metadata of version {version}")
+        self._run(header, self.src, self.group, self.timeout_s, f"the header of version {version}")
+        self._run(meta.to(self.device), self.src, self.group, self.timeout_s, f"the metadata of version {version}")
         # flat byte views made once: a non-contiguous tensor is copied once, not once per bucket
         tensors = [as_bytes(v.to(self.device)) for v in state.values()]
         buckets = plan_buckets(specs, self.bucket_bytes)
         for i, segments in enumerate(buckets):
             buf = pack_bucket(tensors, segments, self.device)
-            _bcast(buf, self.src, self.group, self.timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
+            self._run(buf, self.src, self.group, self.timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
 
 
-class BroadcastWeightReceiver(WeightReceiver):
+class BroadcastWeightReceiver(WeightReceiver, _Collective):
     """Receive state dicts broadcast by `BroadcastWeightSender` (allocated on `device`)."""
 
     def __init__(self, *, src: int = 0, group: Any = None, device: torch.device | str = "cpu") -> None:
@@ -220,15 +253,15 @@ class BroadcastWeightReceiver(WeightReceiver):
 
     def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
-        _bcast(header, self.src, self.group, timeout_s, "the header of the next version")
+        self._run(header, self.src, self.group, timeout_s, "the header of the next version")
         version, meta_len = int(header[0]), int(header[1])
         meta = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
-        _bcast(meta, self.src, self.group, timeout_s, f"the metadata of version {version}")
+        self._run(meta, self.src, self.group, timeout_s, f"the metadata of version {version}")
         specs, bucket_bytes = pickle.loads(meta.cpu().numpy().tobytes())
         out = allocate(specs, self.device)
         buckets = plan_buckets(specs, bucket_bytes)
         for i, segments in enumerate(buckets):
             buf = torch.empty(bucket_size(segments), dtype=torch.uint8, device=self.device)
-            _bcast(buf, self.src, self.group, timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
+            self._run(buf, self.src, self.group, timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
             unpack_bucket(buf, segments, out)
         return {s.name: t for s, t in zip(specs, out, strict=True)}, version
