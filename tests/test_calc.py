@@ -55,6 +55,11 @@ def test_reward_fn_takes_trl_signature_and_checks_the_answer_tag() -> None:
     assert calc.reward_fn(
         prompts=["37*48="] * 5, completions=completions, answer=["1776"] * 5, level=[2] * 5
     ) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    # integers compare exactly: as floats, two beyond 2**53 that differ were equal (and paid)
+    big = "365797893337905807"
+    assert calc.reward_fn(prompts=["x"] * 3, completions=[f"<answer>{big}</answer>", "<answer>365797893337905808</answer>",
+                                                          "<answer>1776.0</answer>"],
+                          answer=[big, big, "1776"]) == [1.0, 0.0, 1.0]
 
 
 def test_task_pack_is_registered_with_env_defaults() -> None:

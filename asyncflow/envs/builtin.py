@@ -153,6 +153,12 @@ class GuessNumberEnv(_Timed):
 
 
 def _same_number(a: str, b: str) -> bool:
+    """Integers compare exactly (as floats, two beyond 2**53 that differ were equal: the calculator
+    computes exact integers, so a wrong large answer was paid); other numbers within 1e-9."""
+    try:
+        return int(a) == int(b)
+    except ValueError:
+        pass
     try:
         return abs(float(a) - float(b)) < 1e-9
     except ValueError:

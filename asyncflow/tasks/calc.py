@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncflow.envs.builtin import CalculatorEnv
+from asyncflow.envs.builtin import CalculatorEnv, _same_number
 from asyncflow.tasks import TaskPack, tiny
 
 VERSION = 1
@@ -133,7 +133,7 @@ def score(completion: str, answer: str) -> float:
     if m is None:
         return 0.0
     try:
-        return 1.0 if abs(float(m.group(1)) - float(answer)) < 1e-9 else 0.0
+        return 1.0 if _same_number(m.group(1), str(answer)) else 0.0
     except ValueError:
         return 0.0
 
