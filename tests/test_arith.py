@@ -106,6 +106,9 @@ def test_cached_prepare_reuses_a_complete_folder(prepared: Path) -> None:
     mtime = (prepared / "model.safetensors").stat().st_mtime_ns
     again = arith.cached_prepare(prepared.parent, seed=3, sft_steps=5)
     assert again == prepared
+    # a short warm start has its own name: it was served to runs expecting the 900-step base model
+    assert prepared.name == f"arith-v{arith.VERSION}-seed3-sft5"
+    assert json.loads((prepared / "asyncflow_task.json").read_text())["sft_steps"] == 5
     assert (prepared / "model.safetensors").stat().st_mtime_ns == mtime
 
 

@@ -241,7 +241,7 @@ def prepare(
         acc = eval_accuracy(model, tokenizer, evals)
     if log is not None:
         log(f"arith: greedy eval accuracy {acc:.3f} after {time.monotonic() - start:.1f}s")
-    meta = {"task": "arith", "seed": seed, "version": VERSION, "base_eval_accuracy": round(acc, 4)}
+    meta = {"task": "arith", "seed": seed, "version": VERSION, "sft_steps": sft_steps, "base_eval_accuracy": round(acc, 4)}
     return tiny.write_task_folder(Path(out_dir), model, tokenizer, train, evals, meta)
 
 
@@ -255,10 +255,13 @@ def cached_prepare(
     log: Log | None = None,
     sft_steps: int = SFT_STEPS,
 ) -> Path:
-    """The prepared folder `<cache>/arith-v<VERSION>-seed<seed>`, built only when not already complete."""
+    """The prepared folder `<cache>/arith-v<VERSION>-seed<seed>[-sft<steps>]`, built only when not
+    already complete (a non-default `sft_steps` gets its own folder: a short warm start was cached
+    under the default's name and served to runs expecting the 900-step base model)."""
+    suffix = "" if sft_steps == SFT_STEPS else f"-sft{sft_steps}"
     return tiny.cached(
         cache_dir,
-        f"arith-v{VERSION}-seed{seed}",
+        f"arith-v{VERSION}-seed{seed}{suffix}",
         lambda out: prepare(out, seed=seed, log=log, sft_steps=sft_steps),
     )
 
