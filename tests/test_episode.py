@@ -292,7 +292,10 @@ def test_module_factory_envs_get_the_run_settings_or_are_refused(
     env = make_env_factory("fac_envs:keywords", max_turns=3, latency_s=0.5)(clock)
     assert env.max_turns == 3 and env.kw == {"max_turns": 3, "latency_s": 0.5}  # type: ignore[attr-defined]
     env = make_env_factory("fac_envs:anything", max_turns=5, latency_s=0.25)(clock)
-    assert env.kw == {"max_turns": 5, "latency_s": 0.25} and env.max_turns == 9  # the factory's choice
+    # rollout.max_turns caps a factory that takes the keyword and ignores it (it played all 9 turns; the
+    # token budget of Dr.GRPO's norm_length and the over-long penalty assume the setting's bound)
+    assert env.kw == {"max_turns": 5, "latency_s": 0.25} and env.max_turns == 5
+    assert make_env_factory("fac_envs:anything", max_turns=12)(clock).max_turns == 9  # (a lower own limit holds)
     with pytest.raises(UserError, match="rollout.env_latency_s.*fac_envs:plain"):
         make_env_factory("fac_envs:plain", latency_s=0.1)
     with pytest.raises(UserError, match="not an asyncflow.envs.Env"):

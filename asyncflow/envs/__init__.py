@@ -17,7 +17,8 @@ def make_env_factory(spec: str, *, latency_s: float = 0.0, max_turns: int = 4) -
 
     A `module:factory` is called `factory(clock, max_turns=..., latency_s=...)`, passing each keyword
     it accepts (or all, with `**kwargs`). `rollout.max_turns` bounds every episode: a factory that
-    does not take `max_turns` gets it set on the env it returns. A `latency_s > 0` that the factory
+    does not take `max_turns` gets it set on the env it returns, and one that does cannot raise it
+    (an env allowing more turns is capped to it). A `latency_s > 0` that the factory
     cannot take is refused here (it would be ignored).
     """
     if spec == "calculator":
@@ -55,8 +56,9 @@ def make_env_factory(spec: str, *, latency_s: float = 0.0, max_turns: int = 4) -
                             f"{exc}") from None  # fault, every episode alike: one line, not a traceback
         if not isinstance(env, Env):
             raise UserError(f"rollout.env: {spec!r} returned {type(env).__name__}, not an asyncflow.envs.Env")
-        if "max_turns" not in takes:
-            env.max_turns = max_turns
+        # the setting bounds every episode, whatever the factory did with the keyword (one taking
+        # **kwargs, or `max_turns` it ignores, played as many turns as its env allowed)
+        env.max_turns = max_turns if "max_turns" not in takes else min(env.max_turns, max_turns)
         return env  # type: ignore[no-any-return]
 
     return make
