@@ -316,3 +316,29 @@ def test_a_model_list_that_names_no_model_id_is_one_line(fake: FakeServer, tmp_p
     fake.replies["/v1/models"] = {"data": [{"id": "tiny"}]}
     asyncio.run(engine.connect(None))
     assert engine.model == "tiny"
+
+
+def test_concurrent_requests_of_one_sample_are_each_counted_in_flight(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """An agent's concurrent calls carry their sample's uid: keyed by it, the first call to end took
+    the other, still generating, out of `load()` and out of `cancel_older_than`'s count."""
+    import asyncflow.engines.openai_engine as oe
+
+    delays = iter([0.05, 0.5])
+
+    async def slow_server(method: str, url: str, body: Any = None, **kw: Any) -> Any:
+        await asyncio.sleep(next(delays))
+        return {"choices": [{"token_ids": [5, 1], "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.1, -0.2]}}]}
+
+    monkeypatch.setattr(oe, "request_json", slow_server)
+    engine = OpenAIEngine("http://x", sync=VLLMSync(), writer=WeightFolderWriter(tmp_path, tmp_path, in_place=True),
+                          server_type="asyncflow", model="m", max_batch=8, request_timeout_s=10)
+
+    async def main() -> tuple[int, int, int]:
+        calls = [asyncio.ensure_future(engine.generate(GenRequest(7, [3], 4))) for _ in range(2)]
+        await asyncio.sleep(0.2)  # the first has ended, the second is still generating
+        seen = engine.load(), engine.cancel_older_than(5)
+        await asyncio.gather(*calls)
+        return (*seen, engine.load())
+
+    assert asyncio.run(main()) == (1, 1, 0)

@@ -139,6 +139,23 @@ def test_requests_parked_by_an_abort_load_and_then_cancelled_are_not_resubmitted
     assert all(0 < len(r.response_ids) < 200 for r in results)
 
 
+def test_concurrent_requests_of_one_sample_are_tracked_apart(fake_vllm: Any) -> None:
+    """An agent's concurrent calls share their sample's uid; keyed by it, one call's end dropped the
+    other from the running set (out of load(), abort-mode restarts and staleness cancels)."""
+    from asyncflow.engines.base import GenRequest
+
+    async def main() -> tuple[int, int, list[Any]]:
+        short = asyncio.ensure_future(fake_vllm.generate(GenRequest(7, [1], 2, 1.0)))
+        long = asyncio.ensure_future(fake_vllm.generate(GenRequest(7, [1], 200, 1.0)))
+        await asyncio.wait_for(short, 5)
+        running = fake_vllm.load()
+        cancelled = fake_vllm.cancel_older_than(1)  # the long one still runs, from version 0
+        return running, cancelled, [await asyncio.wait_for(long, 5)]
+
+    running, cancelled, (result,) = asyncio.run(main())
+    assert running == 1 and cancelled == 1 and result.finish_reason == "cancelled" and len(result.response_ids) < 200
+
+
 def _hf_logprobs(model_dir: Path, prompt: list[int], response: list[int], temperature: float) -> list[float]:
     from transformers import AutoModelForCausalLM
 

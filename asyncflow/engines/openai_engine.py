@@ -44,7 +44,7 @@ class OpenAIEngine(InferenceEngine):
         self.request_timeout_s = request_timeout_s
         self.sync_timeout_s = sync_timeout_s
         self.version = version
-        self._in_flight: dict[int, int] = {}  # uid -> server version when sent
+        self._in_flight: dict[object, int] = {}  # one key per request in flight -> server version when sent
         self._cancel_floor = 0  # replies whose oldest token is older than this end as cancelled
 
     @property
@@ -82,12 +82,13 @@ class OpenAIEngine(InferenceEngine):
         if self.server_type == "vllm":  # vLLM's documented extras: generated ids in the reply
             body.update(return_token_ids=True, return_tokens_as_token_ids=True)
         sent_version = self.version
-        self._in_flight[request.uid] = sent_version
+        key = object()  # (not the uid: an agent's concurrent calls share their sample's, and the first to end
+        self._in_flight[key] = sent_version  # took the other out of load() and cancel_older_than's count)
         try:
             reply = await request_json("POST", f"{self.base_url}/v1/completions", body, token=self.token,
                                        timeout=self.request_timeout_s)
         finally:
-            self._in_flight.pop(request.uid, None)
+            del self._in_flight[key]
         ids, logprobs, versions, reason = parse_choice(reply, sent_version, self.base_url)
         if versions and versions[0] < self._cancel_floor:
             reason = "cancelled"

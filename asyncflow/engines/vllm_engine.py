@@ -140,7 +140,8 @@ class VLLMEngine(InferenceEngine):
         row = _Running()
         logprobs: list[float] = []
         finish = "length"
-        self._track(request.uid, row)
+        key = next(self._ids)  # (not the uid: an agent's concurrent calls share their sample's)
+        self._track(key, row)
         try:
             while not row.cancelled:
                 row.restart = False
@@ -176,7 +177,7 @@ class VLLMEngine(InferenceEngine):
                     continue
                 break
         finally:
-            self._track(request.uid, None)
+            self._track(key, None)
         if row.cancelled:
             finish = "cancelled"
         return GenResult(request.uid, row.tokens, logprobs, row.versions, finish)  # type: ignore[arg-type]
