@@ -98,6 +98,22 @@ def test_backends_whose_package_is_missing_are_refused_at_load(monkeypatch: pyte
         load_config(None, ["logging.tensorboard=true"])
 
 
+def test_metric_rows_are_strict_json_with_non_finite_numbers_as_null(tmp_path: Path) -> None:
+    """A skipped non-finite step logs a NaN or inf grad_norm: written bare, the file was not JSON
+    (JavaScript's JSON.parse, Go and serde refused it)."""
+    log = RunLog(tmp_path)
+    log.metric({"kind": "train", "step": 3, "grad_norm": float("nan"), "loss": float("-inf"), "lr": 1e-5,
+                "nested": {"x": [float("inf"), 1.5]}})
+    log.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+
+    def refuse(name: str) -> None:
+        raise ValueError(name)
+
+    row = json.loads(text, parse_constant=refuse)  # (what a strict reader does with NaN / Infinity)
+    assert row == {"kind": "train", "step": 3, "grad_norm": None, "loss": None, "lr": 1e-5, "nested": {"x": [None, 1.5]}}
+
+
 def test_samples_lines_are_exactly_json_dumps_of_each_row() -> None:
     from asyncflow.telemetry.runlog import _json_line
 

@@ -8,6 +8,7 @@ one complete ("X") event per span, times in microseconds since the run started.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -123,8 +124,11 @@ class RunLog:
         """One `metrics.jsonl` row (must carry `kind`)."""
         if self._metrics is None:
             raise RuntimeError("this RunLog was opened without metrics.jsonl")
+        # a non-finite number (a skipped step's NaN or inf grad_norm) is written as null: bare NaN and
+        # Infinity are not JSON, and strict readers (JavaScript's JSON.parse, Go, serde) refused the file
+        line = json.dumps(_finite_or_null(row))
         with self._lock:
-            self._metrics.write(json.dumps(row) + "\n")
+            self._metrics.write(line + "\n")
             self._metrics.flush()
             for sink in self.sinks:
                 sink.write(row)
@@ -151,6 +155,17 @@ class RunLog:
             if self._samples_fd is not None:
                 os.close(self._samples_fd)
                 self._samples_fd = None
+
+
+def _finite_or_null(value: Any) -> Any:
+    """`value` with every non-finite float, at any depth, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def _make_json_line() -> Callable[[Any], str]:
