@@ -86,6 +86,50 @@ def test_a_run_cut_short_mid_line_is_reported_up_to_its_last_whole_row(
         load_run(run_dir)
 
 
+def test_a_cut_short_or_capped_trace_is_a_note_and_an_unwritable_folder_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trace cut short (a run killed while writing it) refused the whole run although every curve
+    comes from metrics.jsonl; a trace that hit its cap said nothing of the spans it dropped; a folder
+    the report cannot write was a 32-line traceback."""
+    run_dir = _run(tmp_path / "cut", rate=4.0)
+    trace = run_dir / "trace.json"
+    trace.write_bytes(trace.read_bytes()[:-40])
+    assert main(["report", str(run_dir)]) == 0
+    assert "trace.json: not valid JSON (cut short?); the timeline and busy fractions are left out" in \
+        capsys.readouterr().err
+    assert load_run(run_dir).spans == {}
+    doc = json.loads(json.dumps({"traceEvents": [
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "trainer"}},
+        {"ph": "X", "name": "train step 1", "pid": 1, "tid": 1, "ts": 0, "dur": 9.5e6}],
+        "otherData": {"dropped_spans": 90, "max_events": 2}}))
+    trace.write_text(json.dumps(doc))
+    assert load_run(run_dir).notes == [f"{trace}: 90 later spans were dropped at the trace's cap; the timeline and "
+                                       "busy fractions cover the first 10 s of the run only"]
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("asyncflow.telemetry.report.plot_report", read_only)
+    assert main(["report", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("asyncflow: error: ")  # (after the note)
+    assert f"{run_dir / 'report.png'}: cannot be written (Permission denied)" in err.splitlines()[-1]
+
+
+def test_the_tracer_writes_its_file_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncflow.telemetry.runlog import Tracer
+
+    tracer = Tracer()
+    tracer.span("trainer", "step", 0.0, 1.0)
+    tracer.write(tmp_path / "trace.json")
+    before = (tmp_path / "trace.json").read_text()
+    tracer.span("trainer", "step 2", 1.0, 2.0)
+    monkeypatch.setattr("os.replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError):
+        tracer.write(tmp_path / "trace.json")
+    assert (tmp_path / "trace.json").read_text() == before  # the old file stands, whole
+
+
 def test_without_samples_jsonl_the_staleness_comes_from_the_train_rows(tmp_path: Path) -> None:
     """It showed "0.00 / 0" (no trained samples read) although metrics.jsonl has it."""
     run_dir = _run(tmp_path / "nosamples", rate=4.0)

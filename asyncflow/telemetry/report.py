@@ -152,11 +152,14 @@ def _add_trace(run: RunData, path: Path) -> None:
     """Work spans per track from a Chrome trace (an object with `traceEvents`, or a bare event list)."""
     try:
         doc = json.loads(_read_text(path))
-    except json.JSONDecodeError:
-        raise UserError(f"{path}: not valid JSON") from None
+    except json.JSONDecodeError:  # (cut short: written by a run before trace.json was written whole)
+        run.notes.append(f"{path}: not valid JSON (cut short?); the timeline and busy fractions are left out")
+        return
     events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
     if not isinstance(events, list):
         raise UserError(f"{path}: not a Chrome trace (expected a traceEvents list)")
+    other = doc.get("otherData") if isinstance(doc, dict) else None
+    dropped = other.get("dropped_spans") if isinstance(other, dict) else None
     names: dict[int | str, str] = {}
     spans: list[tuple[int | str, float, float]] = []  # (tid, start, end) in s
     for i, e in enumerate(events):
@@ -181,6 +184,10 @@ def _add_trace(run: RunData, path: Path) -> None:
             spans.append((tid, start, start + _number(e, "dur", where) / 1e6))
     for tid, start, end in spans:
         run.spans.setdefault(names.get(tid, str(tid)), []).append((start, end))
+    if isinstance(dropped, int) and dropped > 0:  # the run's trace reached its cap: later spans were not kept
+        kept = max((e for _, _, e in spans), default=0.0)
+        run.notes.append(f"{path}: {dropped} later spans were dropped at the trace's cap; the timeline and busy "
+                         f"fractions cover the first {kept:.0f} s of the run only")
 
 
 def load_run(path: str | Path, label: str | None = None) -> RunData:
@@ -403,8 +410,12 @@ def write_report(run_dirs: list[str | Path], log: Callable[[str], None] | None =
             raise UserError(f"{r.path}: metrics.jsonl has no train rows yet")
     out = runs[0].path
     png, md = out / "report.png", out / "summary.md"
-    plot_report(runs, png)
-    md.write_text(summary_markdown(runs))
+    for target, write in ((png, lambda: plot_report(runs, png)), (md, lambda: md.write_text(summary_markdown(runs)))):
+        try:
+            write()
+        except OSError as exc:  # a read-only mount, another user's run, a full disk: one line, not a traceback
+            raise UserError(f"{target}: cannot be written ({exc.strerror or exc}); run the report from a copy "
+                            "of the folder") from None
     return png, md
 
 

@@ -254,4 +254,8 @@ class Tracer:
         doc: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
         if self.dropped:
             doc["otherData"] = {"dropped_spans": self.dropped, "max_events": self.max_events}
-        path.write_text(json.dumps(doc))
+        # whole or not at all: a run killed while writing (or a full disk) left half a file, which the
+        # report refused
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
