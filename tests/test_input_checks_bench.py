@@ -104,6 +104,12 @@ def test_e2e_steady_rate_is_null_with_too_few_steps_and_store_warm_up_covers_its
 
     assert _steady([{"kind": "train", "samples": 8, "time_s": 1.0}] * 3) is None
     assert _steady([{"kind": "train", "samples": 8 * i, "time_s": float(i)} for i in range(1, 9)]) == 8.0
+    # a run's busy fraction weights each step's by the time it covers (a short step counted as a long one)
+    from asyncflow.bench.e2e import _mean
+
+    rows = [{"kind": "eval"}, {"kind": "train", "time_s": 1.0, "rollout_busy_frac": 0.0},
+            {"kind": "train", "time_s": 4.0, "rollout_busy_frac": 1.0}]
+    assert _mean(rows, "rollout_busy_frac") == 0.75 and _mean([], "rollout_busy_frac") == 0.0
     put: list[int] = []
     monkeypatch.setattr(store_mod, "produce", lambda store, batches: put.append(sum(len(b["idx"]) for b in batches)))
     for samples, limit in ((100, 100), (4096, 256), (300, 256), (40, 40)):

@@ -33,8 +33,18 @@ def _steady(rows: list[dict[str, Any]]) -> float | None:
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float:
-    values = [r[key] for r in rows if r.get("kind") == "train"]
-    return sum(values) / max(len(values), 1)
+    """The run's value of a per-step fraction (each train row's covers the wall time since the row
+    before): the rows' mean weighted by the time each covers (an unweighted mean over-counted short
+    steps; 0.596 against 0.643 in one 100-step run)."""
+    train = [r for r in rows if r.get("kind") == "train"]
+    total = weighted = 0.0
+    before = 0.0
+    for r in train:
+        span = max(r["time_s"] - before, 0.0)
+        before = r["time_s"]
+        total += span
+        weighted += r[key] * span
+    return weighted / total if total > 0 else 0.0
 
 
 def run_e2e(overrides: list[str]) -> list[dict[str, Any]]:
