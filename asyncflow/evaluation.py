@@ -9,6 +9,7 @@ episode and its reward the episode's.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -156,17 +157,27 @@ class Evaluator:
 
     async def _episodes(self) -> tuple[list[float | None], str | None, int | None]:
         """Greedy episodes; an episode that failed is None and the first error is reported."""
+        from asyncflow.runtime.clock import SweptClock, run_guarded
         from asyncflow.workflow.episode import EpisodeSettings, run_episode
 
         ro = self.cfg.rollout
         settings = EpisodeSettings(ro.max_new_tokens, 0.0, ro.request_timeout_s, ro.env_timeout_s,
                                    max_context=self.max_context)
         assert self.env_factory is not None
-        results = await asyncio.gather(*(
-            run_episode(env=self.env_factory(self.clock), engine=self.engine, clock=self.clock, tok=self.tok,
-                        uid=-(i + 1), prompt_ids=ids, row=row, seed=self.cfg.seed * 7_919 + i, settings=settings)
-            for i, (ids, row) in enumerate(zip(self.prompt_ids, self.rows, strict=True))
-        ))
+        # the episodes' waits on a swept clock, each episode guarded: one whose environment ignores the
+        # cancellation of a timed-out call is abandoned as failed (awaited in place, the evaluation, and
+        # the run, hung for good)
+        swept = SweptClock(self.clock)
+        try:
+            results = await asyncio.gather(*(
+                run_guarded(swept, run_episode(env=self.env_factory(self.clock), engine=self.engine, clock=swept,
+                                               tok=self.tok, uid=-(i + 1), prompt_ids=ids, row=row,
+                                               seed=self.cfg.seed * 7_919 + i, settings=settings),
+                            functools.partial(_hung_episode, ids))
+                for i, (ids, row) in enumerate(zip(self.prompt_ids, self.rows, strict=True))
+            ))
+        finally:
+            swept.close()
         errors = [r.fields["reward_error"] for r in results if r.fields["reward_error"] is not None]
         return ([r.fields["reward"] for r in results], (errors[0] if errors else None),
                 _newest(r.fields["token_versions"] for r in results))
@@ -195,6 +206,12 @@ class Evaluator:
         errors = [r.fields["reward_error"] for r in results if r.fields["reward_error"] is not None]
         return ([r.fields["reward"] for r in results], (errors[0] if errors else None),
                 _newest(r.fields["token_versions"] for r in results))
+
+
+def _hung_episode(prompt_ids: Sequence[int], error: str) -> Any:
+    from asyncflow.workflow.episode import failed_episode
+
+    return failed_episode(prompt_ids, f"environment hung: {error}")
 
 
 def _newest(versions: Iterable[Sequence[int]]) -> int | None:

@@ -20,7 +20,8 @@ import pytest
 from asyncflow.errors import WaitTimeout
 
 
-def _run(tmp_path: Path, overrides: list[str], *, engine_cls: Any = None, reward: Any = None, real: bool = False) -> None:
+def _run(tmp_path: Path, overrides: list[str], *, engine_cls: Any = None, reward: Any = None, real: bool = False,
+         env_factory: Any = None) -> None:
     """`real`: on the wall clock (a wait on a real thread cannot time out in virtual time, which
     stands still while the loop waits for the thread)."""
     from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
@@ -39,7 +40,8 @@ def _run(tmp_path: Path, overrides: list[str], *, engine_cls: Any = None, reward
         trainer = SimTrainer(clock, token_s=1e-3, devices=1)
         pipeline = _make_sim_pipeline_class()(
             cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=reward or _reward,
-            engines=engines, trainer=trainer, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now))
+            engines=engines, trainer=trainer, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now),
+            env_factory=env_factory)
         pipeline.sim_trainer = trainer
         try:
             await pipeline.run()
@@ -146,6 +148,93 @@ def test_an_async_reward_call_that_swallows_its_cancellation_still_ends_at_its_l
     assert sum(r["status"] == "trained" for r in rows) == 3 * 16
 
 
+def _stubborn_env(hang_on: set[int], raise_on: set[int]) -> Any:
+    """Environments that answer in one step, except: the episodes numbered in `hang_on` swallow every
+    cancellation of their step (a retry loop with a bare `except:`), those in `raise_on` raise
+    CancelledError themselves (awaiting a task they had cancelled)."""
+    from asyncflow.envs import Env, EnvStep
+
+    made: list[int] = []
+
+    class Stubborn(Env):
+        name = "stubborn"
+        max_turns = 2
+
+        def __init__(self, clock: Any) -> None:
+            made.append(1)
+            self.number, self.clock = len(made), clock
+
+        async def reset(self, row: dict[str, Any], seed: int) -> str:
+            return ""
+
+        async def step(self, action: str) -> EnvStep:
+            if self.number in raise_on:
+                helper = asyncio.ensure_future(asyncio.sleep(1.0))
+                helper.cancel()
+                await helper  # (raises CancelledError in this task, which nobody cancelled)
+            while self.number in hang_on:
+                try:  # noqa: SIM105  (the bug this survives: cancellation caught with the rest)
+                    await self.clock.sleep(1.0)
+                except (Exception, asyncio.CancelledError):  # (not GeneratorExit: closed at exit, it ends)
+                    pass
+            return EnvStep("", reward=1.0, done=True)
+
+    return Stubborn
+
+
+def test_an_environment_that_swallows_its_cancellation_or_raises_it_ends_its_episode(tmp_path: Path) -> None:
+    """Awaited in place, a step that swallowed the cancellation of its timeout ran for good, and its
+    episode, lease and group with it; a CancelledError the environment raised itself ended the
+    episode's task unreported (no reward_error, no ack: the lease expired, the run stalled). Both now
+    end their episode as reward_error, and the run trains all its steps."""
+    _run(tmp_path, ["rollout.env=calculator", "rollout.env_timeout_s=0.5", "rollout.max_turns=2"],  # (its factory:)
+         env_factory=_stubborn_env({3}, {6}))
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    failed = sorted((r for r in rows if r["status"] == "reward_error"), key=lambda r: r["error"])
+    assert len(failed) == 2, [r["error"] for r in failed]
+    assert failed[0]["error"] == ("environment 'stubborn' failed in step 1: CancelledError raised by the environment "
+                                  "itself (e.g. it awaited a task it had cancelled)")
+    assert failed[1]["error"].startswith("environment hung: environment 'stubborn' step 1 did not end within 0.5 "
+                                         "virtual s after its timeout of 0.5 virtual s: it ignores cancellation")
+    assert sum(r["status"] == "trained" for r in rows) == 3 * 16 - 2  # (their groups trained without them)
+
+
+def test_an_agent_that_swallows_its_cancellation_ends_at_its_limit() -> None:
+    from asyncflow.runtime.clock import RealClock
+    from asyncflow.workflow.agent import run_agent_episode
+    from asyncflow.workflow.agent_proxy import AgentProxy, RecorderSettings
+
+    async def stubborn(base_url: str, row: dict[str, Any], seed: int) -> float:
+        while True:
+            try:  # noqa: SIM105
+                await asyncio.sleep(0.01)
+            except (Exception, asyncio.CancelledError):  # (not GeneratorExit)
+                pass
+
+    async def raises(base_url: str, row: dict[str, Any], seed: int) -> float:
+        helper = asyncio.ensure_future(asyncio.sleep(1.0))
+        helper.cancel()
+        await helper
+        return 1.0
+
+    async def main() -> list[Any]:
+        proxy = AgentProxy()
+        await proxy.start()
+        try:
+            return [await run_agent_episode(agent=agent, proxy=proxy, engine=None, clock=RealClock(), tok=None,  # type: ignore[arg-type]
+                                            uid=5, row={}, seed=0, settings=RecorderSettings(8, 1.0, 1.0, 60.0, 4),
+                                            timeout_s=0.3)
+                    for agent in (stubborn, raises)]
+        finally:
+            await proxy.close()
+
+    start = time.monotonic()
+    hung, raised = asyncio.run(main())
+    assert time.monotonic() - start < 10
+    assert hung.fields["reward_error"] == "agent hung: episode 5 took longer than rollout.agent_timeout_s=0.3 s"
+    assert raised.fields["reward_error"].startswith("agent failed: CancelledError raised by the agent itself")
+
+
 def test_wait_detached_ends_at_its_deadline_on_the_real_clock() -> None:
     """The evaluation's bound (`RealClock`): a coroutine that never lets itself be cancelled."""
     from asyncflow.runtime.clock import RealClock, wait_detached
@@ -198,6 +287,42 @@ def test_an_eval_whose_generation_never_returns_records_the_timeout(tmp_path: Pa
     row = run_virtual(main)
     assert row["eval_accuracy"] == 0.0
     assert row["eval_error"].startswith("timed out after 14.0 virtual s waiting for greedy generation of the 4 eval")
+
+
+def test_an_eval_episode_whose_environment_swallows_its_cancellation_is_abandoned(tmp_path: Path) -> None:
+    """Evaluation awaited each environment call in place: one that swallowed the cancellation of its
+    timeout hung the evaluation, and the run, for good."""
+    from asyncflow.config import load_config
+    from asyncflow.engines.sim import SimEngine
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.runtime.virtual_loop import run_virtual
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+
+    class Tok:
+        hf = staticmethod(lambda text: {"input_ids": [5, 6]})
+        eos_token_id = 1
+
+        def encode(self, text: str) -> list[int]:
+            return [7] * len(text)
+
+        def decode(self, ids: Any) -> str:
+            return "x" * len(ids)
+
+    async def main(clock: Any) -> dict[str, Any]:
+        cfg, _ = load_config(None, ["rollout.env=calculator", "rollout.env_timeout_s=2", "rollout.max_turns=2"])
+        log = RunLog(tmp_path)
+        try:
+            evaluator = Evaluator(cfg, [{"prompt": str(i), "answer": "1"} for i in range(4)], Tok(), None,  # type: ignore[arg-type]
+                                  SimEngine(clock, lengths=lambda rng: 3, capacity=4, seed=0), log,
+                                  Tracer(now=clock.now), env_factory=_stubborn_env({2}, {3}), clock=clock)
+            return await evaluator.run(step=0)
+        finally:
+            log.close()
+
+    row = run_virtual(main)
+    assert row["eval_accuracy"] == 0.5 and row["eval_errors"] == 2
+    assert row["eval_error"].startswith("environment hung: environment 'stubborn' step 1 did not end within 2.0 virtual "
+                                        "s after its timeout")
 
 
 def test_a_reward_outage_after_the_first_calls_ends_the_run_at_the_batch_deadline(tmp_path: Path) -> None:

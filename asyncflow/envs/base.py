@@ -19,6 +19,7 @@ Contract:
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -73,3 +74,17 @@ async def env_call(clock: Clock, aw: Awaitable[T], timeout_s: float, env: Env, w
         raise
     except Exception as exc:  # the environment's own bug: end this episode, keep the run
         raise EnvError(f"environment {env.name!r} failed in {what}: {type(exc).__name__}: {exc}") from exc
+    except asyncio.CancelledError as exc:
+        if not own_cancel(exc):
+            raise  # (the run, or its timeout, cancelled this episode)
+        raise EnvError(f"environment {env.name!r} failed in {what}: CancelledError raised by the environment "
+                       "itself (e.g. it awaited a task it had cancelled)") from exc
+
+
+def own_cancel(exc: BaseException) -> bool:
+    """Whether a `CancelledError` came from the awaited plugin's own code (it awaited a task it had
+    cancelled, say), not from a cancellation of the current task: that one ended the episode's task
+    unreported (no reward_error, no ack), and an evaluation with a traceback."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # (Python >= 3.11)
+    return task is not None and cancelling is not None and cancelling() == 0

@@ -89,12 +89,14 @@ else:  # 3.11's `asyncio.current_task` is Python over this dict (0.41 against 0.
 
 
 class _Wait:
-    __slots__ = ("deadline", "fired", "task")
+    __slots__ = ("deadline", "fired", "task", "timeout", "what")
 
-    def __init__(self, deadline: float, task: asyncio.Task[Any]) -> None:
+    def __init__(self, deadline: float, task: asyncio.Task[Any], timeout: float, what: str) -> None:
         self.deadline = deadline
         self.task = task
         self.fired = False
+        self.timeout = timeout
+        self.what = what
 
 
 class SweptClock:
@@ -114,6 +116,9 @@ class SweptClock:
         self._next = 0
         self._tick = math.inf
         self._sweeper: asyncio.Task[None] | None = None
+        # task -> what to call when a wait of it is stuck (`guard`): a wait cancelled at its deadline
+        # that has not ended a whole timeout later, because the awaited plugin swallows the cancel
+        self._guards: dict[asyncio.Task[Any], Callable[[str], None]] = {}
         self.now: Callable[[], float] = clock.now  # bound, not forwarded: one Python call instead of two
         self.sleep: Callable[[float], Coroutine[Any, Any, None]] = clock.sleep  # (likewise: one frame less per sleep)
 
@@ -123,7 +128,7 @@ class SweptClock:
             return await self.clock.wait_for(aw, timeout, what)
         key = self._next
         self._next = key + 1
-        w = self._waits[key] = _Wait(self.clock.now() + timeout, task)
+        w = self._waits[key] = _Wait(self.clock.now() + timeout, task, timeout, what)
         restart = timeout / 8 < self._tick  # a shorter timeout than the sweeper's: sweep more often from now
         if restart:
             self._tick = timeout / 8
@@ -160,10 +165,24 @@ class SweptClock:
                 break
             now = self.clock.now()
             for w in list(self._waits.values()):
-                if not w.fired and now >= w.deadline:
-                    w.fired = True
-                    w.task.cancel()
+                if not w.fired:
+                    if now >= w.deadline:
+                        w.fired = True
+                        w.task.cancel()
+                elif now >= w.deadline + w.timeout and w.task in self._guards:
+                    # cancelled a whole timeout ago and still waiting: the plugin ignores cancellation
+                    self._guards.pop(w.task)(f"{w.what} did not end within {seconds_text(w.timeout)} {self.unit} "
+                                             f"after its timeout of {seconds_text(w.timeout)} {self.unit}: it ignores "
+                                             "cancellation, and was abandoned")
         self._tick = math.inf
+
+    def guard(self, task: asyncio.Task[Any], on_stuck: Callable[[str], None]) -> None:
+        """Call `on_stuck(message)` (once) if a wait of `task` is stuck: cancelled at its deadline and
+        not ended a whole timeout later (the awaited plugin swallows the cancel). `run_guarded` uses it."""
+        self._guards[task] = on_stuck
+
+    def unguard(self, task: asyncio.Task[Any]) -> None:
+        self._guards.pop(task, None)
 
 
 async def wait_detached(clock: Clock, aw: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
@@ -180,14 +199,57 @@ async def wait_detached(clock: Clock, aw: Coroutine[Any, Any, T], timeout: float
         return await clock.wait_for(asyncio.shield(task), timeout, what)
     except BaseException:
         if not task.done():
-            task.cancel()
-            task.add_done_callback(_discard_outcome)
-            unregister = getattr(asyncio.tasks, "_unregister_task", None)  # (asyncio's own, for task implementations)
-            if unregister is not None:
-                unregister(task)
-            with contextlib.suppress(AttributeError):  # its timeout is already reported: no "Task was destroyed
-                task._log_destroy_pending = False  # type: ignore[attr-defined]  # but it is pending!" at exit
+            _abandon(task)
         raise
+
+
+async def run_guarded(clock: SweptClock, coro: Coroutine[Any, Any, T], on_stuck: Callable[[str], T]) -> T:
+    """Run `coro` (a whole episode: many bounded waits on `clock`) as a task of its own and return
+    its result; if one of its waits is stuck (the environment or agent swallows the cancellation of
+    its timeout, so awaited in place nothing could end it), return `on_stuck(message)` instead and
+    abandon the task (cancelled, its outcome discarded, out of asyncio's registry so that
+    `asyncio.run` does not wait for it at exit). Costs a task and a future per call: once per
+    episode, not per environment call. Cancelling the caller cancels and abandons the task too."""
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(coro)
+    waiter: asyncio.Future[str | None] = loop.create_future()
+
+    def finished(_: asyncio.Task[Any]) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    def stuck(message: str) -> None:
+        if not waiter.done():
+            waiter.set_result(message)
+
+    task.add_done_callback(finished)
+    clock.guard(task, stuck)
+    try:
+        message = await waiter
+    except BaseException:
+        _abandon(task)
+        raise
+    finally:
+        clock.unguard(task)
+    if message is not None and not task.done():
+        _abandon(task)
+        return on_stuck(message)
+    return task.result()
+
+
+def _abandon(task: asyncio.Task[Any]) -> None:
+    """Cancel `task` and leave it to end: its outcome is discarded and it is taken out of asyncio's
+    registry (`asyncio.run` waits, unbounded, for every registered task at its end)."""
+    if task.done():
+        _discard_outcome(task)
+        return
+    task.cancel()
+    task.add_done_callback(_discard_outcome)
+    unregister = getattr(asyncio.tasks, "_unregister_task", None)  # (asyncio's own, for task implementations)
+    if unregister is not None:
+        unregister(task)
+    with contextlib.suppress(AttributeError):  # its failure is already reported: no "Task was destroyed but
+        task._log_destroy_pending = False  # type: ignore[attr-defined]  # it is pending!" at exit
 
 
 def _discard_outcome(task: asyncio.Future[Any]) -> None:

@@ -18,6 +18,7 @@ reward or makes no model call ends its episode with `reward_error` (kept out of 
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
@@ -28,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.engines.base import InferenceEngine
+from asyncflow.envs.base import own_cancel
 from asyncflow.errors import UserError, WaitTimeout
-from asyncflow.runtime.clock import Clock
+from asyncflow.runtime.clock import Clock, wait_detached
 from asyncflow.workflow.agent_proxy import AgentProxy, Call, EpisodeRecorder, RecorderSettings
 from asyncflow.workflow.episode import EpisodeResult, Trajectory
 
@@ -72,6 +74,10 @@ def stitch(calls: Sequence[Call]) -> tuple[list[int], Trajectory, int]:
     return prompt, traj, kept
 
 
+async def _called(agent: AgentFn, base_url: str, row: dict[str, Any], seed: int) -> Any:
+    return await agent(base_url, row, seed)
+
+
 def _reward_of(value: Any) -> float:
     reward = value.get("reward") if isinstance(value, dict) else value
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
@@ -101,11 +107,18 @@ async def run_agent_episode(
     reward: float | None = None
     error: str | None = None
     try:
-        reward = _reward_of(await clock.wait_for(agent(base_url, row, seed), timeout_s, f"agent episode {uid}"))
+        # as a task of its own (once per episode): an agent whose retry loop swallows the cancellation
+        # of its timeout otherwise ran on, and its episode, lease and group with it, for good
+        reward = _reward_of(await wait_detached(clock, _called(agent, base_url, row, seed), timeout_s,
+                                                f"agent episode {uid}"))
     except WaitTimeout:
         error = f"agent hung: episode {uid} took longer than rollout.agent_timeout_s={timeout_s:g} s"
     except Exception as exc:  # the agent's own failure: end this episode, keep the run
         error = f"agent failed: {type(exc).__name__}: {exc}"
+    except asyncio.CancelledError as exc:
+        if not own_cancel(exc):
+            raise
+        error = "agent failed: CancelledError raised by the agent itself (e.g. it awaited a task it had cancelled)"
     finally:
         proxy.unregister(base_url)
     if rec.failure is not None:

@@ -146,6 +146,26 @@ class TurnBarrier:
             released, self._released, self._arrived = self._released, asyncio.Event(), 0
             released.set()
 
+    def party(self) -> BarrierParty:
+        """One episode's handle: it leaves at most once (an abandoned episode is made to leave by
+        its owner, and again by its own `finally` should it ever end)."""
+        return BarrierParty(self)
+
+
+class BarrierParty:
+    __slots__ = ("barrier", "left")
+
+    def __init__(self, barrier: TurnBarrier) -> None:
+        self.barrier, self.left = barrier, False
+
+    async def wait(self) -> None:
+        await self.barrier.wait()
+
+    def leave(self) -> None:
+        if not self.left:
+            self.left = True
+            self.barrier.leave()
+
 
 @dataclass
 class EpisodeResult:
@@ -165,7 +185,7 @@ async def run_episode(
     seed: int,
     settings: EpisodeSettings,
     on_env_step: Callable[[int, float, float], None] | None = None,
-    barrier: TurnBarrier | None = None,
+    barrier: TurnBarrier | BarrierParty | None = None,
     floor: Callable[[], float] | None = None,
 ) -> EpisodeResult:
     """Play one episode to its end. An environment that fails or hangs ends the episode with its
@@ -181,6 +201,7 @@ async def run_episode(
     reward, error, finish, turns = 0.0, None, "length", 0
     submit = requester(engine)
     first_version = math.inf  # the oldest version of the tokens generated so far
+    closed = False
     try:
         traj.add_env(tok.encode(_observation(
             await env_call(clock, env.reset(row, seed), settings.env_timeout_s, env, "reset"), env, "reset")))
@@ -233,15 +254,27 @@ async def run_episode(
                 traj.add_env(obs)
     except EnvError as exc:
         error = str(exc)
+    except GeneratorExit:  # an abandoned episode's coroutine, closed at exit: nothing may be awaited now
+        closed = True
+        raise
     finally:
         if barrier is not None:
             barrier.leave()
-        try:
-            await env_call(clock, env.close(), settings.env_timeout_s, env, "close")
-        except EnvError as exc:
-            error = error or str(exc)
+        if not closed:
+            try:
+                await env_call(clock, env.close(), settings.env_timeout_s, env, "close")
+            except EnvError as exc:
+                error = error or str(exc)
     fields = traj.fields()
     fields.update(finish_reason=finish, turns=turns, reward=None if error else reward, reward_error=error)
+    return EpisodeResult(fields)
+
+
+def failed_episode(prompt_ids: Sequence[int], error: str) -> EpisodeResult:
+    """The fields of an episode that ended with `error` before anything of it could be kept (one
+    abandoned because its environment ignores cancellation, `runtime.clock.run_guarded`)."""
+    fields = Trajectory(prompt_ids).fields()
+    fields.update(finish_reason="length", turns=0, reward=None, reward_error=error)
     return EpisodeResult(fields)
 
 

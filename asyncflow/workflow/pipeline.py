@@ -54,12 +54,19 @@ from asyncflow.rewards import (
     call_reward_fn_async,
     is_async_reward_fn,
 )
-from asyncflow.runtime.clock import Clock, SweptClock, wait_detached
+from asyncflow.runtime.clock import Clock, SweptClock, run_guarded, wait_detached
 from asyncflow.telemetry.runlog import RunLog, Tracer
 from asyncflow.transfer_queue import Lease, NewSample, QueueClosed, SampleView, StoreClient, TransferQueue
 from asyncflow.workflow.agent import AgentFn, load_agent, run_agent_episode
 from asyncflow.workflow.agent_proxy import AgentProxy, RecorderSettings
-from asyncflow.workflow.episode import EpisodeSettings, TurnBarrier, generated_tokens, run_episode
+from asyncflow.workflow.episode import (
+    EpisodeResult,
+    EpisodeSettings,
+    TurnBarrier,
+    failed_episode,
+    generated_tokens,
+    run_episode,
+)
 from asyncflow.workflow.gate import StalenessGate
 
 CANCELLED = "cancelled: could no longer meet max_staleness"
@@ -476,14 +483,24 @@ class Pipeline:
                 self.tracer.span(track, f"agent episode {sample.uid}", start, self.clock.now())
             else:
                 assert self.env_factory is not None
-                result = await run_episode(
+                prompt_ids = sample.fields["prompt_ids"]
+                party = None if barrier is None else barrier.party()
+
+                def abandoned(error: str) -> EpisodeResult:
+                    if party is not None:  # (its own `finally`, which leaves the barrier, may never run)
+                        party.leave()
+                    return failed_episode(prompt_ids, f"environment hung: {error}")
+
+                # in a task of its own, abandoned if the environment ignores the cancellation of a
+                # timed-out call (awaited in place, the episode, its lease and its group hung for good)
+                result = await run_guarded(self._swept, run_episode(
                     env=self.env_factory(self.clock), engine=engine, clock=self._swept, tok=self.tok, uid=sample.uid,
-                    prompt_ids=sample.fields["prompt_ids"], row=self.rows[sample.fields["row"]],
+                    prompt_ids=prompt_ids, row=self.rows[sample.fields["row"]],
                     seed=self.cfg.seed * 1_000_003 + sample.uid,
                     settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
                                              ro.top_p, ro.top_k, self.max_context),
-                    on_env_step=None if self.tracer.off else on_env_step, barrier=barrier, floor=self._floor,
-                )
+                    on_env_step=None if self.tracer.off else on_env_step, barrier=party, floor=self._floor,
+                ), abandoned)
             cancelled = result.fields["finish_reason"] == "cancelled"  # (not a failure of the env or agent)
             self._count_episode(None if cancelled else result.fields["reward_error"],
                                 "rollout.agent" if proxy is not None else "rollout.env")
