@@ -540,6 +540,15 @@ def loss_settings(cfg: Config) -> Any:
     )
 
 
+def _evaluates_again(cfg: Config, step: int, history: list[dict[str, Any]]) -> bool:
+    """Whether a run resumed from the checkpoint of `step` logs an evaluation at that step again: the
+    one due there (it begins after the checkpoint, so the checkpoint's history never holds it), or
+    the final one when the checkpoint is of the last step."""
+    if step >= cfg.train.max_steps:
+        return True
+    return cfg.eval.every > 0 and step % cfg.eval.every == 0 and history[-1]["step"] != step
+
+
 async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any, tok: Any,
                trainer: Any, engines: list[Any], workers: Any, resume: Any = None,
                env_factory: Any = None) -> dict[str, Any]:
@@ -578,9 +587,11 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             raise UserError(f"checkpoint.resume: {resume.path / 'store.pt'} cannot be loaded ({type(exc).__name__}: "
                             f"{exc}) {damaged_hint(resume.path)}") from None
     out = folder.open()  # the run is built: from here on it writes its folder
+    redo_eval = resume is not None and _evaluates_again(cfg, resume.step, resume.state["eval_history"])
     log = RunLog(out, sinks=make_sinks(out, tensorboard=cfg.logging.tensorboard,
                                        wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
-                                       config=to_dict(cfg), resume_step=None if resume is None else resume.step))
+                                       config=to_dict(cfg), resume_step=None if resume is None else resume.step,
+                                       redo_eval=redo_eval))
     clock = RealClock()
     tracer = Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS)
     evaluator = None
@@ -598,9 +609,8 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         else:  # the evaluations logged up to the checkpoint; one due at its step runs now (it may have been cut)
             evaluator.history = list(resume.state["eval_history"])
             # (at max_steps: the run died before its end; the final evaluation below is that step's)
-            due = cfg.eval.every > 0 and resume.step % cfg.eval.every == 0 and resume.step < cfg.train.max_steps
-            last_eval = await evaluator.run(step=resume.step) if due and evaluator.history[-1]["step"] != resume.step \
-                else evaluator.history[-1]
+            due = redo_eval and resume.step < cfg.train.max_steps
+            last_eval = await evaluator.run(step=resume.step) if due else evaluator.history[-1]
         pending_eval: asyncio.Task[dict[str, float]] | None = None
         eval_skip_told = False
         pipeline: Pipeline

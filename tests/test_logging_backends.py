@@ -54,6 +54,29 @@ def test_a_resumed_runs_tensorboard_drops_the_redone_steps(tmp_path: Path) -> No
         [(1, 0.1), (2, 0.2), (3, 1.5), (4, 2.0)]
 
 
+def test_a_resume_that_evaluates_its_checkpoint_step_again_draws_that_evaluation_once(tmp_path: Path) -> None:
+    """An evaluation begins after its step's checkpoint, so a resume from there runs it again: its
+    first point survived the purge (from the next step on) and it was drawn twice at that step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = RunLog(tmp_path, sinks=make_sinks(tmp_path, tensorboard=True, wandb_project=None, config={}))
+    rows = [{"kind": "train", "step": 1, "reward_mean": 0.1}, {"kind": "train", "step": 2, "reward_mean": 0.2},
+            {"kind": "eval", "step": 2, "eval_accuracy": 0.5}, {"kind": "train", "step": 3, "reward_mean": 0.3}]
+    for row in rows:
+        log.metric(row)
+    log.close()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))  # (cut to the checkpoint)
+    log = RunLog(tmp_path, sinks=make_sinks(tmp_path, tensorboard=True, wandb_project=None, config={}, resume_step=2,
+                                            redo_eval=True))
+    log.metric({"kind": "eval", "step": 2, "eval_accuracy": 0.6})
+    log.metric({"kind": "train", "step": 3, "reward_mean": 0.7})
+    log.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, round(e.value, 3)) for e in acc.Scalars("eval/eval_accuracy")] == [(2, 0.6)]
+    assert [(e.step, round(e.value, 3)) for e in acc.Scalars("train/reward_mean")] == [(1, 0.1), (2, 0.2), (3, 0.7)]
+
+
 def test_wandb_sink_logs_through_the_wandb_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, Any]] = []
 

@@ -7,6 +7,7 @@ one complete ("X") event per span, times in microseconds since the run started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -93,15 +94,37 @@ class WandbSink(MetricSink):
 
 
 def make_sinks(out: Path, *, tensorboard: bool, wandb_project: str | None, config: dict[str, Any],
-               resume_step: int | None = None) -> list[MetricSink]:
+               resume_step: int | None = None, redo_eval: bool = False) -> list[MetricSink]:
     """The sinks a run's `logging` section asks for (their packages were checked at config load).
-    `resume_step`: the checkpoint a resumed run goes on from."""
+    `resume_step`: the checkpoint a resumed run goes on from; `redo_eval`: it evaluates again at that
+    step (an evaluation begins after its step's checkpoint, so the one due there is never in it)."""
     sinks: list[MetricSink] = []
     if tensorboard:
-        sinks.append(TensorBoardSink(out, None if resume_step is None else resume_step + 1))
+        if resume_step is not None and redo_eval:
+            # TensorBoard's points from the checkpoint's own step on are purged (its evaluation, drawn
+            # before the stop, was drawn twice), and that step's kept rows (metrics.jsonl, already cut
+            # back to the checkpoint) drawn again
+            sink = TensorBoardSink(out, resume_step)
+            for row in _rows_at(out / "metrics.jsonl", resume_step):
+                sink.write(row)
+            sinks.append(sink)
+        else:
+            sinks.append(TensorBoardSink(out, None if resume_step is None else resume_step + 1))
     if wandb_project is not None:
         sinks.append(WandbSink(out, wandb_project, config))
     return sinks
+
+
+def _rows_at(path: Path, step: int) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines metrics file logged for `step` (unreadable lines skipped)."""
+    rows = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if isinstance(row, dict) and row.get("step") == step:
+                    rows.append(row)
+    return rows
 
 
 class RunLog:
