@@ -173,7 +173,7 @@ class Evaluator:
                 run_guarded(swept, run_episode(env=self.env_factory(self.clock), engine=self.engine, clock=swept,
                                                tok=self.tok, uid=-(i + 1), prompt_ids=ids, row=row,
                                                seed=self.cfg.seed * 7_919 + i, settings=settings),
-                            functools.partial(_hung_episode, ids))
+                            functools.partial(_hung_episode, ids), ro.env_timeout_s + 1.0)
                 for i, (ids, row) in enumerate(zip(self.prompt_ids, self.rows, strict=True))
             ))
         finally:

@@ -343,3 +343,163 @@ def test_a_reward_outage_after_the_first_calls_ends_the_run_at_the_batch_deadlin
                                           r"meanwhile [1-9]\d* groups failed every reward call"):
         _run(tmp_path, ["workflow.step_timeout_s=300", "train.max_steps=50"], reward=goes_down)
     assert len(calls) > 100  # it went on past the first calls (fail-fast did not end it) until the deadline
+
+
+class _Tok:
+    eos_token_id = 1
+
+    def encode(self, text: str) -> list[int]:
+        return [7] * len(text)
+
+    def decode(self, ids: Any) -> str:
+        return "x"
+
+
+class _Engine:
+    version = 0
+
+    async def generate(self, req: Any) -> Any:
+        from asyncflow.engines.base import GenResult
+
+        return GenResult(req.uid, [7, 7], [0.0, 0.0], [0, 0], "stop")
+
+
+def test_a_cancelled_guarded_episode_still_closes_its_environment() -> None:
+    """Cancelling the caller (the run ending, Ctrl-C, an evaluation cut short) abandoned each guarded
+    episode at once: its `finally: env.close()` never completed (a container, a sandbox left behind)."""
+    from asyncflow.envs import Env, EnvStep
+    from asyncflow.runtime.clock import RealClock, SweptClock, run_guarded
+    from asyncflow.workflow.episode import EpisodeSettings, run_episode
+
+    closed: list[int] = []
+
+    class Slow(Env):
+        name = "slow"
+
+        async def reset(self, row: dict[str, Any], seed: int) -> str:
+            return ""
+
+        async def step(self, action: str) -> EnvStep:
+            await asyncio.sleep(60)  # a long step that lets itself be cancelled
+            return EnvStep("", 1.0, True)
+
+        async def close(self) -> None:
+            await asyncio.sleep(0.05)  # (stopping a container)
+            closed.append(1)
+
+    async def main() -> None:
+        swept = SweptClock(RealClock())
+        episodes = [run_guarded(swept, run_episode(env=Slow(), engine=_Engine(), clock=swept, tok=_Tok(), uid=-1,  # type: ignore[arg-type]
+                                                   prompt_ids=[5], row={}, seed=0,
+                                                   settings=EpisodeSettings(8, 0.0, 30.0, 120.0)),
+                                lambda m: None, 5.0) for _ in range(4)]
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*episodes), 0.2)
+        finally:
+            swept.close()
+
+    asyncio.run(main())
+    assert closed == [1, 1, 1, 1]
+
+
+def test_a_timeout_the_environment_turns_into_its_own_error_is_a_timeout_and_taken_back() -> None:
+    """A client library that turns the timeout's cancellation into its own error left the task's
+    cancel count at 1, so a CancelledError the environment raised itself later (close awaiting a
+    helper it had cancelled) was read as the run's: the episode's task ended unreported."""
+    from asyncflow.envs.base import Env, EnvError, EnvStep, env_call
+    from asyncflow.runtime.clock import RealClock, SweptClock, run_guarded
+
+    class Wrapping(Env):
+        name = "wrapping"
+
+        async def reset(self, row: dict[str, Any], seed: int) -> str:
+            return ""
+
+        async def step(self, action: str) -> EnvStep:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                raise ConnectionError("request aborted") from None
+            return EnvStep("", 1.0, True)
+
+        async def close(self) -> None:
+            helper = asyncio.ensure_future(asyncio.sleep(1.0))
+            helper.cancel()
+            await helper
+
+    async def episode(clock: Any) -> list[str]:
+        env, errors = Wrapping(), []
+        for call, what in ((env.step("x"), "step 1"), (env.close(), "close")):
+            try:
+                await env_call(clock, call, 0.2, env, what)
+            except EnvError as exc:
+                errors.append(str(exc))
+        return errors
+
+    async def main() -> Any:
+        swept = SweptClock(RealClock())
+        try:
+            return await run_guarded(swept, episode(swept), lambda m: m, 5.0)
+        finally:
+            swept.close()
+
+    assert asyncio.run(main()) == [
+        "environment 'wrapping' hung: step 1 took longer than 0.2 s",
+        "environment 'wrapping' failed in close: CancelledError raised by the environment itself (e.g. it awaited a "
+        "task it had cancelled)"]
+
+
+def test_an_abandoned_episode_that_comes_back_neither_works_nor_keeps_the_clock_alive() -> None:
+    """An environment that swallows cancellation for a while, then lets go: after its episode was
+    abandoned it played on (generating for nobody), and its next wait restarted a sweeper of a
+    closed clock that never stopped. A barrier party made to leave still counted when it arrived."""
+    from asyncflow.runtime.clock import Abandoned, SweptClock, run_guarded
+    from asyncflow.runtime.virtual_loop import run_virtual
+    from asyncflow.workflow.episode import TurnBarrier
+
+    later: list[str] = []
+
+    async def episode(clock: Any) -> str:
+        async def stubborn_step() -> None:
+            for _ in range(20):  # swallows 20 s of cancels, then ends
+                try:  # noqa: SIM105
+                    await clock.clock.sleep(1.0)
+                except (Exception, asyncio.CancelledError):  # (not GeneratorExit)
+                    pass
+
+        await clock.wait_for(stubborn_step(), 1.0, "step 1")
+        try:
+            await clock.wait_for(asyncio.sleep(0), 1.0, "generation of turn 2")
+        except Abandoned:
+            later.append("refused")
+            raise
+        later.append("played on")
+        return "done"
+
+    async def main(vclock: Any) -> tuple[str, list[str]]:
+        swept = SweptClock(vclock)
+        result = await run_guarded(swept, episode(swept), lambda m: f"abandoned: {m}", 5.0)
+        swept.close()
+        await vclock.sleep(100)
+        alive = [t.get_coro().__qualname__ for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return result, alive
+
+    result, alive = run_virtual(main)
+    assert result.startswith("abandoned: step 1 did not end within 1.0 virtual s after its timeout")
+    assert later == ["refused"] and alive == []
+
+    async def barrier() -> tuple[bool, bool]:
+        b = TurnBarrier(3)
+        gone, live1, live2 = b.party(), b.party(), b.party()
+        gone.leave()
+        first = asyncio.ensure_future(live1.wait())
+        await asyncio.sleep(0)
+        await gone.wait()  # (it counted, and released the turn before live2 arrived)
+        await asyncio.sleep(0)
+        early = first.done()
+        await live2.wait()
+        await asyncio.sleep(0)
+        return early, first.done()
+
+    assert asyncio.run(barrier()) == (False, True)

@@ -119,12 +119,21 @@ class SweptClock:
         # task -> what to call when a wait of it is stuck (`guard`): a wait cancelled at its deadline
         # that has not ended a whole timeout later, because the awaited plugin swallows the cancel
         self._guards: dict[asyncio.Task[Any], Callable[[str], None]] = {}
+        # tasks given up on (`abandon`): their waits end at once, and the sweeper does not wait for them
+        self._abandoned: set[asyncio.Task[Any]] = set()
+        self._closed = False
         self.now: Callable[[], float] = clock.now  # bound, not forwarded: one Python call instead of two
         self.sleep: Callable[[float], Coroutine[Any, Any, None]] = clock.sleep  # (likewise: one frame less per sleep)
 
     async def wait_for(self, aw: Awaitable[T], timeout: float | None, what: str) -> T:
         task = _current_task(asyncio.get_running_loop())
-        if timeout is None or task is None:
+        if self._abandoned and task in self._abandoned:  # (an abandoned episode that came back to life:
+            if asyncio.iscoroutine(aw):  # it must not go on generating for nobody)
+                aw.close()
+            elif isinstance(aw, asyncio.Future):  # (a request already handed to its engine)
+                aw.cancel()
+            raise Abandoned(what)
+        if timeout is None or task is None or self._closed:
             return await self.clock.wait_for(aw, timeout, what)
         key = self._next
         self._next = key + 1
@@ -143,6 +152,14 @@ class SweptClock:
                 raise
             _uncancel(task)
             raise WaitTimeout(f"timed out after {seconds_text(timeout)} {self.unit} waiting for {what}") from None
+        except Exception as exc:
+            if not w.fired:
+                raise
+            # the call turned our cancel into an error of its own (a client's ConnectionError): it timed
+            # out all the same, and the cancel is taken back (left, a CancelledError the plugin raised
+            # itself later in the episode was read as the run's)
+            _uncancel(task)
+            raise WaitTimeout(f"timed out after {seconds_text(timeout)} {self.unit} waiting for {what}") from exc
         finally:
             del self._waits[key]
         if w.fired:  # `aw` finished anyway, swallowing our cancel: take it back
@@ -150,10 +167,19 @@ class SweptClock:
         return result
 
     def close(self) -> None:
-        """Stop the sweeper (the owner's run is over; a later wait would start a new one)."""
+        """Stop the sweeper (the owner's run is over). Later waits are bounded by the wrapped clock
+        (an abandoned episode that came back to life restarted a sweeper nobody would stop)."""
+        self._closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+
+    def abandon(self, task: asyncio.Task[Any]) -> None:
+        """`task` is given up on: its later waits raise `Abandoned` at once, and the sweeper no longer
+        waits for its stuck ones."""
+        if not task.done():
+            self._abandoned.add(task)
+            task.add_done_callback(self._abandoned.discard)
 
     async def _sweep(self) -> None:
         """Cancel the tasks of overdue waits; ends at a tick that finds no wait left (the next wait
@@ -161,10 +187,13 @@ class SweptClock:
         function that returns at once) would otherwise start and end a sweeper task each."""
         while True:
             await self.clock.sleep(self._tick)
-            if not self._waits:
+            waits = list(self._waits.values())
+            if self._abandoned:  # (a stuck wait of an abandoned task never ends: not waited for)
+                waits = [w for w in waits if w.task not in self._abandoned]
+            if not waits:
                 break
             now = self.clock.now()
-            for w in list(self._waits.values()):
+            for w in waits:
                 if not w.fired:
                     if now >= w.deadline:
                         w.fired = True
@@ -203,13 +232,20 @@ async def wait_detached(clock: Clock, aw: Coroutine[Any, Any, T], timeout: float
         raise
 
 
-async def run_guarded(clock: SweptClock, coro: Coroutine[Any, Any, T], on_stuck: Callable[[str], T]) -> T:
+class Abandoned(BaseException):
+    """Raised in a task given up on (`SweptClock.abandon`) at its next bounded wait. A BaseException,
+    so that the plugin's and the episode's `except Exception` let it through and the task ends."""
+
+
+async def run_guarded(clock: SweptClock, coro: Coroutine[Any, Any, T], on_stuck: Callable[[str], T],
+                      grace_s: float) -> T:
     """Run `coro` (a whole episode: many bounded waits on `clock`) as a task of its own and return
     its result; if one of its waits is stuck (the environment or agent swallows the cancellation of
     its timeout, so awaited in place nothing could end it), return `on_stuck(message)` instead and
-    abandon the task (cancelled, its outcome discarded, out of asyncio's registry so that
-    `asyncio.run` does not wait for it at exit). Costs a task and a future per call: once per
-    episode, not per environment call. Cancelling the caller cancels and abandons the task too."""
+    abandon the task (cancelled, its outcome discarded, its later waits refused, out of asyncio's
+    registry so that `asyncio.run` does not wait for it at exit). Costs a task and a future per call:
+    once per episode, not per environment call. Cancelling the caller cancels the task and waits up
+    to `grace_s` for it to end (its environment's `close`, as when it ran in place), then abandons it."""
     loop = asyncio.get_running_loop()
     task = loop.create_task(coro)
     waiter: asyncio.Future[str | None] = loop.create_future()
@@ -226,12 +262,25 @@ async def run_guarded(clock: SweptClock, coro: Coroutine[Any, Any, T], on_stuck:
     clock.guard(task, stuck)
     try:
         message = await waiter
+    except asyncio.CancelledError:  # the caller is cancelled (the run ends, Ctrl-C, an eval cut short)
+        task.cancel()
+        try:
+            await asyncio.wait([task], timeout=grace_s)
+        finally:
+            if task.done():
+                _discard_outcome(task)
+            else:
+                clock.abandon(task)
+                _abandon(task)
+        raise
     except BaseException:
+        clock.abandon(task)
         _abandon(task)
         raise
     finally:
         clock.unguard(task)
     if message is not None and not task.done():
+        clock.abandon(task)
         _abandon(task)
         return on_stuck(message)
     return task.result()

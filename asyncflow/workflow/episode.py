@@ -159,7 +159,8 @@ class BarrierParty:
         self.barrier, self.left = barrier, False
 
     async def wait(self) -> None:
-        await self.barrier.wait()
+        if not self.left:  # (one made to leave is no longer counted: it released a turn early)
+            await self.barrier.wait()
 
     def leave(self) -> None:
         if not self.left:

@@ -500,7 +500,7 @@ class Pipeline:
                     settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
                                              ro.top_p, ro.top_k, self.max_context),
                     on_env_step=None if self.tracer.off else on_env_step, barrier=party, floor=self._floor,
-                ), abandoned)
+                ), abandoned, ro.env_timeout_s + 1.0)
             cancelled = result.fields["finish_reason"] == "cancelled"  # (not a failure of the env or agent)
             self._count_episode(None if cancelled else result.fields["reward_error"],
                                 "rollout.agent" if proxy is not None else "rollout.env")
