@@ -725,13 +725,17 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             if workers is not None:
                 workers.collect(tracer, pipeline.counters)
                 restarts = {k: v for k, v in workers.restarts.items() if v}
-    finally:
-        if evaluator is not None:
-            evaluator.close()
-        for e in engines:
-            await e.close()
-        tracer.write(out / "trace.json")
-        log.close()
+    finally:  # (each step whatever the one before did: the log, with its W&B run, is closed last, always)
+        try:
+            try:
+                if evaluator is not None:
+                    evaluator.close()
+                for e in engines:
+                    await e.close()
+            finally:
+                tracer.write(out / "trace.json")
+        finally:
+            log.close()
     final = out / "final"
     trainer.save(str(final), with_optimizer=False)
     hf_tok.save_pretrained(str(final))

@@ -204,6 +204,8 @@ def test_vllm_style_replies_give_token_ids_and_the_sent_version() -> None:
         return {"choices": [{"finish_reason": "stop", "logprobs": {"token_logprobs": [-0.5, -0.1]},
                              "token_ids": [5, 1], **kw}]}
 
+    with pytest.raises(HTTPError, match="exact ids"):  # (an int where the list belongs was a TypeError traceback)
+        parse_choice(choice(token_ids=5), 0, "x")
     for bad, needle in (({"token_ids": [5.7, 1]}, "token ids are not all non-negative integers (e.g. 5.7)"),
                         ({"token_ids": ["a", "b"]}, "token ids are not all non-negative integers (e.g. 'a')"),
                         ({"token_ids": [5, -3]}, "token ids are not all non-negative integers (e.g. -3)"),

@@ -124,7 +124,7 @@ def parse_choice(reply: Any, sent_version: int, where: str) -> tuple[list[int], 
         tokens = choice["logprobs"].get("tokens") or []
         if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
             ids = [int(t.split(":", 1)[1]) for t in tokens]
-    if ids is None or len(ids) != len(logprobs):
+    if not isinstance(ids, list) or len(ids) != len(logprobs):
         raise HTTPError(200, f"{where}/v1/completions: the reply has no generated token ids matching its "
                              "log-probs (asyncflow needs exact ids; see docs/engines.md for each server's flags)")
     versions = choice.get("token_versions") or [sent_version] * len(ids)

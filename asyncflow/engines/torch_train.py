@@ -205,7 +205,9 @@ class TorchTrainEngine(TrainEngine):
             config_file = os.path.join(path, "config.json")
             with open(config_file, encoding="utf-8") as fh:
                 config = json.load(fh)
-            config["dtype"] = str(self.dtype).removeprefix("torch.")
+            for key in ("dtype", "torch_dtype"):  # (transformers 5 writes `dtype`; 4.x read `torch_dtype`)
+                if key == "dtype" or key in config:
+                    config[key] = str(self.dtype).removeprefix("torch.")
             with open(config_file, "w", encoding="utf-8") as fh:
                 json.dump(config, fh, indent=2, sort_keys=True)
                 fh.write("\n")
