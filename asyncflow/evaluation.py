@@ -171,7 +171,7 @@ class Evaluator:
         try:
             results = await asyncio.gather(*(
                 run_guarded(swept, run_episode(env=self.env_factory(self.clock), engine=self.engine, clock=swept,
-                                               tok=self.tok, uid=-(i + 1), prompt_ids=ids, row=row,
+                                               tok=self.tok, uid=-(i + 1), prompt_ids=ids, row=dict(row),
                                                seed=self.cfg.seed * 7_919 + i, settings=settings),
                             functools.partial(_hung_episode, ids), ro.env_timeout_s + 1.0)
                 for i, (ids, row) in enumerate(zip(self.prompt_ids, self.rows, strict=True))
@@ -197,7 +197,7 @@ class Evaluator:
         try:
             results = await asyncio.gather(*(
                 run_agent_episode(agent=agent, proxy=proxy, engine=self.engine, clock=clock, tok=self.tok,
-                                  uid=-(i + 1), row=row, seed=self.cfg.seed * 7_919 + i,
+                                  uid=-(i + 1), row=dict(row), seed=self.cfg.seed * 7_919 + i,
                                   settings=recorder_settings(self.cfg, 0.0, self.max_context), timeout_s=self.cfg.rollout.agent_timeout_s)
                 for i, row in enumerate(self.rows)
             ))

@@ -199,6 +199,31 @@ def test_an_environment_that_swallows_its_cancellation_or_raises_it_ends_its_epi
     assert sum(r["status"] == "trained" for r in rows) == 3 * 16 - 2  # (their groups trained without them)
 
 
+def test_an_environment_that_changes_its_row_changes_no_other_episode_s(tmp_path: Path) -> None:
+    """Episodes were given the dataset's row itself: an environment that popped a column took it
+    from its group's other episodes (and every later epoch)."""
+    from asyncflow.envs import Env, EnvStep
+
+    seen: list[bool] = []
+
+    class Pops(Env):
+        name = "pops"
+        max_turns = 1
+
+        def __init__(self, clock: Any) -> None:
+            pass
+
+        async def reset(self, row: dict[str, Any], seed: int) -> str:
+            seen.append(row.pop("prompt", None) is not None)
+            return ""
+
+        async def step(self, action: str) -> EnvStep:
+            return EnvStep("", reward=1.0, done=True)
+
+    _run(tmp_path, ["rollout.env=calculator", "rollout.max_turns=1"], env_factory=Pops)
+    assert len(seen) >= 3 * 16 and all(seen)
+
+
 def test_an_agent_that_swallows_its_cancellation_ends_at_its_limit() -> None:
     from asyncflow.runtime.clock import RealClock
     from asyncflow.workflow.agent import run_agent_episode

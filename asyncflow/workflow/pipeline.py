@@ -476,7 +476,7 @@ class Pipeline:
                 start = self.clock.now()
                 result = await run_agent_episode(
                     agent=self.agent, proxy=proxy, engine=engine, clock=self.clock, tok=self.tok, uid=sample.uid,
-                    row=self.rows[sample.fields["row"]], seed=self.cfg.seed * 1_000_003 + sample.uid,
+                    row=dict(self.rows[sample.fields["row"]]), seed=self.cfg.seed * 1_000_003 + sample.uid,
                     settings=recorder_settings(self.cfg, ro.temperature, self.max_context), timeout_s=ro.agent_timeout_s,
                     floor=self._floor,
                 )
@@ -495,7 +495,9 @@ class Pipeline:
                 # timed-out call (awaited in place, the episode, its lease and its group hung for good)
                 result = await run_guarded(self._swept, run_episode(
                     env=self.env_factory(self.clock), engine=engine, clock=self._swept, tok=self.tok, uid=sample.uid,
-                    prompt_ids=prompt_ids, row=self.rows[sample.fields["row"]],
+                    # (a copy: an env that pops a column changed the row for its group's other episodes
+                    # and every later epoch)
+                    prompt_ids=prompt_ids, row=dict(self.rows[sample.fields["row"]]),
                     seed=self.cfg.seed * 1_000_003 + sample.uid,
                     settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
                                              ro.top_p, ro.top_k, self.max_context),
