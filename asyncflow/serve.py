@@ -321,7 +321,12 @@ class OpenAIServer:
                     raise RequestError(f"the weight load did not start within {self.request_timeout_s:g} s; it is "
                                        f"withdrawn and version {self.engine.version} stays", status=504,
                                        kind="timeout") from None
-                seconds = done.result(timeout=self.request_timeout_s)  # begun: it is being copied in
+                try:  # begun: it is being copied in
+                    seconds = done.result(timeout=self.request_timeout_s)
+                except (TimeoutError, cf.TimeoutError):  # (it was a 500 "internal error")
+                    raise RequestError(f"the weight load began but did not finish within {self.request_timeout_s:g} "
+                                       f"s more; version {self.engine.version} is loaded now", status=504,
+                                       kind="timeout") from None
         finally:
             self._loading.release()
         return {"version": self.engine.version, "seconds": seconds}

@@ -533,3 +533,23 @@ def test_weight_loads_are_one_at_a_time_and_a_timed_out_one_never_takes_effect(s
     busy.join(timeout=60)
     time.sleep(0.3)
     assert engine.version == 6 and call(f"{server.url}/admin/version")[1]["version"] == 6
+
+
+def test_a_weight_load_that_begins_but_never_finishes_is_a_504(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The second wait (a load already being copied in, so not withdrawn) raised a bare TimeoutError:
+    a 500 "internal error" instead of the timeout's 504."""
+    import concurrent.futures as cf
+    import types
+
+    import asyncflow.serve as serve_mod
+    from asyncflow.serve import OpenAIServer, RequestError
+
+    never: cf.Future[float] = cf.Future()
+    engine = types.SimpleNamespace(
+        model=types.SimpleNamespace(get_input_embeddings=lambda: types.SimpleNamespace(weight=torch.zeros(4, 2))),
+        version=3, request_weights=lambda state, version, mode: never, withdraw_weights=lambda done: False)
+    monkeypatch.setattr(serve_mod, "read_weights", lambda path, model: {})
+    app = OpenAIServer(engine, None, "tiny", request_timeout_s=0.05)
+    with pytest.raises(RequestError, match="began but did not finish within 0.05 s more; version 3 is loaded") as info:
+        app._load_weights({"path": str(tmp_path), "version": 4, "mode": "swap"})
+    assert info.value.status == 504
