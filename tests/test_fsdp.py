@@ -116,6 +116,18 @@ def test_fsdp_on_two_ranks_matches_the_plain_engine_and_round_trips_a_checkpoint
         fsdp.close()
 
 
+def test_an_engine_that_fails_to_start_leaves_no_temporary_model_folder(
+        tiny_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() is never reached for an engine whose start failed: the model folder it wrote for its
+    workers (a whole model, in the temporary directory) stayed behind."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(Exception, match="start"):
+        FSDPTrainEngine(copy.deepcopy(tiny_model), world_size=2, lr=1e-2, start_timeout_s=0.01)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("asyncflow-fsdp-")] == []
+
+
 def test_a_dead_worker_is_an_error_naming_its_rank_not_a_hang(tiny_model) -> None:
     engine = FSDPTrainEngine(copy.deepcopy(tiny_model), world_size=2, lr=1e-2, timeout_s=60)
     try:

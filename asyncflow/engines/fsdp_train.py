@@ -372,7 +372,14 @@ class FSDPTrainEngine(TrainEngine):
             self._conns.append(ours)
             self._procs.append(proc)
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
-        self._collect("start (init the process group, load and shard the model)", start_timeout_s)
+        try:
+            self._collect("start (init the process group, load and shard the model)", start_timeout_s)
+        except BaseException:  # the workers stopped now and the temporary model folder removed (it was left
+            self._finalizer()  # behind: close() is never reached for an engine that failed to start)
+            if self._tmp is not None:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                self._tmp = None
+            raise
 
     # ------------------------------------------------------------------ RPC
 
