@@ -194,6 +194,26 @@ def model_vocab_size(model_dir: str | Path) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def generation_stop_ids(model_dir: str | Path, eos_token_id: int) -> tuple[int, ...]:
+    """The ids besides the tokenizer's EOS that end a generation: the model folder's
+    generation_config.json `eos_token_id` (an id or a list: an instruct model's end-of-turn token,
+    e.g. Llama-3's `<|eot_id|>` beside `<|end_of_text|>`), as transformers' `generate`, vLLM and TRL
+    stop on them; ids past the model's vocabulary are left out. Empty when the file names none."""
+    try:
+        config = json.loads((Path(model_dir) / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ()
+    value = config.get("eos_token_id") if isinstance(config, dict) else None
+    ids = value if isinstance(value, list) else [value]
+    vocab = model_vocab_size(model_dir)
+    out: list[int] = []
+    for i in ids:
+        if isinstance(i, int) and not isinstance(i, bool) and 0 <= i != eos_token_id and i not in out \
+                and (vocab is None or i < vocab):
+            out.append(i)
+    return tuple(out)
+
+
 def check_prompts_fit(sources: Sequence[tuple[Sequence[Any], str | Path]], prompt_key: str, tokenizer: Any,
                       max_new_tokens: int, positions: int | None, vocab: int | None = None) -> None:
     """Every prompt must tokenize to at least one token (a tokenizer that knows none of its

@@ -430,7 +430,10 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     torch.set_num_threads(torch_threads(cfg))
-    tok = Tokenizer(hf_tok, int(hf_tok.eos_token_id), int(hf_tok.pad_token_id))
+    from asyncflow.data import generation_stop_ids
+
+    eos = int(hf_tok.eos_token_id)
+    tok = Tokenizer(hf_tok, eos, int(hf_tok.pad_token_id), generation_stop_ids(inputs.model_dir, eos))
     # a resumed run's policy (trainer and engines) starts from the checkpoint's HF folder, at its version;
     # the reference model and the tokenizer stay the base model's
     policy_dir = inputs.model_dir if resume is None else resume.path
@@ -522,7 +525,7 @@ def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int, ve
     from asyncflow.engines.base import pick_device
     from asyncflow.engines.hf import HFEngine
 
-    return HFEngine(model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    return HFEngine(model_dir, eos_token_id=[tok.eos_token_id, *tok.stop_ids], pad_token_id=tok.pad_token_id,
                     max_batch=cfg.rollout.max_batch, device=pick_device(cfg.model.device, index), dtype=dtype,
                     seed=cfg.seed + index, name=f"rollout-{index}", version=version)
 

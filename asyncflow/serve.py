@@ -662,13 +662,15 @@ def make_app(model_dir: Path, *, model_name: str, token: str | None, max_batch: 
 
     import torch
 
+    from asyncflow.data import generation_stop_ids
     from asyncflow.engines.hf import HFEngine
     from asyncflow.model_folder import check_weights_match_config
 
     check_weights_match_config(model_dir, key=MODEL_DIR_KEY)
     torch.manual_seed(seed)
     try:
-        engine = HFEngine(model_dir, eos_token_id=int(tok.eos_token_id),
+        eos = int(tok.eos_token_id)  # (and generation_config.json's stop ids, as transformers and vLLM stop)
+        engine = HFEngine(model_dir, eos_token_id=[eos, *generation_stop_ids(model_dir, eos)],
                           pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
                           max_batch=max_batch, seed=seed, name="serve")
     except (OSError, ValueError, KeyError) as exc:  # the folder's config or weights (json errors are ValueErrors)

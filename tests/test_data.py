@@ -135,3 +135,27 @@ def test_a_parquet_row_keeps_its_index_in_messages_after_the_hold_out(tmp_path: 
     assert where(again, "d.parquet", 0) == "d.parquet, row 89"
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert where(subset(read_rows(tmp_path / "d.jsonl"), [89]), "d.jsonl", 0) == "d.jsonl, line 90"
+
+
+def test_generation_config_stop_ids_end_a_response_as_the_eos_does(tmp_path: Path) -> None:
+    """An instruct model's end-of-turn token is often only in generation_config.json (Llama-3's
+    <|eot_id|> beside <|end_of_text|>): transformers' generate, vLLM and TRL stop on it, the hf engine
+    did not (every response ran to max_new_tokens) and the completions kept it."""
+    from asyncflow.config import load_config
+    from asyncflow.data import generation_stop_ids
+    from asyncflow.runner import make_inference_engine
+    from asyncflow.tasks.arith import make_model, make_tokenizer
+    from asyncflow.workflow.pipeline import Tokenizer
+
+    hf = make_tokenizer()
+    model = make_model(hf, seed=0, hidden=32, layers=1)
+    model.generation_config.eos_token_id = [hf.eos_token_id, 7, 9999]  # (9999: past the vocabulary, left out)
+    model.save_pretrained(tmp_path)
+    hf.save_pretrained(tmp_path)
+    assert generation_stop_ids(tmp_path, hf.eos_token_id) == (7,)
+    assert generation_stop_ids(tmp_path / "none", hf.eos_token_id) == ()
+    tok = Tokenizer(hf, hf.eos_token_id, hf.pad_token_id, generation_stop_ids(tmp_path, hf.eos_token_id))
+    five = hf("5")["input_ids"]
+    assert tok.completions([five + [7], five + [hf.eos_token_id], five], False) == ["5", "5", "5"]
+    cfg, _ = load_config(None, [f"model.path={tmp_path}"])
+    assert make_inference_engine(cfg, tmp_path, tok, 0).eos == {hf.eos_token_id, 7}

@@ -154,11 +154,13 @@ def _death_error(exc: BaseException, context: str = "") -> RunFailed:
 
 
 def _tokenizer(model_dir: Path) -> Any:
+    from asyncflow.data import generation_stop_ids
     from asyncflow.runner import load_tokenizer
     from asyncflow.workflow.pipeline import Tokenizer
 
     hf = load_tokenizer(model_dir)
-    return Tokenizer(hf, int(hf.eos_token_id), int(hf.pad_token_id))
+    eos = int(hf.eos_token_id)
+    return Tokenizer(hf, eos, int(hf.pad_token_id), generation_stop_ids(model_dir, eos))
 
 
 @dataclass
@@ -233,7 +235,7 @@ class RolloutWorker:
         tok = _tokenizer(Path(model_dir))
         self.index = index
         self.engine = HFEngine(
-            Path(model_dir), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            Path(model_dir), eos_token_id=[tok.eos_token_id, *tok.stop_ids], pad_token_id=tok.pad_token_id,
             max_batch=cfg.rollout.max_batch, device=actor_device(cfg.model.device, cfg.runtime.rollout_gpus),
             dtype=getattr(torch, cfg.model.dtype),
             seed=cfg.seed + index, name=f"rollout-{index}", version=version,

@@ -203,6 +203,7 @@ async def run_episode(
     submit = requester(engine)
     first_version = math.inf  # the oldest version of the tokens generated so far
     closed = False
+    ends = getattr(tok, "ends", None) or (tok.eos_token_id,)  # (the EOS and generation_config's stop ids)
     try:
         traj.add_env(tok.encode(_observation(
             await env_call(clock, env.reset(row, seed), settings.env_timeout_s, env, "reset"), env, "reset")))
@@ -234,7 +235,7 @@ async def run_episode(
                 finish = "cancelled"
                 break
             ids = res.response_ids
-            if len(ids) and ids[-1] == tok.eos_token_id:
+            if len(ids) and ids[-1] in ends:
                 ids = ids[:-1]
             start = clock.now()
             step = _checked_step(await env_call(clock, env.step(tok.decode(ids)), settings.env_timeout_s, env,

@@ -113,6 +113,11 @@ class Tokenizer:
     hf: Any
     eos_token_id: int
     pad_token_id: int
+    # other ids that end a generation (generation_config.json's, `data.generation_stop_ids`)
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.ends = frozenset((self.eos_token_id, *self.stop_ids))  # what a finished response ends with
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=True))
@@ -127,9 +132,11 @@ class Tokenizer:
         return [int(i) for i in self.hf(text, add_special_tokens=False)["input_ids"]] if text else []
 
     def completions(self, responses: Sequence[Sequence[int]], conversational: bool) -> list[Any]:
-        """Completions as a TRL reward function receives them: text without the final EOS, or for
+        """Completions as a TRL reward function receives them: text without the final EOS (or other
+        stop token), or for
         conversational prompts a one-message assistant turn."""
-        texts = [self.decode(ids[:-1] if ids and ids[-1] == self.eos_token_id else ids) for ids in responses]
+        ends = self.ends
+        texts = [self.decode(ids[:-1] if len(ids) and ids[-1] in ends else ids) for ids in responses]
         return [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
 
 
