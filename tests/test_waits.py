@@ -528,3 +528,76 @@ def test_an_abandoned_episode_that_comes_back_neither_works_nor_keeps_the_clock_
         return early, first.done()
 
     assert asyncio.run(barrier()) == (False, True)
+
+
+def test_a_turn_barrier_run_waits_for_its_episodes_to_close_their_environments(tmp_path: Path) -> None:
+    """The stages' stop bound (60 s) was shorter than an episode's grace to close its environment
+    (env_timeout_s + 1 s): a turn-barrier run whose environments take 70 s to close ended with
+    "stages did not stop within 60 s" although training had finished."""
+    from asyncflow.envs import Env, EnvStep
+
+    closed: list[int] = []
+
+    def factory(clock: Any) -> Env:
+        class SlowClose(Env):
+            name = "slowclose"
+            max_turns = 2
+
+            async def reset(self, row: dict[str, Any], seed: int) -> str:
+                return ""
+
+            async def step(self, action: str) -> EnvStep:
+                await clock.sleep(1.0)
+                return EnvStep("", reward=1.0, done=True)
+
+            async def close(self) -> None:
+                await clock.sleep(70.0)  # (stopping a sandbox: under env_timeout_s)
+                closed.append(1)
+
+        return SlowClose()
+
+    _run(tmp_path, ["rollout.env=calculator", "rollout.turn_barrier=true", "rollout.env_timeout_s=120",
+                    "rollout.max_turns=2", "workflow.max_staleness=2", "workflow.redundancy=1"], env_factory=factory)
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert sum(r["status"] == "trained" for r in rows) == 3 * 16 and len(closed) >= 3 * 16
+
+
+def test_an_abandoned_episode_that_comes_back_still_closes_its_environment() -> None:
+    from asyncflow.envs import Env, EnvStep
+    from asyncflow.runtime.clock import SweptClock, run_guarded
+    from asyncflow.runtime.virtual_loop import run_virtual
+    from asyncflow.workflow.episode import EpisodeSettings, run_episode
+
+    events: list[str] = []
+
+    async def main(vclock: Any) -> str:
+        class Stubborn(Env):
+            name = "stubborn"
+            max_turns = 1
+
+            async def reset(self, row: dict[str, Any], seed: int) -> str:
+                return ""
+
+            async def step(self, action: str) -> EnvStep:
+                for _ in range(20):  # swallows 20 s of cancels, then ends
+                    try:  # noqa: SIM105
+                        await vclock.sleep(1.0)
+                    except (Exception, asyncio.CancelledError):  # (not GeneratorExit)
+                        pass
+                events.append("step returned")
+                return EnvStep("", 1.0, True)
+
+            async def close(self) -> None:
+                events.append("close ran")
+
+        swept = SweptClock(vclock)
+        result = await run_guarded(swept, run_episode(env=Stubborn(), engine=_Engine(), clock=swept, tok=_Tok(),  # type: ignore[arg-type]
+                                                      uid=-1, prompt_ids=[5], row={}, seed=0,
+                                                      settings=EpisodeSettings(8, 0.0, 30.0, 1.0)),
+                                   lambda m: m, 2.0)
+        await vclock.sleep(60)
+        swept.close()
+        return str(result)
+
+    assert run_virtual(main).startswith("environment 'stubborn' step 1 did not end within 1.0 virtual s")
+    assert events == ["step returned", "close ran"]

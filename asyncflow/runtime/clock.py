@@ -174,6 +174,14 @@ class SweptClock:
             self._sweeper.cancel()
             self._sweeper = None
 
+    def for_cleanup(self) -> Clock:
+        """The clock for a cleanup call (an environment's `close`) of the current task: this one,
+        or for a task given up on the wrapped clock, which still bounds it (refused, the abandoned
+        episode that came back to life left its environment unclosed)."""
+        if self._abandoned and _current_task(asyncio.get_running_loop()) in self._abandoned:
+            return self.clock
+        return self
+
     def abandon(self, task: asyncio.Task[Any]) -> None:
         """`task` is given up on: its later waits raise `Abandoned` at once, and the sweeper no longer
         waits for its stuck ones."""
@@ -264,8 +272,13 @@ async def run_guarded(clock: SweptClock, coro: Coroutine[Any, Any, T], on_stuck:
         message = await waiter
     except asyncio.CancelledError:  # the caller is cancelled (the run ends, Ctrl-C, an eval cut short)
         task.cancel()
+        deadline = loop.time() + grace_s
         try:
-            await asyncio.wait([task], timeout=grace_s)
+            while not task.done() and loop.time() < deadline:
+                try:
+                    await asyncio.wait([task], timeout=deadline - loop.time())
+                except asyncio.CancelledError:  # cancelled again (asyncio.run's teardown cancels every task
+                    continue  # left): the grace holds, bounded, so the environment's close still runs
         finally:
             if task.done():
                 _discard_outcome(task)

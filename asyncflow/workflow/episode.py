@@ -263,8 +263,9 @@ async def run_episode(
         if barrier is not None:
             barrier.leave()
         if not closed:
-            try:
-                await env_call(clock, env.close(), settings.env_timeout_s, env, "close")
+            try:  # (a task given up on closes on the wrapped clock: `SweptClock.for_cleanup`)
+                cleanup = clock.for_cleanup() if hasattr(clock, "for_cleanup") else clock
+                await env_call(cleanup, env.close(), settings.env_timeout_s, env, "close")
             except EnvError as exc:
                 error = error or str(exc)
     fields = traj.fields()

@@ -409,6 +409,11 @@ class Pipeline:
             episodes.cancel_all()
             for f in list(deadlines):
                 f.cancel()
+            if episodes.tasks and self.env_factory is not None and self.agent is None:
+                # each cancelled episode closes its environment (`run_guarded` gives it env_timeout_s):
+                # waited for here, within the stages' stop bound, or asyncio.run's teardown cut it
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait(list(episodes.tasks), timeout=self.cfg.rollout.env_timeout_s + 1.0)
             if proxy is not None:
                 await proxy.close()
 
@@ -1043,7 +1048,9 @@ class Pipeline:
             self.store.close()
             for t in [*tasks, trainer]:
                 t.cancel()
-            stopped, stuck = await asyncio.wait([*tasks, trainer], timeout=60)
+            # (60 s, plus an episode's grace to close its environment: `run_guarded`)
+            bound = 60.0 + (self.cfg.rollout.env_timeout_s + 1.0 if self.env_factory is not None else 0.0)
+            stopped, stuck = await asyncio.wait([*tasks, trainer], timeout=bound)
             self._swept.close()  # the episodes' and reward calls' deadline sweeper (a task of its own)
             self.keeper.close()
             self._plain_calls.close()
@@ -1051,7 +1058,7 @@ class Pipeline:
                 if not t.cancelled():
                     t.exception()
             if stuck:
-                raise RuntimeError(f"stages did not stop within 60 s: {sorted(t.get_name() for t in stuck)}")
+                raise RuntimeError(f"stages did not stop within {bound:g} s: {sorted(t.get_name() for t in stuck)}")
 
 
 class LeaseKeeper:
