@@ -133,8 +133,7 @@ class Tokenizer:
 
     def completions(self, responses: Sequence[Sequence[int]], conversational: bool) -> list[Any]:
         """Completions as a TRL reward function receives them: text without the final EOS (or other
-        stop token), or for
-        conversational prompts a one-message assistant turn."""
+        stop token), or for conversational prompts a one-message assistant turn."""
         ends = self.ends
         texts = [self.decode(ids[:-1] if len(ids) and ids[-1] in ends else ids) for ids in responses]
         return [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
