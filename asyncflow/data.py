@@ -167,15 +167,22 @@ def check_chat_prompts(first_chat: str | None, tokenizer: Any) -> None:
                         "template; give text prompts or a model folder whose tokenizer has one")
 
 
+def _folder_json(model_dir: str | Path, name: str) -> dict[str, Any]:
+    """A JSON object file of a model folder (`config.json`, `generation_config.json`); {} when it is
+    missing, unreadable or not an object."""
+    try:
+        value = json.loads((Path(model_dir) / name).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def model_positions(model_dir: str | Path) -> int | None:
     """How many positions the model in `model_dir` was built for (its config.json's
     `max_position_embeddings`, or GPT-2's `n_positions`); None when it does not say, or when it
     scales its rotary positions (`rope_scaling`, e.g. YaRN: the stored number is not its limit)."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict) or config.get("rope_scaling"):
+    config = _folder_json(model_dir, "config.json")
+    if config.get("rope_scaling"):
         return None
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = config.get(key)
@@ -186,11 +193,7 @@ def model_positions(model_dir: str | Path) -> int | None:
 
 def model_vocab_size(model_dir: str | Path) -> int | None:
     """Rows of the model's embedding (its config.json's `vocab_size`; None when it does not say)."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    value = config.get("vocab_size") if isinstance(config, dict) else None
+    value = _folder_json(model_dir, "config.json").get("vocab_size")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
@@ -199,11 +202,7 @@ def generation_stop_ids(model_dir: str | Path, eos_token_id: int) -> tuple[int, 
     generation_config.json `eos_token_id` (an id or a list: an instruct model's end-of-turn token,
     e.g. Llama-3's `<|eot_id|>` beside `<|end_of_text|>`), as transformers' `generate`, vLLM and TRL
     stop on them; ids past the model's vocabulary are left out. Empty when the file names none."""
-    try:
-        config = json.loads((Path(model_dir) / "generation_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return ()
-    value = config.get("eos_token_id") if isinstance(config, dict) else None
+    value = _folder_json(model_dir, "generation_config.json").get("eos_token_id")
     ids = value if isinstance(value, list) else [value]
     vocab = model_vocab_size(model_dir)
     out: list[int] = []

@@ -158,7 +158,7 @@ class Evaluator:
     async def _episodes(self) -> tuple[list[float | None], str | None, int | None]:
         """Greedy episodes; an episode that failed is None and the first error is reported."""
         from asyncflow.runtime.clock import SweptClock, run_guarded
-        from asyncflow.workflow.episode import EpisodeSettings, run_episode
+        from asyncflow.workflow.episode import EpisodeSettings, hung_episode, run_episode
 
         ro = self.cfg.rollout
         settings = EpisodeSettings(ro.max_new_tokens, 0.0, ro.request_timeout_s, ro.env_timeout_s,
@@ -173,7 +173,7 @@ class Evaluator:
                 run_guarded(swept, run_episode(env=self.env_factory(self.clock), engine=self.engine, clock=swept,
                                                tok=self.tok, uid=-(i + 1), prompt_ids=ids, row=dict(row),
                                                seed=self.cfg.seed * 7_919 + i, settings=settings),
-                            functools.partial(_hung_episode, ids), ro.env_timeout_s + 1.0)
+                            functools.partial(hung_episode, ids), ro.env_timeout_s + 1.0)
                 for i, (ids, row) in enumerate(zip(self.prompt_ids, self.rows, strict=True))
             ))
         finally:
@@ -206,12 +206,6 @@ class Evaluator:
         errors = [r.fields["reward_error"] for r in results if r.fields["reward_error"] is not None]
         return ([r.fields["reward"] for r in results], (errors[0] if errors else None),
                 _newest(r.fields["token_versions"] for r in results))
-
-
-def _hung_episode(prompt_ids: Sequence[int], error: str) -> Any:
-    from asyncflow.workflow.episode import failed_episode
-
-    return failed_episode(prompt_ids, f"environment hung: {error}")
 
 
 def _newest(versions: Iterable[Sequence[int]]) -> int | None:

@@ -430,10 +430,7 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     torch.set_num_threads(torch_threads(cfg))
-    from asyncflow.data import generation_stop_ids
-
-    eos = int(hf_tok.eos_token_id)
-    tok = Tokenizer(hf_tok, eos, int(hf_tok.pad_token_id), generation_stop_ids(inputs.model_dir, eos))
+    tok = Tokenizer.of(hf_tok, inputs.model_dir)
     # a resumed run's policy (trainer and engines) starts from the checkpoint's HF folder, at its version;
     # the reference model and the tokenizer stay the base model's
     policy_dir = inputs.model_dir if resume is None else resume.path

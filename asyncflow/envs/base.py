@@ -75,13 +75,13 @@ async def env_call(clock: Clock, aw: Awaitable[T], timeout_s: float, env: Env, w
     except Exception as exc:  # the environment's own bug: end this episode, keep the run
         raise EnvError(f"environment {env.name!r} failed in {what}: {type(exc).__name__}: {exc}") from exc
     except asyncio.CancelledError as exc:
-        if not own_cancel(exc):
+        if not own_cancel():
             raise  # (the run, or its timeout, cancelled this episode)
         raise EnvError(f"environment {env.name!r} failed in {what}: CancelledError raised by the environment "
                        "itself (e.g. it awaited a task it had cancelled)") from exc
 
 
-def own_cancel(exc: BaseException) -> bool:
+def own_cancel() -> bool:
     """Whether a `CancelledError` came from the awaited plugin's own code (it awaited a task it had
     cancelled, say), not from a cancellation of the current task: that one ended the episode's task
     unreported (no reward_error, no ack), and an evaluation with a traceback."""

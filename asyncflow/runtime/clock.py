@@ -266,6 +266,10 @@ async def run_guarded(clock: SweptClock, coro: Coroutine[Any, Any, T], on_stuck:
         if not waiter.done():
             waiter.set_result(message)
 
+    def give_up() -> None:
+        clock.abandon(task)
+        _abandon(task)
+
     task.add_done_callback(finished)
     clock.guard(task, stuck)
     try:
@@ -283,18 +287,15 @@ async def run_guarded(clock: SweptClock, coro: Coroutine[Any, Any, T], on_stuck:
             if task.done():
                 _discard_outcome(task)
             else:
-                clock.abandon(task)
-                _abandon(task)
+                give_up()
         raise
     except BaseException:
-        clock.abandon(task)
-        _abandon(task)
+        give_up()
         raise
     finally:
         clock.unguard(task)
     if message is not None and not task.done():
-        clock.abandon(task)
-        _abandon(task)
+        give_up()
         return on_stuck(message)
     return task.result()
 

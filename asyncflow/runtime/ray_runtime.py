@@ -154,13 +154,10 @@ def _death_error(exc: BaseException, context: str = "") -> RunFailed:
 
 
 def _tokenizer(model_dir: Path) -> Any:
-    from asyncflow.data import generation_stop_ids
     from asyncflow.runner import load_tokenizer
     from asyncflow.workflow.pipeline import Tokenizer
 
-    hf = load_tokenizer(model_dir)
-    eos = int(hf.eos_token_id)
-    return Tokenizer(hf, eos, int(hf.pad_token_id), generation_stop_ids(model_dir, eos))
+    return Tokenizer.of(load_tokenizer(model_dir), model_dir)
 
 
 @dataclass

@@ -115,8 +115,8 @@ async def run_agent_episode(
         error = f"agent hung: episode {uid} took longer than rollout.agent_timeout_s={timeout_s:g} s"
     except Exception as exc:  # the agent's own failure: end this episode, keep the run
         error = f"agent failed: {type(exc).__name__}: {exc}"
-    except asyncio.CancelledError as exc:
-        if not own_cancel(exc):
+    except asyncio.CancelledError:
+        if not own_cancel():
             raise
         error = "agent failed: CancelledError raised by the agent itself (e.g. it awaited a task it had cancelled)"
     finally:

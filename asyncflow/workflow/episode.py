@@ -273,11 +273,11 @@ async def run_episode(
     return EpisodeResult(fields)
 
 
-def failed_episode(prompt_ids: Sequence[int], error: str) -> EpisodeResult:
-    """The fields of an episode that ended with `error` before anything of it could be kept (one
-    abandoned because its environment ignores cancellation, `runtime.clock.run_guarded`)."""
+def hung_episode(prompt_ids: Sequence[int], error: str) -> EpisodeResult:
+    """The fields of an episode abandoned because its environment ignores cancellation
+    (`runtime.clock.run_guarded`'s `on_stuck`): nothing of it is kept, `error` is its reward_error."""
     fields = Trajectory(prompt_ids).fields()
-    fields.update(finish_reason="length", turns=0, reward=None, reward_error=error)
+    fields.update(finish_reason="length", turns=0, reward=None, reward_error=f"environment hung: {error}")
     return EpisodeResult(fields)
 
 

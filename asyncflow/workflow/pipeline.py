@@ -34,6 +34,7 @@ import math
 import random
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,7 +43,7 @@ import torch
 from asyncflow.algorithms.advantages import make_advantage_fn, overlong_penalty
 from asyncflow.algorithms.losses import NEEDS_PROXIMAL
 from asyncflow.config import Config, max_generated_tokens
-from asyncflow.data import tokenize_prompt
+from asyncflow.data import generation_stop_ids, tokenize_prompt
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, LossFn, TrainBatch, TrainEngine
 from asyncflow.engines.runs import oldest
 from asyncflow.errors import UserError, WaitTimeout
@@ -63,8 +64,8 @@ from asyncflow.workflow.episode import (
     EpisodeResult,
     EpisodeSettings,
     TurnBarrier,
-    failed_episode,
     generated_tokens,
+    hung_episode,
     run_episode,
 )
 from asyncflow.workflow.gate import StalenessGate
@@ -118,6 +119,12 @@ class Tokenizer:
 
     def __post_init__(self) -> None:
         self.ends = frozenset((self.eos_token_id, *self.stop_ids))  # what a finished response ends with
+
+    @classmethod
+    def of(cls, hf: Any, model_dir: str | Path) -> Tokenizer:
+        """The facts of `hf` (a `runner.load_tokenizer` tokenizer), with the stop ids of `model_dir`."""
+        eos = int(hf.eos_token_id)
+        return cls(hf, eos, int(hf.pad_token_id), generation_stop_ids(model_dir, eos))
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=True))
@@ -500,7 +507,7 @@ class Pipeline:
                 def abandoned(error: str) -> EpisodeResult:
                     if party is not None:  # (its own `finally`, which leaves the barrier, may never run)
                         party.leave()
-                    return failed_episode(prompt_ids, f"environment hung: {error}")
+                    return hung_episode(prompt_ids, error)
 
                 # in a task of its own, abandoned if the environment ignores the cancellation of a
                 # timed-out call (awaited in place, the episode, its lease and its group hung for good)
