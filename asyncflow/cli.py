@@ -65,7 +65,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="e2e: a config key (as for train); store: samples, repeats, placements (local,ray), transferqueue; "
              "pipeline: profiles, devices, modes, steps, warmup_steps, slots, step_s, n, prompts_per_device, "
-             "train_token_s, switch_s, weight_sync_s, max_staleness, seed, reward (async|thread), trace "
+             "train_token_s, switch_s, weight_sync_s, max_staleness, seed, reward (async|thread), trace, split (true|false) "
              "(docs/performance.md)")
     report = sub.add_parser("report", help="draw report.png and summary.md for one or more run folders")
     report.add_argument("runs", nargs="+", type=_path, metavar="RUN_DIR", help="run folders (the first gets the files)")

@@ -78,7 +78,7 @@ def test_split_devices_balances_rollout_and_training() -> None:
 @pytest.mark.parametrize(
     ("arg", "message"),
     [("bogus=1", "bogus=1"), ("devices=x", "devices"), ("steps=1", "steps"), ("profiles=chat", "chat"),
-     ("modes=fast", "modes"), ("slots=abc", "slots")],
+     ("modes=fast", "modes"), ("slots=abc", "slots"), ("split=yes", "split")],
 )
 def test_bad_bench_pipeline_settings_exit_2_with_one_line(arg: str, message: str) -> None:
     with pytest.raises(UserError, match=message):
@@ -368,3 +368,79 @@ def test_the_feeder_admits_what_the_credit_allows_in_one_put(affinity: bool, tmp
     else:
         assert FEED_BURST > 1 and max(sizes) == FEED_BURST  # the first credit (100 groups) comes in bursts of 32, 32, 32, 4
         assert len(puts) < len(flat) / 4
+
+
+def test_split_attributes_ticks_to_the_part_running() -> None:
+    """`SplitMeter`: a tick inside simulation code, a store call, a worker's callback, another
+    callback or between callbacks goes to sim, store, workers, trainer, loop (ticks driven by hand)."""
+    import asyncio
+    import contextvars
+
+    from asyncflow.bench.pipeline import _WORKER, SplitMeter
+    from asyncflow.engines.sim import CpuMeter
+
+    sim = CpuMeter()
+    split = SplitMeter(sim)
+
+    class Store:
+        def write(self) -> None:
+            split._tick(0, None)
+            self.complete()  # a store call inside another: still the store's
+
+        def complete(self) -> None:
+            split._tick(0, None)
+
+    store = Store()
+    split.meter_store(store, ("write", "complete"))
+
+    def worker_callback() -> None:
+        split._tick(0, None)
+        store.write()
+        with sim:
+            split._tick(0, None)
+        split._tick(0, None)
+
+    worker_ctx = contextvars.copy_context()
+    worker_ctx.run(_WORKER.set, True)
+    loop = asyncio.new_event_loop()
+    try:
+        split.run_handle(asyncio.Handle(worker_callback, (), loop, worker_ctx))
+        split.run_handle(asyncio.Handle(lambda: split._tick(0, None), (), loop, contextvars.copy_context()))
+    finally:
+        loop.close()
+    split._tick(0, None)
+    assert split.ticks == {"sim": 1, "store": 2, "workers": 2, "trainer": 1, "loop": 1}
+    parts = split.parts(sched_s=6e-6 * 10, samples=10)  # 6 us a sample over 6 non-simulation ticks
+    assert {k: parts[k] for k in ("store_us_per_sample", "workers_us_per_sample", "trainer_us_per_sample",
+                                  "loop_us_per_sample")} == {"store_us_per_sample": 2.0, "workers_us_per_sample": 2.0,
+                                                             "trainer_us_per_sample": 1.0, "loop_us_per_sample": 1.0}
+
+
+@pytest.mark.parametrize("profile", ["rlvr", "agentic"])
+def test_split_rows_add_up_to_the_scheduler_total(profile: str) -> None:
+    import signal
+
+    before = signal.getsignal(signal.SIGPROF)
+    settings = [f"profiles={profile}", "devices=16" if profile == "rlvr" else "devices=8", "steps=2", "warmup_steps=1",
+                "prompts_per_device=8", "modes=async"]
+    (r,) = run_pipeline([*settings, "split=true"])
+    parts = [r[f"{k}_us_per_sample"] for k in ("store", "workers", "trainer", "loop")]
+    # (the kernel delivers the CPU-time timer at its scheduler tick: ~4 ms here, so ~50-70 ticks
+    # for rlvr; a part holding ~30% of them has no tick at all with probability ~1e-8)
+    assert r["split_ticks"] > 30 and all(p >= 0 for p in parts)
+    assert sum(parts) == pytest.approx(r["scheduler_us_per_sample"], abs=0.3)  # (each part rounded to 0.1)
+    assert parts[0] > 0 and parts[1] > 0  # every sample passes through the store and a rollout worker
+    if profile == "agentic":  # the episodes run in the rollout workers' tasks: most of the cost is theirs
+        assert parts[1] > max(parts[0], parts[2])
+    # the profiling timer is off and the signal handler back as it was
+    assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0) and signal.getsignal(signal.SIGPROF) == before
+    (plain,) = run_pipeline(settings)
+    assert "store_us_per_sample" not in plain and plain["efficiency"] == r["efficiency"]  # (virtual time unchanged)
+
+
+def test_split_marks_every_store_entry_point_the_store_has() -> None:
+    """`_STORE_CALLS` names methods of the real store (a renamed one would silently go unmarked)."""
+    from asyncflow.bench.pipeline import _STORE_CALLS
+    from asyncflow.transfer_queue.store import TransferQueue
+
+    assert all(callable(getattr(TransferQueue, name, None)) for name in _STORE_CALLS)

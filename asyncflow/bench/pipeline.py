@@ -30,6 +30,7 @@ ended. For `rlvr` a request is a sample; an `agentic` sample is an episode of 5-
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import gc
 import math
@@ -66,6 +67,7 @@ class PipeSpec:
     seed: int = 0
     reward: str = "async"  # the verifier stand-in: async (awaited on the loop, as a remote verifier) or thread
     trace: str = ""  # a folder: write one trace.json per row there (first 200,000 spans)
+    split: str = "false"  # true: also say where the scheduler's CPU goes (store, workers, trainer, loop; `SplitMeter`)
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,7 @@ def _run_one(spec: PipeSpec, profile: Profile, devices: int, mode: str) -> dict[
     rate = result["window_samples"] / result["window_s"]
     # the run's CPU less the simulation's, less the meter's own reads outside its sections
     sched = cpu - result["sim_cpu_s"] - result["meter_entries"] * overhead
+    parts = {} if result["split"] is None else result["split"].parts(sched, result["samples_seen"])
     return {
         "profile": profile.name, "devices": devices, "runtime": "virtual", "mode": mode,
         "rollout_devices": rollout_dev, "train_devices": train_dev,
@@ -152,7 +155,7 @@ def _run_one(spec: PipeSpec, profile: Profile, devices: int, mode: str) -> dict[
         "max_staleness": 0 if mode == "sync" else spec.max_staleness, "staleness_max": result["staleness_max"],
         "steps": spec.steps, "samples": result["samples"], "dropped": result["dropped"],
         "mean_tokens_profile": round(profile.mean_tokens, 1), "mean_tokens_trained": round(result["mean_tokens"], 1),
-        "virtual_s": round(result["virtual_s"], 1), "wall_s": round(wall, 1),
+        "virtual_s": round(result["virtual_s"], 1), "wall_s": round(wall, 1), **parts,
     }
 
 
@@ -208,9 +211,17 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
     )
     pipeline.sim_trainer = trainer
     pipeline.meter = meter
+    split = SplitMeter(meter) if spec.split == "true" else None
+    if split is not None:
+        split.meter_store(pipeline.store)
+        clock.loop.run_handle = split.run_handle
+        split.start()
     try:
         await pipeline.run()
     finally:
+        if split is not None:
+            split.stop()
+            clock.loop.run_handle = None
         log.close()
         for e in engines:
             await e.close()
@@ -227,7 +238,98 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
         "samples_seen": c.produced, "requests": sum(e.requests for e in engines),
         "staleness_max": pipeline.staleness_max, "sim_cpu_s": meter.seconds, "meter_entries": meter.entries,
         "mean_tokens": c.tokens / max(c.trained, 1),
+        "split": split,
     }
+
+
+# Set (True) in the rollout and reward worker tasks of a PIPE run; their child tasks and callbacks
+# inherit it (asyncio runs every callback in the context it was scheduled from).
+_WORKER: contextvars.ContextVar[bool] = contextvars.ContextVar("asyncflow_pipe_worker", default=False)
+
+# The store's synchronous entry points (the async `put`, `take` and `take_each` spend their CPU in
+# the `_..._or_wait` they call, once per try): every call the pipeline makes lands in one of these.
+_STORE_CALLS = ("_put_or_wait", "_take_or_wait", "_take_each_or_wait", "write", "complete", "complete_and_take",
+                "ack", "release", "renew", "remove", "metrics", "lease_live")
+
+
+class SplitMeter:
+    """Where the scheduler's CPU goes (`--set split=true`), in the three parts a Ray run puts in
+    different processes (runtime/ray_runtime.py):
+
+    - `store`: inside the `TransferQueue`'s calls: the store controller's work, the one process
+      every sample's metadata passes through (under Ray, plus the RPCs this run does not make);
+    - `workers`: the rollout and reward worker tasks (multi-turn episodes included) and every task
+      and callback they start, outside store calls: the per-worker loop that Ray spreads over one
+      process per worker;
+    - `trainer`: every other callback: feeder and staleness gate, trainer loop, weight publication
+      (under Ray: the feeder actor and the driver);
+    - `loop`: the event loop's own iteration between callbacks (its ready queue, timer heap, I/O
+      polls): under Ray each process pays it for its own callbacks.
+
+    Sampled, not timed: a CPU-time timer (`ITIMER_PROF`) interrupts every `interval_s` of the
+    process's CPU (in practice at the kernel's scheduler tick, ~4 ms on this VM: ~1,400 ticks in
+    an rlvr 64 row, so a share is known to a few percent) and the tick goes to the part running
+    then (simulation code, known from its `CpuMeter`, is left out). Timing each callback instead needs two `thread_time` reads (a system
+    call, ~0.75 us each on this VM) per callback, which doubled the rlvr row's total. Here a
+    callback costs two attribute writes (`VirtualTimeLoop.run_handle`) and a store call a wrapper;
+    the row's `scheduler_us_per_sample` is the measured total, as in a run without the split, and
+    the parts are its shares by tick count."""
+
+    def __init__(self, sim: Any, interval_s: float = 0.0005) -> None:
+        self.sim = sim
+        self.interval_s = interval_s
+        self.ticks = {"sim": 0, "store": 0, "workers": 0, "trainer": 0, "loop": 0}
+        self._part = "loop"  # the part of the callback running now ("loop" between callbacks)
+        self._depth = 0
+        self._previous: Any = None
+
+    def run_handle(self, handle: Any) -> None:
+        self._part = "workers" if handle._context.get(_WORKER, False) else "trainer"
+        try:
+            handle._run()
+        finally:
+            self._part = "loop"
+
+    def _tick(self, signum: int, frame: Any) -> None:
+        self.ticks["sim" if self.sim.depth else "store" if self._depth else self._part] += 1
+
+    def start(self) -> None:
+        import signal
+
+        if not hasattr(signal, "setitimer"):
+            raise UserError("bench pipeline --set split=true: needs setitimer (Linux or macOS)")
+        self._previous = signal.signal(signal.SIGPROF, self._tick)
+        signal.setitimer(signal.ITIMER_PROF, self.interval_s, self.interval_s)
+
+    def stop(self) -> None:
+        import signal
+
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        signal.signal(signal.SIGPROF, self._previous)
+
+    def meter_store(self, store: Any, names: Sequence[str] = _STORE_CALLS) -> None:
+        """Mark `store`'s entry points (instance attributes shadow its methods, its own calls included)."""
+        for name in names:
+            setattr(store, name, self._marked(getattr(store, name)))
+
+    def _marked(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            self._depth += 1
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return marked
+
+    def parts(self, sched_s: float, samples: int) -> dict[str, float]:
+        """The row's split keys: `sched_s` (the measured total) in shares of the non-simulation ticks."""
+        t = self.ticks
+        ours = t["store"] + t["workers"] + t["trainer"] + t["loop"]
+        per = sched_s * 1e6 / max(samples, 1) / max(ours, 1)
+        out: dict[str, float] = {f"{k}_us_per_sample": round(t[k] * per, 1) for k in ("store", "workers", "trainer", "loop")}
+        out["split_ticks"] = ours
+        return out
 
 
 def _reward(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
@@ -316,6 +418,14 @@ def _make_sim_pipeline_class() -> type:
         meter: Any = contextlib.nullcontext()  # `_simulate` sets the run's CpuMeter
         staleness_max = 0
 
+        async def rollout_worker(self, index: int, engine: Any) -> None:
+            _WORKER.set(True)  # (this task's own context: see SplitMeter)
+            await super().rollout_worker(index, engine)
+
+        async def reward_worker(self) -> None:
+            _WORKER.set(True)
+            await super().reward_worker()
+
         async def _optimize(self, samples: list[Any], valid: list[bool], rewards: list[float]) -> tuple[dict[str, Any], int]:
             with self.meter:  # the stand-in for the real step's batch building: simulation, not scheduling
                 tokens = sum(
@@ -362,6 +472,8 @@ def parse_spec(overrides: list[str]) -> PipeSpec:
             raise UserError(f"bench pipeline --set {key}: must be {'>=' if inclusive else '>'} {lo}, got {v}")
     if spec.steps <= spec.warmup_steps:
         raise UserError(f"bench pipeline --set steps: must exceed warmup_steps ({spec.warmup_steps}), got {spec.steps}")
+    if spec.split not in ("true", "false"):
+        raise UserError(f"bench pipeline --set split: use true or false, got {spec.split!r}")
     if spec.reward not in ("async", "thread"):
         raise UserError(f"bench pipeline --set reward: use async or thread, got {spec.reward!r}")
     if spec.trace:  # a folder made after the simulation: a path that cannot become one is refused now

@@ -81,13 +81,16 @@ class CpuMeter:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.entries = 0
+        self.depth = 0  # > 0 inside a section (PIPE's `SplitMeter` reads it)
         self._t = 0.0
 
     def __enter__(self) -> None:
         self.entries += 1
         self._t = time.thread_time()
+        self.depth += 1
 
     def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
         self.seconds += time.thread_time() - self._t
 
 
