@@ -90,6 +90,35 @@ def test_store_moves_exact_data_between_processes(ray_session, data_plane: str) 
         store.kill()
 
 
+@pytest.mark.parametrize("data_plane", ["object_store", "controller"])
+def test_take_each_gives_each_lease_its_own_rows(ray_session, data_plane: str) -> None:
+    """One `take_each` over samples of different puts (blobs): each lease reads its own sample's
+    data. With the controller data plane every lease's gathered rows had the same key, and the
+    client's merge gave all of them the last lease's rows."""
+    import asyncio
+
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64, data_plane=data_plane, inline_max_bytes=0)
+    try:
+        store.register_stage("s", ["x"])
+
+        async def main() -> dict[int, list[int]]:
+            for i in range(4):  # one put, so one blob, per sample
+                await store.put([NewSample(i, 1, {"x": np.full(4, i, dtype=np.int64)})])
+            await store.flush_async()
+            got: dict[int, list[int]] = {}
+            while len(got) < 4:
+                for lease in await store.take_each("s", 4, timeout=30):
+                    (s,) = lease.samples
+                    got[s.group_id] = s.fields["x"].tolist()
+            return got
+
+        assert asyncio.run(main()) == {i: [i] * 4 for i in range(4)}
+    finally:
+        store.kill()
+
+
 def test_errors_come_out_as_the_store_s_own(ray_session) -> None:
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
 

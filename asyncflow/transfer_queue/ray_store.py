@@ -764,9 +764,11 @@ class RayTransferQueue:
         ref = self.handle.take_each.remote(stage, max_samples, timeout, lease_s, min_version, list(fields_extra),
                                            self._get_owner())
         got = await self._aget(ref, timeout, f"take_each({stage!r})")
-        refs: dict[int, Any] = {}
-        for _, r in got:
-            refs.update(r)
+        # Blob ids (>= 0) name object-store refs that leases share: fetched once for all of them.
+        # Negative keys name one lease's own rows gathered by the controller (`_hand_out`): each
+        # lease numbers them from -2, so they stay with their lease (merged, the last lease's rows
+        # replaced every other's).
+        refs: dict[int, Any] = {b: x for _, r in got for b, x in r.items() if b >= 0}
         values = await self._afetch(refs)
         return [self._fill(compact, {**r, **values}) for compact, r in got]
 
