@@ -956,6 +956,27 @@ def test_a_put_that_fails_validation_leaves_the_store_as_it_was() -> None:
             q.reserve_uids(n)
 
 
+def test_group_ids_and_sizes_are_checked_before_a_put_admits_anything() -> None:
+    """One put naming a new group with two sizes made a group that holds more samples than its size
+    and is never complete (held its room for good); a str group id failed half way through the
+    put, after the samples before it were admitted; a fractional size never completes either."""
+    q = TransferQueue(capacity=16)
+    q.register_stage("s", ["x"])
+    q.register_stage("g", ["x"], groups=True)
+    for samples, message in (
+        ([NewSample(7, 1, {"x": 1}), NewSample(7, 2, {"x": 2})], "group 7: group_size 2 != 1 put before"),
+        ([NewSample(0, 1, {"x": 1}), NewSample("g1", 1, {"x": 2})], "group_id must be an int >= 0, got 'g1'"),  # type: ignore[arg-type]
+        ([NewSample(True, 1, {"x": 1})], "group_id must be an int"),
+        ([NewSample(3, 2.5, {"x": 1})], r"group 3: group_size must be an int >= 1, got 2.5"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ValueError, match=message):
+            q.put_blocking(samples)
+        assert q.size() == 0 and q.ready_count("s") == 0 and q.state_dict()["next_uid"] == 0
+    q.put_blocking([NewSample(np.int64(7), 2, {"x": 1}), NewSample(7, 2, {"x": 2})])  # (a numpy int is an int)
+    lease = q.take_nowait("g", 2)
+    assert lease is not None and sorted(s.fields["x"] for s in lease.samples) == [1, 2]
+
+
 def test_a_reserved_uid_is_put_once_even_after_its_sample_is_removed() -> None:
     """A client uid whose sample was trained and removed could be put again (a retried put would be
     trained twice): only reserved, never-used uids are accepted."""

@@ -32,6 +32,7 @@ import bisect
 import contextlib
 import heapq
 import math
+import numbers
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -453,13 +454,20 @@ class TransferQueue:
         if len(samples) > self.capacity:
             raise ValueError(f"cannot put {len(samples)} samples into a store of capacity {self.capacity}")
         counts: dict[int, int] = {}
+        sizes: dict[int, int] = {}  # group_size of each group this put names (the first sample's)
         for ns in samples:
-            if ns.group_size < 1:
-                raise ValueError(f"group {ns.group_id}: group_size must be >= 1, got {ns.group_size}")
-            g = self._groups.get(ns.group_id)
-            if g is not None and g.size != ns.group_size:
-                raise ValueError(f"group {ns.group_id}: group_size {ns.group_size} != {g.size} put before")
-            counts[ns.group_id] = counts.get(ns.group_id, 0) + 1
+            gid, size = ns.group_id, ns.group_size
+            # (ints, checked here: a str group id failed half-way through admitting the put, and a
+            # fractional size made a group that can never be complete)
+            if not isinstance(gid, numbers.Integral) or isinstance(gid, bool) or gid < 0:
+                raise ValueError(f"group_id must be an int >= 0, got {gid!r}")
+            if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"group {gid}: group_size must be an int >= 1, got {size!r}")
+            g = self._groups.get(gid)
+            first = sizes.setdefault(gid, size if g is None else g.size)
+            if first != size:  # (one put naming a new group with two sizes made a group that never completes)
+                raise ValueError(f"group {gid}: group_size {size} != {first} put before")
+            counts[gid] = counts.get(gid, 0) + 1
             if counts[ns.group_id] + (g.put if g else 0) > ns.group_size:
                 raise ValueError(f"group {ns.group_id}: more than group_size={ns.group_size} samples put")
 
