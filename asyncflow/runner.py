@@ -580,9 +580,11 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     saved_store = None
     if resume is not None:  # read before the logs are cut: a damaged store.pt leaves the run as it was
         from asyncflow.checkpoint import damaged_hint
+        from asyncflow.transfer_queue.store import check_state
 
         try:
             saved_store = resume.store
+            check_state(saved_store)  # (what it holds, too: a damaged one failed the resume with a traceback)
         except Exception as exc:
             raise UserError(f"checkpoint.resume: {resume.path / 'store.pt'} cannot be loaded ({type(exc).__name__}: "
                             f"{exc}) {damaged_hint(resume.path)}") from None

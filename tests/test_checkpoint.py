@@ -274,6 +274,13 @@ def test_a_damaged_or_changed_resume_is_refused_before_anything_is_written(
 
     for damage, needle in [
         (lambda c: (c / "store.pt").write_text("garbage"), r"store.pt cannot be read"),
+        # loads, but is not the store's state (it failed the resume with a traceback, logs already cut)
+        (lambda c: torch.save([1, 2], c / "store.pt"), r"store.pt cannot be loaded .*got list"),
+        (lambda c: torch.save({**torch.load(c / "store.pt", weights_only=False), "samples": None}, c / "store.pt"),
+         r"store.pt cannot be loaded .*groups and samples must be lists"),
+        (lambda c: torch.save({**(st := torch.load(c / "store.pt", weights_only=False)),
+                               "samples": [{**d, "group_id": -5} for d in st["samples"]]}, c / "store.pt"),
+         r"store.pt cannot be loaded .*a sample entry is not"),
         (lambda c: (c / "rng.pt").write_text("garbage"), r"rng.pt cannot be read"),
         (lambda c: (c / "optimizer.pt").unlink(), r"has no optimizer.pt"),
         (lambda c: (c / "model.safetensors").write_text("garbage"), r"model.safetensors is corrupt"),

@@ -1454,9 +1454,9 @@ class TransferQueue:
                     "samples": samples, "groups": groups, "totals": totals}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore into an empty store; samples leased at save time become available again."""
-        if state.get("format") != _STATE_FORMAT:
-            raise ValueError(f"unknown transfer queue state format {state.get('format')!r}")
+        """Restore into an empty store; samples leased at save time become available again. A state
+        that is not what `state_dict` writes is refused before anything changes (`check_state`)."""
+        check_state(state)
         with self._lock:
             if self._samples or self._leases:
                 raise ValueError("load_state_dict needs an empty transfer queue")
@@ -1487,6 +1487,47 @@ class TransferQueue:
         g.uids.append(s.uid)
         g.consumed.update(d["consumed"])
         self._samples[s.uid] = s
+
+
+def check_state(state: Any) -> None:
+    """`ValueError` naming what is wrong unless `state` has the shape `TransferQueue.state_dict`
+    writes. A checkpoint's `store.pt` that loads but holds something else (a damaged or foreign
+    file) failed a resume with a KeyError or TypeError traceback, after the run's logs were cut."""
+
+    def whole(v: Any, lo: int) -> bool:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= lo
+
+    if not isinstance(state, dict):
+        raise ValueError(f"expected the transfer queue's state (a dict), got {type(state).__name__}")
+    if state.get("format") != _STATE_FORMAT:
+        raise ValueError(f"unknown transfer queue state format {state.get('format')!r}")
+    for key in ("next_uid", "next_group_id"):
+        if (key in state or key == "next_uid") and not whole(state.get(key), 0):
+            raise ValueError(f"{key} must be an int >= 0, got {state.get(key)!r}")
+    groups, samples = state.get("groups"), state.get("samples")
+    if not isinstance(groups, list) or not isinstance(samples, list):
+        raise ValueError("groups and samples must be lists")
+    sizes: dict[Any, int] = {}
+    for g in groups:
+        if not (isinstance(g, dict) and whole(g.get("group_id"), 0) and whole(g.get("size"), 1)
+                and whole(g.get("put"), 0) and whole(g.get("removed"), 0)):
+            raise ValueError(f"a group entry is not {{group_id, size, put, removed}} (ints): {g!r:.200}")
+        sizes[g["group_id"]] = g["size"]
+    uids: set[int] = set()
+    for d in samples:
+        if not (isinstance(d, dict) and whole(d.get("uid"), 0) and d.get("group_id") in sizes
+                and isinstance(d.get("fields"), dict) and isinstance(d.get("consumed"), list)
+                and all(isinstance(c, str) for c in d["consumed"])
+                and isinstance(d.get("priority"), (int, float)) and not isinstance(d.get("priority"), bool)
+                and (d.get("version") is None or whole(d.get("version"), -(2**63)))):
+            raise ValueError(f"a sample entry is not {{uid, group_id (of a listed group), priority, version, fields, "
+                             f"consumed}}: {d!r:.200}")
+        if d["uid"] in uids:
+            raise ValueError(f"sample uid {d['uid']} is listed twice")
+        uids.add(d["uid"])
+    totals = state.get("totals")
+    if totals is not None and not isinstance(totals, dict):
+        raise ValueError(f"totals must be a dict, got {type(totals).__name__}")
 
 
 def rows_of(columns: dict[str, Any], group_ids: Sequence[int], group_size: int) -> list[NewSample]:
