@@ -1495,7 +1495,7 @@ def check_state(state: Any) -> None:
     file) failed a resume with a KeyError or TypeError traceback, after the run's logs were cut."""
 
     def whole(v: Any, lo: int) -> bool:
-        return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= lo
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= lo
 
     if not isinstance(state, dict):
         raise ValueError(f"expected the transfer queue's state (a dict), got {type(state).__name__}")
