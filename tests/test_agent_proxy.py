@@ -151,6 +151,39 @@ def test_chat_calls_splice_generated_ids_and_render_only_the_new_turn(tiny_model
     assert list(f["loss_mask"]) == [1] * len(r1) + [0] * len(added) + [1] * len(r2)
 
 
+def test_a_turn_ended_on_a_stop_id_the_template_closes_with_is_spliced_once() -> None:
+    """A model whose end of turn is a generation stop id, not the tokenizer's EOS (Gemma's
+    <end_of_turn>, Phi-3's <|end|>): the turn generated it and the template closes an assistant turn
+    with it. The splice kept both, so every later turn was prompted (and trained) on <eot><eot>, a
+    context the template never produces."""
+    from asyncflow.tasks.tiny import char_tokenizer
+    from asyncflow.workflow.pipeline import Tokenizer
+
+    hf = char_tokenizer("0123456789+= ?qa\n", ("<pad>", "<eos>", "<bos>", "<unk>"), 128)
+    hf.add_special_tokens({"additional_special_tokens": ["<eot>"]})
+    eot = int(hf.convert_tokens_to_ids("<eot>"))
+    tok = Tokenizer(hf, int(hf.eos_token_id), int(hf.pad_token_id), stop_ids=(eot,))
+    hf.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}q {{ m['content'] }}\n"
+                        "{% else %}a {{ m['content'] }}<eot>\n{% endif %}{% endfor %}"
+                        "{% if add_generation_prompt %}a {% endif %}")
+    engine = _Scripted([[*tok.encode("3"), eot], [*tok.encode("4"), eot]])
+
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": "1+2="}]
+        c1 = await _post(base_url, "/chat/completions", {"messages": msgs})
+        msgs += [c1["message"], {"role": "user", "content": "2+2="}]
+        await _post(base_url, "/chat/completions", {"messages": msgs})
+        return 1.0
+
+    f = _episode(engine, tok, agent)
+    history = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"},
+               {"role": "user", "content": "2+2="}]
+    fresh = hf.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    assert hf.decode(engine.prompts[1]) == fresh == "q 1+2=\na 3<eot>\nq 2+2=\na "
+    assert f["turns"] == 2 and f["agent_calls_dropped"] == 0
+    assert list(f["loss_mask"]) == [1, 1] + [0] * len(tok.encode("\nq 2+2=\na ")) + [1, 1]
+
+
 def test_a_rewritten_history_keeps_the_longest_consistent_prefix_of_calls() -> None:
     tok = _FakeTok()
     engine = _Scripted([[10, 11], [12, 1], [13]])

@@ -182,8 +182,11 @@ class EpisodeRecorder:
                 if hist and hist[:n] == last.skeleton and full[: len(hist)] == hist:
                     closing = hist[n:]  # the template's tokens after an assistant turn (end of turn, ...)
                     resp = last.call.response_ids
-                    if resp and closing and resp[-1] == closing[0] == self.tok.eos_token_id:
-                        closing = closing[1:]  # generation already ended on it
+                    ends = getattr(self.tok, "ends", None) or (self.tok.eos_token_id,)
+                    if resp and closing and resp[-1] == closing[0] and resp[-1] in ends:
+                        # generation already ended on it: the EOS, or a stop id the template closes a
+                        # turn with (Gemma's <end_of_turn>, Phi-3's <|end|>), which was spliced twice
+                        closing = closing[1:]
                     return [*last.call.prompt_ids, *resp, *closing, *full[len(hist):]], full
         ids = self._render(messages, generation_prompt=True)
         try:
