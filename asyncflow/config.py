@@ -195,8 +195,8 @@ class TrainConfig:
         lo=1,
     )
     lr: float = _f(1e-6, "AdamW learning rate (task packs set one that suits their model). null: the task pack's, "
-                   "else this default.", lo=0.0)
-    weight_decay: float = _f(0.0, "AdamW weight decay.", lo=0.0)
+                   "else this default.", lo=0.0, hi=10.0)
+    weight_decay: float = _f(0.0, "AdamW weight decay.", lo=0.0, hi=10.0)
     max_steps: int = _f(100, "Train steps (weight publications) in the run.", lo=1)
     max_grad_norm: float = _f(1.0, "Gradient-norm clip per optimizer step (0: no clipping).", lo=0.0)
 
@@ -307,7 +307,7 @@ class WorkflowConfig:
         "CPU on collections that find nothing: set it above what one train step allocates (~25 tracked objects "
         "per sample, so ~32 x train.batch_size) and steady state, where each step frees what it admitted, "
         "collects almost never. Cyclic garbage then waits longer to be freed.",
-        lo=0,
+        lo=0, hi=2**31 - 1,  # (gc.set_threshold takes a C int: above it the run failed at its start)
     )
 
 

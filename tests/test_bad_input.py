@@ -168,6 +168,10 @@ LIGHT_CASES: list[tuple[list[str], str]] = [
     (["demo", "--set", "train.batch_size=1073741824"], "train.batch_size: 1073741824 is above the maximum 1048576"),
     (["demo", "--set", "rollout.workers=100000"], "rollout.workers: 100000 is above the maximum 4096"),
     (["demo", "--set", "runtime.torch_threads=100000000000"], "runtime.torch_threads: 100000000000 is above the maximum"),
+    # (accepted, they failed the run with a traceback: gc.set_threshold takes a C int, torch a float32 lr)
+    (["demo", "--set", "workflow.gc_threshold=10000000000000"], "workflow.gc_threshold: 10000000000000 is above the maximum"),
+    (["demo", "--set", "train.lr=1e38"], "train.lr: 1e+38 is above the maximum 10.0"),
+    (["demo", "--set", "train.weight_decay=1e300"], "train.weight_decay: 1e+300 is above the maximum 10.0"),
     (["demo", "--set", "workflow.lease_timeout_s=0.001"], "workflow.lease_timeout_s: 0.001 is below the minimum 1.0"),
     (["demo", "--set", "reward.timeout_s=1" + "0" * 400], "reward.timeout_s: expected a finite number, got an integer of 401"),
     # accepted, and read by nothing (an episode is scored by its environment)
