@@ -325,6 +325,17 @@ def test_the_kl_term_ignores_positions_outside_the_mask_even_when_they_diverge()
     assert float(m["kl"]) == pytest.approx((k3(-0.1) + k3(0.1)) / 2, rel=1e-5)
 
 
+def test_the_k3_term_stays_finite_for_a_trained_token_far_below_the_reference() -> None:
+    """A trained token whose log pi is ~93 nats below log ref: exp(-d) overflowed, the loss was inf
+    and its gradient -inf (the step skipped). The log ratio is clamped to +-20 in k3, as verl does."""
+    lp = torch.tensor([[-93.0, -0.5]])
+    ref = torch.tensor([[0.0, -0.5]])
+    out, m, grad = _loss("ppo", lp, lp.clone(), [1.0], mask=torch.ones(1, 2), kl_coef=0.1, ref=ref)
+    assert math.isfinite(float(out)) and torch.isfinite(grad).all()
+    assert float(m["kl"]) == pytest.approx((math.exp(20.0) - 20.0 - 1) / 2, rel=1e-5)
+    assert float(kl_k3(torch.tensor(-3.0), torch.tensor(0.0))) == pytest.approx(math.exp(3.0) - 3.0 - 1)  # inside: exact
+
+
 def test_make_loss_fn_reads_the_batch_fields_and_refuses_unknown_names() -> None:
     lp = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
     batch = TrainBatch(

@@ -31,6 +31,7 @@ from asyncflow.engines.base import LossFn, Norm, TrainBatch
 LOSS_NAMES = ("ppo", "decoupled_ppo", "tis", "mis", "cispo", "topr", "gspo", "reinforce")
 AGG_NAMES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+_K3_CLAMP = 20.0  # |log pi - log ref| at most this in k3 (see kl_estimate)
 IS_LEVELS = ("token", "sequence", "geometric")
 
 # Losses whose objective is computed from the behavior log-probs (a ratio or weight against mu):
@@ -66,13 +67,16 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3).
 
     k1 = log pi - log ref (unbiased, can be negative); k2 = (log pi - log ref)^2 / 2;
-    k3 = exp(log ref - log pi) - (log ref - log pi) - 1 (unbiased, >= 0)."""
+    k3 = exp(log ref - log pi) - (log ref - log pi) - 1 (unbiased, >= 0), with the log ratio clamped
+    to +-20 (as verl clamps it): a token whose log pi fell ~88 below log ref made exp(-d) inf, so
+    the loss was inf, its gradient -inf, and the step was skipped; clamped it is ~4.9e8 and finite."""
     d = logprobs - ref_logprobs
     if estimator == "k1":
         return d
     if estimator == "k2":
         return 0.5 * d * d
     if estimator == "k3":
+        d = d.clamp(-_K3_CLAMP, _K3_CLAMP)
         return torch.exp(-d) + d - 1
     raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
 
