@@ -288,6 +288,16 @@ def test_the_endpoint_refuses_what_it_cannot_record_faithfully() -> None:
         with pytest.raises(HTTPError) as err:
             await _post(base_url, "/completions", {"prompt": [5]})
         seen.append(str(err.value))
+        # a refusal tells the OpenAI SDK not to retry it (it retried 409 and 429 twice, with back-off)
+        host, port = base_url.split("//")[1].split("/")[0].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = json.dumps({"prompt": [5]}).encode()
+        path = base_url.split(port, 1)[1] + "/completions"
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        head = (await reader.read()).split(b"\r\n\r\n")[0].decode()
+        writer.close()
+        assert head.startswith("HTTP/1.1 429") and "x-should-retry: false" in head.lower()
         models = await request_json("GET", f"{base_url}/models", timeout=10)
         assert models["data"][0]["id"] == "asyncflow-policy"
         return 0.0

@@ -344,8 +344,11 @@ class AgentProxy:
             else:
                 status, reply = await self.handle(method, path, body)
             data = json.dumps(reply).encode()
+            # a refusal (4xx: max turns, staleness, bad request) is final: the OpenAI SDK retried 409
+            # and 429 twice with back-off unless told not to
+            final = "x-should-retry: false\r\n" if 400 <= status < 500 else ""
             writer.write(f"HTTP/1.1 {status} {'OK' if status < 400 else 'Error'}\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+                         f"{final}Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
             with contextlib.suppress(OSError, asyncio.TimeoutError):
                 await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
         finally:
