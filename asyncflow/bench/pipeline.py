@@ -25,6 +25,10 @@ trained samples per virtual second over steps `warmup_steps+1 .. steps` (start-u
 this machine. `scheduler_us_per_request`: the same CPU time per generation request the engines
 ended. For `rlvr` a request is a sample; an `agentic` sample is an episode of 5-20 requests
 (turns), each awaited by the episode's own task, so its per-sample cost is that many turns' worth.
+`--set split=true` adds that total's shares in the parts a Ray run puts in different processes:
+`store_us_per_sample` (the store controller), `workers_us_per_sample` (rollout and reward workers,
+episodes included), `trainer_us_per_sample` (feeder, gate, trainer loop) and `loop_us_per_sample`
+(the event loop's own iteration); see `SplitMeter`.
 """
 
 from __future__ import annotations
