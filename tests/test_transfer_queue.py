@@ -23,6 +23,7 @@ from asyncflow.transfer_queue import (
     balance_by_length,
     split_sequential,
 )
+from asyncflow.transfer_queue.store import check_state
 
 T = TypeVar("T")
 
@@ -487,6 +488,37 @@ def test_state_dict_round_trip_redelivers_unacked_leases() -> None:
     assert new == 6
     with pytest.raises(ValueError, match="empty"):
         r.load_state_dict(state)
+
+
+def test_a_state_that_is_not_the_store_s_is_refused_before_anything_changes() -> None:
+    """`check_state` (run by `load_state_dict`, and by a resume before the logs are cut): what
+    `state_dict` writes passes; a damaged entry is a ValueError naming it and the store stays empty
+    (a bad `totals` failed after `next_uid` had been set, with an int() or dict() error)."""
+    q = TransferQueue()
+    q.register_stage("s", ["prompt"])
+    q.put_blocking(prompts(2))
+    good = q.state_dict()
+    check_state(good)
+    check_state({**good, "samples": [], "groups": []})  # an empty store
+    old = {k: v for k, v in good.items() if k not in ("totals", "next_group_id")}  # before 2026-11-24
+    check_state(old)
+    for bad, needle in (
+        ([1, 2], r"\(a dict\), got list"),
+        ({**good, "format": 99}, "unknown transfer queue state format 99"),
+        ({**good, "next_uid": -1}, "next_uid must be an int >= 0"),
+        ({**good, "samples": None}, "groups and samples must be lists"),
+        ({**good, "groups": [{"group_id": 0, "size": 0, "put": 1, "removed": 0}]}, "a group entry"),
+        ({**good, "samples": [{**good["samples"][0], "group_id": [0]}]}, "a sample entry"),
+        ({**good, "samples": [{**good["samples"][0], "consumed": [1]}]}, "a sample entry"),
+        ({**good, "samples": [good["samples"][0]] * 2}, "listed twice"),
+        ({**good, "totals": {**good["totals"], "bytes_put": "x"}}, "totals is not"),
+        ({**good, "totals": {**good["totals"], "wait_s": 5}}, "totals is not"),
+    ):
+        r = TransferQueue()
+        r.register_stage("s", ["prompt"])
+        with pytest.raises(ValueError, match=needle):
+            r.load_state_dict(bad)  # type: ignore[arg-type]
+        assert r.size() == 0 and r.state_dict()["next_uid"] == 0
 
 
 def test_remove_drops_samples_lazily_from_ready_queues() -> None:

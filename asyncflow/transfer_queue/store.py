@@ -1515,7 +1515,8 @@ def check_state(state: Any) -> None:
         sizes[g["group_id"]] = g["size"]
     uids: set[int] = set()
     for d in samples:
-        if not (isinstance(d, dict) and whole(d.get("uid"), 0) and d.get("group_id") in sizes
+        if not (isinstance(d, dict) and whole(d.get("uid"), 0) and whole(d.get("group_id"), 0)
+                and d.get("group_id") in sizes
                 and isinstance(d.get("fields"), dict) and isinstance(d.get("consumed"), list)
                 and all(isinstance(c, str) for c in d["consumed"])
                 and isinstance(d.get("priority"), (int, float)) and not isinstance(d.get("priority"), bool)
@@ -1525,9 +1526,15 @@ def check_state(state: Any) -> None:
         if d["uid"] in uids:
             raise ValueError(f"sample uid {d['uid']} is listed twice")
         uids.add(d["uid"])
-    totals = state.get("totals")
-    if totals is not None and not isinstance(totals, dict):
-        raise ValueError(f"totals must be a dict, got {type(totals).__name__}")
+    totals = state.get("totals")  # (absent from checkpoints before 2026-11-24)
+    if totals is not None:
+        wait_s = totals.get("wait_s", {}) if isinstance(totals, dict) else None
+        if not (isinstance(totals, dict) and all(whole(totals.get(k, 0), 0) for k in ("bytes_put", "expired_leases"))
+                and isinstance(wait_s, dict)
+                and all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                        for k, v in wait_s.items())):
+            raise ValueError(f"totals is not {{bytes_put, expired_leases (ints), wait_s (stage: seconds)}}: "
+                             f"{totals!r:.200}")
 
 
 def rows_of(columns: dict[str, Any], group_ids: Sequence[int], group_size: int) -> list[NewSample]:
