@@ -216,16 +216,19 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
     pipeline.sim_trainer = trainer
     pipeline.meter = meter
     split = SplitMeter(meter) if spec.split == "true" else None
-    if split is not None:
-        split.meter_store(pipeline.store)
-        clock.loop.run_handle = split.run_handle
-        split.start()
     try:
-        await pipeline.run()
-    finally:
         if split is not None:
-            split.stop()
-            clock.loop.run_handle = None
+            split.start()
+            try:
+                split.meter_store(pipeline.store)
+                clock.loop.run_handle = split.run_handle
+                await pipeline.run()
+            finally:
+                clock.loop.run_handle = None
+                split.stop()
+        else:
+            await pipeline.run()
+    finally:
         log.close()
         for e in engines:
             await e.close()
@@ -286,6 +289,7 @@ class SplitMeter:
         self._part = "loop"  # the part of the callback running now ("loop" between callbacks)
         self._depth = 0
         self._previous: Any = None
+        self._previous_timer: tuple[float, float] = (0.0, 0.0)
 
     def run_handle(self, handle: Any) -> None:
         self._part = "workers" if handle._context.get(_WORKER, False) else "trainer"
@@ -303,13 +307,15 @@ class SplitMeter:
         if not hasattr(signal, "setitimer"):
             raise UserError("bench pipeline --set split=true: needs setitimer (Linux or macOS)")
         self._previous = signal.signal(signal.SIGPROF, self._tick)
-        signal.setitimer(signal.ITIMER_PROF, self.interval_s, self.interval_s)
+        self._previous_timer = signal.setitimer(signal.ITIMER_PROF, self.interval_s, self.interval_s)
 
     def stop(self) -> None:
+        """The timer and handler as they were (a profiler's own, if one ran the benchmark)."""
         import signal
 
-        signal.setitimer(signal.ITIMER_PROF, 0, 0)
-        signal.signal(signal.SIGPROF, self._previous)
+        signal.setitimer(signal.ITIMER_PROF, *self._previous_timer)
+        # (None: a handler installed from C, which Python cannot put back; the default is the nearest)
+        signal.signal(signal.SIGPROF, signal.SIG_DFL if self._previous is None else self._previous)
 
     def meter_store(self, store: Any, names: Sequence[str] = _STORE_CALLS) -> None:
         """Mark `store`'s entry points (instance attributes shadow its methods, its own calls included)."""
@@ -478,6 +484,9 @@ def parse_spec(overrides: list[str]) -> PipeSpec:
         raise UserError(f"bench pipeline --set steps: must exceed warmup_steps ({spec.warmup_steps}), got {spec.steps}")
     if spec.split not in ("true", "false"):
         raise UserError(f"bench pipeline --set split: use true or false, got {spec.split!r}")
+    if spec.split == "true" and spec.reward == "thread":  # (its CPU would be ticked to whatever the loop does then)
+        raise UserError("bench pipeline --set split=true: needs reward=async (a verifier thread's CPU cannot be "
+                        "attributed: the profiling ticks reach the event loop's thread only)")
     if spec.reward not in ("async", "thread"):
         raise UserError(f"bench pipeline --set reward: use async or thread, got {spec.reward!r}")
     if spec.trace:  # a folder made after the simulation: a path that cannot become one is refused now
