@@ -260,7 +260,7 @@ _STORE_CALLS = ("_put_or_wait", "_take_or_wait", "_take_each_or_wait", "write", 
 
 
 class SplitMeter:
-    """Where the scheduler's CPU goes (`--set split=true`), in the three parts a Ray run puts in
+    """Where the scheduler's CPU goes (`--set split=true`), in the four parts a Ray run puts in
     different processes (runtime/ray_runtime.py):
 
     - `store`: inside the `TransferQueue`'s calls: the store controller's work, the one process
@@ -274,13 +274,14 @@ class SplitMeter:
       polls): under Ray each process pays it for its own callbacks.
 
     Sampled, not timed: a CPU-time timer (`ITIMER_PROF`) interrupts every `interval_s` of the
-    process's CPU (in practice at the kernel's scheduler tick, ~4 ms on this VM: ~1,400 ticks in
+    process's CPU (in practice at the kernel's scheduler tick, ~4 ms on the dev VM: ~1,400 ticks in
     an rlvr 64 row, so a share is known to a few percent) and the tick goes to the part running
-    then (simulation code, known from its `CpuMeter`, is left out). Timing each callback instead needs two `thread_time` reads (a system
-    call, ~0.75 us each on this VM) per callback, which doubled the rlvr row's total. Here a
-    callback costs two attribute writes (`VirtualTimeLoop.run_handle`) and a store call a wrapper;
-    the row's `scheduler_us_per_sample` is the measured total, as in a run without the split, and
-    the parts are its shares by tick count."""
+    then; simulation code, known from its `CpuMeter`, is left out. Timing each callback instead
+    takes two `thread_time` reads (a system call, ~0.75 us each there) per callback, which doubled
+    the rlvr row's total. Here a callback costs a call and two attribute writes
+    (`VirtualTimeLoop.run_handle`) and a store call a wrapper. That still shows: a split run's
+    total reads a few percent above a plain run's at 64 devices and up to a third above at 1,024
+    (docs/performance.md), so the parts are its total's shares by tick count."""
 
     def __init__(self, sim: Any, interval_s: float = 0.0005) -> None:
         self.sim = sim

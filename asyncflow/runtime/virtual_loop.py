@@ -72,7 +72,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._virtual_now = float(start)
         self.thread_jobs = 0
         # runs each ready callback instead of `handle._run()` when set: PIPE's `--set split=true`
-        # times the callbacks of some tasks to say where the scheduler's CPU goes
+        # notes whose callback is running, to say where the scheduler's CPU goes
         self.run_handle: Callable[[asyncio.Handle], None] | None = None
         self._selector = _VirtualSelector(self._selector, self)  # type: ignore[assignment,has-type,arg-type]
         self._timers: list[tuple[float, int, asyncio.TimerHandle]] = []  # (when, seq, handle): see module doc

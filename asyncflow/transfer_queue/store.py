@@ -468,8 +468,8 @@ class TransferQueue:
             if first != size:  # (one put naming a new group with two sizes made a group that never completes)
                 raise ValueError(f"group {gid}: group_size {size} != {first} put before")
             counts[gid] = counts.get(gid, 0) + 1
-            if counts[ns.group_id] + (g.put if g else 0) > ns.group_size:
-                raise ValueError(f"group {ns.group_id}: more than group_size={ns.group_size} samples put")
+            if counts[gid] + (g.put if g else 0) > size:
+                raise ValueError(f"group {gid}: more than group_size={size} samples put")
 
     def reserve_uids(self, n: int) -> int:
         """Reserve `n` consecutive uids for a client to assign itself (pipelined puts); returns the first."""
