@@ -126,6 +126,7 @@ class Evaluator:
             return [None] * len(self.rows), str(exc), None
         key = self.cfg.dataset.prompt_key
         calls = []
+        cut = {i for i, r in enumerate(results) if r.finish_reason == "cancelled"}
         for row, result in zip(self.rows, results, strict=True):
             ids = result.response_ids
             completion = self.tok.completions([ids], isinstance(row[key], list))
@@ -151,6 +152,10 @@ class Evaluator:
                 outcomes += await self._plain_calls.score(
                     chunk, self.clock.wait_for, timeout,
                     f"the reward function on eval prompts {at}-{at + len(chunk) - 1} (reward.timeout_s per prompt)")
+        # (engines never cancel evaluation requests; one that comes back cancelled all the same is a
+        # failed prompt, not an answer: scored, its cut-short text counted as the model's)
+        outcomes = [RewardOutcome(None, "its generation was cancelled") if i in cut else o
+                    for i, o in enumerate(outcomes)]
         rewards = [o.rewards[0] if o.rewards else None for o in outcomes]
         errors = [f"eval prompt {i}: {o.error}" for i, o in enumerate(outcomes) if o.error is not None]
         return rewards, (errors[0] if errors else None), _newest(r.token_versions for r in results)

@@ -173,15 +173,19 @@ def test_abort_mode_continues_with_tokens_so_far_and_new_weights(tiny_model) -> 
 
 
 def test_cancel_older_than_ends_stale_requests(tiny_model) -> None:
+    """... but never an evaluation's (uid < 0): it was cut short and scored as the model's answer."""
     engine = _slow_engine(tiny_model)
     try:
         fut = engine.submit(GenRequest(0, [5, 6], 200, 1.0))
+        evaluation = engine.submit(GenRequest(-1, [5, 6], 20, 0.0))
         time.sleep(0.05)
         assert engine.cancel_older_than(1) == 1
         res = fut.result(timeout=60)
+        kept = evaluation.result(timeout=60)
     finally:
         engine.shutdown()
     assert res.finish_reason == "cancelled" and len(res.response_ids) < 200
+    assert kept.finish_reason != "cancelled"
 
 
 def test_engine_and_trainer_logprobs_agree_at_staleness_zero(tiny_model) -> None:

@@ -31,7 +31,8 @@ class _Counting(SimEngine):
             type(self).in_flight -= 1
 
 
-def _evaluate(tmp_path: Path, reward_fn: Any, overrides: list[str], prompts: int = 6, real: bool = False) -> dict[str, Any]:
+def _evaluate(tmp_path: Path, reward_fn: Any, overrides: list[str], prompts: int = 6, real: bool = False,
+              engine_cls: type[_Counting] = _Counting) -> dict[str, Any]:
     """One evaluation on a simulated engine, on virtual time (`real`: on the wall clock, for a reward
     function that blocks a thread: virtual time stands still while a thread job is outstanding)."""
     from asyncflow.config import load_config
@@ -42,7 +43,7 @@ def _evaluate(tmp_path: Path, reward_fn: Any, overrides: list[str], prompts: int
 
     async def main(clock: Any) -> dict[str, Any]:
         cfg, _ = load_config(None, overrides)
-        engine = _Counting(clock, lengths=lambda rng: 3, capacity=2, seed=0, step_s=0.001)
+        engine = engine_cls(clock, lengths=lambda rng: 3, capacity=2, seed=0, step_s=0.001)
         log = RunLog(tmp_path)
         try:
             rows = [{"prompt": f"p{i}", "answer": str(i), "level": i % 2} for i in range(prompts)]
@@ -208,3 +209,69 @@ def test_an_eval_row_names_the_newest_weights_its_tokens_came_from(tmp_path: Pat
     quiet, moved = run_virtual(main)
     assert quiet["policy_version"] == quiet["policy_version_max"] == 0
     assert moved["policy_version"] == 0 and moved["policy_version_max"] == 1
+
+
+def test_an_evaluation_beside_training_is_not_cut_short_by_staleness_cancels(tmp_path: Path) -> None:
+    """A mid-run evaluation (the runner starts it after a step, beside training) on engines[0]: each
+    publication's `cancel_older_than(floor)` cancelled its requests too (sync mode: at the next
+    publication), and the cut-short responses were scored as the model's answers (40 of 48 here,
+    at 4 of 200 tokens, with eval_errors 0)."""
+    from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
+    from asyncflow.config import load_config
+    from asyncflow.engines.sim import SimTrainer
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.runtime.virtual_loop import run_virtual
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+
+    finished: list[tuple[str, int]] = []
+
+    class Recording(SimEngine):
+        async def generate(self, request):  # type: ignore[no-untyped-def]
+            res = await super().generate(request)
+            if request.uid < 0:
+                finished.append((res.finish_reason, len(res.response_ids)))
+            return res
+
+    async def main(clock: Any) -> list[dict[str, Any]]:
+        cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=16", "train.max_steps=6", "rollout.max_batch=8",
+                                    "rollout.max_new_tokens=200", "workflow.mode=sync", "eval.every=1"])
+        engine = Recording(clock, lengths=lambda rng: 200, capacity=8, seed=0, step_s=0.01)
+        trainer = SimTrainer(clock, token_s=1e-5, devices=1)
+        log = RunLog(tmp_path)
+        evaluator = Evaluator(cfg, [{"prompt": f"p{i}", "answer": "1"} for i in range(8)], _Tok(),
+                              lambda prompts, completions, **c: [1.0], engine, log, Tracer(now=clock.now), clock=clock)
+        evals: list[asyncio.Task[Any]] = []
+
+        async def on_step(result: Any) -> None:
+            evals.append(asyncio.create_task(evaluator.run(step=result.step)))
+
+        pipeline = _make_sim_pipeline_class()(
+            cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=_reward,
+            engines=[engine], trainer=trainer, loss_fn=None, clock=clock, log=log,
+            tracer=Tracer(now=clock.now, max_events=0), on_step=on_step)
+        pipeline.sim_trainer = trainer
+        try:
+            await pipeline.run()
+            return [await t for t in evals]
+        finally:
+            log.close()
+
+    rows = run_virtual(main)
+    assert len(rows) >= 3 and finished  # (an evaluation that overlapped the next publication: that is the case)
+    assert all(reason != "cancelled" and n == 200 for reason, n in finished), finished
+    assert all(r is None or r["eval_errors"] == 0 for r in rows)
+
+
+def test_an_eval_generation_that_comes_back_cancelled_is_a_failed_prompt(tmp_path: Path) -> None:
+    """Not the model's answer: its prompt fails (counted in eval_errors), never solved."""
+    from asyncflow.engines.base import GenResult
+
+    class Cancelling(_Counting):
+        async def generate(self, request):  # type: ignore[no-untyped-def]
+            res = await super().generate(request)
+            return GenResult(res.uid, res.response_ids, res.behavior_logprobs, res.token_versions, "cancelled") \
+                if request.uid == -2 else res
+
+    row = _evaluate(tmp_path, lambda prompts, completions, **c: [1.0], [], engine_cls=Cancelling)
+    assert row["eval_errors"] == 1 and "eval prompt 1: its generation was cancelled" in row["eval_error"]
+    assert row["eval_accuracy"] == 5 / 6

@@ -229,6 +229,7 @@ def test_openai_engine_request_and_cancel_floor(fake: FakeServer, tmp_path: Path
     assert (res.response_ids, res.token_versions, res.finish_reason) == ([5, 1], [0, 0], "stop")
     engine.cancel_older_than(1)  # a reply whose oldest token is older than the floor ends as cancelled
     assert asyncio.run(engine.generate(GenRequest(2, [3], 5))).finish_reason == "cancelled"
+    assert asyncio.run(engine.generate(GenRequest(-1, [3], 5))).finish_reason == "stop"  # an evaluation's: kept
 
 
 def test_in_place_writer_refuses_a_sharded_folder(tmp_path: Path) -> None:

@@ -76,7 +76,10 @@ class InferenceEngine(abc.ABC):
 
     @abc.abstractmethod
     def cancel_older_than(self, min_version: int) -> int:
-        """Cancel in-flight requests whose oldest token version is below `min_version`; returns the count."""
+        """Cancel in-flight requests whose oldest token version is below `min_version`; returns the count.
+        Evaluation requests (uid < 0) are never cancelled: the floor is the staleness bound of training
+        samples, and an evaluation running beside training while weights are published scored the
+        cut-short responses as if they were its answers."""
 
     @abc.abstractmethod
     def load(self) -> int:

@@ -225,7 +225,7 @@ class HFEngine(InferenceEngine):
         n = 0
         with self._cv:
             for row in (*self._rows, *self._admitting, *self._waiting):
-                if row.versions and row.versions[0] < min_version and not row.cancelled:
+                if row.versions and row.versions[0] < min_version and not row.cancelled and row.req.uid >= 0:
                     row.cancelled = True
                     n += 1
         return n

@@ -44,7 +44,7 @@ class OpenAIEngine(InferenceEngine):
         self.request_timeout_s = request_timeout_s
         self.sync_timeout_s = sync_timeout_s
         self.version = version
-        self._in_flight: dict[object, int] = {}  # one key per request in flight -> server version when sent
+        self._in_flight: dict[object, int | None] = {}  # per request in flight: server version when sent (None: eval)
         self._cancel_floor = 0  # replies whose oldest token is older than this end as cancelled
 
     @property
@@ -83,14 +83,16 @@ class OpenAIEngine(InferenceEngine):
             body.update(return_token_ids=True, return_tokens_as_token_ids=True)
         sent_version = self.version
         key = object()  # (not the uid: an agent's concurrent calls share their sample's, and the first to end
-        self._in_flight[key] = sent_version  # took the other out of load() and cancel_older_than's count)
+        # took the other out of load() and cancel_older_than's count); an evaluation's (uid < 0) is never
+        # cancelled: None here, and its reply is kept below
+        self._in_flight[key] = sent_version if request.uid >= 0 else None
         try:
             reply = await request_json("POST", f"{self.base_url}/v1/completions", body, token=self.token,
                                        timeout=self.request_timeout_s)
         finally:
             del self._in_flight[key]
         ids, logprobs, versions, reason = parse_choice(reply, sent_version, self.base_url)
-        if versions and versions[0] < self._cancel_floor:
+        if versions and versions[0] < self._cancel_floor and request.uid >= 0:
             reason = "cancelled"
         return GenResult(request.uid, ids, logprobs, versions, reason)  # type: ignore[arg-type]
 
@@ -106,7 +108,7 @@ class OpenAIEngine(InferenceEngine):
         than `min_version` are returned as cancelled when they arrive (what the workflow needs to
         drop them); the server still finishes them."""
         self._cancel_floor = max(self._cancel_floor, min_version)
-        return sum(1 for v in self._in_flight.values() if v < min_version)
+        return sum(1 for v in self._in_flight.values() if v is not None and v < min_version)
 
     def load(self) -> int:
         return len(self._in_flight)

@@ -200,7 +200,7 @@ class SimEngine(InferenceEngine):
         now = self._steps_now()
         n = 0
         for seq in [*(e[2] for e in self._running), *self._waiting]:
-            if seq.cancelled:
+            if seq.cancelled or seq.request.uid < 0:  # (evaluation: see InferenceEngine.cancel_older_than)
                 continue
             versions = [v for v, _ in seq.runs]
             if any(e[2] is seq for e in self._running) and now > seq.run_from:

@@ -64,6 +64,7 @@ class _Running:
     tokens: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     request_id: str = ""
+    evaluation: bool = False  # uid < 0: never cancelled (InferenceEngine.cancel_older_than)
     cancelled: bool = False
     restart: bool = False  # aborted for a weight load (mode abort): resubmit with the tokens so far
     streaming: bool = False  # a vLLM request of this row is running
@@ -137,7 +138,7 @@ class VLLMEngine(InferenceEngine):
         from vllm.sampling_params import RequestOutputKind
 
         await self._admitted()
-        row = _Running()
+        row = _Running(evaluation=request.uid < 0)
         logprobs: list[float] = []
         finish = "length"
         key = next(self._ids)  # (not the uid: an agent's concurrent calls share their sample's)
@@ -191,7 +192,8 @@ class VLLMEngine(InferenceEngine):
                               "(rollout.request_timeout_s)") from None
 
     def cancel_older_than(self, min_version: int) -> int:
-        rows = [r for r in self._running.values() if r.versions and r.versions[0] < min_version and not r.cancelled]
+        rows = [r for r in self._running.values()
+                if r.versions and r.versions[0] < min_version and not r.cancelled and not r.evaluation]
         for r in rows:
             r.cancelled = True
             asyncio.ensure_future(self.llm.abort(r.request_id))
