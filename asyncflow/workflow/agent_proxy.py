@@ -57,6 +57,7 @@ from asyncflow.serve import (
     completion_tokens_key,
     flatten_content,
 )
+from asyncflow.workflow.episode import end_ids
 
 _UNSUPPORTED: dict[str, Any] = {**SERVE_UNSUPPORTED, "suffix": None, "echo": False}
 
@@ -182,8 +183,7 @@ class EpisodeRecorder:
                 if hist and hist[:n] == last.skeleton and full[: len(hist)] == hist:
                     closing = hist[n:]  # the template's tokens after an assistant turn (end of turn, ...)
                     resp = last.call.response_ids
-                    ends = getattr(self.tok, "ends", None) or (self.tok.eos_token_id,)
-                    if resp and closing and resp[-1] == closing[0] and resp[-1] in ends:
+                    if resp and closing and resp[-1] == closing[0] and resp[-1] in end_ids(self.tok):
                         # generation already ended on it: the EOS, or a stop id the template closes a
                         # turn with (Gemma's <end_of_turn>, Phi-3's <|end|>), which was spliced twice
                         closing = closing[1:]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -203,7 +203,7 @@ async def run_episode(
     submit = requester(engine)
     first_version = math.inf  # the oldest version of the tokens generated so far
     closed = False
-    ends = getattr(tok, "ends", None) or (tok.eos_token_id,)  # (the EOS and generation_config's stop ids)
+    ends = end_ids(tok)
     try:
         traj.add_env(tok.encode(_observation(
             await env_call(clock, env.reset(row, seed), settings.env_timeout_s, env, "reset"), env, "reset")))
@@ -271,6 +271,12 @@ async def run_episode(
     fields = traj.fields()
     fields.update(finish_reason=finish, turns=turns, reward=None if error else reward, reward_error=error)
     return EpisodeResult(fields)
+
+
+def end_ids(tok: EpisodeTokenizer) -> Collection[int]:
+    """The ids a finished turn ends with: the EOS and generation_config's stop ids (`Tokenizer.ends`;
+    a tokenizer without them, just its EOS)."""
+    return getattr(tok, "ends", None) or (tok.eos_token_id,)
 
 
 def hung_episode(prompt_ids: Sequence[int], error: str) -> EpisodeResult:
