@@ -1,0 +1,103 @@
+"""Every third-party module asyncflow imports is a declared dependency, and every module imports.
+
+A module imported but not declared passes on a machine where it happens to be installed and fails
+for every user who runs `pip install asyncflow`; these tests fail at collection time in CI instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.metadata as md
+import pkgutil
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import asyncflow
+
+PACKAGE = Path(asyncflow.__file__).parent
+
+# Top-level modules that only optional features import, each with the extra that installs it. The
+# code that imports them refuses cleanly without them (a one-line error naming the package).
+OPTIONAL = {
+    "datasets": "datasets",
+    "wandb": "wandb",
+    "tensorboard": "tensorboard",
+    "vllm": "vllm",
+    "transfer_queue": "bench",
+    "psutil": "bench",
+    "tensordict": "bench",
+    "omegaconf": "bench",
+}
+# Modules that import an optional package at their top, so they cannot be imported without it
+# (`__main__` runs the CLI when imported).
+OPTIONAL_MODULES = {"asyncflow.bench.tq_baseline": "bench", "asyncflow.__main__": "(runs the CLI)"}
+# Import names that differ from their distribution's name.
+DISTRIBUTION = {"yaml": "pyyaml", "transfer_queue": "transferqueue"}
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirements() -> tuple[set[str], dict[str, set[str]]]:
+    """The core requirements and each extra's, as normalised distribution names."""
+    core: set[str] = set()
+    extras: dict[str, set[str]] = {}
+    for req in md.requires("asyncflow") or []:
+        name = _normal(re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0])
+        extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", req)
+        if extra is None:
+            core.add(name)
+        else:
+            extras.setdefault(extra.group(1), set()).add(name)
+    return core, extras
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    """Top-level third-party module -> the package files that import it (function-level imports too)."""
+    found: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top != "asyncflow" and top not in sys.stdlib_module_names:
+                    found.setdefault(top, set()).add(str(path.relative_to(PACKAGE.parent)))
+    return found
+
+
+def test_every_third_party_import_is_declared() -> None:
+    core, extras = _requirements()
+    undeclared = {}
+    for module, files in sorted(_third_party_imports().items()):
+        if module in OPTIONAL:
+            extra = OPTIONAL[module]
+            if _normal(DISTRIBUTION.get(module, module)) not in extras.get(extra, set()):
+                undeclared[module] = f"optional, but extra [{extra}] does not list it ({sorted(files)[0]})"
+            continue
+        dist = _normal(DISTRIBUTION.get(module, module))
+        if dist not in core:
+            undeclared[module] = f"imported by {sorted(files)[0]}, not in pyproject's dependencies"
+    assert not undeclared, undeclared
+
+
+def _modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.walk_packages([str(PACKAGE)], prefix="asyncflow."))
+
+
+@pytest.mark.parametrize("name", [m for m in _modules() if m not in OPTIONAL_MODULES])
+def test_module_imports(name: str) -> None:
+    importlib.import_module(name)
+
+
+def test_optional_modules_are_real_modules() -> None:
+    """The exceptions above name modules that exist (a rename would silently widen them)."""
+    assert set(OPTIONAL_MODULES) <= set(_modules())
