@@ -51,7 +51,7 @@ LOGS = ("metrics.jsonl", "samples.jsonl")
 # id stands for and what the saved samples are (prompt ids, group size, kind of episode).
 # `train.engine`: torch and fsdp write different optimizer.pt layouts. `rollout.affinity`: decides the
 # rollout stages the saved samples are routed to (and `rollout.workers` with it on; see below).
-MUST_MATCH = ("seed", "task", "model.path", "model.cache_dir", "dataset.", "rollout.n", "train.batch_size",
+MUST_MATCH = ("seed", "task", "model.path", "model.cache_dir", "model.task_seed", "dataset.", "rollout.n", "train.batch_size",
               "rollout.env", "rollout.agent", "rollout.max_turns", "train.engine", "rollout.affinity")
 
 

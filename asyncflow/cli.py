@@ -1,4 +1,4 @@
-"""The `asyncflow` command: demo, train, prepare, bench, report, serve.
+"""The `asyncflow` command: demo, train, prepare, bench, report, trace, serve.
 
 Arguments and configs are validated before torch, transformers or ray are imported, so bad input
 costs milliseconds and ends with one line naming the key, file or argument, and exit code 2. A run
@@ -20,6 +20,9 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UserError(f"{self.prog}: {message}")
+
+
+DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 
 
 def _default_out(prefix: str) -> Path:
@@ -70,6 +73,9 @@ def make_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="draw report.png and summary.md for one or more run folders")
     report.add_argument("runs", nargs="+", type=_path, metavar="RUN_DIR", help="run folders (the first gets the files)")
 
+    trace = sub.add_parser("trace", help="open a run's trace.json in the Perfetto UI (served once on loopback)")
+    trace.add_argument("run", type=_path, metavar="RUN_DIR", help="run folder (or a trace.json)")
+    trace.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the UI to fetch it (default 600)")
     serve = sub.add_parser("serve", help="serve a model folder over an OpenAI-compatible HTTP API")
     serve.add_argument("model_dir", type=_path, help="Hugging Face model folder (config, safetensors, tokenizer)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
@@ -123,10 +129,16 @@ def _dispatch(args: argparse.Namespace) -> int:
     from asyncflow.config import load_config
 
     if args.command == "demo":
-        cfg, explicit = load_config(None, args.set)
+        cfg, explicit = load_config(DEMO_CONFIG, args.set)
         from asyncflow.runner import train
 
-        train(cfg, args.out or _default_out("demo"), explicit=explicit)
+        out = args.out or _default_out("demo")
+        train(cfg, out, explicit=explicit)
+        from asyncflow.telemetry.report import write_report
+
+        png, md = write_report([out], log=lambda line: print(line, file=sys.stderr))
+        print(f"[asyncflow] the report: {png}\n[asyncflow] its summary: {md}\n"
+              f"[asyncflow] the trace (stages and workers over time): asyncflow trace {out}")
         return 0
     if args.command == "train":
         cfg, explicit = load_config(args.config, args.set)
@@ -160,6 +172,14 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         png, md = write_report(args.runs, log=lambda line: print(line, file=sys.stderr))
         print(f"wrote {png} and {md}")
+        return 0
+    if args.command == "trace":
+        from asyncflow.telemetry.trace_view import serve_trace, trace_file
+
+        if not 0 < args.timeout < float("inf"):
+            raise UserError(f"trace: --timeout {args.timeout} must be a positive number of seconds")
+        if not serve_trace(trace_file(args.run), timeout_s=args.timeout, log=print):
+            raise WaitTimeout(f"trace: nothing fetched the trace within {args.timeout:g} s (--timeout)")
         return 0
     if args.command == "serve":
         return _serve(args)

@@ -37,6 +37,10 @@ class ModelConfig:
 
     path: str | None = _f(None, "Hugging Face causal-LM folder. null: the task pack prepares (and caches) its model.")
     cache_dir: str | None = _f(None, "Where prepared task models are cached. null: $ASYNCFLOW_CACHE or ~/.cache/asyncflow.")
+    task_seed: int = _f(0, "Seed of the task pack's base model and data (model.path null). 0: the base model shipped "
+                           "inside the package (built by `asyncflow prepare TASK`, the same on every machine); another "
+                           "seed is prepared once into model.cache_dir (minutes). `seed` seeds the run, not this.",
+                        lo=0, hi=2**31 - 1)
     dtype: Literal["float32", "bfloat16"] = _f("float32", "Compute dtype for rollout and the trainer's passes; the trainer keeps float32 master weights and optimizer states either way (float32 keeps behaviour and trainer log-probs equal).")
     device: Literal["auto", "cpu", "cuda"] = _f(
         "auto",
@@ -321,6 +325,11 @@ class EvalConfig:
     every: int = _f(10, "Evaluate every this many train steps (0: only before and after).", lo=0)
     size: int = _f(1000, "Most eval prompts used.", lo=1)
     success_threshold: float = _f(1.0, "A prompt counts as solved when its greedy reward >= this.")
+    patience: int = _f(0, "Stop training early once this many evaluations in a row have not raised eval accuracy "
+                          "above the best before them by more than eval.min_delta (the eval curve has flattened); "
+                          "the run then ends at the next step with its final evaluation. 0: train to train.max_steps.",
+                       lo=0)
+    min_delta: float = _f(0.01, "The rise in eval accuracy that counts as progress for eval.patience.", lo=0.0, hi=1.0)
 
 
 @dataclass
@@ -722,6 +731,9 @@ def validate(cfg: Config, explicit: set[str]) -> None:
             section, name = key.split(".")
             if getattr(getattr(cfg, section), name) is None:
                 raise UserError(f"{key}: required when task is null (no task pack to supply it)")
+    if "model.task_seed" in explicit and (cfg.task is None or cfg.model.path is not None):
+        raise UserError("model.task_seed: not used with " + ("task null" if cfg.task is None else "model.path set")
+                        + " (it seeds the task pack's own base model)")
     if cfg.rollout.env is not None and cfg.rollout.env not in ENV_NAMES and ":" not in cfg.rollout.env:
         raise UserError(f"rollout.env: {cfg.rollout.env!r} is neither a built-in ({', '.join(ENV_NAMES)}) nor 'module:factory'")
     if cfg.reward.fn is not None and ":" not in cfg.reward.fn:
@@ -736,6 +748,10 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError("logging.wandb: the wandb package is not installed (pip install wandb)")
     if "logging.wandb_project" in explicit and not cfg.logging.wandb:
         raise UserError("logging.wandb_project: not used while logging.wandb is false")
+    if cfg.eval.patience > 0 and cfg.eval.every == 0:
+        raise UserError("eval.patience: needs eval.every > 0 (evaluations during training to watch)")
+    if "eval.min_delta" in explicit and cfg.eval.patience == 0:
+        raise UserError("eval.min_delta: not used while eval.patience is 0 (no early stop)")
     if "checkpoint.keep" in explicit and cfg.checkpoint.every == 0:
         raise UserError("checkpoint.keep: not used while checkpoint.every is 0 (no periodic checkpoints)")
     if cfg.runtime.address is not None and cfg.runtime.kind == "local":

@@ -29,6 +29,14 @@ from asyncflow.runtime.clock import wait_detached
 from asyncflow.telemetry.runlog import RunLog, Tracer
 
 
+def eval_flattened(accuracies: Sequence[float], patience: int, min_delta: float) -> bool:
+    """The last `patience` evaluations did not beat the best one before them by more than `min_delta`
+    (`eval.patience`); False while there are not `patience` evaluations after the first."""
+    if patience < 1 or len(accuracies) <= patience:
+        return False
+    return max(accuracies[-patience:]) <= max(accuracies[:-patience]) + min_delta
+
+
 class Evaluator:
     """Scores greedy completions of the eval prompts with the run's reward function."""
 

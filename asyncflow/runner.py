@@ -93,14 +93,16 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
         model_dir = check_model_dir(cfg.model.path)
     else:
         assert task is not None
-        if cfg.model.cache_dir is not None:
+        if task.shipped(cfg.model.task_seed) is not None:
+            pass  # the package holds it: no cache is read or written
+        elif cfg.model.cache_dir is not None:
             check_folder_path(Path(cfg.model.cache_dir), "model.cache_dir")
         else:  # (the default: $ASYNCFLOW_CACHE, else ~/.cache/asyncflow)
             from asyncflow.tasks.tiny import default_cache_dir
 
             env = "ASYNCFLOW_CACHE" if os.environ.get("ASYNCFLOW_CACHE") else "model.cache_dir (default)"
             check_folder_path(default_cache_dir(), env)
-        model_dir = task.prepare(cfg.model.cache_dir, seed=cfg.seed, log=log)
+        model_dir = task.prepare(cfg.model.cache_dir, seed=cfg.model.task_seed, log=log)
     if cfg.rollout.sync_dir is not None:  # the openai engine writes weights there: a file would fail late
         check_folder_path(Path(cfg.rollout.sync_dir), "rollout.sync_dir")
     if cfg.dataset.path is not None:
@@ -555,7 +557,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     import torch
 
     from asyncflow.algorithms.losses import make_loss_fn
-    from asyncflow.evaluation import Evaluator
+    from asyncflow.evaluation import Evaluator, eval_flattened
     from asyncflow.runtime.clock import RealClock
     from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, RunLog, Tracer
     from asyncflow.workflow.pipeline import Pipeline, StepResult
@@ -649,9 +651,17 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
                 if pending_eval is not None:  # its row goes into this checkpoint's logs: a resume lost it
                     await pending_eval
                 await save_checkpoint(result.step)
+            stopping = False
             if pending_eval is not None and pending_eval.done():  # (the progress line shows it from now on)
                 last_eval, pending_eval = pending_eval.result(), None
-            due = cfg.eval.every > 0 and result.step % cfg.eval.every == 0 and result.step < cfg.train.max_steps
+                if eval_flattened([h["eval_accuracy"] for h in evaluator.history], cfg.eval.patience,
+                                  cfg.eval.min_delta):
+                    pipeline.stop_early()
+                    stopping = True
+                    progress.message(f"[asyncflow] eval accuracy has not risen by more than {cfg.eval.min_delta:g} in "
+                                     f"{cfg.eval.patience} evaluations (eval.patience): stopping after step {result.step}")
+            due = (cfg.eval.every > 0 and result.step % cfg.eval.every == 0 and result.step < cfg.train.max_steps
+                   and not stopping)  # (the final evaluation follows this step)
             if due and pending_eval is None:
                 pending_eval = asyncio.create_task(evaluator.run(step=result.step))
             elif due and not eval_skip_told:  # evaluations run beside training: one still running means this
@@ -719,7 +729,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             train_seconds = clock.now() - pipeline.t_start  # a resumed run's includes the time before the checkpoint
             if pending_eval is not None:
                 await pending_eval
-            final_eval = await evaluator.run(step=cfg.train.max_steps)
+            final_eval = await evaluator.run(step=pipeline.last_step)
         finally:
             if pending_eval is not None and not pending_eval.done():  # the run failed while it was running
                 pending_eval.cancel()
@@ -742,7 +752,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     trainer.save(str(final), with_optimizer=False)
     hf_tok.save_pretrained(str(final))
     summary = {
-        "steps": cfg.train.max_steps,
+        "steps": pipeline.last_step,
         "samples": pipeline.counters.trained,
         "train_seconds": train_seconds,
         "samples_per_s": pipeline.counters.trained / max(train_seconds, 1e-9),

@@ -158,7 +158,11 @@ LIGHT_CASES: list[tuple[list[str], str]] = [
     (["prepare", "arith", "--out", "good.jsonl"], "--out: good.jsonl is a file, not a folder"),
     (["prepare", "arith", "--seed", "-1", "--out", "p"], "--seed: -1 is outside 0 to 2^31-1"),
     (["prepare", "arith", "--seed", "99999999999999999999999", "--out", "p"], "--seed: 99999999999999999999999 is outside"),
-    (["demo", "--set", "model.cache_dir=good.jsonl"], "model.cache_dir: good.jsonl is a file, not a folder"),
+    (["demo", "--set", "model.cache_dir=good.jsonl", "--set", "model.task_seed=1"],
+     "model.cache_dir: good.jsonl is a file, not a folder"),
+    (["demo", "--set", "model.task_seed=1", "--set", "model.path=."], "model.task_seed: not used with model.path set"),
+    (["demo", "--set", "eval.min_delta=0.1", "--set", "eval.patience=0"], "eval.min_delta: not used while eval.patience is 0"),
+    (["demo", "--set", "eval.every=0"], "eval.patience: needs eval.every > 0"),
     (["demo", "--out", "old_run"], "--out: old_run already holds a run (with no complete checkpoint to go on from); "
                                     "choose another folder"),
     (["demo", "--out", "good.jsonl"], "--out: good.jsonl is a file, not a folder"),
@@ -210,7 +214,8 @@ def test_a_cache_folder_from_the_environment_that_is_a_file_is_refused_before_th
     """It was not checked (only model.cache_dir was): the run failed with a traceback after minutes of
     building the task's model."""
     test_cli_refuses_bad_input_with_one_line_and_exit_2(
-        inputs, ["demo", "--set", "train.max_steps=1"], "ASYNCFLOW_CACHE: good.jsonl is a file, not a folder",
+        inputs, ["demo", "--set", "train.max_steps=1", "--set", "model.task_seed=1"],
+        "ASYNCFLOW_CACHE: good.jsonl is a file, not a folder",
         env={**_env(), "ASYNCFLOW_CACHE": "good.jsonl"})
 
 

@@ -327,7 +327,8 @@ def test_sigterm_ends_a_run_as_ctrl_c_does(arith_dir: Path, tmp_path: Path, sigi
     import time
 
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "asyncflow", "demo", "--out", str(out), "--set", f"model.path={arith_dir}",
+    config = Path(__file__).resolve().parent.parent / "examples" / "arith_async.yaml"
+    argv = [sys.executable, "-m", "asyncflow", "train", str(config), "--out", str(out), "--set", f"model.path={arith_dir}",
             "--set", "train.max_steps=500", "--set", "checkpoint.every=1", "--set", "eval.every=0",
             *[x for s in SMALL for x in ("--set", s)]]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -18,6 +18,7 @@ from asyncflow.runner import train
 
 pytestmark = pytest.mark.slow
 
+ARITH_YAML = Path(__file__).resolve().parent.parent / "examples" / "arith_async.yaml"
 SMALL = [
     "train.max_steps=4", "train.batch_size=32", "rollout.n=4", "rollout.max_new_tokens=4", "eval.size=64",
     "eval.every=2", "logging.progress=false",
@@ -198,7 +199,7 @@ def test_async_reward_function_is_awaited_concurrently_and_a_hung_call_is_cancel
 def test_reward_function_that_always_fails_stops_the_run_with_exit_2(arith_dir: Path, tmp_path: Path) -> None:
     _write_reward_module(tmp_path, "broken_rewards", "def score(prompts, completions, **kw):\n    raise RuntimeError('boom')\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "asyncflow", "demo", "--out", str(tmp_path / "run"), "--set", f"model.path={arith_dir}",
+        [sys.executable, "-m", "asyncflow", "train", str(ARITH_YAML), "--out", str(tmp_path / "run"), "--set", f"model.path={arith_dir}",
          "--set", "reward.fn=broken_rewards:score", "--set", "reward.fail_fast_calls=4", *sum((["--set", s] for s in SMALL), [])],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
@@ -477,3 +478,28 @@ def test_kl_to_the_reference_comes_from_its_own_stage(
     trace = json.loads((out / "trace.json").read_text())["traceEvents"]
     tid = next(e["tid"] for e in trace if e.get("name") == "thread_name" and e["args"]["name"] == "reference")
     assert any(e.get("ph") == "X" and e["tid"] == tid for e in trace)
+
+
+def test_eval_patience_stops_the_run_once_the_eval_curve_is_flat(arith_dir: Path, tmp_path: Path) -> None:
+    """No evaluation can beat the one before by more than 1.0, so the first one during training ends
+    the run: at the step after it, with its final evaluation at that step and every sample accounted."""
+    out = tmp_path / "early"
+    summary = _run(arith_dir, out, ["train.max_steps=40", "eval.every=1", "eval.patience=1", "eval.min_delta=1.0"])
+    steps = summary["steps"]
+    assert 2 <= steps < 40
+    metrics = _rows(out, "metrics.jsonl")
+    assert [r["step"] for r in metrics if r["kind"] == "train"] == list(range(1, steps + 1))
+    evals = [r for r in metrics if r["kind"] == "eval"]
+    assert evals[-1]["step"] == steps and summary["eval_accuracy_after"] == evals[-1]["eval_accuracy"]
+    assert summary["samples"] == steps * 32 and summary["accounting"]["lost"] == 0
+
+
+def test_eval_flattened_compares_the_last_evaluations_with_the_best_before_them() -> None:
+    from asyncflow.evaluation import eval_flattened
+
+    assert not eval_flattened([0.5, 0.9], 2, 0.01)  # not yet two evaluations after the first
+    assert not eval_flattened([0.5, 0.9, 0.95], 2, 0.01)  # 0.95 beats 0.5 by more than 0.01
+    assert eval_flattened([0.5, 0.9, 0.905, 0.9], 2, 0.01)  # best of the last two 0.905 <= 0.9 + 0.01
+    assert not eval_flattened([0.5, 0.9, 0.905, 0.92], 2, 0.01)
+    assert eval_flattened([0.5, 1.0, 1.0, 1.0], 2, 0.0)  # a perfect score cannot be beaten
+    assert not eval_flattened([0.5, 0.5, 0.5], 0, 0.01)  # patience 0: never

@@ -35,6 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
+from asyncflow.engines.kv_cache import returned_cache, with_cache
 from asyncflow.errors import RunFailed, UserError
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's rule: logits / t overflows)
@@ -109,7 +110,7 @@ def _check_decoder(model: Any, device: torch.device) -> None:
     decode loop needs one, and without this check the first request failed inside it (AssertionError)."""
     with torch.no_grad():
         out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True)
-    if getattr(out, "past_key_values", None) is None:
+    if returned_cache(out) is None:
         name = getattr(model.config, "name_or_path", "") or type(model).__name__
         raise UserError(f"model.path: {name} ({type(model).__name__}) returned no KV cache: it is not a causal "
                         "decoder (an encoder-only model such as BERT?); a causal language model is needed")
@@ -339,9 +340,9 @@ class HFEngine(InferenceEngine):
         # full batch of long prompts); a cache of plain full layers, which `_merge` and `_retire` can pad and
         # trim: a model's own cache may hold sliding-window layers that keep only the window, and with rows
         # of different lengths those fell out of step with the mask (the model's mask still slides)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                         past_key_values=DynamicCache(), logits_to_keep=1)
-        cache = out.past_key_values
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1,
+                         **with_cache(self.model, DynamicCache()))
+        cache = returned_cache(out)
         fresh = [not r.tokens for r in rows]
         # rows re-prefilled after an abort already hold their next input token: no new sample
         logits = out.logits[:, -1, :]
@@ -376,10 +377,9 @@ class HFEngine(InferenceEngine):
         last = torch.tensor([[r.tokens[-1]] for r in self._rows], dtype=torch.long, device=self.device)
         pos = self._mask.sum(-1, keepdim=True)
         self._mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
-        out = self.model(
-            input_ids=last, attention_mask=self._mask, position_ids=pos, past_key_values=self._cache, use_cache=True
-        )
-        self._cache = out.past_key_values
+        out = self.model(input_ids=last, attention_mask=self._mask, position_ids=pos,
+                         **with_cache(self.model, self._cache))
+        self._cache = returned_cache(out)
         self._sample_into(self._rows, out.logits[:, -1, :])
         self.steps += 1
         self.counts["decode_rows"] += len(self._rows)

@@ -22,7 +22,10 @@ class TaskPack:
     name: str
     """The name a config's `task:` key uses."""
     prepare: Callable[..., Path]
-    """`prepare(cache_dir, *, seed, log) -> Path`: the (cached) HF model folder with train/eval jsonl."""
+    """`prepare(cache_dir, *, seed, log) -> Path`: the HF model folder with train/eval jsonl (shipped
+    inside the package, else built once into the cache)."""
+    shipped: Callable[[int], Path | None] = lambda seed: None
+    """`shipped(seed)`: the prepared folder for `seed` shipped inside the package, or None."""
     defaults: dict[str, Any] = field(default_factory=dict)
     """Nested config overrides suited to this task's model (below the YAML file in precedence)."""
     reward_fn_path: str = ""

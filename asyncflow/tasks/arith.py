@@ -248,6 +248,17 @@ def prepare(
 default_cache_dir = tiny.default_cache_dir
 
 
+def folder_name(seed: int, sft_steps: int = SFT_STEPS) -> str:
+    """`arith-v<VERSION>-seed<seed>[-sft<steps>]`: the prepared folder's name, shipped or cached (a
+    non-default `sft_steps` gets its own name: a short warm start is never served as the default)."""
+    return f"arith-v{VERSION}-seed{seed}" + ("" if sft_steps == SFT_STEPS else f"-sft{sft_steps}")
+
+
+def shipped(seed: int) -> Path | None:
+    """The base model for `seed` shipped inside the package (seed 0), or None."""
+    return tiny.shipped(folder_name(seed))
+
+
 def cached_prepare(
     cache_dir: str | Path | None = None,
     *,
@@ -255,15 +266,10 @@ def cached_prepare(
     log: Log | None = None,
     sft_steps: int = SFT_STEPS,
 ) -> Path:
-    """The prepared folder `<cache>/arith-v<VERSION>-seed<seed>[-sft<steps>]`, built only when not
-    already complete (a non-default `sft_steps` gets its own folder: a short warm start was cached
-    under the default's name and served to runs expecting the 900-step base model)."""
-    suffix = "" if sft_steps == SFT_STEPS else f"-sft{sft_steps}"
-    return tiny.cached(
-        cache_dir,
-        f"arith-v{VERSION}-seed{seed}{suffix}",
-        lambda out: prepare(out, seed=seed, log=log, sft_steps=sft_steps),
-    )
+    """The prepared folder `folder_name(seed, sft_steps)`: shipped inside the package, else in the
+    cache, built there only when not already complete."""
+    return tiny.cached(cache_dir, folder_name(seed, sft_steps),
+                       lambda out: prepare(out, seed=seed, log=log, sft_steps=sft_steps))
 
 
 DEFAULTS: dict[str, Any] = {
@@ -279,6 +285,7 @@ DEFAULTS: dict[str, Any] = {
 TASK = TaskPack(
     name="arith",
     prepare=cached_prepare,
+    shipped=shipped,
     defaults=DEFAULTS,
     reward_fn_path="asyncflow.tasks.arith:reward_fn",
     description="Verifiable arithmetic (one- and two-digit sums) with a tiny warm-started Qwen2.",

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from asyncflow.engines.kv_cache import returned_cache, with_cache
 from asyncflow.envs.builtin import CalculatorEnv, _same_number
 from asyncflow.tasks import TaskPack, tiny
 
@@ -267,7 +268,7 @@ def _turns(
                 new.append(nxt)
                 if step + 1 == max_new_tokens or bool((torch.cat(new, 1) == eos).any(1).all()):
                     break
-                res = model(input_ids=nxt, past_key_values=res.past_key_values, use_cache=True)
+                res = model(input_ids=nxt, **with_cache(model, returned_cache(res)))
                 nxt = pick(res.logits)
             for i, toks in zip(idx, torch.cat(new, 1).tolist(), strict=True):
                 out[i] = toks[: toks.index(eos) + 1] if eos in toks else toks
@@ -383,6 +384,17 @@ def prepare(
     return tiny.write_task_folder(Path(out_dir), model, tokenizer, train, evals, meta)
 
 
+def folder_name(seed: int, sft_steps: int = SFT_STEPS) -> str:
+    """`calc-v<VERSION>-seed<seed>[-sft<steps>]`: the prepared folder's name, shipped or cached (a
+    non-default `sft_steps` gets its own name: a short warm start is never served as the default)."""
+    return f"calc-v{VERSION}-seed{seed}" + ("" if sft_steps == SFT_STEPS else f"-sft{sft_steps}")
+
+
+def shipped(seed: int) -> Path | None:
+    """The base model for `seed` shipped inside the package (seed 0), or None."""
+    return tiny.shipped(folder_name(seed))
+
+
 def cached_prepare(
     cache_dir: str | Path | None = None,
     *,
@@ -390,14 +402,10 @@ def cached_prepare(
     log: Log | None = None,
     sft_steps: int = SFT_STEPS,
 ) -> Path:
-    """The prepared folder `<cache>/calc-v<VERSION>-seed<seed>[-sft<steps>]`, built only when not
-    already complete (a non-default `sft_steps` gets its own folder)."""
-    suffix = "" if sft_steps == SFT_STEPS else f"-sft{sft_steps}"
-    return tiny.cached(
-        cache_dir,
-        f"calc-v{VERSION}-seed{seed}{suffix}",
-        lambda out: prepare(out, seed=seed, log=log, sft_steps=sft_steps),
-    )
+    """The prepared folder `folder_name(seed, sft_steps)`: shipped inside the package, else in the
+    cache, built there only when not already complete."""
+    return tiny.cached(cache_dir, folder_name(seed, sft_steps),
+                       lambda out: prepare(out, seed=seed, log=log, sft_steps=sft_steps))
 
 
 DEFAULTS: dict[str, Any] = {
@@ -418,6 +426,7 @@ DEFAULTS: dict[str, Any] = {
 TASK = TaskPack(
     name="calc",
     prepare=cached_prepare,
+    shipped=shipped,
     defaults=DEFAULTS,
     reward_fn_path="asyncflow.tasks.calc:reward_fn",
     description="Multi-turn tool use: four-digit products solved by calling a calculator tool.",

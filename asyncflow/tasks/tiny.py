@@ -10,6 +10,7 @@ Heavy libraries (torch, transformers, tokenizers) are imported inside the functi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -22,6 +23,13 @@ from typing import Any
 
 Row = dict[str, Any]
 Log = Callable[[str], None]
+
+
+SHIPPED_DIR = Path(__file__).parent / "base_models"
+"""Prepared task folders shipped inside the package (built by `scripts/build_base_models.py`)."""
+MANIFEST = "asyncflow_task.json"
+"""A prepared folder's manifest: the task, seed and warm start, the base model's greedy eval score,
+the library versions it was built with and the sha256 of every other file. Written last."""
 
 
 def default_cache_dir() -> Path:
@@ -167,13 +175,30 @@ def write_jsonl(path: Path, rows: list[Row]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def file_hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file in `folder` but the manifest, by name."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+def built_with() -> dict[str, str]:
+    """The versions of the libraries whose numerics a prepared model depends on."""
+    import tokenizers
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__}
+
+
 def write_task_folder(
     out: Path, model: Any, tokenizer: Any, train: list[Row], evals: list[Row], meta: dict[str, Any]
 ) -> Path:
-    """Save the HF model folder plus `train.jsonl`, `eval.jsonl` and `asyncflow_task.json` to `out`,
-    atomically: built in a sibling temp dir and renamed into place (an existing `out` is replaced),
-    so a half-written folder is never mistaken for a finished one. An `out` that is a symbolic link
-    keeps it: the folder it points to is the one built (rmtree refuses a link)."""
+    """Save the HF model folder plus `train.jsonl`, `eval.jsonl` and the manifest (`meta` with
+    `built_with` and `files`) to `out`, atomically: built in a sibling temp dir and renamed into place
+    (an existing `out` is replaced), so a half-written folder is never mistaken for a finished one. An
+    `out` that is a symbolic link keeps it: the folder it points to is the one built (rmtree refuses a
+    link)."""
     if out.is_symlink():
         out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -183,7 +208,8 @@ def write_task_folder(
         tokenizer.save_pretrained(tmp)
         write_jsonl(tmp / "train.jsonl", train)
         write_jsonl(tmp / "eval.jsonl", evals)
-        (tmp / "asyncflow_task.json").write_text(json.dumps(meta, indent=2) + "\n")
+        meta = {**meta, "built_with": built_with(), "files": file_hashes(tmp)}
+        (tmp / MANIFEST).write_text(json.dumps(meta, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -193,10 +219,20 @@ def write_task_folder(
     return out
 
 
+def shipped(name: str) -> Path | None:
+    """The folder `name` shipped inside the package, or None if it is not shipped."""
+    out = SHIPPED_DIR / name
+    return out if (out / MANIFEST).is_file() else None
+
+
 def cached(root: str | Path | None, name: str, build: Callable[[Path], Path]) -> Path:
-    """`<root or default cache>/<name>`, built by `build(path)` only when not already complete
-    (complete = its `asyncflow_task.json` exists, which `write_task_folder` writes last)."""
+    """The folder `name`: the one shipped inside the package if there is one, else
+    `<root or default cache>/<name>`, built by `build(path)` only when not already complete
+    (complete = its manifest exists, which `write_task_folder` writes last)."""
+    ship = shipped(name)
+    if ship is not None:
+        return ship
     out = (Path(root) if root is not None else default_cache_dir()) / name
-    if (out / "asyncflow_task.json").is_file():
+    if (out / MANIFEST).is_file():
         return out
     return build(out)

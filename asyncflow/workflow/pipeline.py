@@ -242,6 +242,8 @@ class Pipeline:
         self._order = self._row_order()
         self.next_group = 0  # the feeder's next group id: also how many prompts it has drawn
         self.first_step = 1
+        self.last_step = 0  # the last step trained (train.max_steps, or earlier after `stop_early`)
+        self._stop_early = False
         self.final_accounting: dict[str, int] = {}
         self.max_context: int | None = None  # the model's positions, for multi-turn episodes (set by the runner)
         self._filter_budget = cfg.algorithm.filter_max_groups_per_step or 4 * self.groups_per_step
@@ -260,6 +262,7 @@ class Pipeline:
     def restore_trainer(self, step: int, version: int, counters: dict[str, Any], elapsed_s: float) -> None:
         """Resume the trainer loop after `step` (weights at `version` are loaded by the caller)."""
         self.first_step = step + 1
+        self.last_step = step
         self.version = version
         # the fail-fast rule is about this process's first calls: restored counts (all past the limit)
         # turned it off, and a resumed run whose reward function always fails ran on, logging errors
@@ -695,8 +698,13 @@ class Pipeline:
 
     # ------------------------------------------------------------------ trainer
 
+    def stop_early(self) -> None:
+        """End the run after the step being trained (`eval.patience`: the eval curve has flattened)."""
+        self._stop_early = True
+
     async def trainer_loop(self) -> None:
-        """Assemble batches of whole groups within the staleness bound, train, publish."""
+        """Assemble batches of whole groups within the staleness bound, train, publish; until
+        `train.max_steps`, or the step after `stop_early()` was called."""
         for step in range(self.first_step, self.cfg.train.max_steps + 1):
             groups, leases = await self._collect_batch()
             result = await self._train_on(step, groups)
@@ -704,8 +712,11 @@ class Pipeline:
                 self.keeper.drop(lease)
                 if not self.store.ack(lease, remove=True):  # (kept alive by the keeper: should not happen)
                     self.store.remove([s.uid for s in (*lease.samples, *lease.expired)])  # never train them again
+            self.last_step = step
             if self.on_step is not None:
                 await self.on_step(result)
+            if self._stop_early:
+                break
 
     async def _collect_batch(self) -> tuple[list[list[SampleView]], list[Lease]]:
         groups: list[list[SampleView]] = []
