@@ -1,7 +1,7 @@
 """The KV-cache argument and output of a transformers causal LM, under either name.
 
 transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40); the
-oldest version pyproject allows (4.56) knows only `past_key_values`. Which one a model takes is read
+versions before it that pyproject allows know only `past_key_values`. Which one a model takes is read
 from its `forward` signature once per model class, so remote-code models on the old name work too.
 """
 
