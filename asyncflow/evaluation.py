@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from asyncflow.clock import wait_detached
 from asyncflow.config import Config
 from asyncflow.data import tokenize_prompt
 from asyncflow.engines.base import GenRequest, InferenceEngine
@@ -25,7 +26,6 @@ from asyncflow.rewards import (
     call_reward_fn_async,
     is_async_reward_fn,
 )
-from asyncflow.runtime.clock import wait_detached
 from asyncflow.telemetry.runlog import RunLog, Tracer
 
 
@@ -170,7 +170,7 @@ class Evaluator:
 
     async def _episodes(self) -> tuple[list[float | None], str | None, int | None]:
         """Greedy episodes; an episode that failed is None and the first error is reported."""
-        from asyncflow.runtime.clock import SweptClock, run_guarded
+        from asyncflow.clock import SweptClock, run_guarded
         from asyncflow.workflow.episode import EpisodeSettings, hung_episode, run_episode
 
         ro = self.cfg.rollout
@@ -197,10 +197,9 @@ class Evaluator:
 
     async def _agent_episodes(self) -> tuple[list[float | None], str | None, int | None]:
         """Greedy agent episodes through a recording endpoint of their own; failed episodes are None."""
-        from asyncflow.runtime.clock import RealClock
+        from asyncflow.clock import RealClock
         from asyncflow.workflow.agent import load_agent, run_agent_episode
-        from asyncflow.workflow.agent_proxy import AgentProxy
-        from asyncflow.workflow.pipeline import recorder_settings
+        from asyncflow.workflow.agent_proxy import AgentProxy, recorder_settings
 
         assert self.cfg.rollout.agent is not None
         agent = load_agent(self.cfg.rollout.agent)

@@ -6,7 +6,7 @@ plain Python — JSON and the safetensors header layout — so a missing folder,
 config.json, absent weights or a truncated/corrupt weight file costs milliseconds and ends with one
 line naming the file. A tokenizer is only checked for a vocabulary file here (transformers quietly
 builds an empty one from a folder without any); whether it loads is checked where it is loaded
-(`runner.load_tokenizer`).
+(`tokenizer.load_tokenizer`).
 """
 
 from __future__ import annotations

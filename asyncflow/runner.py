@@ -24,6 +24,7 @@ from typing import Any
 from asyncflow.config import Config, dump_yaml, episodic
 from asyncflow.engines.http_client import HTTPError
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
+from asyncflow.tokenizer import load_tokenizer
 
 RUN_MARKERS = ("config.yaml", "metrics.jsonl")
 
@@ -148,41 +149,6 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
     eval_rows = subset(eval_rows, range(min(len(eval_rows), cfg.eval.size)))
     return Inputs(model_dir, rows, eval_rows, reward_path, first_chat, data_path, eval_path,
                   positions=model_positions(model_dir))
-
-
-def load_tokenizer(model_dir: Path, log: Callable[[str], None] | None = None, key: str = "model.path") -> Any:
-    """The model folder's tokenizer, with a pad token.
-
-    A tokenizer without a pad token gets its EOS token as pad, with a logged note (as TRL does):
-    padding here is always masked out by attention and loss masks, so the pad token never counts in
-    the model's output or the loss, and EOS stays an ordinary, trained action. Padding is still
-    looked up in the embedding, so an EOS or pad id past the model's vocabulary is refused.
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as exc:  # any failure is the folder's: name it, one line
-        raise UserError(f"{key}: cannot load a tokenizer from {model_dir}: {type(exc).__name__}: {exc}") from None
-    if len(tok) < 2:
-        raise UserError(f"{key}: the tokenizer in {model_dir} loaded with an empty vocabulary ({len(tok)} tokens)")
-    if tok.eos_token_id is None:
-        raise UserError(f"{key}: the tokenizer in {model_dir} has no EOS token; generation could never stop")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-        if log is not None:
-            log(f"[asyncflow] note: the tokenizer in {model_dir} has no pad token; using EOS "
-                f"({tok.eos_token!r}, id {tok.eos_token_id}) as pad (padding is masked out)")
-    from asyncflow.data import model_vocab_size
-
-    vocab = model_vocab_size(model_dir)
-    for role, token, tid in (("EOS", tok.eos_token, tok.eos_token_id), ("pad", tok.pad_token, tok.pad_token_id)):
-        if vocab is not None and tid >= vocab:  # (padding is masked, but still looked up in the embedding:
-            # the engine's decode thread died of an IndexError and every request failed)
-            raise UserError(f"{key}: the tokenizer's {role} token {token!r} has id {tid}, past the model's {vocab}-token "
-                            f"vocabulary (config.json vocab_size); resize the model's embeddings to the tokenizer "
-                            "(model.resize_token_embeddings(len(tokenizer))) or use the model's own tokenizer")
-    return tok
 
 
 def _engine_batching(engines: list[Any]) -> dict[str, float]:
@@ -427,7 +393,7 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
                  resume: Any = None, env_factory: Any = None) -> dict[str, Any]:
     import torch
 
-    from asyncflow.workflow.pipeline import Tokenizer
+    from asyncflow.tokenizer import Tokenizer
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -557,8 +523,8 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     import torch
 
     from asyncflow.algorithms.losses import make_loss_fn
+    from asyncflow.clock import RealClock
     from asyncflow.evaluation import Evaluator, eval_flattened
-    from asyncflow.runtime.clock import RealClock
     from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, RunLog, Tracer
     from asyncflow.workflow.pipeline import Pipeline, StepResult
 

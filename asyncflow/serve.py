@@ -39,24 +39,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncflow.errors import UserError
+from asyncflow.openai_wire import (
+    MAX_BODY_BYTES,
+    READ_TIMEOUT_S,
+    UNSUPPORTED,
+    RequestError,
+    completion_tokens_key,
+    flatten_content,
+    is_token_ids,
+    parse_body,
+    rl_fields,
+    sampling_params,
+    usage,
+)
 
 if TYPE_CHECKING:  # torch stays unimported until a server starts: the CLI validates arguments first
     from asyncflow.engines.base import GenResult
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
-MAX_N = 128
 MAX_CHOICES = 4096  # prompts x n of one request: each queued choice holds memory until it runs
 _GONE_POLL_S = 0.25  # while generating, how often a request checks that its client is still connected
-READ_TIMEOUT_S = 60.0  # longest a client may take to send one request (then its connection is closed)
-
-
-class RequestError(Exception):
-    """A request the server refuses: answered with `status` and an OpenAI-style error object."""
-
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
 
 
 def is_loopback(host: str) -> bool:
@@ -124,7 +125,7 @@ class OpenAIServer:
                     "/admin/resume": self._resume,
                 }
                 if route in posts:
-                    return 200, posts[route](_parse_body(body))
+                    return 200, posts[route](parse_body(body))
             if method not in ("GET", "POST"):
                 raise RequestError(f"method {method} is not allowed (GET or POST)", status=405,
                                    kind="invalid_request_error")
@@ -175,14 +176,14 @@ class OpenAIServer:
 
     def _completions(self, req: dict[str, Any]) -> dict[str, Any]:
         prompts = self._prompts(req.get("prompt"))
-        params = _sampling(req, {**_UNSUPPORTED, "suffix": None, "echo": False})
+        params = sampling_params(req, {**UNSUPPORTED, "suffix": None, "echo": False})
         results = self._run(prompts, params)
         choices = []
         for i, (prompt_index, res) in enumerate(results):
-            choices.append({"index": i, "text": self._text(res.response_ids), **_rl_fields(res),
+            choices.append({"index": i, "text": self._text(res.response_ids), **rl_fields(res),
                             "prompt_index": prompt_index})
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": _usage(prompts, params["n"], results)}
+                "model": self.model_name, "choices": choices, "usage": usage(prompts, params["n"], results)}
 
     def _chat(self, req: dict[str, Any]) -> dict[str, Any]:
         messages = req.get("messages")
@@ -205,16 +206,16 @@ class OpenAIServer:
         req = completion_tokens_key(req)
         if req.get("max_tokens") is None and self.max_context is not None:  # (as OpenAI and vLLM: the rest of
             req = {**req, "max_tokens": max(1, self.max_context - len(prompt))}  # the context, not 16)
-        params = _sampling(req, _UNSUPPORTED)
+        params = sampling_params(req, UNSUPPORTED)
         results = self._run([prompt], params)
         choices = [{"index": i, "message": {"role": "assistant", "content": self._text(res.response_ids)},
-                    **_rl_fields(res)} for i, (_, res) in enumerate(results)]
+                    **rl_fields(res)} for i, (_, res) in enumerate(results)]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": _usage([prompt], params["n"], results)}
+                "model": self.model_name, "choices": choices, "usage": usage([prompt], params["n"], results)}
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
         """Token ids of each prompt: text (tokenized as it is), a token-id list, or a list of either."""
-        if isinstance(prompt, str) or _is_ids(prompt):
+        if isinstance(prompt, str) or is_token_ids(prompt):
             prompt = [prompt]
         if not isinstance(prompt, list) or not prompt:
             raise RequestError("prompt: expected text, a list of token ids, or a non-empty list of those",
@@ -223,7 +224,7 @@ class OpenAIServer:
         for p in prompt:
             if isinstance(p, str):
                 ids = [int(t) for t in self.tok(p)["input_ids"]]
-            elif _is_ids(p):
+            elif is_token_ids(p):
                 ids = [int(t) for t in p]
                 bad = [t for t in ids if not 0 <= t < self.vocab_size]
                 if bad:
@@ -384,106 +385,6 @@ def read_weights(folder: Path, model: Any) -> dict[str, Any]:
             raise RequestError(f"path: weight {src} holds NaN or infinite values", param="path")
         state[k] = t.to(v.dtype)
     return state
-
-
-def completion_tokens_key(req: dict[str, Any]) -> dict[str, Any]:
-    """A chat request's `max_completion_tokens` (OpenAI's newer name) as `max_tokens` when that is
-    absent or null (clients that send unset fields as null: it was ignored, and generation ran to
-    the end of the context)."""
-    if req.get("max_tokens") is None and req.get("max_completion_tokens") is not None:
-        return {**req, "max_tokens": req["max_completion_tokens"]}
-    return req
-
-
-def flatten_content(message: dict[str, Any], i: int) -> dict[str, Any]:
-    """A message whose `content` is a list of parts (OpenAI's `[{"type": "text", "text": ...}]`) as one
-    text, which is what a text model's chat template renders (it printed the list's repr); a part of
-    another type (an image) is refused."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise RequestError(f"messages[{i}].content: only text parts are supported, got {kind!r}", param="messages")
-        texts.append(part["text"])
-    return {**message, "content": "".join(texts)}
-
-
-def _parse_body(body: bytes) -> dict[str, Any]:
-    try:
-        req = json.loads(body) if body else {}
-    except (ValueError, RecursionError):  # (nesting deeper than the parser's stack: a 500 and a traceback)
-        raise RequestError("the request body is not valid JSON") from None
-    if not isinstance(req, dict):
-        raise RequestError("the request body must be a JSON object")
-    return req
-
-
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
-def _number(req: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    value = req.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise RequestError(f"{key}: expected a number in [{lo:g}, {hi:g}], got {value!r}", param=key)
-    return float(value)
-
-
-def _integer(req: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
-    value = req.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise RequestError(f"{key}: expected an integer in [{lo}, {hi}], got {value!r}", param=key)
-    return value
-
-
-# refused when set to anything but their neutral value (vLLM's extra sampling keys too: a client that
-# sends `ignore_eos` or `min_tokens` must not get EOS-stopped text it did not ask for)
-_UNSUPPORTED: dict[str, Any] = {"stream": False, "stop": None, "seed": None, "best_of": 1, "presence_penalty": 0,
-                                "frequency_penalty": 0, "logit_bias": None, "tools": None, "response_format": None,
-                                "ignore_eos": False, "min_tokens": 0, "stop_token_ids": None,
-                                "repetition_penalty": 1, "min_p": 0, "top_logprobs": 0}
-
-
-def _sampling(req: dict[str, Any], unsupported: dict[str, Any], server: str = "asyncflow serve") -> dict[str, Any]:
-    """Sampling parameters of a request; options this server cannot honour are refused, not ignored
-    (`unsupported` maps each refused key to its neutral value, which is accepted)."""
-    for key, neutral in unsupported.items():
-        value = req.get(key)
-        if value is not None and value != neutral and value not in ([], {}, ""):
-            why = "per-request seeds are not supported (one seeded generator samples every request)" if key == "seed" \
-                else f"is not supported by {server}"
-            raise RequestError(f"{key}: {why}", param=key)
-    logprobs = req.get("logprobs")
-    if logprobs is not None and (not isinstance(logprobs, (bool, int)) or not 0 <= logprobs <= 1):
-        raise RequestError("logprobs: expected 0, 1 or a boolean: each choice's token_logprobs (the sampled "
-                           "tokens') are always returned; top alternatives are not", param="logprobs")
-    top_k = _integer(req, "top_k", 0, -1, 1 << 30)
-    return {
-        "max_tokens": _integer(req, "max_tokens", 16, 1, 1 << 20),
-        "temperature": _number(req, "temperature", 1.0, 0.0, 100.0),
-        "top_p": _number(req, "top_p", 1.0, 1e-9, 1.0),
-        "top_k": max(top_k, 0),
-        "n": _integer(req, "n", 1, 1, MAX_N),
-    }
-
-
-def _rl_fields(res: GenResult) -> dict[str, Any]:
-    reason = {"stop": "stop", "length": "length"}.get(res.finish_reason, "abort")
-    return {"token_ids": list(res.response_ids), "logprobs": {"token_logprobs": list(res.behavior_logprobs)},
-            "token_versions": list(res.token_versions), "finish_reason": reason}
-
-
-def _usage(prompts: list[list[int]], n: int, results: list[tuple[int, GenResult]]) -> dict[str, int]:
-    prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, whatever n (as OpenAI and vLLM count)
-    completion = sum(len(r.response_ids) for _, r in results)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
 # ---------------------------------------------------------------------- HTTP transport
@@ -648,8 +549,8 @@ MODEL_DIR_KEY = "serve MODEL_DIR"
 
 def load_tokenizer(model_dir: Path) -> Any:
     """The folder's tokenizer; one that does not load, is empty or has no EOS token is a `UserError`
-    naming the folder (`runner.load_tokenizer`, under this command's key)."""
-    from asyncflow.runner import load_tokenizer as load
+    naming the folder (`asyncflow.tokenizer.load_tokenizer`, under this command's key)."""
+    from asyncflow.tokenizer import load_tokenizer as load
 
     return load(model_dir, key=MODEL_DIR_KEY)
 

@@ -20,8 +20,8 @@ import random
 import sys
 import time
 
-from asyncflow.runtime.clock import SweptClock
-from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
+from asyncflow.clock import SweptClock
+from asyncflow.virtual_loop import VirtualClock, run_virtual
 
 CONCURRENT, TURNS = 12 * 128, 12
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from asyncflow.clock import RealClock
 from asyncflow.config import load_config
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
 from asyncflow.engines.http_client import HTTPError, request_json
 from asyncflow.errors import UserError
-from asyncflow.runtime.clock import RealClock
 from asyncflow.workflow.agent import run_agent_episode
 from asyncflow.workflow.agent_proxy import AgentProxy, RecorderSettings
 
@@ -52,7 +52,7 @@ def _tiny(tiny_model: Any) -> tuple[Any, InferenceEngine]:
     """A char-level tokenizer over `tiny_model`'s 32-token vocabulary (eos=1, pad=0) and an HFEngine."""
     from asyncflow.engines.hf import HFEngine
     from asyncflow.tasks.tiny import char_tokenizer
-    from asyncflow.workflow.pipeline import Tokenizer
+    from asyncflow.tokenizer import Tokenizer
 
     hf = char_tokenizer("0123456789+= ?qa", ("<pad>", "<eos>", "<bos>", "<unk>"), 128)
     tok = Tokenizer(hf, int(hf.eos_token_id), int(hf.pad_token_id))
@@ -157,7 +157,7 @@ def test_a_turn_ended_on_a_stop_id_the_template_closes_with_is_spliced_once() ->
     with it. The splice kept both, so every later turn was prompted (and trained) on <eot><eot>, a
     context the template never produces."""
     from asyncflow.tasks.tiny import char_tokenizer
-    from asyncflow.workflow.pipeline import Tokenizer
+    from asyncflow.tokenizer import Tokenizer
 
     hf = char_tokenizer("0123456789+= ?qa\n", ("<pad>", "<eos>", "<bos>", "<unk>"), 128)
     hf.add_special_tokens({"additional_special_tokens": ["<eot>"]})

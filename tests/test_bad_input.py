@@ -244,8 +244,8 @@ def test_bad_input_is_refused_before_torch_transformers_or_ray_load(inputs: Path
 
 
 def test_tokenizer_without_pad_token_falls_back_to_eos_with_a_note(tmp_path: Path) -> None:
-    from asyncflow.runner import load_tokenizer
     from asyncflow.tasks.arith import make_tokenizer
+    from asyncflow.tokenizer import load_tokenizer
 
     tok = make_tokenizer()
     tok.pad_token = None
@@ -257,8 +257,8 @@ def test_tokenizer_without_pad_token_falls_back_to_eos_with_a_note(tmp_path: Pat
 
 
 def test_tokenizer_without_eos_token_is_refused(tmp_path: Path) -> None:
-    from asyncflow.runner import load_tokenizer
     from asyncflow.tasks.arith import make_tokenizer
+    from asyncflow.tokenizer import load_tokenizer
 
     tok = make_tokenizer()
     tok.eos_token = None
@@ -271,8 +271,8 @@ def test_token_ids_past_the_models_vocabulary_are_refused_before_the_run(tmp_pat
     """A token added to the tokenizer but not to the model (a new <pad>, a tool tag) was looked up in
     the embedding mid-run: the decode thread died of an IndexError and every request failed."""
     from asyncflow.data import check_prompts_fit, model_vocab_size
-    from asyncflow.runner import load_tokenizer
     from asyncflow.tasks.arith import make_tokenizer
+    from asyncflow.tokenizer import load_tokenizer
 
     tok = make_tokenizer()
     vocab = len(tok)

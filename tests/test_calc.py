@@ -106,8 +106,8 @@ def test_cli_prepare_dispatches_to_the_calc_pack(monkeypatch: pytest.MonkeyPatch
 
 def _env_texts() -> list[str]:
     """Every text an episode can hold: a transcript, and each kind of calculator observation."""
+    from asyncflow.clock import RealClock
     from asyncflow.envs import CalculatorEnv
-    from asyncflow.runtime.clock import RealClock
 
     async def observations() -> list[str]:
         env = CalculatorEnv(RealClock())
@@ -183,9 +183,9 @@ def test_sft_layout_is_the_layout_run_episode_builds(tmp_path: Path, use_tool: b
 
     from asyncflow.data import tokenize_prompt
     from asyncflow.envs import CalculatorEnv
-    from asyncflow.runtime.virtual_loop import run_virtual
+    from asyncflow.tokenizer import Tokenizer
+    from asyncflow.virtual_loop import run_virtual
     from asyncflow.workflow.episode import EpisodeSettings, run_episode
-    from asyncflow.workflow.pipeline import Tokenizer
 
     calc.make_tokenizer().save_pretrained(tmp_path)
     hf = AutoTokenizer.from_pretrained(tmp_path)  # as the runner loads it

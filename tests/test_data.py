@@ -145,7 +145,7 @@ def test_generation_config_stop_ids_end_a_response_as_the_eos_does(tmp_path: Pat
     from asyncflow.data import generation_stop_ids
     from asyncflow.runner import make_inference_engine
     from asyncflow.tasks.arith import make_model, make_tokenizer
-    from asyncflow.workflow.pipeline import Tokenizer
+    from asyncflow.tokenizer import Tokenizer
 
     hf = make_tokenizer()
     model = make_model(hf, seed=0, hidden=32, layers=1)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from asyncflow.envs import CalculatorEnv, Env, EnvError, EnvStep, GuessNumberEnv, env_call, safe_arith
-from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
+from asyncflow.virtual_loop import VirtualClock, run_virtual
 
 
 @pytest.mark.parametrize(

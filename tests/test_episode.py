@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
-from asyncflow.engines.runs import Runs, concat, oldest, total
 from asyncflow.envs import Env, EnvStep
-from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
+from asyncflow.runs import Runs, concat, oldest, total
+from asyncflow.virtual_loop import VirtualClock, run_virtual
 from asyncflow.workflow.episode import EpisodeSettings, run_episode
 
 
@@ -284,7 +284,7 @@ def test_module_factory_envs_get_the_run_settings_or_are_refused(
         "    return E(None)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    from asyncflow.runtime.clock import RealClock
+    from asyncflow.clock import RealClock
 
     clock = RealClock()
     env = make_env_factory("fac_envs:plain", max_turns=2)(clock)

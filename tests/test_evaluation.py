@@ -35,11 +35,11 @@ def _evaluate(tmp_path: Path, reward_fn: Any, overrides: list[str], prompts: int
               engine_cls: type[_Counting] = _Counting) -> dict[str, Any]:
     """One evaluation on a simulated engine, on virtual time (`real`: on the wall clock, for a reward
     function that blocks a thread: virtual time stands still while a thread job is outstanding)."""
+    from asyncflow.clock import RealClock
     from asyncflow.config import load_config
     from asyncflow.evaluation import Evaluator
-    from asyncflow.runtime.clock import RealClock
-    from asyncflow.runtime.virtual_loop import run_virtual
     from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.virtual_loop import run_virtual
 
     async def main(clock: Any) -> dict[str, Any]:
         cfg, _ = load_config(None, overrides)
@@ -187,8 +187,8 @@ def test_an_eval_row_names_the_newest_weights_its_tokens_came_from(tmp_path: Pat
     now also gives `policy_version_max`, so a curve is not read as one version's score when it is not."""
     from asyncflow.config import load_config
     from asyncflow.evaluation import Evaluator
-    from asyncflow.runtime.virtual_loop import run_virtual
     from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.virtual_loop import run_virtual
 
     async def main(clock: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         cfg, _ = load_config(None, ["rollout.max_new_tokens=64"])
@@ -220,8 +220,8 @@ def test_an_evaluation_beside_training_is_not_cut_short_by_staleness_cancels(tmp
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimTrainer
     from asyncflow.evaluation import Evaluator
-    from asyncflow.runtime.virtual_loop import run_virtual
     from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.virtual_loop import run_virtual
 
     finished: list[tuple[str, int]] = []
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncflow.runtime.clock import RealClock
+from asyncflow.clock import RealClock
 from asyncflow.workflow.gate import StalenessGate
 
 

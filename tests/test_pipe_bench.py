@@ -106,8 +106,8 @@ def test_affinity_routes_a_prompts_samples_to_one_least_loaded_worker(affinity: 
     from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimEngine, SimTrainer
-    from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
     from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.virtual_loop import VirtualClock, run_virtual
 
     seen: dict[int, set[int]] = {}  # group -> workers that generated its samples
 
@@ -155,8 +155,8 @@ def test_gc_threshold_holds_for_the_run_and_is_restored(tmp_path) -> None:
     from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimEngine, SimTrainer
-    from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
     from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.virtual_loop import VirtualClock, run_virtual
     from asyncflow.workflow.gate import StalenessGate
 
     seen: list[int] = []
@@ -286,8 +286,8 @@ def test_an_episode_whose_generation_fails_ends_the_run_with_that_error(tmp_path
     )
     from asyncflow.config import load_config
     from asyncflow.engines.sim import CpuMeter, SimEngine, SimTrainer
-    from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
     from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.virtual_loop import VirtualClock, run_virtual
 
     class Failing(SimEngine):
         def start_generate(self, request):  # type: ignore[no-untyped-def]
@@ -323,9 +323,9 @@ def test_the_feeder_admits_what_the_credit_allows_in_one_put(affinity: bool, tmp
     from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimEngine, SimTrainer
-    from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
     from asyncflow.telemetry.runlog import RunLog, Tracer
     from asyncflow.transfer_queue import TransferQueue
+    from asyncflow.virtual_loop import VirtualClock, run_virtual
     from asyncflow.workflow.pipeline import FEED_BURST
 
     puts: list[list[int]] = []  # the group ids of each put, in order

@@ -14,8 +14,8 @@ from asyncflow.bench.pipeline import _make_sim_pipeline_class, _SimTokenizer
 from asyncflow.config import load_config
 from asyncflow.engines.sim import SimEngine, SimTrainer
 from asyncflow.envs.base import Env, EnvStep
-from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
 from asyncflow.telemetry.runlog import RunLog, Tracer
+from asyncflow.virtual_loop import VirtualClock, run_virtual
 
 
 def _parity(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
@@ -237,8 +237,8 @@ def test_a_plain_reward_function_that_keeps_hanging_stops_the_run_instead_of_fre
 
     import pytest
 
+    from asyncflow.clock import RealClock
     from asyncflow.errors import UserError
-    from asyncflow.runtime.clock import RealClock
     from asyncflow.workflow.pipeline import Pipeline
 
     release = threading.Event()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from asyncflow.clock import RealClock
 from asyncflow.errors import UserError
 from asyncflow.rewards import PlainCalls, RewardOutcome, call_reward_fn, load_reward_fn, validate_rewards
-from asyncflow.runtime.clock import RealClock
 
 
 def test_trl_style_function_gets_prompts_completions_ids_and_columns() -> None:

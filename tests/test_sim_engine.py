@@ -8,7 +8,7 @@ import pytest
 
 from asyncflow.engines.base import GenRequest
 from asyncflow.engines.sim import EOS, SimEngine
-from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
+from asyncflow.virtual_loop import VirtualClock, run_virtual
 
 
 def _req(uid: int, max_new: int = 1000) -> GenRequest:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from asyncflow.clock import RealClock
 from asyncflow.errors import WaitTimeout
-from asyncflow.runtime.clock import RealClock
 from asyncflow.transfer_queue import (
     Lease,
     NewSample,

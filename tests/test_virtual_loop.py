@@ -9,8 +9,8 @@ import time
 import pytest
 
 from asyncflow.errors import WaitTimeout
-from asyncflow.runtime.virtual_loop import VirtualClock, run_virtual
 from asyncflow.transfer_queue import NewSample, TransferQueue
+from asyncflow.virtual_loop import VirtualClock, run_virtual
 
 
 def test_an_hour_of_concurrent_sleeps_takes_no_wall_time() -> None:
@@ -130,7 +130,7 @@ def test_store_take_waits_and_times_out_on_the_virtual_clock() -> None:
 
 
 def test_swept_clock_bounds_many_waits_with_one_timer() -> None:
-    from asyncflow.runtime.clock import SweptClock
+    from asyncflow.clock import SweptClock
 
     async def main(clock: VirtualClock):
         swept = SweptClock(clock)
@@ -169,7 +169,7 @@ def test_swept_clock_bounds_many_waits_with_one_timer() -> None:
 def test_swept_clock_keeps_one_sweeper_across_waits_that_end_at_once() -> None:
     """Waits that end before the sweeper first runs (an `async def` reward function that returns at
     once) share one sweeper, which lives a tick past the last wait and then ends by itself."""
-    from asyncflow.runtime.clock import SweptClock
+    from asyncflow.clock import SweptClock
 
     async def instant() -> int:
         return 1

@@ -27,8 +27,8 @@ def _run(tmp_path: Path, overrides: list[str], *, engine_cls: Any = None, reward
     from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimEngine, SimTrainer
-    from asyncflow.runtime.virtual_loop import run_virtual
     from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.virtual_loop import run_virtual
 
     cls = engine_cls or SimEngine
 
@@ -49,7 +49,7 @@ def _run(tmp_path: Path, overrides: list[str], *, engine_cls: Any = None, reward
             log.close()
 
     if real:
-        from asyncflow.runtime.clock import RealClock
+        from asyncflow.clock import RealClock
 
         asyncio.run(main(RealClock()))
     else:
@@ -225,7 +225,7 @@ def test_an_environment_that_changes_its_row_changes_no_other_episode_s(tmp_path
 
 
 def test_an_agent_that_swallows_its_cancellation_ends_at_its_limit() -> None:
-    from asyncflow.runtime.clock import RealClock
+    from asyncflow.clock import RealClock
     from asyncflow.workflow.agent import run_agent_episode
     from asyncflow.workflow.agent_proxy import AgentProxy, RecorderSettings
 
@@ -262,7 +262,7 @@ def test_an_agent_that_swallows_its_cancellation_ends_at_its_limit() -> None:
 
 def test_wait_detached_ends_at_its_deadline_on_the_real_clock() -> None:
     """The evaluation's bound (`RealClock`): a coroutine that never lets itself be cancelled."""
-    from asyncflow.runtime.clock import RealClock, wait_detached
+    from asyncflow.clock import RealClock, wait_detached
 
     async def forever() -> None:
         while True:
@@ -286,8 +286,8 @@ def test_an_eval_whose_generation_never_returns_records_the_timeout(tmp_path: Pa
     run goes on (it used to wait forever)."""
     from asyncflow.config import load_config
     from asyncflow.evaluation import Evaluator
-    from asyncflow.runtime.virtual_loop import run_virtual
     from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.virtual_loop import run_virtual
 
     class Tok:
         hf = staticmethod(lambda text: {"input_ids": [5, 6]})
@@ -320,8 +320,8 @@ def test_an_eval_episode_whose_environment_swallows_its_cancellation_is_abandone
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimEngine
     from asyncflow.evaluation import Evaluator
-    from asyncflow.runtime.virtual_loop import run_virtual
     from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.virtual_loop import run_virtual
 
     class Tok:
         hf = staticmethod(lambda text: {"input_ids": [5, 6]})
@@ -392,8 +392,8 @@ class _Engine:
 def test_a_cancelled_guarded_episode_still_closes_its_environment() -> None:
     """Cancelling the caller (the run ending, Ctrl-C, an evaluation cut short) abandoned each guarded
     episode at once: its `finally: env.close()` never completed (a container, a sandbox left behind)."""
+    from asyncflow.clock import RealClock, SweptClock, run_guarded
     from asyncflow.envs import Env, EnvStep
-    from asyncflow.runtime.clock import RealClock, SweptClock, run_guarded
     from asyncflow.workflow.episode import EpisodeSettings, run_episode
 
     closed: list[int] = []
@@ -432,8 +432,8 @@ def test_a_timeout_the_environment_turns_into_its_own_error_is_a_timeout_and_tak
     """A client library that turns the timeout's cancellation into its own error left the task's
     cancel count at 1, so a CancelledError the environment raised itself later (close awaiting a
     helper it had cancelled) was read as the run's: the episode's task ended unreported."""
+    from asyncflow.clock import RealClock, SweptClock, run_guarded
     from asyncflow.envs.base import Env, EnvError, EnvStep, env_call
-    from asyncflow.runtime.clock import RealClock, SweptClock, run_guarded
 
     class Wrapping(Env):
         name = "wrapping"
@@ -479,8 +479,8 @@ def test_an_abandoned_episode_that_comes_back_neither_works_nor_keeps_the_clock_
     """An environment that swallows cancellation for a while, then lets go: after its episode was
     abandoned it played on (generating for nobody), and its next wait restarted a sweeper of a
     closed clock that never stopped. A barrier party made to leave still counted when it arrived."""
-    from asyncflow.runtime.clock import Abandoned, SweptClock, run_guarded
-    from asyncflow.runtime.virtual_loop import run_virtual
+    from asyncflow.clock import Abandoned, SweptClock, run_guarded
+    from asyncflow.virtual_loop import run_virtual
     from asyncflow.workflow.episode import TurnBarrier
 
     later: list[str] = []
@@ -563,9 +563,9 @@ def test_a_turn_barrier_run_waits_for_its_episodes_to_close_their_environments(t
 
 
 def test_an_abandoned_episode_that_comes_back_still_closes_its_environment() -> None:
+    from asyncflow.clock import SweptClock, run_guarded
     from asyncflow.envs import Env, EnvStep
-    from asyncflow.runtime.clock import SweptClock, run_guarded
-    from asyncflow.runtime.virtual_loop import run_virtual
+    from asyncflow.virtual_loop import run_virtual
     from asyncflow.workflow.episode import EpisodeSettings, run_episode
 
     events: list[str] = []

@@ -124,7 +124,7 @@ def _run_one(spec: PipeSpec, profile: Profile, devices: int, mode: str) -> dict[
     import asyncflow.workflow.pipeline  # noqa: F401  (imported, and the config's first load done, outside the
     from asyncflow.config import load_config  # measured window: ~0.1 s, ~2 us a sample of a first row)
     from asyncflow.engines.sim import meter_overhead_s
-    from asyncflow.runtime.virtual_loop import run_virtual
+    from asyncflow.virtual_loop import run_virtual
 
     load_config(None, [])
     overhead = meter_overhead_s()
@@ -369,7 +369,7 @@ class _SimTokenizer:
     pad_token_id = 0
 
     def __init__(self) -> None:
-        from asyncflow.engines.runs import Runs
+        from asyncflow.runs import Runs
 
         self._prompt = Runs([(5, 64)])
 

@@ -55,7 +55,7 @@ import numpy as np
 import psutil
 import ray
 
-from asyncflow.bench import store1
+import asyncflow.bench.store1 as store1
 from asyncflow.bench.store1 import Store1Spec
 
 PLACEMENT = "transferqueue-ray"

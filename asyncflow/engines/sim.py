@@ -1,6 +1,6 @@
 """A simulated inference engine: a continuous-batching server whose work is time on a `Clock`.
 
-Used by the PIPE benchmark on a virtual clock (`runtime/virtual_loop.py`), where thousands of these
+Used by the PIPE benchmark on a virtual clock (`virtual_loop.py`), where thousands of these
 stand in for GPUs while the store, the staleness gate and the weight-sync protocol are the real code.
 It behaves like the servers it models, in the ways that matter for scheduling:
 
@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncflow.clock import Clock
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
-from asyncflow.engines.runs import Runs
-from asyncflow.runtime.clock import Clock
+from asyncflow.runs import Runs
 
 EOS = 1
 FILL = 7

@@ -6,10 +6,10 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from asyncflow.clock import Clock
 from asyncflow.envs.base import Env, EnvError, EnvStep, env_call
 from asyncflow.envs.builtin import CalculatorEnv, GuessNumberEnv, safe_arith
 from asyncflow.errors import UserError
-from asyncflow.runtime.clock import Clock
 
 
 def make_env_factory(spec: str, *, latency_s: float = 0.0, max_turns: int = 4) -> Callable[[Clock], Env]:

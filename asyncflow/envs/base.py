@@ -24,8 +24,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from asyncflow.clock import Clock
 from asyncflow.errors import WaitTimeout
-from asyncflow.runtime.clock import Clock
 
 T = TypeVar("T")
 

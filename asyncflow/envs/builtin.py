@@ -29,8 +29,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from asyncflow.clock import Clock
 from asyncflow.envs.base import Env, EnvStep
-from asyncflow.runtime.clock import Clock
 
 _BINOPS: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -114,7 +114,7 @@ class CalculatorEnv(_Timed):
         await self._latency()
         ans = self.ANSWER.search(action)
         if ans is not None:
-            ok = _same_number(ans.group(1), self.answer)
+            ok = same_number(ans.group(1), self.answer)
             return EnvStep("", reward=1.0 if ok else 0.0, done=True, info={"correct": ok})
         call = self.CALL.search(action)
         if call is None:
@@ -152,7 +152,7 @@ class GuessNumberEnv(_Timed):
         return EnvStep("higher" if g < self.secret else "lower")
 
 
-def _same_number(a: str, b: str) -> bool:
+def same_number(a: str, b: str) -> bool:
     """Integers compare exactly (as floats, two beyond 2**53 that differ were equal: the calculator
     computes exact integers, so a wrong large answer was paid); other numbers within 1e-9."""
     try:

@@ -154,8 +154,7 @@ def _death_error(exc: BaseException, context: str = "") -> RunFailed:
 
 
 def _tokenizer(model_dir: Path) -> Any:
-    from asyncflow.runner import load_tokenizer
-    from asyncflow.workflow.pipeline import Tokenizer
+    from asyncflow.tokenizer import Tokenizer, load_tokenizer
 
     return Tokenizer.of(load_tokenizer(model_dir), model_dir)
 
@@ -199,8 +198,8 @@ def _rows(rows: Any) -> list[dict[str, Any]]:
 def _stage_pipeline(cfg: Config, rows: Any, model_dir: Path, out: Path, store: Any,
                     engines: list[Any], reward_fn: Any = None) -> Any:
     """A `Pipeline` holding only what one remote stage needs."""
+    from asyncflow.clock import RealClock
     from asyncflow.data import model_positions
-    from asyncflow.runtime.clock import RealClock
     from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, RunLog, Tracer
     from asyncflow.workflow.pipeline import Pipeline
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.engines.kv_cache import returned_cache, with_cache
-from asyncflow.envs.builtin import CalculatorEnv, _same_number
+from asyncflow.envs.builtin import CalculatorEnv, same_number
 from asyncflow.tasks import TaskPack, tiny
 
 VERSION = 1
@@ -134,7 +134,7 @@ def score(completion: str, answer: str) -> float:
     if m is None:
         return 0.0
     try:
-        return 1.0 if _same_number(m.group(1), str(answer)) else 0.0
+        return 1.0 if same_number(m.group(1), str(answer)) else 0.0
     except ValueError:
         return 0.0
 
@@ -290,7 +290,7 @@ def play_episodes(
     (ids: prompt + whole response)."""
     import torch
 
-    from asyncflow.runtime.clock import RealClock
+    from asyncflow.clock import RealClock
 
     gen = torch.Generator().manual_seed(seed)
 

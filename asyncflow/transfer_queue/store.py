@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from asyncflow.clock import Clock, RealClock, seconds_text
 from asyncflow.errors import WaitTimeout
-from asyncflow.runtime.clock import Clock, RealClock, seconds_text
 
 T = TypeVar("T")
 _STATE_FORMAT = 1

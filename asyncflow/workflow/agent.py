@@ -28,10 +28,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncflow.clock import Clock, wait_detached
 from asyncflow.engines.base import InferenceEngine
 from asyncflow.envs.base import own_cancel
 from asyncflow.errors import UserError, WaitTimeout
-from asyncflow.runtime.clock import Clock, wait_detached
 from asyncflow.workflow.agent_proxy import AgentProxy, Call, EpisodeRecorder, RecorderSettings
 from asyncflow.workflow.episode import EpisodeResult, Trajectory
 

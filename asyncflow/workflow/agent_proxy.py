@@ -41,25 +41,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncflow.clock import Clock
+from asyncflow.config import Config
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
 from asyncflow.engines.http_client import read_headers
-from asyncflow.runtime.clock import Clock
-from asyncflow.serve import _UNSUPPORTED as SERVE_UNSUPPORTED
-from asyncflow.serve import (
+from asyncflow.openai_wire import (
     MAX_BODY_BYTES,
     READ_TIMEOUT_S,
     RequestError,
-    _is_ids,
-    _parse_body,
-    _rl_fields,
-    _sampling,
-    _usage,
     completion_tokens_key,
     flatten_content,
+    is_token_ids,
+    parse_body,
+    rl_fields,
+    sampling_params,
+    usage,
 )
+from asyncflow.openai_wire import UNSUPPORTED as SERVE_UNSUPPORTED
 from asyncflow.workflow.episode import end_ids
 
-_UNSUPPORTED: dict[str, Any] = {**SERVE_UNSUPPORTED, "suffix": None, "echo": False}
+UNSUPPORTED: dict[str, Any] = {**SERVE_UNSUPPORTED, "suffix": None, "echo": False}
 
 
 @dataclass
@@ -83,6 +84,14 @@ class RecorderSettings:
     top_p: float = 1.0
     top_k: int = 0
     max_context: int | None = None  # the model's positions: a call gets at most what its prompt leaves
+
+
+def recorder_settings(cfg: Config, temperature: float, max_context: int | None = None) -> RecorderSettings:
+    """How an agent episode's calls are sampled (`temperature`: the run's, or 0 for evaluation;
+    `max_context`: the model's positions, when known)."""
+    ro = cfg.rollout
+    return RecorderSettings(ro.max_new_tokens, temperature, ro.temperature, ro.request_timeout_s, ro.max_turns,
+                            ro.top_p, ro.top_k, max_context)
 
 
 @dataclass
@@ -118,9 +127,9 @@ class EpisodeRecorder:
 
     async def completions(self, req: dict[str, Any]) -> dict[str, Any]:
         prompt = req.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
+        if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or is_token_ids(prompt[0])):
             prompt = prompt[0]
-        if _is_ids(prompt):
+        if is_token_ids(prompt):
             ids = [int(t) for t in prompt or ()]
             vocab = len(self.tok.hf)  # or an id the engine generated (a model's vocabulary may be padded past it)
             if any(not 0 <= t < vocab and t not in self._generated for t in ids):
@@ -136,7 +145,7 @@ class EpisodeRecorder:
         self._last = _Last(call, reply, prompt_text=text)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": "asyncflow-policy", "choices": [{"index": 0, "text": reply, **_fields(call)}],
-                "usage": _usage([ids], 1, [(0, _result(call))])}
+                "usage": usage([ids], 1, [(0, _result(call))])}
 
     async def chat(self, req: dict[str, Any]) -> dict[str, Any]:
         messages = req.get("messages")
@@ -156,7 +165,7 @@ class EpisodeRecorder:
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": "asyncflow-policy",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, **_fields(call)}],
-                "usage": _usage([ids], 1, [(0, _result(call))])}
+                "usage": usage([ids], 1, [(0, _result(call))])}
 
     # ------------------------------------------------------------------ prompt ids
 
@@ -208,7 +217,7 @@ class EpisodeRecorder:
 
     async def _generate(self, prompt_ids: list[int], req: dict[str, Any]) -> Call:
         s = self.settings
-        params = _sampling(req, _UNSUPPORTED, "the agent endpoint (each call is recorded as one turn)")
+        params = sampling_params(req, UNSUPPORTED, "the agent endpoint (each call is recorded as one turn)")
         if params["n"] != 1:
             raise RequestError("n: one completion per call (each call is one turn of this episode)", param="n")
         for key, value in (("temperature", s.train_temperature), ("top_p", s.top_p), ("top_k", s.top_k)):
@@ -261,7 +270,7 @@ def _result(call: Call) -> GenResult:
 
 
 def _fields(call: Call) -> dict[str, Any]:
-    return {**_rl_fields(_result(call)), "prompt_token_ids": call.prompt_ids}
+    return {**rl_fields(_result(call)), "prompt_token_ids": call.prompt_ids}
 
 
 class AgentProxy:
@@ -322,7 +331,7 @@ class AgentProxy:
                 if task is not None:
                     rec.tasks.add(task)
                 try:
-                    req = _parse_body(body)
+                    req = parse_body(body)
                     return 200, await (rec.completions(req) if route == "/completions" else rec.chat(req))
                 finally:
                     if task is not None:

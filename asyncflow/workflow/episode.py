@@ -24,10 +24,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from asyncflow.clock import Clock
 from asyncflow.engines.base import GenRequest, InferenceEngine, requester
-from asyncflow.engines.runs import Runs, concat, oldest, total
 from asyncflow.envs.base import Env, EnvError, EnvStep, env_call
-from asyncflow.runtime.clock import Clock
+from asyncflow.runs import Runs, concat, oldest, total
 
 
 class EpisodeTokenizer(Protocol):
@@ -281,7 +281,7 @@ def end_ids(tok: EpisodeTokenizer) -> Collection[int]:
 
 def hung_episode(prompt_ids: Sequence[int], error: str) -> EpisodeResult:
     """The fields of an episode abandoned because its environment ignores cancellation
-    (`runtime.clock.run_guarded`'s `on_stuck`): nothing of it is kept, `error` is its reward_error."""
+    (`clock.run_guarded`'s `on_stuck`): nothing of it is kept, `error` is its reward_error."""
     fields = Trajectory(prompt_ids).fields()
     fields.update(finish_reason="length", turns=0, reward=None, reward_error=f"environment hung: {error}")
     return EpisodeResult(fields)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+from asyncflow.clock import Clock
 from asyncflow.errors import WaitTimeout
-from asyncflow.runtime.clock import Clock
 
 
 class StalenessGate:

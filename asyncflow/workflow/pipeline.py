@@ -34,7 +34,6 @@ import math
 import random
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,10 +41,9 @@ import torch
 
 from asyncflow.algorithms.advantages import make_advantage_fn, overlong_penalty
 from asyncflow.algorithms.losses import NEEDS_PROXIMAL
+from asyncflow.clock import Clock, SweptClock, run_guarded, wait_detached
 from asyncflow.config import Config, max_generated_tokens
-from asyncflow.data import generation_stop_ids, tokenize_prompt
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, LossFn, TrainBatch, TrainEngine
-from asyncflow.engines.runs import oldest
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.rewards import (
     PLAIN_CALLS_PER_HOP,
@@ -55,11 +53,12 @@ from asyncflow.rewards import (
     call_reward_fn_async,
     is_async_reward_fn,
 )
-from asyncflow.runtime.clock import Clock, SweptClock, run_guarded, wait_detached
+from asyncflow.runs import oldest
 from asyncflow.telemetry.runlog import RunLog, Tracer
+from asyncflow.tokenizer import Tokenizer
 from asyncflow.transfer_queue import Lease, NewSample, QueueClosed, SampleView, StoreClient, TransferQueue
 from asyncflow.workflow.agent import AgentFn, load_agent, run_agent_episode
-from asyncflow.workflow.agent_proxy import AgentProxy, RecorderSettings
+from asyncflow.workflow.agent_proxy import AgentProxy, recorder_settings
 from asyncflow.workflow.episode import (
     EpisodeResult,
     EpisodeSettings,
@@ -105,45 +104,6 @@ class StepResult:
     step: int
     version: int
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class Tokenizer:
-    """The few tokenizer facts the workflow needs (kept apart so tests can pass a plain object)."""
-
-    hf: Any
-    eos_token_id: int
-    pad_token_id: int
-    # other ids that end a generation (generation_config.json's, `data.generation_stop_ids`)
-    stop_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        self.ends = frozenset((self.eos_token_id, *self.stop_ids))  # what a finished response ends with
-
-    @classmethod
-    def of(cls, hf: Any, model_dir: str | Path) -> Tokenizer:
-        """The facts of `hf` (a `runner.load_tokenizer` tokenizer), with the stop ids of `model_dir`."""
-        eos = int(hf.eos_token_id)
-        return cls(hf, eos, int(hf.pad_token_id), generation_stop_ids(model_dir, eos))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self.hf.decode(list(ids), skip_special_tokens=True))
-
-    def prompt_ids(self, prompt: Any) -> list[int]:
-        """Token ids of a dataset prompt (text as it is, chat messages through the chat template)."""
-        return tokenize_prompt(self.hf, prompt)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of environment text (no special tokens), appended at the id level: generated
-        tokens are never re-tokenized."""
-        return [int(i) for i in self.hf(text, add_special_tokens=False)["input_ids"]] if text else []
-
-    def completions(self, responses: Sequence[Sequence[int]], conversational: bool) -> list[Any]:
-        """Completions as a TRL reward function receives them: text without the final EOS (or other
-        stop token), or for conversational prompts a one-message assistant turn."""
-        ends = self.ends
-        texts = [self.decode(ids[:-1] if len(ids) and ids[-1] in ends else ids) for ids in responses]
-        return [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
 
 
 class Pipeline:
@@ -1237,14 +1197,6 @@ class _Flight:
             finally:
                 self._wake = None
         return self.limit - self.n
-
-
-def recorder_settings(cfg: Config, temperature: float, max_context: int | None = None) -> RecorderSettings:
-    """How an agent episode's calls are sampled (`temperature`: the run's, or 0 for evaluation;
-    `max_context`: the model's positions, when known)."""
-    ro = cfg.rollout
-    return RecorderSettings(ro.max_new_tokens, temperature, ro.temperature, ro.request_timeout_s, ro.max_turns,
-                            ro.top_p, ro.top_k, max_context)
 
 
 def store_capacity(cfg: Config) -> int:

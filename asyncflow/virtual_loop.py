@@ -34,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from asyncflow.runtime.clock import bounded
+from asyncflow.clock import bounded
 
 T = TypeVar("T")
 _THREAD_POLL_S = 0.002  # real seconds between polls while a thread job is outstanding
@@ -166,7 +166,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 class VirtualClock:
-    """The `Clock` of a `VirtualTimeLoop` (see `asyncflow.runtime.clock`)."""
+    """The `Clock` of a `VirtualTimeLoop` (see `asyncflow.clock`)."""
 
     unit = "virtual s"  # how timeouts are worded in messages
     loop_time = True  # `now` is the loop's `time()` (see `RealClock.loop_time`)

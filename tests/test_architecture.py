@@ -1,0 +1,103 @@
+"""The package's shape: no import cycle among its modules (function-level imports included), and no
+module imports another module's private (`_`-prefixed) name. Read from the source with `ast`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import asyncflow
+
+PACKAGE = Path(asyncflow.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _owner(name: str, modules: dict[str, Path]) -> str | None:
+    """The package module `name` lies in (a name imported from a module resolves to the module)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> tuple[set[str], list[str]]:
+    """The package modules `module` imports anywhere in its source, and the private names it takes
+    from other package modules."""
+    targets: set[str] = set()
+    private: list[str] = []
+    here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(here[: len(here) - node.level + 1] + [node.module or ""]).strip(".") if node.level \
+                else node.module or ""
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                targets.add(full if full in modules else base)
+                if alias.name.startswith("_") and full not in modules and _owner(base, modules) not in (None, module):
+                    private.append(f"{module} imports {base}.{alias.name}")
+    owners = {_owner(t, modules) for t in targets if t.startswith("asyncflow")}
+    return {o for o in owners if o is not None and o != module}, private
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_and_no_private_name_crosses_a_module() -> None:
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    private: list[str] = []
+    for name, path in modules.items():
+        graph[name], taken = _imports(name, path, modules)
+        private += taken
+    assert _cycles(graph) == []
+    assert private == []
+
+
+def test_the_checks_see_a_cycle_and_a_private_import(tmp_path: Path) -> None:
+    """The helpers above find what they look for (so the test above cannot pass by seeing nothing)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from asyncflow.envs.builtin import _private, CalculatorEnv\n")
+    deps, taken = _imports("asyncflow.probe", probe, _modules())
+    assert deps == {"asyncflow.envs.builtin"} and taken == ["asyncflow.probe imports asyncflow.envs.builtin._private"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    modules = _modules()
+    graph = {m: _imports(m, p, modules)[0] for m, p in modules.items()}
+    assert "asyncflow.tokenizer" in graph["asyncflow.runner"]  # a top-level import
+    assert "asyncflow.runtime.ray_runtime" in graph["asyncflow.runner"]  # a function-level one
