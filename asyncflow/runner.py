@@ -24,6 +24,7 @@ from typing import Any
 from asyncflow.config import Config, dump_yaml, episodic
 from asyncflow.engines.http_client import HTTPError
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
+from asyncflow.runtime.base import RuntimeSetup, runtime_class
 from asyncflow.tokenizer import load_tokenizer
 
 RUN_MARKERS = ("config.yaml", "metrics.jsonl")
@@ -259,7 +260,7 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
                              f"{resume.version})" + (f"; changed settings: {', '.join(changed)}" if changed else ""))
         # Ray: the folder's absolute path, which actors are given (those of a joined cluster start in its
         # raylet's directory: a relative folder put the trainer's weights and checkpoints there)
-        folder = RunFolder(out.resolve() if cfg.runtime.kind == "ray" else out, cfg, resume)
+        folder = RunFolder(out.resolve() if runtime_class(cfg.runtime.kind).absolute_folder else out, cfg, resume)
         ended = False
         try:
             with _sigterm_as_interrupt():
@@ -403,96 +404,30 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
     # the reference model and the tokenizer stay the base model's
     policy_dir = inputs.model_dir if resume is None else resume.path
     version = 0 if resume is None else resume.version
-    workers: Any = None
-    engines: list[Any]
-    trainer: Any
-    out = folder.out
-    if cfg.runtime.kind == "ray":
-        from asyncflow.runtime.ray_runtime import RayWorkers
-
-        # The actors are given the folder (each opens samples.jsonl to append). A fresh run claims it
-        # first; a resumed one cuts its logs back only once the actors are up (in `_run`), so actors
-        # that fail to start leave it as it was. Cutting after they opened the file is safe: it is
-        # truncated in place and they append through O_APPEND, which writes at its end as it is then.
-        if resume is None:
-            folder.open()
-        workers = RayWorkers.start(cfg, policy_dir.resolve(), inputs.train_rows, out, inputs.reward_fn_path,
-                                   torch_threads(cfg), log=progress.message, version=version)
-        engines, trainer = list(workers.engines), workers.trainer
-        trainer.steps, trainer.exported = (0, 0) if resume is None else (resume.step, resume.version)
-    else:
-        trainer = make_train_engine(cfg, policy_dir)
-        if cfg.rollout.engine == "openai":
-            from asyncflow.engines.openai_engine import connect_all, make_openai_engines
-
-            remote = make_openai_engines(cfg.rollout, inputs.model_dir, out)
-            await connect_all(remote, trainer.export_weights())
-            if version:
-                await asyncio.gather(*(e.load_weights(trainer.export_weights(), version, "drain") for e in remote))
-            engines = list(remote)
-        else:
-            engines = [make_inference_engine(cfg, policy_dir, tok, i, version) for i in range(cfg.rollout.workers)]
+    runtime_cls = runtime_class(cfg.runtime.kind)
+    if runtime_cls.opens_folder_first and resume is None:
+        # A runtime whose actors open the folder (samples.jsonl, to append) gets it claimed first; a
+        # resumed run cuts its logs back only once they are up (in `_run`), so actors that fail to
+        # start leave it as it was. Cutting after they opened the file is safe: it is truncated in
+        # place and they append through O_APPEND, which writes at its end as it is then.
+        folder.open()
+    runtime = await runtime_cls.launch(RuntimeSetup(
+        cfg, policy_dir, inputs.model_dir, inputs.train_rows, folder.out, inputs.reward_fn_path, tok,
+        torch_threads(cfg), version, progress.message, steps=0 if resume is None else resume.step))
     try:
         if resume is not None:
             from asyncflow.checkpoint import damaged_hint, restore_rng
 
             try:
-                trainer.load_optimizer(str(resume.path))
+                runtime.trainer.load_optimizer(str(resume.path))
                 restore_rng(resume.path)
             except Exception as exc:  # (checked as archives in find_resume; a damaged member shows only now)
                 raise UserError(f"checkpoint.resume: {resume.path}: the optimizer or RNG state cannot be loaded "
                                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) "
                                 f"{damaged_hint(resume.path)}") from None
-        return await _run(cfg, folder, progress, inputs, reward_fn, hf_tok, tok, trainer, engines, workers, resume,
-                          env_factory)
+        return await _run(cfg, folder, progress, inputs, reward_fn, hf_tok, tok, runtime, resume, env_factory)
     finally:
-        if workers is not None:
-            workers.shutdown()
-        else:
-            trainer.close()
-
-
-def make_train_engine(cfg: Config, model_dir: Path) -> Any:
-    """The local runtime's `TrainEngine` named by `train.engine`."""
-    import torch
-
-    t = cfg.train
-    dtype = getattr(torch, cfg.model.dtype)
-    common = dict(lr=t.lr, weight_decay=t.weight_decay, mini_batches=t.mini_batches,
-                  micro_batch_size=t.micro_batch_size, max_grad_norm=t.max_grad_norm, dtype=dtype)
-    if t.engine == "fsdp":
-        from asyncflow.engines.fsdp_train import FSDPTrainEngine
-
-        # NCCL with one GPU per rank when there are enough of them, else gloo on CPU; the ranks share
-        # the trainer's threads
-        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= t.world_size else "cpu"
-        return FSDPTrainEngine(model_dir, world_size=t.world_size, device=device,
-                               threads=max(1, torch_threads(cfg) // t.world_size), timeout_s=t.worker_timeout_s,
-                               seed=cfg.seed, **common)  # type: ignore[arg-type]
-    from asyncflow.engines.base import pick_device
-    from asyncflow.engines.torch_train import TorchTrainEngine
-
-    return TorchTrainEngine(model_dir, device=pick_device(cfg.model.device), **common)  # type: ignore[arg-type]
-
-
-def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int, version: int = 0) -> Any:
-    """The local runtime's `InferenceEngine` number `index`, named by `rollout.engine`, holding the
-    weights in `model_dir` as policy `version`."""
-    import torch
-
-    dtype = getattr(torch, cfg.model.dtype)
-    if cfg.rollout.engine == "vllm":
-        from asyncflow.engines.vllm_engine import VLLMEngine
-
-        engine = VLLMEngine(model_dir, max_batch=cfg.rollout.max_batch, dtype=cfg.model.dtype, seed=cfg.seed + index)
-        engine.version = version
-        return engine
-    from asyncflow.engines.base import pick_device
-    from asyncflow.engines.hf import HFEngine
-
-    return HFEngine(model_dir, eos_token_id=[tok.eos_token_id, *tok.stop_ids], pad_token_id=tok.pad_token_id,
-                    max_batch=cfg.rollout.max_batch, device=pick_device(cfg.model.device, index), dtype=dtype,
-                    seed=cfg.seed + index, name=f"rollout-{index}", version=version)
+        runtime.shutdown()
 
 
 def loss_settings(cfg: Config) -> Any:
@@ -518,8 +453,7 @@ def _evaluates_again(cfg: Config, step: int, history: list[dict[str, Any]]) -> b
 
 
 async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any, tok: Any,
-               trainer: Any, engines: list[Any], workers: Any, resume: Any = None,
-               env_factory: Any = None) -> dict[str, Any]:
+               runtime: Any, resume: Any = None, env_factory: Any = None) -> dict[str, Any]:
     import torch
 
     from asyncflow.algorithms.losses import make_loss_fn
@@ -528,6 +462,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, RunLog, Tracer
     from asyncflow.workflow.pipeline import Pipeline, StepResult
 
+    engines, trainer = list(runtime.engines), runtime.trainer
     dtype = getattr(torch, cfg.model.dtype)
     ref_fn = None
     if cfg.algorithm.kl_coef > 0:
@@ -537,7 +472,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         # it runs in this process: beside the torch trainer on its device (model.device); on the CPU
         # with Ray (the driver is given no GPU; the actors hold them), with fsdp (an unsharded copy on
         # rank 0's GPU is what sharding saves) and with local vllm (it holds its GPU's memory)
-        beside_trainer = cfg.runtime.kind == "local" and cfg.train.engine == "torch" and cfg.rollout.engine != "vllm"
+        beside_trainer = runtime.trainer_here and cfg.train.engine == "torch" and cfg.rollout.engine != "vllm"
         ref_fn = ReferenceModel(inputs.model_dir, temperature=cfg.rollout.temperature,
                                 micro_batch_size=cfg.train.micro_batch_size, dtype=dtype,
                                 device=pick_device(cfg.model.device) if beside_trainer else "cpu")
@@ -609,7 +544,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
                 **{f"response_len/{k}": c.response_tokens[k] / n for k, n in c.response_count.items() if n},
                 "reward_errors": c.reward_errors,
                 "cancelled": c.cancelled,
-                **({} if workers is None else {"restarts": workers.restarts_total}),
+                **runtime.row_fields(),
                 **{f"store/{k}": v for k, v in pipeline.store.metrics().items()},
             }
             log.metric(row)
@@ -642,7 +577,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             )
 
         # Ray actors that restart are built from the folder the run started from: keep it while they may
-        actors_from = resume.path if resume is not None and workers is not None else None
+        actors_from = resume.path if resume is not None and runtime.restarts_from_start else None
 
         async def save_checkpoint(step: int) -> None:
             """At a step boundary (this step's samples acked, its weights published, the trainer idle):
@@ -673,8 +608,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         pipeline = Pipeline(
             cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
             loss_fn=make_loss_fn(loss_settings(cfg)), clock=clock, log=log, tracer=tracer,
-            ref_logprobs=ref_fn, on_step=on_step, store=None if workers is None else workers.store,
-            gate=None if workers is None else workers.gate,
+            ref_logprobs=ref_fn, on_step=on_step, store=runtime.store, gate=runtime.gate,
         )
         pipeline.max_context = inputs.positions
         if resume is not None:
@@ -685,13 +619,10 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             pipeline.store.load_state_dict(store_state)
             pipeline.restore_trainer(resume.step, resume.version, st["counters"], st["elapsed_s"])
             admitted = resume.step * pipeline.groups_per_step + live_groups
-            if workers is None:
-                pipeline.restore_feeder(st["next_group_id"], resume.version, admitted)
-            else:
-                workers.restore_feeder(st["next_group_id"], resume.version, admitted)
+            runtime.restore_feeder(pipeline, st["next_group_id"], resume.version, admitted)
         restarts: dict[str, int] = {}
         try:
-            await pipeline.run(remote=None if workers is None else workers.stages())
+            await pipeline.run(remote=runtime.stages())
             train_seconds = clock.now() - pipeline.t_start  # a resumed run's includes the time before the checkpoint
             if pending_eval is not None:
                 await pending_eval
@@ -700,9 +631,8 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             if pending_eval is not None and not pending_eval.done():  # the run failed while it was running
                 pending_eval.cancel()
                 await asyncio.wait([pending_eval], timeout=10)
-            if workers is not None:
-                workers.collect(tracer, pipeline.counters)
-                restarts = {k: v for k, v in workers.restarts.items() if v}
+            runtime.collect(tracer, pipeline.counters)
+            restarts = {k: v for k, v in runtime.restarts.items() if v}
     finally:  # (each step whatever the one before did: the log, with its W&B run, is closed last, always)
         try:
             try:

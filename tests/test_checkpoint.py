@@ -216,7 +216,7 @@ def test_a_resume_that_fails_to_build_changes_nothing_in_the_run(arith_dir: Path
     def no_engine(*args: Any, **kwargs: Any) -> Any:
         raise UserError("rollout.engine: cannot be made here")
 
-    monkeypatch.setattr("asyncflow.runner.make_inference_engine", no_engine)
+    monkeypatch.setattr("asyncflow.runtime.local.make_inference_engine", no_engine)
     with pytest.raises(UserError, match="cannot be made here"):
         _train(arith_dir, out, ["train.max_steps=4", "checkpoint.resume=auto"])
     assert {name: (out / name).read_bytes() for name in before} == before

@@ -143,7 +143,7 @@ def test_generation_config_stop_ids_end_a_response_as_the_eos_does(tmp_path: Pat
     did not (every response ran to max_new_tokens) and the completions kept it."""
     from asyncflow.config import load_config
     from asyncflow.data import generation_stop_ids
-    from asyncflow.runner import make_inference_engine
+    from asyncflow.engines.factory import make_inference_engine
     from asyncflow.tasks.arith import make_model, make_tokenizer
     from asyncflow.tokenizer import Tokenizer
 

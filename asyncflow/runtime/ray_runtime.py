@@ -48,7 +48,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -64,6 +64,7 @@ from asyncflow.engines.base import (
     quiet_transformers,
 )
 from asyncflow.errors import RunFailed, TrainerDied, UserError, WaitTimeout
+from asyncflow.runtime.base import RuntimeSetup
 
 READY_TIMEOUT_S = 300.0  # an actor starting (or restarting: a new process loads the model again)
 STORE_CALL_TIMEOUT_S = 60.0  # one supervision call to the store controller
@@ -218,7 +219,7 @@ class RolloutWorker:
 
     def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
                  store: Any, threads: int, version: int = 0) -> None:
-        from asyncflow.engines.hf import HFEngine
+        from asyncflow.engines.factory import make_inference_engine
 
         quiet_transformers()
 
@@ -230,12 +231,8 @@ class RolloutWorker:
         torch.manual_seed(cfg.seed + index)
         tok = _tokenizer(Path(model_dir))
         self.index = index
-        self.engine = HFEngine(
-            Path(model_dir), eos_token_id=[tok.eos_token_id, *tok.stop_ids], pad_token_id=tok.pad_token_id,
-            max_batch=cfg.rollout.max_batch, device=actor_device(cfg.model.device, cfg.runtime.rollout_gpus),
-            dtype=getattr(torch, cfg.model.dtype),
-            seed=cfg.seed + index, name=f"rollout-{index}", version=version,
-        )
+        self.engine = make_inference_engine(cfg, Path(model_dir), tok, index, version,
+                                            device=actor_device(cfg.model.device, cfg.runtime.rollout_gpus))
         self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [self.engine])
 
     def ready(self) -> int:
@@ -366,18 +363,14 @@ class TrainerWorker:
     """Actor: the policy's optimizer state and weights."""
 
     def __init__(self, cfg: Config, model_dir: str, threads: int) -> None:
-        from asyncflow.engines.torch_train import TorchTrainEngine
+        from asyncflow.engines.factory import make_train_engine
 
         quiet_transformers()
 
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)
-        self.engine = TorchTrainEngine(
-            Path(model_dir), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-            mini_batches=cfg.train.mini_batches, micro_batch_size=cfg.train.micro_batch_size,
-            max_grad_norm=cfg.train.max_grad_norm, device=actor_device(cfg.model.device, cfg.runtime.train_gpus),
-            dtype=getattr(torch, cfg.model.dtype),
-        )
+        self.engine = make_train_engine(cfg, Path(model_dir), threads=threads,
+                                        device=actor_device(cfg.model.device, cfg.runtime.train_gpus))
 
     def ready(self) -> bool:
         return True
@@ -684,7 +677,15 @@ def _check_placeable(bundles: list[dict[str, float]], strategy: str, total: dict
 
 @dataclass
 class RayWorkers:
-    """The actors of one run, and how to supervise and stop them."""
+    """The `ray` runtime (`asyncflow.runtime.base.Runtime`): the actors of one run, and how to
+    supervise and stop them."""
+
+    absolute_folder: ClassVar[bool] = True  # actors of a joined cluster start in its raylet's directory
+    # the actors open samples.jsonl to append: a fresh run claims its folder before they start
+    opens_folder_first: ClassVar[bool] = True
+    trainer_here: ClassVar[bool] = False  # the trainer is an actor: the driver keeps no device for it
+    # a restarted actor is rebuilt from the folder the run started from: keep a resumed run's checkpoint
+    restarts_from_start: ClassVar[bool] = True
 
     store: Any
     engines: list[RemoteEngine]
@@ -816,7 +817,15 @@ class RayWorkers:
                    RemoteGate(feeder_actor, cfg.staleness), pg, prefix=prefix, max_restarts=rt.max_restarts, log=log,
                    restarts={s: 0 for s in stages}, pids=dict(zip(stages, map(int, pids), strict=True)))
 
-    def restore_feeder(self, next_group: int, version: int, admitted: int) -> None:
+    @classmethod
+    async def launch(cls, setup: RuntimeSetup) -> RayWorkers:
+        """`start` from a `RuntimeSetup`, with the trainer's counts at the setup's version."""
+        workers = cls.start(setup.cfg, setup.policy_dir.resolve(), setup.rows, setup.out, setup.reward_fn_path,
+                            setup.threads, log=setup.log, version=setup.version)
+        workers.trainer.steps, workers.trainer.exported = setup.steps, setup.version
+        return workers
+
+    def restore_feeder(self, pipeline: Any, next_group: int, version: int, admitted: int) -> None:
         """Resume the feeder actor's position and gate (before `stages`)."""
         import ray
 
@@ -934,9 +943,9 @@ class RayWorkers:
         except ray.exceptions.RayActorError as exc:
             raise _death_error(exc) from exc
 
-    def collect(self, tracer: Any, counters: Any) -> dict[str, int]:
+    def collect(self, tracer: Any, counters: Any) -> None:
         """Merge the actors' trace spans and counters into the driver's (a restarted actor's spans
-        and counts start again with its new process); returns {"restarts": total actor restarts}."""
+        and counts start again with its new process)."""
         import ray
 
         stages = [f"rollout/{i}" for i in range(len(self.rollout_actors))]
@@ -954,6 +963,8 @@ class RayWorkers:
             counters.reward_call_failures = int(sum(s["reward_call_failures"] for s in rstats))
         except ray.exceptions.RayError as exc:
             self.log(f"[asyncflow] ray: the reward actors' call counts are missing ({type(exc).__name__})")
+
+    def row_fields(self) -> dict[str, float]:
         return {"restarts": self.restarts_total}
 
     def shutdown(self) -> None:

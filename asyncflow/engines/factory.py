@@ -1,0 +1,57 @@
+"""The one place engines are built from the config: the trainer named by `train.engine` and the
+in-process inference engines named by `rollout.engine`, for the local runtime and the Ray actors alike.
+
+Where an engine runs is the caller's: it passes `device` (the local runtime picks one per engine
+under `model.device`; a Ray actor the device Ray gave it). Engines behind HTTP (`rollout.engine:
+openai`) are connected, not built: `asyncflow.engines.openai_engine.make_openai_engines`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncflow.config import Config
+from asyncflow.engines.base import InferenceEngine, TrainEngine, pick_device
+
+
+def make_train_engine(cfg: Config, model_dir: Path, *, threads: int, device: str | None = None) -> TrainEngine:
+    """The `TrainEngine` named by `train.engine`, holding the weights in `model_dir`. `device`: where
+    the plain torch trainer runs (None: `model.device` on this process); fsdp places its ranks
+    itself (NCCL with a GPU per rank when there are enough, else gloo on CPU), sharing `threads`."""
+    t = cfg.train
+    common: dict[str, Any] = dict(lr=t.lr, weight_decay=t.weight_decay, mini_batches=t.mini_batches,
+                                  micro_batch_size=t.micro_batch_size, max_grad_norm=t.max_grad_norm,
+                                  dtype=getattr(torch, cfg.model.dtype))
+    if t.engine == "fsdp":
+        from asyncflow.engines.fsdp_train import FSDPTrainEngine
+
+        enough = torch.cuda.is_available() and torch.cuda.device_count() >= t.world_size
+        return FSDPTrainEngine(model_dir, world_size=t.world_size, device="cuda" if enough else "cpu",
+                               threads=max(1, threads // t.world_size), timeout_s=t.worker_timeout_s,
+                               seed=cfg.seed, **common)
+    from asyncflow.engines.torch_train import TorchTrainEngine
+
+    return TorchTrainEngine(model_dir, device=device or pick_device(cfg.model.device), **common)
+
+
+def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int, version: int = 0,
+                          device: str | None = None) -> InferenceEngine:
+    """In-process inference engine number `index`, named by `rollout.engine`, holding the weights in
+    `model_dir` as policy `version`. `tok`: the run's `asyncflow.tokenizer.Tokenizer` (its EOS and
+    stop ids end a generation). `device`: where an hf engine runs (None: `model.device`, engines
+    spread over this process's GPUs); vLLM always runs on a GPU of its own choosing."""
+    if cfg.rollout.engine == "vllm":
+        from asyncflow.engines.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(model_dir, max_batch=cfg.rollout.max_batch, dtype=cfg.model.dtype, seed=cfg.seed + index)
+        engine.version = version
+        return engine
+    from asyncflow.engines.hf import HFEngine
+
+    return HFEngine(model_dir, eos_token_id=[tok.eos_token_id, *tok.stop_ids], pad_token_id=tok.pad_token_id,
+                    max_batch=cfg.rollout.max_batch, device=device or pick_device(cfg.model.device, index),
+                    dtype=getattr(torch, cfg.model.dtype), seed=cfg.seed + index, name=f"rollout-{index}",
+                    version=version)
