@@ -273,28 +273,12 @@ def _yaml_text(value: Any) -> str:
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """`value` as a field of type `tp` takes it, else a one-line error naming `key`."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(key, value, arg)
-            except UserError as exc:
-                errors.append(str(exc))
-        raise UserError(errors[0] if len(errors) == 1 else f"{key}: {value!r} is not valid here ({type_name(tp)})")
+        return _coerce_union(key, value, tp)
     if origin is Literal:
-        choices = typing.get_args(tp)
-        for choice in choices:
-            if value == choice and type(value) is type(choice):
-                return value
-        shown = ", ".join(_yaml_text(c) for c in choices)
-        hint = _closest(str(value), [_yaml_text(c).strip("'") for c in choices]) if isinstance(value, str) else ""
-        raise UserError(f"{key}: {_yaml_text(value)} is not one of {shown}{hint}")
+        return _coerce_literal(key, value, tp)
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -310,29 +294,61 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return value
         raise UserError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
-        number: float | None = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                number = float(value)
-            except OverflowError:  # (an int beyond a float's range: a traceback)
-                raise UserError(f"{key}: expected a finite number, got an integer of {len(str(value))} digits") from None
-        elif isinstance(value, str):  # PyYAML reads `3e-4` (no dot) as a string: accept what is clearly a number
-            try:
-                number = float(value)
-            except ValueError:
-                number = None
-        if number is None:
-            raise UserError(f"{key}: expected a number, got {value!r}")
-        # nan passes every bound (nan < lo is False) and an infinite timeout is no timeout: no key takes either
-        if not math.isfinite(number):
-            raise UserError(f"{key}: expected a finite number, got {value!r}")
-        return number
+        return _coerce_float(key, value)
     if tp is str:
         if isinstance(value, str):
             return value
         raise UserError(f"{key}: expected a string, got {_yaml_text(value)} (YAML reads it as a {type(value).__name__}: "
                         f"quote it)")
     raise TypeError(f"config type {tp} of {key} is not supported")
+
+
+def _coerce_union(key: str, value: Any, tp: Any) -> Any:
+    """The first member type that takes `value` (null where the type allows it)."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(key, value, arg)
+        except UserError as exc:
+            errors.append(str(exc))
+    raise UserError(errors[0] if len(errors) == 1 else f"{key}: {value!r} is not valid here ({type_name(tp)})")
+
+
+def _coerce_literal(key: str, value: Any, tp: Any) -> Any:
+    """One of the choices, type included (`1` is not `true`); else the closest choice is suggested."""
+    choices = typing.get_args(tp)
+    for choice in choices:
+        if value == choice and type(value) is type(choice):
+            return value
+    shown = ", ".join(_yaml_text(c) for c in choices)
+    hint = _closest(str(value), [_yaml_text(c).strip("'") for c in choices]) if isinstance(value, str) else ""
+    raise UserError(f"{key}: {_yaml_text(value)} is not one of {shown}{hint}")
+
+
+def _coerce_float(key: str, value: Any) -> float:
+    """A finite float; an int, or a string that is clearly a number, is taken as one."""
+    number: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # (an int beyond a float's range: a traceback)
+            raise UserError(f"{key}: expected a finite number, got an integer of {len(str(value))} digits") from None
+    elif isinstance(value, str):  # PyYAML reads `3e-4` (no dot) as a string: accept what is clearly a number
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if number is None:
+        raise UserError(f"{key}: expected a number, got {value!r}")
+    # nan passes every bound (nan < lo is False) and an infinite timeout is no timeout: no key takes either
+    if not math.isfinite(number):
+        raise UserError(f"{key}: expected a finite number, got {value!r}")
+    return number
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -25,6 +25,17 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError(
             f"workflow.max_staleness: {cfg.workflow.max_staleness} contradicts workflow.mode=sync (sync is staleness 0)"
         )
+    # (in this order: of several problems, the first one found is the one reported)
+    _validate_sources(cfg, explicit)
+    _validate_algorithm(cfg, explicit)
+    _validate_servers(cfg, explicit)
+    _validate_engines(cfg, explicit)
+    _validate_outputs(cfg, explicit)
+    _validate_scoped_keys(cfg, explicit)
+
+
+def _validate_sources(cfg: Config, explicit: set[str]) -> None:
+    """Where the model, prompts and rewards come from: the task pack, an agent, an environment or reward.fn."""
     if cfg.rollout.agent is not None:
         _validate_agent(cfg, explicit)
     if cfg.rollout.turn_barrier and cfg.rollout.env is None:
@@ -44,9 +55,10 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError(f"rollout.env: {cfg.rollout.env!r} is neither a built-in ({', '.join(ENV_NAMES)}) nor 'module:factory'")
     if cfg.reward.fn is not None and ":" not in cfg.reward.fn:
         raise UserError(f"reward.fn: {cfg.reward.fn!r} must be 'module:function' or 'path/to/file.py:function'")
-    _validate_algorithm(cfg, explicit)
-    _validate_servers(cfg, explicit)
-    _validate_engines(cfg, explicit)
+
+
+def _validate_outputs(cfg: Config, explicit: set[str]) -> None:
+    """Logging backends, early stopping and periodic checkpoints."""
     # Accepted keys whose feature is not built yet are refused, never silently ignored.
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("logging.tensorboard: the tensorboard package is not installed (pip install tensorboard)")
@@ -60,6 +72,11 @@ def validate(cfg: Config, explicit: set[str]) -> None:
         raise UserError("eval.min_delta: not used while eval.patience is 0 (no early stop)")
     if "checkpoint.keep" in explicit and cfg.checkpoint.every == 0:
         raise UserError("checkpoint.keep: not used while checkpoint.every is 0 (no periodic checkpoints)")
+
+
+def _validate_scoped_keys(cfg: Config, explicit: set[str]) -> None:
+    """Keys only one runtime, rollout kind or feature reads are refused without it; and a Ray address
+    must be one Ray can join, and a Ray run on cuda must give its actors GPUs."""
     if cfg.runtime.address is not None and cfg.runtime.kind == "local":
         raise UserError("runtime.address: only used with runtime.kind=ray")
     if cfg.runtime.address is not None:
@@ -119,6 +136,8 @@ def _validate_agent(cfg: Config, explicit: set[str]) -> None:
     if cfg.reward.fn is not None and "reward.fn" in explicit:
         raise UserError("reward.fn: not used with rollout.agent (an agent episode's reward is what the agent "
                         "returns); remove one of them")
+
+
 _SERVER_KEYS = ("server_urls", "server_type", "server_model", "server_token_env", "sync_dir", "sync_timeout_s")
 
 
@@ -176,6 +195,7 @@ def _validate_engines(cfg: Config, explicit: set[str]) -> None:
             raise UserError("rollout.engine: vllm runs only with runtime.kind=local in this version")
         if importlib.util.find_spec("vllm") is None:
             raise UserError("rollout.engine: vllm is not installed (pip install 'asyncflow[vllm]', needs a GPU); use hf")
+
 
 # algorithm.* keys each loss reads; a key set explicitly for a loss that does not read it is refused
 _LOSS_KEYS: dict[str, tuple[str, ...]] = {
