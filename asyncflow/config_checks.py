@@ -1,0 +1,246 @@
+"""Validation of a loaded config: settings that cannot be honoured together, keys set for a feature
+that is off, and choices this machine cannot run, each refused with a one-line error naming the key.
+
+No heavy imports: the CLI validates before torch/transformers/ray load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import urllib.parse
+
+from asyncflow.config_schema import Config, episodic, max_generated_tokens
+from asyncflow.errors import UserError
+
+
+def validate(cfg: Config, explicit: set[str]) -> None:
+    """Cross-field checks: settings that cannot be honoured together are refused, never ignored."""
+    if cfg.train.batch_size % cfg.rollout.n:
+        raise UserError(
+            f"train.batch_size: {cfg.train.batch_size} is not divisible by rollout.n={cfg.rollout.n} (a batch is whole groups)"
+        )
+    if cfg.train.batch_size < cfg.train.mini_batches:
+        raise UserError(f"train.mini_batches: {cfg.train.mini_batches} is more than train.batch_size={cfg.train.batch_size}")
+    if cfg.workflow.mode == "sync" and cfg.workflow.max_staleness not in (None, 0):
+        raise UserError(
+            f"workflow.max_staleness: {cfg.workflow.max_staleness} contradicts workflow.mode=sync (sync is staleness 0)"
+        )
+    # (in this order: of several problems, the first one found is the one reported)
+    _validate_sources(cfg, explicit)
+    _validate_algorithm(cfg, explicit)
+    _validate_servers(cfg, explicit)
+    _validate_engines(cfg, explicit)
+    _validate_outputs(cfg, explicit)
+    _validate_scoped_keys(cfg, explicit)
+
+
+def _validate_sources(cfg: Config, explicit: set[str]) -> None:
+    """Where the model, prompts and rewards come from: the task pack, an agent, an environment or reward.fn."""
+    if cfg.rollout.agent is not None:
+        _validate_agent(cfg, explicit)
+    if cfg.rollout.turn_barrier and cfg.rollout.env is None:
+        raise UserError("rollout.turn_barrier: only used with rollout.env (multi-turn episodes)")
+    if cfg.rollout.env is not None and cfg.reward.fn is not None and "reward.fn" in explicit:
+        raise UserError("reward.fn: not used with rollout.env (an episode's reward is the sum of its environment's "
+                        "step rewards); remove one of them")
+    if cfg.task is None:
+        for key in ("model.path", "dataset.path", *(() if episodic(cfg) else ("reward.fn",))):
+            section, name = key.split(".")
+            if getattr(getattr(cfg, section), name) is None:
+                raise UserError(f"{key}: required when task is null (no task pack to supply it)")
+    if "model.task_seed" in explicit and (cfg.task is None or cfg.model.path is not None):
+        raise UserError("model.task_seed: not used with " + ("task null" if cfg.task is None else "model.path set")
+                        + " (it seeds the task pack's own base model)")
+    if cfg.rollout.env is not None and cfg.rollout.env not in ENV_NAMES and ":" not in cfg.rollout.env:
+        raise UserError(f"rollout.env: {cfg.rollout.env!r} is neither a built-in ({', '.join(ENV_NAMES)}) nor 'module:factory'")
+    if cfg.reward.fn is not None and ":" not in cfg.reward.fn:
+        raise UserError(f"reward.fn: {cfg.reward.fn!r} must be 'module:function' or 'path/to/file.py:function'")
+
+
+def _validate_outputs(cfg: Config, explicit: set[str]) -> None:
+    """Logging backends, early stopping and periodic checkpoints."""
+    # Accepted keys whose feature is not built yet are refused, never silently ignored.
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("logging.tensorboard: the tensorboard package is not installed (pip install tensorboard)")
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError("logging.wandb: the wandb package is not installed (pip install wandb)")
+    if "logging.wandb_project" in explicit and not cfg.logging.wandb:
+        raise UserError("logging.wandb_project: not used while logging.wandb is false")
+    if cfg.eval.patience > 0 and cfg.eval.every == 0:
+        raise UserError("eval.patience: needs eval.every > 0 (evaluations during training to watch)")
+    if "eval.min_delta" in explicit and cfg.eval.patience == 0:
+        raise UserError("eval.min_delta: not used while eval.patience is 0 (no early stop)")
+    if "checkpoint.keep" in explicit and cfg.checkpoint.every == 0:
+        raise UserError("checkpoint.keep: not used while checkpoint.every is 0 (no periodic checkpoints)")
+
+
+def _validate_scoped_keys(cfg: Config, explicit: set[str]) -> None:
+    """Keys only one runtime, rollout kind or feature reads are refused without it; and a Ray address
+    must be one Ray can join, and a Ray run on cuda must give its actors GPUs."""
+    if cfg.runtime.address is not None and cfg.runtime.kind == "local":
+        raise UserError("runtime.address: only used with runtime.kind=ray")
+    if cfg.runtime.address is not None:
+        _check_ray_address(cfg.runtime.address)
+    if cfg.runtime.kind == "local":
+        for key in _RAY_KEYS:
+            if f"runtime.{key}" in explicit:
+                raise UserError(f"runtime.{key}: only used with runtime.kind=ray (kind is local)")
+    if cfg.rollout.env is None:
+        for key in ("env_latency_s", "env_timeout_s"):
+            if f"rollout.{key}" in explicit:
+                raise UserError(f"rollout.{key}: only used with rollout.env (multi-turn environments)")
+    if episodic(cfg):  # an episode's reward comes from its environment or agent: no reward function runs
+        for key in ("timeout_s", "concurrency"):
+            if f"reward.{key}" in explicit:
+                raise UserError(f"reward.{key}: not used with rollout.env or rollout.agent (no reward function "
+                                "runs: an episode is scored by its environment or agent)")
+    if not episodic(cfg) and "rollout.max_turns" in explicit:
+        raise UserError("rollout.max_turns: only used with rollout.env or rollout.agent (multi-turn episodes)")
+    if cfg.rollout.agent is None and "rollout.agent_timeout_s" in explicit:
+        raise UserError("rollout.agent_timeout_s: only used with rollout.agent")
+    if not cfg.algorithm.filter_groups and "algorithm.filter_max_groups_per_step" in explicit:
+        raise UserError("algorithm.filter_max_groups_per_step: not used while algorithm.filter_groups is false")
+    if cfg.runtime.kind == "ray" and cfg.model.device == "cuda" and not (cfg.runtime.rollout_gpus and cfg.runtime.train_gpus):
+        raise UserError("model.device: cuda with runtime.kind=ray needs runtime.rollout_gpus and runtime.train_gpus "
+                        "above 0 (Ray shows an actor only the GPUs it was given)")
+
+
+def _check_ray_address(address: str) -> None:
+    """`auto`, HOST:PORT or ray://HOST:PORT (what `ray.init` joins); anything else was a traceback
+    from inside Ray (`foo`: ValueError), or a dashboard URL that Ray retried for minutes."""
+    if address.startswith(("http://", "https://")):
+        raise UserError(f"runtime.address: {address!r} is a web address (the dashboard's or job submission's?); "
+                        "give the head's HOST:PORT from `ray start --head` (port 6379 by default) or ray://HOST:PORT")
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if address != "auto" and not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise UserError(f"runtime.address: expected auto, HOST:PORT or ray://HOST:PORT, got {address!r}")
+
+
+ENV_NAMES = ("calculator", "guess_number")
+# runtime.* keys only the Ray runtime reads (placement of its actors)
+_RAY_KEYS = ("rollout_cpus", "rollout_gpus", "train_cpus", "train_gpus", "reward_workers", "reward_cpus",
+             "placement_strategy", "max_restarts")
+
+
+def _validate_agent(cfg: Config, explicit: set[str]) -> None:
+    """rollout.agent replaces both the environment and the reward function."""
+    agent = cfg.rollout.agent
+    assert agent is not None
+    if ":" not in agent:
+        raise UserError(f"rollout.agent: {agent!r} must be 'module:function'")
+    if cfg.rollout.env is not None:
+        raise UserError("rollout.agent: not used with rollout.env (the agent is its own environment); remove one of them")
+    if cfg.runtime.kind != "local":
+        raise UserError("rollout.agent: only with runtime.kind=local (the Ray rollout actors do not host agent "
+                        "endpoints yet)")
+    if cfg.reward.fn is not None and "reward.fn" in explicit:
+        raise UserError("reward.fn: not used with rollout.agent (an agent episode's reward is what the agent "
+                        "returns); remove one of them")
+
+
+_SERVER_KEYS = ("server_urls", "server_type", "server_model", "server_token_env", "sync_dir", "sync_timeout_s")
+
+
+def _validate_servers(cfg: Config, explicit: set[str]) -> None:
+    """rollout.engine=openai needs its servers; its keys are refused with any other engine."""
+    ro = cfg.rollout
+    if ro.engine != "openai":
+        for key in _SERVER_KEYS:
+            if f"rollout.{key}" in explicit:
+                raise UserError(f"rollout.{key}: only used with rollout.engine=openai (engine is {ro.engine})")
+        return
+    if not ro.server_urls:
+        raise UserError("rollout.server_urls: rollout.engine=openai needs at least one server URL (e.g. http://127.0.0.1:8000)")
+    for url in ro.server_urls:
+        if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
+            raise UserError(f"rollout.server_urls: {url!r} is not an http:// or https:// URL")
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018  (parsing it is the check: out of range or not a number raises)
+        except ValueError as exc:
+            raise UserError(f"rollout.server_urls: {url!r}: {exc}") from None
+        if not parts.hostname:
+            raise UserError(f"rollout.server_urls: {url!r} has no host")
+    if len(set(u.rstrip("/") for u in ro.server_urls)) != len(ro.server_urls):
+        raise UserError("rollout.server_urls: a server is listed twice")
+    if "rollout.workers" in explicit and ro.workers != len(ro.server_urls):
+        raise UserError(f"rollout.workers: {ro.workers} contradicts rollout.server_urls ({len(ro.server_urls)} servers, "
+                        "one rollout worker each); remove rollout.workers")
+    ro.workers = len(ro.server_urls)  # resolved: one rollout worker per server
+    if cfg.runtime.kind != "local":
+        raise UserError("rollout.engine: openai is only wired for runtime.kind=local (the servers are the parallel part)")
+    if ro.server_type == "vllm" and ro.sync_dir is None:
+        raise UserError("rollout.sync_dir: required with rollout.server_type=vllm (the folder the vLLM server was "
+                        "started from; vLLM reloads its weights in place)")
+
+
+def _validate_engines(cfg: Config, explicit: set[str]) -> None:
+    """Engine choices the chosen runtime and batch shape can honour (no heavy imports)."""
+    t = cfg.train
+    if t.engine != "fsdp":
+        for key in ("world_size", "worker_timeout_s"):
+            if f"train.{key}" in explicit:
+                raise UserError(f"train.{key}: only used with train.engine=fsdp (engine is {t.engine})")
+    else:
+        if cfg.runtime.kind != "local":
+            raise UserError("train.engine: fsdp runs only with runtime.kind=local in this version (the Ray "
+                            "trainer actor holds a plain torch engine)")
+        if t.batch_size % (t.world_size * t.mini_batches):
+            raise UserError(
+                f"train.world_size: batch_size={t.batch_size} is not divisible by world_size x mini_batches="
+                f"{t.world_size} x {t.mini_batches} (every rank takes an equal share of each optimizer step)"
+            )
+    if cfg.rollout.engine == "vllm":
+        if cfg.runtime.kind != "local":
+            raise UserError("rollout.engine: vllm runs only with runtime.kind=local in this version")
+        if importlib.util.find_spec("vllm") is None:
+            raise UserError("rollout.engine: vllm is not installed (pip install 'asyncflow[vllm]', needs a GPU); use hf")
+
+
+# algorithm.* keys each loss reads; a key set explicitly for a loss that does not read it is refused
+_LOSS_KEYS: dict[str, tuple[str, ...]] = {
+    "ppo": ("clip_low", "clip_high", "dual_clip"),
+    "decoupled_ppo": ("clip_low", "clip_high", "dual_clip", "is_level", "is_cap"),
+    "tis": ("is_level", "is_cap"),
+    "mis": ("is_level", "is_cap"),
+    "cispo": ("clip_low", "clip_high"),
+    "topr": (),
+    "gspo": ("clip_low", "clip_high"),
+    "reinforce": (),
+}
+
+
+def _validate_algorithm(cfg: Config, explicit: set[str]) -> None:
+    a = cfg.algorithm
+    if a.loss == "gspo" and "algorithm.agg" not in explicit:
+        a.agg = "seq_mean_token_mean"  # GSPO's own aggregation (a mean over sequences), unless asked otherwise
+    used = _LOSS_KEYS[a.loss]
+    for key in ("clip_low", "clip_high", "dual_clip", "is_level", "is_cap"):
+        if f"algorithm.{key}" in explicit and key not in used:
+            users = ", ".join(loss for loss, keys in _LOSS_KEYS.items() if key in keys)
+            raise UserError(f"algorithm.{key}: not used by algorithm.loss={a.loss} (used by: {users}); remove it")
+    if 0 < a.dual_clip <= 1:
+        raise UserError(f"algorithm.dual_clip: {a.dual_clip} must be 0 (off) or > 1")
+    if a.loss == "mis" and a.is_cap <= 1:
+        raise UserError(f"algorithm.is_cap: {a.is_cap:g} with algorithm.loss=mis keeps only weights of exactly 1 "
+                        "(the window is [1/cap, cap]): any engine/trainer difference masks every token; use a cap > 1")
+    if "algorithm.kl_estimator" in explicit and a.kl_coef == 0:
+        raise UserError("algorithm.kl_estimator: not used while algorithm.kl_coef is 0 (no KL term); set kl_coef > 0")
+    if a.norm_length is not None and a.agg != "dr_grpo":
+        raise UserError(f"algorithm.norm_length: only used with algorithm.agg=dr_grpo (agg is {a.agg})")
+    if "algorithm.overlong_penalty" in explicit and a.overlong_buffer == 0:
+        raise UserError("algorithm.overlong_penalty: not used while algorithm.overlong_buffer is 0; set a buffer")
+    if a.overlong_buffer >= max_generated_tokens(cfg):
+        raise UserError(
+            f"algorithm.overlong_buffer: {a.overlong_buffer} must be below the response length limit "
+            f"({max_generated_tokens(cfg)} tokens)"
+        )
+    if (cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0) and a.loss != "reinforce":
+        key = "rollout.top_p" if cfg.rollout.top_p < 1.0 else "rollout.top_k"
+        raise UserError(
+            f"{key}: truncated sampling with algorithm.loss={a.loss} is refused: the behavior log-probs would be "
+            "those of the truncated distribution, which the loss's importance ratios cannot use; use top_p=1 and "
+            "top_k=0, or algorithm.loss=reinforce"
+        )
+    if cfg.rollout.n == 1 and a.advantage in ("grpo", "dr_grpo", "rloo"):
+        raise UserError(f"rollout.n: group advantages (algorithm.advantage={a.advantage}) need n >= 2")
