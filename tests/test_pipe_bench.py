@@ -201,11 +201,11 @@ def test_gc_threshold_holds_for_the_run_and_is_restored(tmp_path) -> None:
 
 
 def test_child_tasks_first_error_stops_their_stage_loop() -> None:
-    """`_Children`: the first child that fails cancels the loop, which ends with that error (not a bare
+    """`Children`: the first child that fails cancels the loop, which ends with that error (not a bare
     cancellation); later failures are not raised over it; the other children are cancelled."""
     import asyncio
 
-    from asyncflow.workflow.pipeline import _Children
+    from asyncflow.workflow.flight import Children
 
     ended: list[str] = []
 
@@ -219,7 +219,7 @@ def test_child_tasks_first_error_stops_their_stage_loop() -> None:
             raise error
 
     async def loop() -> None:
-        kids = _Children()
+        kids = Children()
         released: list[int] = []
         kids.spawn(child("first", 0.01, ValueError("first failure")), lambda t: released.append(1))
         kids.spawn(child("second", 0.02, KeyError("second failure")))
@@ -247,7 +247,7 @@ def test_a_failing_on_done_does_not_hide_the_childs_error() -> None:
     error still stops the loop, and the child leaves the set."""
     import asyncio
 
-    from asyncflow.workflow.pipeline import _Children
+    from asyncflow.workflow.flight import Children
 
     def broken(task: asyncio.Task[None]) -> None:
         raise RuntimeError("on_done failed")
@@ -255,8 +255,8 @@ def test_a_failing_on_done_does_not_hide_the_childs_error() -> None:
     async def failing() -> None:
         raise ValueError("the child's error")
 
-    async def loop() -> _Children:
-        kids = _Children()
+    async def loop() -> Children:
+        kids = Children()
         kids.spawn(failing(), broken)
         try:
             await asyncio.sleep(30)

@@ -1,0 +1,63 @@
+"""Training batches from store samples: the fields the trainer takes, the padded batch, and the
+group helpers (whole groups, equal rewards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from asyncflow.engines.base import TrainBatch
+from asyncflow.transfer_queue import SampleView
+
+TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "behavior_version", "reward_error",
+                "row", "finish_reason", "reward", "loss_mask", "turns", "ref_logprobs", "agent_calls", "agent_calls_dropped")
+
+
+def build_train_batch(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    behavior: list[list[float]],
+    advantages: torch.Tensor,
+    valid: list[bool],
+    pad_token_id: int,
+    loss_masks: Sequence[Sequence[int] | None] | None = None,
+) -> TrainBatch:
+    """Right-padded prompt+response rows; the mask marks response tokens (EOS included) of valid rows,
+    and of those only the generated ones where `loss_masks` (multi-turn episodes) says so."""
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    width = max(lengths)
+    b = len(prompts)
+    ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    mask = torch.zeros((b, width - 1), dtype=torch.float32)
+    blp = torch.zeros((b, width - 1), dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, behavior, strict=True)):
+        ids[i, : lengths[i]] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        attn[i, : lengths[i]] = 1
+        start = len(p) - 1  # logits at position t predict token t+1
+        if valid[i]:
+            lm = None if loss_masks is None else loss_masks[i]
+            mask[i, start : start + len(r)] = 1.0 if lm is None else torch.tensor(list(lm), dtype=torch.float32)
+        blp[i, start : start + len(r)] = torch.tensor(list(lp), dtype=torch.float32)
+    return TrainBatch(ids, attn, mask, advantages, blp)
+
+
+def generated_count(sample: SampleView) -> int:
+    """Tokens the policy generated for a sample (an episode's environment tokens excluded)."""
+    mask = sample.fields.get("loss_mask")
+    return int(sum(mask)) if mask is not None else len(sample.fields["response_ids"])
+
+
+def all_equal(group: list[SampleView]) -> bool:
+    """True when every scored sample of the group has the same reward (and there are >= 2)."""
+    rewards = [s.fields["reward"] for s in group if s.fields["reward_error"] is None]
+    return len(rewards) >= 2 and all(r == rewards[0] for r in rewards)
+
+
+def by_group(samples: list[SampleView]) -> list[list[SampleView]]:
+    groups: dict[int, list[SampleView]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    return list(groups.values())

@@ -1,0 +1,290 @@
+"""The trainer stage: takes `batch_size / n` whole groups within the staleness bound, computes
+advantages, log-probs and the loss, steps the optimizer and publishes the new weights to every engine.
+It waits for enough rewarded groups; a publication frees the feeder's credit for the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncflow.algorithms.advantages import overlong_penalty
+from asyncflow.config import max_generated_tokens
+from asyncflow.engines.base import TrainBatch
+from asyncflow.errors import WaitTimeout
+from asyncflow.transfer_queue import Lease, SampleView
+from asyncflow.workflow.batch import TRAIN_FIELDS, all_equal, build_train_batch, by_group, generated_count
+from asyncflow.workflow.stage_base import CANCELLED, Counters, StageBase, StepResult
+
+
+class TrainerStage(StageBase):
+    """The trainer loop: batches, steps, publications."""
+
+    def restore_trainer(self, step: int, version: int, counters: dict[str, Any], elapsed_s: float) -> None:
+        """Resume the trainer loop after `step` (weights at `version` are loaded by the caller)."""
+        self.first_step = step + 1
+        self.last_step = step
+        self.version = version
+        # the fail-fast rule is about this process's first calls: restored counts (all past the limit)
+        # turned it off, and a resumed run whose reward function always fails ran on, logging errors
+        self.counters = Counters(**{**counters, "reward_calls": 0, "reward_call_failures": 0, "episodes": 0,
+                                    "episode_failures": 0})
+        self.t_start = self.clock.now() - elapsed_s
+        self._last_row_time = self.clock.now()
+        self._last_busy = (0.0, self.counters.train_busy_s)  # (engines are new: their busy time starts at 0)
+
+    def stop_early(self) -> None:
+        """End the run after the step being trained (`eval.patience`: the eval curve has flattened)."""
+        self._stop_early = True
+
+    async def trainer_loop(self) -> None:
+        """Assemble batches of whole groups within the staleness bound, train, publish; until
+        `train.max_steps`, or the step after `stop_early()` was called."""
+        for step in range(self.first_step, self.cfg.train.max_steps + 1):
+            groups, leases = await self._collect_batch()
+            result = await self._train_on(step, groups)
+            for lease in leases:
+                self.keeper.drop(lease)
+                if not self.store.ack(lease, remove=True):  # (kept alive by the keeper: should not happen)
+                    self.store.remove([s.uid for s in (*lease.samples, *lease.expired)])  # never train them again
+            self.last_step = step
+            if self.on_step is not None:
+                await self.on_step(result)
+            if self._stop_early:
+                break
+
+    async def _collect_batch(self) -> tuple[list[list[SampleView]], list[Lease]]:
+        groups: list[list[SampleView]] = []
+        leases: list[Lease] = []
+        have = 0
+        filtered = 0
+        failed = 0  # groups whose every reward call failed, in this batch's wait
+        start = self.clock.now()
+        # one deadline for the whole batch, not per take: while every group fails (a verifier that went
+        # down after the run's first calls) each take succeeds, and the batch never filled nor ended
+        limit = self.cfg.workflow.step_timeout_s
+        while len(groups) < self.groups_per_step:
+            left = start + limit - self.clock.now()
+            try:
+                if left <= 0:
+                    raise WaitTimeout("the batch's deadline passed")
+                lease = await self.store.take(
+                    "train",
+                    max(self.n, self.cfg.train.batch_size - have),
+                    timeout=left,
+                    min_version=self.gate.min_version(self.version),
+                    fields_extra=TRAIN_FIELDS,
+                )
+            except WaitTimeout:  # name the setting that bounds this wait, and what the wait saw
+                raise WaitTimeout(
+                    f"timed out after {limit:g} s waiting for a training batch from stage 'train': {len(groups)} of "
+                    f"{self.groups_per_step} groups; meanwhile {failed} groups failed every reward call and "
+                    f"{filtered} were filtered (workflow.step_timeout_s: the trainer's wait for a batch)") from None
+            self.keeper.hold(lease)
+            self._drop_stale(lease)
+            for group in by_group(lease.samples):
+                if any(s.fields.get("finish_reason") == "cancelled" for s in group):
+                    self._drop_groups(group, "dropped with its group: a sample of the group was cancelled")
+                    continue
+                if all(s.fields["reward_error"] is not None for s in group):
+                    failed += 1
+                    self.counters.reward_errors += len(group)
+                    self._log_samples([(s, None, "reward_error", s.fields["reward_error"]) for s in group])
+                    self._discard(group)
+                    continue
+                if self.cfg.algorithm.filter_groups and all_equal(group):
+                    if filtered < self._filter_budget:
+                        filtered += 1
+                        msg = "filtered: all rewards in the group are equal (DAPO dynamic sampling, before over-long shaping)"
+                        # a sample whose reward failed (an episode's environment) keeps its own status and error
+                        logged: list[tuple[SampleView, int | None, str, str | None]] = [
+                            (s, None, "filtered", msg) if s.fields["reward_error"] is None
+                            else (s, None, "reward_error", s.fields["reward_error"]) for s in group]
+                        failures = sum(1 for item in logged if item[2] == "reward_error")
+                        self.counters.filtered += len(group) - failures
+                        self.counters.reward_errors += failures
+                        self._log_samples(logged)
+                        self._discard(group)
+                        continue
+                    self.counters.filter_overflow += 1
+                groups.append(group)
+                have += len(group)
+            leases.append(lease)
+        self.tracer.span("trainer", "wait for batch", start, self.clock.now())
+        return groups, leases
+
+    def _drop_stale(self, lease: Lease) -> None:
+        """Drop groups below the version floor, freeing their admission slots. A sample whose
+        generation was cancelled is logged as `cancelled`, the rest of its group as `dropped_stale`."""
+        if not lease.expired:
+            return
+        self._drop_groups(lease.expired, f"older than max_staleness={self.k} at trainer version {self.version}")
+
+    def _drop_groups(self, samples: list[SampleView], msg: str) -> None:
+        """Log whole groups as never trained (`cancelled` samples as such, the rest `dropped_stale`)
+        and free their admission slots."""
+        logged: list[tuple[SampleView, int | None, str, str | None]] = []
+        for s in samples:
+            if s.fields.get("finish_reason") == "cancelled":
+                self.counters.cancelled += 1
+                logged.append((s, None, "cancelled", CANCELLED))
+            else:
+                self.counters.dropped_stale += 1
+                logged.append((s, None, "dropped_stale", msg))
+        self._log_samples(logged)
+        self._discard(samples)
+
+    def _discard(self, samples: list[SampleView]) -> None:
+        """Remove groups the trainer will not train from the store at once (their lease's ack skips
+        them) and free their admission slots. Freeing the slot while the group still took store room
+        until the step's ack let a dynamic-sampling filter fill the store with groups it had dropped:
+        the feeder then blocked on a full store and the trainer waited for groups never admitted."""
+        self.store.remove([s.uid for s in samples])
+        self.gate.drop(len({s.group_id for s in samples}))
+
+    async def _train_on(self, step: int, groups: list[list[SampleView]]) -> StepResult:
+        samples = [s for g in groups for s in g]
+        valid: list[bool] = []
+        rewards: list[float] = []
+        reward_sum = 0.0
+        # one pass over the batch for what the optimizer reads, one after it for the log and the
+        # step's metrics (each pass costs ~0.1 us a sample)
+        for s in samples:
+            f = s.fields
+            ok = f["reward_error"] is None
+            r = float(f["reward"]) if ok else 0.0
+            valid.append(ok)
+            rewards.append(r)
+            reward_sum += r
+        t0 = self.clock.now()
+        with self.tracer.timed("trainer", f"train step {step}", samples=len(samples)):
+            metrics, tokens = await self._optimize(samples, valid, rewards)
+        self.counters.train_busy_s += self.clock.now() - t0
+        sync_s = await self._publish()
+        trained_version = self.version - 1
+        staleness: list[int] = []
+        logged: list[tuple[SampleView, int | None, str, str | None]] = []
+        length = 0
+        for s, ok in zip(samples, valid, strict=True):
+            f = s.fields
+            length += len(f["response_ids"])
+            if ok:
+                staleness.append(trained_version - f["behavior_version"])
+                logged.append((s, trained_version, "trained", None))
+            else:
+                logged.append((s, None, "reward_error", f["reward_error"]))
+        # (a reward_error sample trains with reward 0 masked out: it is logged with none)
+        self._log_samples(logged, rewards=[r if ok else None for r, ok in zip(rewards, valid, strict=True)])
+        n_valid = len(staleness)
+        self.counters.trained += n_valid
+        self.counters.reward_errors += len(samples) - n_valid
+        self.counters.tokens += tokens
+        metrics.update(
+            reward_mean=reward_sum / max(n_valid, 1),
+            staleness_mean=sum(staleness) / max(n_valid, 1),
+            staleness_max=float(max(staleness, default=0)),
+            weight_sync_s=sync_s,
+            response_len_mean=length / len(samples),
+        )
+        return StepResult(step, self.version, metrics)
+
+    async def _optimize(self, samples: list[SampleView], valid: list[bool], rewards: list[float]) -> tuple[dict[str, Any], int]:
+        """Advantages, the padded batch and the optimizer steps (in a worker thread); returns the
+        train metrics and the number of trained tokens. PIPE's simulated trainer replaces this."""
+        batch, extra = self._make_batch(samples, valid, rewards)
+        metrics = await asyncio.to_thread(self._compute_step, batch, self.cfg.rollout.temperature, samples)
+        metrics.update(extra)
+        return metrics, int(batch.response_mask.sum())
+
+    def _make_batch(
+        self, samples: list[SampleView], valid: list[bool], rewards: list[float]
+    ) -> tuple[TrainBatch, dict[str, Any]]:
+        """The padded batch: rewards (plus the over-long penalty, if on) -> advantages over the whole
+        batch; reference log-probs from the samples' `ref_logprobs` field (the reference stage)."""
+        valid_t = torch.tensor(valid)
+        reward_t = torch.tensor(rewards, dtype=torch.float32)
+        algo = self.cfg.algorithm
+        extra: dict[str, Any] = {}
+        if algo.overlong_buffer > 0:
+            lengths = torch.tensor([generated_count(s) for s in samples])
+            penalty = overlong_penalty(lengths, max_generated_tokens(self.cfg), algo.overlong_buffer,
+                                       algo.overlong_penalty)
+            reward_t = reward_t + torch.where(valid_t, penalty, torch.zeros_like(penalty))
+            extra["overlong_penalty_mean"] = float(penalty[valid_t].mean()) if any(valid) else 0.0
+        adv = self.advantage_fn(reward_t, torch.tensor([s.group_id for s in samples]), valid_t)
+        batch = build_train_batch(
+            [s.fields["prompt_ids"] for s in samples],
+            [s.fields["response_ids"] for s in samples],
+            [s.fields["behavior_logprobs"] for s in samples],
+            adv,
+            valid,
+            self.tok.pad_token_id,
+            [s.fields.get("loss_mask") for s in samples],
+        )
+        if self.ref_logprobs is not None:
+            ref = torch.zeros_like(batch.behavior_logprobs)
+            for i, s in enumerate(samples):
+                start = len(s.fields["prompt_ids"]) - 1
+                values = s.fields["ref_logprobs"]
+                ref[i, start : start + len(values)] = torch.tensor(values, dtype=ref.dtype)
+            batch.ref_logprobs = ref
+        return batch, extra
+
+    def _compute_step(self, batch: TrainBatch, temperature: float, samples: list[SampleView]) -> dict[str, Any]:
+        """Runs in a worker thread: the optimizer steps, plus train/inference mismatch diagnostics.
+
+        `mismatch_kl` compares behavior log-probs with the trainer's, on the tokens that the
+        trainer's own version generated (elsewhere the two policies differ by design). It needs
+        one extra forward pass, so it is computed only when the batch holds such tokens.
+        """
+        same = torch.zeros_like(batch.response_mask)
+        for i, s in enumerate(samples):
+            versions = s.fields["token_versions"]
+            p = len(s.fields["prompt_ids"])
+            # (one array comparison: a Python loop per token held the GIL ~0.4 us a token, every step)
+            ids = np.fromiter(versions, dtype=np.int64, count=len(versions))
+            same[i, p - 1 : p - 1 + len(versions)] = torch.from_numpy(ids == self.version)
+        same = same * batch.response_mask
+        n = float(same.sum())
+        # the trainer's log-probs before this step's first optimizer step: the proximal policy of
+        # decoupled PPO, and the trainer side of mismatch_kl
+        current = self.trainer.logprobs(batch, temperature) if n or self.needs_proximal else None
+        if self.needs_proximal:
+            batch.proximal_logprobs = current
+        metrics: dict[str, Any] = dict(self.trainer.train_step(batch, self.loss_fn, temperature))
+        # None (null in metrics.jsonl) when no token of the batch came from the trainer's own version
+        metrics["mismatch_kl"] = None
+        if current is not None and n:
+            d = (current - batch.behavior_logprobs) * same
+            metrics["mismatch_kl"] = float((torch.exp(d) - d - 1).mul(same).sum() / n)
+        return metrics
+
+    async def _publish(self) -> float:
+        """Version v -> v+1: export weights and load them into every engine."""
+        start = self.clock.now()
+        # in a worker thread, as the train step is: a full copy of the weights (an FSDP gather) held the
+        # event loop for it, stalling rollout callbacks, new requests and evaluation (0.7 s at 156M
+        # parameters on CPU); the trainer is idle meanwhile (the step is done, the next waits for this)
+        state = await asyncio.to_thread(self.trainer.export_weights)
+        new_version = self.version + 1
+        # requests that the new version's floor drops are cancelled before the load, not after it:
+        # a `drain` load waits for what is running, and at max_staleness 0 (sync) everything running
+        # is below the floor, so redundant stragglers were waited for, then dropped (none cancelled)
+        floor = self.gate.min_version(new_version)
+        for e in self.engines:
+            e.cancel_older_than(floor)
+        await self.clock.wait_for(
+            asyncio.gather(*(e.load_weights(state, new_version, self.cfg.workflow.weight_update) for e in self.engines)),
+            self.cfg.workflow.step_timeout_s,
+            f"weight sync of version {new_version}",
+        )
+        self.version = new_version
+        self.gate.publish(new_version)
+        self.floor = floor
+        for e in self.engines:  # (again: what started meanwhile from the old version, or an abort put back)
+            e.cancel_older_than(floor)
+        self.tracer.span("weight sync", f"v{new_version}", start, self.clock.now())
+        return self.clock.now() - start
