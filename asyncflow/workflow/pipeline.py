@@ -111,43 +111,25 @@ class Pipeline(FeederStage, RolloutStage, RewardStage, TrainerStage):
         self.k = cfg.staleness
         # `gate`: the feeder's gate when the feeder runs elsewhere (a Ray actor); see RemoteGate
         extra = math.ceil(cfg.workflow.redundancy * self.groups_per_step)
-        self.gate = gate if gate is not None else StalenessGate(
-            self.groups_per_step, self.k, cfg.train.max_steps, clock, extra=extra
-        )
+        self.gate = gate if gate is not None else StalenessGate(self.groups_per_step, self.k, cfg.train.max_steps,
+                                                                clock, extra=extra)
         # a store of its own (none given) ends with the run: see `run`
-        self._own_store: TransferQueue | None = None
-        if store is None:
-            store = self._own_store = TransferQueue(
-                capacity=store_capacity(cfg), lease_timeout_s=cfg.workflow.lease_timeout_s, clock=clock
-            )
-        self.store: StoreClient = store
-        self.keeper = LeaseKeeper(store, clock, cfg.workflow.lease_timeout_s)
+        self._own_store: TransferQueue | None = None if store is not None else TransferQueue(
+            capacity=store_capacity(cfg), lease_timeout_s=cfg.workflow.lease_timeout_s, clock=clock)
+        self.store: StoreClient = store if store is not None else self._own_store  # type: ignore[assignment]
+        self.keeper = LeaseKeeper(self.store, clock, cfg.workflow.lease_timeout_s)
         # the staleness floor the engines were last told (`cancel_older_than`): episodes older than
         # it end before their next turn
         self.floor: float = -math.inf
-        # queue scheduling: one "rollout" stage every worker pulls from, or with affinity a stage per
-        # worker, whose samples carry that worker's routing field (per-field readiness does the routing)
-        self.rollout_stages = [f"rollout/{i}" for i in range(cfg.rollout.workers)] if cfg.rollout.affinity else ["rollout"]
-        for i, stage in enumerate(self.rollout_stages):
-            self.store.register_stage(stage, ["prompt_ids", f"to/{i}"] if cfg.rollout.affinity else ["prompt_ids"])
         self.env_factory: Callable[[Clock], Any] | None = env_factory
         if env_factory is None and cfg.rollout.env is not None:
             from asyncflow.envs import make_env_factory
 
             self.env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s,
                                                 max_turns=cfg.rollout.max_turns)
-        self.agent: AgentFn | None = None
-        if cfg.rollout.agent is not None:
-            self.agent = load_agent(cfg.rollout.agent)
+        self.agent: AgentFn | None = None if cfg.rollout.agent is None else load_agent(cfg.rollout.agent)
         self.episodic = self.env_factory is not None or self.agent is not None
-        if not self.episodic:  # multi-turn episodes carry their environment's (or agent's) reward: no reward stage
-            self.store.register_stage("reward", ["response_ids"], groups=True)
-        # reference log-probs (KL to the frozen initial policy) are a stage of their own: computed as
-        # responses arrive, off the trainer's critical path; the trainer then needs that field too
-        if ref_logprobs is not None:
-            self.store.register_stage("reference", ["response_ids"])
-        self.store.register_stage("train", ["reward", "ref_logprobs"] if ref_logprobs is not None else ["reward"],
-                                  groups=True)
+        self._register_stages()
         self.advantage_fn = make_advantage_fn(cfg.algorithm.advantage)
         self.needs_proximal = cfg.algorithm.loss in NEEDS_PROXIMAL
         self.counters = Counters()
@@ -163,6 +145,23 @@ class Pipeline(FeederStage, RolloutStage, RewardStage, TrainerStage):
         self.final_accounting: dict[str, int] = {}
         self.max_context: int | None = None  # the model's positions, for multi-turn episodes (set by the runner)
         self._filter_budget = cfg.algorithm.filter_max_groups_per_step or 4 * self.groups_per_step
+
+    def _register_stages(self) -> None:
+        """Each stage's readiness rule: the fields a sample needs before that stage may take it."""
+        cfg, store = self.cfg, self.store
+        # queue scheduling: one "rollout" stage every worker pulls from, or with affinity a stage per
+        # worker, whose samples carry that worker's routing field (per-field readiness does the routing)
+        self.rollout_stages = [f"rollout/{i}" for i in range(cfg.rollout.workers)] if cfg.rollout.affinity else ["rollout"]
+        for i, stage in enumerate(self.rollout_stages):
+            store.register_stage(stage, ["prompt_ids", f"to/{i}"] if cfg.rollout.affinity else ["prompt_ids"])
+        if not self.episodic:  # multi-turn episodes carry their environment's (or agent's) reward: no reward stage
+            store.register_stage("reward", ["response_ids"], groups=True)
+        # reference log-probs (KL to the frozen initial policy) are a stage of their own: computed as
+        # responses arrive, off the trainer's critical path; the trainer then needs that field too
+        if self.ref_logprobs is not None:
+            store.register_stage("reference", ["response_ids"])
+        store.register_stage("train", ["reward", "ref_logprobs"] if self.ref_logprobs is not None else ["reward"],
+                             groups=True)
 
     def accounting(self) -> dict[str, int]:
         """Where every admitted sample went: logged to samples.jsonl (trained, or why not) or still in

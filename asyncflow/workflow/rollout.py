@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import Any
 
 from asyncflow.clock import run_guarded
@@ -40,21 +41,22 @@ def response_fields(res: GenResult) -> tuple[dict[str, Any], int]:
     }, version
 
 
+def _held(deadlines: dict[asyncio.Future[Any], tuple[float, int, Lease]]) -> list[Lease]:
+    """The leases of the single-turn requests in flight."""
+    return [entry[2] for entry in deadlines.values()]
+
+
 class RolloutStage(StageBase):
     """The rollout worker loop (single requests, episodes, turn barriers)."""
 
     async def rollout_worker(self, index: int, engine: InferenceEngine) -> None:
         """Keep up to twice the engine's batch slots in flight, taking all free slots' worth in one
-        store call (one lease each); write each response the moment it ends. The extra half waits
-        in the engine's own queue, so a batch slot that frees is refilled at the next decode step
-        instead of after a store round trip (measured: local sync 253-308 -> 320-327 samples/s).
-
-        A single-turn request is no task of its own: it is started on the engine (`start_generate`) and
-        written to the store in a callback on its result future (a task per request cost two extra
-        event-loop callbacks and a task step each way). With the in-process store that callback
-        also refills the slot at once (`complete_and_take`); only when nothing is ready does it wake
-        this worker, which then waits in the store. With an environment, each taken sample is a
-        whole episode (its own task)."""
+        store call (one lease each); the extra half waits in the engine's queue, so a freed slot is
+        refilled at the next decode step, not after a store round trip. A single-turn request is no
+        task of its own: started on the engine (`start_generate`), it is written in a callback on its
+        result future, which with the in-process store also refills the slot (`complete_and_take`)
+        and wakes this worker only when nothing is ready. With an environment or an agent, each
+        taken sample is a whole episode (its own task)."""
         track = f"rollout/{index}"
         if self.cfg.rollout.turn_barrier:
             await self._barrier_batches(index, engine, track)
@@ -71,9 +73,7 @@ class RolloutStage(StageBase):
         ro = self.cfg.rollout
         # in process: a finished request's write and its slot's next sample in one store call
         fused = getattr(self.store, "complete_and_take", None) if not self.episodic else None
-
         fail = episodes.fail  # a request failed or timed out: stop this worker with its error
-
         sampling = (ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k)
         now, timeout_s = self.clock.now, ro.request_timeout_s
 
@@ -106,25 +106,14 @@ class RolloutStage(StageBase):
             finally:
                 flight.release()
 
-        proxy = None
-        if self.agent is not None:  # this worker's recording endpoint for its agent episodes
-            proxy = AgentProxy()
-            await proxy.start()
+        proxy = await self._agent_proxy()
         watchdog = asyncio.create_task(self._watch(deadlines, expired))
-
-        def in_flight() -> list[Lease]:  # (request_timeout_s may exceed lease_timeout_s)
-            return [entry[2] for entry in deadlines.values()]
-
+        in_flight = functools.partial(_held, deadlines)  # renewed too: request_timeout_s may exceed lease_timeout_s
         self.keeper.watch(in_flight)
         try:
             while True:
-                free = await flight.free()
-                try:
-                    leases = await self.store.take_each(stage, free, timeout=self.cfg.workflow.step_timeout_s,
-                                                        fields_extra=extra)
-                except WaitTimeout:
-                    continue  # nothing admitted for a while: normal while the trainer catches up
-                except QueueClosed:
+                leases = await self._take_rollouts(stage, await flight.free(), extra)
+                if leases is None:
                     return
                 for lease in leases:
                     if not self.episodic:
@@ -138,16 +127,38 @@ class RolloutStage(StageBase):
         finally:
             watchdog.cancel()
             self.keeper.unwatch(in_flight)
-            episodes.cancel_all()
-            for f in list(deadlines):
-                f.cancel()
-            if episodes.tasks and self.env_factory is not None and self.agent is None:
-                # each cancelled episode closes its environment (`run_guarded` gives it env_timeout_s):
-                # waited for here, within the stages' stop bound, or asyncio.run's teardown cut it
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait(list(episodes.tasks), timeout=self.cfg.rollout.env_timeout_s + 1.0)
-            if proxy is not None:
-                await proxy.close()
+            await self._stop_requests(episodes, deadlines, proxy)
+
+    async def _agent_proxy(self) -> AgentProxy | None:
+        """This worker's recording endpoint for its agent episodes (None without `rollout.agent`)."""
+        if self.agent is None:
+            return None
+        proxy = AgentProxy()
+        await proxy.start()
+        return proxy
+
+    async def _take_rollouts(self, stage: str, free: int, extra: tuple[str, ...]) -> list[Lease] | None:
+        """Up to `free` samples of `stage`, one lease each; [] after a quiet wait, None once the store closed."""
+        try:
+            return await self.store.take_each(stage, free, timeout=self.cfg.workflow.step_timeout_s, fields_extra=extra)
+        except WaitTimeout:
+            return []  # nothing admitted for a while: normal while the trainer catches up
+        except QueueClosed:
+            return None
+
+    async def _stop_requests(self, episodes: Children, deadlines: dict[asyncio.Future[Any], Any],
+                             proxy: AgentProxy | None) -> None:
+        """End a stopping worker's episodes and requests, and its agent endpoint."""
+        episodes.cancel_all()
+        for f in list(deadlines):
+            f.cancel()
+        if episodes.tasks and self.env_factory is not None and self.agent is None:
+            # each cancelled episode closes its environment (`run_guarded` gives it env_timeout_s):
+            # waited for here, within the stages' stop bound, or asyncio.run's teardown cut it
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait(list(episodes.tasks), timeout=self.cfg.rollout.env_timeout_s + 1.0)
+        if proxy is not None:
+            await proxy.close()
 
     def _rollout_stage(self, index: int) -> str:
         return self.rollout_stages[index] if self.cfg.rollout.affinity else "rollout"
