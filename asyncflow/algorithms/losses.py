@@ -188,34 +188,39 @@ def policy_loss(
     # current vs behavior, 0 off the mask; clamped (as verl does) so exp never overflows: past e^20 a
     # ratio's clip or cap has long taken over, but exp(89) is inf and the clipped branch's gradient NaN
     log_r = ((logprobs - behavior_logprobs) * mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    per_token, metrics = _objective(s, logprobs, behavior_logprobs, proximal_logprobs, log_r, adv, mask, t)
+    loss = aggregate(per_token, mask, norm, s.agg, s.norm_length)
+    metrics["pg_loss"] = loss.detach()
+    if ref_logprobs is not None and s.kl_coef > 0:
+        # masked before the estimate: k3's exp(-d) at a prompt or padding position could be inf, and
+        # inf x 0 (the mask) is NaN in the loss and its gradient
+        kl = kl_estimate(logprobs * mask, ref_logprobs * mask, s.kl_estimator)
+        loss = loss + s.kl_coef * aggregate(kl, mask, norm, s.agg, s.norm_length)  # aggregation is linear
+        metrics["kl"] = (kl.detach() * mask).sum() / t
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def _objective(
+    s: LossSettings,
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor | None,
+    log_r: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    t: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`policy_loss`'s per-token objective (to minimise) for `s.loss`, and its metrics; `log_r` is the
+    clamped, masked log ratio to the behavior policy, `t` the mini-batch's token count (at least 1)."""
     metrics: dict[str, torch.Tensor] = {}
     if s.loss == "ppo":
         ratio = torch.exp(log_r)
         per_token, metrics = _clip_objective(ratio, adv, s, mask, t)
         metrics.update(_masked_stats("ratio", ratio, mask, t))
     elif s.loss == "decoupled_ppo":
-        if proximal_logprobs is None:
-            raise ValueError("decoupled_ppo needs proximal log-probs (TrainBatch.proximal_logprobs)")
-        ratio = torch.exp(((logprobs - proximal_logprobs) * mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-        per_token, metrics = _clip_objective(ratio, adv, s, mask, t)
-        log_w = log_is_weight((proximal_logprobs - behavior_logprobs) * mask, mask, s.is_level)
-        raw = torch.exp(log_w)
-        w = raw.clamp(max=s.is_cap)
-        per_token = w.detach() * per_token
-        metrics.update(_masked_stats("ratio", ratio, mask, t))
-        metrics.update(_masked_stats("is_weight", w, mask, t))
-        metrics["is_trunc_frac"] = ((raw > s.is_cap).to(mask.dtype) * mask).sum() / t
+        per_token, metrics = _decoupled_ppo(s, logprobs, behavior_logprobs, proximal_logprobs, adv, mask, t)
     elif s.loss in ("tis", "mis"):
-        raw = torch.exp(log_is_weight(log_r, mask, s.is_level))
-        if s.loss == "tis":
-            w = raw.clamp(max=s.is_cap)
-            metrics["is_trunc_frac"] = ((raw > s.is_cap).to(mask.dtype) * mask).sum() / t
-        else:
-            keep = (raw <= s.is_cap) & (raw >= 1.0 / s.is_cap)
-            w = torch.where(keep, raw, torch.zeros_like(raw))
-            metrics["is_mask_frac"] = ((~keep).to(mask.dtype) * mask).sum() / t
-        per_token = -w.detach() * adv * logprobs
-        metrics.update(_masked_stats("is_weight", w, mask, t))
+        per_token, metrics = _is_weighted(s, logprobs, log_r, adv, mask, t)
     elif s.loss == "cispo":
         ratio = torch.exp(log_r)
         w = ratio.clamp(1 - s.clip_low, 1 + s.clip_high)
@@ -237,15 +242,49 @@ def policy_loss(
         per_token = -adv * logprobs
     else:
         raise ValueError(f"unknown policy loss {s.loss!r}; known: {', '.join(LOSS_NAMES)}")
-    loss = aggregate(per_token, mask, norm, s.agg, s.norm_length)
-    metrics["pg_loss"] = loss.detach()
-    if ref_logprobs is not None and s.kl_coef > 0:
-        # masked before the estimate: k3's exp(-d) at a prompt or padding position could be inf, and
-        # inf x 0 (the mask) is NaN in the loss and its gradient
-        kl = kl_estimate(logprobs * mask, ref_logprobs * mask, s.kl_estimator)
-        loss = loss + s.kl_coef * aggregate(kl, mask, norm, s.agg, s.norm_length)  # aggregation is linear
-        metrics["kl"] = (kl.detach() * mask).sum() / t
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    return per_token, metrics
+
+
+def _decoupled_ppo(
+    s: LossSettings,
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor | None,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    t: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clip against the proximal policy, weighted by the capped proximal / behavior IS weight."""
+    if proximal_logprobs is None:
+        raise ValueError("decoupled_ppo needs proximal log-probs (TrainBatch.proximal_logprobs)")
+    ratio = torch.exp(((logprobs - proximal_logprobs) * mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    per_token, metrics = _clip_objective(ratio, adv, s, mask, t)
+    log_w = log_is_weight((proximal_logprobs - behavior_logprobs) * mask, mask, s.is_level)
+    raw = torch.exp(log_w)
+    w = raw.clamp(max=s.is_cap)
+    per_token = w.detach() * per_token
+    metrics.update(_masked_stats("ratio", ratio, mask, t))
+    metrics.update(_masked_stats("is_weight", w, mask, t))
+    metrics["is_trunc_frac"] = ((raw > s.is_cap).to(mask.dtype) * mask).sum() / t
+    return per_token, metrics
+
+
+def _is_weighted(
+    s: LossSettings, logprobs: torch.Tensor, log_r: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, t: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`tis` (IS weight truncated at `is_cap`) or `mis` (weight zeroed outside [1/is_cap, is_cap])."""
+    metrics: dict[str, torch.Tensor] = {}
+    raw = torch.exp(log_is_weight(log_r, mask, s.is_level))
+    if s.loss == "tis":
+        w = raw.clamp(max=s.is_cap)
+        metrics["is_trunc_frac"] = ((raw > s.is_cap).to(mask.dtype) * mask).sum() / t
+    else:
+        keep = (raw <= s.is_cap) & (raw >= 1.0 / s.is_cap)
+        w = torch.where(keep, raw, torch.zeros_like(raw))
+        metrics["is_mask_frac"] = ((~keep).to(mask.dtype) * mask).sum() / t
+    per_token = -w.detach() * adv * logprobs
+    metrics.update(_masked_stats("is_weight", w, mask, t))
+    return per_token, metrics
 
 
 def ppo_clip_loss(

@@ -165,7 +165,6 @@ def _run_one(spec: PipeSpec, profile: Profile, devices: int, mode: str) -> dict[
 
 async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, rollout_dev: int, train_dev: int,
                     clock: Any, tmp: Path) -> dict[str, Any]:
-    from asyncflow.config import load_config
     from asyncflow.engines.sim import CpuMeter, SimEngine, SimTrainer
     from asyncflow.telemetry.runlog import RunLog, Tracer
     from asyncflow.workflow.gate import StalenessGate
@@ -173,20 +172,7 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
 
     batch = devices * spec.prompts_per_device * spec.n
     sync = mode == "sync"
-    settings = [
-        "logging.progress=false", f"rollout.n={spec.n}", f"train.batch_size={batch}", f"train.max_steps={spec.steps}",
-        f"rollout.max_new_tokens={profile.max_new_tokens}", f"rollout.max_batch={spec.slots}",
-        f"workflow.mode={mode}", f"workflow.weight_update={'drain' if sync else 'swap'}", f"seed={spec.seed}",
-        "workflow.step_timeout_s=100000", "rollout.request_timeout_s=100000", "workflow.lease_timeout_s=100000",
-        "reward.timeout_s=1000",
-        # a step's worth of tracked objects (~25 per sample) between young collections: see docs/performance.md
-        f"workflow.gc_threshold={32 * batch}",
-    ]
-    if not sync:
-        settings.append(f"workflow.max_staleness={spec.max_staleness}")
-    cfg, _ = load_config(None, settings)
-    if profile.turns is not None:  # its environments come from _env_factory, not rollout.env (20 turns at most)
-        cfg.rollout.env_timeout_s = 1000.0
+    cfg = _sim_config(spec, profile, mode, batch)
     meter = CpuMeter()
     load_s = spec.switch_s if sync else spec.weight_sync_s
     engines = [SimEngine(clock, lengths=profile.lengths, capacity=spec.slots, step_s=spec.step_s, load_s=load_s,
@@ -217,17 +203,7 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
     pipeline.meter = meter
     split = SplitMeter(meter) if spec.split == "true" else None
     try:
-        if split is not None:
-            split.start()
-            try:
-                split.meter_store(pipeline.store)
-                clock.loop.run_handle = split.run_handle
-                await pipeline.run()
-            finally:
-                clock.loop.run_handle = None
-                split.stop()
-        else:
-            await pipeline.run()
+        await _run_pipeline(pipeline, split, clock)
     finally:
         log.close()
         for e in engines:
@@ -235,17 +211,66 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
     if spec.trace:
         Path(spec.trace).mkdir(parents=True, exist_ok=True)
         tracer.write(Path(spec.trace) / f"pipe-{profile.name}-{devices}-{mode}.json")
+    return {**_window(spec, marks, pipeline, clock, rollout_dev), **_totals(pipeline, engines, meter), "split": split}
+
+
+def _sim_config(spec: PipeSpec, profile: Profile, mode: str, batch: int) -> Any:
+    """The run's config: the real pipeline's, with PIPE's sizes and timeouts no simulated run reaches."""
+    from asyncflow.config import load_config
+
+    sync = mode == "sync"
+    settings = [
+        "logging.progress=false", f"rollout.n={spec.n}", f"train.batch_size={batch}", f"train.max_steps={spec.steps}",
+        f"rollout.max_new_tokens={profile.max_new_tokens}", f"rollout.max_batch={spec.slots}",
+        f"workflow.mode={mode}", f"workflow.weight_update={'drain' if sync else 'swap'}", f"seed={spec.seed}",
+        "workflow.step_timeout_s=100000", "rollout.request_timeout_s=100000", "workflow.lease_timeout_s=100000",
+        "reward.timeout_s=1000",
+        # a step's worth of tracked objects (~25 per sample) between young collections: see docs/performance.md
+        f"workflow.gc_threshold={32 * batch}",
+    ]
+    if not sync:
+        settings.append(f"workflow.max_staleness={spec.max_staleness}")
+    cfg, _ = load_config(None, settings)
+    if profile.turns is not None:  # its environments come from _env_factory, not rollout.env (20 turns at most)
+        cfg.rollout.env_timeout_s = 1000.0
+    return cfg
+
+
+async def _run_pipeline(pipeline: Any, split: SplitMeter | None, clock: Any) -> None:
+    """Run the pipeline to its end, its CPU split by `split` where given."""
+    if split is None:
+        await pipeline.run()
+        return
+    split.start()
+    try:
+        split.meter_store(pipeline.store)
+        clock.loop.run_handle = split.run_handle
+        await pipeline.run()
+    finally:
+        clock.loop.run_handle = None
+        split.stop()
+
+
+def _window(spec: PipeSpec, marks: list[tuple[float, int, float, float]], pipeline: Any, clock: Any,
+            rollout_dev: int) -> dict[str, Any]:
+    """Samples, time and device busy fractions over the measured window: steps `warmup_steps+1 ..
+    steps` (from the run's start when there is no warm-up)."""
     w = min(spec.warmup_steps, len(marks) - 1)
     (t0, n0, r0, tr0), (t1, n1, r1, tr1) = marks[w - 1] if w > 0 else (pipeline.t_start, 0, 0.0, 0.0), marks[-1]
-    c = pipeline.counters
     return {
         "window_samples": n1 - n0, "window_s": t1 - t0, "virtual_s": clock.now() - pipeline.t_start,
         "rollout_busy_frac": (r1 - r0) / ((t1 - t0) * rollout_dev), "train_busy_frac": (tr1 - tr0) / (t1 - t0),
+    }
+
+
+def _totals(pipeline: Any, engines: Sequence[Any], meter: Any) -> dict[str, Any]:
+    """The whole run's counts, and the CPU time spent inside simulation code."""
+    c = pipeline.counters
+    return {
         "samples": c.trained, "dropped": c.dropped_stale + c.cancelled + c.filtered,
         "samples_seen": c.produced, "requests": sum(e.requests for e in engines),
         "staleness_max": pipeline.staleness_max, "sim_cpu_s": meter.seconds, "meter_entries": meter.entries,
         "mean_tokens": c.tokens / max(c.trained, 1),
-        "split": split,
     }
 
 

@@ -322,55 +322,10 @@ def plot_report(runs: list[RunData], out_png: str | Path) -> None:
     ax_busy = fig.add_subplot(grid[2, :])
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for run, color in zip(runs, colors, strict=True):
-        samples = [r["samples"] for r in run.train]
-        times = [r["time_s"] for r in run.train]
-        rewards = [r["reward_mean"] for r in run.train]
-        smooth = _moving_mean(rewards, max(1, len(rewards) // 15))
-        ax_rs.plot(samples, rewards, color=color, alpha=0.25, linewidth=0.8)
-        ax_rs.plot(samples, smooth, color=color, label=f"{run.label} (moving mean)")
-        ax_rt.plot(times, rewards, color=color, alpha=0.25, linewidth=0.8)
-        ax_rt.plot(times, smooth, color=color, label=f"{run.label} (moving mean)")
-        # throughput between consecutive rows (the cumulative mean hides changes)
-        inst = [(b["samples"] - a["samples"]) / max(b["time_s"] - a["time_s"], 1e-9)
-                for a, b in zip(run.train, run.train[1:], strict=False)]
-        ax_tp.plot(times[1:], inst, color=color, alpha=0.3, linewidth=0.8)
-        ax_tp.plot(times, [r["samples_per_s"] for r in run.train], color=color, label=f"{run.label} (cumulative)")
-        by_step = {0: (0, 0.0), **{r["step"]: (r["samples"], r["time_s"]) for r in run.train}}
-        ev = [(by_step[e["step"]], e["eval_accuracy"]) for e in run.evals if e["step"] in by_step]
-        ax_es.plot([s for (s, _), _ in ev], [a for _, a in ev], color=color, marker="o", label=run.label)
-        ax_et.plot([t for (_, t), _ in ev], [a for _, a in ev], color=color, marker="o", label=run.label)
-    ks = sorted({k for r in runs for k in r.staleness})
-    width = 0.8 / max(len(runs), 1)
-    offsets = [(i - (len(runs) - 1) / 2) * width for i in range(len(runs))]
-    for run, off, color in zip(runs, offsets, colors, strict=True):
-        total = max(sum(run.staleness.values()), 1)
-        ax_st.bar([k + off for k in ks], [run.staleness.get(k, 0) / total for k in ks], width, color=color,
-                  label=run.label)
-    ax_st.set_xticks(ks)
-    tracks = sorted({t for r in runs for t in r.spans})
-    for run, off, color in zip(runs, offsets, colors, strict=True):
-        busy = busy_fractions(run)
-        ax_busy.bar([j + off for j in range(len(tracks))], [busy.get(t, 0.0) for t in tracks], width, color=color,
-                    label=run.label)
-    ax_busy.set_xticks(range(len(tracks)), tracks, rotation=30, ha="right", fontsize=8)
-    timeline_axes = []
+        _plot_curves(run, color, ax_rs, ax_rt, ax_tp, ax_es, ax_et)
+    _plot_shares(runs, colors, ax_st, ax_busy)
     for i, run in enumerate(shown):
-        ax = fig.add_subplot(grid[3 + i, :])
-        timeline_axes.append(ax)
-        # a window of at most 30 s from 40% into the run: long enough to show several steps, short
-        # enough that each span is visible
-        wall = run.wall_s
-        lo = 0.4 * wall if wall > 30 else 0.0
-        hi = min(wall, lo + 30.0)
-        tracks = sorted(run.spans)
-        for j, track in enumerate(tracks):
-            bars = [(s0, e0 - s0) for s0, e0 in run.spans[track] if e0 >= lo and s0 <= hi]
-            ax.broken_barh(bars, (j - 0.4, 0.8), color=colors[i])
-        ax.set_xlim(lo, hi)
-        ax.set_yticks(range(len(tracks)), tracks, fontsize=8)
-        ax.set_title(f"timeline: {run.label}, {lo:.0f}-{hi:.0f} s (work spans per track; waits left out)", fontsize=10)
-        ax.set_xlabel("seconds")
-        ax.grid(alpha=0.3)
+        _plot_timeline(fig.add_subplot(grid[3 + i, :]), run, colors[i])
     titles = [
         (ax_rs, "train reward vs trained samples", "samples", "reward_mean"),
         (ax_rt, "train reward vs time", "seconds", "reward_mean"),
@@ -391,6 +346,63 @@ def plot_report(runs: list[RunData], out_png: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)
+
+
+def _plot_curves(run: RunData, color: str, ax_rs: Any, ax_rt: Any, ax_tp: Any, ax_es: Any, ax_et: Any) -> None:
+    """One run's lines: train reward vs samples and time, throughput, eval accuracy vs samples and time."""
+    samples = [r["samples"] for r in run.train]
+    times = [r["time_s"] for r in run.train]
+    rewards = [r["reward_mean"] for r in run.train]
+    smooth = _moving_mean(rewards, max(1, len(rewards) // 15))
+    ax_rs.plot(samples, rewards, color=color, alpha=0.25, linewidth=0.8)
+    ax_rs.plot(samples, smooth, color=color, label=f"{run.label} (moving mean)")
+    ax_rt.plot(times, rewards, color=color, alpha=0.25, linewidth=0.8)
+    ax_rt.plot(times, smooth, color=color, label=f"{run.label} (moving mean)")
+    # throughput between consecutive rows (the cumulative mean hides changes)
+    inst = [(b["samples"] - a["samples"]) / max(b["time_s"] - a["time_s"], 1e-9)
+            for a, b in zip(run.train, run.train[1:], strict=False)]
+    ax_tp.plot(times[1:], inst, color=color, alpha=0.3, linewidth=0.8)
+    ax_tp.plot(times, [r["samples_per_s"] for r in run.train], color=color, label=f"{run.label} (cumulative)")
+    by_step = {0: (0, 0.0), **{r["step"]: (r["samples"], r["time_s"]) for r in run.train}}
+    ev = [(by_step[e["step"]], e["eval_accuracy"]) for e in run.evals if e["step"] in by_step]
+    ax_es.plot([s for (s, _), _ in ev], [a for _, a in ev], color=color, marker="o", label=run.label)
+    ax_et.plot([t for (_, t), _ in ev], [a for _, a in ev], color=color, marker="o", label=run.label)
+
+
+def _plot_shares(runs: list[RunData], colors: list[str], ax_st: Any, ax_busy: Any) -> None:
+    """Grouped bars, one bar per run: the staleness distribution and the busy fraction per trace track."""
+    ks = sorted({k for r in runs for k in r.staleness})
+    width = 0.8 / max(len(runs), 1)
+    offsets = [(i - (len(runs) - 1) / 2) * width for i in range(len(runs))]
+    for run, off, color in zip(runs, offsets, colors, strict=True):
+        total = max(sum(run.staleness.values()), 1)
+        ax_st.bar([k + off for k in ks], [run.staleness.get(k, 0) / total for k in ks], width, color=color,
+                  label=run.label)
+    ax_st.set_xticks(ks)
+    tracks = sorted({t for r in runs for t in r.spans})
+    for run, off, color in zip(runs, offsets, colors, strict=True):
+        busy = busy_fractions(run)
+        ax_busy.bar([j + off for j in range(len(tracks))], [busy.get(t, 0.0) for t in tracks], width, color=color,
+                    label=run.label)
+    ax_busy.set_xticks(range(len(tracks)), tracks, rotation=30, ha="right", fontsize=8)
+
+
+def _plot_timeline(ax: Any, run: RunData, color: str) -> None:
+    """One run's timeline strip: its work spans per trace track."""
+    # a window of at most 30 s from 40% into the run: long enough to show several steps, short
+    # enough that each span is visible
+    wall = run.wall_s
+    lo = 0.4 * wall if wall > 30 else 0.0
+    hi = min(wall, lo + 30.0)
+    tracks = sorted(run.spans)
+    for j, track in enumerate(tracks):
+        bars = [(s0, e0 - s0) for s0, e0 in run.spans[track] if e0 >= lo and s0 <= hi]
+        ax.broken_barh(bars, (j - 0.4, 0.8), color=color)
+    ax.set_xlim(lo, hi)
+    ax.set_yticks(range(len(tracks)), tracks, fontsize=8)
+    ax.set_title(f"timeline: {run.label}, {lo:.0f}-{hi:.0f} s (work spans per track; waits left out)", fontsize=10)
+    ax.set_xlabel("seconds")
+    ax.grid(alpha=0.3)
 
 
 def write_report(run_dirs: list[str | Path], log: Callable[[str], None] | None = None) -> tuple[Path, Path]:

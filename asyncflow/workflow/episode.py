@@ -18,14 +18,14 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from asyncflow.clock import Clock
-from asyncflow.engines.base import GenRequest, InferenceEngine, requester
+from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, requester
 from asyncflow.envs.base import Env, EnvError, EnvStep, env_call
 from asyncflow.runs import Runs, concat, oldest, total
 
@@ -199,63 +199,16 @@ async def run_episode(
     cancelled`, as the engine cancels a single-turn request (the engine sees only the current turn's
     tokens, so without this a stale episode played all its remaining turns, then was dropped)."""
     traj = Trajectory(prompt_ids)
-    reward, error, finish, turns = 0.0, None, "length", 0
+    progress = _Progress()
     submit = requester(engine)
-    first_version = math.inf  # the oldest version of the tokens generated so far
     closed = False
-    ends = end_ids(tok)
     try:
         traj.add_env(tok.encode(_observation(
             await env_call(clock, env.reset(row, seed), settings.env_timeout_s, env, "reset"), env, "reset")))
-        for turn in range(1, env.max_turns + 1):
-            if floor is not None and first_version < floor():
-                finish = "cancelled"
-                break
-            context = traj.context()
-            max_new = settings.max_new_tokens
-            if settings.max_context is not None:
-                max_new = min(max_new, settings.max_context - len(context))
-                if max_new < 1:
-                    if turn == 1:  # nothing generated: not a sample to train (its reward would say nothing)
-                        error = (f"the prompt and the environment's first observation take {len(context)} of the "
-                                 f"model's {settings.max_context} positions: no room for a turn")
-                    break  # (finish stays "length": the episode ran out of room)
-            turns = turn
-            req = GenRequest(uid, context, max_new,  # type: ignore[arg-type]
-                             settings.temperature, settings.top_p, settings.top_k)
-            res = await clock.wait_for(submit(req), settings.request_timeout_s,
-                                       f"generation of sample {uid}, turn {turn}")
-            traj.add_generated(res.response_ids, res.behavior_logprobs, res.token_versions)
-            if first_version == math.inf and floor is not None and len(res.token_versions):
-                # (versions never go back, so the first turn with tokens holds the episode's oldest)
-                first_version = oldest(res.token_versions)
-            if barrier is not None:
-                await barrier.wait()
-            if res.finish_reason == "cancelled":
-                finish = "cancelled"
-                break
-            ids = res.response_ids
-            if len(ids) and ids[-1] in ends:
-                ids = ids[:-1]
-            start = clock.now()
-            step = _checked_step(await env_call(clock, env.step(tok.decode(ids)), settings.env_timeout_s, env,
-                                                f"step {turn}"), env, turn)
-            if on_env_step is not None:
-                on_env_step(turn, start, clock.now())
-            if barrier is not None:
-                await barrier.wait()
-            reward += float(step.reward)
-            if step.done:
-                finish = "stop"
-                break
-            if turn < env.max_turns:
-                obs = tok.encode(step.observation)
-                if settings.max_context is not None and len(traj.context()) + len(obs) >= settings.max_context:
-                    break  # no room for it and a turn: the episode ran out of positions (finish "length";
-                    # appended, the sample outgrew the model's positions and failed the trainer)
-                traj.add_env(obs)
+        await _play_turns(traj, progress, env=env, submit=submit, clock=clock, tok=tok, uid=uid, settings=settings,
+                          on_env_step=on_env_step, barrier=barrier, floor=floor)
     except EnvError as exc:
-        error = str(exc)
+        progress.error = str(exc)
     except GeneratorExit:  # an abandoned episode's coroutine, closed at exit: nothing may be awaited now
         closed = True
         raise
@@ -263,14 +216,117 @@ async def run_episode(
         if barrier is not None:
             barrier.leave()
         if not closed:
-            try:  # (a task given up on closes on the wrapped clock: `SweptClock.for_cleanup`)
-                cleanup = clock.for_cleanup() if hasattr(clock, "for_cleanup") else clock
-                await env_call(cleanup, env.close(), settings.env_timeout_s, env, "close")
-            except EnvError as exc:
-                error = error or str(exc)
+            close_error = await _close_env(env, clock, settings.env_timeout_s)
+            if close_error is not None:
+                progress.error = progress.error or close_error
     fields = traj.fields()
-    fields.update(finish_reason=finish, turns=turns, reward=None if error else reward, reward_error=error)
+    fields.update(finish_reason=progress.finish, turns=progress.turns,
+                  reward=None if progress.error else progress.reward, reward_error=progress.error)
     return EpisodeResult(fields)
+
+
+@dataclass
+class _Progress:
+    """How far an episode got: updated as it goes, so whatever ends it (an `EnvError` mid-turn
+    included) reports the turns and reward reached."""
+
+    reward: float = 0.0
+    error: str | None = None
+    finish: str = "length"
+    turns: int = 0
+
+
+async def _play_turns(
+    traj: Trajectory,
+    progress: _Progress,
+    *,
+    env: Env,
+    submit: Callable[[GenRequest], Awaitable[GenResult]],
+    clock: Clock,
+    tok: EpisodeTokenizer,
+    uid: int,
+    settings: EpisodeSettings,
+    on_env_step: Callable[[int, float, float], None] | None,
+    barrier: TurnBarrier | BarrierParty | None,
+    floor: Callable[[], float] | None,
+) -> None:
+    """`run_episode`'s turns after the reset: generate, step the environment, append its observation,
+    until the environment is done, the turns or positions run out, or the episode is cancelled."""
+    first_version = math.inf  # the oldest version of the tokens generated so far
+    ends = end_ids(tok)
+    for turn in range(1, env.max_turns + 1):
+        if floor is not None and first_version < floor():
+            progress.finish = "cancelled"
+            return
+        context = traj.context()
+        max_new = _turn_limit(len(context), settings)
+        if max_new is None:
+            if turn == 1:  # nothing generated: not a sample to train (its reward would say nothing)
+                progress.error = (f"the prompt and the environment's first observation take {len(context)} of the "
+                                  f"model's {settings.max_context} positions: no room for a turn")
+            return  # (finish stays "length": the episode ran out of room)
+        progress.turns = turn
+        req = GenRequest(uid, context, max_new,  # type: ignore[arg-type]
+                         settings.temperature, settings.top_p, settings.top_k)
+        res = await clock.wait_for(submit(req), settings.request_timeout_s,
+                                   f"generation of sample {uid}, turn {turn}")
+        traj.add_generated(res.response_ids, res.behavior_logprobs, res.token_versions)
+        if first_version == math.inf and floor is not None and len(res.token_versions):
+            # (versions never go back, so the first turn with tokens holds the episode's oldest)
+            first_version = oldest(res.token_versions)
+        if barrier is not None:
+            await barrier.wait()
+        if res.finish_reason == "cancelled":
+            progress.finish = "cancelled"
+            return
+        step = await _step_env(env, clock, tok, ends, res.response_ids, turn, settings.env_timeout_s, on_env_step)
+        if barrier is not None:
+            await barrier.wait()
+        progress.reward += float(step.reward)
+        if step.done:
+            progress.finish = "stop"
+            return
+        if turn < env.max_turns:
+            obs = tok.encode(step.observation)
+            if settings.max_context is not None and len(traj.context()) + len(obs) >= settings.max_context:
+                return  # no room for it and a turn: the episode ran out of positions (finish "length";
+                # appended, the sample outgrew the model's positions and failed the trainer)
+            traj.add_env(obs)
+
+
+def _turn_limit(context_len: int, settings: EpisodeSettings) -> int | None:
+    """The most tokens the next turn may generate after `context_len` tokens of context; None when
+    the context leaves no position for one (only with `max_context`)."""
+    max_new = settings.max_new_tokens
+    if settings.max_context is not None:
+        max_new = min(max_new, settings.max_context - context_len)
+        if max_new < 1:
+            return None
+    return max_new
+
+
+async def _step_env(env: Env, clock: Clock, tok: EpisodeTokenizer, ends: Collection[int], response_ids: Sequence[int],
+                    turn: int, timeout_s: float, on_env_step: Callable[[int, float, float], None] | None) -> EnvStep:
+    """The environment's step on a turn's text (decoded without its end token), checked; its clock
+    times told to `on_env_step`."""
+    ids = response_ids
+    if len(ids) and ids[-1] in ends:
+        ids = ids[:-1]
+    start = clock.now()
+    step = _checked_step(await env_call(clock, env.step(tok.decode(ids)), timeout_s, env, f"step {turn}"), env, turn)
+    if on_env_step is not None:
+        on_env_step(turn, start, clock.now())
+    return step
+
+
+async def _close_env(env: Env, clock: Clock, timeout_s: float) -> str | None:
+    """Close the episode's environment; the error closing it, if any."""
+    try:  # (a task given up on closes on the wrapped clock: `SweptClock.for_cleanup`)
+        cleanup = clock.for_cleanup() if hasattr(clock, "for_cleanup") else clock
+        await env_call(cleanup, env.close(), timeout_s, env, "close")
+    except EnvError as exc:
+        return str(exc)
+    return None
 
 
 def end_ids(tok: EpisodeTokenizer) -> Collection[int]:
