@@ -560,7 +560,7 @@ def test_responses_whose_writer_died_are_marked_cancelled_not_lost_with_it(ray_s
 
     import ray
 
-    from asyncflow.runtime.ray_runtime import _actor_id
+    from asyncflow.runtime.ray_errors import actor_id
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
 
     store = RayTransferQueue.create(capacity=64, owner_check_s=60.0)
@@ -588,7 +588,7 @@ def test_responses_whose_writer_died_are_marked_cancelled_not_lost_with_it(ray_s
         assert sorted(len(s.fields["response_ids"]) for s in lease.samples) == [0, 0, 0, 0]
         assert {s.fields["finish_reason"] for s in lease.samples} == {"cancelled"}
         store.release(lease)
-        store.release_owner(_actor_id(writer))  # (the supervisor, once the new process answers)
+        store.release_owner(actor_id(writer))  # (the supervisor, once the new process answers)
         lease = store.take_blocking("train", 4, min_samples=4, timeout=10, fields_extra=["finish_reason"])
         assert {s.fields["finish_reason"] for s in lease.samples} == {"cancelled"}
         assert store.metrics()["lost_with_dead_writer"] == 4.0 and store.metrics()["blobs"] == 0

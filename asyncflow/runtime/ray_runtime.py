@@ -65,93 +65,25 @@ from asyncflow.engines.base import (
 )
 from asyncflow.errors import RunFailed, TrainerDied, UserError, WaitTimeout
 from asyncflow.runtime.base import RuntimeSetup
+from asyncflow.runtime.ray_errors import (
+    actor_death,
+    actor_id,
+    dead_actor_error,
+    death_error,
+    forget,
+    one_line,
+    remember,
+    stage_error,
+    who_died,
+    why_died,
+)
+
+# importable from here as before the split (the actor classes, proxies and helpers live in ray_*.py)
+__all__ = ["READY_TIMEOUT_S", "STORE_CALL_TIMEOUT_S", "RayWorkers", "actor_death"]
 
 READY_TIMEOUT_S = 300.0  # an actor starting (or restarting: a new process loads the model again)
 STORE_CALL_TIMEOUT_S = 60.0  # one supervision call to the store controller
 _POLL_S = 0.1  # how often a wait for a restarting actor looks again
-
-
-@dataclass
-class _Known:
-    """An actor of a running `RayWorkers`, for messages about its death."""
-
-    label: str  # "rollout/0", "trainer", "store controller", ...
-    name: str  # its Ray name
-    trainer: RemoteTrainEngine | None = None
-
-
-_KNOWN: dict[str, _Known] = {}  # Ray actor id (hex) -> what it is
-
-
-def _actor_id(handle: Any) -> str:
-    return str(handle._actor_id.hex())
-
-
-def _one_line(text: str, limit: int = 400) -> str:
-    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _why(exc: BaseException) -> str:
-    """Why a Ray actor error says its actor died, in a few words."""
-    import ray
-
-    text = str(exc)
-    kind = type(exc).__name__
-    if isinstance(exc, ray.exceptions.ActorUnavailableError):
-        detail = text.split("temporarily unavailable:", 1)[-1].split(". ")[0].strip()
-        return f"{kind}: {detail.removeprefix('IOError: ')}"
-    if "killed by `ray.kill`" in text:
-        return f"{kind}: killed by ray.kill"
-    for marker in ("Worker exit detail: ", "The actor is dead because "):
-        if marker in text:
-            text = text.split(marker, 1)[1]
-            break
-    if " Some common causes include" in text:
-        text = text.split(" Some common causes include")[0] + " (the OOM killer, a crash or `ray stop`?)"
-    return f"{kind}: {_one_line(text, 300)}"
-
-
-def _who(exc: BaseException) -> tuple[str, _Known | None]:
-    """'the trainer actor (asyncflow-1a2b3c4d-trainer)', and what the actor is if this run knows it."""
-    known = _KNOWN.get(str(getattr(exc, "actor_id", None)))
-    if known is not None:
-        return f"the {known.label} actor ({known.name})", known
-    fields = dict(
-        line.strip().split(": ", 1) for line in str(exc).splitlines() if line.startswith("\t") and ": " in line
-    )
-    if "class_name" in fields:
-        return f"the {fields['class_name']} actor" + (f" ({fields['name']})" if "name" in fields else ""), None
-    return "a Ray actor", None
-
-
-def _dead_actor_error(exc: BaseException) -> BaseException | None:
-    """The `RayActorError` in `exc` (itself, or the cause of a task error), or None."""
-    import ray
-
-    cause = getattr(exc, "cause", None)
-    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, ray.exceptions.RayActorError):
-        return cause
-    return exc if isinstance(exc, ray.exceptions.RayActorError) else None
-
-
-def actor_death(exc: BaseException) -> str | None:
-    """One line saying which actor died and why, for a Ray actor error (or a task error caused by
-    one; e.g. the store controller's death seen through a store call); None for anything else."""
-    err = _dead_actor_error(exc)
-    if err is None:
-        return None
-    who, _ = _who(err)
-    return f"{who} died ({_why(err)})"
-
-
-def _death_error(exc: BaseException, context: str = "") -> RunFailed:
-    """The run's error for an actor's death: `TrainerDied` for the trainer, else `RunFailed`."""
-    err = _dead_actor_error(exc) or exc
-    _, known = _who(err)
-    if known is not None and known.trainer is not None:
-        return known.trainer.died(err, "export its weights")
-    return RunFailed(f"{context}{actor_death(err) or _one_line(str(err))}")
 
 
 def _tokenizer(model_dir: Path) -> Any:
@@ -407,7 +339,7 @@ class RemoteEngine(InferenceEngine):
                  version: int = 0) -> None:
         self.handle = handle
         self.name = name
-        self.actor_id = _actor_id(handle)
+        self.actor_id = actor_id(handle)
         self.version = version
         self._start_version = version  # what a (re)started process holds: the weights it was constructed from
         self._capacity = capacity
@@ -468,10 +400,10 @@ class RemoteEngine(InferenceEngine):
                 raise
             except ray.exceptions.RayActorError as exc:
                 if not self._own(exc):
-                    raise _death_error(exc) from exc
+                    raise death_error(exc) from exc
                 if not self.supervised:  # (no supervisor brings it back: this request does, once for all)
                     if self.restart is None:
-                        raise _death_error(exc) from exc
+                        raise death_error(exc) from exc
                     if self.incarnation == seen and (self._restarting is None or self._restarting.done()):
                         self._restarting = asyncio.ensure_future(self.restart(exc))
                         self._restarting.add_done_callback(_retrieve)
@@ -494,13 +426,13 @@ class RemoteEngine(InferenceEngine):
         try:
             return fut.result()
         except ray.exceptions.RayTaskError as exc:
-            if _dead_actor_error(exc) is not None:  # e.g. the trainer died before its weights were stored
-                raise _death_error(exc) from exc
+            if dead_actor_error(exc) is not None:  # e.g. the trainer died before its weights were stored
+                raise death_error(exc) from exc
             raise
         except ray.exceptions.RayActorError as exc:
             if self._own(exc):
                 return None  # dead or restarting: the supervisor loads the latest weights when it is back
-            raise _death_error(exc) from exc
+            raise death_error(exc) from exc
 
     async def load_weights(self, state: Any, version: int, mode: Any) -> float:
         """`state` is the object-store reference from `RemoteTrainEngine.export_weights`: the actor
@@ -546,8 +478,8 @@ class RemoteEngine(InferenceEngine):
                 except ray.exceptions.RayActorError as exc:
                     if self._own(exc):
                         raise RunFailed(f"{self.name} died again while loading policy version {version} "
-                                        f"after its restart ({_why(exc)})") from exc
-                    raise _death_error(exc) from exc
+                                        f"after its restart ({why_died(exc)})") from exc
+                    raise death_error(exc) from exc
                 self.version = version
                 self.last_stats = reply
                 loaded = version
@@ -626,7 +558,7 @@ class RemoteTrainEngine(TrainEngine):
             step, version = self.steps + 1, self.exported
             when = f"in train step {step}, while the driver waited for it to {what}"
         return TrainerDied(f"the trainer actor ({self.name}) died {when}; the last policy version it exported is "
-                           f"{version} ({_why(exc)})", step=step, version=version)
+                           f"{version} ({why_died(exc)})", step=step, version=version)
 
     def _get(self, ref: Any, what: str) -> Any:
         import ray
@@ -794,7 +726,7 @@ class RayWorkers:
         for label, actor in [*zip(stages, [*rollout_actors, *reward_actors], strict=True), ("trainer", trainer_actor),
                              ("feeder", feeder_actor), ("store controller", store.handle)]:
             name = f"{prefix}-{'store' if actor is store.handle else label.replace('/', '-')}"
-            _KNOWN[_actor_id(actor)] = _Known(label, name, trainer if actor is trainer_actor else None)
+            remember(actor, label, name, trainer if actor is trainer_actor else None)
         try:
             capacities = _ready([a.ready.remote() for a in rollout_actors], stages[:w])
             _ready([trainer_actor.ready.remote(), feeder_actor.ready.remote(), *(a.ready.remote() for a in reward_actors)],
@@ -802,7 +734,7 @@ class RayWorkers:
             pids = _ready([a.pid.remote() for a in [*rollout_actors, *reward_actors]], stages)
         except BaseException:
             for a in [*rollout_actors, trainer_actor, feeder_actor, *reward_actors, store.handle]:
-                _KNOWN.pop(_actor_id(a), None)
+                forget(a)
             for a in [*rollout_actors, trainer_actor, feeder_actor, *reward_actors]:
                 ray.kill(a)
             store.kill()
@@ -862,7 +794,7 @@ class RayWorkers:
                     await ref
                     return
                 except ray.exceptions.RayTaskError as exc:  # first: a task error can also be a RayActorError
-                    raise _stage_error(stage, exc) from exc
+                    raise stage_error(stage, exc) from exc
                 except ray.exceptions.RayActorError as exc:
                     # shielded: if the run ends meanwhile, the restart still completes (bounded), so
                     # the final evaluation finds the engine back, with the latest weights
@@ -876,7 +808,7 @@ class RayWorkers:
     async def _restart(self, stage: str, actor: Any, engine: RemoteEngine | None, exc: BaseException) -> None:
         """After `stage`'s actor died: wait for Ray's restart, give the dead process's leases back
         to the queue, load the latest weights into a rollout actor, log one line."""
-        who, _ = _who(exc)
+        who = who_died(exc)
         if engine is not None:
             engine.mark_down()
         try:
@@ -891,7 +823,7 @@ class RayWorkers:
         import ray
 
         t0 = time.monotonic()
-        why = _why(exc)
+        why = why_died(exc)
         used = self.restarts.get(stage, 0)
         if used >= self.max_restarts:
             if self.max_restarts == 0:
@@ -912,16 +844,16 @@ class RayWorkers:
             except ray.exceptions.ActorUnavailableError:
                 await asyncio.sleep(_POLL_S)
             except ray.exceptions.RayActorError as again:
-                raise RunFailed(f"{who} died ({why}) and could not be restarted ({_why(again)})") from again
+                raise RunFailed(f"{who} died ({why}) and could not be restarted ({why_died(again)})") from again
         if pid == self.pids.get(stage):
             raise RunFailed(f"lost contact with {who} ({why}), although its process did not restart")
         self.pids[stage] = pid
         # same actor id across restarts: the new process registers as the same owner at its first take,
         # so this must come before the loop runs again
-        await self._store_call("release_owner", f"return the leases of {stage} to the queue", _actor_id(actor))
+        await self._store_call("release_owner", f"return the leases of {stage} to the queue", actor_id(actor))
         # counted per owner since its last restart: the store's owner watch often gives them back
         # first (within 2 s of the death), and a total read here before and after said 0
-        total = int(await self._store_call("released_of", "report the leases it gave back", _actor_id(actor)))
+        total = int(await self._store_call("released_of", "report the leases it gave back", actor_id(actor)))
         returned, self.released[stage] = total - self.released.get(stage, 0), total
         loaded = await engine.restarted() if engine is not None else None
         self.restarts[stage] = used + 1
@@ -939,9 +871,9 @@ class RayWorkers:
                               f"to {what}") from None
         except ray.exceptions.RayTaskError as exc:
             raise RunFailed(f"the store controller failed to {what}: {type(exc.cause).__name__}: "
-                            f"{_one_line(str(exc.cause))}") from exc
+                            f"{one_line(str(exc.cause))}") from exc
         except ray.exceptions.RayActorError as exc:
-            raise _death_error(exc) from exc
+            raise death_error(exc) from exc
 
     def collect(self, tracer: Any, counters: Any) -> None:
         """Merge the actors' trace spans and counters into the driver's (a restarted actor's spans
@@ -973,7 +905,7 @@ class RayWorkers:
         from ray.util.placement_group import remove_placement_group
 
         for a in [*self.rollout_actors, *self.reward_actors, self.trainer_actor, self.feeder_actor, self.store.handle]:
-            _KNOWN.pop(_actor_id(a), None)
+            forget(a)
         for a in [*self.rollout_actors, *self.reward_actors, self.trainer_actor, self.feeder_actor]:
             ray.kill(a)
         self.store.kill()
@@ -1003,16 +935,6 @@ def _ready(refs: list[Any], names: list[str]) -> list[Any]:
         raise
 
 
-def _stage_error(stage: str, exc: Any) -> Exception:
-    """A remote stage's error: its user error as itself, another actor's death or a failure as one line."""
-    cause = exc.cause
-    if isinstance(cause, UserError):
-        return cause
-    if _dead_actor_error(cause) is not None:  # e.g. the store controller died under the stage
-        return _death_error(cause, f"Ray stage {stage} stopped: ")
-    return RunFailed(f"Ray stage {stage} failed: {type(cause).__name__}: {_one_line(str(cause))}")
-
-
 async def _stage(name: str, ref: Any) -> None:
     """Await a remote stage loop that is not restarted (the feeder): its user errors come out as
     themselves, its actor's death as a one-line `RunFailed`."""
@@ -1021,6 +943,6 @@ async def _stage(name: str, ref: Any) -> None:
     try:
         await ref
     except ray.exceptions.RayTaskError as exc:
-        raise _stage_error(name, exc) from exc
+        raise stage_error(name, exc) from exc
     except ray.exceptions.RayActorError as exc:
-        raise _death_error(exc) from exc
+        raise death_error(exc) from exc
