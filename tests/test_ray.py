@@ -381,7 +381,7 @@ def test_workers_a_local_ray_can_never_hold_are_refused_at_once(ray_session, ari
     from asyncflow.config import load_config
     from asyncflow.errors import UserError
     from asyncflow.runner import train
-    from asyncflow.runtime.ray_runtime import _check_placeable
+    from asyncflow.runtime.ray_placement import check_placeable
 
     assert ray_session.cluster_resources().get("GPU", 0) == 0
     cfg, _ = load_config(None, [f"model.path={arith_dir}", "runtime.kind=ray", "runtime.rollout_gpus=1",
@@ -393,10 +393,10 @@ def test_workers_a_local_ray_can_never_hold_are_refused_at_once(ray_session, ari
     assert not ray_session.util.placement_group_table() or all(
         pg["state"] == "REMOVED" for pg in ray_session.util.placement_group_table().values())
     with pytest.raises(UserError, match=r"^runtime.placement_strategy: STRICT_SPREAD puts each of the 2 worker"):
-        _check_placeable([{"CPU": 1.0}, {"CPU": 1.0}], "STRICT_SPREAD", {"CPU": 4.0}, nodes=1)
+        check_placeable([{"CPU": 1.0}, {"CPU": 1.0}], "STRICT_SPREAD", {"CPU": 4.0}, nodes=1)
     with pytest.raises(UserError, match=r"^runtime.rollout_cpus / .*: the workers need 3 CPU\(s\) in all; this Ray has 2"):
-        _check_placeable([{"CPU": 1.5}, {"CPU": 1.5}], "PACK", {"CPU": 2.0}, nodes=1)
-    _check_placeable([{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}], "SPREAD", {"CPU": 2.0, "GPU": 1.0}, nodes=2)
+        check_placeable([{"CPU": 1.5}, {"CPU": 1.5}], "PACK", {"CPU": 2.0}, nodes=1)
+    check_placeable([{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}], "SPREAD", {"CPU": 2.0, "GPU": 1.0}, nodes=2)
 
 
 @pytest.mark.slow

@@ -34,6 +34,10 @@ bounded and says what it waited for.
 Assumptions on a cluster: the model folder, the dataset and the run folder are on storage every node
 sees (the actors read the model and append to `samples.jsonl` themselves), and the trace's spans use
 each process's monotonic clock, which is one time line only within a machine.
+
+This module is `RayWorkers` (start, supervise and restart, collect, shut down). The actor classes are
+in `ray_actors`, the driver's proxies on them in `ray_remote`, the bundles and actor options in
+`ray_placement`, and the messages about an actor's death in `ray_errors`.
 """
 
 from __future__ import annotations
@@ -71,28 +75,16 @@ from asyncflow.runtime.ray_errors import (
     who_died,
     why_died,
 )
+from asyncflow.runtime.ray_placement import Placement, reserve
 from asyncflow.runtime.ray_remote import RemoteEngine, RemoteGate, RemoteTrainEngine, retrieve
 
 # importable from here as before the split (the actor classes, proxies and helpers live in ray_*.py)
-__all__ = ["READY_TIMEOUT_S", "STORE_CALL_TIMEOUT_S", "FeederWorker", "RayWorkers", "RemoteEngine", "RemoteGate",
-           "RemoteTrainEngine", "RewardWorker", "RolloutWorker", "TrainerWorker", "actor_death", "actor_device"]
+__all__ = [
+    "READY_TIMEOUT_S", "STORE_CALL_TIMEOUT_S", "FeederWorker", "RayWorkers", "RemoteEngine", "RemoteGate",
+    "RemoteTrainEngine", "RewardWorker", "RolloutWorker", "TrainerWorker", "actor_death", "actor_device",
+]
 
 STORE_CALL_TIMEOUT_S = 60.0  # one supervision call to the store controller
-
-
-def _check_placeable(bundles: list[dict[str, float]], strategy: str, total: dict[str, float], nodes: int) -> None:
-    """Refuse, in one line, worker bundles a Ray of fixed size can never place (more GPUs or CPUs than it
-    has, or STRICT_SPREAD over more bundles than nodes): the placement group waited
-    `runtime.placement_timeout_s` (2 minutes by default) before saying so."""
-    for res, keys in (("GPU", "runtime.rollout_gpus / runtime.train_gpus"),
-                      ("CPU", "runtime.rollout_cpus / runtime.train_cpus / runtime.reward_cpus")):
-        want = sum(b.get(res, 0.0) for b in bundles)
-        if want > total.get(res, 0.0) + 1e-9:
-            raise UserError(f"{keys}: the workers need {want:g} {res}(s) in all; this Ray has {total.get(res, 0.0):g} "
-                            f"(runtime.address: null starts a local Ray of this machine's)")
-    if strategy == "STRICT_SPREAD" and len(bundles) > nodes:
-        raise UserError(f"runtime.placement_strategy: STRICT_SPREAD puts each of the {len(bundles)} worker bundles "
-                        f"on its own node; this Ray has {nodes} node(s)")
 
 
 @dataclass
@@ -136,106 +128,31 @@ class RayWorkers:
               threads: int, log: Any = print, version: int = 0) -> RayWorkers:
         """Start (or join) Ray, reserve a placement group, start the store and every actor. The policy's
         weights come from `model_dir` as `version` (a resumed run's checkpoint)."""
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         from asyncflow.runtime.ray_init import ensure_ray
-        from asyncflow.transfer_queue.ray_store import RayTransferQueue
-        from asyncflow.workflow.pipeline import store_capacity
 
         rt = cfg.runtime
         n_reward = 0 if episodic(cfg) else rt.reward_workers  # episodes carry their reward
         need = rt.rollout_cpus * cfg.rollout.workers + rt.train_cpus + rt.reward_cpus * n_reward
         t0 = time.monotonic()
         ensure_ray(rt.address, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
-        roles = [("rollout", rt.rollout_cpus, rt.rollout_gpus)] * cfg.rollout.workers + [("train", rt.train_cpus, rt.train_gpus)]
-        roles += [("reward", rt.reward_cpus, 0.0)] * n_reward
-        bundles = [{k: v for k, v in (("CPU", c), ("GPU", g)) if v > 0} for _, c, g in roles]
-        placed = [i for i, b in enumerate(bundles) if b]
-        pg = None
-        if placed:
-            if rt.address is None:  # a local Ray holds all it ever will: what it cannot hold is refused now
-                _check_placeable([bundles[i] for i in placed], rt.placement_strategy, ray.cluster_resources(),
-                                 sum(1 for node in ray.nodes() if node.get("Alive")))
-            pg = placement_group([bundles[i] for i in placed], strategy=rt.placement_strategy)
-            if not pg.wait(timeout_seconds=rt.placement_timeout_s):
-                remove_placement_group(pg)
-                raise UserError(
-                    f"runtime: Ray cannot place the worker bundles {[bundles[i] for i in placed]} within "
-                    f"runtime.placement_timeout_s ({rt.placement_timeout_s:g} s; cluster resources: "
-                    f"{ray.cluster_resources()}); lower runtime.*_cpus / *_gpus, add nodes or raise the timeout"
-                )
-        prefix = f"asyncflow-{secrets.token_hex(4)}"
-
-        def opts(i: int, name: str) -> dict[str, Any]:
-            role, c, g = roles[i]
-            o: dict[str, Any] = {"num_cpus": c, "num_gpus": g, "max_concurrency": 1000 if role != "train" else 1,
-                                 "name": f"{prefix}-{name}"}
-            if role in ("rollout", "reward"):  # restarted by Ray, then brought back into the run by `_supervise`
-                o.update(max_restarts=rt.max_restarts, max_task_retries=0)
-            if pg is not None and i in placed:
-                o["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=placed.index(i))
-            return o
-
-        try:
-            store = RayTransferQueue.create(store_capacity(cfg), cfg.workflow.lease_timeout_s, name=f"{prefix}-store")
-        except ray.exceptions.GetTimeoutError:
-            if pg is not None:
-                remove_placement_group(pg)
-            raise WaitTimeout("timed out after 120 s waiting for the store controller actor to start") from None
-        w = cfg.rollout.workers
-        rollout_cls: Any = ray.remote(RolloutWorker)
-        reward_cls: Any = ray.remote(RewardWorker)
-        trainer_cls: Any = ray.remote(TrainerWorker)
-        feeder_cls: Any = ray.remote(FeederWorker)
-        feeder_actor = feeder_cls.options(num_cpus=0, max_concurrency=1000, name=f"{prefix}-feeder").remote(
-            cfg, str(model_dir), ray.put(rows), str(out), store)
-        # rollout and reward actors (restartable) get the store and the feeder (which holds the prompt
-        # rows) by name, not as handles or object references
-        client = {"inline_max_bytes": store.inline_max_bytes, "rpc_grace_s": store.rpc_grace_s,
-                  "data_plane": store.data_plane, "put_window": store.put_window}
-        store_by_name = Named(f"{prefix}-store", client)
-        feeder_by_name = Named(f"{prefix}-feeder")
-        rollout_actors = [
-            rollout_cls.options(**opts(i, f"rollout-{i}")).remote(i, cfg, str(model_dir), feeder_by_name, str(out),
-                                                                   store_by_name, threads, version)
-            for i in range(w)
-        ]
-        trainer_actor = trainer_cls.options(**opts(w, "trainer")).remote(cfg, str(model_dir), threads)
-        reward_actors = [
-            reward_cls.options(**opts(w + 1 + j, f"reward-{j}")).remote(j, cfg, str(model_dir), feeder_by_name, str(out),
-                                                                         store_by_name, reward_fn_path)
-            for j in range(n_reward)
-        ]
+        place = reserve(cfg, n_reward, prefix=f"asyncflow-{secrets.token_hex(4)}")
+        prefix = place.prefix
+        store = _start_store(cfg, place)
+        actors = _start_actors(cfg, place, store, n_reward, str(model_dir), rows, str(out), reward_fn_path,
+                               threads, version)
         timeout = cfg.workflow.step_timeout_s
-        trainer = RemoteTrainEngine(trainer_actor, timeout, name=f"{prefix}-trainer")
-        stages = [f"rollout/{i}" for i in range(w)] + [f"reward/{j}" for j in range(n_reward)]
-        for label, actor in [*zip(stages, [*rollout_actors, *reward_actors], strict=True), ("trainer", trainer_actor),
-                             ("feeder", feeder_actor), ("store controller", store.handle)]:
-            name = f"{prefix}-{'store' if actor is store.handle else label.replace('/', '-')}"
-            remember(actor, label, name, trainer if actor is trainer_actor else None)
-        try:
-            capacities = _ready([a.ready.remote() for a in rollout_actors], stages[:w])
-            _ready([trainer_actor.ready.remote(), feeder_actor.ready.remote(), *(a.ready.remote() for a in reward_actors)],
-                   ["trainer", "feeder", *stages[w:]])
-            pids = _ready([a.pid.remote() for a in [*rollout_actors, *reward_actors]], stages)
-        except BaseException:
-            for a in [*rollout_actors, trainer_actor, feeder_actor, *reward_actors, store.handle]:
-                forget(a)
-            for a in [*rollout_actors, trainer_actor, feeder_actor, *reward_actors]:
-                ray.kill(a)
-            store.kill()
-            if pg is not None:
-                remove_placement_group(pg)
-            raise
+        trainer = RemoteTrainEngine(actors.trainer, timeout, name=f"{prefix}-trainer")
+        _remember(actors, store, trainer, prefix)
+        capacities, pids = _wait_ready(actors, store, place)
+        stages, w = actors.stages, cfg.rollout.workers
         engines = [RemoteEngine(a, int(c), timeout, name=f"the rollout/{i} actor ({prefix}-rollout-{i})", version=version)
-                   for i, (a, c) in enumerate(zip(rollout_actors, capacities, strict=True))]
+                   for i, (a, c) in enumerate(zip(actors.rollout, capacities, strict=True))]
         log(f"[asyncflow] ray: feeder, {w} rollout, 1 trainer, {n_reward} reward actor(s) ready in "
             f"{time.monotonic() - t0:.1f} s (names {prefix}-*)")
-        return cls(store, engines, trainer, rollout_actors, reward_actors, trainer_actor, feeder_actor,
-                   RemoteGate(feeder_actor, cfg.staleness), pg, prefix=prefix, max_restarts=rt.max_restarts, log=log,
-                   restarts={s: 0 for s in stages}, pids=dict(zip(stages, map(int, pids), strict=True)))
+        return cls(store, engines, trainer, actors.rollout, actors.reward, actors.trainer, actors.feeder,
+                   RemoteGate(actors.feeder, cfg.staleness), place.group, prefix=prefix,
+                   max_restarts=rt.max_restarts, log=log, restarts={s: 0 for s in stages},
+                   pids=dict(zip(stages, map(int, pids), strict=True)))
 
     @classmethod
     async def launch(cls, setup: RuntimeSetup) -> RayWorkers:
@@ -399,6 +316,101 @@ class RayWorkers:
         self.store.kill()
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
+
+
+@dataclass
+class _Actors:
+    """The worker actors `RayWorkers.start` started (the store controller aside)."""
+
+    rollout: list[Any]
+    reward: list[Any]
+    trainer: Any
+    feeder: Any
+
+    @property
+    def stages(self) -> list[str]:
+        """The restartable actors' stage names: "rollout/i", then "reward/j"."""
+        return [f"rollout/{i}" for i in range(len(self.rollout))] + [
+            f"reward/{j}" for j in range(len(self.reward))]
+
+
+def _start_store(cfg: Config, place: Placement) -> Any:
+    """The store controller actor, wrapped in its client; on a timeout the placement group is freed."""
+    import ray
+
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+    from asyncflow.workflow.pipeline import store_capacity
+
+    try:
+        return RayTransferQueue.create(store_capacity(cfg), cfg.workflow.lease_timeout_s,
+                                       name=f"{place.prefix}-store")
+    except ray.exceptions.GetTimeoutError:
+        place.remove()
+        raise WaitTimeout("timed out after 120 s waiting for the store controller actor to start") from None
+
+
+def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, model_dir: str,
+                  rows: list[dict[str, Any]], out: str, reward_fn_path: str, threads: int, version: int) -> _Actors:
+    """Create the feeder, rollout, trainer and reward actors (in that order; without waiting for them)."""
+    import ray
+
+    prefix, opts = place.prefix, place.options
+    w = cfg.rollout.workers
+    rollout_cls: Any = ray.remote(RolloutWorker)
+    reward_cls: Any = ray.remote(RewardWorker)
+    trainer_cls: Any = ray.remote(TrainerWorker)
+    feeder_cls: Any = ray.remote(FeederWorker)
+    feeder_actor = feeder_cls.options(num_cpus=0, max_concurrency=1000, name=f"{prefix}-feeder").remote(
+        cfg, model_dir, ray.put(rows), out, store)
+    # rollout and reward actors (restartable) get the store and the feeder (which holds the prompt
+    # rows) by name, not as handles or object references
+    client = {"inline_max_bytes": store.inline_max_bytes, "rpc_grace_s": store.rpc_grace_s,
+              "data_plane": store.data_plane, "put_window": store.put_window}
+    store_by_name = Named(f"{prefix}-store", client)
+    feeder_by_name = Named(f"{prefix}-feeder")
+    rollout_actors = [
+        rollout_cls.options(**opts(i, f"rollout-{i}")).remote(i, cfg, model_dir, feeder_by_name, out,
+                                                               store_by_name, threads, version)
+        for i in range(w)
+    ]
+    trainer_actor = trainer_cls.options(**opts(w, "trainer")).remote(cfg, model_dir, threads)
+    reward_actors = [
+        reward_cls.options(**opts(w + 1 + j, f"reward-{j}")).remote(j, cfg, model_dir, feeder_by_name, out,
+                                                                     store_by_name, reward_fn_path)
+        for j in range(n_reward)
+    ]
+    return _Actors(rollout_actors, reward_actors, trainer_actor, feeder_actor)
+
+
+def _remember(actors: _Actors, store: Any, trainer: RemoteTrainEngine, prefix: str) -> None:
+    """Register every actor of the run by its Ray actor id, for the messages about its death."""
+    stages = actors.stages
+    for label, actor in [*zip(stages, [*actors.rollout, *actors.reward], strict=True), ("trainer", actors.trainer),
+                         ("feeder", actors.feeder), ("store controller", store.handle)]:
+        name = f"{prefix}-{'store' if actor is store.handle else label.replace('/', '-')}"
+        remember(actor, label, name, trainer if actor is actors.trainer else None)
+
+
+def _wait_ready(actors: _Actors, store: Any, place: Placement) -> tuple[list[Any], list[Any]]:
+    """Wait for every actor to be constructed: the rollout actors' capacities and the restartable
+    actors' process ids. On any failure, kill them all and free the placement group."""
+    import ray
+
+    stages, w = actors.stages, len(actors.rollout)
+    try:
+        capacities = _ready([a.ready.remote() for a in actors.rollout], stages[:w])
+        _ready([actors.trainer.ready.remote(), actors.feeder.ready.remote(), *(a.ready.remote() for a in actors.reward)],
+               ["trainer", "feeder", *stages[w:]])
+        pids = _ready([a.pid.remote() for a in [*actors.rollout, *actors.reward]], stages)
+    except BaseException:
+        for a in [*actors.rollout, actors.trainer, actors.feeder, *actors.reward, store.handle]:
+            forget(a)
+        for a in [*actors.rollout, actors.trainer, actors.feeder, *actors.reward]:
+            ray.kill(a)
+        store.kill()
+        place.remove()
+        raise
+    return capacities, pids
 
 
 def _ready(refs: list[Any], names: list[str]) -> list[Any]:
