@@ -120,7 +120,7 @@ def _actor_death(exc: BaseException) -> str | None:
     controller's, seen by the driver's own store call); None for anything else."""
     if "ray" not in sys.modules:
         return None
-    from asyncflow.runtime.ray_runtime import actor_death
+    from asyncflow.runtime.ray_errors import actor_death
 
     return actor_death(exc)
 

@@ -381,7 +381,7 @@ def test_workers_a_local_ray_can_never_hold_are_refused_at_once(ray_session, ari
     from asyncflow.config import load_config
     from asyncflow.errors import UserError
     from asyncflow.runner import train
-    from asyncflow.runtime.ray_runtime import _check_placeable
+    from asyncflow.runtime.ray_placement import check_placeable
 
     assert ray_session.cluster_resources().get("GPU", 0) == 0
     cfg, _ = load_config(None, [f"model.path={arith_dir}", "runtime.kind=ray", "runtime.rollout_gpus=1",
@@ -393,10 +393,10 @@ def test_workers_a_local_ray_can_never_hold_are_refused_at_once(ray_session, ari
     assert not ray_session.util.placement_group_table() or all(
         pg["state"] == "REMOVED" for pg in ray_session.util.placement_group_table().values())
     with pytest.raises(UserError, match=r"^runtime.placement_strategy: STRICT_SPREAD puts each of the 2 worker"):
-        _check_placeable([{"CPU": 1.0}, {"CPU": 1.0}], "STRICT_SPREAD", {"CPU": 4.0}, nodes=1)
+        check_placeable([{"CPU": 1.0}, {"CPU": 1.0}], "STRICT_SPREAD", {"CPU": 4.0}, nodes=1)
     with pytest.raises(UserError, match=r"^runtime.rollout_cpus / .*: the workers need 3 CPU\(s\) in all; this Ray has 2"):
-        _check_placeable([{"CPU": 1.5}, {"CPU": 1.5}], "PACK", {"CPU": 2.0}, nodes=1)
-    _check_placeable([{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}], "SPREAD", {"CPU": 2.0, "GPU": 1.0}, nodes=2)
+        check_placeable([{"CPU": 1.5}, {"CPU": 1.5}], "PACK", {"CPU": 2.0}, nodes=1)
+    check_placeable([{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}], "SPREAD", {"CPU": 2.0, "GPU": 1.0}, nodes=2)
 
 
 @pytest.mark.slow
@@ -560,7 +560,7 @@ def test_responses_whose_writer_died_are_marked_cancelled_not_lost_with_it(ray_s
 
     import ray
 
-    from asyncflow.runtime.ray_runtime import _actor_id
+    from asyncflow.runtime.ray_errors import actor_id
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
 
     store = RayTransferQueue.create(capacity=64, owner_check_s=60.0)
@@ -588,7 +588,7 @@ def test_responses_whose_writer_died_are_marked_cancelled_not_lost_with_it(ray_s
         assert sorted(len(s.fields["response_ids"]) for s in lease.samples) == [0, 0, 0, 0]
         assert {s.fields["finish_reason"] for s in lease.samples} == {"cancelled"}
         store.release(lease)
-        store.release_owner(_actor_id(writer))  # (the supervisor, once the new process answers)
+        store.release_owner(actor_id(writer))  # (the supervisor, once the new process answers)
         lease = store.take_blocking("train", 4, min_samples=4, timeout=10, fields_extra=["finish_reason"])
         assert {s.fields["finish_reason"] for s in lease.samples} == {"cancelled"}
         assert store.metrics()["lost_with_dead_writer"] == 4.0 and store.metrics()["blobs"] == 0

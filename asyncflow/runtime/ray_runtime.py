@@ -34,645 +34,57 @@ bounded and says what it waited for.
 Assumptions on a cluster: the model folder, the dataset and the run folder are on storage every node
 sees (the actors read the model and append to `samples.jsonl` themselves), and the trace's spans use
 each process's monotonic clock, which is one time line only within a machine.
+
+This module is `RayWorkers` (start, supervise and restart, collect, shut down). The actor classes are
+in `ray_actors`, the driver's proxies on them in `ray_remote`, the bundles and actor options in
+`ray_placement`, and the messages about an actor's death in `ray_errors`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
 import secrets
-import sys
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-
 from asyncflow.config import Config, episodic
-from asyncflow.engines.base import (
-    GenRequest,
-    GenResult,
-    InferenceEngine,
-    LossFn,
-    TrainBatch,
-    TrainEngine,
-    pick_device,
-    quiet_transformers,
-)
-from asyncflow.errors import RunFailed, TrainerDied, UserError, WaitTimeout
+from asyncflow.errors import RunFailed, UserError, WaitTimeout
 from asyncflow.runtime.base import RuntimeSetup
+from asyncflow.runtime.ray_actors import (
+    POLL_S,
+    READY_TIMEOUT_S,
+    FeederWorker,
+    Named,
+    RewardWorker,
+    RolloutWorker,
+    TrainerWorker,
+    actor_device,
+)
+from asyncflow.runtime.ray_errors import (
+    actor_death,
+    actor_id,
+    death_error,
+    forget,
+    one_line,
+    remember,
+    stage_error,
+    who_died,
+    why_died,
+)
+from asyncflow.runtime.ray_placement import Placement, reserve
+from asyncflow.runtime.ray_remote import RemoteEngine, RemoteGate, RemoteTrainEngine, retrieve
 
-READY_TIMEOUT_S = 300.0  # an actor starting (or restarting: a new process loads the model again)
+# importable from here as before the split (the actor classes, proxies and helpers live in ray_*.py)
+__all__ = [
+    "READY_TIMEOUT_S", "STORE_CALL_TIMEOUT_S", "FeederWorker", "RayWorkers", "RemoteEngine", "RemoteGate",
+    "RemoteTrainEngine", "RewardWorker", "RolloutWorker", "TrainerWorker", "actor_death", "actor_device",
+]
+
 STORE_CALL_TIMEOUT_S = 60.0  # one supervision call to the store controller
-_POLL_S = 0.1  # how often a wait for a restarting actor looks again
-
-
-@dataclass
-class _Known:
-    """An actor of a running `RayWorkers`, for messages about its death."""
-
-    label: str  # "rollout/0", "trainer", "store controller", ...
-    name: str  # its Ray name
-    trainer: RemoteTrainEngine | None = None
-
-
-_KNOWN: dict[str, _Known] = {}  # Ray actor id (hex) -> what it is
-
-
-def _actor_id(handle: Any) -> str:
-    return str(handle._actor_id.hex())
-
-
-def _one_line(text: str, limit: int = 400) -> str:
-    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _why(exc: BaseException) -> str:
-    """Why a Ray actor error says its actor died, in a few words."""
-    import ray
-
-    text = str(exc)
-    kind = type(exc).__name__
-    if isinstance(exc, ray.exceptions.ActorUnavailableError):
-        detail = text.split("temporarily unavailable:", 1)[-1].split(". ")[0].strip()
-        return f"{kind}: {detail.removeprefix('IOError: ')}"
-    if "killed by `ray.kill`" in text:
-        return f"{kind}: killed by ray.kill"
-    for marker in ("Worker exit detail: ", "The actor is dead because "):
-        if marker in text:
-            text = text.split(marker, 1)[1]
-            break
-    if " Some common causes include" in text:
-        text = text.split(" Some common causes include")[0] + " (the OOM killer, a crash or `ray stop`?)"
-    return f"{kind}: {_one_line(text, 300)}"
-
-
-def _who(exc: BaseException) -> tuple[str, _Known | None]:
-    """'the trainer actor (asyncflow-1a2b3c4d-trainer)', and what the actor is if this run knows it."""
-    known = _KNOWN.get(str(getattr(exc, "actor_id", None)))
-    if known is not None:
-        return f"the {known.label} actor ({known.name})", known
-    fields = dict(
-        line.strip().split(": ", 1) for line in str(exc).splitlines() if line.startswith("\t") and ": " in line
-    )
-    if "class_name" in fields:
-        return f"the {fields['class_name']} actor" + (f" ({fields['name']})" if "name" in fields else ""), None
-    return "a Ray actor", None
-
-
-def _dead_actor_error(exc: BaseException) -> BaseException | None:
-    """The `RayActorError` in `exc` (itself, or the cause of a task error), or None."""
-    import ray
-
-    cause = getattr(exc, "cause", None)
-    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, ray.exceptions.RayActorError):
-        return cause
-    return exc if isinstance(exc, ray.exceptions.RayActorError) else None
-
-
-def actor_death(exc: BaseException) -> str | None:
-    """One line saying which actor died and why, for a Ray actor error (or a task error caused by
-    one; e.g. the store controller's death seen through a store call); None for anything else."""
-    err = _dead_actor_error(exc)
-    if err is None:
-        return None
-    who, _ = _who(err)
-    return f"{who} died ({_why(err)})"
-
-
-def _death_error(exc: BaseException, context: str = "") -> RunFailed:
-    """The run's error for an actor's death: `TrainerDied` for the trainer, else `RunFailed`."""
-    err = _dead_actor_error(exc) or exc
-    _, known = _who(err)
-    if known is not None and known.trainer is not None:
-        return known.trainer.died(err, "export its weights")
-    return RunFailed(f"{context}{actor_death(err) or _one_line(str(err))}")
-
-
-def _tokenizer(model_dir: Path) -> Any:
-    from asyncflow.tokenizer import Tokenizer, load_tokenizer
-
-    return Tokenizer.of(load_tokenizer(model_dir), model_dir)
-
-
-@dataclass
-class _Named:
-    """Another actor of the run by its Ray name, as a constructor argument of a rollout or reward actor:
-    a restarted actor is constructed again from its arguments and finds the store and the feeder
-    again by name (arguments holding object references or actor handles are what ray-project/ray#53727
-    is about, and Ray warns about them for actors with restarts)."""
-
-    name: str
-    store_options: dict[str, Any] | None = None  # set: the store controller, wrapped in a client
-
-    def get(self) -> Any:
-        import ray
-
-        from asyncflow.transfer_queue.ray_store import RayTransferQueue
-
-        handle = ray.get_actor(self.name)
-        return handle if self.store_options is None else RayTransferQueue(handle, **self.store_options)
-
-
-def _store(store: Any) -> Any:
-    return store.get() if isinstance(store, _Named) else store
-
-
-def _rows(rows: Any) -> list[dict[str, Any]]:
-    """The prompt rows, given as such or as the feeder actor (`_Named`), which holds them."""
-    if not isinstance(rows, _Named):
-        return list(rows)
-    import ray
-
-    try:
-        return list(ray.get(rows.get().rows.remote(), timeout=READY_TIMEOUT_S))
-    except ray.exceptions.GetTimeoutError:
-        raise WaitTimeout(f"timed out after {READY_TIMEOUT_S:.0f} s waiting for the feeder actor ({rows.name}) "
-                          "to hand over the prompt rows") from None
-
-
-def _stage_pipeline(cfg: Config, rows: Any, model_dir: Path, out: Path, store: Any,
-                    engines: list[Any], reward_fn: Any = None) -> Any:
-    """A `Pipeline` holding only what one remote stage needs."""
-    from asyncflow.clock import RealClock
-    from asyncflow.data import model_positions
-    from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, RunLog, Tracer
-    from asyncflow.workflow.pipeline import Pipeline
-
-    clock = RealClock()
-    pipeline = Pipeline(
-        cfg, rows=_rows(rows), tokenizer=_tokenizer(model_dir), reward_fn=reward_fn, engines=engines,
-        trainer=None, loss_fn=None, clock=clock, log=RunLog(out, metrics=False),  # type: ignore[arg-type]
-        tracer=Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS), store=_store(store),
-    )
-    pipeline.max_context = model_positions(model_dir)
-    return pipeline
-
-
-class RolloutWorker:
-    """Actor: one inference engine and the rollout loop that feeds it from the store."""
-
-    def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
-                 store: Any, threads: int, version: int = 0) -> None:
-        from asyncflow.engines.factory import make_inference_engine
-
-        quiet_transformers()
-
-        # The engine's decode thread releases the GIL at every torch op; with the default 5 ms switch
-        # interval it then waits behind this actor's event loop (store calls, one task per sample).
-        # 1 ms measured 0.84 -> 0.68 s for 256 requests through this actor.
-        sys.setswitchinterval(0.001)
-        torch.set_num_threads(threads)
-        torch.manual_seed(cfg.seed + index)
-        tok = _tokenizer(Path(model_dir))
-        self.index = index
-        self.engine = make_inference_engine(cfg, Path(model_dir), tok, index, version,
-                                            device=actor_device(cfg.model.device, cfg.runtime.rollout_gpus))
-        self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [self.engine])
-
-    def ready(self) -> int:
-        return self.engine.capacity
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    async def run(self) -> None:
-        # diagnostics: the policy version the loop starts at (a restarted actor: the version the
-        # driver loaded into it first)
-        self.run_versions = [*getattr(self, "run_versions", []), self.engine.version]
-        await self.pipeline.rollout_worker(self.index, self.engine)
-
-    async def generate(self, request: GenRequest) -> GenResult:
-        return await self.engine.generate(request)
-
-    async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: str) -> dict[str, float]:
-        seconds = await self.engine.load_weights(state, version, mode)  # type: ignore[arg-type]
-        return {"seconds": seconds, **self.stats()}
-
-    def cancel_older_than(self, min_version: int) -> int:
-        self.pipeline.floor = max(self.pipeline.floor, min_version)  # (this actor's episodes check it per turn)
-        return self.engine.cancel_older_than(min_version)
-
-    def stats(self) -> dict[str, float]:
-        return {"busy_s": self.engine.busy_seconds(), "load": float(self.engine.load()), **self.engine.stats()}
-
-    def spans(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
-        return self.pipeline.tracer.raw()
-
-    async def close(self) -> None:
-        await self.engine.close()
-
-
-class FeederWorker:
-    """Actor: the feeder and the staleness gate it admits against (the trainer loop in the driver
-    publishes versions and drops to it through `RemoteGate`)."""
-
-    def __init__(self, cfg: Config, model_dir: str, rows: Any, out: str, store: Any) -> None:
-        torch.set_num_threads(1)
-        self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [])
-
-    def ready(self) -> bool:
-        return True
-
-    def rows(self) -> list[dict[str, Any]]:
-        """The prompt rows, for the rollout and reward actors (again after a restart)."""
-        return list(self.pipeline.rows)
-
-    async def run(self) -> None:
-        await self.pipeline.feeder()
-
-    def restore(self, next_group: int, version: int, admitted: int) -> None:
-        """Resume from a checkpoint (before `run`): see `Pipeline.restore_feeder`."""
-        self.pipeline.restore_feeder(next_group, version, admitted)
-
-    def publish(self, version: int) -> None:
-        self.pipeline.gate.publish(version)
-
-    def drop(self, groups: int) -> None:
-        self.pipeline.gate.drop(groups)
-
-    def close(self) -> None:
-        self.pipeline.gate.close()
-
-
-class RemoteGate:
-    """The trainer loop's view of the feeder actor's `StalenessGate` (updates sent without waiting;
-    the gate's `publish` never goes back, so their order does not matter)."""
-
-    def __init__(self, handle: Any, max_staleness: int) -> None:
-        self.handle = handle
-        self.max_staleness = max_staleness
-        self.closed = False
-
-    def drop(self, groups: int = 1) -> None:
-        self.handle.drop.remote(groups)
-
-    def publish(self, version: int) -> None:
-        self.handle.publish.remote(version)
-
-    def min_version(self, trainer_version: int) -> int:
-        return trainer_version - self.max_staleness
-
-    def close(self) -> None:
-        self.closed = True
-        self.handle.close.remote()
-
-
-class RewardWorker:
-    """Actor: the reward loop (one reward-function call per complete group)."""
-
-    def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
-                 store: Any, reward_fn_path: str) -> None:
-        from asyncflow.rewards import load_reward_fn
-
-        torch.set_num_threads(1)
-        self.index = index
-        reward_fn = load_reward_fn(reward_fn_path, [model_dir])
-        self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [], reward_fn)
-
-    def ready(self) -> bool:
-        return True
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    async def run(self) -> None:
-        await self.pipeline.reward_worker()
-
-    def stats(self) -> dict[str, float]:
-        c = self.pipeline.counters
-        return {"reward_calls": float(c.reward_calls), "reward_call_failures": float(c.reward_call_failures)}
-
-    def spans(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
-        return [(f"{t}/{self.index}" if t == "reward" else t, *rest) for t, *rest in self.pipeline.tracer.raw()]
-
-
-def actor_device(setting: str, gpus: float) -> str:
-    """An actor's device under `model.device`: a GPU only when Ray gave it one (`gpus` > 0). Ray 2.x
-    no longer hides the node's GPUs from an actor given none (CUDA_VISIBLE_DEVICES is left as it
-    is), so `auto` alone would put every such actor on GPU 0, which Ray never reserved for it."""
-    return pick_device(setting) if gpus > 0 else "cpu"
-
-
-class TrainerWorker:
-    """Actor: the policy's optimizer state and weights."""
-
-    def __init__(self, cfg: Config, model_dir: str, threads: int) -> None:
-        from asyncflow.engines.factory import make_train_engine
-
-        quiet_transformers()
-
-        torch.set_num_threads(threads)
-        torch.manual_seed(cfg.seed)
-        self.engine = make_train_engine(cfg, Path(model_dir), threads=threads,
-                                        device=actor_device(cfg.model.device, cfg.runtime.train_gpus))
-
-    def ready(self) -> bool:
-        return True
-
-    def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
-        return self.engine.logprobs(batch, temperature)
-
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        return self.engine.train_step(batch, loss_fn, temperature)
-
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        return self.engine.export_weights()
-
-    def save(self, path: str, with_optimizer: bool) -> None:
-        self.engine.save(path, with_optimizer=with_optimizer)
-
-    def load_optimizer(self, path: str) -> None:
-        self.engine.load_optimizer(path)
-
-
-class RemoteEngine(InferenceEngine):
-    """The driver's handle on a `RolloutWorker`: the `InferenceEngine` interface over Ray calls.
-
-    Survives a restart of its actor (see `RayWorkers`): every publication is remembered (`latest`),
-    also one the actor could not take; while the actor is down (`mark_down`) loads are skipped and
-    requests wait; `restarted` loads the latest weights into the new process and lets requests through
-    again. Loads are serialized and never replace a newer version with an older one. Holding `latest`
-    keeps the newest weights in the object store until the next publication replaces them.
-    """
-
-    _CUMULATIVE = ("busy_s", "decode_steps", "decode_rows", "prefills", "prefill_rows")
-
-    def __init__(self, handle: Any, capacity: int, timeout_s: float, name: str = "rollout actor",
-                 version: int = 0) -> None:
-        self.handle = handle
-        self.name = name
-        self.actor_id = _actor_id(handle)
-        self.version = version
-        self._start_version = version  # what a (re)started process holds: the weights it was constructed from
-        self._capacity = capacity
-        self._timeout = timeout_s
-        self.last_stats: dict[str, float] = {"busy_s": 0.0, "load": 0.0}
-        self._base: dict[str, float] = {}  # cumulative stats of the actor's earlier (dead) processes
-        self.latest: tuple[Any, int, Any] | None = None  # (weights ref, version, mode) of the newest publication
-        self.down = False  # the actor died; the supervisor has not brought it back yet
-        self.gone: str | None = None  # the actor is dead for good: why
-        self.supervised = False  # a supervisor restarts the actor when it dies (while the run's stages run)
-        # unsupervised (evaluations before and after the stages): what brings the actor back (`RayWorkers`)
-        self.restart: Callable[[BaseException], Awaitable[None]] | None = None
-        self._restarting: asyncio.Future[None] | None = None
-        self.incarnation = 0  # restarts seen
-        self._lock = asyncio.Lock()  # one weight load at a time
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    def _own(self, exc: BaseException) -> bool:
-        """Whether a Ray actor error is about this engine's actor (not, e.g., the trainer that
-        produced a weights reference)."""
-        return str(getattr(exc, "actor_id", None)) == self.actor_id
-
-    async def _until_up(self, what: str, after: int = -1) -> None:
-        """Wait (bounded) until the actor is up, and restarted since incarnation `after` if given."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while self.down or self.incarnation <= after:
-            if self.gone is not None:
-                raise RunFailed(self.gone)
-            if time.monotonic() > deadline:
-                raise WaitTimeout(f"timed out after {READY_TIMEOUT_S:.0f} s waiting for {self.name} to come back "
-                                  f"after it died, to {what}")
-            await asyncio.sleep(_POLL_S)
-
-    async def generate(self, request: GenRequest) -> GenResult:
-        """A request that meets a dead actor is sent again once the supervisor has restarted it."""
-        import ray
-
-        what = f"generate request {request.uid}"
-        while True:
-            await self._until_up(what)
-            seen = self.incarnation
-            ref = self.handle.generate.remote(request)
-            try:
-                result: GenResult = await asyncio.wait_for(ref, self._timeout)
-                return result
-            except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-                # abandoned (timed out, or its caller cancelled): cancelling here does not reach the
-                # actor's task, which would decode to its end for nobody
-                with contextlib.suppress(Exception):
-                    ray.cancel(ref)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                raise WaitTimeout(f"timed out after {self._timeout:.0f} s waiting for {self.name} to {what}") from None
-            except ray.exceptions.RayTaskError:
-                raise
-            except ray.exceptions.RayActorError as exc:
-                if not self._own(exc):
-                    raise _death_error(exc) from exc
-                if not self.supervised:  # (no supervisor brings it back: this request does, once for all)
-                    if self.restart is None:
-                        raise _death_error(exc) from exc
-                    if self.incarnation == seen and (self._restarting is None or self._restarting.done()):
-                        self._restarting = asyncio.ensure_future(self.restart(exc))
-                        self._restarting.add_done_callback(_retrieve)
-                await self._until_up(what, after=seen)
-
-    async def _unless_down(self, ref: Any, what: str) -> Any:
-        """The call's result; None if the actor dies (or is marked down) meanwhile."""
-        import ray
-
-        fut = asyncio.ensure_future(ref)
-        deadline = time.monotonic() + self._timeout
-        while not fut.done():
-            if self.down:
-                fut.add_done_callback(_retrieve)
-                return None
-            if time.monotonic() > deadline:
-                fut.add_done_callback(_retrieve)
-                raise WaitTimeout(f"timed out after {self._timeout:.0f} s waiting for {self.name} to {what}")
-            await asyncio.wait({fut}, timeout=_POLL_S)
-        try:
-            return fut.result()
-        except ray.exceptions.RayTaskError as exc:
-            if _dead_actor_error(exc) is not None:  # e.g. the trainer died before its weights were stored
-                raise _death_error(exc) from exc
-            raise
-        except ray.exceptions.RayActorError as exc:
-            if self._own(exc):
-                return None  # dead or restarting: the supervisor loads the latest weights when it is back
-            raise _death_error(exc) from exc
-
-    async def load_weights(self, state: Any, version: int, mode: Any) -> float:
-        """`state` is the object-store reference from `RemoteTrainEngine.export_weights`: the actor
-        fetches the weights itself, so the driver never holds them. Skipped (0 s) while the actor is
-        dead or restarting, and for a version older than the one loaded."""
-        if self.latest is None or version >= self.latest[1]:
-            self.latest = (state, version, mode)
-        async with self._lock:
-            if self.down or version < self.version:
-                return 0.0
-            reply = await self._unless_down(self.handle.load_weights.remote(state, version, mode),
-                                            f"load policy version {version}")
-            if reply is None:
-                return 0.0
-            self.version = version
-            self.last_stats = reply
-            return float(reply["seconds"])
-
-    def mark_down(self) -> None:
-        """The supervisor saw the actor die: skip loads, hold requests until `restarted`."""
-        self.down = True
-
-    async def restarted(self) -> int | None:
-        """The supervisor saw the actor come back (a new process at the weights it was constructed
-        from: the base model, or a resumed run's checkpoint): keep the dead
-        process's counters, load the latest published weights before anything else reaches it, and
-        let requests through again. Returns the version loaded (None: nothing published yet)."""
-        import ray
-
-        async with self._lock:
-            for k in self._CUMULATIVE:
-                self._base[k] = self._base.get(k, 0.0) + float(self.last_stats.get(k, 0.0))
-            self.last_stats = {"busy_s": 0.0, "load": 0.0}
-            self.version = self._start_version
-            loaded = None
-            if self.latest is not None:
-                state, version, mode = self.latest
-                try:
-                    reply = await asyncio.wait_for(self.handle.load_weights.remote(state, version, mode), self._timeout)
-                except asyncio.TimeoutError:
-                    raise WaitTimeout(f"timed out after {self._timeout:.0f} s waiting for the restarted {self.name} "
-                                      f"to load policy version {version}") from None
-                except ray.exceptions.RayActorError as exc:
-                    if self._own(exc):
-                        raise RunFailed(f"{self.name} died again while loading policy version {version} "
-                                        f"after its restart ({_why(exc)})") from exc
-                    raise _death_error(exc) from exc
-                self.version = version
-                self.last_stats = reply
-                loaded = version
-            self.down = False
-            self.incarnation += 1
-        return loaded
-
-    def cancel_older_than(self, min_version: int) -> int:
-        """Sent without waiting (the cancelled samples reach the trainer, which counts them); not
-        sent while the actor is down (a restarted engine holds no requests)."""
-        if self.down or self.gone is not None:
-            return 0
-        import ray
-
-        with contextlib.suppress(ray.exceptions.RayError):
-            _forget(self.handle.cancel_older_than.remote(min_version))
-        return 0
-
-    def load(self) -> int:
-        return int(self.last_stats["load"])
-
-    def busy_seconds(self) -> float:
-        """As of the last weight load (the workflow reads it right after a publication), over all
-        the actor's processes."""
-        return self._base.get("busy_s", 0.0) + float(self.last_stats["busy_s"])
-
-    def stats(self) -> dict[str, float]:
-        """As of the last weight load, over all the actor's processes."""
-        keys = ("decode_steps", "decode_rows", "prefills", "prefill_rows")
-        return {k: self._base.get(k, 0.0) + float(self.last_stats.get(k, 0.0))
-                for k in keys if k in self.last_stats or k in self._base}
-
-    async def close(self) -> None:
-        import ray
-
-        if self.down or self.gone is not None:
-            return
-        with contextlib.suppress(ray.exceptions.RayActorError, asyncio.TimeoutError):
-            await asyncio.wait_for(self.handle.close.remote(), 30)
-
-
-def _retrieve(fut: Any) -> None:
-    """Done callback: take a future's exception so nothing reports it as never retrieved."""
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _forget(ref: Any) -> None:
-    """A fire-and-forget call's error is retrieved (and dropped) instead of logged as unhandled."""
-    ref.future().add_done_callback(_retrieve)
-
-
-class RemoteTrainEngine(TrainEngine):
-    """The driver's handle on the `TrainerWorker`.
-
-    `steps` (train steps done) and `exported` (weight exports = policy versions) count from this
-    engine's start, for the message of `TrainerDied`; a resumed run may set them to where it resumed.
-    """
-
-    def __init__(self, handle: Any, timeout_s: float, name: str = "trainer") -> None:
-        self.handle = handle
-        self.timeout = timeout_s
-        self.name = name
-        self.steps = 0
-        self.exported = 0
-
-    def died(self, exc: BaseException, what: str) -> TrainerDied:
-        """The error for the trainer actor's death, found while waiting for it to do `what`."""
-        if what == "export its weights":  # seen by a rollout actor fetching them
-            step, version = self.steps, self.exported - 1
-            when = f"after train step {step}, while the rollout actors fetched its weights of policy version {version + 1}"
-        elif what == "save the model":
-            step, version = self.steps, self.exported
-            when = f"after train step {step}, while it saved the model"
-        else:
-            step, version = self.steps + 1, self.exported
-            when = f"in train step {step}, while the driver waited for it to {what}"
-        return TrainerDied(f"the trainer actor ({self.name}) died {when}; the last policy version it exported is "
-                           f"{version} ({_why(exc)})", step=step, version=version)
-
-    def _get(self, ref: Any, what: str) -> Any:
-        import ray
-
-        try:
-            return ray.get(ref, timeout=self.timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise WaitTimeout(f"timed out after {self.timeout:.0f} s waiting for the trainer actor to {what}") from None
-        except ray.exceptions.RayTaskError:
-            raise  # an error in the trainer's code: its traceback is what helps
-        except ray.exceptions.RayActorError as exc:
-            raise self.died(exc, what) from exc
-
-    def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
-        return self._get(self.handle.logprobs.remote(batch, temperature), "compute log-probs")  # type: ignore[no-any-return]
-
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        metrics = self._get(self.handle.train_step.remote(batch, loss_fn, temperature), "train a step")
-        self.steps += 1
-        return metrics  # type: ignore[no-any-return]
-
-    def export_weights(self) -> Any:
-        """An object-store reference to the new weights (published once; engines fetch it)."""
-        self.exported += 1
-        return self.handle.export_weights.remote()
-
-    def save(self, path: str, *, with_optimizer: bool) -> None:
-        self._get(self.handle.save.remote(path, with_optimizer), "save the model")
-
-    def load_optimizer(self, path: str) -> None:
-        self._get(self.handle.load_optimizer.remote(path), "load the optimizer state")
-
-
-def _check_placeable(bundles: list[dict[str, float]], strategy: str, total: dict[str, float], nodes: int) -> None:
-    """Refuse, in one line, worker bundles a Ray of fixed size can never place (more GPUs or CPUs than it
-    has, or STRICT_SPREAD over more bundles than nodes): the placement group waited
-    `runtime.placement_timeout_s` (2 minutes by default) before saying so."""
-    for res, keys in (("GPU", "runtime.rollout_gpus / runtime.train_gpus"),
-                      ("CPU", "runtime.rollout_cpus / runtime.train_cpus / runtime.reward_cpus")):
-        want = sum(b.get(res, 0.0) for b in bundles)
-        if want > total.get(res, 0.0) + 1e-9:
-            raise UserError(f"{keys}: the workers need {want:g} {res}(s) in all; this Ray has {total.get(res, 0.0):g} "
-                            f"(runtime.address: null starts a local Ray of this machine's)")
-    if strategy == "STRICT_SPREAD" and len(bundles) > nodes:
-        raise UserError(f"runtime.placement_strategy: STRICT_SPREAD puts each of the {len(bundles)} worker bundles "
-                        f"on its own node; this Ray has {nodes} node(s)")
 
 
 @dataclass
@@ -716,106 +128,31 @@ class RayWorkers:
               threads: int, log: Any = print, version: int = 0) -> RayWorkers:
         """Start (or join) Ray, reserve a placement group, start the store and every actor. The policy's
         weights come from `model_dir` as `version` (a resumed run's checkpoint)."""
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         from asyncflow.runtime.ray_init import ensure_ray
-        from asyncflow.transfer_queue.ray_store import RayTransferQueue
-        from asyncflow.workflow.pipeline import store_capacity
 
         rt = cfg.runtime
         n_reward = 0 if episodic(cfg) else rt.reward_workers  # episodes carry their reward
         need = rt.rollout_cpus * cfg.rollout.workers + rt.train_cpus + rt.reward_cpus * n_reward
         t0 = time.monotonic()
         ensure_ray(rt.address, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
-        roles = [("rollout", rt.rollout_cpus, rt.rollout_gpus)] * cfg.rollout.workers + [("train", rt.train_cpus, rt.train_gpus)]
-        roles += [("reward", rt.reward_cpus, 0.0)] * n_reward
-        bundles = [{k: v for k, v in (("CPU", c), ("GPU", g)) if v > 0} for _, c, g in roles]
-        placed = [i for i, b in enumerate(bundles) if b]
-        pg = None
-        if placed:
-            if rt.address is None:  # a local Ray holds all it ever will: what it cannot hold is refused now
-                _check_placeable([bundles[i] for i in placed], rt.placement_strategy, ray.cluster_resources(),
-                                 sum(1 for node in ray.nodes() if node.get("Alive")))
-            pg = placement_group([bundles[i] for i in placed], strategy=rt.placement_strategy)
-            if not pg.wait(timeout_seconds=rt.placement_timeout_s):
-                remove_placement_group(pg)
-                raise UserError(
-                    f"runtime: Ray cannot place the worker bundles {[bundles[i] for i in placed]} within "
-                    f"runtime.placement_timeout_s ({rt.placement_timeout_s:g} s; cluster resources: "
-                    f"{ray.cluster_resources()}); lower runtime.*_cpus / *_gpus, add nodes or raise the timeout"
-                )
-        prefix = f"asyncflow-{secrets.token_hex(4)}"
-
-        def opts(i: int, name: str) -> dict[str, Any]:
-            role, c, g = roles[i]
-            o: dict[str, Any] = {"num_cpus": c, "num_gpus": g, "max_concurrency": 1000 if role != "train" else 1,
-                                 "name": f"{prefix}-{name}"}
-            if role in ("rollout", "reward"):  # restarted by Ray, then brought back into the run by `_supervise`
-                o.update(max_restarts=rt.max_restarts, max_task_retries=0)
-            if pg is not None and i in placed:
-                o["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=placed.index(i))
-            return o
-
-        try:
-            store = RayTransferQueue.create(store_capacity(cfg), cfg.workflow.lease_timeout_s, name=f"{prefix}-store")
-        except ray.exceptions.GetTimeoutError:
-            if pg is not None:
-                remove_placement_group(pg)
-            raise WaitTimeout("timed out after 120 s waiting for the store controller actor to start") from None
-        w = cfg.rollout.workers
-        rollout_cls: Any = ray.remote(RolloutWorker)
-        reward_cls: Any = ray.remote(RewardWorker)
-        trainer_cls: Any = ray.remote(TrainerWorker)
-        feeder_cls: Any = ray.remote(FeederWorker)
-        feeder_actor = feeder_cls.options(num_cpus=0, max_concurrency=1000, name=f"{prefix}-feeder").remote(
-            cfg, str(model_dir), ray.put(rows), str(out), store)
-        # rollout and reward actors (restartable) get the store and the feeder (which holds the prompt
-        # rows) by name, not as handles or object references
-        client = {"inline_max_bytes": store.inline_max_bytes, "rpc_grace_s": store.rpc_grace_s,
-                  "data_plane": store.data_plane, "put_window": store.put_window}
-        store_by_name = _Named(f"{prefix}-store", client)
-        feeder_by_name = _Named(f"{prefix}-feeder")
-        rollout_actors = [
-            rollout_cls.options(**opts(i, f"rollout-{i}")).remote(i, cfg, str(model_dir), feeder_by_name, str(out),
-                                                                   store_by_name, threads, version)
-            for i in range(w)
-        ]
-        trainer_actor = trainer_cls.options(**opts(w, "trainer")).remote(cfg, str(model_dir), threads)
-        reward_actors = [
-            reward_cls.options(**opts(w + 1 + j, f"reward-{j}")).remote(j, cfg, str(model_dir), feeder_by_name, str(out),
-                                                                         store_by_name, reward_fn_path)
-            for j in range(n_reward)
-        ]
+        place = reserve(cfg, n_reward, prefix=f"asyncflow-{secrets.token_hex(4)}")
+        prefix = place.prefix
+        store = _start_store(cfg, place)
+        actors = _start_actors(cfg, place, store, n_reward, str(model_dir), rows, str(out), reward_fn_path,
+                               threads, version)
         timeout = cfg.workflow.step_timeout_s
-        trainer = RemoteTrainEngine(trainer_actor, timeout, name=f"{prefix}-trainer")
-        stages = [f"rollout/{i}" for i in range(w)] + [f"reward/{j}" for j in range(n_reward)]
-        for label, actor in [*zip(stages, [*rollout_actors, *reward_actors], strict=True), ("trainer", trainer_actor),
-                             ("feeder", feeder_actor), ("store controller", store.handle)]:
-            name = f"{prefix}-{'store' if actor is store.handle else label.replace('/', '-')}"
-            _KNOWN[_actor_id(actor)] = _Known(label, name, trainer if actor is trainer_actor else None)
-        try:
-            capacities = _ready([a.ready.remote() for a in rollout_actors], stages[:w])
-            _ready([trainer_actor.ready.remote(), feeder_actor.ready.remote(), *(a.ready.remote() for a in reward_actors)],
-                   ["trainer", "feeder", *stages[w:]])
-            pids = _ready([a.pid.remote() for a in [*rollout_actors, *reward_actors]], stages)
-        except BaseException:
-            for a in [*rollout_actors, trainer_actor, feeder_actor, *reward_actors, store.handle]:
-                _KNOWN.pop(_actor_id(a), None)
-            for a in [*rollout_actors, trainer_actor, feeder_actor, *reward_actors]:
-                ray.kill(a)
-            store.kill()
-            if pg is not None:
-                remove_placement_group(pg)
-            raise
+        trainer = RemoteTrainEngine(actors.trainer, timeout, name=f"{prefix}-trainer")
+        _remember(actors, store, trainer, prefix)
+        capacities, pids = _wait_ready(actors, store, place)
+        stages, w = actors.stages, cfg.rollout.workers
         engines = [RemoteEngine(a, int(c), timeout, name=f"the rollout/{i} actor ({prefix}-rollout-{i})", version=version)
-                   for i, (a, c) in enumerate(zip(rollout_actors, capacities, strict=True))]
+                   for i, (a, c) in enumerate(zip(actors.rollout, capacities, strict=True))]
         log(f"[asyncflow] ray: feeder, {w} rollout, 1 trainer, {n_reward} reward actor(s) ready in "
             f"{time.monotonic() - t0:.1f} s (names {prefix}-*)")
-        return cls(store, engines, trainer, rollout_actors, reward_actors, trainer_actor, feeder_actor,
-                   RemoteGate(feeder_actor, cfg.staleness), pg, prefix=prefix, max_restarts=rt.max_restarts, log=log,
-                   restarts={s: 0 for s in stages}, pids=dict(zip(stages, map(int, pids), strict=True)))
+        return cls(store, engines, trainer, actors.rollout, actors.reward, actors.trainer, actors.feeder,
+                   RemoteGate(actors.feeder, cfg.staleness), place.group, prefix=prefix,
+                   max_restarts=rt.max_restarts, log=log, restarts={s: 0 for s in stages},
+                   pids=dict(zip(stages, map(int, pids), strict=True)))
 
     @classmethod
     async def launch(cls, setup: RuntimeSetup) -> RayWorkers:
@@ -862,12 +199,12 @@ class RayWorkers:
                     await ref
                     return
                 except ray.exceptions.RayTaskError as exc:  # first: a task error can also be a RayActorError
-                    raise _stage_error(stage, exc) from exc
+                    raise stage_error(stage, exc) from exc
                 except ray.exceptions.RayActorError as exc:
                     # shielded: if the run ends meanwhile, the restart still completes (bounded), so
                     # the final evaluation finds the engine back, with the latest weights
                     restart = asyncio.ensure_future(self._restart(stage, actor, engine, exc))
-                    restart.add_done_callback(_retrieve)
+                    restart.add_done_callback(retrieve)
                     await asyncio.shield(restart)
         finally:
             if engine is not None:
@@ -876,7 +213,7 @@ class RayWorkers:
     async def _restart(self, stage: str, actor: Any, engine: RemoteEngine | None, exc: BaseException) -> None:
         """After `stage`'s actor died: wait for Ray's restart, give the dead process's leases back
         to the queue, load the latest weights into a rollout actor, log one line."""
-        who, _ = _who(exc)
+        who = who_died(exc)
         if engine is not None:
             engine.mark_down()
         try:
@@ -891,7 +228,7 @@ class RayWorkers:
         import ray
 
         t0 = time.monotonic()
-        why = _why(exc)
+        why = why_died(exc)
         used = self.restarts.get(stage, 0)
         if used >= self.max_restarts:
             if self.max_restarts == 0:
@@ -910,18 +247,18 @@ class RayWorkers:
             except asyncio.TimeoutError:
                 continue
             except ray.exceptions.ActorUnavailableError:
-                await asyncio.sleep(_POLL_S)
+                await asyncio.sleep(POLL_S)
             except ray.exceptions.RayActorError as again:
-                raise RunFailed(f"{who} died ({why}) and could not be restarted ({_why(again)})") from again
+                raise RunFailed(f"{who} died ({why}) and could not be restarted ({why_died(again)})") from again
         if pid == self.pids.get(stage):
             raise RunFailed(f"lost contact with {who} ({why}), although its process did not restart")
         self.pids[stage] = pid
         # same actor id across restarts: the new process registers as the same owner at its first take,
         # so this must come before the loop runs again
-        await self._store_call("release_owner", f"return the leases of {stage} to the queue", _actor_id(actor))
+        await self._store_call("release_owner", f"return the leases of {stage} to the queue", actor_id(actor))
         # counted per owner since its last restart: the store's owner watch often gives them back
         # first (within 2 s of the death), and a total read here before and after said 0
-        total = int(await self._store_call("released_of", "report the leases it gave back", _actor_id(actor)))
+        total = int(await self._store_call("released_of", "report the leases it gave back", actor_id(actor)))
         returned, self.released[stage] = total - self.released.get(stage, 0), total
         loaded = await engine.restarted() if engine is not None else None
         self.restarts[stage] = used + 1
@@ -939,9 +276,9 @@ class RayWorkers:
                               f"to {what}") from None
         except ray.exceptions.RayTaskError as exc:
             raise RunFailed(f"the store controller failed to {what}: {type(exc.cause).__name__}: "
-                            f"{_one_line(str(exc.cause))}") from exc
+                            f"{one_line(str(exc.cause))}") from exc
         except ray.exceptions.RayActorError as exc:
-            raise _death_error(exc) from exc
+            raise death_error(exc) from exc
 
     def collect(self, tracer: Any, counters: Any) -> None:
         """Merge the actors' trace spans and counters into the driver's (a restarted actor's spans
@@ -973,12 +310,107 @@ class RayWorkers:
         from ray.util.placement_group import remove_placement_group
 
         for a in [*self.rollout_actors, *self.reward_actors, self.trainer_actor, self.feeder_actor, self.store.handle]:
-            _KNOWN.pop(_actor_id(a), None)
+            forget(a)
         for a in [*self.rollout_actors, *self.reward_actors, self.trainer_actor, self.feeder_actor]:
             ray.kill(a)
         self.store.kill()
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
+
+
+@dataclass
+class _Actors:
+    """The worker actors `RayWorkers.start` started (the store controller aside)."""
+
+    rollout: list[Any]
+    reward: list[Any]
+    trainer: Any
+    feeder: Any
+
+    @property
+    def stages(self) -> list[str]:
+        """The restartable actors' stage names: "rollout/i", then "reward/j"."""
+        return [f"rollout/{i}" for i in range(len(self.rollout))] + [
+            f"reward/{j}" for j in range(len(self.reward))]
+
+
+def _start_store(cfg: Config, place: Placement) -> Any:
+    """The store controller actor, wrapped in its client; on a timeout the placement group is freed."""
+    import ray
+
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+    from asyncflow.workflow.pipeline import store_capacity
+
+    try:
+        return RayTransferQueue.create(store_capacity(cfg), cfg.workflow.lease_timeout_s,
+                                       name=f"{place.prefix}-store")
+    except ray.exceptions.GetTimeoutError:
+        place.remove()
+        raise WaitTimeout("timed out after 120 s waiting for the store controller actor to start") from None
+
+
+def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, model_dir: str,
+                  rows: list[dict[str, Any]], out: str, reward_fn_path: str, threads: int, version: int) -> _Actors:
+    """Create the feeder, rollout, trainer and reward actors (in that order; without waiting for them)."""
+    import ray
+
+    prefix, opts = place.prefix, place.options
+    w = cfg.rollout.workers
+    rollout_cls: Any = ray.remote(RolloutWorker)
+    reward_cls: Any = ray.remote(RewardWorker)
+    trainer_cls: Any = ray.remote(TrainerWorker)
+    feeder_cls: Any = ray.remote(FeederWorker)
+    feeder_actor = feeder_cls.options(num_cpus=0, max_concurrency=1000, name=f"{prefix}-feeder").remote(
+        cfg, model_dir, ray.put(rows), out, store)
+    # rollout and reward actors (restartable) get the store and the feeder (which holds the prompt
+    # rows) by name, not as handles or object references
+    client = {"inline_max_bytes": store.inline_max_bytes, "rpc_grace_s": store.rpc_grace_s,
+              "data_plane": store.data_plane, "put_window": store.put_window}
+    store_by_name = Named(f"{prefix}-store", client)
+    feeder_by_name = Named(f"{prefix}-feeder")
+    rollout_actors = [
+        rollout_cls.options(**opts(i, f"rollout-{i}")).remote(i, cfg, model_dir, feeder_by_name, out,
+                                                               store_by_name, threads, version)
+        for i in range(w)
+    ]
+    trainer_actor = trainer_cls.options(**opts(w, "trainer")).remote(cfg, model_dir, threads)
+    reward_actors = [
+        reward_cls.options(**opts(w + 1 + j, f"reward-{j}")).remote(j, cfg, model_dir, feeder_by_name, out,
+                                                                     store_by_name, reward_fn_path)
+        for j in range(n_reward)
+    ]
+    return _Actors(rollout_actors, reward_actors, trainer_actor, feeder_actor)
+
+
+def _remember(actors: _Actors, store: Any, trainer: RemoteTrainEngine, prefix: str) -> None:
+    """Register every actor of the run by its Ray actor id, for the messages about its death."""
+    stages = actors.stages
+    for label, actor in [*zip(stages, [*actors.rollout, *actors.reward], strict=True), ("trainer", actors.trainer),
+                         ("feeder", actors.feeder), ("store controller", store.handle)]:
+        name = f"{prefix}-{'store' if actor is store.handle else label.replace('/', '-')}"
+        remember(actor, label, name, trainer if actor is actors.trainer else None)
+
+
+def _wait_ready(actors: _Actors, store: Any, place: Placement) -> tuple[list[Any], list[Any]]:
+    """Wait for every actor to be constructed: the rollout actors' capacities and the restartable
+    actors' process ids. On any failure, kill them all and free the placement group."""
+    import ray
+
+    stages, w = actors.stages, len(actors.rollout)
+    try:
+        capacities = _ready([a.ready.remote() for a in actors.rollout], stages[:w])
+        _ready([actors.trainer.ready.remote(), actors.feeder.ready.remote(), *(a.ready.remote() for a in actors.reward)],
+               ["trainer", "feeder", *stages[w:]])
+        pids = _ready([a.pid.remote() for a in [*actors.rollout, *actors.reward]], stages)
+    except BaseException:
+        for a in [*actors.rollout, actors.trainer, actors.feeder, *actors.reward, store.handle]:
+            forget(a)
+        for a in [*actors.rollout, actors.trainer, actors.feeder, *actors.reward]:
+            ray.kill(a)
+        store.kill()
+        place.remove()
+        raise
+    return capacities, pids
 
 
 def _ready(refs: list[Any], names: list[str]) -> list[Any]:
@@ -1003,16 +435,6 @@ def _ready(refs: list[Any], names: list[str]) -> list[Any]:
         raise
 
 
-def _stage_error(stage: str, exc: Any) -> Exception:
-    """A remote stage's error: its user error as itself, another actor's death or a failure as one line."""
-    cause = exc.cause
-    if isinstance(cause, UserError):
-        return cause
-    if _dead_actor_error(cause) is not None:  # e.g. the store controller died under the stage
-        return _death_error(cause, f"Ray stage {stage} stopped: ")
-    return RunFailed(f"Ray stage {stage} failed: {type(cause).__name__}: {_one_line(str(cause))}")
-
-
 async def _stage(name: str, ref: Any) -> None:
     """Await a remote stage loop that is not restarted (the feeder): its user errors come out as
     themselves, its actor's death as a one-line `RunFailed`."""
@@ -1021,6 +443,6 @@ async def _stage(name: str, ref: Any) -> None:
     try:
         await ref
     except ray.exceptions.RayTaskError as exc:
-        raise _stage_error(name, exc) from exc
+        raise stage_error(name, exc) from exc
     except ray.exceptions.RayActorError as exc:
-        raise _death_error(exc) from exc
+        raise death_error(exc) from exc

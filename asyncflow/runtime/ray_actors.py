@@ -1,0 +1,233 @@
+"""The Ray actors' classes (run in their own processes): the rollout, feeder, reward and trainer
+workers, each building the `Pipeline` of its one stage, and what they find by Ray name."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncflow.config import Config
+from asyncflow.engines.base import GenRequest, GenResult, LossFn, TrainBatch, pick_device, quiet_transformers
+from asyncflow.errors import WaitTimeout
+
+READY_TIMEOUT_S = 300.0  # an actor starting (or restarting: a new process loads the model again)
+POLL_S = 0.1  # how often a wait for a restarting actor looks again
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    from asyncflow.tokenizer import Tokenizer, load_tokenizer
+
+    return Tokenizer.of(load_tokenizer(model_dir), model_dir)
+
+
+@dataclass
+class Named:
+    """Another actor of the run by its Ray name, as a constructor argument of a rollout or reward actor:
+    a restarted actor is constructed again from its arguments and finds the store and the feeder
+    again by name (arguments holding object references or actor handles are what ray-project/ray#53727
+    is about, and Ray warns about them for actors with restarts)."""
+
+    name: str
+    store_options: dict[str, Any] | None = None  # set: the store controller, wrapped in a client
+
+    def get(self) -> Any:
+        import ray
+
+        from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+        handle = ray.get_actor(self.name)
+        return handle if self.store_options is None else RayTransferQueue(handle, **self.store_options)
+
+
+def _store(store: Any) -> Any:
+    return store.get() if isinstance(store, Named) else store
+
+
+def _rows(rows: Any) -> list[dict[str, Any]]:
+    """The prompt rows, given as such or as the feeder actor (`Named`), which holds them."""
+    if not isinstance(rows, Named):
+        return list(rows)
+    import ray
+
+    try:
+        return list(ray.get(rows.get().rows.remote(), timeout=READY_TIMEOUT_S))
+    except ray.exceptions.GetTimeoutError:
+        raise WaitTimeout(f"timed out after {READY_TIMEOUT_S:.0f} s waiting for the feeder actor ({rows.name}) "
+                          "to hand over the prompt rows") from None
+
+
+def _stage_pipeline(cfg: Config, rows: Any, model_dir: Path, out: Path, store: Any,
+                    engines: list[Any], reward_fn: Any = None) -> Any:
+    """A `Pipeline` holding only what one remote stage needs."""
+    from asyncflow.clock import RealClock
+    from asyncflow.data import model_positions
+    from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, RunLog, Tracer
+    from asyncflow.workflow.pipeline import Pipeline
+
+    clock = RealClock()
+    pipeline = Pipeline(
+        cfg, rows=_rows(rows), tokenizer=_tokenizer(model_dir), reward_fn=reward_fn, engines=engines,
+        trainer=None, loss_fn=None, clock=clock, log=RunLog(out, metrics=False),  # type: ignore[arg-type]
+        tracer=Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS), store=_store(store),
+    )
+    pipeline.max_context = model_positions(model_dir)
+    return pipeline
+
+
+class RolloutWorker:
+    """Actor: one inference engine and the rollout loop that feeds it from the store."""
+
+    def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
+                 store: Any, threads: int, version: int = 0) -> None:
+        from asyncflow.engines.factory import make_inference_engine
+
+        quiet_transformers()
+
+        # The engine's decode thread releases the GIL at every torch op; with the default 5 ms switch
+        # interval it then waits behind this actor's event loop (store calls, one task per sample).
+        # 1 ms measured 0.84 -> 0.68 s for 256 requests through this actor.
+        sys.setswitchinterval(0.001)
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg.seed + index)
+        tok = _tokenizer(Path(model_dir))
+        self.index = index
+        self.engine = make_inference_engine(cfg, Path(model_dir), tok, index, version,
+                                            device=actor_device(cfg.model.device, cfg.runtime.rollout_gpus))
+        self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [self.engine])
+
+    def ready(self) -> int:
+        return self.engine.capacity
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def run(self) -> None:
+        # diagnostics: the policy version the loop starts at (a restarted actor: the version the
+        # driver loaded into it first)
+        self.run_versions = [*getattr(self, "run_versions", []), self.engine.version]
+        await self.pipeline.rollout_worker(self.index, self.engine)
+
+    async def generate(self, request: GenRequest) -> GenResult:
+        return await self.engine.generate(request)
+
+    async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: str) -> dict[str, float]:
+        seconds = await self.engine.load_weights(state, version, mode)  # type: ignore[arg-type]
+        return {"seconds": seconds, **self.stats()}
+
+    def cancel_older_than(self, min_version: int) -> int:
+        self.pipeline.floor = max(self.pipeline.floor, min_version)  # (this actor's episodes check it per turn)
+        return self.engine.cancel_older_than(min_version)
+
+    def stats(self) -> dict[str, float]:
+        return {"busy_s": self.engine.busy_seconds(), "load": float(self.engine.load()), **self.engine.stats()}
+
+    def spans(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
+        return self.pipeline.tracer.raw()
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+class FeederWorker:
+    """Actor: the feeder and the staleness gate it admits against (the trainer loop in the driver
+    publishes versions and drops to it through `RemoteGate`)."""
+
+    def __init__(self, cfg: Config, model_dir: str, rows: Any, out: str, store: Any) -> None:
+        torch.set_num_threads(1)
+        self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [])
+
+    def ready(self) -> bool:
+        return True
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The prompt rows, for the rollout and reward actors (again after a restart)."""
+        return list(self.pipeline.rows)
+
+    async def run(self) -> None:
+        await self.pipeline.feeder()
+
+    def restore(self, next_group: int, version: int, admitted: int) -> None:
+        """Resume from a checkpoint (before `run`): see `Pipeline.restore_feeder`."""
+        self.pipeline.restore_feeder(next_group, version, admitted)
+
+    def publish(self, version: int) -> None:
+        self.pipeline.gate.publish(version)
+
+    def drop(self, groups: int) -> None:
+        self.pipeline.gate.drop(groups)
+
+    def close(self) -> None:
+        self.pipeline.gate.close()
+
+
+class RewardWorker:
+    """Actor: the reward loop (one reward-function call per complete group)."""
+
+    def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
+                 store: Any, reward_fn_path: str) -> None:
+        from asyncflow.rewards import load_reward_fn
+
+        torch.set_num_threads(1)
+        self.index = index
+        reward_fn = load_reward_fn(reward_fn_path, [model_dir])
+        self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [], reward_fn)
+
+    def ready(self) -> bool:
+        return True
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def run(self) -> None:
+        await self.pipeline.reward_worker()
+
+    def stats(self) -> dict[str, float]:
+        c = self.pipeline.counters
+        return {"reward_calls": float(c.reward_calls), "reward_call_failures": float(c.reward_call_failures)}
+
+    def spans(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
+        return [(f"{t}/{self.index}" if t == "reward" else t, *rest) for t, *rest in self.pipeline.tracer.raw()]
+
+
+def actor_device(setting: str, gpus: float) -> str:
+    """An actor's device under `model.device`: a GPU only when Ray gave it one (`gpus` > 0). Ray 2.x
+    no longer hides the node's GPUs from an actor given none (CUDA_VISIBLE_DEVICES is left as it
+    is), so `auto` alone would put every such actor on GPU 0, which Ray never reserved for it."""
+    return pick_device(setting) if gpus > 0 else "cpu"
+
+
+class TrainerWorker:
+    """Actor: the policy's optimizer state and weights."""
+
+    def __init__(self, cfg: Config, model_dir: str, threads: int) -> None:
+        from asyncflow.engines.factory import make_train_engine
+
+        quiet_transformers()
+
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg.seed)
+        self.engine = make_train_engine(cfg, Path(model_dir), threads=threads,
+                                        device=actor_device(cfg.model.device, cfg.runtime.train_gpus))
+
+    def ready(self) -> bool:
+        return True
+
+    def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        return self.engine.logprobs(batch, temperature)
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
+        return self.engine.train_step(batch, loss_fn, temperature)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self.engine.export_weights()
+
+    def save(self, path: str, with_optimizer: bool) -> None:
+        self.engine.save(path, with_optimizer=with_optimizer)
+
+    def load_optimizer(self, path: str) -> None:
+        self.engine.load_optimizer(path)
