@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import heapq
 import math
 import numbers
@@ -37,12 +36,11 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
-from asyncflow.clock import Clock, RealClock, seconds_text
-from asyncflow.errors import WaitTimeout
+from asyncflow.clock import Clock, RealClock
+from asyncflow.transfer_queue.waiters import Waiter, wait_async, wait_thread, wake
 
-T = TypeVar("T")
 _STATE_FORMAT = 1
 
 
@@ -150,47 +148,6 @@ class StoreClient(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-_THREAD = "thread"  # `_Waiter`'s `on` for a plain thread (it sleeps on a `threading.Event`)
-
-
-class _Waiter:
-    """One sleeping caller: an asyncio future on its loop, or a `threading.Event` for a thread.
-
-    Created under the store's lock only when the caller has to wait (a call that succeeds at once
-    allocates nothing). Woken on its own loop's thread (the common case: the store is used from
-    the loop that waits on it) the future is resolved directly; from any other thread through
-    `call_soon_threadsafe`, whose self-pipe write (a system call) and extra callback are then
-    needed."""
-
-    __slots__ = ("event", "fut", "home", "loop", "need", "woken")
-
-    def __init__(self, need: int, home: list[_Waiter], on: asyncio.AbstractEventLoop | str) -> None:
-        self.need = need  # wake once this many samples are available (or this much room, for producers)
-        self.home = home
-        self.woken = False
-        self.event: threading.Event | None = None
-        self.fut: asyncio.Future[None] | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        if isinstance(on, str):
-            self.event = threading.Event()
-        else:
-            self.loop = on
-            self.fut = on.create_future()
-
-    def wake(self) -> None:
-        self.woken = True
-        if self.event is not None:
-            self.event.set()
-            return
-        fut, loop = self.fut, self.loop
-        assert fut is not None and loop is not None
-        if asyncio._get_running_loop() is loop:
-            if not fut.done():
-                fut.set_result(None)  # schedules the waiting task; nothing runs under the lock
-        else:
-            _call_soon(loop, fut)
-
-
 @dataclass(eq=False, slots=True)
 class _Sample:
     uid: int
@@ -243,7 +200,7 @@ class _Stage:
     depth: int = 0  # samples available (in complete groups, for group stages)
     leased: int = 0
     wait_s: float = 0.0
-    waiters: list[_Waiter] = field(default_factory=list)
+    waiters: list[Waiter] = field(default_factory=list)
     names: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # fields_extra -> fields a view gets
 
     def view_fields(self, extra: tuple[str, ...]) -> tuple[str, ...]:
@@ -260,11 +217,6 @@ class _LeaseRec:
     uids: list[int]
     groups: list[int]
     deadline: float
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 _KINDS: dict[type, int] = {}  # value type -> 0: no payload, 1: ask the value, 2: a plain list or tuple
@@ -343,7 +295,7 @@ class TransferQueue:
         # `_expiry_fifo`, cheaper than a heap; others go to the `_expiries` heap
         self._expiries: list[tuple[float, int]] = []
         self._expiry_fifo: deque[tuple[float, int]] = deque()
-        self._put_waiters: list[_Waiter] = []
+        self._put_waiters: list[Waiter] = []
         self._latest_wake = -math.inf  # the latest wake time handed to a waiter since all were last woken
         self._next_uid = 0
         # reserved uid ranges not yet all put: start -> [end, how many are left]; a client uid must lie
@@ -399,13 +351,13 @@ class TransferQueue:
     # ----------------------------------------------------------------------------- producers
     async def put(self, samples: list[NewSample], timeout: float | None = None) -> list[int]:
         """Admit samples and return their uids; waits while the store is too full (backpressure)."""
-        return await self._wait_async(
-            lambda on: self._put_or_wait(samples, on), timeout, "room in the store"
-        )
+        return await wait_async(self._clock, self._lock, lambda on: self._put_or_wait(samples, on), timeout,
+                                "room in the store")
 
     def put_blocking(self, samples: list[NewSample], timeout: float | None = None) -> list[int]:
         """`put` for plain threads."""
-        return self._wait_thread(lambda on: self._put_or_wait(samples, on), timeout, "room in the store")
+        return wait_thread(self._clock, self._lock, lambda on: self._put_or_wait(samples, on), timeout,
+                           "room in the store")
 
     def put_columns_blocking(
         self,
@@ -421,7 +373,7 @@ class TransferQueue:
 
     def _put_or_wait(
         self, samples: list[NewSample], on: asyncio.AbstractEventLoop | str | None
-    ) -> tuple[list[int] | None, _Waiter | None, float | None]:
+    ) -> tuple[list[int] | None, Waiter | None, float | None]:
         with self._lock:
             self._check_open()
             self._reap()
@@ -429,7 +381,7 @@ class TransferQueue:
             if len(self._samples) + len(samples) <= self.capacity:
                 return self._insert_many(samples), None, None
             assert on is not None
-            w = _Waiter(len(samples), self._put_waiters, on)
+            w = Waiter(len(samples), self._put_waiters, on)
             self._put_waiters.append(w)
             return None, w, self._wake_at()
 
@@ -682,7 +634,8 @@ class TransferQueue:
         what = f"{min_samples} sample(s) ready for stage {stage!r}"
         start = self._clock.now()
         try:
-            return await self._wait_async(lambda on: self._take_or_wait(*args, on), timeout, what)
+            return await wait_async(self._clock, self._lock, lambda on: self._take_or_wait(*args, on), timeout,
+                                    what)
         finally:
             self._add_wait(stage, start)
 
@@ -703,7 +656,8 @@ class TransferQueue:
         what = f"1 sample(s) ready for stage {stage!r}"
         start = self._clock.now()
         try:
-            return await self._wait_async(lambda on: self._take_each_or_wait(*args, on), timeout, what)
+            return await wait_async(self._clock, self._lock, lambda on: self._take_each_or_wait(*args, on),
+                                    timeout, what)
         finally:
             self._add_wait(stage, start)
 
@@ -729,7 +683,7 @@ class TransferQueue:
         min_version: int | None,
         extra: tuple[str, ...],
         on: asyncio.AbstractEventLoop | str | None,
-    ) -> tuple[list[Lease] | None, _Waiter | None, float | None]:
+    ) -> tuple[list[Lease] | None, Waiter | None, float | None]:
         """As many one-sample (one-group) leases as are ready, up to `max_samples` samples; or a
         waiter for the first. The same leases as one `take(stage, 1)` after another."""
         with self._lock:
@@ -756,7 +710,7 @@ class TransferQueue:
                 budget -= _count(lease)
             if out or on is None:
                 return out or None, None, None
-            w = _Waiter(1, st.waiters, on)
+            w = Waiter(1, st.waiters, on)
             st.waiters.append(w)
             return None, w, self._wake_at()
 
@@ -776,7 +730,7 @@ class TransferQueue:
         what = f"{min_samples} sample(s) ready for stage {stage!r}"
         start = self._clock.now()
         try:
-            return self._wait_thread(lambda on: self._take_or_wait(*args, on), timeout, what)
+            return wait_thread(self._clock, self._lock, lambda on: self._take_or_wait(*args, on), timeout, what)
         finally:
             self._add_wait(stage, start)
 
@@ -808,7 +762,7 @@ class TransferQueue:
         min_version: int | None,
         extra: tuple[str, ...],
         on: asyncio.AbstractEventLoop | str | None,
-    ) -> tuple[Lease | None, _Waiter | None, float | None]:
+    ) -> tuple[Lease | None, Waiter | None, float | None]:
         with self._lock:
             self._check_open()
             st = self._stage(stage)
@@ -819,7 +773,7 @@ class TransferQueue:
                 lease = self._lease(st, max_samples, lease_s, min_version, extra)
             if lease is not None or on is None:
                 return lease, None, None
-            w = _Waiter(min_samples, st.waiters, on)
+            w = Waiter(min_samples, st.waiters, on)
             st.waiters.append(w)
             return None, w, self._wake_at()
 
@@ -1255,95 +1209,16 @@ class TransferQueue:
         """Every waiter retries (and, if it still cannot go on, sleeps with a fresh wake time)."""
         for st in self._stages.values():
             if st.waiters:
-                self._wake(st.waiters, 1 << 62)
-        self._wake(self._put_waiters, 1 << 62)
+                wake(st.waiters, 1 << 62)
+        wake(self._put_waiters, 1 << 62)
 
     def _notify(self, st: _Stage) -> None:
         if st.waiters:
-            self._wake(st.waiters, st.depth)
+            wake(st.waiters, st.depth)
 
     def _notify_put(self) -> None:
         if self._put_waiters:
-            self._wake(self._put_waiters, self.capacity - len(self._samples))
-
-    @staticmethod
-    def _wake(waiters: list[_Waiter], have: int) -> None:
-        keep = []
-        for w in waiters:
-            if w.need <= have:
-                w.wake()
-            else:
-                keep.append(w)
-        waiters[:] = keep
-
-    def _drop(self, w: _Waiter | None) -> None:
-        if w is not None and not w.woken:  # a woken waiter has already left its list
-            with self._lock:
-                if w in w.home:
-                    w.home.remove(w)
-
-    def _delay(self, deadline: float | None, wake_at: float | None) -> float | None:
-        ends = [t for t in (deadline, wake_at) if t is not None]
-        return max(0.0, min(ends) - self._clock.now()) if ends else None
-
-    def _timed_out(self, deadline: float | None, timeout: float | None, what: str) -> None:
-        if deadline is not None and self._clock.now() >= deadline:
-            unit = getattr(self._clock, "unit", "s")  # ("virtual s" on a virtual clock, as `bounded` words it)
-            raise WaitTimeout(f"timed out after {seconds_text(timeout or 0.0)} {unit} waiting for {what}")
-
-    async def _wait_async(
-        self,
-        attempt: Callable[[asyncio.AbstractEventLoop | str], tuple[T | None, _Waiter | None, float | None]],
-        timeout: float | None,
-        what: str,
-    ) -> T:
-        """Retry `attempt` until it returns a result, sleeping on its waiter's future between tries."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else self._clock.now() + timeout
-        # A clock on the loop's own time line: a plain loop timer ends the sleep (`call_later` and
-        # `cancel`: 5.2 us on the 2-core VM, against 11.5 for an `asyncio.timeout`); the loop below
-        # then retries, and raises once the deadline has passed.
-        loop_timer = getattr(self._clock, "loop_time", False)
-        while True:
-            result, waiter, wake_at = attempt(loop)
-            if result is not None:
-                return result
-            assert waiter is not None and waiter.fut is not None
-            try:
-                self._timed_out(deadline, timeout, what)
-                delay = self._delay(deadline, wake_at)
-                if loop_timer:
-                    timer = None if delay is None else loop.call_later(delay, _resolve, waiter.fut)
-                    try:
-                        await waiter.fut
-                    finally:
-                        if timer is not None:
-                            timer.cancel()
-                else:
-                    # Timing out here means a lease may have expired or the caller's deadline passed: retry.
-                    with contextlib.suppress(WaitTimeout):
-                        await self._clock.wait_for(waiter.fut, delay, what)
-            finally:
-                self._drop(waiter)
-
-    def _wait_thread(
-        self,
-        attempt: Callable[[asyncio.AbstractEventLoop | str], tuple[T | None, _Waiter | None, float | None]],
-        timeout: float | None,
-        what: str,
-    ) -> T:
-        """`_wait_async` for threads, sleeping on a `threading.Event`."""
-        deadline = None if timeout is None else self._clock.now() + timeout
-        while True:
-            result, waiter, wake_at = attempt(_THREAD)
-            if result is not None:
-                return result
-            assert waiter is not None and waiter.event is not None
-            try:
-                self._timed_out(deadline, timeout, what)
-                waiter.event.wait(self._delay(deadline, wake_at))
-            finally:
-                self._drop(waiter)
+            wake(self._put_waiters, self.capacity - len(self._samples))
 
     def close(self) -> None:
         """Refuse further takes and puts and wake every waiter (they raise `QueueClosed`)."""
@@ -1549,8 +1424,3 @@ def rows_of(columns: dict[str, Any], group_ids: Sequence[int], group_size: int) 
 def _count(lease: Lease) -> int:
     return len(lease.samples) + len(lease.expired)
 
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
-    """Resolve `fut` on its loop from any thread (a closed loop means the waiter is gone)."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(_resolve, fut)
