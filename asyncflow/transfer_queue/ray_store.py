@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from asyncflow.errors import WaitTimeout
-from asyncflow.transfer_queue.store import Lease, NewSample, QueueClosed, SampleView, TransferQueue, rows_of
+from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView
+from asyncflow.transfer_queue.store import TransferQueue, rows_of
 
 _ERRORS_PASSED_THROUGH = (WaitTimeout, QueueClosed, KeyError, ValueError)
 

@@ -36,116 +36,16 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from asyncflow.clock import Clock, RealClock
+from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView, StoreClient
 from asyncflow.transfer_queue.waiters import Waiter, wait_async, wait_thread, wake
 
+# (the public types are defined in `api` and importable from here, as before)
+__all__ = ["Lease", "NewSample", "QueueClosed", "SampleView", "StoreClient", "TransferQueue", "check_state", "rows_of"]
+
 _STATE_FORMAT = 1
-
-
-class QueueClosed(Exception):
-    """The store was closed: `take` and `put` are refused and every waiter is woken with this."""
-
-
-@dataclass
-class NewSample:
-    """A sample to admit with `put`. One object may be listed several times in a put (a group's
-    identical samples): each entry is admitted as its own sample with its own uid and its own copy
-    of `fields`."""
-
-    group_id: int
-    """The prompt this sample answers."""
-    group_size: int
-    """Number of samples in the group (`rollout.n`), >= 1."""
-    fields: dict[str, Any]
-    """Initial fields (e.g. `prompt_ids` tensor, prompt text, answer)."""
-    priority: float | None = None
-    """Lower is served first; default is the admission sequence number (the uid)."""
-    uid: int | None = None
-    """Normally assigned by the store; a client may pass one it got from `reserve_uids`."""
-
-
-@dataclass(slots=True)
-class SampleView:
-    """What a consumer gets: one sample with the fields its stage asked for."""
-
-    uid: int
-    group_id: int
-    version: int | None
-    """Oldest policy version that produced any of its tokens; None until written."""
-    fields: dict[str, Any]
-    """The stage's registered fields plus any written `fields_extra` (a shallow copy)."""
-
-
-@dataclass(slots=True)
-class Lease:
-    """Samples taken by one stage until `ack`, `release` or `deadline`."""
-
-    id: int
-    stage: str
-    samples: list[SampleView]
-    """Ready and within the version floor, lowest priority first."""
-    expired: list[SampleView]
-    """Taken because their version is below `min_version`; still need an ack (usually with remove)."""
-    deadline: float
-
-
-class StoreClient(Protocol):
-    """What the workflow uses of a store: `TransferQueue` (in process) and `RayTransferQueue`
-    (a controller actor shared by processes) both provide it."""
-
-    def register_stage(self, stage: str, fields: Sequence[str], *, groups: bool = False) -> None: ...
-
-    async def put(self, samples: list[NewSample], timeout: float | None = None) -> list[int]: ...
-
-    async def take(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        min_samples: int = 1,
-        timeout: float | None = None,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> Lease: ...
-
-    async def take_each(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        timeout: float | None = None,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> list[Lease]: ...
-
-    def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None: ...
-
-    def complete(
-        self, lease: Lease, writes: dict[int, dict[str, Any]], *, versions: dict[int, int] | None = None,
-        remove: bool = False,
-    ) -> bool: ...
-
-    def ack(self, lease: Lease, *, remove: bool = False) -> bool: ...
-
-    def release(self, lease: Lease) -> bool: ...
-
-    def renew(self, leases: Iterable[Lease], lease_s: float | None = None) -> None: ...
-
-    def remove(self, uids: Iterable[int]) -> None: ...
-
-    def close(self) -> None: ...
-
-    def size(self) -> int: ...
-
-    def metrics(self) -> dict[str, float]: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
