@@ -39,7 +39,8 @@ import numpy as np
 
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView
-from asyncflow.transfer_queue.store import TransferQueue, rows_of
+from asyncflow.transfer_queue.payload import rows_of
+from asyncflow.transfer_queue.store import TransferQueue
 
 _ERRORS_PASSED_THROUGH = (WaitTimeout, QueueClosed, KeyError, ValueError)
 

@@ -40,10 +40,11 @@ from typing import Any
 
 from asyncflow.clock import Clock, RealClock
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView, StoreClient
+from asyncflow.transfer_queue.payload import payload_bytes, rows_of
 from asyncflow.transfer_queue.waiters import Waiter, wait_async, wait_thread, wake
 
 # (the public types are defined in `api` and importable from here, as before)
-__all__ = ["Lease", "NewSample", "QueueClosed", "SampleView", "StoreClient", "TransferQueue", "check_state", "rows_of"]
+__all__ = ["Lease", "NewSample", "QueueClosed", "SampleView", "StoreClient", "TransferQueue", "check_state"]
 
 _STATE_FORMAT = 1
 
@@ -117,50 +118,6 @@ class _LeaseRec:
     uids: list[int]
     groups: list[int]
     deadline: float
-
-
-_KINDS: dict[type, int] = {}  # value type -> 0: no payload, 1: ask the value, 2: a plain list or tuple
-
-
-def _kind(t: type) -> int:
-    """Decided once per type: a type without an `nbytes` attribute whose instances cannot carry one
-    (no instance `__dict__`: e.g. numbers, strings, `Runs`) has no payload, and a plain list or
-    tuple is counted by length; anything else is asked each time."""
-    k = _KINDS.get(t)
-    if k is None:
-        if hasattr(t, "nbytes") or t.__dictoffset__ != 0:
-            k = 1
-        elif issubclass(t, (list, tuple)):
-            k = 2
-        else:
-            k = 0
-        _KINDS[t] = k
-    return k
-
-
-def _payload_bytes(fields: dict[str, Any]) -> int:
-    """Payload bytes: tensors/arrays by `nbytes`; lists of numbers (token ids, log-probs) at 8 bytes
-    an element, as they would be as int64/float64 tensors; other Python values count 0."""
-    total = 0
-    for v in fields.values():
-        t = type(v)
-        if t is list:  # (token ids, log-probs: the common case, without the table lookup)
-            total += 8 * len(v)
-            continue
-        k = _KINDS.get(t)
-        if k is None:
-            k = _kind(t)
-        if k == 0:
-            continue
-        if k == 2:
-            total += 8 * len(v)
-            continue
-        n = getattr(v, "nbytes", None)
-        if isinstance(n, int):
-            total += n
-        elif isinstance(v, (list, tuple)):
-            total += 8 * len(v)
-    return total
 
 
 class TransferQueue:
@@ -395,7 +352,7 @@ class TransferQueue:
                         ready = [st for st in self._stages.values() if all(f in fields for f in st.fields)]
                         split = self._put_stages[names] = (tuple(st for st in ready if not st.groups),
                                                            tuple(st for st in ready if st.groups))
-                    known = memo[id(ns.fields)] = (*split, _payload_bytes(fields))
+                    known = memo[id(ns.fields)] = (*split, payload_bytes(fields))
                 flat, grouped, nbytes = known
                 self._bytes_put += nbytes
                 for st in flat:  # `_check_ready` + `_sync_sample` for a new sample, inlined
@@ -423,7 +380,7 @@ class TransferQueue:
 
     def _write_locked(self, s: _Sample, fields: dict[str, Any], version: int | None) -> None:
         s.fields.update(fields)
-        self._bytes_put += _payload_bytes(fields)
+        self._bytes_put += payload_bytes(fields)
         if version is not None:
             s.version = version if s.version is None else min(s.version, version)
         # a write can only make ready the stages that read one of the fields it wrote; which those
@@ -1310,15 +1267,6 @@ def check_state(state: Any) -> None:
                         for k, v in wait_s.items())):
             raise ValueError(f"totals is not {{bytes_put, expired_leases (ints), wait_s (stage: seconds)}}: "
                              f"{totals!r:.200}")
-
-
-def rows_of(columns: dict[str, Any], group_ids: Sequence[int], group_size: int) -> list[NewSample]:
-    """One `NewSample` per row of a columnar batch (views, no copies)."""
-    n = len(group_ids)
-    for k, col in columns.items():
-        if len(col) != n:
-            raise ValueError(f"column {k!r} has {len(col)} rows, expected {n} (one per group id)")
-    return [NewSample(g, group_size, {k: col[i] for k, col in columns.items()}) for i, g in enumerate(group_ids)]
 
 
 def _count(lease: Lease) -> int:
