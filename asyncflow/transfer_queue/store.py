@@ -35,89 +35,18 @@ import numbers
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from asyncflow.clock import Clock, RealClock
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView, StoreClient
 from asyncflow.transfer_queue.payload import payload_bytes, rows_of
+from asyncflow.transfer_queue.records import GroupRecord, LeaseRecord, SampleRecord, StageRecord
 from asyncflow.transfer_queue.waiters import Waiter, wait_async, wait_thread, wake
 
 # (the public types are defined in `api` and importable from here, as before)
 __all__ = ["Lease", "NewSample", "QueueClosed", "SampleView", "StoreClient", "TransferQueue", "check_state"]
 
 _STATE_FORMAT = 1
-
-
-@dataclass(eq=False, slots=True)
-class _Sample:
-    uid: int
-    group_id: int
-    priority: float
-    fields: dict[str, Any]
-    version: int | None = None
-    # Stage marks are bit masks over the store's stage bits (`TransferQueue._bit`), not sets of
-    # names: three sets cost ~650 bytes and three allocations per sample, and the store holds tens
-    # of thousands of samples whose every visit is then a few more cache misses.
-    ready: int = 0  # stages whose fields are all written
-    avail: int = 0  # non-group stages counting it in their depth
-    taken: dict[str, int] = field(default_factory=dict)  # stage -> lease id
-    consumed: int = 0  # stages that acked it
-
-
-@dataclass(eq=False, slots=True)
-class _Group:
-    size: int
-    put: int = 0
-    removed: int = 0
-    uids: list[int] = field(default_factory=list)  # live members, admission order
-    ready: dict[str, int] = field(default_factory=dict)  # group stage -> live members ready
-    avail: dict[str, int] = field(default_factory=dict)  # group stage -> samples counted in depth
-    leased: dict[str, int] = field(default_factory=dict)  # group stage -> lease id
-    consumed: set[str] = field(default_factory=set)
-
-    def available(self, stage: str) -> int:
-        """Samples this group offers `stage` now: all of them when complete and free, else 0."""
-        expected = self.size - self.removed
-        n = len(self.uids)
-        complete = n > 0 and n == expected and self.ready.get(stage, 0) == expected
-        free = stage not in self.leased and stage not in self.consumed
-        return n if complete and free else 0
-
-
-@dataclass(eq=False)
-class _Stage:
-    name: str
-    fields: tuple[str, ...]
-    groups: bool
-    bit: int  # this stage's bit in a sample's marks (`_Sample.ready`, `avail`, `consumed`)
-    # ready entries `(priority, uid or group_id)`, stale ones skipped when popped: an entry above the
-    # newest in `fifo` (admission order with the default priorities: nearly all) is appended there,
-    # cheaper than a heap of tens of thousands; others (a released lease, a group completed out of
-    # order) go to `heap`. Both stay sorted, so the smaller head is the next entry.
-    heap: list[tuple[float, int]] = field(default_factory=list)
-    fifo: deque[tuple[float, int]] = field(default_factory=deque)
-    queued: set[int] = field(default_factory=set)  # keys with an entry in heap or fifo
-    depth: int = 0  # samples available (in complete groups, for group stages)
-    leased: int = 0
-    wait_s: float = 0.0
-    waiters: list[Waiter] = field(default_factory=list)
-    names: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # fields_extra -> fields a view gets
-
-    def view_fields(self, extra: tuple[str, ...]) -> tuple[str, ...]:
-        names = self.names.get(extra)
-        if names is None:
-            names = self.names[extra] = self.fields + tuple(f for f in dict.fromkeys(extra) if f not in self.fields)
-        return names
-
-
-@dataclass(eq=False, slots=True)
-class _LeaseRec:
-    id: int
-    stage: str
-    uids: list[int]
-    groups: list[int]
-    deadline: float
 
 
 class TransferQueue:
@@ -138,15 +67,15 @@ class TransferQueue:
         self.lease_timeout_s = lease_timeout_s
         self._clock: Clock = clock if clock is not None else RealClock()
         self._lock = threading.Lock()
-        self._samples: dict[int, _Sample] = {}
-        self._groups: dict[int, _Group] = {}
-        self._stages: dict[str, _Stage] = {}
+        self._samples: dict[int, SampleRecord] = {}
+        self._groups: dict[int, GroupRecord] = {}
+        self._stages: dict[str, StageRecord] = {}
         self._bits: dict[str, int] = {}  # stage name -> its bit in sample marks (also names only restored)
-        self._by_field: dict[str, list[_Stage]] = {}  # field -> stages that read it (readiness index)
-        self._write_stages: dict[tuple[str, ...], tuple[_Stage, ...]] = {}  # written names -> stages reading any
+        self._by_field: dict[str, list[StageRecord]] = {}  # field -> stages that read it (readiness index)
+        self._write_stages: dict[tuple[str, ...], tuple[StageRecord, ...]] = {}  # written names -> stages reading any
         # a new sample's field names -> (sample stages, group stages) its fields make ready
-        self._put_stages: dict[tuple[str, ...], tuple[tuple[_Stage, ...], tuple[_Stage, ...]]] = {}
-        self._leases: dict[int, _LeaseRec] = {}
+        self._put_stages: dict[tuple[str, ...], tuple[tuple[StageRecord, ...], tuple[StageRecord, ...]]] = {}
+        self._leases: dict[int, LeaseRecord] = {}
         # (deadline, lease id) of every lease, stale entries (leases ended early) skipped: deadlines
         # that only grow (the default lease time on a monotonic clock: nearly all) queue in order in
         # `_expiry_fifo`, cheaper than a heap; others go to the `_expiries` heap
@@ -181,7 +110,7 @@ class TransferQueue:
                 if set(old.fields) != set(fields) or old.groups != groups:
                     raise ValueError(f"stage {stage!r} is already registered with other fields/mode")
                 return
-            st = _Stage(stage, tuple(dict.fromkeys(fields)), groups, self._bit(stage))
+            st = StageRecord(stage, tuple(dict.fromkeys(fields)), groups, self._bit(stage))
             st.wait_s = self._restored_wait_s.pop(stage, 0.0)
             self._stages[stage] = st
             for f in st.fields:
@@ -199,7 +128,7 @@ class TransferQueue:
             bit = self._bits[name] = 1 << len(self._bits)
         return bit
 
-    def _stage(self, stage: str) -> _Stage:
+    def _stage(self, stage: str) -> StageRecord:
         st = self._stages.get(stage)
         if st is None:
             raise ValueError(f"stage {stage!r} is not registered (known: {sorted(self._stages)})")
@@ -320,8 +249,8 @@ class TransferQueue:
         feeder's path); a group stage goes through `_check_ready` (the sample may complete its
         group)."""
         uids: list[int] = []
-        memo: dict[int, tuple[tuple[_Stage, ...], tuple[_Stage, ...], int]] = {}
-        touched: dict[str, _Stage] = {}
+        memo: dict[int, tuple[tuple[StageRecord, ...], tuple[StageRecord, ...], int]] = {}
+        touched: dict[str, StageRecord] = {}
         groups, by_uid = self._groups, self._samples
         try:  # (validated before: nothing below should fail; if it does, what was admitted is announced)
             for ns in samples:
@@ -332,10 +261,10 @@ class TransferQueue:
                     uid = ns.uid
                     self._use_reserved(uid)
                 priority = float(uid) if ns.priority is None else float(ns.priority)
-                s = _Sample(uid, ns.group_id, priority, dict(ns.fields))
+                s = SampleRecord(uid, ns.group_id, priority, dict(ns.fields))
                 g = groups.get(ns.group_id)
-                if g is None:  # (not setdefault: that would build a _Group per sample and drop all but one)
-                    g = groups[ns.group_id] = _Group(ns.group_size)
+                if g is None:  # (not setdefault: that would build a GroupRecord per sample and drop all but one)
+                    g = groups[ns.group_id] = GroupRecord(ns.group_size)
                 if ns.group_id >= self._next_group:
                     self._next_group = ns.group_id + 1
                 g.put += 1
@@ -359,7 +288,7 @@ class TransferQueue:
                     s.ready |= st.bit
                     s.avail |= st.bit
                     st.depth += 1
-                    self._push(st, priority, uid)
+                    st.push(priority, uid)
                     touched[st.name] = st
                 for st in grouped:
                     self._check_ready(st, s)
@@ -378,7 +307,7 @@ class TransferQueue:
                 raise KeyError(uid)
             self._write_locked(s, fields, version)
 
-    def _write_locked(self, s: _Sample, fields: dict[str, Any], version: int | None) -> None:
+    def _write_locked(self, s: SampleRecord, fields: dict[str, Any], version: int | None) -> None:
         s.fields.update(fields)
         self._bytes_put += payload_bytes(fields)
         if version is not None:
@@ -396,7 +325,7 @@ class TransferQueue:
                 self._check_ready(st, s)
 
     # ----------------------------------------------------------------------------- readiness index
-    def _check_ready(self, st: _Stage, s: _Sample) -> None:
+    def _check_ready(self, st: StageRecord, s: SampleRecord) -> None:
         """Index `s` for `st` the first time its fields cover the stage's fields."""
         name = st.name
         if s.ready & st.bit:
@@ -415,7 +344,7 @@ class TransferQueue:
         else:
             self._sync_sample(st, s)
 
-    def _sync_sample(self, st: _Stage, s: _Sample) -> None:
+    def _sync_sample(self, st: StageRecord, s: SampleRecord) -> None:
         """Bring the stage's depth, heap and waiters in line with whether `s` is available now."""
         bit = st.bit
         now = bool(s.ready & bit) and st.name not in s.taken and not (s.consumed & bit)
@@ -427,10 +356,10 @@ class TransferQueue:
             return
         s.avail |= bit
         st.depth += 1
-        self._push(st, s.priority, s.uid)
+        st.push(s.priority, s.uid)
         self._notify(st)
 
-    def _sync_group(self, st: _Stage, gid: int, g: _Group) -> None:
+    def _sync_group(self, st: StageRecord, gid: int, g: GroupRecord) -> None:
         """Same as `_sync_sample` for a group (pushed once all its live members are ready)."""
         now, was = g.available(st.name), g.avail.get(st.name, 0)
         if now == was:
@@ -438,36 +367,9 @@ class TransferQueue:
         st.depth += now - was
         g.avail[st.name] = now
         if now > 0:
-            self._push(st, min(self._samples[u].priority for u in g.uids), gid)
+            st.push(min(self._samples[u].priority for u in g.uids), gid)
         if now > was:
             self._notify(st)
-
-    def _push(self, st: _Stage, priority: float, key: int) -> None:
-        if key not in st.queued:
-            st.queued.add(key)
-            entry = (priority, key)
-            fifo = st.fifo
-            if not fifo or entry > fifo[-1]:
-                fifo.append(entry)
-            else:
-                heapq.heappush(st.heap, entry)
-
-    def _offers(self, st: _Stage, key: int) -> int:
-        """Samples the heap entry `key` offers now (0 means the entry is stale)."""
-        if st.groups:
-            g = self._groups.get(key)
-            return g.avail.get(st.name, 0) if g is not None else 0
-        s = self._samples.get(key)
-        return 1 if s is not None and s.avail & st.bit else 0
-
-    def _compact(self, st: _Stage) -> None:
-        """Drop stale queue entries once they dominate (removed samples are only dropped lazily)."""
-        if len(st.heap) + len(st.fifo) > 2 * st.depth + 64:
-            st.heap = [e for e in st.heap if self._offers(st, e[1]) > 0]
-            heapq.heapify(st.heap)
-            st.fifo = deque(e for e in st.fifo if self._offers(st, e[1]) > 0)
-            st.queued = {key for _, key in st.heap}
-            st.queued.update(key for _, key in st.fifo)
 
     # ----------------------------------------------------------------------------- consumers
     async def take(
@@ -634,7 +536,7 @@ class TransferQueue:
             st.waiters.append(w)
             return None, w, self._wake_at()
 
-    def _validate_take(self, st: _Stage, max_samples: int, min_samples: int) -> None:
+    def _validate_take(self, st: StageRecord, max_samples: int, min_samples: int) -> None:
         if not 1 <= min_samples <= max_samples:
             raise ValueError(f"take({st.name!r}): need 1 <= min_samples <= max_samples")
         if min_samples > self.capacity:
@@ -644,50 +546,19 @@ class TransferQueue:
                 f"take({st.name!r}): max_samples {max_samples} < group_size {self._max_group_size}"
             )
 
-    def _pop_keys(self, st: _Stage, max_samples: int, max_keys: int | None = None) -> list[int]:
-        """Pop the lowest-priority available uids (or whole groups) that fit in `max_samples`, at most
-        `max_keys` groups."""
-        keys: list[int] = []
-        heap, fifo, queued = st.heap, st.fifo, st.queued
-        if not st.groups:  # one sample per entry: every live entry fits
-            samples, bit = self._samples, st.bit
-            while (heap or fifo) and len(keys) < max_samples:
-                key = (heapq.heappop(heap) if heap and (not fifo or heap[0] < fifo[0]) else fifo.popleft())[1]
-                queued.discard(key)
-                s = samples.get(key)
-                if s is not None and s.avail & bit:
-                    keys.append(key)
-            return keys
-        total = 0
-        while (heap or fifo) and total < max_samples and (max_keys is None or len(keys) < max_keys):
-            from_heap = bool(heap) and (not fifo or heap[0] < fifo[0])
-            key = (heap[0] if from_heap else fifo[0])[1]
-            n = self._offers(st, key)
-            if n > 0 and total + n > max_samples:
-                break  # never split a group, never skip an older group for a newer one
-            if from_heap:
-                heapq.heappop(heap)
-            else:
-                fifo.popleft()
-            queued.discard(key)
-            if n > 0:
-                keys.append(key)
-                total += n
-        return keys
-
     def _lease(
         self,
-        st: _Stage,
+        st: StageRecord,
         max_samples: int,
         lease_s: float | None,
         min_version: int | None,
         extra: tuple[str, ...],
         max_keys: int | None = None,
     ) -> Lease | None:
-        keys = self._pop_keys(st, max_samples, max_keys)
+        keys = st.pop_keys(max_samples, max_keys, self._samples, self._groups)
         if not keys:
             return None
-        rec = _LeaseRec(self._next_lease, st.name, [], [], 0.0)
+        rec = LeaseRecord(self._next_lease, st.name, [], [], 0.0)
         self._next_lease += 1
         rec.deadline = self._clock.now() + (self.lease_timeout_s if lease_s is None else lease_s)
         names = st.view_fields(extra)
@@ -729,10 +600,10 @@ class TransferQueue:
         self._push_expiry(rec.deadline, rec.id)
         return lease
 
-    def _lease_one(self, st: _Stage, deadline: float, names: tuple[str, ...]) -> Lease | None:
+    def _lease_one(self, st: StageRecord, deadline: float, names: tuple[str, ...]) -> Lease | None:
         """`_lease(st, 1, ...)` for a sample stage without a version floor, in one function: the
         per-sample hot path of queue scheduling (a freed engine slot takes the next sample). It
-        inlines `_pop_keys` and `_claim_samples` for one sample (built from those two calls,
+        inlines `StageRecord.pop_keys` and `_claim_samples` for one sample (built from those two calls,
         `take_each_nowait(stage, 1)` measured 13.5 instead of 11.8 us here); the randomized model
         check in tests/test_transfer_queue.py recounts what this path leaves after every take."""
         heap, fifo, queued, samples, bit = st.heap, st.fifo, st.queued, self._samples, st.bit
@@ -751,7 +622,7 @@ class TransferQueue:
         s.avail &= ~bit
         st.depth -= 1
         st.leased += 1
-        self._leases[lid] = _LeaseRec(lid, name, [uid], [], deadline)
+        self._leases[lid] = LeaseRecord(lid, name, [uid], [], deadline)
         self._push_expiry(deadline, lid)
         f = s.fields
         view = {}  # (a loop, not a comprehension: no function call for the usual one to three names)
@@ -780,7 +651,7 @@ class TransferQueue:
         rec = self._leases.get(entry[1])
         return rec is not None and rec.deadline == entry[0]
 
-    def _claim_samples(self, st: _Stage, rec: _LeaseRec, uids: list[int], names: tuple[str, ...],
+    def _claim_samples(self, st: StageRecord, rec: LeaseRecord, uids: list[int], names: tuple[str, ...],
                        min_version: int | None, lease: Lease) -> None:
         """Mark each uid of a sample (non-group) stage's lease taken and add its view to `lease`: each
         was available (its queue entry offered it), so it simply stops being."""
@@ -880,7 +751,7 @@ class TransferQueue:
                 nxt = self._lease_one(st, now + self.lease_timeout_s, st.view_fields(tuple(fields_extra)))
             return rec is not None, nxt
 
-    def _consume(self, rec: _LeaseRec, remove: bool) -> None:
+    def _consume(self, rec: LeaseRecord, remove: bool) -> None:
         """End an acked lease: its live samples (and groups) are consumed by its stage."""
         live = self._end_lease(rec)
         name = rec.stage
@@ -927,7 +798,7 @@ class TransferQueue:
             self._release(rec)
             return True
 
-    def _release(self, rec: _LeaseRec) -> None:
+    def _release(self, rec: LeaseRecord) -> None:
         st = self._stages[rec.stage]
         for s in self._end_lease(rec):
             if not st.groups:
@@ -937,7 +808,7 @@ class TransferQueue:
             if g is not None:
                 self._sync_group(st, gid, g)
 
-    def _end_lease(self, rec: _LeaseRec) -> list[_Sample]:
+    def _end_lease(self, rec: LeaseRecord) -> list[SampleRecord]:
         """Clear the lease's marks on its live samples and groups; return those samples."""
         st = self._stages[rec.stage]
         live = []
@@ -954,7 +825,7 @@ class TransferQueue:
                 del g.leased[rec.stage]
         return live
 
-    def _lease_groups(self, rec: _LeaseRec) -> list[_Group]:
+    def _lease_groups(self, rec: LeaseRecord) -> list[GroupRecord]:
         groups = (self._groups.get(gid) for gid in rec.groups)
         return [g for g in groups if g is not None and g.uids]
 
@@ -1016,10 +887,10 @@ class TransferQueue:
                     self._remove_one(uid)
         if by_group:
             for st in self._stages.values():
-                self._compact(st)
+                st.compact(self._samples, self._groups)
             self._notify_put()
 
-    def _remove_group(self, gid: int, g: _Group) -> None:
+    def _remove_group(self, gid: int, g: GroupRecord) -> None:
         """Remove every live member of a fully put group and the group itself: the same counts as
         `_remove_one` of each member, with one pass over the stages instead of one per member."""
         stages, samples = self._stages, self._samples
@@ -1032,7 +903,7 @@ class TransferQueue:
             stages[name].depth -= n  # the group's offer ends (its heap entries go stale)
         del self._groups[gid]
 
-    def _uncount(self, s: _Sample) -> None:
+    def _uncount(self, s: SampleRecord) -> None:
         """A removed sample leaves the depth of the sample stages it was available to and the leased
         count of the stages holding it."""
         if s.avail:
@@ -1069,7 +940,7 @@ class TransferQueue:
                 wake(st.waiters, 1 << 62)
         wake(self._put_waiters, 1 << 62)
 
-    def _notify(self, st: _Stage) -> None:
+    def _notify(self, st: StageRecord) -> None:
         if st.waiters:
             wake(st.waiters, st.depth)
 
@@ -1203,7 +1074,7 @@ class TransferQueue:
                     self._restored_wait_s[name] = float(waited)
             self._next_group = int(state.get("next_group_id", 1 + max((g["group_id"] for g in state["groups"]), default=-1)))
             for gs in state["groups"]:
-                self._groups[gs["group_id"]] = _Group(gs["size"], gs["put"], gs["removed"])
+                self._groups[gs["group_id"]] = GroupRecord(gs["size"], gs["put"], gs["removed"])
                 self._max_group_size = max(self._max_group_size, gs["size"])
             for d in state["samples"]:
                 self._restore_sample(d)
@@ -1212,7 +1083,7 @@ class TransferQueue:
                     self._check_ready(st, s)
 
     def _restore_sample(self, d: dict[str, Any]) -> None:
-        s = _Sample(d["uid"], d["group_id"], d["priority"], dict(d["fields"]), d["version"])
+        s = SampleRecord(d["uid"], d["group_id"], d["priority"], dict(d["fields"]), d["version"])
         for name in d["consumed"]:
             s.consumed |= self._bit(name)
         g = self._groups[s.group_id]
