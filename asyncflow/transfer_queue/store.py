@@ -41,12 +41,11 @@ from asyncflow.clock import Clock, RealClock
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView, StoreClient
 from asyncflow.transfer_queue.payload import payload_bytes, rows_of
 from asyncflow.transfer_queue.records import GroupRecord, LeaseRecord, SampleRecord, StageRecord
+from asyncflow.transfer_queue.state import check_state, restore, snapshot
 from asyncflow.transfer_queue.waiters import Waiter, wait_async, wait_thread, wake
 
 # (the public types are defined in `api` and importable from here, as before)
 __all__ = ["Lease", "NewSample", "QueueClosed", "SampleView", "StoreClient", "TransferQueue", "check_state"]
-
-_STATE_FORMAT = 1
 
 
 class TransferQueue:
@@ -1035,26 +1034,11 @@ class TransferQueue:
         `next_group_id` is one past the highest group id ever put: with one feeder numbering groups
         in order, the position in its prompt stream that this snapshot is consistent with."""
         with self._lock:
-            samples = [
-                {
-                    "uid": s.uid,
-                    "group_id": s.group_id,
-                    "priority": s.priority,
-                    "version": s.version,
-                    "fields": dict(s.fields),
-                    "consumed": sorted(name for name, bit in self._bits.items() if s.consumed & bit),
-                }
-                for s in self._samples.values()
-            ]
-            groups = [
-                {"group_id": gid, "size": g.size, "put": g.put, "removed": g.removed}
-                for gid, g in self._groups.items()
-            ]
             # running totals that `metrics()` reports, so a resumed run's continue (they restarted at 0)
             totals = {"bytes_put": self._bytes_put, "expired_leases": self._expired_leases,
                       "wait_s": {name: st.wait_s for name, st in self._stages.items()}}
-            return {"format": _STATE_FORMAT, "next_uid": self._next_uid, "next_group_id": self._next_group,
-                    "samples": samples, "groups": groups, "totals": totals}
+            return snapshot(self._samples.values(), self._groups, self._bits, self._next_uid, self._next_group,
+                            totals)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore into an empty store; samples leased at save time become available again. A state
@@ -1063,81 +1047,20 @@ class TransferQueue:
         with self._lock:
             if self._samples or self._leases:
                 raise ValueError("load_state_dict needs an empty transfer queue")
-            self._next_uid = int(state["next_uid"])
-            totals = state.get("totals") or {}  # (absent from checkpoints before 2026-11-24)
-            self._bytes_put = int(totals.get("bytes_put", 0))
-            self._expired_leases = int(totals.get("expired_leases", 0))
-            for name, waited in dict(totals.get("wait_s", {})).items():
+            got = restore(state, self._bit)
+            self._next_uid, self._next_group = got.next_uid, got.next_group
+            self._bytes_put, self._expired_leases = got.bytes_put, got.expired_leases
+            for name, waited in got.wait_s.items():
                 if name in self._stages:
-                    self._stages[name].wait_s = float(waited)
+                    self._stages[name].wait_s = waited
                 else:  # (a stage registered after the restore takes it then)
-                    self._restored_wait_s[name] = float(waited)
-            self._next_group = int(state.get("next_group_id", 1 + max((g["group_id"] for g in state["groups"]), default=-1)))
-            for gs in state["groups"]:
-                self._groups[gs["group_id"]] = GroupRecord(gs["size"], gs["put"], gs["removed"])
-                self._max_group_size = max(self._max_group_size, gs["size"])
-            for d in state["samples"]:
-                self._restore_sample(d)
+                    self._restored_wait_s[name] = waited
+            self._groups.update(got.groups)
+            self._max_group_size = max(self._max_group_size, got.max_group_size)
+            self._samples.update(got.samples)
             for s in self._samples.values():
                 for st in self._stages.values():
                     self._check_ready(st, s)
-
-    def _restore_sample(self, d: dict[str, Any]) -> None:
-        s = SampleRecord(d["uid"], d["group_id"], d["priority"], dict(d["fields"]), d["version"])
-        for name in d["consumed"]:
-            s.consumed |= self._bit(name)
-        g = self._groups[s.group_id]
-        g.uids.append(s.uid)
-        g.consumed.update(d["consumed"])
-        self._samples[s.uid] = s
-
-
-def check_state(state: Any) -> None:
-    """`ValueError` naming what is wrong unless `state` has the shape `TransferQueue.state_dict`
-    writes. A checkpoint's `store.pt` that loads but holds something else (a damaged or foreign
-    file) failed a resume with a KeyError or TypeError traceback, after the run's logs were cut."""
-
-    def whole(v: Any, lo: int) -> bool:
-        return isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= lo
-
-    if not isinstance(state, dict):
-        raise ValueError(f"expected the transfer queue's state (a dict), got {type(state).__name__}")
-    if state.get("format") != _STATE_FORMAT:
-        raise ValueError(f"unknown transfer queue state format {state.get('format')!r}")
-    for key in ("next_uid", "next_group_id"):
-        if (key in state or key == "next_uid") and not whole(state.get(key), 0):
-            raise ValueError(f"{key} must be an int >= 0, got {state.get(key)!r}")
-    groups, samples = state.get("groups"), state.get("samples")
-    if not isinstance(groups, list) or not isinstance(samples, list):
-        raise ValueError("groups and samples must be lists")
-    sizes: dict[Any, int] = {}
-    for g in groups:
-        if not (isinstance(g, dict) and whole(g.get("group_id"), 0) and whole(g.get("size"), 1)
-                and whole(g.get("put"), 0) and whole(g.get("removed"), 0)):
-            raise ValueError(f"a group entry is not {{group_id, size, put, removed}} (ints): {g!r:.200}")
-        sizes[g["group_id"]] = g["size"]
-    uids: set[int] = set()
-    for d in samples:
-        if not (isinstance(d, dict) and whole(d.get("uid"), 0) and whole(d.get("group_id"), 0)
-                and d.get("group_id") in sizes
-                and isinstance(d.get("fields"), dict) and isinstance(d.get("consumed"), list)
-                and all(isinstance(c, str) for c in d["consumed"])
-                and isinstance(d.get("priority"), (int, float)) and not isinstance(d.get("priority"), bool)
-                and (d.get("version") is None or whole(d.get("version"), -(2**63)))):
-            raise ValueError(f"a sample entry is not {{uid, group_id (of a listed group), priority, version, fields, "
-                             f"consumed}}: {d!r:.200}")
-        if d["uid"] in uids:
-            raise ValueError(f"sample uid {d['uid']} is listed twice")
-        uids.add(d["uid"])
-    totals = state.get("totals")  # (absent from checkpoints before 2026-11-24)
-    if totals is not None:
-        wait_s = totals.get("wait_s", {}) if isinstance(totals, dict) else None
-        if not (isinstance(totals, dict) and all(whole(totals.get(k, 0), 0) for k in ("bytes_put", "expired_leases"))
-                and isinstance(wait_s, dict)
-                and all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                        for k, v in wait_s.items())):
-            raise ValueError(f"totals is not {{bytes_put, expired_leases (ints), wait_s (stage: seconds)}}: "
-                             f"{totals!r:.200}")
 
 
 def _count(lease: Lease) -> int:
