@@ -28,16 +28,15 @@ is `register_stage(..., groups=True)`; length-balanced splitting of a taken batc
 from __future__ import annotations
 
 import asyncio
-import bisect
 import heapq
 import math
-import numbers
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from asyncflow.clock import Clock, RealClock
+from asyncflow.transfer_queue.admission import UidReservations, check_new, check_take
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView, StoreClient
 from asyncflow.transfer_queue.payload import payload_bytes, rows_of
 from asyncflow.transfer_queue.records import GroupRecord, LeaseRecord, SampleRecord, StageRecord
@@ -83,11 +82,7 @@ class TransferQueue:
         self._put_waiters: list[Waiter] = []
         self._latest_wake = -math.inf  # the latest wake time handed to a waiter since all were last woken
         self._next_uid = 0
-        # reserved uid ranges not yet all put: start -> [end, how many are left]; a client uid must lie
-        # in one and not be used already (else a uid whose sample was removed could be put again)
-        self._reserved: dict[int, list[int]] = {}
-        self._reserved_starts: list[int] = []  # its keys, ascending (uids are reserved in order)
-        self._reserved_used: set[int] = set()
+        self._reserved = UidReservations()  # uid ranges handed to clients (`reserve_uids`)
         self._next_group = 0  # one past the highest group id ever put (a feeder's position, checkpoints)
         self._next_lease = 1
         self._max_group_size = 1
@@ -162,51 +157,13 @@ class TransferQueue:
         with self._lock:
             self._check_open()
             self._reap()
-            self._validate_new(samples)
+            check_new(samples, self.capacity, self._groups, self._reserved)
             if len(self._samples) + len(samples) <= self.capacity:
                 return self._insert_many(samples), None, None
             assert on is not None
             w = Waiter(len(samples), self._put_waiters, on)
             self._put_waiters.append(w)
             return None, w, self._wake_at()
-
-    def _validate_new(self, samples: list[NewSample]) -> None:
-        """Everything `_insert_many` relies on, checked before anything changes: a put that fails
-        leaves the store as it was (it used to admit the samples before the bad one, unannounced)."""
-        client_uids: set[int] = set()
-        for ns in samples:
-            if ns.uid is not None:
-                if ns.uid in client_uids or ns.uid in self._reserved_used or self._reservation(ns.uid) is None:
-                    raise ValueError(f"uid {ns.uid} is in use, was used before or was never reserved")
-                client_uids.add(ns.uid)
-            if type(ns.fields) is not dict and not isinstance(ns.fields, Mapping):
-                raise TypeError(f"group {ns.group_id}: fields must be a mapping, got {type(ns.fields).__name__}")
-            if ns.priority is not None:
-                try:
-                    ok = math.isfinite(float(ns.priority))
-                except (TypeError, ValueError):
-                    ok = False
-                if not ok:
-                    raise ValueError(f"group {ns.group_id}: priority must be a finite number, got {ns.priority!r}")
-        if len(samples) > self.capacity:
-            raise ValueError(f"cannot put {len(samples)} samples into a store of capacity {self.capacity}")
-        counts: dict[int, int] = {}
-        sizes: dict[int, int] = {}  # group_size of each group this put names (the first sample's)
-        for ns in samples:
-            gid, size = ns.group_id, ns.group_size
-            # (ints, checked here: a str group id failed half-way through admitting the put, and a
-            # fractional size made a group that can never be complete)
-            if not isinstance(gid, numbers.Integral) or isinstance(gid, bool) or gid < 0:
-                raise ValueError(f"group_id must be an int >= 0, got {gid!r}")
-            if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
-                raise ValueError(f"group {gid}: group_size must be an int >= 1, got {size!r}")
-            g = self._groups.get(gid)
-            first = sizes.setdefault(gid, size if g is None else g.size)
-            if first != size:  # (one put naming a new group with two sizes made a group that never completes)
-                raise ValueError(f"group {gid}: group_size {size} != {first} put before")
-            counts[gid] = counts.get(gid, 0) + 1
-            if counts[gid] + (g.put if g else 0) > size:
-                raise ValueError(f"group {gid}: more than group_size={size} samples put")
 
     def reserve_uids(self, n: int) -> int:
         """Reserve `n` consecutive uids for a client to assign itself (pipelined puts); returns the first."""
@@ -215,29 +172,8 @@ class TransferQueue:
         with self._lock:
             start = self._next_uid
             self._next_uid += n
-            self._reserved[start] = [start + n, n]
-            self._reserved_starts.append(start)
+            self._reserved.add(start, n)
             return start
-
-    def _reservation(self, uid: int) -> int | None:
-        """The start of the outstanding reserved range holding `uid`, if any."""
-        i = bisect.bisect_right(self._reserved_starts, uid) - 1
-        if i < 0:
-            return None
-        start = self._reserved_starts[i]
-        return start if uid < self._reserved[start][0] else None
-
-    def _use_reserved(self, uid: int) -> None:
-        start = self._reservation(uid)
-        assert start is not None  # (validated)
-        entry = self._reserved[start]
-        entry[1] -= 1
-        if entry[1] == 0:  # all of the range put: forget it (its uids are then never reserved)
-            del self._reserved[start]
-            del self._reserved_starts[bisect.bisect_left(self._reserved_starts, start)]
-            self._reserved_used.difference_update(range(start, entry[0]))
-        else:
-            self._reserved_used.add(uid)
 
     def _insert_many(self, samples: list[NewSample]) -> list[int]:
         """Admit validated samples; returns their uids. Per initial-fields dict (by identity: a feeder
@@ -258,7 +194,7 @@ class TransferQueue:
                     self._next_uid = uid + 1
                 else:
                     uid = ns.uid
-                    self._use_reserved(uid)
+                    self._reserved.use(uid)
                 priority = float(uid) if ns.priority is None else float(ns.priority)
                 s = SampleRecord(uid, ns.group_id, priority, dict(ns.fields))
                 g = groups.get(ns.group_id)
@@ -447,7 +383,7 @@ class TransferQueue:
         with self._lock:
             self._check_open()
             st = self._stage(stage)
-            self._validate_take(st, max_samples, 1)
+            check_take(st, max_samples, 1, self.capacity, self._max_group_size)
             self._reap()
             out: list[Lease] = []
             budget = max_samples
@@ -524,7 +460,7 @@ class TransferQueue:
         with self._lock:
             self._check_open()
             st = self._stage(stage)
-            self._validate_take(st, max_samples, min_samples)
+            check_take(st, max_samples, min_samples, self.capacity, self._max_group_size)
             self._reap()
             lease = None
             if st.depth >= min_samples:
@@ -534,16 +470,6 @@ class TransferQueue:
             w = Waiter(min_samples, st.waiters, on)
             st.waiters.append(w)
             return None, w, self._wake_at()
-
-    def _validate_take(self, st: StageRecord, max_samples: int, min_samples: int) -> None:
-        if not 1 <= min_samples <= max_samples:
-            raise ValueError(f"take({st.name!r}): need 1 <= min_samples <= max_samples")
-        if min_samples > self.capacity:
-            raise ValueError(f"take({st.name!r}): min_samples {min_samples} > capacity {self.capacity}")
-        if st.groups and self._max_group_size > max_samples:
-            raise ValueError(
-                f"take({st.name!r}): max_samples {max_samples} < group_size {self._max_group_size}"
-            )
 
     def _lease(
         self,
