@@ -31,13 +31,13 @@ import asyncio
 import heapq
 import math
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from asyncflow.clock import Clock, RealClock
 from asyncflow.transfer_queue.admission import UidReservations, check_new, check_take
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView, StoreClient
+from asyncflow.transfer_queue.expiry import ExpiryQueue
 from asyncflow.transfer_queue.payload import payload_bytes, rows_of
 from asyncflow.transfer_queue.records import GroupRecord, LeaseRecord, SampleRecord, StageRecord
 from asyncflow.transfer_queue.state import check_state, restore, snapshot
@@ -74,11 +74,7 @@ class TransferQueue:
         # a new sample's field names -> (sample stages, group stages) its fields make ready
         self._put_stages: dict[tuple[str, ...], tuple[tuple[StageRecord, ...], tuple[StageRecord, ...]]] = {}
         self._leases: dict[int, LeaseRecord] = {}
-        # (deadline, lease id) of every lease, stale entries (leases ended early) skipped: deadlines
-        # that only grow (the default lease time on a monotonic clock: nearly all) queue in order in
-        # `_expiry_fifo`, cheaper than a heap; others go to the `_expiries` heap
-        self._expiries: list[tuple[float, int]] = []
-        self._expiry_fifo: deque[tuple[float, int]] = deque()
+        self._expiry = ExpiryQueue()  # (deadline, lease id) of every lease
         self._put_waiters: list[Waiter] = []
         self._latest_wake = -math.inf  # the latest wake time handed to a waiter since all were last woken
         self._next_uid = 0
@@ -560,21 +556,7 @@ class TransferQueue:
         if deadline < self._latest_wake:  # a waiter sleeps past this lease's expiry: let it retry then
             self._latest_wake = -math.inf
             self._wake_all_waiters()
-        fifo = self._expiry_fifo
-        if not fifo or deadline >= fifo[-1][0]:
-            fifo.append((deadline, lid))
-            if len(fifo) > 2 * len(self._leases) + 1024:  # mostly leases that ended early or were renewed: drop those
-                self._expiry_fifo = deque(e for e in fifo if self._current(e))
-        else:
-            heapq.heappush(self._expiries, (deadline, lid))
-            if len(self._expiries) > 2 * len(self._leases) + 1024:
-                self._expiries = [e for e in self._expiries if self._current(e)]
-                heapq.heapify(self._expiries)
-
-    def _current(self, entry: tuple[float, int]) -> bool:
-        """Whether an expiry entry is its lease's deadline now (not ended, not superseded by a renewal)."""
-        rec = self._leases.get(entry[1])
-        return rec is not None and rec.deadline == entry[0]
+        self._expiry.push(deadline, lid, self._leases)
 
     def _claim_samples(self, st: StageRecord, rec: LeaseRecord, uids: list[int], names: tuple[str, ...],
                        min_version: int | None, lease: Lease) -> None:
@@ -652,7 +634,7 @@ class TransferQueue:
             if st.groups:
                 raise ValueError(f"complete_and_take: stage {stage!r} takes whole groups")
             now = self._clock.now()
-            fifo, heap = self._expiry_fifo, self._expiries
+            fifo, heap = self._expiry.fifo, self._expiry.heap
             if (fifo and fifo[0][0] <= now) or (heap and heap[0][0] <= now):  # (`_reap`'s test, inline)
                 self._reap()
             rec = self._leases.get(lease.id)
@@ -757,16 +739,11 @@ class TransferQueue:
     def _reap(self) -> None:
         """Release every lease whose deadline has passed (lazy expiry)."""
         now = self._clock.now()
-        fifo, heap = self._expiry_fifo, self._expiries
+        fifo, heap = self._expiry.fifo, self._expiry.heap
         if not ((fifo and fifo[0][0] <= now) or (heap and heap[0][0] <= now)):
             return
-        due = []
-        while fifo and fifo[0][0] <= now:
-            due.append(fifo.popleft()[1])
-        while heap and heap[0][0] <= now:
-            due.append(heapq.heappop(heap)[1])
         leases = self._leases
-        for lid in due:
+        for lid in self._expiry.pop_due(now):
             rec = leases.get(lid)
             if rec is not None and rec.deadline <= now:  # (a renewed lease has a later entry too)
                 del leases[lid]
@@ -776,20 +753,11 @@ class TransferQueue:
     def _wake_at(self) -> float | None:
         """When a waiter registered now should retry at the latest (the next lease expiry, which may
         make samples available again); remembered so a lease that expires earlier wakes it."""
-        at = self._next_expiry()
+        at = self._expiry.next_deadline(self._leases)
         latest = math.inf if at is None else at
         if latest > self._latest_wake:
             self._latest_wake = latest
         return at
-
-    def _next_expiry(self) -> float | None:
-        fifo, heap = self._expiry_fifo, self._expiries
-        while fifo and not self._current(fifo[0]):
-            fifo.popleft()  # (ended, or renewed: its later entry stands)
-        while heap and not self._current(heap[0]):
-            heapq.heappop(heap)
-        nexts = [q[0][0] for q in (fifo, heap) if q]
-        return min(nexts) if nexts else None
 
     # ----------------------------------------------------------------------------- removal
     def remove(self, uids: Iterable[int]) -> None:
@@ -910,8 +878,7 @@ class TransferQueue:
             self._samples.clear()
             self._groups.clear()
             self._leases.clear()
-            self._expiries.clear()
-            self._expiry_fifo.clear()
+            self._expiry.clear()
             for st in self._stages.values():
                 st.heap.clear()
                 st.fifo.clear()
