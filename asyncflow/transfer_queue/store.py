@@ -27,7 +27,6 @@ is `register_stage(..., groups=True)`; length-balanced splitting of a taken batc
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import math
 import threading
@@ -41,7 +40,7 @@ from asyncflow.transfer_queue.expiry import ExpiryQueue
 from asyncflow.transfer_queue.payload import payload_bytes, rows_of
 from asyncflow.transfer_queue.records import GroupRecord, LeaseRecord, SampleRecord, StageRecord
 from asyncflow.transfer_queue.state import check_state, restore, snapshot
-from asyncflow.transfer_queue.waiters import Waiter, wait_async, wait_thread, wake
+from asyncflow.transfer_queue.waiters import On, Tried, Waiter, wait_async, wait_thread, wake
 
 # (the public types are defined in `api` and importable from here, as before)
 __all__ = ["Lease", "NewSample", "QueueClosed", "SampleView", "StoreClient", "TransferQueue", "check_state"]
@@ -50,13 +49,8 @@ __all__ = ["Lease", "NewSample", "QueueClosed", "SampleView", "StoreClient", "Tr
 class TransferQueue:
     """Thread-safe streaming store with per-stage readiness, leases and backpressure."""
 
-    def __init__(
-        self,
-        capacity: int = 4096,
-        lease_timeout_s: float = 600.0,
-        clock: Clock | None = None,
-        on_remove: Callable[[dict[str, Any]], None] | None = None,
-    ):
+    def __init__(self, capacity: int = 4096, lease_timeout_s: float = 600.0, clock: Clock | None = None,
+                 on_remove: Callable[[dict[str, Any]], None] | None = None):
         """`on_remove(fields)` is called (under the store's lock) for every deleted sample; the Ray
         placement uses it to drop object-store references once no live sample needs them."""
         if capacity < 1:
@@ -135,21 +129,14 @@ class TransferQueue:
         return wait_thread(self._clock, self._lock, lambda on: self._put_or_wait(samples, on), timeout,
                            "room in the store")
 
-    def put_columns_blocking(
-        self,
-        columns: dict[str, Any],
-        group_ids: Sequence[int],
-        group_size: int,
-        timeout: float | None = None,
-    ) -> list[int]:
+    def put_columns_blocking(self, columns: dict[str, Any], group_ids: Sequence[int], group_size: int,
+                             timeout: float | None = None) -> list[int]:
         """Put a columnar batch (each value an array or list with one row per sample): sample i
         gets row i of every column. Same as `put_blocking` of the rows; the Ray client sends the
         columns as they are instead of per-sample dicts."""
         return self.put_blocking(rows_of(columns, group_ids, group_size), timeout=timeout)
 
-    def _put_or_wait(
-        self, samples: list[NewSample], on: asyncio.AbstractEventLoop | str | None
-    ) -> tuple[list[int] | None, Waiter | None, float | None]:
+    def _put_or_wait(self, samples: list[NewSample], on: On | None) -> Tried[list[int]]:
         with self._lock:
             self._check_open()
             self._reap()
@@ -303,17 +290,9 @@ class TransferQueue:
             self._notify(st)
 
     # ----------------------------------------------------------------------------- consumers
-    async def take(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        min_samples: int = 1,
-        timeout: float | None = None,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> Lease:
+    async def take(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
+                   lease_s: float | None = None, min_version: int | None = None,
+                   fields_extra: Sequence[str] = ()) -> Lease:
         """Lease up to `max_samples` samples ready for `stage`; wait until `min_samples` are available.
 
         Counts are in samples and include `lease.expired`. Group stages never split a group, so when
@@ -324,21 +303,14 @@ class TransferQueue:
         what = f"{min_samples} sample(s) ready for stage {stage!r}"
         start = self._clock.now()
         try:
-            return await wait_async(self._clock, self._lock, lambda on: self._take_or_wait(*args, on), timeout,
-                                    what)
+            return await wait_async(self._clock, self._lock, lambda on: self._take_or_wait(*args, on),
+                                    timeout, what)
         finally:
             self._add_wait(stage, start)
 
-    async def take_each(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        timeout: float | None = None,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> list[Lease]:
+    async def take_each(self, stage: str, max_samples: int, *, timeout: float | None = None,
+                        lease_s: float | None = None, min_version: int | None = None,
+                        fields_extra: Sequence[str] = ()) -> list[Lease]:
         """Up to `max_samples` samples (whole groups for group stages) as one lease each, so each can
         be completed on its own: waits for the first, then takes what is ready. One call instead of
         one per free slot (a round trip each on Ray), and one pass under the lock for all of them."""
@@ -351,29 +323,15 @@ class TransferQueue:
         finally:
             self._add_wait(stage, start)
 
-    def take_each_nowait(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> list[Lease]:
+    def take_each_nowait(self, stage: str, max_samples: int, *, lease_s: float | None = None,
+                         min_version: int | None = None, fields_extra: Sequence[str] = ()) -> list[Lease]:
         """`take_each` without waiting: the leases of what is ready now (possibly none). For code on
         the store's own event loop that refills a slot the moment it frees (e.g. in a done callback),
         without a round through a waiting task."""
         return self._take_each_or_wait(stage, max_samples, lease_s, min_version, tuple(fields_extra), None)[0] or []
 
-    def _take_each_or_wait(
-        self,
-        stage: str,
-        max_samples: int,
-        lease_s: float | None,
-        min_version: int | None,
-        extra: tuple[str, ...],
-        on: asyncio.AbstractEventLoop | str | None,
-    ) -> tuple[list[Lease] | None, Waiter | None, float | None]:
+    def _take_each_or_wait(self, stage: str, max_samples: int, lease_s: float | None, min_version: int | None,
+                           extra: tuple[str, ...], on: On | None) -> Tried[list[Lease]]:
         """As many one-sample (one-group) leases as are ready, up to `max_samples` samples; or a
         waiter for the first. The same leases as one `take(stage, 1)` after another."""
         with self._lock:
@@ -404,17 +362,9 @@ class TransferQueue:
             st.waiters.append(w)
             return None, w, self._wake_at()
 
-    def take_blocking(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        min_samples: int = 1,
-        timeout: float | None = None,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> Lease:
+    def take_blocking(self, stage: str, max_samples: int, *, min_samples: int = 1,
+                      timeout: float | None = None, lease_s: float | None = None,
+                      min_version: int | None = None, fields_extra: Sequence[str] = ()) -> Lease:
         """`take` for plain threads."""
         args = (stage, max_samples, min_samples, lease_s, min_version, tuple(fields_extra))
         what = f"{min_samples} sample(s) ready for stage {stage!r}"
@@ -424,16 +374,8 @@ class TransferQueue:
         finally:
             self._add_wait(stage, start)
 
-    def take_nowait(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        min_samples: int = 1,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> Lease | None:
+    def take_nowait(self, stage: str, max_samples: int, *, min_samples: int = 1, lease_s: float | None = None,
+                    min_version: int | None = None, fields_extra: Sequence[str] = ()) -> Lease | None:
         """`take` without waiting: None when fewer than `min_samples` are available."""
         args = (stage, max_samples, min_samples, lease_s, min_version, tuple(fields_extra))
         return self._take_or_wait(*args, None)[0]
@@ -443,16 +385,8 @@ class TransferQueue:
             if stage in self._stages:
                 self._stages[stage].wait_s += self._clock.now() - start
 
-    def _take_or_wait(
-        self,
-        stage: str,
-        max_samples: int,
-        min_samples: int,
-        lease_s: float | None,
-        min_version: int | None,
-        extra: tuple[str, ...],
-        on: asyncio.AbstractEventLoop | str | None,
-    ) -> tuple[Lease | None, Waiter | None, float | None]:
+    def _take_or_wait(self, stage: str, max_samples: int, min_samples: int, lease_s: float | None,
+                      min_version: int | None, extra: tuple[str, ...], on: On | None) -> Tried[Lease]:
         with self._lock:
             self._check_open()
             st = self._stage(stage)
@@ -467,15 +401,8 @@ class TransferQueue:
             st.waiters.append(w)
             return None, w, self._wake_at()
 
-    def _lease(
-        self,
-        st: StageRecord,
-        max_samples: int,
-        lease_s: float | None,
-        min_version: int | None,
-        extra: tuple[str, ...],
-        max_keys: int | None = None,
-    ) -> Lease | None:
+    def _lease(self, st: StageRecord, max_samples: int, lease_s: float | None, min_version: int | None,
+               extra: tuple[str, ...], max_keys: int | None = None) -> Lease | None:
         keys = st.pop_keys(max_samples, max_keys, self._samples, self._groups)
         if not keys:
             return None
@@ -594,14 +521,8 @@ class TransferQueue:
             self._consume(rec, remove)
             return True
 
-    def complete(
-        self,
-        lease: Lease,
-        writes: dict[int, dict[str, Any]],
-        *,
-        versions: dict[int, int] | None = None,
-        remove: bool = False,
-    ) -> bool:
+    def complete(self, lease: Lease, writes: dict[int, dict[str, Any]], *,
+                 versions: dict[int, int] | None = None, remove: bool = False) -> bool:
         """Write each sample's results, then ack the lease: one atomic step (one round trip on Ray).
 
         Nothing is written when the lease had already ended (its samples may be someone else's by
@@ -619,10 +540,8 @@ class TransferQueue:
             self._consume(rec, remove)
             return True
 
-    def complete_and_take(
-        self, lease: Lease, fields: dict[str, Any], *, version: int | None, stage: str,
-        fields_extra: Sequence[str] = (),
-    ) -> tuple[bool, Lease | None]:
+    def complete_and_take(self, lease: Lease, fields: dict[str, Any], *, version: int | None, stage: str,
+                          fields_extra: Sequence[str] = ()) -> tuple[bool, Lease | None]:
         """`complete(lease, {uid: fields}, versions={uid: version})` of a one-sample lease, then
         `take_each_nowait(stage, 1)` of a sample stage, in one step: the per-sample hot path of queue
         scheduling (a request ends; its engine slot takes the next sample) with one lock, one expiry

@@ -29,7 +29,7 @@ class Waiter:
 
     __slots__ = ("event", "fut", "home", "loop", "need", "woken")
 
-    def __init__(self, need: int, home: list[Waiter], on: asyncio.AbstractEventLoop | str) -> None:
+    def __init__(self, need: int, home: list[Waiter], on: On) -> None:
         self.need = need  # wake once this many samples are available (or this much room, for producers)
         self.home = home
         self.woken = False
@@ -56,8 +56,11 @@ class Waiter:
             call_soon(loop, fut)
 
 
+# Where a caller sleeps: on its event loop, or on an event (`THREAD`).
+On = asyncio.AbstractEventLoop | str
 # What an attempt returns: the result, or (None, the waiter to sleep on, when to retry at the latest).
-Attempt = Callable[[asyncio.AbstractEventLoop | str], tuple[T | None, Waiter | None, float | None]]
+Tried = tuple[T | None, Waiter | None, float | None]
+Attempt = Callable[[On], Tried[T]]
 
 
 def resolve(fut: asyncio.Future[None]) -> None:
@@ -101,7 +104,8 @@ def _timed_out(clock: Clock, deadline: float | None, timeout: float | None, what
         raise WaitTimeout(f"timed out after {seconds_text(timeout or 0.0)} {unit} waiting for {what}")
 
 
-async def wait_async(clock: Clock, lock: threading.Lock, attempt: Attempt[T], timeout: float | None, what: str) -> T:
+async def wait_async(clock: Clock, lock: threading.Lock, attempt: Attempt[T], timeout: float | None,
+                     what: str) -> T:
     """Retry `attempt` until it returns a result, sleeping on its waiter's future between tries;
     `WaitTimeout` naming `what` after `timeout` seconds of `clock`. `lock` is the store's."""
     loop = asyncio.get_running_loop()
@@ -133,7 +137,8 @@ async def wait_async(clock: Clock, lock: threading.Lock, attempt: Attempt[T], ti
             drop(waiter, lock)
 
 
-def wait_thread(clock: Clock, lock: threading.Lock, attempt: Attempt[T], timeout: float | None, what: str) -> T:
+def wait_thread(clock: Clock, lock: threading.Lock, attempt: Attempt[T], timeout: float | None,
+                what: str) -> T:
     """`wait_async` for threads, sleeping on a `threading.Event`."""
     deadline = None if timeout is None else clock.now() + timeout
     while True:
