@@ -23,6 +23,10 @@ Why it is built this way:
 
 Sampling: sequential (oldest first) is the default; group-complete sampling (whole GRPO groups only)
 is `register_stage(..., groups=True)`; length-balanced splitting of a taken batch is in `samplers`.
+
+Beside this module: `api` (the public types), `records` (what is kept per sample, group, stage and
+lease; a stage's ready queue), `admission` (checks before a put or take), `expiry` (lease deadlines),
+`waiters` (sleeping callers), `state` (the checkpoint format), `payload` (value sizes, columnar rows).
 """
 
 from __future__ import annotations
