@@ -23,304 +23,38 @@ Why it is built this way:
 
 Sampling: sequential (oldest first) is the default; group-complete sampling (whole GRPO groups only)
 is `register_stage(..., groups=True)`; length-balanced splitting of a taken batch is in `samplers`.
+
+Beside this module: `api` (the public types), `records` (what is kept per sample, group, stage and
+lease; a stage's ready queue), `admission` (checks before a put or take), `expiry` (lease deadlines),
+`waiters` (sleeping callers), `state` (the checkpoint format), `payload` (value sizes, columnar rows).
 """
 
 from __future__ import annotations
 
-import asyncio
-import bisect
-import contextlib
 import heapq
 import math
-import numbers
 import threading
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from asyncflow.clock import Clock, RealClock, seconds_text
-from asyncflow.errors import WaitTimeout
+from asyncflow.clock import Clock, RealClock
+from asyncflow.transfer_queue.admission import UidReservations, check_new, check_take
+from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView, StoreClient
+from asyncflow.transfer_queue.expiry import ExpiryQueue
+from asyncflow.transfer_queue.payload import payload_bytes, rows_of
+from asyncflow.transfer_queue.records import GroupRecord, LeaseRecord, SampleRecord, StageRecord
+from asyncflow.transfer_queue.state import check_state, restore, snapshot
+from asyncflow.transfer_queue.waiters import On, Tried, Waiter, wait_async, wait_thread, wake
 
-T = TypeVar("T")
-_STATE_FORMAT = 1
-
-
-class QueueClosed(Exception):
-    """The store was closed: `take` and `put` are refused and every waiter is woken with this."""
-
-
-@dataclass
-class NewSample:
-    """A sample to admit with `put`. One object may be listed several times in a put (a group's
-    identical samples): each entry is admitted as its own sample with its own uid and its own copy
-    of `fields`."""
-
-    group_id: int
-    """The prompt this sample answers."""
-    group_size: int
-    """Number of samples in the group (`rollout.n`), >= 1."""
-    fields: dict[str, Any]
-    """Initial fields (e.g. `prompt_ids` tensor, prompt text, answer)."""
-    priority: float | None = None
-    """Lower is served first; default is the admission sequence number (the uid)."""
-    uid: int | None = None
-    """Normally assigned by the store; a client may pass one it got from `reserve_uids`."""
-
-
-@dataclass(slots=True)
-class SampleView:
-    """What a consumer gets: one sample with the fields its stage asked for."""
-
-    uid: int
-    group_id: int
-    version: int | None
-    """Oldest policy version that produced any of its tokens; None until written."""
-    fields: dict[str, Any]
-    """The stage's registered fields plus any written `fields_extra` (a shallow copy)."""
-
-
-@dataclass(slots=True)
-class Lease:
-    """Samples taken by one stage until `ack`, `release` or `deadline`."""
-
-    id: int
-    stage: str
-    samples: list[SampleView]
-    """Ready and within the version floor, lowest priority first."""
-    expired: list[SampleView]
-    """Taken because their version is below `min_version`; still need an ack (usually with remove)."""
-    deadline: float
-
-
-class StoreClient(Protocol):
-    """What the workflow uses of a store: `TransferQueue` (in process) and `RayTransferQueue`
-    (a controller actor shared by processes) both provide it."""
-
-    def register_stage(self, stage: str, fields: Sequence[str], *, groups: bool = False) -> None: ...
-
-    async def put(self, samples: list[NewSample], timeout: float | None = None) -> list[int]: ...
-
-    async def take(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        min_samples: int = 1,
-        timeout: float | None = None,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> Lease: ...
-
-    async def take_each(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        timeout: float | None = None,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> list[Lease]: ...
-
-    def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None: ...
-
-    def complete(
-        self, lease: Lease, writes: dict[int, dict[str, Any]], *, versions: dict[int, int] | None = None,
-        remove: bool = False,
-    ) -> bool: ...
-
-    def ack(self, lease: Lease, *, remove: bool = False) -> bool: ...
-
-    def release(self, lease: Lease) -> bool: ...
-
-    def renew(self, leases: Iterable[Lease], lease_s: float | None = None) -> None: ...
-
-    def remove(self, uids: Iterable[int]) -> None: ...
-
-    def close(self) -> None: ...
-
-    def size(self) -> int: ...
-
-    def metrics(self) -> dict[str, float]: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-_THREAD = "thread"  # `_Waiter`'s `on` for a plain thread (it sleeps on a `threading.Event`)
-
-
-class _Waiter:
-    """One sleeping caller: an asyncio future on its loop, or a `threading.Event` for a thread.
-
-    Created under the store's lock only when the caller has to wait (a call that succeeds at once
-    allocates nothing). Woken on its own loop's thread (the common case: the store is used from
-    the loop that waits on it) the future is resolved directly; from any other thread through
-    `call_soon_threadsafe`, whose self-pipe write (a system call) and extra callback are then
-    needed."""
-
-    __slots__ = ("event", "fut", "home", "loop", "need", "woken")
-
-    def __init__(self, need: int, home: list[_Waiter], on: asyncio.AbstractEventLoop | str) -> None:
-        self.need = need  # wake once this many samples are available (or this much room, for producers)
-        self.home = home
-        self.woken = False
-        self.event: threading.Event | None = None
-        self.fut: asyncio.Future[None] | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        if isinstance(on, str):
-            self.event = threading.Event()
-        else:
-            self.loop = on
-            self.fut = on.create_future()
-
-    def wake(self) -> None:
-        self.woken = True
-        if self.event is not None:
-            self.event.set()
-            return
-        fut, loop = self.fut, self.loop
-        assert fut is not None and loop is not None
-        if asyncio._get_running_loop() is loop:
-            if not fut.done():
-                fut.set_result(None)  # schedules the waiting task; nothing runs under the lock
-        else:
-            _call_soon(loop, fut)
-
-
-@dataclass(eq=False, slots=True)
-class _Sample:
-    uid: int
-    group_id: int
-    priority: float
-    fields: dict[str, Any]
-    version: int | None = None
-    # Stage marks are bit masks over the store's stage bits (`TransferQueue._bit`), not sets of
-    # names: three sets cost ~650 bytes and three allocations per sample, and the store holds tens
-    # of thousands of samples whose every visit is then a few more cache misses.
-    ready: int = 0  # stages whose fields are all written
-    avail: int = 0  # non-group stages counting it in their depth
-    taken: dict[str, int] = field(default_factory=dict)  # stage -> lease id
-    consumed: int = 0  # stages that acked it
-
-
-@dataclass(eq=False, slots=True)
-class _Group:
-    size: int
-    put: int = 0
-    removed: int = 0
-    uids: list[int] = field(default_factory=list)  # live members, admission order
-    ready: dict[str, int] = field(default_factory=dict)  # group stage -> live members ready
-    avail: dict[str, int] = field(default_factory=dict)  # group stage -> samples counted in depth
-    leased: dict[str, int] = field(default_factory=dict)  # group stage -> lease id
-    consumed: set[str] = field(default_factory=set)
-
-    def available(self, stage: str) -> int:
-        """Samples this group offers `stage` now: all of them when complete and free, else 0."""
-        expected = self.size - self.removed
-        n = len(self.uids)
-        complete = n > 0 and n == expected and self.ready.get(stage, 0) == expected
-        free = stage not in self.leased and stage not in self.consumed
-        return n if complete and free else 0
-
-
-@dataclass(eq=False)
-class _Stage:
-    name: str
-    fields: tuple[str, ...]
-    groups: bool
-    bit: int  # this stage's bit in a sample's marks (`_Sample.ready`, `avail`, `consumed`)
-    # ready entries `(priority, uid or group_id)`, stale ones skipped when popped: an entry above the
-    # newest in `fifo` (admission order with the default priorities: nearly all) is appended there,
-    # cheaper than a heap of tens of thousands; others (a released lease, a group completed out of
-    # order) go to `heap`. Both stay sorted, so the smaller head is the next entry.
-    heap: list[tuple[float, int]] = field(default_factory=list)
-    fifo: deque[tuple[float, int]] = field(default_factory=deque)
-    queued: set[int] = field(default_factory=set)  # keys with an entry in heap or fifo
-    depth: int = 0  # samples available (in complete groups, for group stages)
-    leased: int = 0
-    wait_s: float = 0.0
-    waiters: list[_Waiter] = field(default_factory=list)
-    names: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # fields_extra -> fields a view gets
-
-    def view_fields(self, extra: tuple[str, ...]) -> tuple[str, ...]:
-        names = self.names.get(extra)
-        if names is None:
-            names = self.names[extra] = self.fields + tuple(f for f in dict.fromkeys(extra) if f not in self.fields)
-        return names
-
-
-@dataclass(eq=False, slots=True)
-class _LeaseRec:
-    id: int
-    stage: str
-    uids: list[int]
-    groups: list[int]
-    deadline: float
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-_KINDS: dict[type, int] = {}  # value type -> 0: no payload, 1: ask the value, 2: a plain list or tuple
-
-
-def _kind(t: type) -> int:
-    """Decided once per type: a type without an `nbytes` attribute whose instances cannot carry one
-    (no instance `__dict__`: e.g. numbers, strings, `Runs`) has no payload, and a plain list or
-    tuple is counted by length; anything else is asked each time."""
-    k = _KINDS.get(t)
-    if k is None:
-        if hasattr(t, "nbytes") or t.__dictoffset__ != 0:
-            k = 1
-        elif issubclass(t, (list, tuple)):
-            k = 2
-        else:
-            k = 0
-        _KINDS[t] = k
-    return k
-
-
-def _payload_bytes(fields: dict[str, Any]) -> int:
-    """Payload bytes: tensors/arrays by `nbytes`; lists of numbers (token ids, log-probs) at 8 bytes
-    an element, as they would be as int64/float64 tensors; other Python values count 0."""
-    total = 0
-    for v in fields.values():
-        t = type(v)
-        if t is list:  # (token ids, log-probs: the common case, without the table lookup)
-            total += 8 * len(v)
-            continue
-        k = _KINDS.get(t)
-        if k is None:
-            k = _kind(t)
-        if k == 0:
-            continue
-        if k == 2:
-            total += 8 * len(v)
-            continue
-        n = getattr(v, "nbytes", None)
-        if isinstance(n, int):
-            total += n
-        elif isinstance(v, (list, tuple)):
-            total += 8 * len(v)
-    return total
+# (the public types are defined in `api` and importable from here, as before)
+__all__ = ["Lease", "NewSample", "QueueClosed", "SampleView", "StoreClient", "TransferQueue", "check_state"]
 
 
 class TransferQueue:
     """Thread-safe streaming store with per-stage readiness, leases and backpressure."""
 
-    def __init__(
-        self,
-        capacity: int = 4096,
-        lease_timeout_s: float = 600.0,
-        clock: Clock | None = None,
-        on_remove: Callable[[dict[str, Any]], None] | None = None,
-    ):
+    def __init__(self, capacity: int = 4096, lease_timeout_s: float = 600.0, clock: Clock | None = None,
+                 on_remove: Callable[[dict[str, Any]], None] | None = None):
         """`on_remove(fields)` is called (under the store's lock) for every deleted sample; the Ray
         placement uses it to drop object-store references once no live sample needs them."""
         if capacity < 1:
@@ -329,28 +63,20 @@ class TransferQueue:
         self.lease_timeout_s = lease_timeout_s
         self._clock: Clock = clock if clock is not None else RealClock()
         self._lock = threading.Lock()
-        self._samples: dict[int, _Sample] = {}
-        self._groups: dict[int, _Group] = {}
-        self._stages: dict[str, _Stage] = {}
+        self._samples: dict[int, SampleRecord] = {}
+        self._groups: dict[int, GroupRecord] = {}
+        self._stages: dict[str, StageRecord] = {}
         self._bits: dict[str, int] = {}  # stage name -> its bit in sample marks (also names only restored)
-        self._by_field: dict[str, list[_Stage]] = {}  # field -> stages that read it (readiness index)
-        self._write_stages: dict[tuple[str, ...], tuple[_Stage, ...]] = {}  # written names -> stages reading any
+        self._by_field: dict[str, list[StageRecord]] = {}  # field -> stages that read it (readiness index)
+        self._write_stages: dict[tuple[str, ...], tuple[StageRecord, ...]] = {}  # written names -> stages reading any
         # a new sample's field names -> (sample stages, group stages) its fields make ready
-        self._put_stages: dict[tuple[str, ...], tuple[tuple[_Stage, ...], tuple[_Stage, ...]]] = {}
-        self._leases: dict[int, _LeaseRec] = {}
-        # (deadline, lease id) of every lease, stale entries (leases ended early) skipped: deadlines
-        # that only grow (the default lease time on a monotonic clock: nearly all) queue in order in
-        # `_expiry_fifo`, cheaper than a heap; others go to the `_expiries` heap
-        self._expiries: list[tuple[float, int]] = []
-        self._expiry_fifo: deque[tuple[float, int]] = deque()
-        self._put_waiters: list[_Waiter] = []
+        self._put_stages: dict[tuple[str, ...], tuple[tuple[StageRecord, ...], tuple[StageRecord, ...]]] = {}
+        self._leases: dict[int, LeaseRecord] = {}
+        self._expiry = ExpiryQueue()  # (deadline, lease id) of every lease
+        self._put_waiters: list[Waiter] = []
         self._latest_wake = -math.inf  # the latest wake time handed to a waiter since all were last woken
         self._next_uid = 0
-        # reserved uid ranges not yet all put: start -> [end, how many are left]; a client uid must lie
-        # in one and not be used already (else a uid whose sample was removed could be put again)
-        self._reserved: dict[int, list[int]] = {}
-        self._reserved_starts: list[int] = []  # its keys, ascending (uids are reserved in order)
-        self._reserved_used: set[int] = set()
+        self._reserved = UidReservations()  # uid ranges handed to clients (`reserve_uids`)
         self._next_group = 0  # one past the highest group id ever put (a feeder's position, checkpoints)
         self._next_lease = 1
         self._max_group_size = 1
@@ -372,7 +98,7 @@ class TransferQueue:
                 if set(old.fields) != set(fields) or old.groups != groups:
                     raise ValueError(f"stage {stage!r} is already registered with other fields/mode")
                 return
-            st = _Stage(stage, tuple(dict.fromkeys(fields)), groups, self._bit(stage))
+            st = StageRecord(stage, tuple(dict.fromkeys(fields)), groups, self._bit(stage))
             st.wait_s = self._restored_wait_s.pop(stage, 0.0)
             self._stages[stage] = st
             for f in st.fields:
@@ -390,7 +116,7 @@ class TransferQueue:
             bit = self._bits[name] = 1 << len(self._bits)
         return bit
 
-    def _stage(self, stage: str) -> _Stage:
+    def _stage(self, stage: str) -> StageRecord:
         st = self._stages.get(stage)
         if st is None:
             raise ValueError(f"stage {stage!r} is not registered (known: {sorted(self._stages)})")
@@ -399,77 +125,32 @@ class TransferQueue:
     # ----------------------------------------------------------------------------- producers
     async def put(self, samples: list[NewSample], timeout: float | None = None) -> list[int]:
         """Admit samples and return their uids; waits while the store is too full (backpressure)."""
-        return await self._wait_async(
-            lambda on: self._put_or_wait(samples, on), timeout, "room in the store"
-        )
+        return await wait_async(self._clock, self._lock, lambda on: self._put_or_wait(samples, on), timeout,
+                                "room in the store")
 
     def put_blocking(self, samples: list[NewSample], timeout: float | None = None) -> list[int]:
         """`put` for plain threads."""
-        return self._wait_thread(lambda on: self._put_or_wait(samples, on), timeout, "room in the store")
+        return wait_thread(self._clock, self._lock, lambda on: self._put_or_wait(samples, on), timeout,
+                           "room in the store")
 
-    def put_columns_blocking(
-        self,
-        columns: dict[str, Any],
-        group_ids: Sequence[int],
-        group_size: int,
-        timeout: float | None = None,
-    ) -> list[int]:
+    def put_columns_blocking(self, columns: dict[str, Any], group_ids: Sequence[int], group_size: int,
+                             timeout: float | None = None) -> list[int]:
         """Put a columnar batch (each value an array or list with one row per sample): sample i
         gets row i of every column. Same as `put_blocking` of the rows; the Ray client sends the
         columns as they are instead of per-sample dicts."""
         return self.put_blocking(rows_of(columns, group_ids, group_size), timeout=timeout)
 
-    def _put_or_wait(
-        self, samples: list[NewSample], on: asyncio.AbstractEventLoop | str | None
-    ) -> tuple[list[int] | None, _Waiter | None, float | None]:
+    def _put_or_wait(self, samples: list[NewSample], on: On | None) -> Tried[list[int]]:
         with self._lock:
             self._check_open()
             self._reap()
-            self._validate_new(samples)
+            check_new(samples, self.capacity, self._groups, self._reserved)
             if len(self._samples) + len(samples) <= self.capacity:
                 return self._insert_many(samples), None, None
             assert on is not None
-            w = _Waiter(len(samples), self._put_waiters, on)
+            w = Waiter(len(samples), self._put_waiters, on)
             self._put_waiters.append(w)
             return None, w, self._wake_at()
-
-    def _validate_new(self, samples: list[NewSample]) -> None:
-        """Everything `_insert_many` relies on, checked before anything changes: a put that fails
-        leaves the store as it was (it used to admit the samples before the bad one, unannounced)."""
-        client_uids: set[int] = set()
-        for ns in samples:
-            if ns.uid is not None:
-                if ns.uid in client_uids or ns.uid in self._reserved_used or self._reservation(ns.uid) is None:
-                    raise ValueError(f"uid {ns.uid} is in use, was used before or was never reserved")
-                client_uids.add(ns.uid)
-            if type(ns.fields) is not dict and not isinstance(ns.fields, Mapping):
-                raise TypeError(f"group {ns.group_id}: fields must be a mapping, got {type(ns.fields).__name__}")
-            if ns.priority is not None:
-                try:
-                    ok = math.isfinite(float(ns.priority))
-                except (TypeError, ValueError):
-                    ok = False
-                if not ok:
-                    raise ValueError(f"group {ns.group_id}: priority must be a finite number, got {ns.priority!r}")
-        if len(samples) > self.capacity:
-            raise ValueError(f"cannot put {len(samples)} samples into a store of capacity {self.capacity}")
-        counts: dict[int, int] = {}
-        sizes: dict[int, int] = {}  # group_size of each group this put names (the first sample's)
-        for ns in samples:
-            gid, size = ns.group_id, ns.group_size
-            # (ints, checked here: a str group id failed half-way through admitting the put, and a
-            # fractional size made a group that can never be complete)
-            if not isinstance(gid, numbers.Integral) or isinstance(gid, bool) or gid < 0:
-                raise ValueError(f"group_id must be an int >= 0, got {gid!r}")
-            if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
-                raise ValueError(f"group {gid}: group_size must be an int >= 1, got {size!r}")
-            g = self._groups.get(gid)
-            first = sizes.setdefault(gid, size if g is None else g.size)
-            if first != size:  # (one put naming a new group with two sizes made a group that never completes)
-                raise ValueError(f"group {gid}: group_size {size} != {first} put before")
-            counts[gid] = counts.get(gid, 0) + 1
-            if counts[gid] + (g.put if g else 0) > size:
-                raise ValueError(f"group {gid}: more than group_size={size} samples put")
 
     def reserve_uids(self, n: int) -> int:
         """Reserve `n` consecutive uids for a client to assign itself (pipelined puts); returns the first."""
@@ -478,29 +159,8 @@ class TransferQueue:
         with self._lock:
             start = self._next_uid
             self._next_uid += n
-            self._reserved[start] = [start + n, n]
-            self._reserved_starts.append(start)
+            self._reserved.add(start, n)
             return start
-
-    def _reservation(self, uid: int) -> int | None:
-        """The start of the outstanding reserved range holding `uid`, if any."""
-        i = bisect.bisect_right(self._reserved_starts, uid) - 1
-        if i < 0:
-            return None
-        start = self._reserved_starts[i]
-        return start if uid < self._reserved[start][0] else None
-
-    def _use_reserved(self, uid: int) -> None:
-        start = self._reservation(uid)
-        assert start is not None  # (validated)
-        entry = self._reserved[start]
-        entry[1] -= 1
-        if entry[1] == 0:  # all of the range put: forget it (its uids are then never reserved)
-            del self._reserved[start]
-            del self._reserved_starts[bisect.bisect_left(self._reserved_starts, start)]
-            self._reserved_used.difference_update(range(start, entry[0]))
-        else:
-            self._reserved_used.add(uid)
 
     def _insert_many(self, samples: list[NewSample]) -> list[int]:
         """Admit validated samples; returns their uids. Per initial-fields dict (by identity: a feeder
@@ -511,8 +171,8 @@ class TransferQueue:
         feeder's path); a group stage goes through `_check_ready` (the sample may complete its
         group)."""
         uids: list[int] = []
-        memo: dict[int, tuple[tuple[_Stage, ...], tuple[_Stage, ...], int]] = {}
-        touched: dict[str, _Stage] = {}
+        memo: dict[int, tuple[tuple[StageRecord, ...], tuple[StageRecord, ...], int]] = {}
+        touched: dict[str, StageRecord] = {}
         groups, by_uid = self._groups, self._samples
         try:  # (validated before: nothing below should fail; if it does, what was admitted is announced)
             for ns in samples:
@@ -521,12 +181,12 @@ class TransferQueue:
                     self._next_uid = uid + 1
                 else:
                     uid = ns.uid
-                    self._use_reserved(uid)
+                    self._reserved.use(uid)
                 priority = float(uid) if ns.priority is None else float(ns.priority)
-                s = _Sample(uid, ns.group_id, priority, dict(ns.fields))
+                s = SampleRecord(uid, ns.group_id, priority, dict(ns.fields))
                 g = groups.get(ns.group_id)
-                if g is None:  # (not setdefault: that would build a _Group per sample and drop all but one)
-                    g = groups[ns.group_id] = _Group(ns.group_size)
+                if g is None:  # (not setdefault: that would build a GroupRecord per sample and drop all but one)
+                    g = groups[ns.group_id] = GroupRecord(ns.group_size)
                 if ns.group_id >= self._next_group:
                     self._next_group = ns.group_id + 1
                 g.put += 1
@@ -543,14 +203,14 @@ class TransferQueue:
                         ready = [st for st in self._stages.values() if all(f in fields for f in st.fields)]
                         split = self._put_stages[names] = (tuple(st for st in ready if not st.groups),
                                                            tuple(st for st in ready if st.groups))
-                    known = memo[id(ns.fields)] = (*split, _payload_bytes(fields))
+                    known = memo[id(ns.fields)] = (*split, payload_bytes(fields))
                 flat, grouped, nbytes = known
                 self._bytes_put += nbytes
                 for st in flat:  # `_check_ready` + `_sync_sample` for a new sample, inlined
                     s.ready |= st.bit
                     s.avail |= st.bit
                     st.depth += 1
-                    self._push(st, priority, uid)
+                    st.push(priority, uid)
                     touched[st.name] = st
                 for st in grouped:
                     self._check_ready(st, s)
@@ -569,9 +229,9 @@ class TransferQueue:
                 raise KeyError(uid)
             self._write_locked(s, fields, version)
 
-    def _write_locked(self, s: _Sample, fields: dict[str, Any], version: int | None) -> None:
+    def _write_locked(self, s: SampleRecord, fields: dict[str, Any], version: int | None) -> None:
         s.fields.update(fields)
-        self._bytes_put += _payload_bytes(fields)
+        self._bytes_put += payload_bytes(fields)
         if version is not None:
             s.version = version if s.version is None else min(s.version, version)
         # a write can only make ready the stages that read one of the fields it wrote; which those
@@ -587,7 +247,7 @@ class TransferQueue:
                 self._check_ready(st, s)
 
     # ----------------------------------------------------------------------------- readiness index
-    def _check_ready(self, st: _Stage, s: _Sample) -> None:
+    def _check_ready(self, st: StageRecord, s: SampleRecord) -> None:
         """Index `s` for `st` the first time its fields cover the stage's fields."""
         name = st.name
         if s.ready & st.bit:
@@ -606,7 +266,7 @@ class TransferQueue:
         else:
             self._sync_sample(st, s)
 
-    def _sync_sample(self, st: _Stage, s: _Sample) -> None:
+    def _sync_sample(self, st: StageRecord, s: SampleRecord) -> None:
         """Bring the stage's depth, heap and waiters in line with whether `s` is available now."""
         bit = st.bit
         now = bool(s.ready & bit) and st.name not in s.taken and not (s.consumed & bit)
@@ -618,10 +278,10 @@ class TransferQueue:
             return
         s.avail |= bit
         st.depth += 1
-        self._push(st, s.priority, s.uid)
+        st.push(s.priority, s.uid)
         self._notify(st)
 
-    def _sync_group(self, st: _Stage, gid: int, g: _Group) -> None:
+    def _sync_group(self, st: StageRecord, gid: int, g: GroupRecord) -> None:
         """Same as `_sync_sample` for a group (pushed once all its live members are ready)."""
         now, was = g.available(st.name), g.avail.get(st.name, 0)
         if now == was:
@@ -629,49 +289,14 @@ class TransferQueue:
         st.depth += now - was
         g.avail[st.name] = now
         if now > 0:
-            self._push(st, min(self._samples[u].priority for u in g.uids), gid)
+            st.push(min(self._samples[u].priority for u in g.uids), gid)
         if now > was:
             self._notify(st)
 
-    def _push(self, st: _Stage, priority: float, key: int) -> None:
-        if key not in st.queued:
-            st.queued.add(key)
-            entry = (priority, key)
-            fifo = st.fifo
-            if not fifo or entry > fifo[-1]:
-                fifo.append(entry)
-            else:
-                heapq.heappush(st.heap, entry)
-
-    def _offers(self, st: _Stage, key: int) -> int:
-        """Samples the heap entry `key` offers now (0 means the entry is stale)."""
-        if st.groups:
-            g = self._groups.get(key)
-            return g.avail.get(st.name, 0) if g is not None else 0
-        s = self._samples.get(key)
-        return 1 if s is not None and s.avail & st.bit else 0
-
-    def _compact(self, st: _Stage) -> None:
-        """Drop stale queue entries once they dominate (removed samples are only dropped lazily)."""
-        if len(st.heap) + len(st.fifo) > 2 * st.depth + 64:
-            st.heap = [e for e in st.heap if self._offers(st, e[1]) > 0]
-            heapq.heapify(st.heap)
-            st.fifo = deque(e for e in st.fifo if self._offers(st, e[1]) > 0)
-            st.queued = {key for _, key in st.heap}
-            st.queued.update(key for _, key in st.fifo)
-
     # ----------------------------------------------------------------------------- consumers
-    async def take(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        min_samples: int = 1,
-        timeout: float | None = None,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> Lease:
+    async def take(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
+                   lease_s: float | None = None, min_version: int | None = None,
+                   fields_extra: Sequence[str] = ()) -> Lease:
         """Lease up to `max_samples` samples ready for `stage`; wait until `min_samples` are available.
 
         Counts are in samples and include `lease.expired`. Group stages never split a group, so when
@@ -682,20 +307,14 @@ class TransferQueue:
         what = f"{min_samples} sample(s) ready for stage {stage!r}"
         start = self._clock.now()
         try:
-            return await self._wait_async(lambda on: self._take_or_wait(*args, on), timeout, what)
+            return await wait_async(self._clock, self._lock, lambda on: self._take_or_wait(*args, on),
+                                    timeout, what)
         finally:
             self._add_wait(stage, start)
 
-    async def take_each(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        timeout: float | None = None,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> list[Lease]:
+    async def take_each(self, stage: str, max_samples: int, *, timeout: float | None = None,
+                        lease_s: float | None = None, min_version: int | None = None,
+                        fields_extra: Sequence[str] = ()) -> list[Lease]:
         """Up to `max_samples` samples (whole groups for group stages) as one lease each, so each can
         be completed on its own: waits for the first, then takes what is ready. One call instead of
         one per free slot (a round trip each on Ray), and one pass under the lock for all of them."""
@@ -703,39 +322,26 @@ class TransferQueue:
         what = f"1 sample(s) ready for stage {stage!r}"
         start = self._clock.now()
         try:
-            return await self._wait_async(lambda on: self._take_each_or_wait(*args, on), timeout, what)
+            return await wait_async(self._clock, self._lock, lambda on: self._take_each_or_wait(*args, on),
+                                    timeout, what)
         finally:
             self._add_wait(stage, start)
 
-    def take_each_nowait(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> list[Lease]:
+    def take_each_nowait(self, stage: str, max_samples: int, *, lease_s: float | None = None,
+                         min_version: int | None = None, fields_extra: Sequence[str] = ()) -> list[Lease]:
         """`take_each` without waiting: the leases of what is ready now (possibly none). For code on
         the store's own event loop that refills a slot the moment it frees (e.g. in a done callback),
         without a round through a waiting task."""
         return self._take_each_or_wait(stage, max_samples, lease_s, min_version, tuple(fields_extra), None)[0] or []
 
-    def _take_each_or_wait(
-        self,
-        stage: str,
-        max_samples: int,
-        lease_s: float | None,
-        min_version: int | None,
-        extra: tuple[str, ...],
-        on: asyncio.AbstractEventLoop | str | None,
-    ) -> tuple[list[Lease] | None, _Waiter | None, float | None]:
+    def _take_each_or_wait(self, stage: str, max_samples: int, lease_s: float | None, min_version: int | None,
+                           extra: tuple[str, ...], on: On | None) -> Tried[list[Lease]]:
         """As many one-sample (one-group) leases as are ready, up to `max_samples` samples; or a
         waiter for the first. The same leases as one `take(stage, 1)` after another."""
         with self._lock:
             self._check_open()
             st = self._stage(stage)
-            self._validate_take(st, max_samples, 1)
+            check_take(st, max_samples, 1, self.capacity, self._max_group_size)
             self._reap()
             out: list[Lease] = []
             budget = max_samples
@@ -756,40 +362,24 @@ class TransferQueue:
                 budget -= _count(lease)
             if out or on is None:
                 return out or None, None, None
-            w = _Waiter(1, st.waiters, on)
+            w = Waiter(1, st.waiters, on)
             st.waiters.append(w)
             return None, w, self._wake_at()
 
-    def take_blocking(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        min_samples: int = 1,
-        timeout: float | None = None,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> Lease:
+    def take_blocking(self, stage: str, max_samples: int, *, min_samples: int = 1,
+                      timeout: float | None = None, lease_s: float | None = None,
+                      min_version: int | None = None, fields_extra: Sequence[str] = ()) -> Lease:
         """`take` for plain threads."""
         args = (stage, max_samples, min_samples, lease_s, min_version, tuple(fields_extra))
         what = f"{min_samples} sample(s) ready for stage {stage!r}"
         start = self._clock.now()
         try:
-            return self._wait_thread(lambda on: self._take_or_wait(*args, on), timeout, what)
+            return wait_thread(self._clock, self._lock, lambda on: self._take_or_wait(*args, on), timeout, what)
         finally:
             self._add_wait(stage, start)
 
-    def take_nowait(
-        self,
-        stage: str,
-        max_samples: int,
-        *,
-        min_samples: int = 1,
-        lease_s: float | None = None,
-        min_version: int | None = None,
-        fields_extra: Sequence[str] = (),
-    ) -> Lease | None:
+    def take_nowait(self, stage: str, max_samples: int, *, min_samples: int = 1, lease_s: float | None = None,
+                    min_version: int | None = None, fields_extra: Sequence[str] = ()) -> Lease | None:
         """`take` without waiting: None when fewer than `min_samples` are available."""
         args = (stage, max_samples, min_samples, lease_s, min_version, tuple(fields_extra))
         return self._take_or_wait(*args, None)[0]
@@ -799,84 +389,28 @@ class TransferQueue:
             if stage in self._stages:
                 self._stages[stage].wait_s += self._clock.now() - start
 
-    def _take_or_wait(
-        self,
-        stage: str,
-        max_samples: int,
-        min_samples: int,
-        lease_s: float | None,
-        min_version: int | None,
-        extra: tuple[str, ...],
-        on: asyncio.AbstractEventLoop | str | None,
-    ) -> tuple[Lease | None, _Waiter | None, float | None]:
+    def _take_or_wait(self, stage: str, max_samples: int, min_samples: int, lease_s: float | None,
+                      min_version: int | None, extra: tuple[str, ...], on: On | None) -> Tried[Lease]:
         with self._lock:
             self._check_open()
             st = self._stage(stage)
-            self._validate_take(st, max_samples, min_samples)
+            check_take(st, max_samples, min_samples, self.capacity, self._max_group_size)
             self._reap()
             lease = None
             if st.depth >= min_samples:
                 lease = self._lease(st, max_samples, lease_s, min_version, extra)
             if lease is not None or on is None:
                 return lease, None, None
-            w = _Waiter(min_samples, st.waiters, on)
+            w = Waiter(min_samples, st.waiters, on)
             st.waiters.append(w)
             return None, w, self._wake_at()
 
-    def _validate_take(self, st: _Stage, max_samples: int, min_samples: int) -> None:
-        if not 1 <= min_samples <= max_samples:
-            raise ValueError(f"take({st.name!r}): need 1 <= min_samples <= max_samples")
-        if min_samples > self.capacity:
-            raise ValueError(f"take({st.name!r}): min_samples {min_samples} > capacity {self.capacity}")
-        if st.groups and self._max_group_size > max_samples:
-            raise ValueError(
-                f"take({st.name!r}): max_samples {max_samples} < group_size {self._max_group_size}"
-            )
-
-    def _pop_keys(self, st: _Stage, max_samples: int, max_keys: int | None = None) -> list[int]:
-        """Pop the lowest-priority available uids (or whole groups) that fit in `max_samples`, at most
-        `max_keys` groups."""
-        keys: list[int] = []
-        heap, fifo, queued = st.heap, st.fifo, st.queued
-        if not st.groups:  # one sample per entry: every live entry fits
-            samples, bit = self._samples, st.bit
-            while (heap or fifo) and len(keys) < max_samples:
-                key = (heapq.heappop(heap) if heap and (not fifo or heap[0] < fifo[0]) else fifo.popleft())[1]
-                queued.discard(key)
-                s = samples.get(key)
-                if s is not None and s.avail & bit:
-                    keys.append(key)
-            return keys
-        total = 0
-        while (heap or fifo) and total < max_samples and (max_keys is None or len(keys) < max_keys):
-            from_heap = bool(heap) and (not fifo or heap[0] < fifo[0])
-            key = (heap[0] if from_heap else fifo[0])[1]
-            n = self._offers(st, key)
-            if n > 0 and total + n > max_samples:
-                break  # never split a group, never skip an older group for a newer one
-            if from_heap:
-                heapq.heappop(heap)
-            else:
-                fifo.popleft()
-            queued.discard(key)
-            if n > 0:
-                keys.append(key)
-                total += n
-        return keys
-
-    def _lease(
-        self,
-        st: _Stage,
-        max_samples: int,
-        lease_s: float | None,
-        min_version: int | None,
-        extra: tuple[str, ...],
-        max_keys: int | None = None,
-    ) -> Lease | None:
-        keys = self._pop_keys(st, max_samples, max_keys)
+    def _lease(self, st: StageRecord, max_samples: int, lease_s: float | None, min_version: int | None,
+               extra: tuple[str, ...], max_keys: int | None = None) -> Lease | None:
+        keys = st.pop_keys(max_samples, max_keys, self._samples, self._groups)
         if not keys:
             return None
-        rec = _LeaseRec(self._next_lease, st.name, [], [], 0.0)
+        rec = LeaseRecord(self._next_lease, st.name, [], [], 0.0)
         self._next_lease += 1
         rec.deadline = self._clock.now() + (self.lease_timeout_s if lease_s is None else lease_s)
         names = st.view_fields(extra)
@@ -918,10 +452,10 @@ class TransferQueue:
         self._push_expiry(rec.deadline, rec.id)
         return lease
 
-    def _lease_one(self, st: _Stage, deadline: float, names: tuple[str, ...]) -> Lease | None:
+    def _lease_one(self, st: StageRecord, deadline: float, names: tuple[str, ...]) -> Lease | None:
         """`_lease(st, 1, ...)` for a sample stage without a version floor, in one function: the
         per-sample hot path of queue scheduling (a freed engine slot takes the next sample). It
-        inlines `_pop_keys` and `_claim_samples` for one sample (built from those two calls,
+        inlines `StageRecord.pop_keys` and `_claim_samples` for one sample (built from those two calls,
         `take_each_nowait(stage, 1)` measured 13.5 instead of 11.8 us here); the randomized model
         check in tests/test_transfer_queue.py recounts what this path leaves after every take."""
         heap, fifo, queued, samples, bit = st.heap, st.fifo, st.queued, self._samples, st.bit
@@ -940,7 +474,7 @@ class TransferQueue:
         s.avail &= ~bit
         st.depth -= 1
         st.leased += 1
-        self._leases[lid] = _LeaseRec(lid, name, [uid], [], deadline)
+        self._leases[lid] = LeaseRecord(lid, name, [uid], [], deadline)
         self._push_expiry(deadline, lid)
         f = s.fields
         view = {}  # (a loop, not a comprehension: no function call for the usual one to three names)
@@ -953,23 +487,9 @@ class TransferQueue:
         if deadline < self._latest_wake:  # a waiter sleeps past this lease's expiry: let it retry then
             self._latest_wake = -math.inf
             self._wake_all_waiters()
-        fifo = self._expiry_fifo
-        if not fifo or deadline >= fifo[-1][0]:
-            fifo.append((deadline, lid))
-            if len(fifo) > 2 * len(self._leases) + 1024:  # mostly leases that ended early or were renewed: drop those
-                self._expiry_fifo = deque(e for e in fifo if self._current(e))
-        else:
-            heapq.heappush(self._expiries, (deadline, lid))
-            if len(self._expiries) > 2 * len(self._leases) + 1024:
-                self._expiries = [e for e in self._expiries if self._current(e)]
-                heapq.heapify(self._expiries)
+        self._expiry.push(deadline, lid, self._leases)
 
-    def _current(self, entry: tuple[float, int]) -> bool:
-        """Whether an expiry entry is its lease's deadline now (not ended, not superseded by a renewal)."""
-        rec = self._leases.get(entry[1])
-        return rec is not None and rec.deadline == entry[0]
-
-    def _claim_samples(self, st: _Stage, rec: _LeaseRec, uids: list[int], names: tuple[str, ...],
+    def _claim_samples(self, st: StageRecord, rec: LeaseRecord, uids: list[int], names: tuple[str, ...],
                        min_version: int | None, lease: Lease) -> None:
         """Mark each uid of a sample (non-group) stage's lease taken and add its view to `lease`: each
         was available (its queue entry offered it), so it simply stops being."""
@@ -1005,14 +525,8 @@ class TransferQueue:
             self._consume(rec, remove)
             return True
 
-    def complete(
-        self,
-        lease: Lease,
-        writes: dict[int, dict[str, Any]],
-        *,
-        versions: dict[int, int] | None = None,
-        remove: bool = False,
-    ) -> bool:
+    def complete(self, lease: Lease, writes: dict[int, dict[str, Any]], *,
+                 versions: dict[int, int] | None = None, remove: bool = False) -> bool:
         """Write each sample's results, then ack the lease: one atomic step (one round trip on Ray).
 
         Nothing is written when the lease had already ended (its samples may be someone else's by
@@ -1030,10 +544,8 @@ class TransferQueue:
             self._consume(rec, remove)
             return True
 
-    def complete_and_take(
-        self, lease: Lease, fields: dict[str, Any], *, version: int | None, stage: str,
-        fields_extra: Sequence[str] = (),
-    ) -> tuple[bool, Lease | None]:
+    def complete_and_take(self, lease: Lease, fields: dict[str, Any], *, version: int | None, stage: str,
+                          fields_extra: Sequence[str] = ()) -> tuple[bool, Lease | None]:
         """`complete(lease, {uid: fields}, versions={uid: version})` of a one-sample lease, then
         `take_each_nowait(stage, 1)` of a sample stage, in one step: the per-sample hot path of queue
         scheduling (a request ends; its engine slot takes the next sample) with one lock, one expiry
@@ -1045,7 +557,7 @@ class TransferQueue:
             if st.groups:
                 raise ValueError(f"complete_and_take: stage {stage!r} takes whole groups")
             now = self._clock.now()
-            fifo, heap = self._expiry_fifo, self._expiries
+            fifo, heap = self._expiry.fifo, self._expiry.heap
             if (fifo and fifo[0][0] <= now) or (heap and heap[0][0] <= now):  # (`_reap`'s test, inline)
                 self._reap()
             rec = self._leases.get(lease.id)
@@ -1069,7 +581,7 @@ class TransferQueue:
                 nxt = self._lease_one(st, now + self.lease_timeout_s, st.view_fields(tuple(fields_extra)))
             return rec is not None, nxt
 
-    def _consume(self, rec: _LeaseRec, remove: bool) -> None:
+    def _consume(self, rec: LeaseRecord, remove: bool) -> None:
         """End an acked lease: its live samples (and groups) are consumed by its stage."""
         live = self._end_lease(rec)
         name = rec.stage
@@ -1116,7 +628,7 @@ class TransferQueue:
             self._release(rec)
             return True
 
-    def _release(self, rec: _LeaseRec) -> None:
+    def _release(self, rec: LeaseRecord) -> None:
         st = self._stages[rec.stage]
         for s in self._end_lease(rec):
             if not st.groups:
@@ -1126,7 +638,7 @@ class TransferQueue:
             if g is not None:
                 self._sync_group(st, gid, g)
 
-    def _end_lease(self, rec: _LeaseRec) -> list[_Sample]:
+    def _end_lease(self, rec: LeaseRecord) -> list[SampleRecord]:
         """Clear the lease's marks on its live samples and groups; return those samples."""
         st = self._stages[rec.stage]
         live = []
@@ -1143,23 +655,18 @@ class TransferQueue:
                 del g.leased[rec.stage]
         return live
 
-    def _lease_groups(self, rec: _LeaseRec) -> list[_Group]:
+    def _lease_groups(self, rec: LeaseRecord) -> list[GroupRecord]:
         groups = (self._groups.get(gid) for gid in rec.groups)
         return [g for g in groups if g is not None and g.uids]
 
     def _reap(self) -> None:
         """Release every lease whose deadline has passed (lazy expiry)."""
         now = self._clock.now()
-        fifo, heap = self._expiry_fifo, self._expiries
+        fifo, heap = self._expiry.fifo, self._expiry.heap
         if not ((fifo and fifo[0][0] <= now) or (heap and heap[0][0] <= now)):
             return
-        due = []
-        while fifo and fifo[0][0] <= now:
-            due.append(fifo.popleft()[1])
-        while heap and heap[0][0] <= now:
-            due.append(heapq.heappop(heap)[1])
         leases = self._leases
-        for lid in due:
+        for lid in self._expiry.pop_due(now):
             rec = leases.get(lid)
             if rec is not None and rec.deadline <= now:  # (a renewed lease has a later entry too)
                 del leases[lid]
@@ -1169,20 +676,11 @@ class TransferQueue:
     def _wake_at(self) -> float | None:
         """When a waiter registered now should retry at the latest (the next lease expiry, which may
         make samples available again); remembered so a lease that expires earlier wakes it."""
-        at = self._next_expiry()
+        at = self._expiry.next_deadline(self._leases)
         latest = math.inf if at is None else at
         if latest > self._latest_wake:
             self._latest_wake = latest
         return at
-
-    def _next_expiry(self) -> float | None:
-        fifo, heap = self._expiry_fifo, self._expiries
-        while fifo and not self._current(fifo[0]):
-            fifo.popleft()  # (ended, or renewed: its later entry stands)
-        while heap and not self._current(heap[0]):
-            heapq.heappop(heap)
-        nexts = [q[0][0] for q in (fifo, heap) if q]
-        return min(nexts) if nexts else None
 
     # ----------------------------------------------------------------------------- removal
     def remove(self, uids: Iterable[int]) -> None:
@@ -1205,10 +703,10 @@ class TransferQueue:
                     self._remove_one(uid)
         if by_group:
             for st in self._stages.values():
-                self._compact(st)
+                st.compact(self._samples, self._groups)
             self._notify_put()
 
-    def _remove_group(self, gid: int, g: _Group) -> None:
+    def _remove_group(self, gid: int, g: GroupRecord) -> None:
         """Remove every live member of a fully put group and the group itself: the same counts as
         `_remove_one` of each member, with one pass over the stages instead of one per member."""
         stages, samples = self._stages, self._samples
@@ -1221,7 +719,7 @@ class TransferQueue:
             stages[name].depth -= n  # the group's offer ends (its heap entries go stale)
         del self._groups[gid]
 
-    def _uncount(self, s: _Sample) -> None:
+    def _uncount(self, s: SampleRecord) -> None:
         """A removed sample leaves the depth of the sample stages it was available to and the leased
         count of the stages holding it."""
         if s.avail:
@@ -1255,95 +753,16 @@ class TransferQueue:
         """Every waiter retries (and, if it still cannot go on, sleeps with a fresh wake time)."""
         for st in self._stages.values():
             if st.waiters:
-                self._wake(st.waiters, 1 << 62)
-        self._wake(self._put_waiters, 1 << 62)
+                wake(st.waiters, 1 << 62)
+        wake(self._put_waiters, 1 << 62)
 
-    def _notify(self, st: _Stage) -> None:
+    def _notify(self, st: StageRecord) -> None:
         if st.waiters:
-            self._wake(st.waiters, st.depth)
+            wake(st.waiters, st.depth)
 
     def _notify_put(self) -> None:
         if self._put_waiters:
-            self._wake(self._put_waiters, self.capacity - len(self._samples))
-
-    @staticmethod
-    def _wake(waiters: list[_Waiter], have: int) -> None:
-        keep = []
-        for w in waiters:
-            if w.need <= have:
-                w.wake()
-            else:
-                keep.append(w)
-        waiters[:] = keep
-
-    def _drop(self, w: _Waiter | None) -> None:
-        if w is not None and not w.woken:  # a woken waiter has already left its list
-            with self._lock:
-                if w in w.home:
-                    w.home.remove(w)
-
-    def _delay(self, deadline: float | None, wake_at: float | None) -> float | None:
-        ends = [t for t in (deadline, wake_at) if t is not None]
-        return max(0.0, min(ends) - self._clock.now()) if ends else None
-
-    def _timed_out(self, deadline: float | None, timeout: float | None, what: str) -> None:
-        if deadline is not None and self._clock.now() >= deadline:
-            unit = getattr(self._clock, "unit", "s")  # ("virtual s" on a virtual clock, as `bounded` words it)
-            raise WaitTimeout(f"timed out after {seconds_text(timeout or 0.0)} {unit} waiting for {what}")
-
-    async def _wait_async(
-        self,
-        attempt: Callable[[asyncio.AbstractEventLoop | str], tuple[T | None, _Waiter | None, float | None]],
-        timeout: float | None,
-        what: str,
-    ) -> T:
-        """Retry `attempt` until it returns a result, sleeping on its waiter's future between tries."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else self._clock.now() + timeout
-        # A clock on the loop's own time line: a plain loop timer ends the sleep (`call_later` and
-        # `cancel`: 5.2 us on the 2-core VM, against 11.5 for an `asyncio.timeout`); the loop below
-        # then retries, and raises once the deadline has passed.
-        loop_timer = getattr(self._clock, "loop_time", False)
-        while True:
-            result, waiter, wake_at = attempt(loop)
-            if result is not None:
-                return result
-            assert waiter is not None and waiter.fut is not None
-            try:
-                self._timed_out(deadline, timeout, what)
-                delay = self._delay(deadline, wake_at)
-                if loop_timer:
-                    timer = None if delay is None else loop.call_later(delay, _resolve, waiter.fut)
-                    try:
-                        await waiter.fut
-                    finally:
-                        if timer is not None:
-                            timer.cancel()
-                else:
-                    # Timing out here means a lease may have expired or the caller's deadline passed: retry.
-                    with contextlib.suppress(WaitTimeout):
-                        await self._clock.wait_for(waiter.fut, delay, what)
-            finally:
-                self._drop(waiter)
-
-    def _wait_thread(
-        self,
-        attempt: Callable[[asyncio.AbstractEventLoop | str], tuple[T | None, _Waiter | None, float | None]],
-        timeout: float | None,
-        what: str,
-    ) -> T:
-        """`_wait_async` for threads, sleeping on a `threading.Event`."""
-        deadline = None if timeout is None else self._clock.now() + timeout
-        while True:
-            result, waiter, wake_at = attempt(_THREAD)
-            if result is not None:
-                return result
-            assert waiter is not None and waiter.event is not None
-            try:
-                self._timed_out(deadline, timeout, what)
-                waiter.event.wait(self._delay(deadline, wake_at))
-            finally:
-                self._drop(waiter)
+            wake(self._put_waiters, self.capacity - len(self._samples))
 
     def close(self) -> None:
         """Refuse further takes and puts and wake every waiter (they raise `QueueClosed`)."""
@@ -1382,8 +801,7 @@ class TransferQueue:
             self._samples.clear()
             self._groups.clear()
             self._leases.clear()
-            self._expiries.clear()
-            self._expiry_fifo.clear()
+            self._expiry.clear()
             for st in self._stages.values():
                 st.heap.clear()
                 st.fifo.clear()
@@ -1432,26 +850,11 @@ class TransferQueue:
         `next_group_id` is one past the highest group id ever put: with one feeder numbering groups
         in order, the position in its prompt stream that this snapshot is consistent with."""
         with self._lock:
-            samples = [
-                {
-                    "uid": s.uid,
-                    "group_id": s.group_id,
-                    "priority": s.priority,
-                    "version": s.version,
-                    "fields": dict(s.fields),
-                    "consumed": sorted(name for name, bit in self._bits.items() if s.consumed & bit),
-                }
-                for s in self._samples.values()
-            ]
-            groups = [
-                {"group_id": gid, "size": g.size, "put": g.put, "removed": g.removed}
-                for gid, g in self._groups.items()
-            ]
             # running totals that `metrics()` reports, so a resumed run's continue (they restarted at 0)
             totals = {"bytes_put": self._bytes_put, "expired_leases": self._expired_leases,
                       "wait_s": {name: st.wait_s for name, st in self._stages.items()}}
-            return {"format": _STATE_FORMAT, "next_uid": self._next_uid, "next_group_id": self._next_group,
-                    "samples": samples, "groups": groups, "totals": totals}
+            return snapshot(self._samples.values(), self._groups, self._bits, self._next_uid, self._next_group,
+                            totals)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore into an empty store; samples leased at save time become available again. A state
@@ -1460,97 +863,22 @@ class TransferQueue:
         with self._lock:
             if self._samples or self._leases:
                 raise ValueError("load_state_dict needs an empty transfer queue")
-            self._next_uid = int(state["next_uid"])
-            totals = state.get("totals") or {}  # (absent from checkpoints before 2026-11-24)
-            self._bytes_put = int(totals.get("bytes_put", 0))
-            self._expired_leases = int(totals.get("expired_leases", 0))
-            for name, waited in dict(totals.get("wait_s", {})).items():
+            got = restore(state, self._bit)
+            self._next_uid, self._next_group = got.next_uid, got.next_group
+            self._bytes_put, self._expired_leases = got.bytes_put, got.expired_leases
+            for name, waited in got.wait_s.items():
                 if name in self._stages:
-                    self._stages[name].wait_s = float(waited)
+                    self._stages[name].wait_s = waited
                 else:  # (a stage registered after the restore takes it then)
-                    self._restored_wait_s[name] = float(waited)
-            self._next_group = int(state.get("next_group_id", 1 + max((g["group_id"] for g in state["groups"]), default=-1)))
-            for gs in state["groups"]:
-                self._groups[gs["group_id"]] = _Group(gs["size"], gs["put"], gs["removed"])
-                self._max_group_size = max(self._max_group_size, gs["size"])
-            for d in state["samples"]:
-                self._restore_sample(d)
+                    self._restored_wait_s[name] = waited
+            self._groups.update(got.groups)
+            self._max_group_size = max(self._max_group_size, got.max_group_size)
+            self._samples.update(got.samples)
             for s in self._samples.values():
                 for st in self._stages.values():
                     self._check_ready(st, s)
-
-    def _restore_sample(self, d: dict[str, Any]) -> None:
-        s = _Sample(d["uid"], d["group_id"], d["priority"], dict(d["fields"]), d["version"])
-        for name in d["consumed"]:
-            s.consumed |= self._bit(name)
-        g = self._groups[s.group_id]
-        g.uids.append(s.uid)
-        g.consumed.update(d["consumed"])
-        self._samples[s.uid] = s
-
-
-def check_state(state: Any) -> None:
-    """`ValueError` naming what is wrong unless `state` has the shape `TransferQueue.state_dict`
-    writes. A checkpoint's `store.pt` that loads but holds something else (a damaged or foreign
-    file) failed a resume with a KeyError or TypeError traceback, after the run's logs were cut."""
-
-    def whole(v: Any, lo: int) -> bool:
-        return isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= lo
-
-    if not isinstance(state, dict):
-        raise ValueError(f"expected the transfer queue's state (a dict), got {type(state).__name__}")
-    if state.get("format") != _STATE_FORMAT:
-        raise ValueError(f"unknown transfer queue state format {state.get('format')!r}")
-    for key in ("next_uid", "next_group_id"):
-        if (key in state or key == "next_uid") and not whole(state.get(key), 0):
-            raise ValueError(f"{key} must be an int >= 0, got {state.get(key)!r}")
-    groups, samples = state.get("groups"), state.get("samples")
-    if not isinstance(groups, list) or not isinstance(samples, list):
-        raise ValueError("groups and samples must be lists")
-    sizes: dict[Any, int] = {}
-    for g in groups:
-        if not (isinstance(g, dict) and whole(g.get("group_id"), 0) and whole(g.get("size"), 1)
-                and whole(g.get("put"), 0) and whole(g.get("removed"), 0)):
-            raise ValueError(f"a group entry is not {{group_id, size, put, removed}} (ints): {g!r:.200}")
-        sizes[g["group_id"]] = g["size"]
-    uids: set[int] = set()
-    for d in samples:
-        if not (isinstance(d, dict) and whole(d.get("uid"), 0) and whole(d.get("group_id"), 0)
-                and d.get("group_id") in sizes
-                and isinstance(d.get("fields"), dict) and isinstance(d.get("consumed"), list)
-                and all(isinstance(c, str) for c in d["consumed"])
-                and isinstance(d.get("priority"), (int, float)) and not isinstance(d.get("priority"), bool)
-                and (d.get("version") is None or whole(d.get("version"), -(2**63)))):
-            raise ValueError(f"a sample entry is not {{uid, group_id (of a listed group), priority, version, fields, "
-                             f"consumed}}: {d!r:.200}")
-        if d["uid"] in uids:
-            raise ValueError(f"sample uid {d['uid']} is listed twice")
-        uids.add(d["uid"])
-    totals = state.get("totals")  # (absent from checkpoints before 2026-11-24)
-    if totals is not None:
-        wait_s = totals.get("wait_s", {}) if isinstance(totals, dict) else None
-        if not (isinstance(totals, dict) and all(whole(totals.get(k, 0), 0) for k in ("bytes_put", "expired_leases"))
-                and isinstance(wait_s, dict)
-                and all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                        for k, v in wait_s.items())):
-            raise ValueError(f"totals is not {{bytes_put, expired_leases (ints), wait_s (stage: seconds)}}: "
-                             f"{totals!r:.200}")
-
-
-def rows_of(columns: dict[str, Any], group_ids: Sequence[int], group_size: int) -> list[NewSample]:
-    """One `NewSample` per row of a columnar batch (views, no copies)."""
-    n = len(group_ids)
-    for k, col in columns.items():
-        if len(col) != n:
-            raise ValueError(f"column {k!r} has {len(col)} rows, expected {n} (one per group id)")
-    return [NewSample(g, group_size, {k: col[i] for k, col in columns.items()}) for i, g in enumerate(group_ids)]
 
 
 def _count(lease: Lease) -> int:
     return len(lease.samples) + len(lease.expired)
 
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
-    """Resolve `fut` on its loop from any thread (a closed loop means the waiter is gone)."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(_resolve, fut)

@@ -1,0 +1,141 @@
+"""The Ray placement's data plane: where a field's value lives (inline, or a `Slot` into a blob in
+Ray's object store), how a put's rows are packed for the wire, how a lease's views are compacted for
+the trip and expanded again, and what a value that died with its writer reads as (`LOST`)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from asyncflow.transfer_queue.api import SampleView
+
+
+class Slot(NamedTuple):
+    """Where a field's value lives: row `row` of blob `blob` in the object store. A tuple, not a
+    dataclass, because thousands of them are pickled per take; `nbytes` feeds the bytes metric."""
+
+    blob: int
+    row: int
+    nbytes: int
+
+
+def value_nbytes(v: Any) -> int:
+    """A value's size for the inline-or-object-store choice and the bytes metric (8 for a scalar)."""
+    n = getattr(v, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    if isinstance(v, (list, tuple)):
+        return 8 * len(v)
+    if isinstance(v, (bytes, str)):
+        return len(v)
+    return 8
+
+
+# what a field whose value died with its writer's process becomes (see `StoreController._lose_writer`;
+# any other field: None)
+LOST: dict[str, Any] = {"response_ids": [], "behavior_logprobs": [], "token_versions": [], "loss_mask": [],
+                        "finish_reason": "cancelled", "reward": None,
+                        "reward_error": "its reward died with the reward actor that wrote it (restarted)"}
+
+
+class _LostRow(dict):  # type: ignore[type-arg]
+    """A row of a blob that died with its writer: every field reads as its `LOST` value."""
+
+    def __missing__(self, key: str) -> Any:
+        return LOST.get(key)
+
+
+class LostBlob:
+    """Stands in for a blob that could not be fetched (`ObjectLostError`): any row is a `_LostRow`."""
+
+    def __getitem__(self, row: int) -> _LostRow:
+        return _LostRow()
+
+
+def compact_views(views: list[SampleView]) -> tuple[Any, ...]:
+    """Sample views in a form that pickles fast (a take moves thousands): id lists, one field-name
+    list, an int array [samples, fields, 2] of (blob, row) slots (blob -1: inline), and inline values."""
+    names: dict[str, int] = {}
+    for v in views:
+        for k in v.fields:
+            names.setdefault(k, len(names))
+    slots = np.full((len(views), len(names), 2), -1, dtype=np.int64)
+    inline: list[dict[str, Any] | None] = []
+    for i, v in enumerate(views):
+        own: dict[str, Any] | None = None
+        for k, x in v.fields.items():
+            if type(x) is Slot:
+                slots[i, names[k]] = x[0], x[1]
+            else:
+                if own is None:
+                    own = {}
+                own[k] = x
+        inline.append(own)
+    return ([v.uid for v in views], [v.group_id for v in views], [v.version for v in views], list(names), slots, inline)
+
+
+def expand_views(compact: tuple[Any, ...], values: dict[int, Any]) -> list[SampleView]:
+    """`compact_views` undone, each slot read from `values` (blob id -> the blob's rows or columns)."""
+    uids, gids, versions, names, slots, inline = compact
+    views = []
+    present = slots[:, :, 0] != -1
+    rows = slots.tolist()
+    for i, uid in enumerate(uids):
+        fields = {} if inline[i] is None else inline[i]
+        for j, k in enumerate(names):
+            if present[i, j]:
+                blob_id, row = rows[i][j]
+                blob = values[blob_id]
+                fields[k] = blob[k][row] if isinstance(blob, dict) else blob[row][k]
+        views.append(SampleView(uid, gids[i], versions[i], fields))
+    return views
+
+
+def stack_columns(dicts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Stack rows into columns when every row has the same keys and each array field has one shape
+    and dtype: one buffer per field instead of one per row makes put and get several times cheaper."""
+    keys = list(dicts[0])
+    cols: dict[str, Any] = {}
+    for k in keys:
+        first = dicts[0].get(k)
+        if isinstance(first, np.ndarray):
+            try:
+                if any(list(d) != keys or d[k].shape != first.shape or d[k].dtype != first.dtype for d in dicts):
+                    return None
+            except AttributeError:
+                return None
+            cols[k] = np.stack([d[k] for d in dicts])
+        else:
+            cols[k] = [d[k] for d in dicts]
+    return cols
+
+
+def pack_rows(dicts: list[dict[str, Any]], inline_max_bytes: int,
+              put: bool = True) -> tuple[list[dict[str, Any]] | None, Any, Any, Any]:
+    """(inline payload | None, names, nbytes, [ref] | None): small data travels inline; larger data
+    goes into the object store with one `ray.put`, columnar when the rows allow it. The ref is
+    wrapped in a list so Ray passes it on instead of resolving it."""
+    import ray
+
+    keys = list(dicts[0]) if dicts else []
+    if all(len(d) == len(keys) and list(d) == keys for d in dicts):
+        nbytes: Any = np.array([[value_nbytes(v) for v in d.values()] for d in dicts], dtype=np.int64).reshape(len(dicts), len(keys))
+        names: Any = keys
+        total = int(nbytes.sum())
+    else:
+        names = [list(d) for d in dicts]
+        nbytes = [[value_nbytes(v) for v in d.values()] for d in dicts]
+        total = sum(map(sum, nbytes))
+    if total <= inline_max_bytes or not put:
+        return dicts, names, nbytes, None
+    cols = stack_columns(dicts) if len(dicts) > 1 and names is keys else None
+    return None, names, nbytes, [ray.put(dicts if cols is None else cols)]
+
+
+def slot_value(values: dict[int, Any], v: Any, k: str) -> Any:
+    """Field `k`'s value `v`, read from its blob in `values` when it is a `Slot`."""
+    if not isinstance(v, Slot):
+        return v
+    blob = values[v.blob]
+    return blob[k][v.row] if isinstance(blob, dict) else blob[v.row][k]
