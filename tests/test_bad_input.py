@@ -378,7 +378,8 @@ def test_bad_input_found_after_the_folder_is_written_leaves_no_half_made_run(ari
     an environment factory that returns no Env, a reward function that always fails) removes the
     files it wrote, so the same command, fixed, is not refused as "already holds a run"."""
     from asyncflow.config import load_config
-    from asyncflow.runner import check_out_dir, train
+    from asyncflow.run_folder import check_out_dir
+    from asyncflow.runner import train
 
     cfg, _ = load_config(None, [f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=8",
                                 "train.max_steps=1", "logging.progress=false"])
@@ -405,7 +406,8 @@ def test_a_run_that_fails_to_start_for_any_reason_leaves_no_half_made_run(arith_
     """Only bad input removed the files a fresh run had made; a Ray cluster that could not start (a
     RuntimeError here) left config.yaml behind, and the same command, retried, was refused."""
     from asyncflow.config import load_config
-    from asyncflow.runner import check_out_dir, train
+    from asyncflow.run_folder import check_out_dir
+    from asyncflow.runner import train
 
     def cannot_start(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("When connecting to an existing cluster, num_cpus must not be provided")
@@ -439,7 +441,7 @@ def test_two_runs_cannot_claim_one_folder(tmp_path: Path, monkeypatch: pytest.Mo
     folder interleaved their logs and one lost its final model)."""
     from asyncflow.cli import _default_out
     from asyncflow.config import Config
-    from asyncflow.runner import RunFolder
+    from asyncflow.run_folder import RunFolder
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("time.strftime", lambda fmt: "20261123-120000")
