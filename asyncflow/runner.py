@@ -16,107 +16,16 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from asyncflow.config import Config, episodic
 from asyncflow.engines.http_client import HTTPError
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
-from asyncflow.run_folder import RunFolder, check_folder_path, check_out_dir, resume_hint
+from asyncflow.inputs import Inputs, resolve_inputs
+from asyncflow.run_folder import RunFolder, check_out_dir, resume_hint
 from asyncflow.runtime.base import RuntimeSetup, runtime_class
 from asyncflow.tokenizer import load_tokenizer
-
-
-@dataclass
-class Inputs:
-    """Everything resolved from the config before training starts."""
-
-    model_dir: Path
-    train_rows: list[dict[str, Any]]
-    eval_rows: list[dict[str, Any]]
-    reward_fn_path: str
-    first_chat: str | None = None  # where the first conversational prompt is (None: all are text)
-    train_path: str = ""  # the files the rows came from (for messages naming a row)
-    eval_path: str = ""
-    fingerprint: str = ""  # of the training rows (`checkpoint.rows_fingerprint`), saved with each checkpoint
-    positions: int | None = None  # the model's positions (`data.model_positions`; None: unknown)
-
-
-def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
-    """Model folder, train/eval rows and reward function: from the config, else from the task pack.
-
-    Given paths are checked without torch (a bad model folder or dataset costs milliseconds); only
-    preparing a task pack's own model imports it.
-    """
-    from asyncflow.data import REWARD_ARGUMENTS, check_columns, model_positions, read_rows, subset
-    from asyncflow.model_folder import check_model_dir
-    from asyncflow.rewards import absolute_reward_path
-
-    task = None
-    if cfg.task is not None:
-        from asyncflow.tasks import get_task
-
-        task = get_task(cfg.task)
-    if cfg.model.path is not None:
-        model_dir = check_model_dir(cfg.model.path)
-    else:
-        assert task is not None
-        if task.shipped(cfg.model.task_seed) is not None:
-            pass  # the package holds it: no cache is read or written
-        elif cfg.model.cache_dir is not None:
-            check_folder_path(Path(cfg.model.cache_dir), "model.cache_dir")
-        else:  # (the default: $ASYNCFLOW_CACHE, else ~/.cache/asyncflow)
-            from asyncflow.tasks.tiny import default_cache_dir
-
-            env = "ASYNCFLOW_CACHE" if os.environ.get("ASYNCFLOW_CACHE") else "model.cache_dir (default)"
-            check_folder_path(default_cache_dir(), env)
-        model_dir = task.prepare(cfg.model.cache_dir, seed=cfg.model.task_seed, log=log)
-    if cfg.rollout.sync_dir is not None:  # the openai engine writes weights there: a file would fail late
-        check_folder_path(Path(cfg.rollout.sync_dir), "rollout.sync_dir")
-    if cfg.dataset.path is not None:
-        data_path = cfg.dataset.path
-    else:
-        data_path = str(model_dir / "train.jsonl")
-        if not Path(data_path).is_file():  # (the message named a dataset.path the user never set)
-            raise UserError(f"dataset.path: not set, and model.path ({model_dir}) has no train.jsonl to default to; "
-                            "set dataset.path")
-    rows = read_rows(data_path)
-    reserved = frozenset() if episodic(cfg) else REWARD_ARGUMENTS  # (an environment gets the row as it is)
-    chats = [check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved)]
-    if cfg.eval.path is not None or (cfg.dataset.path is None and (model_dir / "eval.jsonl").is_file()):
-        eval_path = cfg.eval.path if cfg.eval.path is not None else str(model_dir / "eval.jsonl")
-        eval_rows = read_rows(eval_path, key="eval.path")
-        chats.append(check_columns(eval_rows, eval_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved))
-    else:  # a held-out slice of the dataset: whole prompts (all their copies), at most 10% of it
-        eval_path = data_path
-        rng = random.Random(cfg.seed + 1)
-        copies: dict[str, list[int]] = {}  # rows by prompt: a prompt's copies are held out together, so an
-        for i, r in enumerate(rows):     # eval prompt is never also trained on (that inflated eval accuracy)
-            p = r[cfg.dataset.prompt_key]
-            copies.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str), []).append(i)
-        groups = list(copies.values())
-        rng.shuffle(groups)
-        n_eval = min(cfg.eval.size, len(rows) // 10)
-        held: set[int] = set()
-        for g in groups:  # whole prompts that fit: never above n_eval (one prompt copied 95 times of 100 was
-            if len(held) + len(g) <= n_eval:  # held out whole, and rows past eval.size were neither trained
-                held.update(g)                # nor evaluated)
-            if len(held) == n_eval:
-                break
-        if len(held) >= len(rows):  # one prompt repeated throughout: nothing left to train on
-            held = set()
-        eval_rows = subset(rows, sorted(held))
-        rows = subset(rows, [i for i in range(len(rows)) if i not in held])
-        if not eval_rows:  # under 10 rows: nothing to hold out; evaluate on the training prompts, and say so
-            eval_rows = rows
-            log(f"[asyncflow] note: {data_path} has {len(rows)} rows of {len(groups)} distinct prompt(s), too few to "
-                "hold out an eval set; evaluating on the training prompts (give eval.path for a held-out set)")
-    reward_path = absolute_reward_path(cfg.reward.fn) if cfg.reward.fn else (task.reward_fn_path if task is not None else "")
-    first_chat = next((c for c in chats if c is not None), None)
-    eval_rows = subset(eval_rows, range(min(len(eval_rows), cfg.eval.size)))
-    return Inputs(model_dir, rows, eval_rows, reward_path, first_chat, data_path, eval_path,
-                  positions=model_positions(model_dir))
 
 
 def _engine_batching(engines: list[Any]) -> dict[str, float]:
@@ -178,7 +87,6 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
     `explicit`: the dotted keys the user set (`load_config`'s second value), for the checks that
     need the loaded reward function."""
     resume = check_out_dir(out, cfg)
-    from asyncflow.rewards import is_async_reward_fn, load_reward_fn
     from asyncflow.telemetry.progress import Progress
 
     show = cfg.logging.progress if progress_enabled is None else progress_enabled
@@ -186,41 +94,7 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
     try:
         # bad input fails here, before torch loads (except for the tokenizer) and before the run
         # folder is written, so a mistake never leaves a half-made "run" that a retry would refuse
-        inputs = resolve_inputs(cfg, progress.message)
-        from asyncflow.checkpoint import check_rows, rows_fingerprint
-
-        inputs.fingerprint = rows_fingerprint(inputs.train_rows, (cfg.dataset.prompt_key, cfg.dataset.label_key))
-        if resume is not None:
-            check_rows(resume, inputs.fingerprint)
-        # multi-turn episodes are scored by their environment: no reward function is loaded
-        reward_fn = None if episodic(cfg) else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
-        if reward_fn is not None and "reward.concurrency" in explicit and not is_async_reward_fn(reward_fn):
-            raise UserError(f"reward.concurrency: applies to an async def reward function; {inputs.reward_fn_path} "
-                            "is a plain function, called one batch at a time in a worker thread (remove the key)")
-        if cfg.rollout.agent is not None:  # an agent that cannot be imported is bad input, before the run starts
-            from asyncflow.workflow.agent import load_agent
-
-            load_agent(cfg.rollout.agent)
-        hf_tok = load_tokenizer(inputs.model_dir, log=progress.message)
-        from asyncflow.engines.base import quiet_transformers
-
-        quiet_transformers()
-        from asyncflow.data import check_chat_prompts, check_prompts_fit, model_vocab_size
-
-        check_chat_prompts(inputs.first_chat, hf_tok)
-        if cfg.rollout.agent is None:  # (an agent writes its own prompts)
-            check_prompts_fit([(inputs.train_rows, inputs.train_path), (inputs.eval_rows, inputs.eval_path)],
-                              cfg.dataset.prompt_key, hf_tok, cfg.rollout.max_new_tokens, inputs.positions,
-                              model_vocab_size(inputs.model_dir))
-        env_factory = None
-        if cfg.rollout.env is not None:  # an environment plugin that cannot be imported is bad input too
-            from asyncflow.envs import make_env_factory
-
-            env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s,
-                                           max_turns=cfg.rollout.max_turns)
-        from asyncflow.model_folder import check_weights_match_config
-
-        check_weights_match_config(inputs.model_dir if resume is None else resume.path)
+        inputs, reward_fn, hf_tok, env_factory = _load_checked(cfg, resume, explicit, progress.message)
         if resume is not None:
             changed = resume.changed
             progress.message(f"[asyncflow] resuming from {resume.path} (step {resume.step}, policy version "
@@ -257,6 +131,50 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
             folder.close()
     finally:
         progress.close()
+
+
+def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
+                  log: Callable[[str], None]) -> tuple[Inputs, Any, Any, Any]:
+    """The inputs, the reward function, the tokenizer and the environment factory, each checked
+    (bad input fails here): with `resume`, against the checkpoint too."""
+    from asyncflow.rewards import is_async_reward_fn, load_reward_fn
+
+    inputs = resolve_inputs(cfg, log)
+    from asyncflow.checkpoint import check_rows, rows_fingerprint
+
+    inputs.fingerprint = rows_fingerprint(inputs.train_rows, (cfg.dataset.prompt_key, cfg.dataset.label_key))
+    if resume is not None:
+        check_rows(resume, inputs.fingerprint)
+    # multi-turn episodes are scored by their environment: no reward function is loaded
+    reward_fn = None if episodic(cfg) else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
+    if reward_fn is not None and "reward.concurrency" in explicit and not is_async_reward_fn(reward_fn):
+        raise UserError(f"reward.concurrency: applies to an async def reward function; {inputs.reward_fn_path} "
+                        "is a plain function, called one batch at a time in a worker thread (remove the key)")
+    if cfg.rollout.agent is not None:  # an agent that cannot be imported is bad input, before the run starts
+        from asyncflow.workflow.agent import load_agent
+
+        load_agent(cfg.rollout.agent)
+    hf_tok = load_tokenizer(inputs.model_dir, log=log)
+    from asyncflow.engines.base import quiet_transformers
+
+    quiet_transformers()
+    from asyncflow.data import check_chat_prompts, check_prompts_fit, model_vocab_size
+
+    check_chat_prompts(inputs.first_chat, hf_tok)
+    if cfg.rollout.agent is None:  # (an agent writes its own prompts)
+        check_prompts_fit([(inputs.train_rows, inputs.train_path), (inputs.eval_rows, inputs.eval_path)],
+                          cfg.dataset.prompt_key, hf_tok, cfg.rollout.max_new_tokens, inputs.positions,
+                          model_vocab_size(inputs.model_dir))
+    env_factory = None
+    if cfg.rollout.env is not None:  # an environment plugin that cannot be imported is bad input too
+        from asyncflow.envs import make_env_factory
+
+        env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s,
+                                       max_turns=cfg.rollout.max_turns)
+    from asyncflow.model_folder import check_weights_match_config
+
+    check_weights_match_config(inputs.model_dir if resume is None else resume.path)
+    return inputs, reward_fn, hf_tok, env_factory
 
 
 async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any,

@@ -514,7 +514,7 @@ def test_a_dataset_too_small_to_hold_out_evaluates_on_its_training_prompts(tmp_p
     """Under 10 rows and no eval.path there is nothing to hold out: the eval set used to be empty
     (and its rows reported a reward function error); now it is the training prompts, with a note."""
     from asyncflow.config import load_config
-    from asyncflow.runner import resolve_inputs
+    from asyncflow.inputs import resolve_inputs
 
     make_model_dir(tmp_path / "model")
     (tmp_path / "small.jsonl").write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(5)))
@@ -531,7 +531,7 @@ def test_the_held_out_eval_slice_takes_every_copy_of_its_prompts(tmp_path: Path)
     prompts were also trained on, which inflated eval accuracy. Now a prompt's copies stay together,
     and the rows keep their line numbers (messages name them)."""
     from asyncflow.config import load_config
-    from asyncflow.runner import resolve_inputs
+    from asyncflow.inputs import resolve_inputs
 
     make_model_dir(tmp_path / "model")
     rows = "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(30))
@@ -550,7 +550,7 @@ def test_the_held_out_slice_never_exceeds_its_share_and_every_row_is_trained_or_
     """Whole prompts were held out until the share was reached, so one prompt copied 95 times of 100
     took 95-98% of the data; and rows held out past eval.size were neither trained nor evaluated."""
     from asyncflow.config import load_config
-    from asyncflow.runner import resolve_inputs
+    from asyncflow.inputs import resolve_inputs
 
     make_model_dir(tmp_path / "model")
     rows = ['{"prompt": "7+1=", "answer": "8"}\n'] * 95 + [f'{{"prompt": "{i}+2=", "answer": "{i + 2}"}}\n'
@@ -598,7 +598,7 @@ def test_a_datasets_folder_gives_plain_rows_and_the_split_each_key_reads(tmp_pat
 
 def test_no_dataset_path_and_no_train_jsonl_in_the_model_folder_names_what_to_set(tmp_path: Path) -> None:
     from asyncflow.config import load_config
-    from asyncflow.runner import resolve_inputs
+    from asyncflow.inputs import resolve_inputs
 
     make_model_dir(tmp_path / "model")
     cfg, _ = load_config(None, [f"model.path={tmp_path / 'model'}"])
