@@ -1,8 +1,9 @@
 """Builds a run from a resolved config and runs it: the local runtime's composition root.
 
 This is the only module that knows every component: it resolves the task pack, loads model,
-tokenizer, data and reward function, creates engines and the trainer, writes the run folder, runs
-the pipeline with periodic greedy evaluation, and saves `final/`. Components never import it.
+tokenizer, data and reward function (`inputs`), creates engines and the trainer, writes the run
+folder (`run_folder`), runs the pipeline with periodic greedy evaluation (`step_hooks`), and saves
+`final/`. Components never import it.
 """
 
 from __future__ import annotations
@@ -26,18 +27,6 @@ from asyncflow.inputs import Inputs, resolve_inputs
 from asyncflow.run_folder import RunFolder, check_out_dir, resume_hint
 from asyncflow.runtime.base import RuntimeSetup, runtime_class
 from asyncflow.tokenizer import load_tokenizer
-
-
-def _engine_batching(engines: list[Any]) -> dict[str, float]:
-    """Mean decode batch and mean rows per prefill over all engines so far (how well requests batch)."""
-    total: dict[str, float] = {}
-    for e in engines:
-        for k, v in e.stats().items():
-            total[k] = total.get(k, 0.0) + v
-    if not total.get("decode_steps") or not total.get("prefills"):
-        return {}
-    return {"engine/decode_batch_mean": total["decode_rows"] / total["decode_steps"],
-            "engine/prefill_rows_mean": total["prefill_rows"] / total["prefills"]}
 
 
 def torch_threads(cfg: Config) -> int:
@@ -230,60 +219,22 @@ def loss_settings(cfg: Config) -> Any:
     )
 
 
-def _evaluates_again(cfg: Config, step: int, history: list[dict[str, Any]]) -> bool:
-    """Whether a run resumed from the checkpoint of `step` logs an evaluation at that step again: the
-    one due there (it begins after the checkpoint, so the checkpoint's history never holds it), or
-    the final one when the checkpoint is of the last step."""
-    if step >= cfg.train.max_steps:
-        return True
-    return cfg.eval.every > 0 and step % cfg.eval.every == 0 and history[-1]["step"] != step
-
-
 async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any, tok: Any,
                runtime: Any, resume: Any = None, env_factory: Any = None) -> dict[str, Any]:
-    import torch
-
+    """The run on a started runtime: the first evaluation, the pipeline, the final one, `final/`."""
     from asyncflow.algorithms.losses import make_loss_fn
     from asyncflow.clock import RealClock
-    from asyncflow.evaluation import Evaluator, eval_flattened
-    from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, RunLog, Tracer
-    from asyncflow.workflow.pipeline import Pipeline, StepResult
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.step_hooks import StepHooks, evaluates_again
+    from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, Tracer
+    from asyncflow.workflow.pipeline import Pipeline
 
     engines, trainer = list(runtime.engines), runtime.trainer
-    dtype = getattr(torch, cfg.model.dtype)
-    ref_fn = None
-    if cfg.algorithm.kl_coef > 0:
-        from asyncflow.engines.base import pick_device
-        from asyncflow.engines.torch_train import ReferenceModel
-
-        # it runs in this process: beside the torch trainer on its device (model.device); on the CPU
-        # with Ray (the driver is given no GPU; the actors hold them), with fsdp (an unsharded copy on
-        # rank 0's GPU is what sharding saves) and with local vllm (it holds its GPU's memory)
-        beside_trainer = runtime.trainer_here and cfg.train.engine == "torch" and cfg.rollout.engine != "vllm"
-        ref_fn = ReferenceModel(inputs.model_dir, temperature=cfg.rollout.temperature,
-                                micro_batch_size=cfg.train.micro_batch_size, dtype=dtype,
-                                device=pick_device(cfg.model.device) if beside_trainer else "cpu")
-
-    from asyncflow.config import to_dict
-    from asyncflow.telemetry.runlog import make_sinks
-
-    saved_store = None
-    if resume is not None:  # read before the logs are cut: a damaged store.pt leaves the run as it was
-        from asyncflow.checkpoint import damaged_hint
-        from asyncflow.transfer_queue.store import check_state
-
-        try:
-            saved_store = resume.store
-            check_state(saved_store)  # (what it holds, too: a damaged one failed the resume with a traceback)
-        except Exception as exc:
-            raise UserError(f"checkpoint.resume: {resume.path / 'store.pt'} cannot be loaded ({type(exc).__name__}: "
-                            f"{exc}) {damaged_hint(resume.path)}") from None
+    ref_fn = _reference_model(cfg, runtime, inputs.model_dir) if cfg.algorithm.kl_coef > 0 else None
+    saved_store = None if resume is None else _saved_store(resume)  # (read before the logs are cut)
     out = folder.open()  # the run is built: from here on it writes its folder
-    redo_eval = resume is not None and _evaluates_again(cfg, resume.step, resume.state["eval_history"])
-    log = RunLog(out, sinks=make_sinks(out, tensorboard=cfg.logging.tensorboard,
-                                       wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
-                                       config=to_dict(cfg), resume_step=None if resume is None else resume.step,
-                                       redo_eval=redo_eval))
+    redo_eval = resume is not None and evaluates_again(cfg, resume.step, resume.state["eval_history"])
+    log = _run_log(cfg, out, resume, redo_eval)
     clock = RealClock()
     tracer = Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS)
     evaluator = None
@@ -292,149 +243,120 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         # connections and threads, the reward threads, and the trace of what ran
         evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock)
         evaluator.max_context = inputs.positions
-        last_eval: dict[str, float]
-        if resume is None:
-            last_eval = await evaluator.run(step=0)
-            error = last_eval.get("eval_error")
-            progress.message(f"[asyncflow] eval before training: accuracy={last_eval['eval_accuracy']:.3f}"
-                             + (f" (eval_error: {error})" if error else ""))
-        else:  # the evaluations logged up to the checkpoint; one due at its step runs now (it may have been cut)
-            evaluator.history = list(resume.state["eval_history"])
-            # (at max_steps: the run died before its end; the final evaluation below is that step's)
-            due = redo_eval and resume.step < cfg.train.max_steps
-            last_eval = await evaluator.run(step=resume.step) if due else evaluator.history[-1]
-        pending_eval: asyncio.Task[dict[str, float]] | None = None
-        eval_skip_told = False
-        pipeline: Pipeline
-
-        async def on_step(result: StepResult) -> None:
-            nonlocal pending_eval, last_eval, eval_skip_told
-            c = pipeline.counters
-            now = clock.now()
-            rollout_busy, train_busy = pipeline.busy_fractions()
-            row = {
-                "kind": "train",
-                "step": result.step,
-                "policy_version": result.version,
-                "samples": c.trained,
-                "tokens": c.tokens,
-                "time_s": now - pipeline.t_start,
-                "samples_per_s": c.trained / max(now - pipeline.t_start, 1e-9),
-                **{k: v for k, v in result.metrics.items()},
-                "kl": result.metrics.get("kl", 0.0),
-                **_engine_batching(engines),
-                "rollout_busy_frac": rollout_busy,
-                "train_busy_frac": train_busy,
-                "dropped_stale": c.dropped_stale,
-                "filtered": c.filtered,
-                "filter_overflow": c.filter_overflow,
-                **{f"response_len/{k}": c.response_tokens[k] / n for k, n in c.response_count.items() if n},
-                "reward_errors": c.reward_errors,
-                "cancelled": c.cancelled,
-                **runtime.row_fields(),
-                **{f"store/{k}": v for k, v in pipeline.store.metrics().items()},
-            }
-            log.metric(row)
-            if cfg.checkpoint.every > 0 and result.step % cfg.checkpoint.every == 0:
-                if pending_eval is not None:  # its row goes into this checkpoint's logs: a resume lost it
-                    await pending_eval
-                await save_checkpoint(result.step)
-            stopping = False
-            if pending_eval is not None and pending_eval.done():  # (the progress line shows it from now on)
-                last_eval, pending_eval = pending_eval.result(), None
-                if eval_flattened([h["eval_accuracy"] for h in evaluator.history], cfg.eval.patience,
-                                  cfg.eval.min_delta):
-                    pipeline.stop_early()
-                    stopping = True
-                    progress.message(f"[asyncflow] eval accuracy has not risen by more than {cfg.eval.min_delta:g} in "
-                                     f"{cfg.eval.patience} evaluations (eval.patience): stopping after step {result.step}")
-            due = (cfg.eval.every > 0 and result.step % cfg.eval.every == 0 and result.step < cfg.train.max_steps
-                   and not stopping)  # (the final evaluation follows this step)
-            if due and pending_eval is None:
-                pending_eval = asyncio.create_task(evaluator.run(step=result.step))
-            elif due and not eval_skip_told:  # evaluations run beside training: one still running means this
-                eval_skip_told = True  # one is skipped; said once
-                progress.message(f"[asyncflow] note: the evaluation due at step {result.step} is skipped: the previous "
-                                 "one is still running (eval.every is shorter than an evaluation takes; raise it or "
-                                 "lower eval.size). Later skips are not reported one by one.")
-            progress.update(
-                result.step,
-                {"samples/s": row["samples_per_s"], "reward": row["reward_mean"], "stale": row["staleness_mean"],
-                 "eval": last_eval["eval_accuracy"], "depth": pipeline.store.size()},
-            )
-
         # Ray actors that restart are built from the folder the run started from: keep it while they may
         actors_from = resume.path if resume is not None and runtime.restarts_from_start else None
-
-        async def save_checkpoint(step: int) -> None:
-            """At a step boundary (this step's samples acked, its weights published, the trainer idle):
-            snapshot the store and the counters at once, then write the folder in a worker thread while
-            rollout goes on."""
-            from dataclasses import asdict
-
-            from asyncflow.checkpoint import log_offsets, write_checkpoint
-
-            start = clock.now()
-            store_state = pipeline.store.state_dict()
-            state = {
-                "step": step, "version": pipeline.version, "next_group_id": store_state["next_group_id"],
-                "counters": asdict(pipeline.counters), "elapsed_s": clock.now() - pipeline.t_start,
-                "eval_history": list(evaluator.history), "logs": log_offsets(out), "train_rows": inputs.fingerprint,
-            }
-
-            def save_policy(folder: str) -> None:
-                trainer.save(folder, with_optimizer=True)
-                hf_tok.save_pretrained(folder)
-
-            path = await asyncio.to_thread(write_checkpoint, out, step, save_policy=save_policy, state=state,
-                                           store_state=store_state, keep=cfg.checkpoint.keep, protect=actors_from)
-            tracer.span("trainer", f"checkpoint step {step}", start, clock.now())
-            progress.message(f"[asyncflow] checkpoint {path} ({len(store_state['samples'])} in-flight samples, "
-                             f"{clock.now() - start:.1f} s)")
-
+        hooks = StepHooks(cfg, evaluator, engines=engines, runtime=runtime, log=log, tracer=tracer, clock=clock,
+                          progress=progress, out=out, trainer=trainer, hf_tok=hf_tok, fingerprint=inputs.fingerprint,
+                          protect=actors_from)
+        await hooks.first_eval(resume, redo_eval)
         pipeline = Pipeline(
             cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
             loss_fn=make_loss_fn(loss_settings(cfg)), clock=clock, log=log, tracer=tracer,
-            ref_logprobs=ref_fn, on_step=on_step, store=runtime.store, gate=runtime.gate,
+            ref_logprobs=ref_fn, on_step=hooks.on_step, store=runtime.store, gate=runtime.gate,
         )
         pipeline.max_context = inputs.positions
+        hooks.pipeline = pipeline
         if resume is not None:
-            st = resume.state
             assert saved_store is not None
-            store_state = saved_store
-            live_groups = len({d["group_id"] for d in store_state["samples"]})
-            pipeline.store.load_state_dict(store_state)
-            pipeline.restore_trainer(resume.step, resume.version, st["counters"], st["elapsed_s"])
-            admitted = resume.step * pipeline.groups_per_step + live_groups
-            runtime.restore_feeder(pipeline, st["next_group_id"], resume.version, admitted)
+            _restore(pipeline, runtime, resume, saved_store)
         restarts: dict[str, int] = {}
         try:
             await pipeline.run(remote=runtime.stages())
             train_seconds = clock.now() - pipeline.t_start  # a resumed run's includes the time before the checkpoint
-            if pending_eval is not None:
-                await pending_eval
-            final_eval = await evaluator.run(step=pipeline.last_step)
+            final_eval = await hooks.final_eval()
         finally:
-            if pending_eval is not None and not pending_eval.done():  # the run failed while it was running
-                pending_eval.cancel()
-                await asyncio.wait([pending_eval], timeout=10)
+            await hooks.cancel_eval()  # (one still running: the run failed while it ran)
             runtime.collect(tracer, pipeline.counters)
             restarts = {k: v for k, v in runtime.restarts.items() if v}
     finally:  # (each step whatever the one before did: the log, with its W&B run, is closed last, always)
-        try:
-            try:
-                if evaluator is not None:
-                    evaluator.close()
-                for e in engines:
-                    await e.close()
-            finally:
-                tracer.write(out / "trace.json")
-        finally:
-            log.close()
+        await _close(evaluator, engines, tracer, log, out)
     final = out / "final"
     trainer.save(str(final), with_optimizer=False)
     hf_tok.save_pretrained(str(final))
-    summary = {
+    summary = _summary(pipeline, evaluator, final_eval, train_seconds, restarts)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if actors_from is not None:  # the actors are gone: the kept starting checkpoint may go now
+        from asyncflow.checkpoint import prune_checkpoints
+
+        prune_checkpoints(out, cfg.checkpoint.keep)
+    progress.message(
+        f"[asyncflow] done: {summary['samples']} samples in {train_seconds:.1f} s "
+        f"({summary['samples_per_s']:.0f}/s); eval accuracy {summary['eval_accuracy_before']:.3f} -> "
+        f"{summary['eval_accuracy_after']:.3f}; run folder {out}"
+    )
+    return summary
+
+
+def _reference_model(cfg: Config, runtime: Any, model_dir: Path) -> Any:
+    """The frozen base model the KL term is taken against (`algorithm.kl_coef` > 0)."""
+    import torch
+
+    from asyncflow.engines.base import pick_device
+    from asyncflow.engines.torch_train import ReferenceModel
+
+    # it runs in this process: beside the torch trainer on its device (model.device); on the CPU
+    # with Ray (the driver is given no GPU; the actors hold them), with fsdp (an unsharded copy on
+    # rank 0's GPU is what sharding saves) and with local vllm (it holds its GPU's memory)
+    beside_trainer = runtime.trainer_here and cfg.train.engine == "torch" and cfg.rollout.engine != "vllm"
+    return ReferenceModel(model_dir, temperature=cfg.rollout.temperature,
+                          micro_batch_size=cfg.train.micro_batch_size, dtype=getattr(torch, cfg.model.dtype),
+                          device=pick_device(cfg.model.device) if beside_trainer else "cpu")
+
+
+def _saved_store(resume: Any) -> Any:
+    """The checkpoint's store state, checked. Read before the logs are cut: a damaged store.pt leaves
+    the run as it was."""
+    from asyncflow.checkpoint import damaged_hint
+    from asyncflow.transfer_queue.store import check_state
+
+    try:
+        saved_store = resume.store
+        check_state(saved_store)  # (what it holds, too: a damaged one failed the resume with a traceback)
+    except Exception as exc:
+        raise UserError(f"checkpoint.resume: {resume.path / 'store.pt'} cannot be loaded ({type(exc).__name__}: "
+                        f"{exc}) {damaged_hint(resume.path)}") from None
+    return saved_store
+
+
+def _run_log(cfg: Config, out: Path, resume: Any, redo_eval: bool) -> Any:
+    """The run's log, with the metric sinks the config names (TensorBoard, W&B)."""
+    from asyncflow.config import to_dict
+    from asyncflow.telemetry.runlog import RunLog, make_sinks
+
+    return RunLog(out, sinks=make_sinks(out, tensorboard=cfg.logging.tensorboard,
+                                        wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
+                                        config=to_dict(cfg), resume_step=None if resume is None else resume.step,
+                                        redo_eval=redo_eval))
+
+
+def _restore(pipeline: Any, runtime: Any, resume: Any, store_state: Any) -> None:
+    """A resumed run's store, trainer counters and feeder as its checkpoint left them."""
+    st = resume.state
+    live_groups = len({d["group_id"] for d in store_state["samples"]})
+    pipeline.store.load_state_dict(store_state)
+    pipeline.restore_trainer(resume.step, resume.version, st["counters"], st["elapsed_s"])
+    admitted = resume.step * pipeline.groups_per_step + live_groups
+    runtime.restore_feeder(pipeline, st["next_group_id"], resume.version, admitted)
+
+
+async def _close(evaluator: Any, engines: list[Any], tracer: Any, log: Any, out: Path) -> None:
+    """Close what the run opened: the evaluator and the engines, then the trace is written, then the log."""
+    try:
+        try:
+            if evaluator is not None:
+                evaluator.close()
+            for e in engines:
+                await e.close()
+        finally:
+            tracer.write(out / "trace.json")
+    finally:
+        log.close()
+
+
+def _summary(pipeline: Any, evaluator: Any, final_eval: dict[str, Any], train_seconds: float,
+             restarts: dict[str, int]) -> dict[str, Any]:
+    """The run's `summary.json`."""
+    return {
         "steps": pipeline.last_step,
         "samples": pipeline.counters.trained,
         "train_seconds": train_seconds,
@@ -449,14 +371,3 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         # Ray: actor restarts by stage (rollout/reward actors that died and were brought back)
         "restarts": restarts,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    if actors_from is not None:  # the actors are gone: the kept starting checkpoint may go now
-        from asyncflow.checkpoint import prune_checkpoints
-
-        prune_checkpoints(out, cfg.checkpoint.keep)
-    progress.message(
-        f"[asyncflow] done: {summary['samples']} samples in {train_seconds:.1f} s "
-        f"({summary['samples_per_s']:.0f}/s); eval accuracy {summary['eval_accuracy_before']:.3f} -> "
-        f"{summary['eval_accuracy_after']:.3f}; run folder {out}"
-    )
-    return summary
