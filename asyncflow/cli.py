@@ -27,7 +27,7 @@ DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 
 def _default_out(prefix: str) -> Path:
     """`runs/PREFIX-TIMESTAMP`, or with `-2`, `-3`, ... when a run started in the same second already
-    has that name (the run folder then claims its name atomically: see `runner.RunFolder`)."""
+    has that name (the run folder then claims its name atomically: see `run_folder.RunFolder`)."""
     base = Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
     out, n = base, 1
     while out.exists():
@@ -153,7 +153,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         if args.task not in TASK_NAMES:
             raise UserError(f"prepare: unknown task {args.task!r}; known: {', '.join(TASK_NAMES)}")
-        from asyncflow.runner import check_folder_path
+        from asyncflow.run_folder import check_folder_path
 
         if not 0 <= args.seed <= 2**31 - 1:  # (the config's bound: seeds derived from it must fit torch's)
             raise UserError(f"--seed: {args.seed} is outside 0 to 2^31-1")

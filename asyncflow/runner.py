@@ -1,8 +1,9 @@
 """Builds a run from a resolved config and runs it: the local runtime's composition root.
 
 This is the only module that knows every component: it resolves the task pack, loads model,
-tokenizer, data and reward function, creates engines and the trainer, writes the run folder, runs
-the pipeline with periodic greedy evaluation, and saves `final/`. Components never import it.
+tokenizer, data and reward function (`inputs`), creates engines and the trainer, writes the run
+folder (`run_folder`), runs the pipeline with periodic greedy evaluation (`step_hooks`), and saves
+`final/`. Components never import it.
 """
 
 from __future__ import annotations
@@ -12,156 +13,20 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
 import sys
 import threading
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncflow.config import Config, dump_yaml, episodic
+from asyncflow.config import Config, episodic
 from asyncflow.engines.http_client import HTTPError
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
+from asyncflow.inputs import Inputs, resolve_inputs
+from asyncflow.run_folder import RunFolder, check_out_dir, resume_hint
 from asyncflow.runtime.base import RuntimeSetup, runtime_class
 from asyncflow.tokenizer import load_tokenizer
-
-RUN_MARKERS = ("config.yaml", "metrics.jsonl")
-
-
-def check_folder_path(path: Path, key: str) -> None:
-    """Refuse a folder path that is a file, or that lies under one (mkdir would fail there only after
-    minutes of work, with a traceback)."""
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{key}: {path} is a file, not a folder")
-    for parent in path.absolute().parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UserError(f"{key}: {path} lies under {parent}, which is a file")
-            return
-
-
-def check_out_dir(out: Path, cfg: Config) -> Any:
-    """Refuse an --out folder that already holds a run (resume is explicit), or that is a file.
-    With `checkpoint.resume: auto`, the checkpoint to continue from (None: start fresh)."""
-    check_folder_path(out, "--out")
-    if out.exists() and any((out / m).exists() for m in RUN_MARKERS):
-        if cfg.checkpoint.resume == "auto":
-            from asyncflow.checkpoint import find_resume
-
-            return find_resume(out, cfg)
-        from asyncflow.checkpoint import complete_checkpoints
-
-        if complete_checkpoints(out):
-            raise UserError(f"--out: {out} already holds a run; choose another folder or set checkpoint.resume=auto "
-                            "to go on from its newest checkpoint")
-        raise UserError(f"--out: {out} already holds a run (with no complete checkpoint to go on from); choose "
-                        "another folder")
-    return None
-
-
-@dataclass
-class Inputs:
-    """Everything resolved from the config before training starts."""
-
-    model_dir: Path
-    train_rows: list[dict[str, Any]]
-    eval_rows: list[dict[str, Any]]
-    reward_fn_path: str
-    first_chat: str | None = None  # where the first conversational prompt is (None: all are text)
-    train_path: str = ""  # the files the rows came from (for messages naming a row)
-    eval_path: str = ""
-    fingerprint: str = ""  # of the training rows (`checkpoint.rows_fingerprint`), saved with each checkpoint
-    positions: int | None = None  # the model's positions (`data.model_positions`; None: unknown)
-
-
-def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
-    """Model folder, train/eval rows and reward function: from the config, else from the task pack.
-
-    Given paths are checked without torch (a bad model folder or dataset costs milliseconds); only
-    preparing a task pack's own model imports it.
-    """
-    from asyncflow.data import REWARD_ARGUMENTS, check_columns, model_positions, read_rows, subset
-    from asyncflow.model_folder import check_model_dir
-    from asyncflow.rewards import absolute_reward_path
-
-    task = None
-    if cfg.task is not None:
-        from asyncflow.tasks import get_task
-
-        task = get_task(cfg.task)
-    if cfg.model.path is not None:
-        model_dir = check_model_dir(cfg.model.path)
-    else:
-        assert task is not None
-        if task.shipped(cfg.model.task_seed) is not None:
-            pass  # the package holds it: no cache is read or written
-        elif cfg.model.cache_dir is not None:
-            check_folder_path(Path(cfg.model.cache_dir), "model.cache_dir")
-        else:  # (the default: $ASYNCFLOW_CACHE, else ~/.cache/asyncflow)
-            from asyncflow.tasks.tiny import default_cache_dir
-
-            env = "ASYNCFLOW_CACHE" if os.environ.get("ASYNCFLOW_CACHE") else "model.cache_dir (default)"
-            check_folder_path(default_cache_dir(), env)
-        model_dir = task.prepare(cfg.model.cache_dir, seed=cfg.model.task_seed, log=log)
-    if cfg.rollout.sync_dir is not None:  # the openai engine writes weights there: a file would fail late
-        check_folder_path(Path(cfg.rollout.sync_dir), "rollout.sync_dir")
-    if cfg.dataset.path is not None:
-        data_path = cfg.dataset.path
-    else:
-        data_path = str(model_dir / "train.jsonl")
-        if not Path(data_path).is_file():  # (the message named a dataset.path the user never set)
-            raise UserError(f"dataset.path: not set, and model.path ({model_dir}) has no train.jsonl to default to; "
-                            "set dataset.path")
-    rows = read_rows(data_path)
-    reserved = frozenset() if episodic(cfg) else REWARD_ARGUMENTS  # (an environment gets the row as it is)
-    chats = [check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved)]
-    if cfg.eval.path is not None or (cfg.dataset.path is None and (model_dir / "eval.jsonl").is_file()):
-        eval_path = cfg.eval.path if cfg.eval.path is not None else str(model_dir / "eval.jsonl")
-        eval_rows = read_rows(eval_path, key="eval.path")
-        chats.append(check_columns(eval_rows, eval_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved))
-    else:  # a held-out slice of the dataset: whole prompts (all their copies), at most 10% of it
-        eval_path = data_path
-        rng = random.Random(cfg.seed + 1)
-        copies: dict[str, list[int]] = {}  # rows by prompt: a prompt's copies are held out together, so an
-        for i, r in enumerate(rows):     # eval prompt is never also trained on (that inflated eval accuracy)
-            p = r[cfg.dataset.prompt_key]
-            copies.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str), []).append(i)
-        groups = list(copies.values())
-        rng.shuffle(groups)
-        n_eval = min(cfg.eval.size, len(rows) // 10)
-        held: set[int] = set()
-        for g in groups:  # whole prompts that fit: never above n_eval (one prompt copied 95 times of 100 was
-            if len(held) + len(g) <= n_eval:  # held out whole, and rows past eval.size were neither trained
-                held.update(g)                # nor evaluated)
-            if len(held) == n_eval:
-                break
-        if len(held) >= len(rows):  # one prompt repeated throughout: nothing left to train on
-            held = set()
-        eval_rows = subset(rows, sorted(held))
-        rows = subset(rows, [i for i in range(len(rows)) if i not in held])
-        if not eval_rows:  # under 10 rows: nothing to hold out; evaluate on the training prompts, and say so
-            eval_rows = rows
-            log(f"[asyncflow] note: {data_path} has {len(rows)} rows of {len(groups)} distinct prompt(s), too few to "
-                "hold out an eval set; evaluating on the training prompts (give eval.path for a held-out set)")
-    reward_path = absolute_reward_path(cfg.reward.fn) if cfg.reward.fn else (task.reward_fn_path if task is not None else "")
-    first_chat = next((c for c in chats if c is not None), None)
-    eval_rows = subset(eval_rows, range(min(len(eval_rows), cfg.eval.size)))
-    return Inputs(model_dir, rows, eval_rows, reward_path, first_chat, data_path, eval_path,
-                  positions=model_positions(model_dir))
-
-
-def _engine_batching(engines: list[Any]) -> dict[str, float]:
-    """Mean decode batch and mean rows per prefill over all engines so far (how well requests batch)."""
-    total: dict[str, float] = {}
-    for e in engines:
-        for k, v in e.stats().items():
-            total[k] = total.get(k, 0.0) + v
-    if not total.get("decode_steps") or not total.get("prefills"):
-        return {}
-    return {"engine/decode_batch_mean": total["decode_rows"] / total["decode_steps"],
-            "engine/prefill_rows_mean": total["prefill_rows"] / total["prefills"]}
 
 
 def torch_threads(cfg: Config) -> int:
@@ -211,7 +76,6 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
     `explicit`: the dotted keys the user set (`load_config`'s second value), for the checks that
     need the loaded reward function."""
     resume = check_out_dir(out, cfg)
-    from asyncflow.rewards import is_async_reward_fn, load_reward_fn
     from asyncflow.telemetry.progress import Progress
 
     show = cfg.logging.progress if progress_enabled is None else progress_enabled
@@ -219,41 +83,7 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
     try:
         # bad input fails here, before torch loads (except for the tokenizer) and before the run
         # folder is written, so a mistake never leaves a half-made "run" that a retry would refuse
-        inputs = resolve_inputs(cfg, progress.message)
-        from asyncflow.checkpoint import check_rows, rows_fingerprint
-
-        inputs.fingerprint = rows_fingerprint(inputs.train_rows, (cfg.dataset.prompt_key, cfg.dataset.label_key))
-        if resume is not None:
-            check_rows(resume, inputs.fingerprint)
-        # multi-turn episodes are scored by their environment: no reward function is loaded
-        reward_fn = None if episodic(cfg) else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
-        if reward_fn is not None and "reward.concurrency" in explicit and not is_async_reward_fn(reward_fn):
-            raise UserError(f"reward.concurrency: applies to an async def reward function; {inputs.reward_fn_path} "
-                            "is a plain function, called one batch at a time in a worker thread (remove the key)")
-        if cfg.rollout.agent is not None:  # an agent that cannot be imported is bad input, before the run starts
-            from asyncflow.workflow.agent import load_agent
-
-            load_agent(cfg.rollout.agent)
-        hf_tok = load_tokenizer(inputs.model_dir, log=progress.message)
-        from asyncflow.engines.base import quiet_transformers
-
-        quiet_transformers()
-        from asyncflow.data import check_chat_prompts, check_prompts_fit, model_vocab_size
-
-        check_chat_prompts(inputs.first_chat, hf_tok)
-        if cfg.rollout.agent is None:  # (an agent writes its own prompts)
-            check_prompts_fit([(inputs.train_rows, inputs.train_path), (inputs.eval_rows, inputs.eval_path)],
-                              cfg.dataset.prompt_key, hf_tok, cfg.rollout.max_new_tokens, inputs.positions,
-                              model_vocab_size(inputs.model_dir))
-        env_factory = None
-        if cfg.rollout.env is not None:  # an environment plugin that cannot be imported is bad input too
-            from asyncflow.envs import make_env_factory
-
-            env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s,
-                                           max_turns=cfg.rollout.max_turns)
-        from asyncflow.model_folder import check_weights_match_config
-
-        check_weights_match_config(inputs.model_dir if resume is None else resume.path)
+        inputs, reward_fn, hf_tok, env_factory = _load_checked(cfg, resume, explicit, progress.message)
         if resume is not None:
             changed = resume.changed
             progress.message(f"[asyncflow] resuming from {resume.path} (step {resume.step}, policy version "
@@ -270,16 +100,16 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         except UserError:
             raise  # one line, no hint
         except WaitTimeout as exc:  # a bounded wait ran out: one line with the key that bounds it
-            raise RunFailed(f"{exc}; {_resume_hint(out)}") from exc
+            raise RunFailed(f"{exc}; {resume_hint(out)}") from exc
         except HTTPError as exc:  # an inference server refused or failed a call (rollout.engine: openai)
-            raise RunFailed(f"inference server error: {exc}; {_resume_hint(out)}") from exc
+            raise RunFailed(f"inference server error: {exc}; {resume_hint(out)}") from exc
         except RunFailed as exc:  # a worker the run needs died: say where it can go on from
-            raise type(exc)(f"{exc}; {_resume_hint(out)}") from exc
+            raise type(exc)(f"{exc}; {resume_hint(out)}") from exc
         except Exception:
-            print(f"[asyncflow] the run failed; {_resume_hint(out)}", file=sys.stderr)
+            print(f"[asyncflow] the run failed; {resume_hint(out)}", file=sys.stderr)
             raise
         except KeyboardInterrupt:  # (Ctrl-C: the CLI then says "interrupted", exit 130)
-            print(f"[asyncflow] the run was interrupted; {_resume_hint(out)}", file=sys.stderr)
+            print(f"[asyncflow] the run was interrupted; {resume_hint(out)}", file=sys.stderr)
             raise
         finally:
             # a fresh run that ends (bad input, a cluster that cannot start, Ctrl-C) before its first
@@ -292,102 +122,48 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         progress.close()
 
 
-class RunFolder:
-    """The run folder, written only once the run is built, so that bad input found while building it
-    (an unreachable server, a model the engine cannot load) never leaves a half-made run that a
-    retry would refuse, and a resume that fails to build has not yet cut the logs back.
+def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
+                  log: Callable[[str], None]) -> tuple[Inputs, Any, Any, Any]:
+    """The inputs, the reward function, the tokenizer and the environment factory, each checked
+    (bad input fails here): with `resume`, against the checkpoint too."""
+    from asyncflow.rewards import is_async_reward_fn, load_reward_fn
 
-    `open()` (idempotent) cuts a resumed run's logs back to its checkpoint and writes `config.yaml`;
-    a fresh run claims the folder by creating `config.yaml` exclusively, so two runs started at once
-    into one folder cannot both write there. `abandon()`: a fresh run that ends with bad input before
-    its first train step removes the files it made (there is nothing in them to keep). The folder is
-    locked for the run (`_lock`); `close()` releases it."""
+    inputs = resolve_inputs(cfg, log)
+    from asyncflow.checkpoint import check_rows, rows_fingerprint
 
-    def __init__(self, out: Path, cfg: Config, resume: Any) -> None:
-        self.out, self.cfg, self.resume = out, cfg, resume
-        self.opened = False
-        self._created_dir = False
-        self._lock_fd: int | None = None
+    inputs.fingerprint = rows_fingerprint(inputs.train_rows, (cfg.dataset.prompt_key, cfg.dataset.label_key))
+    if resume is not None:
+        check_rows(resume, inputs.fingerprint)
+    # multi-turn episodes are scored by their environment: no reward function is loaded
+    reward_fn = None if episodic(cfg) else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
+    if reward_fn is not None and "reward.concurrency" in explicit and not is_async_reward_fn(reward_fn):
+        raise UserError(f"reward.concurrency: applies to an async def reward function; {inputs.reward_fn_path} "
+                        "is a plain function, called one batch at a time in a worker thread (remove the key)")
+    if cfg.rollout.agent is not None:  # an agent that cannot be imported is bad input, before the run starts
+        from asyncflow.workflow.agent import load_agent
 
-    def open(self) -> Path:
-        if self.opened:
-            return self.out
-        out = self.out
-        if self.resume is not None:
-            from asyncflow.checkpoint import cut_logs
+        load_agent(cfg.rollout.agent)
+    hf_tok = load_tokenizer(inputs.model_dir, log=log)
+    from asyncflow.engines.base import quiet_transformers
 
-            self._lock()
-            cut_logs(out, self.resume.state["logs"])
-            # an earlier segment's totals (and its mark of a finished run) no longer describe the folder
-            (out / "summary.json").unlink(missing_ok=True)
-            (out / "config.yaml").write_text(dump_yaml(self.cfg))
-        else:
-            self._created_dir = not out.exists()
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-                self._lock()
-                with (out / "config.yaml").open("x") as fh:
-                    fh.write(dump_yaml(self.cfg))
-            except FileExistsError:
-                self.close()
-                raise UserError(f"--out: another run started in {out} meanwhile; choose another folder") from None
-            except OSError as exc:
-                raise UserError(f"--out: cannot create {out}: {exc.strerror or exc}") from None
-        self.opened = True
-        return out
+    quiet_transformers()
+    from asyncflow.data import check_chat_prompts, check_prompts_fit, model_vocab_size
 
-    def _lock(self) -> None:
-        """Hold `RUN_DIR/.lock` for the whole run, fresh or resumed: a second process resuming a run
-        that is still going (or two resumes at once) is refused before it cuts any log. Without it
-        both trained on, duplicating steps and samples in the logs, or one deleted the other's
-        checkpoint. The lock is the kernel's (flock): a process that dies releases it."""
-        try:
-            import fcntl
-        except ImportError:  # (not on Windows)
-            return
-        fd = os.open(self.out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            if self._created_dir:
-                with contextlib.suppress(OSError):
-                    self.out.rmdir()
-            raise UserError(f"--out: another asyncflow process is running in {self.out}; wait for it to end or "
-                            "choose another folder") from None
-        self._lock_fd = fd
+    check_chat_prompts(inputs.first_chat, hf_tok)
+    if cfg.rollout.agent is None:  # (an agent writes its own prompts)
+        check_prompts_fit([(inputs.train_rows, inputs.train_path), (inputs.eval_rows, inputs.eval_path)],
+                          cfg.dataset.prompt_key, hf_tok, cfg.rollout.max_new_tokens, inputs.positions,
+                          model_vocab_size(inputs.model_dir))
+    env_factory = None
+    if cfg.rollout.env is not None:  # an environment plugin that cannot be imported is bad input too
+        from asyncflow.envs import make_env_factory
 
-    def close(self) -> None:
-        """Release the folder's lock (the run is over)."""
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s,
+                                       max_turns=cfg.rollout.max_turns)
+    from asyncflow.model_folder import check_weights_match_config
 
-    def abandon(self) -> None:
-        if not self.opened or self.resume is not None:
-            return
-        metrics = self.out / "metrics.jsonl"
-        try:
-            if metrics.is_file() and '"kind": "train"' in metrics.read_text():
-                return  # it trained: what it logged is kept
-            for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", "wandb_id", ".lock"):
-                (self.out / name).unlink(missing_ok=True)
-            for name in ("tensorboard", "wandb"):  # the sinks' folders (they kept the folder, and a retry
-                shutil.rmtree(self.out / name, ignore_errors=True)  # added a second event file beside)
-            if self._created_dir and not any(self.out.iterdir()):
-                self.out.rmdir()
-        except OSError:
-            pass  # best effort: the error being raised is the one to show
-
-
-def _resume_hint(out: Path) -> str:
-    from asyncflow.checkpoint import complete_checkpoints
-
-    found = complete_checkpoints(out)
-    if not found:
-        return "no checkpoint was written (set checkpoint.every to make runs resumable)"
-    return (f"it can go on from {found[-1][1]} (step {found[-1][0]}): run the same command with "
-            f"--set checkpoint.resume=auto")
+    check_weights_match_config(inputs.model_dir if resume is None else resume.path)
+    return inputs, reward_fn, hf_tok, env_factory
 
 
 async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any,
@@ -443,60 +219,22 @@ def loss_settings(cfg: Config) -> Any:
     )
 
 
-def _evaluates_again(cfg: Config, step: int, history: list[dict[str, Any]]) -> bool:
-    """Whether a run resumed from the checkpoint of `step` logs an evaluation at that step again: the
-    one due there (it begins after the checkpoint, so the checkpoint's history never holds it), or
-    the final one when the checkpoint is of the last step."""
-    if step >= cfg.train.max_steps:
-        return True
-    return cfg.eval.every > 0 and step % cfg.eval.every == 0 and history[-1]["step"] != step
-
-
 async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any, tok: Any,
                runtime: Any, resume: Any = None, env_factory: Any = None) -> dict[str, Any]:
-    import torch
-
+    """The run on a started runtime: the first evaluation, the pipeline, the final one, `final/`."""
     from asyncflow.algorithms.losses import make_loss_fn
     from asyncflow.clock import RealClock
-    from asyncflow.evaluation import Evaluator, eval_flattened
-    from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, RunLog, Tracer
-    from asyncflow.workflow.pipeline import Pipeline, StepResult
+    from asyncflow.evaluation import Evaluator
+    from asyncflow.step_hooks import StepHooks, evaluates_again
+    from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, Tracer
+    from asyncflow.workflow.pipeline import Pipeline
 
     engines, trainer = list(runtime.engines), runtime.trainer
-    dtype = getattr(torch, cfg.model.dtype)
-    ref_fn = None
-    if cfg.algorithm.kl_coef > 0:
-        from asyncflow.engines.base import pick_device
-        from asyncflow.engines.torch_train import ReferenceModel
-
-        # it runs in this process: beside the torch trainer on its device (model.device); on the CPU
-        # with Ray (the driver is given no GPU; the actors hold them), with fsdp (an unsharded copy on
-        # rank 0's GPU is what sharding saves) and with local vllm (it holds its GPU's memory)
-        beside_trainer = runtime.trainer_here and cfg.train.engine == "torch" and cfg.rollout.engine != "vllm"
-        ref_fn = ReferenceModel(inputs.model_dir, temperature=cfg.rollout.temperature,
-                                micro_batch_size=cfg.train.micro_batch_size, dtype=dtype,
-                                device=pick_device(cfg.model.device) if beside_trainer else "cpu")
-
-    from asyncflow.config import to_dict
-    from asyncflow.telemetry.runlog import make_sinks
-
-    saved_store = None
-    if resume is not None:  # read before the logs are cut: a damaged store.pt leaves the run as it was
-        from asyncflow.checkpoint import damaged_hint
-        from asyncflow.transfer_queue.store import check_state
-
-        try:
-            saved_store = resume.store
-            check_state(saved_store)  # (what it holds, too: a damaged one failed the resume with a traceback)
-        except Exception as exc:
-            raise UserError(f"checkpoint.resume: {resume.path / 'store.pt'} cannot be loaded ({type(exc).__name__}: "
-                            f"{exc}) {damaged_hint(resume.path)}") from None
+    ref_fn = _reference_model(cfg, runtime, inputs.model_dir) if cfg.algorithm.kl_coef > 0 else None
+    saved_store = None if resume is None else _saved_store(resume)  # (read before the logs are cut)
     out = folder.open()  # the run is built: from here on it writes its folder
-    redo_eval = resume is not None and _evaluates_again(cfg, resume.step, resume.state["eval_history"])
-    log = RunLog(out, sinks=make_sinks(out, tensorboard=cfg.logging.tensorboard,
-                                       wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
-                                       config=to_dict(cfg), resume_step=None if resume is None else resume.step,
-                                       redo_eval=redo_eval))
+    redo_eval = resume is not None and evaluates_again(cfg, resume.step, resume.state["eval_history"])
+    log = _run_log(cfg, out, resume, redo_eval)
     clock = RealClock()
     tracer = Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS)
     evaluator = None
@@ -505,149 +243,120 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         # connections and threads, the reward threads, and the trace of what ran
         evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock)
         evaluator.max_context = inputs.positions
-        last_eval: dict[str, float]
-        if resume is None:
-            last_eval = await evaluator.run(step=0)
-            error = last_eval.get("eval_error")
-            progress.message(f"[asyncflow] eval before training: accuracy={last_eval['eval_accuracy']:.3f}"
-                             + (f" (eval_error: {error})" if error else ""))
-        else:  # the evaluations logged up to the checkpoint; one due at its step runs now (it may have been cut)
-            evaluator.history = list(resume.state["eval_history"])
-            # (at max_steps: the run died before its end; the final evaluation below is that step's)
-            due = redo_eval and resume.step < cfg.train.max_steps
-            last_eval = await evaluator.run(step=resume.step) if due else evaluator.history[-1]
-        pending_eval: asyncio.Task[dict[str, float]] | None = None
-        eval_skip_told = False
-        pipeline: Pipeline
-
-        async def on_step(result: StepResult) -> None:
-            nonlocal pending_eval, last_eval, eval_skip_told
-            c = pipeline.counters
-            now = clock.now()
-            rollout_busy, train_busy = pipeline.busy_fractions()
-            row = {
-                "kind": "train",
-                "step": result.step,
-                "policy_version": result.version,
-                "samples": c.trained,
-                "tokens": c.tokens,
-                "time_s": now - pipeline.t_start,
-                "samples_per_s": c.trained / max(now - pipeline.t_start, 1e-9),
-                **{k: v for k, v in result.metrics.items()},
-                "kl": result.metrics.get("kl", 0.0),
-                **_engine_batching(engines),
-                "rollout_busy_frac": rollout_busy,
-                "train_busy_frac": train_busy,
-                "dropped_stale": c.dropped_stale,
-                "filtered": c.filtered,
-                "filter_overflow": c.filter_overflow,
-                **{f"response_len/{k}": c.response_tokens[k] / n for k, n in c.response_count.items() if n},
-                "reward_errors": c.reward_errors,
-                "cancelled": c.cancelled,
-                **runtime.row_fields(),
-                **{f"store/{k}": v for k, v in pipeline.store.metrics().items()},
-            }
-            log.metric(row)
-            if cfg.checkpoint.every > 0 and result.step % cfg.checkpoint.every == 0:
-                if pending_eval is not None:  # its row goes into this checkpoint's logs: a resume lost it
-                    await pending_eval
-                await save_checkpoint(result.step)
-            stopping = False
-            if pending_eval is not None and pending_eval.done():  # (the progress line shows it from now on)
-                last_eval, pending_eval = pending_eval.result(), None
-                if eval_flattened([h["eval_accuracy"] for h in evaluator.history], cfg.eval.patience,
-                                  cfg.eval.min_delta):
-                    pipeline.stop_early()
-                    stopping = True
-                    progress.message(f"[asyncflow] eval accuracy has not risen by more than {cfg.eval.min_delta:g} in "
-                                     f"{cfg.eval.patience} evaluations (eval.patience): stopping after step {result.step}")
-            due = (cfg.eval.every > 0 and result.step % cfg.eval.every == 0 and result.step < cfg.train.max_steps
-                   and not stopping)  # (the final evaluation follows this step)
-            if due and pending_eval is None:
-                pending_eval = asyncio.create_task(evaluator.run(step=result.step))
-            elif due and not eval_skip_told:  # evaluations run beside training: one still running means this
-                eval_skip_told = True  # one is skipped; said once
-                progress.message(f"[asyncflow] note: the evaluation due at step {result.step} is skipped: the previous "
-                                 "one is still running (eval.every is shorter than an evaluation takes; raise it or "
-                                 "lower eval.size). Later skips are not reported one by one.")
-            progress.update(
-                result.step,
-                {"samples/s": row["samples_per_s"], "reward": row["reward_mean"], "stale": row["staleness_mean"],
-                 "eval": last_eval["eval_accuracy"], "depth": pipeline.store.size()},
-            )
-
         # Ray actors that restart are built from the folder the run started from: keep it while they may
         actors_from = resume.path if resume is not None and runtime.restarts_from_start else None
-
-        async def save_checkpoint(step: int) -> None:
-            """At a step boundary (this step's samples acked, its weights published, the trainer idle):
-            snapshot the store and the counters at once, then write the folder in a worker thread while
-            rollout goes on."""
-            from dataclasses import asdict
-
-            from asyncflow.checkpoint import log_offsets, write_checkpoint
-
-            start = clock.now()
-            store_state = pipeline.store.state_dict()
-            state = {
-                "step": step, "version": pipeline.version, "next_group_id": store_state["next_group_id"],
-                "counters": asdict(pipeline.counters), "elapsed_s": clock.now() - pipeline.t_start,
-                "eval_history": list(evaluator.history), "logs": log_offsets(out), "train_rows": inputs.fingerprint,
-            }
-
-            def save_policy(folder: str) -> None:
-                trainer.save(folder, with_optimizer=True)
-                hf_tok.save_pretrained(folder)
-
-            path = await asyncio.to_thread(write_checkpoint, out, step, save_policy=save_policy, state=state,
-                                           store_state=store_state, keep=cfg.checkpoint.keep, protect=actors_from)
-            tracer.span("trainer", f"checkpoint step {step}", start, clock.now())
-            progress.message(f"[asyncflow] checkpoint {path} ({len(store_state['samples'])} in-flight samples, "
-                             f"{clock.now() - start:.1f} s)")
-
+        hooks = StepHooks(cfg, evaluator, engines=engines, runtime=runtime, log=log, tracer=tracer, clock=clock,
+                          progress=progress, out=out, trainer=trainer, hf_tok=hf_tok, fingerprint=inputs.fingerprint,
+                          protect=actors_from)
+        await hooks.first_eval(resume, redo_eval)
         pipeline = Pipeline(
             cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
             loss_fn=make_loss_fn(loss_settings(cfg)), clock=clock, log=log, tracer=tracer,
-            ref_logprobs=ref_fn, on_step=on_step, store=runtime.store, gate=runtime.gate,
+            ref_logprobs=ref_fn, on_step=hooks.on_step, store=runtime.store, gate=runtime.gate,
         )
         pipeline.max_context = inputs.positions
+        hooks.pipeline = pipeline
         if resume is not None:
-            st = resume.state
             assert saved_store is not None
-            store_state = saved_store
-            live_groups = len({d["group_id"] for d in store_state["samples"]})
-            pipeline.store.load_state_dict(store_state)
-            pipeline.restore_trainer(resume.step, resume.version, st["counters"], st["elapsed_s"])
-            admitted = resume.step * pipeline.groups_per_step + live_groups
-            runtime.restore_feeder(pipeline, st["next_group_id"], resume.version, admitted)
+            _restore(pipeline, runtime, resume, saved_store)
         restarts: dict[str, int] = {}
         try:
             await pipeline.run(remote=runtime.stages())
             train_seconds = clock.now() - pipeline.t_start  # a resumed run's includes the time before the checkpoint
-            if pending_eval is not None:
-                await pending_eval
-            final_eval = await evaluator.run(step=pipeline.last_step)
+            final_eval = await hooks.final_eval()
         finally:
-            if pending_eval is not None and not pending_eval.done():  # the run failed while it was running
-                pending_eval.cancel()
-                await asyncio.wait([pending_eval], timeout=10)
+            await hooks.cancel_eval()  # (one still running: the run failed while it ran)
             runtime.collect(tracer, pipeline.counters)
             restarts = {k: v for k, v in runtime.restarts.items() if v}
     finally:  # (each step whatever the one before did: the log, with its W&B run, is closed last, always)
-        try:
-            try:
-                if evaluator is not None:
-                    evaluator.close()
-                for e in engines:
-                    await e.close()
-            finally:
-                tracer.write(out / "trace.json")
-        finally:
-            log.close()
+        await _close(evaluator, engines, tracer, log, out)
     final = out / "final"
     trainer.save(str(final), with_optimizer=False)
     hf_tok.save_pretrained(str(final))
-    summary = {
+    summary = _summary(pipeline, evaluator, final_eval, train_seconds, restarts)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if actors_from is not None:  # the actors are gone: the kept starting checkpoint may go now
+        from asyncflow.checkpoint import prune_checkpoints
+
+        prune_checkpoints(out, cfg.checkpoint.keep)
+    progress.message(
+        f"[asyncflow] done: {summary['samples']} samples in {train_seconds:.1f} s "
+        f"({summary['samples_per_s']:.0f}/s); eval accuracy {summary['eval_accuracy_before']:.3f} -> "
+        f"{summary['eval_accuracy_after']:.3f}; run folder {out}"
+    )
+    return summary
+
+
+def _reference_model(cfg: Config, runtime: Any, model_dir: Path) -> Any:
+    """The frozen base model the KL term is taken against (`algorithm.kl_coef` > 0)."""
+    import torch
+
+    from asyncflow.engines.base import pick_device
+    from asyncflow.engines.torch_train import ReferenceModel
+
+    # it runs in this process: beside the torch trainer on its device (model.device); on the CPU
+    # with Ray (the driver is given no GPU; the actors hold them), with fsdp (an unsharded copy on
+    # rank 0's GPU is what sharding saves) and with local vllm (it holds its GPU's memory)
+    beside_trainer = runtime.trainer_here and cfg.train.engine == "torch" and cfg.rollout.engine != "vllm"
+    return ReferenceModel(model_dir, temperature=cfg.rollout.temperature,
+                          micro_batch_size=cfg.train.micro_batch_size, dtype=getattr(torch, cfg.model.dtype),
+                          device=pick_device(cfg.model.device) if beside_trainer else "cpu")
+
+
+def _saved_store(resume: Any) -> Any:
+    """The checkpoint's store state, checked. Read before the logs are cut: a damaged store.pt leaves
+    the run as it was."""
+    from asyncflow.checkpoint import damaged_hint
+    from asyncflow.transfer_queue.store import check_state
+
+    try:
+        saved_store = resume.store
+        check_state(saved_store)  # (what it holds, too: a damaged one failed the resume with a traceback)
+    except Exception as exc:
+        raise UserError(f"checkpoint.resume: {resume.path / 'store.pt'} cannot be loaded ({type(exc).__name__}: "
+                        f"{exc}) {damaged_hint(resume.path)}") from None
+    return saved_store
+
+
+def _run_log(cfg: Config, out: Path, resume: Any, redo_eval: bool) -> Any:
+    """The run's log, with the metric sinks the config names (TensorBoard, W&B)."""
+    from asyncflow.config import to_dict
+    from asyncflow.telemetry.runlog import RunLog, make_sinks
+
+    return RunLog(out, sinks=make_sinks(out, tensorboard=cfg.logging.tensorboard,
+                                        wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
+                                        config=to_dict(cfg), resume_step=None if resume is None else resume.step,
+                                        redo_eval=redo_eval))
+
+
+def _restore(pipeline: Any, runtime: Any, resume: Any, store_state: Any) -> None:
+    """A resumed run's store, trainer counters and feeder as its checkpoint left them."""
+    st = resume.state
+    live_groups = len({d["group_id"] for d in store_state["samples"]})
+    pipeline.store.load_state_dict(store_state)
+    pipeline.restore_trainer(resume.step, resume.version, st["counters"], st["elapsed_s"])
+    admitted = resume.step * pipeline.groups_per_step + live_groups
+    runtime.restore_feeder(pipeline, st["next_group_id"], resume.version, admitted)
+
+
+async def _close(evaluator: Any, engines: list[Any], tracer: Any, log: Any, out: Path) -> None:
+    """Close what the run opened: the evaluator and the engines, then the trace is written, then the log."""
+    try:
+        try:
+            if evaluator is not None:
+                evaluator.close()
+            for e in engines:
+                await e.close()
+        finally:
+            tracer.write(out / "trace.json")
+    finally:
+        log.close()
+
+
+def _summary(pipeline: Any, evaluator: Any, final_eval: dict[str, Any], train_seconds: float,
+             restarts: dict[str, int]) -> dict[str, Any]:
+    """The run's `summary.json`."""
+    return {
         "steps": pipeline.last_step,
         "samples": pipeline.counters.trained,
         "train_seconds": train_seconds,
@@ -662,14 +371,3 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         # Ray: actor restarts by stage (rollout/reward actors that died and were brought back)
         "restarts": restarts,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    if actors_from is not None:  # the actors are gone: the kept starting checkpoint may go now
-        from asyncflow.checkpoint import prune_checkpoints
-
-        prune_checkpoints(out, cfg.checkpoint.keep)
-    progress.message(
-        f"[asyncflow] done: {summary['samples']} samples in {train_seconds:.1f} s "
-        f"({summary['samples_per_s']:.0f}/s); eval accuracy {summary['eval_accuracy_before']:.3f} -> "
-        f"{summary['eval_accuracy_after']:.3f}; run folder {out}"
-    )
-    return summary

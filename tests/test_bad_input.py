@@ -378,7 +378,8 @@ def test_bad_input_found_after_the_folder_is_written_leaves_no_half_made_run(ari
     an environment factory that returns no Env, a reward function that always fails) removes the
     files it wrote, so the same command, fixed, is not refused as "already holds a run"."""
     from asyncflow.config import load_config
-    from asyncflow.runner import check_out_dir, train
+    from asyncflow.run_folder import check_out_dir
+    from asyncflow.runner import train
 
     cfg, _ = load_config(None, [f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=8",
                                 "train.max_steps=1", "logging.progress=false"])
@@ -405,7 +406,8 @@ def test_a_run_that_fails_to_start_for_any_reason_leaves_no_half_made_run(arith_
     """Only bad input removed the files a fresh run had made; a Ray cluster that could not start (a
     RuntimeError here) left config.yaml behind, and the same command, retried, was refused."""
     from asyncflow.config import load_config
-    from asyncflow.runner import check_out_dir, train
+    from asyncflow.run_folder import check_out_dir
+    from asyncflow.runner import train
 
     def cannot_start(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("When connecting to an existing cluster, num_cpus must not be provided")
@@ -439,7 +441,7 @@ def test_two_runs_cannot_claim_one_folder(tmp_path: Path, monkeypatch: pytest.Mo
     folder interleaved their logs and one lost its final model)."""
     from asyncflow.cli import _default_out
     from asyncflow.config import Config
-    from asyncflow.runner import RunFolder
+    from asyncflow.run_folder import RunFolder
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("time.strftime", lambda fmt: "20261123-120000")
@@ -512,7 +514,7 @@ def test_a_dataset_too_small_to_hold_out_evaluates_on_its_training_prompts(tmp_p
     """Under 10 rows and no eval.path there is nothing to hold out: the eval set used to be empty
     (and its rows reported a reward function error); now it is the training prompts, with a note."""
     from asyncflow.config import load_config
-    from asyncflow.runner import resolve_inputs
+    from asyncflow.inputs import resolve_inputs
 
     make_model_dir(tmp_path / "model")
     (tmp_path / "small.jsonl").write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(5)))
@@ -529,7 +531,7 @@ def test_the_held_out_eval_slice_takes_every_copy_of_its_prompts(tmp_path: Path)
     prompts were also trained on, which inflated eval accuracy. Now a prompt's copies stay together,
     and the rows keep their line numbers (messages name them)."""
     from asyncflow.config import load_config
-    from asyncflow.runner import resolve_inputs
+    from asyncflow.inputs import resolve_inputs
 
     make_model_dir(tmp_path / "model")
     rows = "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(30))
@@ -548,7 +550,7 @@ def test_the_held_out_slice_never_exceeds_its_share_and_every_row_is_trained_or_
     """Whole prompts were held out until the share was reached, so one prompt copied 95 times of 100
     took 95-98% of the data; and rows held out past eval.size were neither trained nor evaluated."""
     from asyncflow.config import load_config
-    from asyncflow.runner import resolve_inputs
+    from asyncflow.inputs import resolve_inputs
 
     make_model_dir(tmp_path / "model")
     rows = ['{"prompt": "7+1=", "answer": "8"}\n'] * 95 + [f'{{"prompt": "{i}+2=", "answer": "{i + 2}"}}\n'
@@ -596,7 +598,7 @@ def test_a_datasets_folder_gives_plain_rows_and_the_split_each_key_reads(tmp_pat
 
 def test_no_dataset_path_and_no_train_jsonl_in_the_model_folder_names_what_to_set(tmp_path: Path) -> None:
     from asyncflow.config import load_config
-    from asyncflow.runner import resolve_inputs
+    from asyncflow.inputs import resolve_inputs
 
     make_model_dir(tmp_path / "model")
     cfg, _ = load_config(None, [f"model.path={tmp_path / 'model'}"])

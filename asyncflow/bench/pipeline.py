@@ -516,7 +516,7 @@ def parse_spec(overrides: list[str]) -> PipeSpec:
     if spec.reward not in ("async", "thread"):
         raise UserError(f"bench pipeline --set reward: use async or thread, got {spec.reward!r}")
     if spec.trace:  # a folder made after the simulation: a path that cannot become one is refused now
-        from asyncflow.runner import check_folder_path
+        from asyncflow.run_folder import check_folder_path
 
         check_folder_path(Path(spec.trace), "bench pipeline --set trace")
         try:  # (a folder it may not write, e.g. under /proc: a traceback after the first row)

@@ -1,0 +1,125 @@
+"""A run's inputs, resolved from the config before anything heavy loads: the model folder, the train
+and eval rows (a held-out slice of the dataset when no eval set is given) and the reward function."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncflow.config import Config, episodic
+from asyncflow.errors import UserError
+from asyncflow.run_folder import check_folder_path
+
+if TYPE_CHECKING:
+    from asyncflow.tasks import TaskPack
+
+
+@dataclass
+class Inputs:
+    """Everything resolved from the config before training starts."""
+
+    model_dir: Path
+    train_rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+    reward_fn_path: str
+    first_chat: str | None = None  # where the first conversational prompt is (None: all are text)
+    train_path: str = ""  # the files the rows came from (for messages naming a row)
+    eval_path: str = ""
+    fingerprint: str = ""  # of the training rows (`checkpoint.rows_fingerprint`), saved with each checkpoint
+    positions: int | None = None  # the model's positions (`data.model_positions`; None: unknown)
+
+
+def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
+    """Model folder, train/eval rows and reward function: from the config, else from the task pack.
+
+    Given paths are checked without torch (a bad model folder or dataset costs milliseconds); only
+    preparing a task pack's own model imports it.
+    """
+    from asyncflow.data import REWARD_ARGUMENTS, check_columns, model_positions, read_rows, subset
+    from asyncflow.rewards import absolute_reward_path
+
+    task = None
+    if cfg.task is not None:
+        from asyncflow.tasks import get_task
+
+        task = get_task(cfg.task)
+    model_dir = _model_dir(cfg, task, log)
+    if cfg.rollout.sync_dir is not None:  # the openai engine writes weights there: a file would fail late
+        check_folder_path(Path(cfg.rollout.sync_dir), "rollout.sync_dir")
+    if cfg.dataset.path is not None:
+        data_path = cfg.dataset.path
+    else:
+        data_path = str(model_dir / "train.jsonl")
+        if not Path(data_path).is_file():  # (the message named a dataset.path the user never set)
+            raise UserError(f"dataset.path: not set, and model.path ({model_dir}) has no train.jsonl to default to; "
+                            "set dataset.path")
+    rows = read_rows(data_path)
+    reserved = frozenset() if episodic(cfg) else REWARD_ARGUMENTS  # (an environment gets the row as it is)
+    chats = [check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved)]
+    if cfg.eval.path is not None or (cfg.dataset.path is None and (model_dir / "eval.jsonl").is_file()):
+        eval_path = cfg.eval.path if cfg.eval.path is not None else str(model_dir / "eval.jsonl")
+        eval_rows = read_rows(eval_path, key="eval.path")
+        chats.append(check_columns(eval_rows, eval_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved))
+    else:  # a held-out slice of the dataset: whole prompts (all their copies), at most 10% of it
+        eval_path = data_path
+        rows, eval_rows = _hold_out(cfg, rows, data_path, log)
+    reward_path = absolute_reward_path(cfg.reward.fn) if cfg.reward.fn else (task.reward_fn_path if task is not None else "")
+    first_chat = next((c for c in chats if c is not None), None)
+    eval_rows = subset(eval_rows, range(min(len(eval_rows), cfg.eval.size)))
+    return Inputs(model_dir, rows, eval_rows, reward_path, first_chat, data_path, eval_path,
+                  positions=model_positions(model_dir))
+
+
+def _model_dir(cfg: Config, task: TaskPack | None, log: Callable[[str], None]) -> Path:
+    """`model.path`, checked; else the task pack's model folder, prepared (its cache folder checked first)."""
+    from asyncflow.model_folder import check_model_dir
+
+    if cfg.model.path is not None:
+        return check_model_dir(cfg.model.path)
+    assert task is not None
+    if task.shipped(cfg.model.task_seed) is not None:
+        pass  # the package holds it: no cache is read or written
+    elif cfg.model.cache_dir is not None:
+        check_folder_path(Path(cfg.model.cache_dir), "model.cache_dir")
+    else:  # (the default: $ASYNCFLOW_CACHE, else ~/.cache/asyncflow)
+        from asyncflow.tasks.tiny import default_cache_dir
+
+        env = "ASYNCFLOW_CACHE" if os.environ.get("ASYNCFLOW_CACHE") else "model.cache_dir (default)"
+        check_folder_path(default_cache_dir(), env)
+    return task.prepare(cfg.model.cache_dir, seed=cfg.model.task_seed, log=log)
+
+
+def _hold_out(cfg: Config, rows: list[dict[str, Any]], data_path: str,
+              log: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The dataset split into training rows and a held-out eval slice: whole prompts (all their
+    copies), at most 10% of the rows."""
+    from asyncflow.data import subset
+
+    rng = random.Random(cfg.seed + 1)
+    copies: dict[str, list[int]] = {}  # rows by prompt: a prompt's copies are held out together, so an
+    for i, r in enumerate(rows):     # eval prompt is never also trained on (that inflated eval accuracy)
+        p = r[cfg.dataset.prompt_key]
+        copies.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str), []).append(i)
+    groups = list(copies.values())
+    rng.shuffle(groups)
+    n_eval = min(cfg.eval.size, len(rows) // 10)
+    held: set[int] = set()
+    for g in groups:  # whole prompts that fit: never above n_eval (one prompt copied 95 times of 100 was
+        if len(held) + len(g) <= n_eval:  # held out whole, and rows past eval.size were neither trained
+            held.update(g)                # nor evaluated)
+        if len(held) == n_eval:
+            break
+    if len(held) >= len(rows):  # one prompt repeated throughout: nothing left to train on
+        held = set()
+    eval_rows = subset(rows, sorted(held))
+    rows = subset(rows, [i for i in range(len(rows)) if i not in held])
+    if not eval_rows:  # under 10 rows: nothing to hold out; evaluate on the training prompts, and say so
+        eval_rows = rows
+        log(f"[asyncflow] note: {data_path} has {len(rows)} rows of {len(groups)} distinct prompt(s), too few to "
+            "hold out an eval set; evaluating on the training prompts (give eval.path for a held-out set)")
+    return rows, eval_rows
