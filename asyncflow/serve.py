@@ -52,6 +52,7 @@ from asyncflow.openai_wire import (
     sampling_params,
     usage,
 )
+from asyncflow.weight_folder import read_weights
 
 if TYPE_CHECKING:  # torch stays unimported until a server starts: the CLI validates arguments first
     from asyncflow.engines.base import GenResult
@@ -348,43 +349,6 @@ class OpenAIServer:
 
     def _stats(self) -> dict[str, Any]:
         return {"version": self.engine.version, "in_flight": self.engine.load(), **self.engine.stats()}
-
-
-def read_weights(folder: Path, model: Any) -> dict[str, Any]:
-    """The `*.safetensors` tensors of `folder` as a full state dict of `model` (a weight tied to a
-    loaded one may be absent, as `save_pretrained` writes it); any other mismatch is a 400."""
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-    if not files:
-        raise RequestError(f"path: {folder} holds no *.safetensors files", param="path")
-    loaded: dict[str, Any] = {}
-    for f in files:
-        try:
-            loaded.update(load_file(str(f)))
-        except Exception as exc:  # (safetensors' own error class, OSError): a bad file is the caller's input
-            raise RequestError(f"path: {f} cannot be read as safetensors ({type(exc).__name__}: {exc})",
-                               param="path") from None
-    own = model.state_dict()
-    unknown = sorted(set(loaded) - set(own))
-    if unknown:
-        raise RequestError(f"path: {folder} has weights this model does not: {', '.join(unknown[:3])}", param="path")
-    by_storage: dict[int, list[str]] = {}
-    for k, v in own.items():
-        by_storage.setdefault(v.data_ptr(), []).append(k)
-    state = {}
-    for k, v in own.items():
-        src = next((t for t in by_storage[v.data_ptr()] if t in loaded), None)
-        if src is None:
-            raise RequestError(f"path: {folder} lacks weight {k}", param="path")
-        if tuple(loaded[src].shape) != tuple(v.shape):
-            raise RequestError(f"path: weight {src} has shape {tuple(loaded[src].shape)}, the model {tuple(v.shape)}",
-                               param="path")
-        t = loaded[src]
-        if t.is_floating_point() and not bool(t.isfinite().all()):  # (the decode thread would stop for good)
-            raise RequestError(f"path: weight {src} holds NaN or infinite values", param="path")
-        state[k] = t.to(v.dtype)
-    return state
 
 
 # ---------------------------------------------------------------------- HTTP transport
