@@ -14,6 +14,9 @@ import torch
 from asyncflow.config import Config
 from asyncflow.engines.base import GenRequest, GenResult, LossFn, TrainBatch, pick_device, quiet_transformers
 from asyncflow.errors import WaitTimeout
+from asyncflow.workflow.feeder import FeederStage
+from asyncflow.workflow.reward import RewardStage
+from asyncflow.workflow.rollout import RolloutStage
 
 READY_TIMEOUT_S = 300.0  # an actor starting (or restarting: a new process loads the model again)
 POLL_S = 0.1  # how often a wait for a restarting actor looks again
@@ -61,22 +64,20 @@ def _rows(rows: Any) -> list[dict[str, Any]]:
                           "to hand over the prompt rows") from None
 
 
-def _stage_pipeline(cfg: Config, rows: Any, model_dir: Path, out: Path, store: Any,
-                    engines: list[Any], reward_fn: Any = None) -> Any:
-    """A `Pipeline` holding only what one remote stage needs."""
+def _stage(kind: type, cfg: Config, rows: Any, model_dir: Path, out: Path, store: Any,
+           engines: list[Any], reward_fn: Any = None) -> Any:
+    """The one workflow stage an actor runs (`FeederStage`, `RolloutStage` or `RewardStage`), built
+    with only what that stage uses; the driver's `Pipeline` registers the stages with the store."""
     from asyncflow.clock import RealClock
     from asyncflow.data import model_positions
     from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, RunLog, Tracer
-    from asyncflow.workflow.pipeline import Pipeline
 
     clock = RealClock()
-    pipeline = Pipeline(
-        cfg, rows=_rows(rows), tokenizer=_tokenizer(model_dir), reward_fn=reward_fn, engines=engines,
-        trainer=None, loss_fn=None, clock=clock, log=RunLog(out, metrics=False),  # type: ignore[arg-type]
-        tracer=Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS), store=_store(store),
-    )
-    pipeline.max_context = model_positions(model_dir)
-    return pipeline
+    stage = kind(cfg, rows=_rows(rows), tokenizer=_tokenizer(model_dir), engines=engines, clock=clock,
+                 log=RunLog(out, metrics=False), tracer=Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS),
+                 reward_fn=reward_fn, store=_store(store))
+    stage.max_context = model_positions(model_dir)
+    return stage
 
 
 class RolloutWorker:
@@ -98,7 +99,7 @@ class RolloutWorker:
         self.index = index
         self.engine = make_inference_engine(cfg, Path(model_dir), tok, index, version,
                                             device=actor_device(cfg.model.device, cfg.runtime.rollout_gpus))
-        self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [self.engine])
+        self.pipeline = _stage(RolloutStage, cfg, rows, Path(model_dir), Path(out), store, [self.engine])
 
     def ready(self) -> int:
         return self.engine.capacity
@@ -139,7 +140,7 @@ class FeederWorker:
 
     def __init__(self, cfg: Config, model_dir: str, rows: Any, out: str, store: Any) -> None:
         torch.set_num_threads(1)
-        self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [])
+        self.pipeline = _stage(FeederStage, cfg, rows, Path(model_dir), Path(out), store, [])
 
     def ready(self) -> bool:
         return True
@@ -175,7 +176,7 @@ class RewardWorker:
         torch.set_num_threads(1)
         self.index = index
         reward_fn = load_reward_fn(reward_fn_path, [model_dir])
-        self.pipeline = _stage_pipeline(cfg, rows, Path(model_dir), Path(out), store, [], reward_fn)
+        self.pipeline = _stage(RewardStage, cfg, rows, Path(model_dir), Path(out), store, [], reward_fn)
 
     def ready(self) -> bool:
         return True

@@ -5,8 +5,6 @@ gives credit. It waits for credit (freed by a publication or a dropped group) an
 from __future__ import annotations
 
 import asyncio
-import random
-from typing import Any
 
 from asyncflow.transfer_queue import NewSample, QueueClosed
 from asyncflow.workflow.stage_base import StageBase
@@ -25,16 +23,6 @@ class FeederStage(StageBase):
         for _ in range(next_group):
             next(self._order)
         self.gate.restore(version, admitted)
-
-    def _row_order(self) -> Any:
-        rng = random.Random(self.cfg.seed)
-        epoch = 0
-        while True:
-            idx = list(range(len(self.rows)))
-            if self.cfg.dataset.shuffle:
-                rng.shuffle(idx)
-            yield from idx
-            epoch += 1
 
     async def feeder(self) -> None:
         """Admit prompts as `n` single-sample requests each, while the staleness gate allows: every

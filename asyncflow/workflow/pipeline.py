@@ -28,33 +28,25 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
 
-from asyncflow.algorithms.advantages import make_advantage_fn
-from asyncflow.algorithms.losses import NEEDS_PROXIMAL
-from asyncflow.clock import Clock, SweptClock
+from asyncflow.clock import Clock
 from asyncflow.config import Config
 from asyncflow.engines.base import InferenceEngine, LossFn, TrainBatch, TrainEngine
 from asyncflow.rewards import (
-    PlainCalls,
     RewardFn,
-    is_async_reward_fn,
 )
 from asyncflow.telemetry.runlog import RunLog, Tracer
 from asyncflow.tokenizer import Tokenizer
-from asyncflow.transfer_queue import StoreClient, TransferQueue
-from asyncflow.workflow.agent import AgentFn, load_agent
+from asyncflow.transfer_queue import StoreClient
 from asyncflow.workflow.batch import build_train_batch
 from asyncflow.workflow.feeder import FEED_BURST, FeederStage
-from asyncflow.workflow.gate import StalenessGate
-from asyncflow.workflow.lease_keeper import LeaseKeeper
 from asyncflow.workflow.reward import RewardStage
 from asyncflow.workflow.rollout import RolloutStage
-from asyncflow.workflow.stage_base import CANCELLED, Counters, StepResult
+from asyncflow.workflow.stage_base import CANCELLED, Counters, StepResult, store_capacity
 from asyncflow.workflow.trainer import TrainerStage
 
 __all__ = ["CANCELLED", "FEED_BURST", "Counters", "Pipeline", "StepResult", "build_train_batch", "store_capacity"]
@@ -84,74 +76,21 @@ class Pipeline(FeederStage, RolloutStage, RewardStage, TrainerStage):
         gate: Any = None,
         env_factory: Callable[[Clock], Any] | None = None,
     ) -> None:
-        """`store`: a store client shared with other processes (the Ray runtime); default: a new
-        in-process `TransferQueue`. A Ray actor that hosts a single stage builds a Pipeline with
-        only what that stage uses (e.g. no trainer in a rollout actor) and runs that stage's loop.
-        `env_factory`: a factory of episodes' environments given directly (PIPE's simulated
-        environment); default: the one `rollout.env` names."""
-        self.cfg = cfg
-        self.rows = rows
-        self.tok = tokenizer
-        self.reward_fn = reward_fn
-        self._reward_async = reward_fn is not None and is_async_reward_fn(reward_fn)
-        self._plain_calls = PlainCalls()  # a plain reward function's threads (started on first use)
-        self.engines = list(engines)
+        """The stages' shared state (`StageBase`), the trainer's engine, loss and reference, and each
+        stage's readiness rule registered with the store. A Ray actor that hosts one stage builds only
+        that stage's class (`StageBase` holds what it needs)."""
         self.trainer = trainer
         self.loss_fn = loss_fn
-        self.clock = clock
-        # episodes wait twice per turn (generation, environment step), an async reward function once
-        # per group: one sweeping timer for all of those bounded waits instead of a timer each (SweptClock)
-        self._swept = SweptClock(clock)
-        self.log = log
-        self.tracer = tracer
         self.ref_logprobs = ref_logprobs
         self.on_step = on_step
-        self.n = cfg.rollout.n
-        self.groups_per_step = cfg.train.batch_size // self.n
-        self.k = cfg.staleness
-        # `gate`: the feeder's gate when the feeder runs elsewhere (a Ray actor); see RemoteGate
-        extra = math.ceil(cfg.workflow.redundancy * self.groups_per_step)
-        self.gate = gate if gate is not None else StalenessGate(self.groups_per_step, self.k, cfg.train.max_steps,
-                                                                clock, extra=extra)
-        # a store of its own (none given) ends with the run: see `run`
-        self._own_store: TransferQueue | None = None if store is not None else TransferQueue(
-            capacity=store_capacity(cfg), lease_timeout_s=cfg.workflow.lease_timeout_s, clock=clock)
-        self.store: StoreClient = store if store is not None else self._own_store  # type: ignore[assignment]
-        self.keeper = LeaseKeeper(self.store, clock, cfg.workflow.lease_timeout_s)
-        # the staleness floor the engines were last told (`cancel_older_than`): episodes older than
-        # it end before their next turn
-        self.floor: float = -math.inf
-        self.env_factory: Callable[[Clock], Any] | None = env_factory
-        if env_factory is None and cfg.rollout.env is not None:
-            from asyncflow.envs import make_env_factory
-
-            self.env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s,
-                                                max_turns=cfg.rollout.max_turns)
-        self.agent: AgentFn | None = None if cfg.rollout.agent is None else load_agent(cfg.rollout.agent)
-        self.episodic = self.env_factory is not None or self.agent is not None
-        self._register_stages()
-        self.advantage_fn = make_advantage_fn(cfg.algorithm.advantage)
-        self.needs_proximal = cfg.algorithm.loss in NEEDS_PROXIMAL
-        self.counters = Counters()
-        self.version = 0
-        self.t_start = clock.now()
-        self._last_row_time = self.t_start
-        self._last_busy = (0.0, 0.0)
-        self._order = self._row_order()
-        self.next_group = 0  # the feeder's next group id: also how many prompts it has drawn
-        self.first_step = 1
-        self.last_step = 0  # the last step trained (train.max_steps, or earlier after `stop_early`)
-        self._stop_early = False
+        super().__init__(cfg, rows=rows, tokenizer=tokenizer, engines=engines, clock=clock, log=log, tracer=tracer,
+                         reward_fn=reward_fn, store=store, gate=gate, env_factory=env_factory)
         self.final_accounting: dict[str, int] = {}
-        self.max_context: int | None = None  # the model's positions, for multi-turn episodes (set by the runner)
-        self._filter_budget = cfg.algorithm.filter_max_groups_per_step or 4 * self.groups_per_step
+        self._register_stages()
 
     def _register_stages(self) -> None:
         """Each stage's readiness rule: the fields a sample needs before that stage may take it."""
         cfg, store = self.cfg, self.store
-        # queue scheduling: one "rollout" stage every worker pulls from, or with affinity a stage per
-        # worker, whose samples carry that worker's routing field (per-field readiness does the routing)
-        self.rollout_stages = [f"rollout/{i}" for i in range(cfg.rollout.workers)] if cfg.rollout.affinity else ["rollout"]
         for i, stage in enumerate(self.rollout_stages):
             store.register_stage(stage, ["prompt_ids", f"to/{i}"] if cfg.rollout.affinity else ["prompt_ids"])
         if not self.episodic:  # multi-turn episodes carry their environment's (or agent's) reward: no reward stage
@@ -248,10 +187,3 @@ class Pipeline(FeederStage, RolloutStage, RewardStage, TrainerStage):
                     t.exception()
             if stuck:
                 raise RuntimeError(f"stages did not stop within {bound:g} s: {sorted(t.get_name() for t in stuck)}")
-
-
-def store_capacity(cfg: Config) -> int:
-    """Room for every admitted sample: the gate admits at most (k+1) steps' worth (plus the redundant
-    share), plus slack."""
-    steps = cfg.staleness + 2 + math.ceil(cfg.workflow.redundancy)
-    return max(cfg.workflow.store_capacity, steps * cfg.train.batch_size)
