@@ -253,8 +253,8 @@ def rows_fingerprint(rows: list[dict[str, Any]], keys: tuple[str | None, ...]) -
 
 
 def check_rows(resume: Resume, fingerprint: str) -> None:
-    """Refuse a resume whose training rows differ from the run's (checkpoints from before 2026-11-24
-    did not record them: not checked)."""
+    """Refuse a resume whose training rows differ from the run's (a checkpoint that does not record
+    them, from an older version, is not checked)."""
     saved = resume.state.get("train_rows")
     if saved is not None and saved != fingerprint:
         raise UserError(

@@ -114,7 +114,7 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         finally:
             # a fresh run that ends (bad input, a cluster that cannot start, Ctrl-C) before its first
             # train step leaves nothing to keep: its files go, so the same command, retried, is not
-            # refused as "already holds a run" (only bad input did this until 2026-11-24)
+            # refused as "already holds a run"
             if not ended:
                 folder.abandon()
             folder.close()

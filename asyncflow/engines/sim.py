@@ -72,11 +72,10 @@ class _Load:
 class CpuMeter:
     """CPU seconds spent inside simulation code (this thread's), so a benchmark can subtract them
     from the process's CPU time and report what the real code (store, scheduler, gate) cost.
-    `thread_time`, not elapsed time: until 2026-11-24 it read `perf_counter` (0.1 us against 0.46 us
-    a read on this VM), and on a busy machine every moment the process waited for a core inside a
-    simulated section was subtracted as simulation CPU, so the scheduler's figure fell as the load
-    rose (18.7 us per sample at load 8, 84.7 at load 3, the same run). The reads' own cost outside
-    the section is measured once (`meter_overhead_s`) and subtracted per entry."""
+    `thread_time`, not elapsed time: with elapsed time, every moment the process waited for a core
+    inside a simulated section would count as simulation CPU, and the scheduler's figure would fall
+    as the machine's load rose. The reads' own cost outside the section is measured once
+    (`meter_overhead_s`) and subtracted per entry."""
 
     def __init__(self) -> None:
         self.seconds = 0.0

@@ -54,7 +54,7 @@ class Restored:
 def restore(state: dict[str, Any], bit: Callable[[str], int]) -> Restored:
     """The records of a state `check_state` accepted; `bit(name)` is the store's bit for stage
     `name` (a restored sample may name a stage registered later)."""
-    totals = state.get("totals") or {}  # (absent from checkpoints before 2026-11-24)
+    totals = state.get("totals") or {}  # (absent from older checkpoints)
     next_group = int(state.get("next_group_id", 1 + max((g["group_id"] for g in state["groups"]), default=-1)))
     groups = {gs["group_id"]: GroupRecord(gs["size"], gs["put"], gs["removed"]) for gs in state["groups"]}
     samples: dict[int, SampleRecord] = {}
@@ -115,7 +115,7 @@ def check_state(state: Any) -> None:
         if d["uid"] in uids:
             raise ValueError(f"sample uid {d['uid']} is listed twice")
         uids.add(d["uid"])
-    totals = state.get("totals")  # (absent from checkpoints before 2026-11-24)
+    totals = state.get("totals")  # (absent from older checkpoints)
     if totals is not None:
         wait_s = totals.get("wait_s", {}) if isinstance(totals, dict) else None
         if not (isinstance(totals, dict) and all(whole(totals.get(k, 0), 0) for k in ("bytes_put", "expired_leases"))
