@@ -385,9 +385,8 @@ def prepare(
 
 
 def folder_name(seed: int, sft_steps: int = SFT_STEPS) -> str:
-    """`calc-v<VERSION>-seed<seed>[-sft<steps>]`: the prepared folder's name, shipped or cached (a
-    non-default `sft_steps` gets its own name: a short warm start is never served as the default)."""
-    return f"calc-v{VERSION}-seed{seed}" + ("" if sft_steps == SFT_STEPS else f"-sft{sft_steps}")
+    """This pack's prepared folder name (`tiny.folder_name`)."""
+    return tiny.folder_name("calc", VERSION, seed, sft_steps, SFT_STEPS)
 
 
 def shipped(seed: int) -> Path | None:

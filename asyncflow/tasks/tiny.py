@@ -219,6 +219,12 @@ def write_task_folder(
     return out
 
 
+def folder_name(task: str, version: int, seed: int, sft_steps: int, default_sft_steps: int) -> str:
+    """`TASK-v<version>-seed<seed>[-sft<steps>]`: a prepared folder's name, shipped or cached (a
+    non-default `sft_steps` gets its own name: a short warm start is never served as the default)."""
+    return f"{task}-v{version}-seed{seed}" + ("" if sft_steps == default_sft_steps else f"-sft{sft_steps}")
+
+
 def shipped(name: str) -> Path | None:
     """The folder `name` shipped inside the package, or None if it is not shipped."""
     out = SHIPPED_DIR / name
