@@ -100,6 +100,11 @@ def _validate_scoped_keys(cfg: Config, explicit: set[str]) -> None:
         raise UserError("rollout.agent_timeout_s: only used with rollout.agent")
     if not cfg.algorithm.filter_groups and "algorithm.filter_max_groups_per_step" in explicit:
         raise UserError("algorithm.filter_max_groups_per_step: not used while algorithm.filter_groups is false")
+    if cfg.runtime.weight_sync == "collective" and cfg.rollout.engine == "openai":
+        raise UserError("runtime.weight_sync: collective reaches in-process engines only; rollout.engine=openai "
+                        "servers load each version from rollout.sync_dir (use object_store)")
+    if "runtime.weight_bucket_mb" in explicit and cfg.runtime.weight_sync != "collective":
+        raise UserError("runtime.weight_bucket_mb: only used with runtime.weight_sync=collective")
     if cfg.runtime.kind == "ray" and cfg.model.device == "cuda" and not (cfg.runtime.rollout_gpus and cfg.runtime.train_gpus):
         raise UserError("model.device: cuda with runtime.kind=ray needs runtime.rollout_gpus and runtime.train_gpus "
                         "above 0 (Ray shows an actor only the GPUs it was given)")
@@ -119,7 +124,8 @@ def _check_ray_address(address: str) -> None:
 ENV_NAMES = ("calculator", "guess_number")
 # runtime.* keys only the Ray runtime reads (placement of its actors)
 _RAY_KEYS = ("rollout_cpus", "rollout_gpus", "train_cpus", "train_gpus", "reward_workers", "reward_cpus",
-             "placement_strategy", "max_restarts")
+             "placement_strategy", "max_restarts", "train_resource", "rollout_resource", "weight_sync",
+             "weight_bucket_mb")
 
 
 def _validate_agent(cfg: Config, explicit: set[str]) -> None:

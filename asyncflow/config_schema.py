@@ -339,6 +339,25 @@ class RuntimeConfig:
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _f(
         "PACK", "Ray placement-group strategy for the worker bundles."
     )
+    train_resource: str | None = _f(
+        None,
+        "A custom Ray resource (a node label: `ray start --resources='{\"trainer\": 1}'`) the trainer's bundles "
+        "need, 0.001 of it each: the trainer's ranks go only to the nodes that offer it (ray). null: any node.",
+    )
+    rollout_resource: str | None = _f(
+        None,
+        "A custom Ray resource the rollout actors' bundles need (0.001 each): they go only to nodes that offer "
+        "it, and a restarted one only to another such node (ray). null: any node.",
+    )
+    weight_sync: Literal["object_store", "collective"] = _f(
+        "object_store",
+        "How new weights reach the rollout actors (ray). object_store: the trainer exports them once into Ray's "
+        "object store and every actor fetches them. collective: a bucketed broadcast from the trainer's rank 0 "
+        "to every rollout actor over a process group of their own (NCCL when the trainer and rollout actors all "
+        "have GPUs, gloo otherwise); an actor that restarted or missed one takes that version from the object "
+        "store. Server engines (rollout.engine: openai) always load from rollout.sync_dir. docs/ray.md.",
+    )
+    weight_bucket_mb: float = _f(256.0, "Bucket size of the collective weight broadcast, in MiB (ray).", lo=0.001)
     placement_timeout_s: float = _f(
         120.0,
         "How long the run waits for Ray to place the worker bundles (ray) before it stops with a message "

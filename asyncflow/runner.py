@@ -259,7 +259,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         if resume is not None:
             assert saved_store is not None
             _restore(pipeline, runtime, resume, saved_store)
-        restarts: dict[str, int] = {}
+        placement: dict[str, Any] = {}
         try:
             await pipeline.run(remote=runtime.stages())
             train_seconds = clock.now() - pipeline.t_start  # a resumed run's includes the time before the checkpoint
@@ -267,13 +267,13 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         finally:
             await hooks.cancel_eval()  # (one still running: the run failed while it ran)
             runtime.collect(tracer, pipeline.counters)
-            restarts = {k: v for k, v in runtime.restarts.items() if v}
+            placement = runtime.summary()
     finally:  # (each step whatever the one before did: the log, with its W&B run, is closed last, always)
         await _close(evaluator, engines, tracer, log, out)
     final = out / "final"
     trainer.save(str(final), with_optimizer=False)
     hf_tok.save_pretrained(str(final))
-    summary = _summary(pipeline, evaluator, final_eval, train_seconds, restarts)
+    summary = _summary(pipeline, evaluator, final_eval, train_seconds, placement)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if actors_from is not None:  # the actors are gone: the kept starting checkpoint may go now
         from asyncflow.checkpoint import prune_checkpoints
@@ -354,7 +354,7 @@ async def _close(evaluator: Any, engines: list[Any], tracer: Any, log: Any, out:
 
 
 def _summary(pipeline: Any, evaluator: Any, final_eval: dict[str, Any], train_seconds: float,
-             restarts: dict[str, int]) -> dict[str, Any]:
+             placement: dict[str, Any]) -> dict[str, Any]:
     """The run's `summary.json`."""
     return {
         "steps": pipeline.last_step,
@@ -368,6 +368,8 @@ def _summary(pipeline: Any, evaluator: Any, final_eval: dict[str, Any], train_se
         "reward_errors": pipeline.counters.reward_errors,
         # where every admitted sample went (samples.jsonl statuses, or still in the store); lost must be 0
         "accounting": pipeline.final_accounting,
-        # Ray: actor restarts by stage (rollout/reward actors that died and were brought back)
-        "restarts": restarts,
+        # the runtime's: `restarts` by stage (Ray actors that died and were brought back), `actors`
+        # (where each ran at the end: [{role, index, node_id, pid}]), Ray's `weight_sync` counts
+        "restarts": {},
+        **placement,
     }

@@ -126,8 +126,12 @@ def _check_samples(out: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
 def test_a_killed_rollout_actor_is_restarted_and_the_run_completes(ray_session, arith_dir: Path, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+                                                                    monkeypatch: pytest.MonkeyPatch, capsys,
+                                                                    weight_sync: str) -> None:
+    """With `collective` weight sync, the restarted actor takes its first version from the object
+    store and the broadcast group is built again with it for the later ones."""
     from asyncflow.runner import train
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
 
@@ -140,9 +144,15 @@ def test_a_killed_rollout_actor_is_restarted_and_the_run_completes(ray_session, 
                         classmethod(lambda cls, *a, **k: create(cls, *a, **{**k, "owner_check_s": 3600.0})))
     out = tmp_path / "run"
     thread, info = _killer(ray, watch, out, "rollout-0", after_step=2, restart=True, while_leased="rollout")
-    summary = train(_config(arith_dir), out, progress_enabled=True)
+    summary = train(_config(arith_dir, f"runtime.weight_sync={weight_sync}"), out, progress_enabled=True)
     thread.join(timeout=30)
     assert "killed_at" in info, info
+    if weight_sync == "collective":  # a group before the death and one after the restart, every version delivered
+        sync = summary["weight_sync"]
+        assert sync["path"] == "collective" and sync["groups_built"] >= 2, sync
+        assert sync["broadcast"] + sync["from_object_store"] >= STEPS - 1 and sync["broadcast"] >= 2, sync
+    else:
+        assert summary["weight_sync"] == {"path": "object_store"}
     prefix = watch.workers.prefix
     assert re.fullmatch(r"asyncflow-[0-9a-f]{8}", prefix)
     assert info["named"] == sorted(f"{prefix}-{r}" for r in ("rollout-0", "reward-0", "trainer", "feeder", "store"))

@@ -193,10 +193,49 @@ def allocate(specs: list[TensorSpec], device: torch.device | str = "cpu") -> lis
 # ---------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class WeightGroup:
+    """A process group of its own for weight broadcasts (rank 0: the trainer's sender; 1..: engines),
+    built from a TCP store rather than `init_process_group`: its members may already belong to
+    another default group (FSDP's ranks) and it is rebuilt when an engine restarts."""
+
+    pg: Any
+    rank: int
+    size: int
+    device: torch.device
+
+
+def open_weight_group(host: str, port: int, rank: int, size: int, *, backend: str, timeout_s: float,
+                      tag: str = "weights") -> WeightGroup:
+    """Join (rank 0: host) the group of `size` members at `host:port`; waits at most `timeout_s` for
+    all of them. `backend`: "gloo" (CPU tensors) or "nccl" (this process's current GPU)."""
+    import torch.distributed as dist
+
+    limit = timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=limit)
+        prefixed = dist.PrefixStore(tag, store)
+        if backend == "nccl":
+            pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size)
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            pg = dist.ProcessGroupGloo(prefixed, rank, size, limit)
+            device = torch.device("cpu")
+    except RuntimeError as exc:  # (the store's and gloo's rendezvous raise on timeout)
+        raise WaitTimeout(f"weight group {tag}: rank {rank} of {size} could not join at {host}:{port} within "
+                          f"{timeout_s:.0f} s ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+    return WeightGroup(pg, rank, size, device)
+
+
 def _bcast(t: torch.Tensor, src: int, group: Any, timeout_s: float, what: str) -> None:
     import torch.distributed as dist
 
-    work = dist.broadcast(t, src=src, group=group, async_op=True)
+    if isinstance(group, WeightGroup):  # (not registered with torch.distributed: its own broadcast call)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        work = group.pg.broadcast([t], opts)
+    else:
+        work = dist.broadcast(t, src=src, group=group, async_op=True)
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:  # gloo and NCCL raise on timeout or a peer that went away

@@ -58,6 +58,10 @@ class Runtime(Protocol):
     def collect(self, tracer: Any, counters: Any) -> None:
         """Merge what ran elsewhere (trace spans, counters) into the driver's, once the run ends."""
 
+    def summary(self) -> dict[str, Any]:
+        """What `summary.json` says of the runtime, once the stages stopped: `restarts` by stage, `actors`
+        (where each component runs: [{role, index, node_id, pid}]), and what else it counted."""
+
     def shutdown(self) -> None:
         """Stop the engines, the trainer and the actors (not Ray itself)."""
 

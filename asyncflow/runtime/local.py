@@ -7,6 +7,7 @@ connected to their servers); the pipeline runs every stage loop itself and holds
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable
 from typing import Any
 
@@ -62,6 +63,10 @@ class LocalRuntime:
 
     def collect(self, tracer: Any, counters: Any) -> None:
         return None
+
+    def summary(self) -> dict[str, Any]:
+        """Everything ran in this process (fsdp ranks: its child processes)."""
+        return {"restarts": {}, "actors": [{"role": "local", "index": 0, "node_id": None, "pid": os.getpid()}]}
 
     def shutdown(self) -> None:
         self.trainer.close()

@@ -3,6 +3,7 @@ workers, each building the `Pipeline` of its one stage, and what they find by Ra
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import torch
 from asyncflow.config import Config
 from asyncflow.engines.base import GenRequest, GenResult, LossFn, TrainBatch, pick_device, quiet_transformers
 from asyncflow.errors import WaitTimeout
+from asyncflow.runtime.ray_weights import WeightPort
 from asyncflow.workflow.feeder import FeederStage
 from asyncflow.workflow.reward import RewardStage
 from asyncflow.workflow.rollout import RolloutStage
@@ -100,6 +102,7 @@ class RolloutWorker:
         self.engine = make_inference_engine(cfg, Path(model_dir), tok, index, version,
                                             device=actor_device(cfg.model.device, cfg.runtime.rollout_gpus))
         self.pipeline = _stage(RolloutStage, cfg, rows, Path(model_dir), Path(out), store, [self.engine])
+        self.port = weight_port(cfg)
 
     def ready(self) -> int:
         return self.engine.capacity
@@ -116,9 +119,24 @@ class RolloutWorker:
     async def generate(self, request: GenRequest) -> GenResult:
         return await self.engine.generate(request)
 
-    async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: str) -> dict[str, float]:
+    async def load_weights(self, state: dict[str, torch.Tensor] | None, version: int, mode: str) -> dict[str, float]:
+        """Load `state` as `version`; None (the trainer has sent a newer version since): nothing to load."""
+        if state is None:
+            return {"seconds": 0.0, "skipped": 1.0, **self.stats()}
         seconds = await self.engine.load_weights(state, version, mode)  # type: ignore[arg-type]
         return {"seconds": seconds, **self.stats()}
+
+    async def join_weights(self, host: str, port: int, rank: int, size: int, epoch: int, backend: str) -> None:
+        """Join the collective weight group (`asyncflow.runtime.ray_weights`), off the event loop."""
+        await asyncio.to_thread(self.port.join, host, port, rank, size, epoch, backend)
+
+    async def receive_weights(self, version: int, mode: str) -> dict[str, float]:
+        """Receive `version` by broadcast, then load it as `load_weights` does (`mode` honoured)."""
+        state = await asyncio.to_thread(self.port.receive, version)
+        return await self.load_weights(state, version, mode)
+
+    def where(self) -> dict[str, Any]:
+        return where()
 
     def cancel_older_than(self, min_version: int) -> int:
         self.pipeline.floor = max(self.pipeline.floor, min_version)  # (this actor's episodes check it per turn)
@@ -144,6 +162,9 @@ class FeederWorker:
 
     def ready(self) -> bool:
         return True
+
+    def where(self) -> dict[str, Any]:
+        return where()
 
     def rows(self) -> list[dict[str, Any]]:
         """The prompt rows, for the rollout and reward actors (again after a restart)."""
@@ -187,12 +208,27 @@ class RewardWorker:
     async def run(self) -> None:
         await self.pipeline.reward_worker()
 
+    def where(self) -> dict[str, Any]:
+        return where()
+
     def stats(self) -> dict[str, float]:
         c = self.pipeline.counters
         return {"reward_calls": float(c.reward_calls), "reward_call_failures": float(c.reward_call_failures)}
 
     def spans(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
         return [(f"{t}/{self.index}" if t == "reward" else t, *rest) for t, *rest in self.pipeline.tracer.raw()]
+
+
+def where() -> dict[str, Any]:
+    """The node and process this actor runs in (for the run's summary)."""
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+
+def weight_port(cfg: Config) -> WeightPort:
+    """This actor's end of the collective weight path (unused with `runtime.weight_sync: object_store`)."""
+    return WeightPort(int(cfg.runtime.weight_bucket_mb * 2**20), cfg.workflow.step_timeout_s)
 
 
 def actor_device(setting: str, gpus: float) -> str:
@@ -214,6 +250,7 @@ class TrainerWorker:
         torch.manual_seed(cfg.seed)
         self.engine = make_train_engine(cfg, Path(model_dir), threads=threads,
                                         device=actor_device(cfg.model.device, cfg.runtime.train_gpus))
+        self.port = weight_port(cfg)
 
     def ready(self) -> bool:
         return True
@@ -226,6 +263,22 @@ class TrainerWorker:
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.export_weights()
+
+    def weights_address(self) -> tuple[str, int]:
+        return self.port.address()
+
+    def join_weights(self, host: str, port: int, rank: int, size: int, epoch: int, backend: str) -> None:
+        self.port.join(host, port, rank, size, epoch, backend)
+
+    def send_weights(self, version: int) -> None:
+        """Export and broadcast `version` to the weight group (`asyncflow.runtime.ray_weights`)."""
+        self.port.send(self.engine.export_weights(), version)
+
+    def published(self, version: int) -> dict[str, torch.Tensor] | None:
+        return self.port.published(version)
+
+    def where(self) -> dict[str, Any]:
+        return where()
 
     def save(self, path: str, with_optimizer: bool) -> None:
         self.engine.save(path, with_optimizer=with_optimizer)

@@ -14,7 +14,8 @@ from asyncflow.errors import UserError
 class Placement:
     """The worker actors' bundles: actor `i` (rollout 0..w-1, the trainer, then reward 0..) has the
     role, CPUs and GPUs `roles[i]`; one that asks for resources holds bundle `placed.index(i)` of
-    `group` (None: no actor asks for any)."""
+    `group` (None: no actor asks for any). Actors are numbered rollout 0..w-1, then the trainer's
+    ranks, then reward 0.."""
 
     roles: list[tuple[str, float, float]]
     placed: list[int]
@@ -44,6 +45,14 @@ class Placement:
             remove_placement_group(self.group)
 
 
+LABEL_AMOUNT = 0.001  # of a custom resource (`runtime.train_resource`...) per bundle: a node label, not a count
+
+
+def train_ranks(cfg: Config) -> int:
+    """The trainer's actors: one per FSDP rank, else one."""
+    return cfg.train.world_size if cfg.train.engine == "fsdp" else 1
+
+
 def reserve(cfg: Config, n_reward: int, prefix: str) -> Placement:
     """Reserve a placement group for the worker actors that ask for resources (waiting at most
     `runtime.placement_timeout_s`)."""
@@ -51,9 +60,12 @@ def reserve(cfg: Config, n_reward: int, prefix: str) -> Placement:
     from ray.util.placement_group import placement_group, remove_placement_group
 
     rt = cfg.runtime
-    roles = [("rollout", rt.rollout_cpus, rt.rollout_gpus)] * cfg.rollout.workers + [("train", rt.train_cpus, rt.train_gpus)]
+    roles = [("rollout", rt.rollout_cpus, rt.rollout_gpus)] * cfg.rollout.workers
+    roles += [("train", rt.train_cpus, rt.train_gpus)] * train_ranks(cfg)
     roles += [("reward", rt.reward_cpus, 0.0)] * n_reward
-    bundles = [{k: v for k, v in (("CPU", c), ("GPU", g)) if v > 0} for _, c, g in roles]
+    labels = {"rollout": rt.rollout_resource, "train": rt.train_resource}
+    bundles = [{k: v for k, v in (("CPU", c), ("GPU", g), (labels.get(role), LABEL_AMOUNT)) if k and v > 0}
+               for role, c, g in roles]
     placed = [i for i, b in enumerate(bundles) if b]
     pg = None
     if placed:
@@ -81,7 +93,20 @@ def check_placeable(bundles: list[dict[str, float]], strategy: str, total: dict[
         if want > total.get(res, 0.0) + 1e-9:
             raise UserError(f"{keys}: the workers need {want:g} {res}(s) in all; this Ray has {total.get(res, 0.0):g} "
                             f"(runtime.address: null starts a local Ray of this machine's)")
+    for label in sorted({k for b in bundles for k in b} - {"CPU", "GPU"}):
+        if total.get(label, 0.0) <= 0:
+            raise UserError(f"runtime.train_resource / runtime.rollout_resource: no node of this Ray offers the "
+                            f"resource {label!r} (ray start --resources='{{\"{label}\": 1}}' labels a node)")
     if strategy == "STRICT_SPREAD" and len(bundles) > nodes:
         raise UserError(f"runtime.placement_strategy: STRICT_SPREAD puts each of the {len(bundles)} worker bundles "
                         f"on its own node; this Ray has {nodes} node(s)")
 
+
+
+def driver_node() -> Any:
+    """Scheduling on the driver's node (soft): the store controller and the feeder live with the
+    driver, so losing a worker node never takes the run's state with it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)

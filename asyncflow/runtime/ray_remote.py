@@ -16,6 +16,7 @@ from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, LossF
 from asyncflow.errors import RunFailed, TrainerDied, WaitTimeout
 from asyncflow.runtime.ray_actors import POLL_S, READY_TIMEOUT_S
 from asyncflow.runtime.ray_errors import actor_id, dead_actor_error, death_error, why_died
+from asyncflow.runtime.ray_weights import StoredWeights, WeightChannel
 
 
 class RemoteEngine(InferenceEngine):
@@ -104,7 +105,7 @@ class RemoteEngine(InferenceEngine):
                         self._restarting.add_done_callback(retrieve)
                 await self._until_up(what, after=seen)
 
-    async def _unless_down(self, ref: Any, what: str) -> Any:
+    async def unless_down(self, ref: Any, what: str) -> Any:
         """The call's result; None if the actor dies (or is marked down) meanwhile."""
         import ray
 
@@ -130,16 +131,15 @@ class RemoteEngine(InferenceEngine):
             raise death_error(exc) from exc
 
     async def load_weights(self, state: Any, version: int, mode: Any) -> float:
-        """`state` is the object-store reference from `RemoteTrainEngine.export_weights`: the actor
-        fetches the weights itself, so the driver never holds them. Skipped (0 s) while the actor is
-        dead or restarting, and for a version older than the one loaded."""
+        """`state` is the trainer's publication (`asyncflow.runtime.ray_weights`: an object-store
+        reference or a broadcast): the actor takes the weights itself, so the driver never holds them.
+        Skipped (0 s) while the actor is dead or restarting, and for a version older than the one loaded."""
         if self.latest is None or version >= self.latest[1]:
             self.latest = (state, version, mode)
         async with self._lock:
             if self.down or version < self.version:
                 return 0.0
-            reply = await self._unless_down(self.handle.load_weights.remote(state, version, mode),
-                                            f"load policy version {version}")
+            reply = await state.deliver(self, version, mode)
             if reply is None:
                 return 0.0
             self.version = version
@@ -166,7 +166,8 @@ class RemoteEngine(InferenceEngine):
             if self.latest is not None:
                 state, version, mode = self.latest
                 try:
-                    reply = await asyncio.wait_for(self.handle.load_weights.remote(state, version, mode), self._timeout)
+                    reply = await asyncio.wait_for(self.handle.load_weights.remote(state.catch_up(), version, mode),
+                                                   self._timeout)
                 except asyncio.TimeoutError:
                     raise WaitTimeout(f"timed out after {self._timeout:.0f} s waiting for the restarted {self.name} "
                                       f"to load policy version {version}") from None
@@ -175,9 +176,9 @@ class RemoteEngine(InferenceEngine):
                         raise RunFailed(f"{self.name} died again while loading policy version {version} "
                                         f"after its restart ({why_died(exc)})") from exc
                     raise death_error(exc) from exc
-                self.version = version
                 self.last_stats = reply
-                loaded = version
+                if not reply.get("skipped"):  # (skipped: a newer version is on its way to it)
+                    self.version = loaded = version
             self.down = False
             self.incarnation += 1
         return loaded
@@ -240,6 +241,7 @@ class RemoteTrainEngine(TrainEngine):
         self.name = name
         self.steps = 0
         self.exported = 0
+        self.channel: WeightChannel | None = None  # set by the runtime for `runtime.weight_sync: collective`
 
     def died(self, exc: BaseException, what: str) -> TrainerDied:
         """The error for the trainer actor's death, found while waiting for it to do `what`."""
@@ -276,9 +278,29 @@ class RemoteTrainEngine(TrainEngine):
         return metrics  # type: ignore[no-any-return]
 
     def export_weights(self) -> Any:
-        """An object-store reference to the new weights (published once; engines fetch it)."""
+        """The new weights' publication (`asyncflow.runtime.ray_weights`): a broadcast over the
+        channel (`runtime.weight_sync: collective`), else an object-store reference engines fetch."""
         self.exported += 1
+        if self.channel is not None:
+            return self.channel.publish(self.exported)
+        return StoredWeights(self.export_ref())
+
+    # the sender's side of `WeightChannel` (calls return object references; the channel waits)
+
+    def export_ref(self) -> Any:
         return self.handle.export_weights.remote()
+
+    def weights_address(self) -> tuple[str, int]:
+        return self._get(self.handle.weights_address.remote(), "open a port for the weight group")  # type: ignore[no-any-return]
+
+    def join_weights(self, host: str, port: int, size: int, epoch: int, backend: str) -> Any:
+        return self.handle.join_weights.remote(host, port, 0, size, epoch, backend)
+
+    def send_weights(self, version: int) -> Any:
+        return self.handle.send_weights.remote(version)
+
+    def published(self, version: int) -> Any:
+        return self.handle.published.remote(version)
 
     def save(self, path: str, *, with_optimizer: bool) -> None:
         self._get(self.handle.save.remote(path, with_optimizer), "save the model")

@@ -75,8 +75,9 @@ from asyncflow.runtime.ray_errors import (
     who_died,
     why_died,
 )
-from asyncflow.runtime.ray_placement import Placement, reserve
+from asyncflow.runtime.ray_placement import Placement, driver_node, reserve, train_ranks
 from asyncflow.runtime.ray_remote import RemoteEngine, RemoteGate, RemoteTrainEngine, retrieve
+from asyncflow.runtime.ray_weights import WeightChannel
 
 # importable from here as before the split (the actor classes, proxies and helpers live in ray_*.py)
 __all__ = [
@@ -147,6 +148,8 @@ class RayWorkers:
         stages, w = actors.stages, cfg.rollout.workers
         engines = [RemoteEngine(a, int(c), timeout, name=f"the rollout/{i} actor ({prefix}-rollout-{i})", version=version)
                    for i, (a, c) in enumerate(zip(actors.rollout, capacities, strict=True))]
+        if rt.weight_sync == "collective":
+            trainer.channel = WeightChannel(trainer, engines, weight_backend(cfg), timeout, log)
         log(f"[asyncflow] ray: feeder, {w} rollout, 1 trainer, {n_reward} reward actor(s) ready in "
             f"{time.monotonic() - t0:.1f} s (names {prefix}-*)")
         return cls(store, engines, trainer, actors.rollout, actors.reward, actors.trainer, actors.feeder,
@@ -304,6 +307,31 @@ class RayWorkers:
     def row_fields(self) -> dict[str, float]:
         return {"restarts": self.restarts_total}
 
+    def summary(self) -> dict[str, Any]:
+        """Restarts by stage, where each actor runs, and how the weights travelled (`summary.json`)."""
+        out: dict[str, Any] = {"restarts": {k: v for k, v in self.restarts.items() if v}, "actors": self.actors()}
+        channel = self.trainer.channel
+        out["weight_sync"] = {"path": "object_store"} if channel is None else {
+            "path": "collective", "backend": channel.backend, "groups_built": channel.epoch,
+            "broadcast": channel.delivered, "from_object_store": channel.fallbacks}
+        return out
+
+    def actors(self) -> list[dict[str, Any]]:
+        """Where each actor runs now: role, index, node id, process id."""
+        import ray
+
+        named = [("rollout", i, a) for i, a in enumerate(self.rollout_actors)]
+        named += [("reward", j, a) for j, a in enumerate(self.reward_actors)]
+        named += [("trainer", 0, self.trainer_actor), ("feeder", 0, self.feeder_actor), ("store", 0, self.store.handle)]
+        out = []
+        for role, index, actor in named:
+            try:
+                spot = ray.get(actor.where.remote(), timeout=STORE_CALL_TIMEOUT_S)
+            except ray.exceptions.RayError as exc:
+                spot = {"node_id": None, "pid": None, "error": type(exc).__name__}
+            out.append({"role": role, "index": index, **spot})
+        return out
+
     def shutdown(self) -> None:
         """Kill every actor and free the placement group (Ray itself stays up for the caller)."""
         import ray
@@ -343,7 +371,7 @@ def _start_store(cfg: Config, place: Placement) -> Any:
 
     try:
         return RayTransferQueue.create(store_capacity(cfg), cfg.workflow.lease_timeout_s,
-                                       name=f"{place.prefix}-store")
+                                       name=f"{place.prefix}-store", scheduling_strategy=driver_node())
     except ray.exceptions.GetTimeoutError:
         place.remove()
         raise WaitTimeout("timed out after 120 s waiting for the store controller actor to start") from None
@@ -360,7 +388,8 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
     reward_cls: Any = ray.remote(RewardWorker)
     trainer_cls: Any = ray.remote(TrainerWorker)
     feeder_cls: Any = ray.remote(FeederWorker)
-    feeder_actor = feeder_cls.options(num_cpus=0, max_concurrency=1000, name=f"{prefix}-feeder").remote(
+    feeder_actor = feeder_cls.options(num_cpus=0, max_concurrency=1000, name=f"{prefix}-feeder",
+                                      scheduling_strategy=driver_node()).remote(
         cfg, model_dir, ray.put(rows), out, store)
     # rollout and reward actors (restartable) get the store and the feeder (which holds the prompt
     # rows) by name, not as handles or object references
@@ -375,7 +404,7 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
     ]
     trainer_actor = trainer_cls.options(**opts(w, "trainer")).remote(cfg, model_dir, threads)
     reward_actors = [
-        reward_cls.options(**opts(w + 1 + j, f"reward-{j}")).remote(j, cfg, model_dir, feeder_by_name, out,
+        reward_cls.options(**opts(w + train_ranks(cfg) + j, f"reward-{j}")).remote(j, cfg, model_dir, feeder_by_name, out,
                                                                      store_by_name, reward_fn_path)
         for j in range(n_reward)
     ]
@@ -446,3 +475,11 @@ async def _stage(name: str, ref: Any) -> None:
         raise stage_error(name, exc) from exc
     except ray.exceptions.RayActorError as exc:
         raise death_error(exc) from exc
+
+
+def weight_backend(cfg: Config) -> str:
+    """The collective weight group's backend: NCCL when the trainer and every rollout actor hold a
+    GPU and run on it, else gloo (CPU tensors)."""
+    rt = cfg.runtime
+    on_gpus = cfg.model.device != "cpu" and rt.train_gpus > 0 and rt.rollout_gpus > 0
+    return "nccl" if on_gpus and cfg.rollout.engine != "openai" else "gloo"

@@ -5,6 +5,7 @@ blobs alive while a live sample points into them, and gives back the leases of o
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,6 +73,12 @@ class StoreController:
     # ------------------------------------------------------------------ API
     def ping(self) -> bool:
         return True
+
+    def where(self) -> dict[str, Any]:
+        """The node and process the controller runs in."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def register_stage(self, stage: str, fields: Sequence[str], groups: bool) -> None:
         self.q.register_stage(stage, fields, groups=groups)

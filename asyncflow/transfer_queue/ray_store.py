@@ -84,11 +84,14 @@ class RayTransferQueue:
 
     @classmethod
     def create(cls, capacity: int = 4096, lease_timeout_s: float = 600.0, *, owner_check_s: float = 2.0,
-               num_cpus: float = 0.0, name: str | None = None, **kwargs: Any) -> RayTransferQueue:
+               num_cpus: float = 0.0, name: str | None = None, scheduling_strategy: Any = None,
+               **kwargs: Any) -> RayTransferQueue:
         """Start a controller actor (max_concurrency high: every waiting take is a pending call)."""
         import ray
 
         opts: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 10_000}
+        if scheduling_strategy is not None:
+            opts["scheduling_strategy"] = scheduling_strategy
         if name is not None:
             opts["name"] = name
         actor: Any = ray.remote(StoreController)

@@ -1,0 +1,210 @@
+"""How a Ray run's new weights reach the rollout actors (`runtime.weight_sync`).
+
+- `object_store`: the trainer exports the weights once as an object; each rollout actor fetches it
+  (`StoredWeights`).
+- `collective`: a bucketed broadcast (`asyncflow.engines.weight_sync`) from the trainer's rank 0 to
+  every rollout actor over a process group of their own, NCCL when they all hold GPUs, gloo
+  otherwise (`WeightChannel` builds it, `Broadcast` is one version's delivery). The weights never
+  pass through the object store or the driver.
+
+```
+ driver: WeightChannel.publish(v) ── group changed? (an actor died or came back) ─► rebuild:
+            trainer.weights_address() -> host:port; every member joins (rank 0: the trainer)
+         trainer.send_weights(v) ──► broadcast ──► rollout i: receive_weights(v, mode) -> engine.load_weights
+```
+
+A member that misses a broadcast (it failed, or the actor restarted since the group was built)
+takes the same version from the object store instead: the trainer keeps the state it last sent
+(`WeightPort.last`) for exactly that, and hands it out only for that version, so a version number
+always names the weights it came with.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asyncflow.engines.weight_sync import (
+    BroadcastWeightReceiver,
+    BroadcastWeightSender,
+    WeightGroup,
+    open_weight_group,
+)
+from asyncflow.errors import WaitTimeout
+from asyncflow.runtime.ray_errors import dead_actor_error
+
+# ---------------------------------------------------------------------------------------------------
+# actor side: the trainer's rank 0 and each rollout actor hold one
+# ---------------------------------------------------------------------------------------------------
+
+
+class WeightPort:
+    """One actor's end of the collective path: join the current group, send or receive a version."""
+
+    def __init__(self, bucket_bytes: int, timeout_s: float) -> None:
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.group: WeightGroup | None = None
+        self.last: tuple[dict[str, torch.Tensor], int] | None = None  # the sender's last sent (state, version)
+
+    @staticmethod
+    def address() -> tuple[str, int]:
+        """This node's address and a free port on it, for the group's store (rank 0 hosts it)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, int(s.getsockname()[1])
+
+    def join(self, host: str, port: int, rank: int, size: int, epoch: int, backend: str) -> None:
+        """Leave the previous group (if any) and join group `epoch` as `rank` of `size`."""
+        self.group = None
+        self.group = open_weight_group(host, port, rank, size, backend=backend, timeout_s=self.timeout_s,
+                                       tag=f"weights-{epoch}")
+
+    def _current(self, what: str) -> WeightGroup:
+        if self.group is None:
+            raise RuntimeError(f"weight broadcast: cannot {what}: this actor is in no weight group (or its last "
+                               "broadcast failed); the driver rebuilds the group at the next publication")
+        return self.group
+
+    def send(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Broadcast `state` as `version` to the group; keep it for members that miss it."""
+        group = self._current(f"send version {version}")
+        self.last = (state, version)
+        sender = BroadcastWeightSender(src=0, group=group, bucket_bytes=self.bucket_bytes, device=group.device,
+                                       timeout_s=self.timeout_s)
+        try:
+            sender.send(state, version)
+        except BaseException:
+            self.group = None  # out of step with the others: rebuilt before the next send
+            raise
+
+    def published(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The state last sent, if it is `version` (None: a newer one has been sent since)."""
+        return self.last[0] if self.last is not None and self.last[1] == version else None
+
+    def receive(self, version: int) -> dict[str, torch.Tensor]:
+        """The broadcast of `version` (anything else is an error: versions are exact)."""
+        group = self._current(f"receive version {version}")
+        try:
+            state, got = BroadcastWeightReceiver(src=0, group=group, device=group.device).receive(self.timeout_s)
+        except BaseException:
+            self.group = None
+            raise
+        if got != version:
+            self.group = None
+            raise RuntimeError(f"weight broadcast: received policy version {got} where {version} was announced")
+        return state
+
+
+# ---------------------------------------------------------------------------------------------------
+# driver side
+# ---------------------------------------------------------------------------------------------------
+
+
+class StoredWeights:
+    """One version in the object store: every rollout actor fetches it itself."""
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+
+    async def deliver(self, engine: Any, version: int, mode: str) -> Any:
+        """Load into one `RemoteEngine`'s actor; its reply, or None if the actor died meanwhile."""
+        return await engine.unless_down(engine.handle.load_weights.remote(self.ref, version, mode),
+                                        f"load policy version {version}")
+
+    def catch_up(self) -> Any:
+        """The reference a restarted actor loads this version from."""
+        return self.ref
+
+
+class Broadcast:
+    """One version sent over the weight group: members receive it by broadcast; any other engine
+    (restarted since the group was built), and a member whose receive failed, loads it from the
+    object store (`catch_up`, from the trainer's copy of what it last sent)."""
+
+    def __init__(self, channel: WeightChannel, version: int, ranks: dict[str, int], send: Any) -> None:
+        self.channel, self.version, self.ranks, self.send = channel, version, ranks, send
+        self._stored: Any = None
+
+    async def deliver(self, engine: Any, version: int, mode: str) -> Any:
+        import ray
+
+        if engine.actor_id in self.ranks:
+            try:
+                reply = await engine.unless_down(engine.handle.receive_weights.remote(version, mode),
+                                                 f"receive policy version {version} by broadcast")
+                self.channel.delivered += reply is not None
+                return reply
+            except ray.exceptions.RayTaskError as exc:
+                if dead_actor_error(exc) is not None:
+                    raise
+                self.channel.failed(f"{engine.name} missed the broadcast of version {version} "
+                                    f"({type(exc.cause).__name__}); it loads it from the object store")
+        self.channel.fallbacks += 1
+        return await engine.unless_down(engine.handle.load_weights.remote(self.catch_up(), version, mode),
+                                        f"load policy version {version}")
+
+    def catch_up(self) -> Any:
+        if self._stored is None:
+            self._stored = self.channel.published(self.version)
+        return self._stored
+
+
+class WeightChannel:
+    """The driver's side of `runtime.weight_sync: collective`: who is in the group, and each
+    publication. `sender` is the trainer (`weights_address`, `join_weights`, `send_weights`,
+    `published`, `export_ref`); `engines` the `RemoteEngine`s of the rollout actors."""
+
+    def __init__(self, sender: Any, engines: list[Any], backend: str, timeout_s: float,
+                 log: Callable[[str], None]) -> None:
+        self.sender, self.engines, self.backend, self.timeout_s, self.log = sender, engines, backend, timeout_s, log
+        self.members: list[int] | None = None
+        self.epoch = 0  # groups built so far
+        self.delivered = 0  # loads by broadcast, and from the object store (misses, restarts, no group)
+        self.fallbacks = 0
+
+    def failed(self, why: str) -> None:
+        """A broadcast went wrong: the group is rebuilt before the next one."""
+        self.members = None
+        self.log(f"[asyncflow] ray: weight broadcast: {why}")
+
+    def published(self, version: int) -> Any:
+        return self.sender.published(version)
+
+    def publish(self, version: int) -> StoredWeights | Broadcast:
+        """Start sending `version`: by broadcast to the live rollout actors, or (none live, or the
+        group could not be rebuilt) through the object store."""
+        live = [i for i, e in enumerate(self.engines) if not e.down and e.gone is None]
+        if not live:
+            return StoredWeights(self.sender.export_ref())
+        if live != self.members:
+            try:
+                self._rebuild(live)
+            except (WaitTimeout, RuntimeError) as exc:
+                self.failed(f"could not rebuild the group ({exc}); version {version} goes through the object store")
+                return StoredWeights(self.sender.export_ref())
+        ranks = {self.engines[i].actor_id: k + 1 for k, i in enumerate(live)}
+        return Broadcast(self, version, ranks, self.sender.send_weights(version))
+
+    def _rebuild(self, live: list[int]) -> None:
+        import ray
+
+        self.epoch += 1
+        size = len(live) + 1
+        host, port = self.sender.weights_address()
+        refs = [self.sender.join_weights(host, port, size, self.epoch, self.backend)]
+        refs += [self.engines[i].handle.join_weights.remote(host, port, k + 1, size, self.epoch, self.backend)
+                 for k, i in enumerate(live)]
+        try:
+            ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WaitTimeout(f"timed out after {self.timeout_s:.0f} s waiting for the trainer and rollout "
+                              f"actors {live} to join weight group {self.epoch}") from None
+        except ray.exceptions.RayError as exc:
+            raise RuntimeError(f"joining weight group {self.epoch} failed: {type(exc).__name__}") from exc
+        self.members = live
