@@ -104,9 +104,10 @@ def check_placeable(bundles: list[dict[str, float]], strategy: str, total: dict[
 
 
 def driver_node() -> Any:
-    """Scheduling on the driver's node (soft): the store controller and the feeder live with the
-    driver, so losing a worker node never takes the run's state with it."""
+    """Scheduling on the driver's node: the store controller and the feeder live with the driver, so
+    losing a worker node never takes the run's state with it. (Hard: Ray 2.60 placed soft-affine
+    zero-CPU actors on other nodes.)"""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)

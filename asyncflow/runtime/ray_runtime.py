@@ -152,10 +152,13 @@ class RayWorkers:
             trainer.channel = WeightChannel(trainer, engines, weight_backend(cfg), timeout, log)
         log(f"[asyncflow] ray: feeder, {w} rollout, 1 trainer, {n_reward} reward actor(s) ready in "
             f"{time.monotonic() - t0:.1f} s (names {prefix}-*)")
-        return cls(store, engines, trainer, actors.rollout, actors.reward, actors.trainer, actors.feeder,
+        workers = cls(store, engines, trainer, actors.rollout, actors.reward, actors.trainer, actors.feeder,
                    RemoteGate(actors.feeder, cfg.staleness), place.group, prefix=prefix,
                    max_restarts=rt.max_restarts, log=log, restarts={s: 0 for s in stages},
                    pids=dict(zip(stages, map(int, pids), strict=True)))
+        log("[asyncflow] ray: nodes: " + ", ".join(f"{a['role']}/{a['index']}@{str(a['node_id'])[:8]}"
+                                                   for a in workers.actors()))
+        return workers
 
     @classmethod
     async def launch(cls, setup: RuntimeSetup) -> RayWorkers:
