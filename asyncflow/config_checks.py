@@ -136,9 +136,6 @@ def _validate_agent(cfg: Config, explicit: set[str]) -> None:
         raise UserError(f"rollout.agent: {agent!r} must be 'module:function'")
     if cfg.rollout.env is not None:
         raise UserError("rollout.agent: not used with rollout.env (the agent is its own environment); remove one of them")
-    if cfg.runtime.kind != "local":
-        raise UserError("rollout.agent: only with runtime.kind=local (the Ray rollout actors do not host agent "
-                        "endpoints yet)")
     if cfg.reward.fn is not None and "reward.fn" in explicit:
         raise UserError("reward.fn: not used with rollout.agent (an agent episode's reward is what the agent "
                         "returns); remove one of them")
@@ -173,8 +170,6 @@ def _validate_servers(cfg: Config, explicit: set[str]) -> None:
         raise UserError(f"rollout.workers: {ro.workers} contradicts rollout.server_urls ({len(ro.server_urls)} servers, "
                         "one rollout worker each); remove rollout.workers")
     ro.workers = len(ro.server_urls)  # resolved: one rollout worker per server
-    if cfg.runtime.kind != "local":
-        raise UserError("rollout.engine: openai is only wired for runtime.kind=local (the servers are the parallel part)")
     if ro.server_type == "vllm" and ro.sync_dir is None:
         raise UserError("rollout.sync_dir: required with rollout.server_type=vllm (the folder the vLLM server was "
                         "started from; vLLM reloads its weights in place)")
@@ -197,8 +192,9 @@ def _validate_engines(cfg: Config, explicit: set[str]) -> None:
                 f"{t.world_size} x {t.mini_batches} (every rank takes an equal share of each optimizer step)"
             )
     if cfg.rollout.engine == "vllm":
-        if cfg.runtime.kind != "local":
-            raise UserError("rollout.engine: vllm runs only with runtime.kind=local in this version")
+        if cfg.runtime.kind == "ray" and cfg.runtime.rollout_gpus < 1:
+            raise UserError(f"runtime.rollout_gpus: {cfg.runtime.rollout_gpus:g} with rollout.engine=vllm on Ray; "
+                            "each rollout actor's vLLM needs a GPU of its own (set runtime.rollout_gpus=1)")
         if importlib.util.find_spec("vllm") is None:
             raise UserError("rollout.engine: vllm is not installed (pip install 'asyncflow[vllm]', needs a GPU); use hf")
 

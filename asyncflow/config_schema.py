@@ -76,7 +76,8 @@ class RolloutConfig:
         "hf",
         "Inference engine adapter: hf (transformers with continuous batching, in this process), openai (an "
         "OpenAI-compatible server per rollout.server_urls entry: asyncflow serve, vLLM or SGLang) or vllm "
-        "(in-process vLLM on a GPU; needs the vllm package; runtime.kind=local only). docs/engines.md.",
+        "(in-process vLLM on a GPU; needs the vllm package; on Ray, runtime.rollout_gpus >= 1). On Ray each rollout "
+        "actor builds its engine (openai: actor i drives server_urls[i]). docs/engines.md.",
     )
     workers: int = _f(1, "Number of rollout workers (one engine each).", lo=1, hi=4096)
     n: int = _f(8, "Samples per prompt (a GRPO group). Each is its own request (prompt replication).", lo=1)
@@ -124,7 +125,8 @@ class RolloutConfig:
         None,
         "Black-box agent: `module:function` with async function(base_url, row, seed) -> reward (a float, or a dict "
         "with `reward`). Each sample is one agent episode that talks to its own OpenAI-compatible base_url; its "
-        "calls, with exact token ids, become the sample (docs/tasks.md). Not with rollout.env or reward.fn.",
+        "calls, with exact token ids, become the sample (docs/tasks.md); on Ray the agent and its endpoint run in the "
+        "rollout actors (the driver's working directory is importable there). Not with rollout.env or reward.fn.",
     )
     agent_timeout_s: float = _f(
         600.0, "rollout.agent: longest one agent episode may take; an agent that hangs or raises ends its episode "
@@ -132,7 +134,8 @@ class RolloutConfig:
     server_urls: list[str] | None = _f(
         None,
         "rollout.engine=openai: base URLs of the servers (e.g. http://127.0.0.1:8000), one rollout worker each. "
-        "They must serve model.path's weights; the trainer loads its initial weights into them as version 0.",
+        "They must serve model.path's weights; the trainer's weights are loaded into them before the first request "
+        "(version 0, or a resumed run's version). On Ray rollout actor i drives server_urls[i].",
     )
     server_type: Literal["asyncflow", "vllm", "sglang"] = _f(
         "asyncflow",
@@ -149,8 +152,9 @@ class RolloutConfig:
     )
     sync_dir: str | None = _f(
         None,
-        "rollout.engine=openai: folder the trainer writes each weight version to for the servers to load (a file "
-        "system they share). null: RUN_DIR/weight_sync.",
+        "rollout.engine=openai: folder each weight version is written to (once per version) for the servers to load: "
+        "by the driver, or on Ray by the rollout actors, so it must be on a file system the writers and servers "
+        "share. null: RUN_DIR/weight_sync.",
     )
     sync_timeout_s: float = _f(600.0, "rollout.engine=openai: longest one weight load or other admin call to a server may take.", lo=0.001)
 
@@ -331,7 +335,7 @@ class RuntimeConfig:
     )
     address: str | None = _f(None, "Ray cluster address to join (runtime.kind: ray); null starts a local Ray (loopback, no dashboard).")
     rollout_cpus: float = _f(1.0, "CPUs reserved per rollout worker actor (ray).", lo=0.0)
-    rollout_gpus: float = _f(0.0, "GPUs per rollout worker actor (ray); its hf engine runs on them (model.device).", lo=0.0)
+    rollout_gpus: float = _f(0.0, "GPUs per rollout worker actor (ray); its hf engine runs on them (model.device); vllm needs >= 1.", lo=0.0)
     train_cpus: float = _f(1.0, "CPUs reserved for the trainer actor (ray).", lo=0.0)
     train_gpus: float = _f(0.0, "GPUs for the trainer actor (ray); its torch trainer runs on them (model.device).", lo=0.0)
     reward_workers: int = _f(1, "Reward worker actors (ray); each scores whole groups as they complete.", lo=1)

@@ -342,12 +342,11 @@ def test_rollout_agent_is_refused_with_env_or_reward_fn(tmp_path: Path) -> None:
         load_config(None, ["rollout.agent=m:f", "rollout.env=calculator"])
     with pytest.raises(UserError, match="reward.fn: not used with rollout.agent"):
         load_config(None, ["rollout.agent=m:f", "reward.fn=m:g"])
-    with pytest.raises(UserError, match="runtime.kind=local"):
-        load_config(None, ["rollout.agent=m:f", "runtime.kind=ray"])
     with pytest.raises(UserError, match="must be 'module:function'"):
         load_config(None, ["rollout.agent=nocolon"])
     cfg, _ = load_config(None, ["rollout.agent=m:f"])
     assert cfg.rollout.agent == "m:f"
+    assert load_config(None, ["rollout.agent=m:f", "runtime.kind=ray"])[0].runtime.kind == "ray"
     # a base config's reward.fn set back to null on the command line is not "set": an agent or env is taken
     base = tmp_path / "base.yaml"
     base.write_text("reward: {fn: m:g}\n")

@@ -116,7 +116,9 @@ def test_set_values_are_parsed_as_yaml_scalars() -> None:
          "train.world_size: batch_size=16 is not divisible by world_size x mini_batches=3 x 1"),
         (["train.engine=fsdp", "train.world_size=2", "train.mini_batches=3", "train.batch_size=16", "rollout.n=4"],
          "train.world_size: batch_size=16 is not divisible by world_size x mini_batches=2 x 3"),
-        (["rollout.engine=vllm", "runtime.kind=ray"], "rollout.engine: vllm runs only with runtime.kind=local"),
+        (["rollout.engine=vllm", "runtime.kind=ray"], "runtime.rollout_gpus: 0 with rollout.engine=vllm on Ray"),
+        (["rollout.engine=vllm", "runtime.kind=ray", "runtime.rollout_gpus=0.5"],
+         "runtime.rollout_gpus: 0.5 with rollout.engine=vllm on Ray"),
         (["train.engine=deepspeed"], "train.engine: 'deepspeed' is not one of"),
     ],
 )
@@ -125,6 +127,20 @@ def test_bad_values_name_the_key(overrides: list[str], message: str) -> None:
         load_config(None, overrides)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_vllm_on_ray_is_taken_with_a_gpu_per_rollout_actor_where_vllm_is_installed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    sets = ["rollout.engine=vllm", "runtime.kind=ray", "runtime.rollout_gpus=1"]
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(UserError, match=r"^rollout.engine: vllm is not installed"):
+            load_config(None, sets)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    cfg, _ = load_config(None, sets)
+    assert (cfg.rollout.engine, cfg.runtime.kind, cfg.runtime.rollout_gpus) == ("vllm", "ray", 1)
 
 
 def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:

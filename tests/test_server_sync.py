@@ -250,7 +250,6 @@ def test_in_place_writer_refuses_a_sharded_folder(tmp_path: Path) -> None:
         (["rollout.engine=openai", "rollout.server_urls=[http://a:1, http://a:1/]"], "listed twice"),
         (["rollout.engine=openai", "rollout.server_urls=[http://a:1]", "rollout.workers=2"], "rollout.workers"),
         (["rollout.engine=openai", "rollout.server_urls=[http://a:1]", "rollout.server_type=vllm"], "rollout.sync_dir"),
-        (["rollout.engine=openai", "rollout.server_urls=[http://a:1]", "runtime.kind=ray"], "runtime.kind=local"),
         (["rollout.sync_dir=/tmp/x"], "rollout.sync_dir: only used"),
     ],
 )

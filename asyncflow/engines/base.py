@@ -62,6 +62,11 @@ class InferenceEngine(abc.ABC):
     async def generate(self, request: GenRequest) -> GenResult:
         """Generate one response; requests join and leave the running batch between decode steps."""
 
+    async def connect(self) -> None:
+        """Get ready for requests where that needs waiting (a server engine checks its server and
+        learns its model name); an in-process engine is ready once built."""
+        await asyncio.sleep(0)
+
     def start_generate(self, request: GenRequest) -> asyncio.Future[GenResult]:
         """Start `generate(request)` and return its future (cancel it to abandon the request).
 

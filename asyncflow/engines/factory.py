@@ -1,9 +1,11 @@
 """The one place engines are built from the config: the trainer named by `train.engine` and the
-in-process inference engines named by `rollout.engine`, for the local runtime and the Ray actors alike.
+rollout engines named by `rollout.engine` (hf, vllm, openai), for the local runtime and the Ray
+rollout actors alike.
 
 Where an engine runs is the caller's: it passes `device` (the local runtime picks one per engine
-under `model.device`; a Ray actor the device Ray gave it). Engines behind HTTP (`rollout.engine:
-openai`) are connected, not built: `asyncflow.engines.openai_engine.make_openai_engines`.
+under `model.device`; a Ray actor the device Ray gave it). A server engine (`rollout.engine:
+openai`) is built unconnected; the caller awaits its `connect` and, as `loads_initial_weights`
+says, loads the trainer's weights into it before its first request.
 """
 
 from __future__ import annotations
@@ -38,11 +40,20 @@ def make_train_engine(cfg: Config, model_dir: Path, *, threads: int, device: str
 
 
 def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int, version: int = 0,
-                          device: str | None = None) -> InferenceEngine:
-    """In-process inference engine number `index`, named by `rollout.engine`, holding the weights in
-    `model_dir` as policy `version`. `tok`: the run's `asyncflow.tokenizer.Tokenizer` (its EOS and
-    stop ids end a generation). `device`: where an hf engine runs (None: `model.device`, engines
-    spread over this process's GPUs); vLLM always runs on a GPU of its own choosing."""
+                          device: str | None = None, *, run_dir: Path | None = None,
+                          session: str = "") -> InferenceEngine:
+    """Rollout engine number `index`, named by `rollout.engine`, holding the weights in `model_dir`
+    as policy `version`. `tok`: the run's `asyncflow.tokenizer.Tokenizer` (its EOS and stop ids end
+    a generation). `device`: where an hf engine runs (None: `model.device`, engines spread over this
+    process's GPUs); vLLM always runs on a GPU of its own choosing. openai: the engine on
+    `rollout.server_urls[index]`, writing weight folders under `rollout.sync_dir` (default
+    `run_dir/weight_sync`) once per version for all engines given the same `session`."""
+    if cfg.rollout.engine == "openai":
+        from asyncflow.engines.openai_engine import make_openai_engine
+
+        if run_dir is None and cfg.rollout.sync_dir is None:
+            raise ValueError("an openai rollout engine needs run_dir (or rollout.sync_dir) for its weight folders")
+        return make_openai_engine(cfg.rollout, index, model_dir, run_dir or Path(), session=session, version=version)
     if cfg.rollout.engine == "vllm":
         from asyncflow.engines.vllm_engine import VLLMEngine
 
@@ -55,3 +66,9 @@ def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int, ve
                     max_batch=cfg.rollout.max_batch, device=device or pick_device(cfg.model.device, index),
                     dtype=getattr(torch, cfg.model.dtype), seed=cfg.seed + index, name=f"rollout-{index}",
                     version=version)
+
+
+def loads_initial_weights(cfg: Config) -> bool:
+    """Whether the rollout engines start from whatever their servers hold (`rollout.engine: openai`):
+    the runtime then loads the trainer's weights into them as the start version before any request."""
+    return cfg.rollout.engine == "openai"

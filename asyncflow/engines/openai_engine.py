@@ -13,7 +13,6 @@ oldest it can be, which is what staleness counts. Weights go out through `weight
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import time
@@ -51,7 +50,7 @@ class OpenAIEngine(InferenceEngine):
     def capacity(self) -> int:
         return self.max_batch
 
-    async def connect(self, initial_state: dict[str, torch.Tensor] | None) -> None:
+    async def connect(self, initial_state: dict[str, torch.Tensor] | None = None) -> None:
         """Check the server answers (and learn its model name when none is configured); with
         `initial_state`, load it as version 0 so the server starts from the trainer's weights."""
         try:
@@ -149,20 +148,17 @@ def _whole_numbers(values: Any) -> bool:
     return isinstance(values, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
-def make_openai_engines(rollout: Any, model_dir: Path, run_dir: Path) -> list[OpenAIEngine]:
-    """One engine per `rollout.server_urls` entry, sharing one weight-folder writer."""
+def make_openai_engine(rollout: Any, index: int, model_dir: Path, run_dir: Path, *, session: str,
+                       version: int = 0) -> OpenAIEngine:
+    """The engine on `rollout.server_urls[index]` (not connected yet: `connect`). Its weight-folder
+    writer writes each version once for all the run's engines that share `session`, in this
+    process or another (`WeightFolderWriter`); `model_dir` gives the served folder's config files."""
     sync = make_weight_sync(rollout.server_type)
     root = Path(rollout.sync_dir) if rollout.sync_dir is not None else run_dir / "weight_sync"
-    writer = WeightFolderWriter(root, model_dir, in_place=sync.in_place)
+    writer = WeightFolderWriter(root, model_dir, in_place=sync.in_place, session=session,
+                                lock_timeout_s=rollout.sync_timeout_s)
     token = os.environ.get(rollout.server_token_env) or None
-    return [
-        OpenAIEngine(url, sync=sync, writer=writer, server_type=rollout.server_type, model=rollout.server_model,
-                     token=token, max_batch=rollout.max_batch, request_timeout_s=rollout.request_timeout_s,
-                     sync_timeout_s=rollout.sync_timeout_s)
-        for url in rollout.server_urls
-    ]
-
-
-async def connect_all(engines: list[OpenAIEngine], initial_state: dict[str, torch.Tensor]) -> None:
-    """Connect every engine, loading the trainer's initial weights into each server as version 0."""
-    await asyncio.gather(*(e.connect(initial_state) for e in engines))
+    return OpenAIEngine(rollout.server_urls[index], sync=sync, writer=writer, server_type=rollout.server_type,
+                        model=rollout.server_model, token=token, max_batch=rollout.max_batch,
+                        request_timeout_s=rollout.request_timeout_s, sync_timeout_s=rollout.sync_timeout_s,
+                        version=version)

@@ -9,7 +9,8 @@ to load it through its own HTTP API:
                                                         vllm:      POST /pause, /collective_rpc reload_weights, /resume
                                                         sglang:    POST /update_weights_from_disk
 
-So the trainer and the servers must share a file system (one machine, or a shared mount).
+So the writers (the driver's engines, or on Ray the rollout actors, which take turns through a file
+lock in the folder) and the servers must share a file system (one machine, or a shared mount).
 Only the asyncflow backend is exercised against a real server in this repository's tests; the vLLM
 and SGLang backends are written against those projects' documented HTTP APIs and unit-tested for
 the requests they send (docs/engines.md).
@@ -20,13 +21,17 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import fcntl
 import os
+import secrets
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 from asyncflow.engines.base import WeightUpdateMode
 from asyncflow.engines.http_client import HTTPError, request_json
+from asyncflow.errors import WaitTimeout
 
 SERVER_TYPES = ("asyncflow", "vllm", "sglang")
 _MODEL_FILES = (".json", ".txt", ".model", ".jinja", ".py")  # what a served folder needs besides weights
@@ -105,25 +110,59 @@ class WeightFolderWriter:
 
     Versioned (default): `root/v000001/` with the model folder's config files and `model.safetensors`;
     folders two versions old are removed. In place (vLLM): `root/model.safetensors` is replaced
-    atomically, `root` being the folder the server was started with."""
+    atomically, `root` being the folder the server was started with.
 
-    def __init__(self, root: Path, model_dir: Path, *, in_place: bool) -> None:
+    Once across processes too (the Ray rollout actors each hold a writer): writes take a file lock
+    in `root`, and a version already written by a writer of the same `session` (one per run start,
+    shared by all its engines) is reused; one another session wrote is written again, so a resumed
+    run or a reused `rollout.sync_dir` never serves an older run's weights under the same number."""
+
+    MARKER = ".asyncflow-writer"  # in a written folder: "<session> <version>"
+
+    def __init__(self, root: Path, model_dir: Path, *, in_place: bool, session: str = "",
+                 lock_timeout_s: float = 600.0) -> None:
         self.root = root
         self.model_dir = model_dir
         self.in_place = in_place
+        self.session = session or secrets.token_hex(8)
+        self.lock_timeout_s = lock_timeout_s
         self._writes: dict[int, asyncio.Task[Path]] = {}
 
     async def folder_for(self, state: dict[str, Any], version: int) -> Path:
         """The folder holding `version` (written by the first caller; the others wait for it)."""
         task = self._writes.get(version)
         if task is None:
-            task = asyncio.ensure_future(asyncio.to_thread(self._write, state, version))
+            task = asyncio.ensure_future(asyncio.to_thread(self._write_once, state, version))
             self._writes[version] = task
             for old in [v for v in self._writes if v < version - 1]:
                 del self._writes[old]
         return await task
 
-    def _write(self, state: dict[str, Any], version: int) -> Path:
+    def _write_once(self, state: dict[str, Any], version: int) -> Path:
+        """`_write` under the root's lock, unless this session already wrote `version` there."""
+        folder = self.root if self.in_place else self.root / f"v{version:06d}"
+        stamp = f"{self.session} {version}"
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".asyncflow-write.lock", "a") as lock:
+            deadline = time.monotonic() + self.lock_timeout_s
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise WaitTimeout(f"timed out after {self.lock_timeout_s:g} s waiting for the lock on "
+                                          f"{self.root} to write policy version {version} (another writer holds it)") from None
+                    time.sleep(0.05)
+            try:
+                marker = folder / self.MARKER
+                if marker.is_file() and marker.read_text() == stamp:
+                    return folder
+                return self._write(state, version, stamp)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _write(self, state: dict[str, Any], version: int, stamp: str) -> Path:
         from safetensors.torch import save_file
 
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
@@ -132,8 +171,9 @@ class WeightFolderWriter:
             tmp = self.root / "model.safetensors.tmp"
             save_file(tensors, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, self.root / "model.safetensors")
+            (self.root / f"{self.MARKER}.tmp").write_text(stamp)
+            os.replace(self.root / f"{self.MARKER}.tmp", self.root / self.MARKER)
             return self.root
-        self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"v{version:06d}"
         tmp = self.root / f".v{version:06d}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -142,6 +182,7 @@ class WeightFolderWriter:
             if f.is_file() and f.suffix in _MODEL_FILES and not f.name.endswith(".safetensors.index.json"):
                 shutil.copy2(f, tmp / f.name)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / self.MARKER).write_text(stamp)  # (inside the folder before it appears: present iff complete)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in self.root.glob("v*"):

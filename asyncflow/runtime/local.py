@@ -1,17 +1,19 @@
 """The `local` runtime: every component in this process (asyncio + threads).
 
-The engines and the trainer are built by the engine factory (or, for `rollout.engine: openai`,
-connected to their servers); the pipeline runs every stage loop itself and holds the store.
+The engines and the trainer are built by the engine factory (server engines, `rollout.engine:
+openai`, are then connected and given the trainer's weights); the pipeline runs every stage loop
+itself and holds the store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 from collections.abc import Awaitable
 from typing import Any
 
-from asyncflow.engines.factory import make_inference_engine, make_train_engine
+from asyncflow.engines.factory import loads_initial_weights, make_inference_engine, make_train_engine
 from asyncflow.runtime.base import RuntimeSetup
 
 
@@ -35,18 +37,14 @@ class LocalRuntime:
         cfg = setup.cfg
         trainer = make_train_engine(cfg, setup.policy_dir, threads=setup.threads)
         try:
-            if cfg.rollout.engine == "openai":
-                from asyncflow.engines.openai_engine import connect_all, make_openai_engines
-
-                remote = make_openai_engines(cfg.rollout, setup.model_dir, setup.out)
-                await connect_all(remote, trainer.export_weights())
-                if setup.version:
-                    await asyncio.gather(*(e.load_weights(trainer.export_weights(), setup.version, "drain")
-                                           for e in remote))
-                engines: list[Any] = list(remote)
-            else:
-                engines = [make_inference_engine(cfg, setup.policy_dir, setup.tok, i, setup.version)
-                           for i in range(cfg.rollout.workers)]
+            # one writer session for all engines: each weight version is written once (openai)
+            session = secrets.token_hex(8)
+            engines = [make_inference_engine(cfg, setup.policy_dir, setup.tok, i, setup.version, run_dir=setup.out,
+                                             session=session) for i in range(cfg.rollout.workers)]
+            await asyncio.gather(*(e.connect() for e in engines))
+            if loads_initial_weights(cfg):
+                state = trainer.export_weights()
+                await asyncio.gather(*(e.load_weights(state, setup.version, "drain") for e in engines))
         except BaseException:
             trainer.close()
             raise

@@ -86,10 +86,11 @@ class RolloutWorker:
     """Actor: one inference engine and the rollout loop that feeds it from the store."""
 
     def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
-                 store: Any, threads: int, version: int = 0) -> None:
+                 store: Any, threads: int, version: int = 0, session: str = "", cwd: str | None = None) -> None:
         from asyncflow.engines.factory import make_inference_engine
 
         quiet_transformers()
+        importable(cwd)
 
         # The engine's decode thread releases the GIL at every torch op; with the default 5 ms switch
         # interval it then waits behind this actor's event loop (store calls, one task per sample);
@@ -99,12 +100,23 @@ class RolloutWorker:
         torch.manual_seed(cfg.seed + index)
         tok = _tokenizer(Path(model_dir))
         self.index = index
+        # `session`: one per run start, shared by the run's rollout actors, so a server engine's weight
+        # folder is written once per version for all of them (`WeightFolderWriter`)
         self.engine = make_inference_engine(cfg, Path(model_dir), tok, index, version,
-                                            device=actor_device(cfg.model.device, cfg.runtime.rollout_gpus))
+                                            device=actor_device(cfg.model.device, cfg.runtime.rollout_gpus),
+                                            run_dir=Path(out), session=session)
+        self.connected: asyncio.Task[None] | None = None
         self.pipeline = _stage(RolloutStage, cfg, rows, Path(model_dir), Path(out), store, [self.engine])
         self.port = weight_port(cfg)
 
-    def ready(self) -> int:
+    async def _connect(self) -> None:
+        """The engine's `connect`, once per process (a restarted actor's first call connects again)."""
+        if self.connected is None:
+            self.connected = asyncio.ensure_future(self.engine.connect())
+        await self.connected
+
+    async def ready(self) -> int:
+        await self._connect()
         return self.engine.capacity
 
     def pid(self) -> int:
@@ -114,9 +126,11 @@ class RolloutWorker:
         # diagnostics: the policy version the loop starts at (a restarted actor: the version the
         # driver loaded into it first)
         self.run_versions = [*getattr(self, "run_versions", []), self.engine.version]
+        await self._connect()
         await self.pipeline.rollout_worker(self.index, self.engine)
 
     async def generate(self, request: GenRequest) -> GenResult:
+        await self._connect()
         return await self.engine.generate(request)
 
     async def load_weights(self, state: dict[str, torch.Tensor] | None, version: int, mode: str) -> dict[str, float]:
@@ -156,8 +170,9 @@ class FeederWorker:
     """Actor: the feeder and the staleness gate it admits against (the trainer loop in the driver
     publishes versions and drops to it through `RemoteGate`)."""
 
-    def __init__(self, cfg: Config, model_dir: str, rows: Any, out: str, store: Any) -> None:
+    def __init__(self, cfg: Config, model_dir: str, rows: Any, out: str, store: Any, cwd: str | None = None) -> None:
         torch.set_num_threads(1)
+        importable(cwd)
         self.pipeline = _stage(FeederStage, cfg, rows, Path(model_dir), Path(out), store, [])
 
     def ready(self) -> bool:
@@ -191,10 +206,11 @@ class RewardWorker:
     """Actor: the reward loop (one reward-function call per complete group)."""
 
     def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
-                 store: Any, reward_fn_path: str) -> None:
+                 store: Any, reward_fn_path: str, cwd: str | None = None) -> None:
         from asyncflow.rewards import load_reward_fn
 
         torch.set_num_threads(1)
+        importable(cwd)
         self.index = index
         reward_fn = load_reward_fn(reward_fn_path, [model_dir])
         self.pipeline = _stage(RewardStage, cfg, rows, Path(model_dir), Path(out), store, [], reward_fn)
@@ -229,6 +245,14 @@ def where() -> dict[str, Any]:
 def weight_port(cfg: Config) -> WeightPort:
     """This actor's end of the collective weight path (unused with `runtime.weight_sync: object_store`)."""
     return WeightPort(int(cfg.runtime.weight_bucket_mb * 2**20), cfg.workflow.step_timeout_s)
+
+
+def importable(cwd: str | None) -> None:
+    """Make the driver's working directory importable in this actor, as it is in the driver, for the
+    plugins a config names as `module:function` (`rollout.agent`, `rollout.env`); Ray adds only the
+    directory the driver was in when it started Ray. Skipped where this node has no such folder."""
+    if cwd is not None and cwd not in sys.path and os.path.isdir(cwd):
+        sys.path.insert(0, cwd)
 
 
 def actor_device(setting: str, gpus: float) -> str:

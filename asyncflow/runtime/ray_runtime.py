@@ -47,11 +47,12 @@ import functools
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 from asyncflow.config import Config, episodic
+from asyncflow.engines.factory import loads_initial_weights
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
 from asyncflow.runtime.base import RuntimeSetup
 from asyncflow.runtime.ray_actors import (
@@ -165,6 +166,13 @@ class RayWorkers:
         """`start` from a `RuntimeSetup`, with the trainer's counts at the setup's version."""
         workers = cls.start(setup.cfg, setup.policy_dir.resolve(), setup.rows, setup.out, setup.reward_fn_path,
                             setup.threads, log=setup.log, version=setup.version)
+        try:
+            if loads_initial_weights(setup.cfg):  # servers hold whatever they held: the trainer's weights first
+                ref = workers.trainer.export_weights()
+                await asyncio.gather(*(e.load_weights(ref, setup.version, "drain") for e in workers.engines))
+        except BaseException:
+            workers.shutdown()
+            raise
         workers.trainer.steps, workers.trainer.exported = setup.steps, setup.version
         return workers
 
@@ -391,9 +399,12 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
     reward_cls: Any = ray.remote(RewardWorker)
     trainer_cls: Any = ray.remote(TrainerWorker)
     feeder_cls: Any = ray.remote(FeederWorker)
+    cwd = os.getcwd()  # importable in every actor, for plugins named module:function
+    if cfg.rollout.sync_dir is not None:  # (the actors write it: relative to the driver, not to them)
+        cfg = replace(cfg, rollout=replace(cfg.rollout, sync_dir=str(Path(cfg.rollout.sync_dir).resolve())))
     feeder_actor = feeder_cls.options(num_cpus=0, max_concurrency=1000, name=f"{prefix}-feeder",
                                       scheduling_strategy=driver_node()).remote(
-        cfg, model_dir, ray.put(rows), out, store)
+        cfg, model_dir, ray.put(rows), out, store, cwd=cwd)
     # rollout and reward actors (restartable) get the store and the feeder (which holds the prompt
     # rows) by name, not as handles or object references
     client = {"inline_max_bytes": store.inline_max_bytes, "rpc_grace_s": store.rpc_grace_s,
@@ -402,13 +413,14 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
     feeder_by_name = Named(f"{prefix}-feeder")
     rollout_actors = [
         rollout_cls.options(**opts(i, f"rollout-{i}")).remote(i, cfg, model_dir, feeder_by_name, out,
-                                                               store_by_name, threads, version)
+                                                               store_by_name, threads, version, session=prefix,
+                                                               cwd=cwd)
         for i in range(w)
     ]
     trainer_actor = trainer_cls.options(**opts(w, "trainer")).remote(cfg, model_dir, threads)
     reward_actors = [
-        reward_cls.options(**opts(w + train_ranks(cfg) + j, f"reward-{j}")).remote(j, cfg, model_dir, feeder_by_name, out,
-                                                                     store_by_name, reward_fn_path)
+        reward_cls.options(**opts(w + train_ranks(cfg) + j, f"reward-{j}")).remote(
+            j, cfg, model_dir, feeder_by_name, out, store_by_name, reward_fn_path, cwd=cwd)
         for j in range(n_reward)
     ]
     return _Actors(rollout_actors, reward_actors, trainer_actor, feeder_actor)
