@@ -499,7 +499,8 @@ class FSDPTrainEngine(TrainEngine):
     def call_ranks(self, method: RankMethod, per_rank_args: list[tuple[Any, ...]] | None = None,
                    what: str = "run a command") -> list[Any]:
         """Run `method` (an `FSDPRank` method's name, or a picklable `f(rank: FSDPRank, *args)`) on every
-        rank (all at once: it may run collectives), waiting at most `timeout_s`; the replies in rank order."""
+        rank at once (it may run collectives), waiting at most the engine's `timeout_s`; the replies
+        in rank order."""
         return self._call(method, per_rank_args or [()] * self.world_size, what)
 
     # ------------------------------------------------------------------ TrainEngine
