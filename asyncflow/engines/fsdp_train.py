@@ -16,9 +16,10 @@ reduction therefore sums (divide factor 1) instead of averaging, and the result 
 the world size or `micro_batch_size`. Ranks whose share is shorter run zero-weight passes on a dummy
 row, so every rank issues the same collectives (a missing pass would hang the others).
 
-Workers start from a forkserver that has imported torch and transformers once, so a second engine in
-the same process starts in about a second. Every wait on a worker has a timeout; a worker that dies or
-raises is an error naming its rank, and the engine then stops all workers (their collectives cannot
+The engine reaches its ranks through a transport (`RankLinks`): local processes from a forkserver
+(`PipeLinks`, the default) or Ray actors (`asyncflow.runtime.ray_fsdp`); the shares, metrics and saves
+above are the engine's, the same over either. Every wait on a rank has a timeout; a rank that dies or
+raises is an error naming it, and the transport then stops all ranks (their collectives cannot
 continue without it).
 """
 
@@ -36,10 +37,11 @@ import tempfile
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import cloudpickle
 import torch
@@ -66,15 +68,17 @@ class WorkerSpec:
 
     model_dir: str
     world_size: int
-    master_port: int
+    master_port: int  # 0: the transport picks the rendezvous (`RankLinks` implementations set it)
     lr: float
     weight_decay: float
     max_grad_norm: float
-    device: str  # "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r)
+    device: str  # "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r unless `own_gpu_only`)
     dtype: str
     threads: int
     timeout_s: float
     seed: int
+    master_addr: str = "127.0.0.1"  # the rendezvous host: rank 0's node
+    own_gpu_only: bool = False  # the process sees exactly its own GPU (a Ray actor's CUDA_VISIBLE_DEVICES): cuda:0
 
 
 @dataclass
@@ -108,8 +112,11 @@ def _free_port() -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-class _Rank:
-    """One rank's shard of the policy and of the optimizer state."""
+RankMethod = str | Callable[..., Any]  # an `FSDPRank` method's name, or `f(rank, *args)` (picklable)
+
+
+class FSDPRank:
+    """One rank's shard of the policy and of the optimizer state (built in the rank's own process)."""
 
     def __init__(self, rank: int, spec: WorkerSpec) -> None:
         import torch.distributed as dist
@@ -119,13 +126,13 @@ class _Rank:
         torch.set_num_threads(spec.threads)
         torch.manual_seed(spec.seed)
         if spec.device == "cuda":
-            torch.cuda.set_device(rank)
-            self.device = torch.device("cuda", rank)
+            self.device = torch.device("cuda", 0 if spec.own_gpu_only else rank)
+            torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
         dist.init_process_group(
             "nccl" if spec.device == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{spec.master_port}",
+            init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
             rank=rank,
             world_size=spec.world_size,
             timeout=timedelta(seconds=spec.timeout_s),
@@ -158,6 +165,10 @@ class _Rank:
                 module.set_force_sum_reduction_for_comms(True)
         self.model: Any = sharded.eval()  # no dropout (as the plain engine: the log-prob passes must agree)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+
+    def run(self, method: RankMethod, args: tuple[Any, ...]) -> Any:
+        """One command: this rank's method `method`, or the function `method(self, *args)`."""
+        return getattr(self, method)(*args) if isinstance(method, str) else method(self, *args)
 
     def _passes(self, share: Share, dummy: TrainBatch) -> list[tuple[TrainBatch, bool]]:
         """(micro-batch, real?) for each of the share's passes; padding passes reuse the dummy row."""
@@ -273,7 +284,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
     """A rank's command loop: ("method", args) in, ("ok", result) or ("error", traceback) out."""
     try:
         quiet_transformers()
-        worker = _Rank(rank, spec)
+        worker = FSDPRank(rank, spec)
         conn.send(("ok", None))
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -291,14 +302,40 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
             conn.send(("ok", None))
             return
         try:
-            conn.send(("ok", getattr(worker, method)(*args)))
+            conn.send(("ok", worker.run(method, args)))
         except Exception:
             conn.send(("error", traceback.format_exc()))
 
 
 # ---------------------------------------------------------------------------------------------------
-# driver side
+# driver side: the transport to the ranks (`RankLinks`), and the engine over any transport
 # ---------------------------------------------------------------------------------------------------
+
+
+class RankLinks(Protocol):
+    """How the driver reaches its ranks. Every wait is bounded; a rank that dies, raises or stays
+    silent is an error naming it, and every rank is stopped by then (the others may be stuck in a
+    collective without it)."""
+
+    world_size: int
+
+    @property
+    def alive(self) -> bool:
+        """False once stopped (by `stop`, or by a failure)."""
+        ...
+
+    def start(self, timeout_s: float) -> None:
+        """Wait until every rank has built its `FSDPRank` (process group joined, model sharded)."""
+        ...
+
+    def call(self, method: RankMethod, per_rank_args: list[tuple[Any, ...]], what: str, timeout_s: float) -> list[Any]:
+        """`FSDPRank.run(method, args)` on every rank with its own args; the replies in rank order.
+        `what` names the request in errors ("compute log-probs")."""
+        ...
+
+    def stop(self) -> None:
+        """Shut the ranks down (politely, then by force); nothing once stopped."""
+        ...
 
 
 def _stop(procs: list[Any], conns: list[Any]) -> None:
@@ -313,97 +350,65 @@ def _stop(procs: list[Any], conns: list[Any]) -> None:
             c.close()
 
 
-class FSDPTrainEngine(TrainEngine):
-    """The policy sharded with FSDP2 over `world_size` worker processes, trained with AdamW."""
+class PipeLinks:
+    """The ranks as processes of this machine, one pipe each: ("method", args) in, ("ok", result) or
+    ("error", traceback) out; rank r on cuda:r on GPU. They start from a forkserver that has imported
+    torch and transformers once, so a second engine in the same process starts in about a second."""
 
-    def __init__(
-        self,
-        model: PreTrainedModel | str | Path,
-        *,
-        world_size: int,
-        lr: float,
-        weight_decay: float = 0.0,
-        mini_batches: int = 1,
-        micro_batch_size: int | None = None,
-        max_grad_norm: float = 1.0,
-        device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        threads: int = 1,
-        timeout_s: float = 600.0,
-        start_timeout_s: float = 300.0,
-        seed: int = 0,
-    ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        if device == "cuda" and torch.cuda.device_count() < world_size:
-            raise ValueError(f"world_size={world_size} needs that many GPUs; {torch.cuda.device_count()} visible")
-        self._tmp: str | None = None
-        if isinstance(model, PreTrainedModel):
-            self._tmp = tempfile.mkdtemp(prefix="asyncflow-fsdp-")
-            model.save_pretrained(self._tmp)
-            model = self._tmp
-        self.model_dir = str(model)
-        # read now, not at each save: the folder may be a checkpoint that pruning removes later (a run
-        # resumed from one crashed at its next save once `checkpoint.keep` newer ones existed)
-        self._config = AutoConfig.from_pretrained(self.model_dir)
-        gen = Path(self.model_dir) / "generation_config.json"
-        self._generation_config = gen.read_bytes() if gen.is_file() else None
-        self.world_size = world_size
-        self.mini_batches = mini_batches
-        self.micro_batch_size = micro_batch_size
-        self.dtype = dtype
-        self.lr = lr
-        self.timeout_s = timeout_s
-        self._loss_cache: tuple[LossFn, bytes] | None = None
-        spec = WorkerSpec(
-            model_dir=self.model_dir, world_size=world_size, master_port=_free_port(), lr=lr,
-            weight_decay=weight_decay, max_grad_norm=max_grad_norm, device=device,
-            dtype=str(dtype).removeprefix("torch."), threads=threads, timeout_s=timeout_s, seed=seed,
-        )
+    def __init__(self, spec: WorkerSpec) -> None:
+        if spec.device == "cuda" and torch.cuda.device_count() < spec.world_size:
+            raise ValueError(f"world_size={spec.world_size} needs that many GPUs; {torch.cuda.device_count()} visible")
+        spec = dataclasses.replace(spec, master_port=spec.master_port or _free_port())
+        self.world_size = spec.world_size
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([__name__])  # torch + transformers imported once, then forked per rank
-        self._conns: list[Any] = []
-        self._procs: list[Any] = []
-        for rank in range(world_size):
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        for rank in range(spec.world_size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(rank, spec, theirs), name=f"fsdp-rank-{rank}", daemon=True)
             proc.start()
             theirs.close()
-            self._conns.append(ours)
-            self._procs.append(proc)
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
-        try:
-            self._collect("start (init the process group, load and shard the model)", start_timeout_s)
-        except BaseException:  # the workers stopped now and the temporary model folder removed (it was left
-            self._finalizer()  # behind: close() is never reached for an engine that failed to start)
-            if self._tmp is not None:
-                shutil.rmtree(self._tmp, ignore_errors=True)
-                self._tmp = None
-            raise
+            self.conns.append(ours)
+            self.procs.append(proc)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
 
-    # ------------------------------------------------------------------ RPC
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
 
-    def _send(self, method: str, per_rank_args: list[tuple[Any, ...]], what: str) -> None:
-        if not self._finalizer.alive:
-            raise RuntimeError("the FSDP train engine is closed (after close() or an earlier worker failure)")
-        for rank, (conn, args) in enumerate(zip(self._conns, per_rank_args, strict=True)):
+    def start(self, timeout_s: float) -> None:
+        self._collect("start (init the process group, load and shard the model)", timeout_s)
+
+    def call(self, method: RankMethod, per_rank_args: list[tuple[Any, ...]], what: str, timeout_s: float) -> list[Any]:
+        self._send(method, per_rank_args, what)
+        return self._collect(what, timeout_s)
+
+    def stop(self) -> None:
+        if self._finalizer.alive:
+            with contextlib.suppress(Exception):
+                self._send("close", [()] * self.world_size, "shut down")
+                self._collect("shut down", 30.0)
+            self._finalizer()
+
+    def _send(self, method: RankMethod, per_rank_args: list[tuple[Any, ...]], what: str) -> None:
+        for rank, (conn, args) in enumerate(zip(self.conns, per_rank_args, strict=True)):
             try:
                 conn.send((method, args))
             except OSError as exc:  # a broken pipe: the worker is gone
-                self._procs[rank].join(timeout=5)
+                self.procs[rank].join(timeout=5)
                 self._finalizer()
-                raise RuntimeError(f"FSDP worker rank {rank} died (exit code {self._procs[rank].exitcode}) before it "
+                raise RuntimeError(f"FSDP worker rank {rank} died (exit code {self.procs[rank].exitcode}) before it "
                                    f"could be asked to {what} ({exc})") from None
 
-    def _collect(self, what: str, timeout_s: float | None = None) -> list[Any]:
-        """Every rank's reply, waiting at most `timeout_s`; a dead, failing or silent worker stops the
-        engine and raises with its rank and what was waited for."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
+    def _collect(self, what: str, limit: float) -> list[Any]:
+        """Every rank's reply, waiting at most `limit` seconds; a dead, failing or silent worker stops
+        all of them and raises with its rank and what was waited for."""
         deadline = time.monotonic() + limit
         replies: dict[int, Any] = {}
         try:
             while len(replies) < self.world_size:
-                for rank, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
+                for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True)):
                     if rank in replies:
                         continue
                     if conn.poll(POLL_S / self.world_size):
@@ -423,9 +428,80 @@ class FSDPTrainEngine(TrainEngine):
             raise
         return [replies[r] for r in range(self.world_size)]
 
-    def _call(self, method: str, per_rank_args: list[tuple[Any, ...]], what: str) -> list[Any]:
-        self._send(method, per_rank_args, what)
-        return self._collect(what)
+
+class FSDPTrainEngine(TrainEngine):
+    """The policy sharded with FSDP2 over `world_size` ranks, trained with AdamW. `links` builds the
+    transport to the ranks from their `WorkerSpec`: local processes (`PipeLinks`) by default, Ray
+    actors with `asyncflow.runtime.ray_fsdp.start_ray_fsdp`."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel | str | Path,
+        *,
+        world_size: int,
+        lr: float,
+        weight_decay: float = 0.0,
+        mini_batches: int = 1,
+        micro_batch_size: int | None = None,
+        max_grad_norm: float = 1.0,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        threads: int = 1,
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 300.0,
+        seed: int = 0,
+        links: Callable[[WorkerSpec], RankLinks] = PipeLinks,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self._tmp: str | None = None
+        if isinstance(model, PreTrainedModel):
+            self._tmp = tempfile.mkdtemp(prefix="asyncflow-fsdp-")
+            model.save_pretrained(self._tmp)
+            model = self._tmp
+        self.model_dir = str(model)
+        # read now, not at each save: the folder may be a checkpoint that pruning removes later
+        self._config = AutoConfig.from_pretrained(self.model_dir)
+        gen = Path(self.model_dir) / "generation_config.json"
+        self._generation_config = gen.read_bytes() if gen.is_file() else None
+        self.world_size = world_size
+        self.mini_batches = mini_batches
+        self.micro_batch_size = micro_batch_size
+        self.dtype = dtype
+        self.lr = lr
+        self.timeout_s = timeout_s
+        self._loss_cache: tuple[LossFn, bytes] | None = None
+        spec = WorkerSpec(
+            model_dir=self.model_dir, world_size=world_size, master_port=0, lr=lr,
+            weight_decay=weight_decay, max_grad_norm=max_grad_norm, device=device,
+            dtype=str(dtype).removeprefix("torch."), threads=threads, timeout_s=timeout_s, seed=seed,
+        )
+        self._links: RankLinks | None = None
+        try:
+            self._links = links(spec)
+            self._links.start(start_timeout_s)
+        except BaseException:  # the ranks stopped now and the temporary model folder removed (close() is
+            self.close()       # never reached for an engine that failed to start)
+            raise
+
+    @property
+    def _procs(self) -> list[Any]:
+        """The rank processes of the local transport (none on another)."""
+        return list(getattr(self._links, "procs", []))
+
+    # ------------------------------------------------------------------ RPC
+
+    def _call(self, method: RankMethod, per_rank_args: list[tuple[Any, ...]], what: str) -> list[Any]:
+        if self._links is None or not self._links.alive:
+            raise RuntimeError("the FSDP train engine is closed (after close() or an earlier worker failure)")
+        return self._links.call(method, per_rank_args, what, self.timeout_s)
+
+    def call_ranks(self, method: RankMethod, per_rank_args: list[tuple[Any, ...]] | None = None,
+                   what: str = "run a command") -> list[Any]:
+        """Run `method` (an `FSDPRank` method's name, or a picklable `f(rank: FSDPRank, *args)`) on every
+        rank at once (it may run collectives), waiting at most the engine's `timeout_s`; the replies
+        in rank order."""
+        return self._call(method, per_rank_args or [()] * self.world_size, what)
 
     # ------------------------------------------------------------------ TrainEngine
 
@@ -487,12 +563,9 @@ class FSDPTrainEngine(TrainEngine):
         self._call("load_optimizer", [(path,)] * self.world_size, "load the optimizer state")
 
     def close(self) -> None:
-        """Stop the workers (politely, then by force) and remove the temporary model folder."""
-        if self._finalizer.alive:
-            with contextlib.suppress(Exception):
-                self._send("close", [()] * self.world_size, "shut down")
-                self._collect("shut down", 30.0)
-            self._finalizer()
+        """Stop the ranks (politely, then by force) and remove the temporary model folder."""
+        if self._links is not None:
+            self._links.stop()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

@@ -1,0 +1,248 @@
+"""FSDP ranks as Ray actors: `start_ray_fsdp` builds an `FSDPTrainEngine` whose ranks are
+`FSDPRankActor`s (one per set of actor options the runtime gives, e.g. one placement-group bundle
+each), reached through `RayRankLinks`.
+
+```
+ driver: RayFSDPTrainEngine ── .remote() per rank ──► FSDPRankActor 0 (node A): FSDPRank ─┐ process group at
+   shares, metrics, saves: FSDPTrainEngine's  ──────► FSDPRankActor 1 (node B): FSDPRank ─┘ node A's IP:port
+```
+
+Start-up takes two steps because the rendezvous is known only once the actors exist: rank 0's actor
+reports its node's IP and a port free there; then every actor builds its `FSDPRank` at that address,
+all at once (joining the process group waits for every rank). On GPU each actor sees only the GPUs Ray
+gave it and uses the first as cuda:0 (NCCL); on CPU the ranks talk gloo.
+
+Every wait polls `ray.wait` briefly, so a dead rank is an error naming it within about a second, never a
+hang; a failed rank's traceback comes with its rank; after any failure every rank actor is killed
+(the others may be stuck in a collective without it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncflow.engines.base import quiet_transformers
+from asyncflow.engines.fsdp_train import FSDPRank, FSDPTrainEngine, RankMethod, WorkerSpec
+from asyncflow.errors import WaitTimeout
+from asyncflow.runtime.ray_errors import why_died
+
+POLL_S = 0.5  # how often a wait on the ranks looks for a dead or failed one
+STOP_TIMEOUT_S = 10.0  # a polite shutdown (leaving the process group) before the actors are killed
+DEATH_GRACE_S = 5.0  # after a rank's error, how long a death of another rank (its likely cause) may take to show
+GET_TIMEOUT_S = 60.0  # reading a reply that `ray.wait` already reported as here (no task is waited on)
+
+
+class FSDPRankActor:
+    """One rank in its own Ray actor; its `FSDPRank` is built by `build`, once every rank's actor exists."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.worker: FSDPRank | None = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it now: the rendezvous, asked of rank 0's actor."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return str(ray.util.get_node_ip_address()), port
+
+    def build(self, spec: WorkerSpec) -> None:
+        """Join the process group at `spec`'s rendezvous, load and shard the model."""
+        quiet_transformers()
+        self.worker = FSDPRank(self.rank, spec)
+
+    def run(self, method: RankMethod, args: tuple[Any, ...]) -> Any:
+        if self.worker is None:
+            raise RuntimeError(f"FSDP rank {self.rank} was asked to run {method!r} before it was built")
+        return self.worker.run(method, args)
+
+    def node_id(self) -> str:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        """Leave the process group (the actor is killed next)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _kill(actors: list[Any]) -> None:
+    """Kill every rank actor (on errors, at close and at garbage collection)."""
+    import ray
+
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+
+
+class RayRankLinks:
+    """`RankLinks` over Ray: each call is one `.remote()` per rank actor, waited in short polls."""
+
+    def __init__(self, spec: WorkerSpec, actor_options: list[dict[str, Any]]) -> None:
+        import ray
+
+        if len(actor_options) != spec.world_size:
+            raise ValueError(f"world_size={spec.world_size} needs as many actor options; got {len(actor_options)}")
+        if spec.device == "cuda" and any(o.get("num_gpus", 0) < 1 for o in actor_options):
+            raise ValueError(f"device=cuda needs num_gpus >= 1 in every rank actor's options (one GPU per rank, "
+                             f"NCCL); got {[o.get('num_gpus', 0) for o in actor_options]}")
+        self.world_size = spec.world_size
+        self._spec = dataclasses.replace(spec, own_gpu_only=True)  # Ray sets each actor's CUDA_VISIBLE_DEVICES
+        remote = ray.remote(FSDPRankActor)
+        self.actors: list[Any] = [remote.options(**o).remote(rank) for rank, o in enumerate(actor_options)]
+        self._finalizer = weakref.finalize(self, _kill, list(self.actors))
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    def start(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        [(addr, port)] = self._gather({0: self.actors[0].address.remote()},
+                                      "start (report its node's address for the process group)", timeout_s)
+        spec = dataclasses.replace(self._spec, master_addr=addr, master_port=port)
+        self._gather({r: a.build.remote(spec) for r, a in enumerate(self.actors)},
+                     f"start (init the process group at {addr}:{port}, load and shard the model)",
+                     max(deadline - time.monotonic(), 1.0))
+
+    def call(self, method: RankMethod, per_rank_args: list[tuple[Any, ...]], what: str, timeout_s: float) -> list[Any]:
+        refs = {r: a.run.remote(method, args) for r, (a, args) in enumerate(zip(self.actors, per_rank_args, strict=True))}
+        return self._gather(refs, what, timeout_s)
+
+    def where(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Each rank's {"rank", "node_id", "pid"}."""
+        nodes = self._gather({r: a.node_id.remote() for r, a in enumerate(self.actors)}, "report its node", timeout_s)
+        pids = self._gather({r: a.pid.remote() for r, a in enumerate(self.actors)}, "report its pid", timeout_s)
+        return [{"rank": r, "node_id": n, "pid": p} for r, (n, p) in enumerate(zip(nodes, pids, strict=True))]
+
+    def stop(self) -> None:
+        if self._finalizer.alive:
+            with contextlib.suppress(Exception):
+                self._gather({r: a.close.remote() for r, a in enumerate(self.actors)}, "shut down", STOP_TIMEOUT_S)
+            self._finalizer()
+
+    def _gather(self, refs: dict[int, Any], what: str, limit: float) -> list[Any]:
+        """The replies of `refs` (rank -> ObjectRef) in rank order, waiting at most `limit` seconds; a dead,
+        failing or silent rank kills every rank actor and raises with its rank and `what`."""
+        import ray
+
+        deadline = time.monotonic() + limit
+        pending = {ref: rank for rank, ref in refs.items()}
+        replies: dict[int, Any] = {}
+        failed: RuntimeError | None = None
+        grace_end = deadline
+        try:
+            while pending:
+                now = time.monotonic()
+                if failed is not None and now >= grace_end:
+                    raise failed
+                if now >= deadline:
+                    raise failed or WaitTimeout(f"timed out after {limit:.0f} s waiting for FSDP worker rank(s) "
+                                                f"{sorted(pending.values())} to {what}")
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(POLL_S, deadline - now))
+                for ref in ready:
+                    rank = pending.pop(ref)
+                    try:
+                        replies[rank] = _reply(ref, rank, what)
+                    except RankDied:
+                        raise
+                    except RuntimeError as exc:  # a collective fails on every rank when one dies: wait a little
+                        if failed is None:      # for a death to be reported, the cause to name
+                            failed, grace_end = exc, time.monotonic() + DEATH_GRACE_S
+            if failed is not None:
+                raise failed
+        except BaseException:
+            self._finalizer()
+            raise
+        return [replies[r] for r in sorted(replies)]
+
+
+class RankDied(RuntimeError):
+    """A rank actor died while the engine waited for it."""
+
+
+def _reply(ref: Any, rank: int, what: str) -> Any:
+    """The value of a finished rank task, or the error naming the rank (its death, or its traceback)."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=GET_TIMEOUT_S)
+    except ray.exceptions.RayActorError as exc:
+        raise RankDied(f"FSDP worker rank {rank} died ({why_died(exc)}) while the engine waited for it "
+                       f"to {what}") from None
+    except ray.exceptions.RayTaskError as exc:
+        raise RuntimeError(f"FSDP worker rank {rank} failed to {what}:\n{exc}") from None
+
+
+def _export_ref(rank: FSDPRank, master: bool) -> list[Any] | None:
+    """Rank 0: the gathered weights put into Ray's object store (owned by rank 0's actor); others: None."""
+    import ray
+
+    state = rank.export(master)  # a collective: every rank takes part
+    return None if state is None else [ray.put(state)]  # in a list: the driver gets the reference, not the value
+
+
+class RayFSDPTrainEngine(FSDPTrainEngine):
+    """An `FSDPTrainEngine` whose ranks are Ray actors (built by `start_ray_fsdp`)."""
+
+    def export_weights_ref(self, master: bool = False) -> Any:
+        """The full weights (as `export_weights` returns them) as an `ObjectRef` of rank 0's, not pulled into
+        this process; returned once every rank has finished the gather. Rank 0's actor owns the object:
+        it is lost when the engine closes, so read it before then."""
+        replies = self.call_ranks(_export_ref, [(master,)] * self.world_size, "gather the full weights")
+        return replies[0][0]
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Each rank's {"rank", "node_id", "pid"} (for the run's summary)."""
+        if not isinstance(self._links, RayRankLinks) or not self._links.alive:
+            raise RuntimeError("the FSDP train engine is closed (after close() or an earlier worker failure)")
+        return self._links.where(self.timeout_s)
+
+
+def start_ray_fsdp(
+    model_dir: str | Path,
+    *,
+    world_size: int,
+    actor_options: list[dict[str, Any]],
+    lr: float,
+    weight_decay: float = 0.0,
+    mini_batches: int = 1,
+    micro_batch_size: int | None = None,
+    max_grad_norm: float = 1.0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    threads: int = 1,
+    timeout_s: float = 600.0,
+    start_timeout_s: float = 300.0,
+    seed: int = 0,
+) -> RayFSDPTrainEngine:
+    """An FSDP engine over `world_size` Ray rank actors, rank r started with `actor_options[r]` (Ray's
+    `.options()`: num_cpus, num_gpus, name, scheduling_strategy...). `device`: "cuda" (NCCL; each
+    rank's options must ask for a GPU) or "cpu" (gloo). `model_dir` must be readable on every rank's
+    node, and `save`'s folder writable where the driver and rank 0 run (the driver writes the model,
+    rank 0 the optimizer state). Waits at most `start_timeout_s` for the ranks to start, then
+    `timeout_s` for each call."""
+    options = [dict(o) for o in actor_options]
+    return RayFSDPTrainEngine(
+        model_dir, world_size=world_size, lr=lr, weight_decay=weight_decay, mini_batches=mini_batches,
+        micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, device=device, dtype=dtype,
+        threads=threads, timeout_s=timeout_s, start_timeout_s=start_timeout_s, seed=seed,
+        links=lambda spec: RayRankLinks(spec, options),
+    )
