@@ -183,9 +183,6 @@ def _validate_engines(cfg: Config, explicit: set[str]) -> None:
             if f"train.{key}" in explicit:
                 raise UserError(f"train.{key}: only used with train.engine=fsdp (engine is {t.engine})")
     else:
-        if cfg.runtime.kind != "local":
-            raise UserError("train.engine: fsdp runs only with runtime.kind=local in this version (the Ray "
-                            "trainer actor holds a plain torch engine)")
         if t.batch_size % (t.world_size * t.mini_batches):
             raise UserError(
                 f"train.world_size: batch_size={t.batch_size} is not divisible by world_size x mini_batches="

@@ -166,8 +166,9 @@ class TrainConfig:
     engine: Literal["torch", "fsdp"] = _f(
         "torch",
         "Train engine adapter: torch (plain PyTorch, one process) or fsdp (PyTorch FSDP2 over train.world_size "
-        "worker processes: NCCL with one GPU per rank when that many GPUs are visible, else gloo on CPU; "
-        "runtime.kind=local only). docs/engines.md.",
+        "ranks: locally worker processes, NCCL with one GPU per rank when that many GPUs are visible, else gloo "
+        "on CPU; on Ray one actor per rank, each in its own placement-group bundle with runtime.train_cpus and "
+        "runtime.train_gpus, NCCL when those GPUs are given). docs/engines.md, docs/ray.md.",
     )
     world_size: int = _f(
         1,
@@ -336,8 +337,10 @@ class RuntimeConfig:
     address: str | None = _f(None, "Ray cluster address to join (runtime.kind: ray); null starts a local Ray (loopback, no dashboard).")
     rollout_cpus: float = _f(1.0, "CPUs reserved per rollout worker actor (ray).", lo=0.0)
     rollout_gpus: float = _f(0.0, "GPUs per rollout worker actor (ray); its hf engine runs on them (model.device); vllm needs >= 1.", lo=0.0)
-    train_cpus: float = _f(1.0, "CPUs reserved for the trainer actor (ray).", lo=0.0)
-    train_gpus: float = _f(0.0, "GPUs for the trainer actor (ray); its torch trainer runs on them (model.device).", lo=0.0)
+    train_cpus: float = _f(1.0, "CPUs reserved for the trainer actor, or per FSDP rank actor (ray); an FSDP rank "
+                           "uses as many torch threads (at least 1).", lo=0.0)
+    train_gpus: float = _f(0.0, "GPUs for the trainer actor, or per FSDP rank actor (ray); the trainer runs on them "
+                           "(model.device).", lo=0.0)
     reward_workers: int = _f(1, "Reward worker actors (ray); each scores whole groups as they complete.", lo=1)
     reward_cpus: float = _f(0.0, "CPUs reserved per reward worker actor (ray); 0 for light verifiers.", lo=0.0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _f(

@@ -111,7 +111,6 @@ def test_set_values_are_parsed_as_yaml_scalars() -> None:
         (["rollout.n=1", "train.batch_size=8", "algorithm.advantage=rloo"], "rollout.n: group advantages"),
         (["train.world_size=2"], "train.world_size: only used with train.engine=fsdp"),
         (["train.worker_timeout_s=5"], "train.worker_timeout_s: only used with train.engine=fsdp"),
-        (["train.engine=fsdp", "runtime.kind=ray"], "train.engine: fsdp runs only with runtime.kind=local"),
         (["train.engine=fsdp", "train.world_size=3", "train.batch_size=16", "rollout.n=4"],
          "train.world_size: batch_size=16 is not divisible by world_size x mini_batches=3 x 1"),
         (["train.engine=fsdp", "train.world_size=2", "train.mini_batches=3", "train.batch_size=16", "rollout.n=4"],

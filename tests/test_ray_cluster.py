@@ -20,6 +20,7 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "arith_ray.yaml"
+STEPS = 40  # (a step takes ~0.3 s here: enough left after step 2 that the loss happens mid-run)
 LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # every node, the GCS and the driver stay on 127.0.0.1
 
 
@@ -77,12 +78,17 @@ def _node(summary: dict[str, Any], role: str, index: int = 0) -> str:
     return next(a["node_id"] for a in summary["actors"] if a["role"] == role and a["index"] == index)
 
 
-def test_trainer_and_rollout_actors_on_their_nodes_with_collective_weight_sync(cluster, tmp_path: Path) -> None:
+def test_fsdp_ranks_and_rollout_actors_on_their_nodes_with_collective_weight_sync(cluster, tmp_path: Path) -> None:
+    """The acceptance run: FSDP (world size 2, gloo) ranks on the trainer node, the rollout actor on
+    a rollout node, weights broadcast from rank 0 to it, every sample accounted for."""
     c, nodes = cluster
     out = tmp_path / "run"
-    summary = _finish(_start(c, out, "train.max_steps=3", "train.batch_size=16"), out)
+    summary = _finish(_start(c, out, "train.max_steps=3", "train.batch_size=16", "train.engine=fsdp",
+                             "train.world_size=2"), out)
     assert summary["samples"] == 3 * 16
-    assert _node(summary, "trainer") == nodes["trainer"].node_id
+    ranks = [a for a in summary["actors"] if a["role"] == "trainer"]
+    assert sorted(a["index"] for a in ranks) == [0, 1] and len({a["pid"] for a in ranks}) == 2
+    assert {a["node_id"] for a in ranks} == {nodes["trainer"].node_id}
     assert _node(summary, "rollout") in {nodes["rollout-a"].node_id, nodes["rollout-b"].node_id}
     assert _node(summary, "store") == _node(summary, "feeder") == c.head_node.node_id  # with the driver
     sync = summary["weight_sync"]
@@ -96,7 +102,7 @@ def _wait_for(what: str, check: Any, proc: subprocess.Popen[str], timeout_s: flo
         if got:
             return got
         assert proc.poll() is None, f"the run ended before {what}"
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
@@ -104,7 +110,7 @@ def test_a_rollout_node_removed_mid_run_is_survived(cluster, tmp_path: Path) -> 
     c, nodes = cluster
     out = tmp_path / "run"
     log = out.parent / f"{out.name}.log"
-    proc = _start(c, out, "train.max_steps=8", "train.batch_size=16")
+    proc = _start(c, out, f"train.max_steps={STEPS}", "train.batch_size=16")
 
     def placed() -> str | None:
         m = re.search(r"ray: nodes: .*?rollout/0@([0-9a-f]{8})", log.read_text())
@@ -121,7 +127,7 @@ def test_a_rollout_node_removed_mid_run_is_survived(cluster, tmp_path: Path) -> 
     c.remove_node(nodes[lost_name])
     summary = _finish(proc, out)
     other = nodes["rollout-b" if lost_name == "rollout-a" else "rollout-a"].node_id
-    assert summary["samples"] == 8 * 16
+    assert summary["samples"] == STEPS * 16
     assert summary["restarts"].get("rollout/0") == 1, summary["restarts"]
     assert _node(summary, "rollout") == other
     assert re.search(r"ray: rollout/0 died .*; restarted \(1 of 3\)", log.read_text())

@@ -10,6 +10,7 @@ says, loads the trainer's weights into it before its first request.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,13 @@ from asyncflow.config import Config
 from asyncflow.engines.base import InferenceEngine, TrainEngine, pick_device
 
 
-def make_train_engine(cfg: Config, model_dir: Path, *, threads: int, device: str | None = None) -> TrainEngine:
+def make_train_engine(cfg: Config, model_dir: Path, *, threads: int, device: str | None = None,
+                      links: Callable[[Any], Any] | None = None) -> TrainEngine:
     """The `TrainEngine` named by `train.engine`, holding the weights in `model_dir`. `device`: where
-    the plain torch trainer runs (None: `model.device` on this process); fsdp places its ranks
-    itself (NCCL with a GPU per rank when there are enough, else gloo on CPU), sharing `threads`."""
+    the plain torch trainer runs (None: `model.device` on this process); fsdp starts its ranks as
+    child processes of this one (NCCL with a GPU per rank when there are enough, else gloo on CPU,
+    sharing `threads`), or through `links` (a `fsdp_train.RankLinks` factory: the Ray runtime's rank
+    actors, `threads` each)."""
     t = cfg.train
     common: dict[str, Any] = dict(lr=t.lr, weight_decay=t.weight_decay, mini_batches=t.mini_batches,
                                   micro_batch_size=t.micro_batch_size, max_grad_norm=t.max_grad_norm,
@@ -30,6 +34,10 @@ def make_train_engine(cfg: Config, model_dir: Path, *, threads: int, device: str
     if t.engine == "fsdp":
         from asyncflow.engines.fsdp_train import FSDPTrainEngine
 
+        if links is not None:  # ranks elsewhere (Ray actors): each has its GPU when Ray gave it one
+            on_gpu = cfg.model.device != "cpu" and cfg.runtime.train_gpus >= 1
+            return FSDPTrainEngine(model_dir, world_size=t.world_size, device="cuda" if on_gpu else "cpu",
+                                   threads=threads, timeout_s=t.worker_timeout_s, seed=cfg.seed, links=links, **common)
         enough = torch.cuda.is_available() and torch.cuda.device_count() >= t.world_size
         return FSDPTrainEngine(model_dir, world_size=t.world_size, device="cuda" if enough else "cpu",
                                threads=max(1, threads // t.world_size), timeout_s=t.worker_timeout_s,

@@ -485,6 +485,11 @@ class FSDPTrainEngine(TrainEngine):
             raise
 
     @property
+    def links(self) -> RankLinks | None:
+        """The transport to the ranks (None: it failed to start)."""
+        return self._links
+
+    @property
     def _procs(self) -> list[Any]:
         """The rank processes of the local transport (none on another)."""
         return list(getattr(self._links, "procs", []))

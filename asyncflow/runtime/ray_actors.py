@@ -135,6 +135,10 @@ class RolloutWorker:
 
     async def load_weights(self, state: dict[str, torch.Tensor] | None, version: int, mode: str) -> dict[str, float]:
         """Load `state` as `version`; None (the trainer has sent a newer version since): nothing to load."""
+        import ray
+
+        if isinstance(state, ray.ObjectRef):  # (FSDP on Ray: a reference to the weights rank 0 stored)
+            state = await state
         if state is None:
             return {"seconds": 0.0, "skipped": 1.0, **self.stats()}
         seconds = await self.engine.load_weights(state, version, mode)  # type: ignore[arg-type]
@@ -301,8 +305,9 @@ class TrainerWorker:
     def published(self, version: int) -> dict[str, torch.Tensor] | None:
         return self.port.published(version)
 
-    def where(self) -> dict[str, Any]:
-        return where()
+    def placement(self) -> list[dict[str, Any]]:
+        """Where the trainer runs, for the run's summary."""
+        return [{"role": "trainer", "index": 0, **where()}]
 
     def save(self, path: str, with_optimizer: bool) -> None:
         self.engine.save(path, with_optimizer=with_optimizer)

@@ -30,10 +30,13 @@ from typing import Any
 
 import torch
 
+from asyncflow.config import Config
 from asyncflow.engines.base import quiet_transformers
 from asyncflow.engines.fsdp_train import FSDPRank, FSDPTrainEngine, RankMethod, WorkerSpec
 from asyncflow.errors import WaitTimeout
+from asyncflow.runtime.ray_actors import TrainerWorker, weight_port
 from asyncflow.runtime.ray_errors import why_died
+from asyncflow.runtime.ray_weights import WeightPort
 
 POLL_S = 0.5  # how often a wait on the ranks looks for a dead or failed one
 STOP_TIMEOUT_S = 10.0  # a polite shutdown (leaving the process group) before the actors are killed
@@ -206,14 +209,14 @@ class RayFSDPTrainEngine(FSDPTrainEngine):
         """The full weights (as `export_weights` returns them) as an `ObjectRef` of rank 0's, not pulled into
         this process; returned once every rank has finished the gather. Rank 0's actor owns the object:
         it is lost when the engine closes, so read it before then."""
-        replies = self.call_ranks(_export_ref, [(master,)] * self.world_size, "gather the full weights")
-        return replies[0][0]
+        return export_ref(self, master)
 
     def placement(self) -> list[dict[str, Any]]:
         """Each rank's {"rank", "node_id", "pid"} (for the run's summary)."""
-        if not isinstance(self._links, RayRankLinks) or not self._links.alive:
+        links = self.links
+        if not isinstance(links, RayRankLinks) or not links.alive:
             raise RuntimeError("the FSDP train engine is closed (after close() or an earlier worker failure)")
-        return self._links.where(self.timeout_s)
+        return links.where(self.timeout_s)
 
 
 def start_ray_fsdp(
@@ -246,3 +249,92 @@ def start_ray_fsdp(
         threads=threads, timeout_s=timeout_s, start_timeout_s=start_timeout_s, seed=seed,
         links=lambda spec: RayRankLinks(spec, options),
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the collective weight path on the ranks (`asyncflow.runtime.ray_weights`): rank 0 is the sender
+# ---------------------------------------------------------------------------------------------------
+
+
+def export_ref(engine: FSDPTrainEngine, master: bool = False) -> Any:
+    """The full weights as an `ObjectRef` of rank 0's (for any FSDP engine over Ray links)."""
+    return engine.call_ranks(_export_ref, [(master,)] * engine.world_size, "gather the full weights")[0][0]
+
+
+def _port(rank: FSDPRank) -> WeightPort:
+    port: WeightPort | None = getattr(rank, "weight_port", None)
+    if port is None:
+        raise RuntimeError(f"FSDP rank {rank.rank} holds no weight port (rank 0 joins the weight group)")
+    return port
+
+
+def rank_weights_address(rank: FSDPRank) -> tuple[str, int] | None:
+    return WeightPort.address() if rank.rank == 0 else None
+
+
+def rank_join_weights(rank: FSDPRank, host: str, port: int, size: int, epoch: int, backend: str,
+                      bucket_bytes: int, timeout_s: float) -> None:
+    """Rank 0 joins weight group `epoch` as its rank 0 (the others are not in it)."""
+    if rank.rank == 0:
+        if getattr(rank, "weight_port", None) is None:
+            rank.weight_port = WeightPort(bucket_bytes, timeout_s)  # type: ignore[attr-defined]
+        _port(rank).join(host, port, 0, size, epoch, backend)
+
+
+def rank_send_weights(rank: FSDPRank, version: int) -> None:
+    """Every rank takes part in the gather; rank 0 broadcasts the result to the weight group."""
+    state = rank.export(False)
+    if state is not None:
+        _port(rank).send(state, version)
+
+
+def rank_published(rank: FSDPRank, version: int) -> Any:
+    """Rank 0: the state it last sent, put into the object store, if it is `version` (else None)."""
+    import ray
+
+    if rank.rank != 0:
+        return None
+    state = _port(rank).published(version)
+    return None if state is None else [ray.put(state)]
+
+
+class FSDPTrainerWorker(TrainerWorker):
+    """Actor: the trainer with `train.engine: fsdp` on Ray. It holds no weights itself: it splits each
+    batch among the rank actors (one placement-group bundle each, `rank_options`) and combines their
+    replies, as `FSDPTrainEngine` does for local ranks; weights go from rank 0 straight to the rollout
+    actors (an object-store reference, or the collective broadcast)."""
+
+    def __init__(self, cfg: Config, model_dir: str, threads: int, rank_options: list[dict[str, Any]]) -> None:
+        from asyncflow.engines.factory import make_train_engine
+
+        quiet_transformers()
+        self.cfg = cfg
+        self.engine: FSDPTrainEngine = make_train_engine(  # type: ignore[assignment]
+            cfg, Path(model_dir), threads=threads, links=lambda spec: RayRankLinks(spec, rank_options))
+        self.port = weight_port(cfg)
+
+    def export_weights(self) -> Any:  # type: ignore[override]
+        """A reference to the weights rank 0 stored (never copied into this actor)."""
+        return export_ref(self.engine)
+
+    def weights_address(self) -> tuple[str, int]:
+        return self._ranks(rank_weights_address, (), "open a port for the weight group")[0]  # type: ignore[no-any-return]
+
+    def join_weights(self, host: str, port: int, rank: int, size: int, epoch: int, backend: str) -> None:
+        args = (host, port, size, epoch, backend, self.port.bucket_bytes, self.port.timeout_s)
+        self._ranks(rank_join_weights, args, f"join weight group {epoch}")
+
+    def send_weights(self, version: int) -> None:
+        self._ranks(rank_send_weights, (version,), f"send policy version {version}")
+
+    def published(self, version: int) -> Any:
+        reply = self._ranks(rank_published, (version,), f"hand out policy version {version}")[0]
+        return None if reply is None else reply[0]
+
+    def placement(self) -> list[dict[str, Any]]:
+        links = self.engine.links
+        ranks = links.where(self.engine.timeout_s) if isinstance(links, RayRankLinks) else []
+        return [{"role": "trainer", "index": r["rank"], "node_id": r["node_id"], "pid": r["pid"]} for r in ranks]
+
+    def _ranks(self, fn: Any, args: tuple[Any, ...], what: str) -> list[Any]:
+        return self.engine.call_ranks(fn, [args] * self.engine.world_size, what)

@@ -16,6 +16,7 @@ from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, LossF
 from asyncflow.errors import RunFailed, TrainerDied, WaitTimeout
 from asyncflow.runtime.ray_actors import POLL_S, READY_TIMEOUT_S
 from asyncflow.runtime.ray_errors import actor_id, dead_actor_error, death_error, why_died
+from asyncflow.runtime.ray_fsdp import RankDied
 from asyncflow.runtime.ray_weights import StoredWeights, WeightChannel
 
 
@@ -264,7 +265,9 @@ class RemoteTrainEngine(TrainEngine):
             return ray.get(ref, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
             raise WaitTimeout(f"timed out after {self.timeout:.0f} s waiting for the trainer actor to {what}") from None
-        except ray.exceptions.RayTaskError:
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, RankDied):  # an FSDP rank actor died: the trainer cannot go on without it
+                raise self.died(exc.cause, what) from exc
             raise  # an error in the trainer's code: its traceback is what helps
         except ray.exceptions.RayActorError as exc:
             raise self.died(exc, what) from exc

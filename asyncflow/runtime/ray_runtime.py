@@ -151,7 +151,8 @@ class RayWorkers:
                    for i, (a, c) in enumerate(zip(actors.rollout, capacities, strict=True))]
         if rt.weight_sync == "collective":
             trainer.channel = WeightChannel(trainer, engines, weight_backend(cfg), timeout, log)
-        log(f"[asyncflow] ray: feeder, {w} rollout, 1 trainer, {n_reward} reward actor(s) ready in "
+        ranks = f" ({cfg.train.world_size} FSDP ranks)" if cfg.train.engine == "fsdp" else ""
+        log(f"[asyncflow] ray: feeder, {w} rollout, 1 trainer{ranks}, {n_reward} reward actor(s) ready in "
             f"{time.monotonic() - t0:.1f} s (names {prefix}-*)")
         workers = cls(store, engines, trainer, actors.rollout, actors.reward, actors.trainer, actors.feeder,
                    RemoteGate(actors.feeder, cfg.staleness), place.group, prefix=prefix,
@@ -333,7 +334,7 @@ class RayWorkers:
 
         named = [("rollout", i, a) for i, a in enumerate(self.rollout_actors)]
         named += [("reward", j, a) for j, a in enumerate(self.reward_actors)]
-        named += [("trainer", 0, self.trainer_actor), ("feeder", 0, self.feeder_actor), ("store", 0, self.store.handle)]
+        named += [("feeder", 0, self.feeder_actor), ("store", 0, self.store.handle)]
         out = []
         for role, index, actor in named:
             try:
@@ -341,6 +342,10 @@ class RayWorkers:
             except ray.exceptions.RayError as exc:
                 spot = {"node_id": None, "pid": None, "error": type(exc).__name__}
             out.append({"role": role, "index": index, **spot})
+        try:  # (the trainer's ranks, with train.engine: fsdp)
+            out[len(named) - 2:len(named) - 2] = ray.get(self.trainer_actor.placement.remote(), timeout=STORE_CALL_TIMEOUT_S)
+        except ray.exceptions.RayError as exc:
+            out.append({"role": "trainer", "index": 0, "node_id": None, "pid": None, "error": type(exc).__name__})
         return out
 
     def shutdown(self) -> None:
@@ -417,7 +422,15 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
                                                                cwd=cwd)
         for i in range(w)
     ]
-    trainer_actor = trainer_cls.options(**opts(w, "trainer")).remote(cfg, model_dir, threads)
+    if cfg.train.engine == "fsdp":  # a coordinator on the driver's node; the ranks hold the bundles
+        from asyncflow.runtime.ray_fsdp import FSDPTrainerWorker
+
+        ranks = [opts(w + r, f"trainer-rank-{r}") for r in range(cfg.train.world_size)]
+        trainer_actor = ray.remote(FSDPTrainerWorker).options(
+            num_cpus=0, max_concurrency=1, name=f"{prefix}-trainer", scheduling_strategy=driver_node(),
+        ).remote(cfg, model_dir, max(1, round(cfg.runtime.train_cpus)), ranks)
+    else:
+        trainer_actor = trainer_cls.options(**opts(w, "trainer")).remote(cfg, model_dir, threads)
     reward_actors = [
         reward_cls.options(**opts(w + train_ranks(cfg) + j, f"reward-{j}")).remote(
             j, cfg, model_dir, feeder_by_name, out, store_by_name, reward_fn_path, cwd=cwd)
