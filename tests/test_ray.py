@@ -244,6 +244,7 @@ def _slow_rollout_worker(model):
     lands mid-request) and that never stops at EOS."""
     from asyncflow.engines.hf import HFEngine
     from asyncflow.runtime.ray_runtime import RolloutWorker
+    from asyncflow.runtime.ray_weights import WeightPort
     from asyncflow.workflow.pipeline import Counters
 
     class SlowRolloutWorker(RolloutWorker):
@@ -258,6 +259,8 @@ def _slow_rollout_worker(model):
 
             self.engine._decode_step = slow  # type: ignore[method-assign]
             self.pipeline = types.SimpleNamespace(counters=Counters())
+            self.connected = None
+            self.port = WeightPort(2**16, 60.0)  # small buckets: a version spans several broadcasts
 
     return SlowRolloutWorker
 
@@ -297,17 +300,69 @@ def test_a_cancelled_remote_request_is_cancelled_in_the_actor_too(ray_session, t
     assert before == 2 and after == 0
 
 
+class _Sender:
+    """A trainer's side of the collective weight path, holding one state to publish."""
+
+    def __init__(self, state) -> None:
+        from asyncflow.runtime.ray_weights import WeightPort
+
+        self.state, self.port = state, WeightPort(2**16, 60.0)
+
+    def weights_address(self):
+        return self.port.address()
+
+    def join_weights(self, host, port, size, epoch, backend) -> None:
+        self.port.join(host, port, 0, size, epoch, backend)
+
+    def send_weights(self, version) -> None:
+        self.port.send(self.state, version)
+
+    def published(self, version):
+        return self.port.published(version)
+
+
+class _SenderProxy:
+    """What `WeightChannel` calls on the trainer (the driver's side; calls return references)."""
+
+    def __init__(self, actor, state_ref) -> None:
+        self.actor, self.state_ref = actor, state_ref
+
+    def weights_address(self):
+        import ray
+
+        return ray.get(self.actor.weights_address.remote(), timeout=60)
+
+    def join_weights(self, host, port, size, epoch, backend):
+        return self.actor.join_weights.remote(host, port, size, epoch, backend)
+
+    def send_weights(self, version):
+        return self.actor.send_weights.remote(version)
+
+    def published(self, version):
+        return self.actor.published.remote(version)
+
+    def export_ref(self):
+        return self.state_ref
+
+
+@pytest.mark.parametrize("path", ["object_store", "collective"])
 @pytest.mark.parametrize("mode", ["swap", "drain", "abort"])
-def test_weight_modes_through_the_object_store_keep_versions_right(ray_session, tiny_model, mode: str) -> None:
+def test_weight_modes_keep_versions_right_on_either_path(ray_session, tiny_model, mode: str, path: str) -> None:
+    """`drain | swap | abort` hold the same whether the actor fetched the weights from the object
+    store or received them by broadcast (gloo, several buckets) from a sender actor."""
     import asyncio
 
     ray = ray_session
     from asyncflow.runtime.ray_runtime import RemoteEngine
+    from asyncflow.runtime.ray_weights import StoredWeights, WeightChannel
 
     actor = ray.remote(_slow_rollout_worker(tiny_model)).options(num_cpus=0, max_concurrency=100).remote(tiny_model)
     engine = RemoteEngine(actor, capacity=16, timeout_s=60)
-    state_ref = ray.put(_perturbed_state(tiny_model))  # published once; the actor fetches it
+    state = _perturbed_state(tiny_model)
+    state_ref = ray.put(state)  # published once; the actor fetches it
+    sender = ray.remote(_Sender).options(num_cpus=0).remote(state) if path == "collective" else None
     ray.get(actor.__ray_ready__.remote(), timeout=120)
+    channel = WeightChannel(_SenderProxy(sender, state_ref), [engine], "gloo", 60.0, print) if sender else None
 
     async def scenario():
         reqs = [GenRequest(i, [3 + i, 4, 5], 30, 1.0) for i in range(4)]
@@ -317,7 +372,8 @@ def test_weight_modes_through_the_object_store_keep_versions_right(ray_session, 
                 break
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
-        seconds = await engine.load_weights(state_ref, 1, mode)
+        publication = channel.publish(1) if channel is not None else StoredWeights(state_ref)
+        seconds = await engine.load_weights(publication, 1, mode)
         late = await engine.generate(GenRequest(99, [3, 4, 5], 5, 1.0))
         return await asyncio.gather(*running), late, seconds
 
@@ -325,7 +381,11 @@ def test_weight_modes_through_the_object_store_keep_versions_right(ray_session, 
         results, late, seconds = asyncio.run(scenario())
     finally:
         ray.kill(actor)
+        if sender is not None:
+            ray.kill(sender)
     assert seconds >= 0 and engine.version == 1
+    if channel is not None:
+        assert (channel.delivered, channel.fallbacks, channel.epoch) == (1, 0, 1)
     for res in results:
         v = res.token_versions
         assert len(res.response_ids) == len(res.behavior_logprobs) == len(v) == 30
