@@ -234,8 +234,12 @@ def test_a_rollout_actor_killed_in_an_evaluation_outside_the_stages_is_restarted
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", ["torch", "fsdp"])
 def test_a_dead_trainer_ends_the_run_with_one_line_and_exit_code_1(ray_session, arith_dir: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+                                                                   monkeypatch: pytest.MonkeyPatch, capsys,
+                                                                   engine: str) -> None:
+    """fsdp: rank 1 of 2 rank actors is killed; the run ends the same way, and resumes from the
+    checkpoint the FSDP ranks wrote (their optimizer state included)."""
     from asyncflow.cli import main
 
     ray = ray_session
@@ -243,9 +247,11 @@ def test_a_dead_trainer_ends_the_run_with_one_line_and_exit_code_1(ray_session, 
     out = tmp_path / "run"
     # killed once step 2 is logged: the step-1 checkpoint is complete by then (step 2 starts after it),
     # whether the kill lands while step 2's checkpoint is written or in step 3
-    thread, info = _killer(ray, watch, out, "trainer", after_step=2, restart=False)
+    role = "trainer" if engine == "torch" else "trainer-rank-1"
+    thread, info = _killer(ray, watch, out, role, after_step=2, restart=False)
     args = ["train", str(EXAMPLE), "--out", str(out)]
-    for setting in _settings(arith_dir, "train.max_steps=20", "checkpoint.every=1"):
+    extra = ["train.engine=fsdp", "train.world_size=2"] if engine == "fsdp" else []
+    for setting in _settings(arith_dir, "train.max_steps=20", "checkpoint.every=1", *extra):
         args += ["--set", setting]
     rc = main(args)
     thread.join(timeout=30)
@@ -255,8 +261,9 @@ def test_a_dead_trainer_ends_the_run_with_one_line_and_exit_code_1(ray_session, 
     errors = [line for line in err.splitlines() if line.startswith("asyncflow: error:")]
     assert len(errors) == 1, err
     prefix = watch.workers.prefix
+    cause = r"ActorDiedError: killed by ray.kill" if engine == "torch" else r"RankDied: .*FSDP worker rank 1 died.*"
     m = re.fullmatch(rf"asyncflow: error: the trainer actor \({prefix}-trainer\) died (in|after) train step \d+, "
-                     r"while .+; the last policy version it exported is \d+ \(ActorDiedError: killed by ray.kill\); "
+                     rf"while .+; the last policy version it exported is \d+ \({cause}\); "
                      rf"it can go on from {re.escape(str(out))}/checkpoints/step_(\d+) \(step (\d+)\): run the same "
                      r"command with --set checkpoint.resume=auto", errors[0])
     assert m and m.group(2) == m.group(3), errors[0]
