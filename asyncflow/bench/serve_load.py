@@ -9,7 +9,8 @@
 Reported per phase: authorised requests, failures, p50/p95/max latency, requests/s, and the server's
 thread count (its /proc status, when this process started it or was given its `pid`); for the attack
 phase also how many hostile connections the server closed or refused, and how long the slow ones
-were held. A server is started on a tiny model (the tests' 2-layer arith model) unless `url` is set.
+were held. A server is started on a tiny model (the tests' 2-layer arith model) unless `url` is set
+(`read_timeout`: its `--read-timeout`, so that the deadline shows within a short attack phase).
 """
 
 from __future__ import annotations
@@ -24,20 +25,21 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from asyncflow.errors import UserError
 
-_KNOWN = ("url", "token", "pid", "seconds", "clients", "idle", "slow", "big", "max_tokens")
+_KNOWN = ("url", "token", "pid", "seconds", "clients", "idle", "slow", "big", "max_tokens", "read_timeout")
 _BIG_BODY = 64 * 1024 * 1024
 _BODY = json.dumps({"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 1.0})
 
 
 def _options(overrides: list[str]) -> dict[str, Any]:
     opts: dict[str, Any] = {"url": "", "token": "", "pid": 0, "seconds": 10, "clients": 4, "idle": 200, "slow": 50,
-                            "big": 20, "max_tokens": 8}
+                            "big": 20, "max_tokens": 8, "read_timeout": 0}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or key not in _KNOWN:
@@ -129,31 +131,38 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
+@dataclass
+class _Slow:
+    sock: socket.socket
+    opened: float
+    sent: int = 0
+    ended: float | None = None  # when the server closed it
+
+
 def _slow_and_idle(target: _Target, idle: int, slow: int, stop: float, out: dict[str, Any]) -> None:
     """Open the idle and slow connections; send the slow ones one byte a second until `stop`."""
     header = f"POST /v1/completions HTTP/1.1\r\nHost: {target.host}\r\nContent-Length: 100\r\n\r\n".encode()
     idles = [s for s in (_open(target) for _ in range(idle)) if s is not None]
-    slows = [[s, 0, time.monotonic(), None] for s in (_open(target) for _ in range(slow)) if s is not None]
+    slows = [_Slow(s, time.monotonic()) for s in (_open(target) for _ in range(slow)) if s is not None]
     out["idle_opened"], out["slow_opened"] = len(idles), len(slows)
     while time.monotonic() < stop:
-        for entry in slows:
-            sock, sent, _, ended = entry
-            if ended is None and sent < len(header):
+        for c in slows:
+            if c.ended is None and c.sent < len(header):
                 try:
-                    sock.send(header[sent:sent + 1])
-                    entry[1] = sent + 1
+                    c.sock.send(header[c.sent:c.sent + 1])
+                    c.sent += 1
                 except OSError:
-                    entry[3] = time.monotonic()
+                    c.ended = time.monotonic()
         time.sleep(max(0.0, min(1.0, stop - time.monotonic())))
     now = time.monotonic()
-    for entry in slows:
-        if entry[3] is None and _closed(entry[0]):
-            entry[3] = now
-    held = [e[3] - e[2] for e in slows if e[3] is not None]
+    for c in slows:
+        if c.ended is None and _closed(c.sock):
+            c.ended = now
+    held = [c.ended - c.opened for c in slows if c.ended is not None]
     out["slow_closed_by_server"] = len(held)
     out["slow_held_max_s"] = round(max(held), 1) if held else None
     out["idle_closed_by_server"] = sum(_closed(s) for s in idles)
-    for s in idles + [e[0] for e in slows]:
+    for s in idles + [c.sock for c in slows]:
         s.close()
 
 
@@ -189,7 +198,7 @@ def _big_bodies(target: _Target, count: int, stop: float, out: dict[str, Any]) -
     out["big_sent"], out["big_statuses"], out["big_mib_accepted"] = len(statuses), sorted(set(statuses)), accepted >> 20
 
 
-def _start_server(token: str) -> tuple[subprocess.Popen[str], str, Path]:
+def _start_server(token: str, read_timeout: int) -> tuple[subprocess.Popen[str], str, Path]:
     from asyncflow.tasks.arith import make_model, make_tokenizer
 
     folder = Path(tempfile.mkdtemp(prefix="asyncflow-serve-load-")) / "tiny"
@@ -197,7 +206,9 @@ def _start_server(token: str) -> tuple[subprocess.Popen[str], str, Path]:
     make_model(tok, seed=0, hidden=64).save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
     env = {**os.environ, "ASYNCFLOW_SERVE_TOKEN": token}
-    proc = subprocess.Popen([sys.executable, "-m", "asyncflow", "serve", str(folder), "--port", "0", "--token", token],
+    extra = ["--read-timeout", str(read_timeout)] if read_timeout else []  # (0: the server's default)
+    proc = subprocess.Popen([sys.executable, "-m", "asyncflow", "serve", str(folder), "--port", "0", "--token", token,
+                             *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     line = ""
     deadline = time.monotonic() + 180
@@ -215,7 +226,7 @@ def run_serve_load(overrides: list[str]) -> list[dict[str, Any]]:
     proc = None
     url, token, pid = opts["url"], opts["token"] or "bench-token", opts["pid"]
     if not url:
-        proc, url, _ = _start_server(token)
+        proc, url, _ = _start_server(token, opts["read_timeout"])
         pid = proc.pid
     try:
         target = _Target(url, token, pid)
