@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
+from asyncflow.serve_options import add_serve_arguments
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,13 +63,14 @@ def make_parser() -> argparse.ArgumentParser:
     prep.add_argument("--seed", type=int, default=0, help="seed of the base model and data (0 to 2^31-1, as the config's seed)")
 
     bench = sub.add_parser("bench", help="run a benchmark workload")
-    bench.add_argument("workload", choices=["store", "pipeline", "e2e"])
+    bench.add_argument("workload", choices=["store", "pipeline", "e2e", "serve"])
     bench.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     bench.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="e2e: a config key (as for train); store: samples, repeats, placements (local,ray), transferqueue; "
              "pipeline: profiles, devices, modes, steps, warmup_steps, slots, step_s, n, prompts_per_device, "
-             "train_token_s, switch_s, weight_sync_s, max_staleness, seed, reward (async|thread), trace, split (true|false) "
+             "train_token_s, switch_s, weight_sync_s, max_staleness, seed, reward (async|thread), trace, split (true|false); "
+             "serve: url, token, pid, seconds, clients, idle, slow, big, max_tokens "
              "(docs/performance.md)")
     report = sub.add_parser("report", help="draw report.png and summary.md for one or more run folders")
     report.add_argument("runs", nargs="+", type=_path, metavar="RUN_DIR", help="run folders (the first gets the files)")
@@ -81,9 +83,7 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     serve.add_argument("--served-model-name", default=None, help="model name in replies (default: the folder's name)")
-    serve.add_argument("--token", default=None,
-                       help="require 'Authorization: Bearer TOKEN' on every request (required off loopback)")
-    serve.add_argument("--max-batch", type=int, default=256, help="most sequences decoded at once (default 256)")
+    add_serve_arguments(serve, _path)
     return p
 
 
@@ -187,21 +187,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from asyncflow.serve import is_loopback, run_server
+    from asyncflow.serve import run_server
+    from asyncflow.serve_options import options_from_args
 
     if not (args.model_dir / "config.json").is_file():
         raise UserError(f"serve: {args.model_dir} is not a Hugging Face model folder (no config.json)")
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"serve: --port {args.port} is not a port number (0-65535)")
-    if args.max_batch < 1:
-        raise UserError(f"serve: --max-batch {args.max_batch} must be at least 1")
-    if args.token is not None and not args.token.strip():
-        raise UserError("serve: --token is empty")
-    if not is_loopback(args.host) and args.token is None:
-        raise UserError(f"serve: --host {args.host} is not loopback; a --token is required to serve beyond this machine")
-    name = args.served_model_name or args.model_dir.resolve().name
-    run_server(args.model_dir, host=args.host, port=args.port, model_name=name, token=args.token,
-               max_batch=args.max_batch, log=lambda line: print(line, flush=True))
+    run_server(args.model_dir, options_from_args(args), log=lambda line: print(line, flush=True))
     return 0
 
 

@@ -12,23 +12,16 @@ requests join and leave the running batch between steps. Replies carry what RL n
 text: `token_ids` (EOS included when generation ended on it), `logprobs.token_logprobs` (the behavior
 log-probs the engine sampled with) and `token_versions` (the weight version of each token).
 
-Why the standard library's threading server and not an ASGI stack: nothing beyond the core
-dependencies is needed, and the work per request is waiting on a future while the decode thread
-computes, which threads do well.
+The HTTP transport and its bounds against hostile clients are in `serve_http`; this module holds
+the routes, which bound the work a request may cause: choices per request and in flight (429 past
+`max_queued_choices`), a pause that expires, weight loads one at a time and only from `weights_root`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
-import errno
 import hmac
-import http.server
-import ipaddress
-import json
-import select
 import signal
-import socket
 import sys
 import threading
 import time
@@ -38,7 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncflow.errors import UserError
+from asyncflow.errors import RunFailed, UserError
 from asyncflow.openai_wire import (
     MAX_BODY_BYTES,
     READ_TIMEOUT_S,
@@ -52,23 +45,25 @@ from asyncflow.openai_wire import (
     sampling_params,
     usage,
 )
-from asyncflow.weight_folder import read_weights
+from asyncflow.serve_http import (
+    MAX_CONNECTIONS,
+    ServeHTTPServer,
+    error_body,
+    is_loopback,
+    listen,
+    serve_in_thread,
+)
+from asyncflow.serve_options import ServeOptions
+from asyncflow.weight_folder import read_weights, weights_folder
 
 if TYPE_CHECKING:  # torch stays unimported until a server starts: the CLI validates arguments first
     from asyncflow.engines.base import GenResult
 
 MAX_CHOICES = 4096  # prompts x n of one request: each queued choice holds memory until it runs
+MAX_QUEUED_CHOICES = 8192  # choices of all requests admitted and not finished (over it: 429)
+MAX_PAUSE_S = 600.0  # a pause nobody resumes ends by itself after this (a crashed trainer cannot stall the server)
+ADMIN_MAX_BODY_BYTES = 64 * 1024  # admin bodies are a few small fields
 _GONE_POLL_S = 0.25  # while generating, how often a request checks that its client is still connected
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps the server reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _local_host_name(host: str) -> bool:
@@ -86,16 +81,24 @@ class OpenAIServer:
     `handle` directly and the transport stays a thin shell)."""
 
     def __init__(self, engine: Any, tokenizer: Any, model_name: str, *, token: str | None = None,
-                 request_timeout_s: float = 600.0, max_context: int | None = None) -> None:
+                 request_timeout_s: float = 600.0, max_context: int | None = None, admin_token: str | None = None,
+                 max_queued_choices: int = MAX_QUEUED_CHOICES, max_pause_s: float = MAX_PAUSE_S,
+                 weights_root: Path | None = None, load_anywhere: bool = True) -> None:
         self.engine = engine
         self.tok = tokenizer
         self.model_name = model_name
         self.token = token
+        self.admin_token = admin_token  # (when set, /admin/* takes only it; it is accepted on every route)
+        self.max_queued_choices = max_queued_choices
+        self.max_pause_s = max_pause_s
+        self.weights_root = weights_root.resolve() if weights_root is not None else None
+        self.load_anywhere = load_anywhere  # without a weights root: any folder (loopback) or none (exposed)
+        self._queued = 0  # choices admitted by `_run` and not finished (under `_gate`)
+        self._paused_until: float | None = None  # monotonic end of the pause (None: not paused)
         self.request_timeout_s = request_timeout_s
         self.max_context = max_context
         self.vocab_size = int(engine.model.get_input_embeddings().weight.shape[0])
         self._gate = threading.Condition()
-        self._paused = False
         self._uid = 0
         self.created = int(time.time())
         self._local = threading.local()  # per HTTP thread: `gone`, whether its client has left
@@ -109,9 +112,9 @@ class OpenAIServer:
         has disconnected (checked while generating: its requests are then cancelled)."""
         self._local.gone = gone
         try:
-            self._check_auth(headers)
-            self._check_origin(headers)
             route = path.split("?", 1)[0].rstrip("/") or "/"
+            self._check_auth(headers, route)
+            self._check_origin(headers)
             if method == "GET":
                 getters: dict[str, Callable[[], dict[str, Any]]] = {
                     "/v1/models": self._models, "/admin/version": self._version, "/admin/stats": self._stats,
@@ -135,8 +138,23 @@ class OpenAIServer:
             return exc.status, {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": None}}
         except Exception as exc:  # a bug or a dead engine: logged here, one line to the client
             traceback.print_exc(file=sys.stderr)
-            return 500, {"error": {"message": f"internal error: {exc!r}", "type": "server_error", "param": None,
-                                   "code": None}}
+            return 500, error_body(f"internal error: {exc!r}", "server_error")
+
+    def precheck(self, method: str, path: str, headers: Mapping[str, str], length: int) -> tuple[int, dict[str, Any]] | None:
+        """The refusal a request gets from its headers alone (token, origin, body size for its
+        route), or None: checked before its body is read, so a refused client cannot make the server
+        wait for (or take in) a large body."""
+        route = path.split("?", 1)[0].rstrip("/") or "/"
+        limit = ADMIN_MAX_BODY_BYTES if route.startswith("/admin/") else MAX_BODY_BYTES
+        try:
+            self._check_auth(headers, route)
+            self._check_origin(headers)
+            if length > limit:
+                raise RequestError(f"the body ({length} bytes) is larger than {limit} bytes allowed on {route}",
+                                   status=413)
+        except RequestError as exc:
+            return exc.status, error_body(str(exc), exc.kind)
+        return None
 
     def _health(self) -> dict[str, Any]:
         """200 while the engine can answer; 503 once it stopped after an error (a load balancer or
@@ -161,13 +179,19 @@ class OpenAIServer:
             raise RequestError(f"host {host!r} is not this server's loopback name: start the server with --token to "
                                "serve other names", status=403, kind="permission_error")
 
-    def _check_auth(self, headers: Mapping[str, str]) -> None:
-        if self.token is None:
+    def _check_auth(self, headers: Mapping[str, str], route: str) -> None:
+        """The route's token: the admin token on /admin/* when one is set (it also opens every other
+        route), else the token; compared in constant time."""
+        admin = route.startswith("/admin/") and self.admin_token is not None
+        accepted = [self.admin_token] if admin else [t for t in (self.token, self.admin_token) if t is not None]
+        if not accepted or (self.token is None and not admin):
             return
         scheme, _, given = headers.get("authorization", "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
-            raise RequestError("missing or wrong token: send 'Authorization: Bearer TOKEN'", status=401,
-                               kind="authentication_error")
+        ok = [hmac.compare_digest(given.strip().encode(), t.encode()) for t in accepted if t is not None]
+        if scheme.lower() != "bearer" or not any(ok):
+            which = "the admin token" if admin else "the token"
+            raise RequestError(f"missing or wrong token: send 'Authorization: Bearer TOKEN' with {which}",
+                               status=401, kind="authentication_error")
 
     # ------------------------------------------------------------------ OpenAI routes
 
@@ -239,18 +263,43 @@ class OpenAIServer:
         return out
 
     def _run(self, prompts: list[list[int]], params: dict[str, Any]) -> list[tuple[int, GenResult]]:
-        """Submit n requests per prompt (once not paused) and wait for all of them."""
-        from asyncflow.engines.base import GenRequest
-
-        deadline = time.monotonic() + self.request_timeout_s
-        if len(prompts) * params["n"] > MAX_CHOICES:
-            raise RequestError(f"{len(prompts)} prompts x n={params['n']} is more than {MAX_CHOICES} choices in one "
-                               "request; split it", param="prompt")
+        """Admit the request's choices (within `max_queued_choices`), wait until not paused, generate."""
+        choices = len(prompts) * params["n"]
+        if choices > min(MAX_CHOICES, self.max_queued_choices):
+            raise RequestError(f"{len(prompts)} prompts x n={params['n']} is more than "
+                               f"{min(MAX_CHOICES, self.max_queued_choices)} choices in one request; split it",
+                               param="prompt")
         for ids in prompts:
             if self.max_context is not None and len(ids) + params["max_tokens"] > self.max_context:
                 raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params['max_tokens']}) exceeds the "
                                    f"model's context of {self.max_context} tokens", param="max_tokens")
-        self._wait_unpaused(deadline)
+        self._check_engine()
+        with self._gate:  # each admitted choice holds memory (and its request a thread) until it ends
+            if self._queued + choices > self.max_queued_choices:
+                raise RequestError(f"{self._queued} choices are queued or running; {choices} more would pass "
+                                   f"--max-queued-choices {self.max_queued_choices}: retry later", status=429,
+                                   kind="rate_limit_error")
+            self._queued += choices
+        try:
+            deadline = time.monotonic() + self.request_timeout_s
+            self._wait_unpaused(deadline)
+            return self._generate(prompts, params, deadline)
+        finally:
+            with self._gate:
+                self._queued -= choices
+
+    def _check_engine(self) -> None:
+        error = getattr(self.engine, "error", None)
+        if error is not None:
+            raise RequestError(f"the engine stopped after an error ({error!r}); the server is exiting for its "
+                               "supervisor to restart it", status=503, kind="server_error")
+
+    def _generate(self, prompts: list[list[int]], params: dict[str, Any],
+                  deadline: float) -> list[tuple[int, GenResult]]:
+        """Submit n requests per prompt and wait for all of them (to `deadline`; cancelled when the
+        client leaves). Out of memory for their batch is a 503 for this request alone."""
+        from asyncflow.engines.base import EngineOutOfMemory, GenRequest
+
         futures = []
         results = []
         try:
@@ -278,22 +327,34 @@ class OpenAIServer:
         except (TimeoutError, cf.TimeoutError):
             raise RequestError(f"generation timed out after {self.request_timeout_s:g} s", status=504,
                                kind="timeout") from None
+        except EngineOutOfMemory as exc:
+            raise RequestError(f"{exc}; retry with fewer choices or shorter prompts", status=503,
+                               kind="server_error") from None
+        except Exception:
+            self._check_engine()  # (a stopped engine: 503, as /health says; anything else is a 500)
+            raise
         finally:  # a request that failed or timed out (or could not submit them all): its other choices are abandoned
             for _, fut in futures:
                 fut.cancel()
         return results
 
+    def _paused_now(self) -> bool:
+        """Paused, and the pause has not expired (call under `_gate`)."""
+        return self._paused_until is not None and time.monotonic() < self._paused_until
+
     def _wait_unpaused(self, deadline: float) -> None:
         gone = getattr(self._local, "gone", None)
         with self._gate:
-            while self._paused:
+            while self._paused_now():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RequestError(f"server paused for longer than {self.request_timeout_s:g} s", status=503,
                                        kind="server_paused")
                 if gone is not None and gone():  # (it held its thread to the timeout, then was generated anyway)
                     raise RequestError("the client disconnected", status=499, kind="client_closed")
-                self._gate.wait(timeout=left if gone is None else min(left, _GONE_POLL_S))
+                assert self._paused_until is not None
+                pause_left = self._paused_until - time.monotonic()
+                self._gate.wait(timeout=max(0.0, min(left, pause_left, _GONE_POLL_S if gone is not None else left)))
 
     def _text(self, ids: list[int]) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=True))
@@ -308,204 +369,71 @@ class OpenAIServer:
             raise RequestError("version: expected an integer >= 0", param="version")
         if mode not in ("drain", "swap", "abort"):
             raise RequestError(f"mode: {mode!r} is not one of drain, swap, abort", param="mode")
-        state = read_weights(Path(path), self.engine.model)
+        folder = weights_folder(path, self.weights_root, self.load_anywhere)
         deadline = time.monotonic() + self.request_timeout_s
-        # one at a time: a load that another overtook was answered 200 with weights never loaded
+        # one at a time, taken before the weights are read: two loads never hold a full state dict each,
+        # and a load that another overtook was answered 200 with weights never loaded
         if not self._loading.acquire(timeout=self.request_timeout_s):
             raise RequestError(f"another weight load held the engine for {self.request_timeout_s:g} s", status=504,
                                kind="timeout")
         try:
-            done = self.engine.request_weights(state, version, mode)
-            try:
-                seconds = done.result(timeout=max(0.0, deadline - time.monotonic()))
-            except (TimeoutError, cf.TimeoutError):
-                if self.engine.withdraw_weights(done):  # (it took effect later, after this 504)
-                    raise RequestError(f"the weight load did not start within {self.request_timeout_s:g} s; it is "
-                                       f"withdrawn and version {self.engine.version} stays", status=504,
-                                       kind="timeout") from None
-                try:  # begun: it is being copied in
-                    seconds = done.result(timeout=self.request_timeout_s)
-                except (TimeoutError, cf.TimeoutError):  # (it was a 500 "internal error")
-                    raise RequestError(f"the weight load began but did not finish within {self.request_timeout_s:g} "
-                                       f"s more; version {self.engine.version} is loaded now", status=504,
-                                       kind="timeout") from None
+            state = read_weights(folder, self.engine.model, self.weights_root)
+            seconds = self._wait_loaded(self.engine.request_weights(state, version, mode), deadline)
+            del state  # (the engine holds it until loaded; not this thread past that)
         finally:
             self._loading.release()
         return {"version": self.engine.version, "seconds": seconds}
 
+    def _wait_loaded(self, done: cf.Future[float], deadline: float) -> float:
+        try:
+            return done.result(timeout=max(0.0, deadline - time.monotonic()))
+        except (TimeoutError, cf.TimeoutError):
+            if self.engine.withdraw_weights(done):  # (it took effect later, after this 504)
+                raise RequestError(f"the weight load did not start within {self.request_timeout_s:g} s; it is "
+                                   f"withdrawn and version {self.engine.version} stays", status=504,
+                                   kind="timeout") from None
+        try:  # begun: it is being copied in
+            return done.result(timeout=self.request_timeout_s)
+        except (TimeoutError, cf.TimeoutError):  # (it was a 500 "internal error")
+            raise RequestError(f"the weight load began but did not finish within {self.request_timeout_s:g} "
+                               f"s more; version {self.engine.version} is loaded now", status=504,
+                               kind="timeout") from None
+
     def _pause(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Pause for `timeout_s` (default and most: `max_pause_s`); it then ends by itself, so a
+        client that paused and died does not stall the server for good."""
+        seconds = req.get("timeout_s", self.max_pause_s)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= self.max_pause_s:
+            raise RequestError(f"timeout_s: expected seconds in (0, {self.max_pause_s:g}] (--max-pause-s)",
+                               param="timeout_s")
         with self._gate:
-            self._paused = True
+            self._paused_until = time.monotonic() + float(seconds)
         return {"paused": True}
 
     def _resume(self, req: dict[str, Any]) -> dict[str, Any]:
         with self._gate:
-            self._paused = False
+            self._paused_until = None
             self._gate.notify_all()
         return {"paused": False}
 
     def _version(self) -> dict[str, Any]:
-        return {"version": self.engine.version, "model": self.model_name, "paused": self._paused}
+        with self._gate:
+            paused = self._paused_now()
+        return {"version": self.engine.version, "model": self.model_name, "paused": paused}
 
     def _stats(self) -> dict[str, Any]:
-        return {"version": self.engine.version, "in_flight": self.engine.load(), **self.engine.stats()}
+        with self._gate:
+            queued = self._queued
+        return {"version": self.engine.version, "in_flight": self.engine.load(), "queued_choices": queued,
+                **self.engine.stats()}
 
 
-# ---------------------------------------------------------------------- HTTP transport
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _HTTPServer
-    protocol_version = "HTTP/1.1"
-    timeout = READ_TIMEOUT_S  # a client that stops sending mid-request: its thread is freed, not held forever
-
-    def do_GET(self) -> None:
-        self._answer("GET")
-
-    def do_POST(self) -> None:
-        self._answer("POST")
-
-    def do_PUT(self) -> None:  # (other methods: an OpenAI-style JSON error, not the standard library's HTML page)
-        self._answer("PUT")
-
-    def do_DELETE(self) -> None:
-        self._answer("DELETE")
-
-    def do_PATCH(self) -> None:
-        self._answer("PATCH")
-
-    def do_HEAD(self) -> None:
-        self._answer("HEAD")
-
-    def do_OPTIONS(self) -> None:
-        self._answer("OPTIONS")
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """The standard library's own refusals (a malformed request line, an over-long header, an
-        unknown method) as the OpenAI-style JSON object every other error is, not its HTML page."""
-        if self.request_version == "HTTP/0.9":  # (a request line it could not parse: no status line was written)
-            self.request_version = "HTTP/1.0"
-        phrase = message or http.server.BaseHTTPRequestHandler.responses.get(code, ("error",))[0]
-        data = json.dumps({"error": {"message": phrase, "type": "invalid_request_error", "param": None,
-                                     "code": None}}).encode()
-        self.close_connection = True
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("Connection", "close")
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-
-    def _answer(self, method: str) -> None:
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = -1
-        headers = {k.lower(): v for k, v in self.headers.items()}
-        if "chunked" in headers.get("transfer-encoding", "").lower():  # (its body was read as empty)
-            self._skip_chunked_body()  # (answered and closed mid-body, the client's send broke: no 411 seen)
-            status, reply = 411, {"error": {"message": "send the body with a Content-Length (chunked transfer "
-                                                       "encoding is not supported)", "type": "invalid_request_error",
-                                            "param": None, "code": None}}
-        elif not 0 <= length <= MAX_BODY_BYTES:
-            status, reply = 400, {"error": {"message": "bad or too large Content-Length", "type": "invalid_request_error",
-                                            "param": None, "code": None}}
-        else:
-            body = self.rfile.read(length) if length else b""
-            status, reply = self.server.app.handle(method, self.path, headers, body, gone=self._client_gone)
-        data = json.dumps(reply).encode()
-        self.close_connection = True
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client left before its answer
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("Connection", "close")
-            self.end_headers()
-            if method != "HEAD":  # (a HEAD reply has headers only)
-                self.wfile.write(data)
-
-    def _skip_chunked_body(self) -> None:
-        """Read a chunked body to its end, discarding it (at most `MAX_BODY_BYTES`; the socket's
-        `timeout` bounds each read), so the client has sent it all before it is answered."""
-        left = MAX_BODY_BYTES
-        with contextlib.suppress(OSError, ValueError):
-            while left > 0:
-                size = int(self.rfile.readline(1024).split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    self.rfile.readline(1024)  # (the blank line after the last chunk; trailers are not read)
-                    return
-                if not 0 < size <= left:
-                    return  # (too large: answered without reading it all)
-                left -= size
-                self.rfile.read(size + 2)  # the chunk and its line end
-
-    def _client_gone(self) -> bool:
-        """The client closed its connection: its socket reads end-of-file (its request was read whole)."""
-        try:
-            if hasattr(select, "poll"):  # (select.select fails on descriptors past 1024: a busy server has those)
-                poller = select.poll()
-                poller.register(self.connection, select.POLLIN)
-                if not poller.poll(0):
-                    return False
-            elif not select.select([self.connection], [], [], 0)[0]:
-                return False
-            return self.connection.recv(1, socket.MSG_PEEK) == b""  # readable: data, or end-of-file
-        except OSError:
-            return True
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        pass  # one line per request would drown the useful output
-
-
-class _HTTPServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024  # many clients connect at once; the default backlog of 5 would drop them
-    app: OpenAIServer  # set before serving starts (`run_server` binds before the model loads)
-
-    def __init__(self, address: tuple[Any, ...], app: OpenAIServer | None = None,  # (IPv6: a 4-tuple)
-                 family: socket.AddressFamily = socket.AF_INET) -> None:
-        if app is not None:
-            self.app = app
-        self.address_family = family
-        super().__init__(address, _Handler)
-
-
-def listen(host: str, port: int) -> _HTTPServer:
-    """Resolve `host` and bind `host:port` (not serving yet). Done before the model loads (seconds), so
-    an unknown host or a busy port ends at once with one line naming `--host` or `--port`, not with a
-    traceback after the load. IPv4 is preferred where the host has both (as the standard server does)."""
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)  # "": all
-    except (OSError, UnicodeError, ValueError) as exc:  # socket.gaierror is an OSError
-        raise UserError(f"serve: --host {host}: cannot be resolved ({getattr(exc, 'strerror', None) or exc})") from None
-    family, _, _, _, address = min(infos, key=lambda info: info[0] != socket.AF_INET)
-    try:
-        return _HTTPServer(address, family=family)
-    except OSError as exc:
-        why = exc.strerror or str(exc)
-        if exc.errno == errno.EADDRINUSE:
-            raise UserError(f"serve: --port {port}: address already in use on {host}") from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            raise UserError(f"serve: --host {host}: not an address of this machine ({why})") from None
-        if exc.errno == errno.EACCES:
-            raise UserError(f"serve: --port {port}: permission denied on {host} ({why})") from None
-        raise UserError(f"serve: cannot listen on --host {host} --port {port} ({why})") from None
-
-
-def _serve_in_thread(server: _HTTPServer) -> threading.Thread:
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
-                              name="asyncflow-serve-http", daemon=True)
-    thread.start()
-    return thread
-
-
-def start_http(app: OpenAIServer, host: str, port: int) -> tuple[http.server.ThreadingHTTPServer, threading.Thread]:
+def start_http(app: OpenAIServer, host: str, port: int, *, max_connections: int = MAX_CONNECTIONS,
+               read_timeout_s: float = READ_TIMEOUT_S) -> tuple[ServeHTTPServer, threading.Thread]:
     """Bind `host:port` (0: a free port; read it from `server.server_address`) and serve in a thread."""
-    server = listen(host, port)
+    server = listen(host, port, max_connections=max_connections, read_timeout_s=read_timeout_s)
     server.app = app
-    return server, _serve_in_thread(server)
+    return server, serve_in_thread(server)
 
 
 MODEL_DIR_KEY = "serve MODEL_DIR"
@@ -519,10 +447,11 @@ def load_tokenizer(model_dir: Path) -> Any:
     return load(model_dir, key=MODEL_DIR_KEY)
 
 
-def make_app(model_dir: Path, *, model_name: str, token: str | None, max_batch: int,
-             seed: int = 0) -> OpenAIServer:
+def make_app(model_dir: Path, *, model_name: str, token: str | None, max_batch: int, seed: int = 0,
+             options: ServeOptions | None = None) -> OpenAIServer:
     """Load the model folder's tokenizer and weights into an `HFEngine` behind the routes; a folder
-    that does not load is a `UserError` naming it."""
+    that does not load is a `UserError` naming it. `options` gives the limits (defaults otherwise)."""
+    opts = options or ServeOptions()
     tok = load_tokenizer(model_dir)
 
     import torch
@@ -537,42 +466,54 @@ def make_app(model_dir: Path, *, model_name: str, token: str | None, max_batch: 
         eos = int(tok.eos_token_id)  # (and generation_config.json's stop ids, as transformers and vLLM stop)
         engine = HFEngine(model_dir, eos_token_id=[eos, *generation_stop_ids(model_dir, eos)],
                           pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
-                          max_batch=max_batch, seed=seed, name="serve")
+                          max_batch=max_batch, seed=seed, name="serve", max_prefill_tokens=opts.max_prefill_tokens)
     except (OSError, ValueError, KeyError) as exc:  # the folder's config or weights (json errors are ValueErrors)
         raise UserError(f"{MODEL_DIR_KEY}: cannot load the model in {model_dir}: {type(exc).__name__}: {exc}") from None
     ctx = getattr(engine.model.config, "max_position_embeddings", None)
-    return OpenAIServer(engine, tok, model_name, token=token, max_context=ctx)
+    return OpenAIServer(engine, tok, model_name, token=token, max_context=ctx, admin_token=opts.admin_token,
+                        max_queued_choices=opts.max_queued_choices, max_pause_s=opts.max_pause_s,
+                        weights_root=opts.weights_root, load_anywhere=is_loopback(opts.host))
 
 
-def run_server(model_dir: Path, *, host: str, port: int, model_name: str, token: str | None, max_batch: int,
-               log: Callable[[str], None] = print) -> None:
+def run_server(model_dir: Path, opts: ServeOptions, log: Callable[[str], None] = print) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM); prints one line with the address once listening.
+    An engine that stops after an error (not out of memory: that fails its requests only) ends the
+    server with `RunFailed` (exit 1) for its supervisor to restart it; /health says 503 until then.
 
     The cheap checks run first, in the order that costs least: the folder's files (plain Python), then
     the address (bound now, served once the model is in), then the tokenizer and the model."""
     from asyncflow.model_folder import check_model_dir
 
     check_model_dir(model_dir, key=MODEL_DIR_KEY)
-    server = listen(host, port)
+    server = listen(opts.host, opts.port, max_connections=opts.max_connections, read_timeout_s=opts.read_timeout_s)
     try:
-        app = make_app(model_dir, model_name=model_name, token=token, max_batch=max_batch)
+        app = make_app(model_dir, model_name=opts.model_name, token=opts.token, max_batch=opts.max_batch, options=opts)
     except BaseException:
         server.server_close()
         raise
     server.app = app
-    thread = _serve_in_thread(server)
+    thread = serve_in_thread(server)
     bound_port = int(server.server_address[1])
-    log(f"asyncflow serve: model {model_name!r} from {model_dir} listening on http://{host}:{bound_port}"
-        + (" (token required)" if token else ""))
+    log(f"asyncflow serve: model {opts.model_name!r} from {model_dir} listening on http://{opts.host}:{bound_port}"
+        + (" (token required)" if opts.token else ""))
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        while thread.is_alive():
-            thread.join(timeout=1.0)
+        watch_engine(app, thread)
     finally:
         server.shutdown()
         server.server_close()
         app.engine.shutdown()
+
+
+def watch_engine(app: OpenAIServer, thread: threading.Thread, poll_s: float = 0.5) -> None:
+    """Return when the HTTP thread ends; raise `RunFailed` once the engine stopped after an error."""
+    while thread.is_alive():
+        error = getattr(app.engine, "error", None)
+        if error is not None:
+            raise RunFailed(f"serve: the engine stopped after an error ({type(error).__name__}: {error}); exiting "
+                            "so that a supervisor restarts the server")
+        thread.join(timeout=poll_s)

@@ -1,5 +1,6 @@
 """Reading a folder of safetensors weights into a model's full state dict: what `asyncflow serve`'s
-admin route `/admin/load_weights` loads. A bad folder is the caller's input: a `RequestError` (400).
+admin route `/admin/load_weights` loads. A bad folder is the caller's input: a `RequestError` (400);
+one outside the server's weights root (after resolving `..` and symbolic links) is a 403.
 """
 
 from __future__ import annotations
@@ -10,14 +11,38 @@ from typing import Any
 from asyncflow.openai_wire import RequestError
 
 
-def read_weights(folder: Path, model: Any) -> dict[str, Any]:
+def weights_folder(path: str, root: Path | None, anywhere: bool) -> Path:
+    """The folder a load request names: resolved, and inside `root` when one is set (a relative path
+    is taken from it); without a root, any folder if `anywhere`, else none (a 403 saying how)."""
+    if root is None:
+        if not anywhere:
+            raise RequestError("load_weights is off: this server is reachable beyond loopback; start it with "
+                               "--weights-root DIR to load weights from folders under DIR", status=403,
+                               kind="permission_error", param="path")
+        return Path(path)
+    folder = (root / path).resolve()
+    _check_inside(folder, root)
+    return folder
+
+
+def _check_inside(path: Path, root: Path) -> None:
+    if not path.resolve().is_relative_to(root):
+        raise RequestError(f"path: {path} is outside the weights root {root} (--weights-root; `..` and symbolic "
+                           "links are resolved first)", status=403, kind="permission_error", param="path")
+
+
+def read_weights(folder: Path, model: Any, root: Path | None = None) -> dict[str, Any]:
     """The `*.safetensors` tensors of `folder` as a full state dict of `model` (a weight tied to a
-    loaded one may be absent, as `save_pretrained` writes it); any other mismatch is a 400."""
+    loaded one may be absent, as `save_pretrained` writes it); any other mismatch is a 400. With a
+    `root`, every file must resolve inside it (a link in the folder must not lead out)."""
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         raise RequestError(f"path: {folder} holds no *.safetensors files", param="path")
+    if root is not None:
+        for f in files:
+            _check_inside(f, root)
     loaded: dict[str, Any] = {}
     for f in files:
         try:

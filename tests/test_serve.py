@@ -548,7 +548,7 @@ def test_a_weight_load_that_begins_but_never_finishes_is_a_504(monkeypatch: pyte
     engine = types.SimpleNamespace(
         model=types.SimpleNamespace(get_input_embeddings=lambda: types.SimpleNamespace(weight=torch.zeros(4, 2))),
         version=3, request_weights=lambda state, version, mode: never, withdraw_weights=lambda done: False)
-    monkeypatch.setattr(serve_mod, "read_weights", lambda path, model: {})
+    monkeypatch.setattr(serve_mod, "read_weights", lambda path, model, root=None: {})
     app = OpenAIServer(engine, None, "tiny", request_timeout_s=0.05)
     with pytest.raises(RequestError, match="began but did not finish within 0.05 s more; version 3 is loaded") as info:
         app._load_weights({"path": str(tmp_path), "version": 4, "mode": "swap"})

@@ -8,7 +8,7 @@ from typing import Any
 
 from asyncflow.errors import UserError
 
-_NAMES = {"store": "STORE-1", "pipeline": "PIPE", "e2e": "E2E"}
+_NAMES = {"store": "STORE-1", "pipeline": "PIPE", "e2e": "E2E", "serve": "SERVE-LOAD"}
 
 
 def _progress(row: dict[str, Any]) -> None:
@@ -30,8 +30,12 @@ def run_bench(workload: str, *, as_json: bool, overrides: list[str]) -> int:
         from asyncflow.bench.store import run_store
 
         rows = run_store(overrides)
+    elif workload == "serve":
+        from asyncflow.bench.serve_load import run_serve_load
+
+        rows = run_serve_load(overrides)
     else:
-        raise UserError(f"bench {workload}: unknown workload; use store, pipeline, e2e")
+        raise UserError(f"bench {workload}: unknown workload; use store, pipeline, e2e, serve")
     for row in rows:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     if as_json:

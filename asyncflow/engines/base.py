@@ -41,6 +41,11 @@ class GenRequest:
     top_k: int = 0  # top-k sampling (0: off)
 
 
+class EngineOutOfMemory(RuntimeError):
+    """The engine ran out of memory for one batch: its requests fail with this, and the engine goes
+    on serving the others (any other error in its loop stops it for good)."""
+
+
 @dataclass
 class GenResult:
     """What the engine generated for one request."""

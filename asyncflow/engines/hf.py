@@ -34,11 +34,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
+from asyncflow.engines.base import EngineOutOfMemory, GenRequest, GenResult, InferenceEngine, WeightUpdateMode
 from asyncflow.engines.kv_cache import returned_cache, with_cache
 from asyncflow.errors import RunFailed, UserError
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's rule: logits / t overflows)
+MAX_PREFILL_TOKENS = 8192  # padded tokens (rows x longest context) one prefill may take (vLLM: max_num_batched_tokens)
+_OOM = (torch.OutOfMemoryError, MemoryError)  # out of memory for one batch: its requests fail, the engine goes on
 
 
 @dataclass
@@ -131,6 +133,7 @@ class HFEngine(InferenceEngine):
         seed: int = 0,
         version: int = 0,
         name: str = "rollout",
+        max_prefill_tokens: int = MAX_PREFILL_TOKENS,
     ) -> None:
         if isinstance(model, (str, Path)):
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
@@ -141,6 +144,7 @@ class HFEngine(InferenceEngine):
         self.eos = frozenset(eos)  # (a Python set, read every decode step: no copy from a GPU each time)
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
         self.version = version
         self.name = name
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -155,7 +159,7 @@ class HFEngine(InferenceEngine):
         self._admitting: list[_Row] = []
         self._busy = 0.0
         self.steps = 0
-        self.counts = {"prefills": 0, "prefill_rows": 0, "decode_rows": 0}  # batching diagnostics
+        self.counts = {"prefills": 0, "prefill_rows": 0, "decode_rows": 0, "out_of_memory": 0}  # diagnostics
         self._thread = threading.Thread(target=self._loop, name=f"asyncflow-{name}", daemon=True)
         self._thread.start()
 
@@ -268,11 +272,15 @@ class HFEngine(InferenceEngine):
                 with torch.inference_mode():
                     if pending is not None:
                         self._maybe_load(pending)
-                    if admit:
-                        self._prefill(admit)
-                    self._admitting = []
-                    if self._rows:
-                        self._decode_step()
+                    try:
+                        if admit:
+                            self._prefill(admit)
+                        self._admitting = []
+                        if self._rows:
+                            self._decode_step()
+                    except _OOM as exc:  # in a merge or decode step: the running batch's cache is unusable
+                        self._fail_oom([*self._rows, *(r for r in admit if r not in self._rows)], exc)
+                        self._rows, self._cache, self._mask, self._admitting = [], None, None, []
                 self._busy += time.perf_counter() - t0
         except BaseException as exc:  # fail every request loudly rather than hang callers
             self.error = exc
@@ -287,12 +295,18 @@ class HFEngine(InferenceEngine):
             return []  # drain: no new work until the running rows finish and weights load
         free = self.max_batch - len(self._rows)
         admit: list[_Row] = []
+        width = 0  # the prefill is padded to its longest context: it costs rows x width tokens
         while self._waiting and len(admit) < free:
-            row = self._waiting.popleft()
+            row = self._waiting[0]
+            length = len(row.req.prompt_ids) + max(len(row.tokens) - 1, 0)
+            if admit and (len(admit) + 1) * max(width, length) > self.max_prefill_tokens:
+                break  # (the next step takes it; one context longer than the budget is prefilled alone)
+            self._waiting.popleft()
             if row.cancelled:  # cancelled while queued (e.g. parked by an abort): ends with the tokens it has
                 row.resolve("cancelled")
             elif not row.future.cancelled():  # abandoned before it started: never prefilled
                 admit.append(row)
+                width = max(width, length)
         return admit
 
     def _maybe_load(self, pending: _PendingWeights) -> None:
@@ -340,8 +354,12 @@ class HFEngine(InferenceEngine):
         # full batch of long prompts); a cache of plain full layers, which `_merge` and `_retire` can pad and
         # trim: a model's own cache may hold sliding-window layers that keep only the window, and with rows
         # of different lengths those fell out of step with the mask (the model's mask still slides)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1,
-                         **with_cache(self.model, DynamicCache()))
+        try:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1,
+                             **with_cache(self.model, DynamicCache()))
+        except _OOM as exc:  # only these rows' prefill: the running batch is untouched
+            self._fail_oom(rows, exc)
+            return
         cache = returned_cache(out)
         fresh = [not r.tokens for r in rows]
         # rows re-prefilled after an abort already hold their next input token: no new sample
@@ -437,6 +455,17 @@ class HFEngine(InferenceEngine):
             assert layer.keys is not None and layer.values is not None
             layer.keys = layer.keys[idx, :, first:]
             layer.values = layer.values[idx, :, first:]
+
+    def _fail_oom(self, rows: list[_Row], exc: BaseException) -> None:
+        """Fail `rows` with `EngineOutOfMemory` and free what the failed step held; the engine goes on."""
+        self.counts["out_of_memory"] += 1
+        error = EngineOutOfMemory(f"engine {self.name} ran out of memory for a batch of {len(rows)} sequences "
+                                  f"({type(exc).__name__})")
+        for row in rows:
+            with contextlib.suppress(cf.InvalidStateError):  # done, or cancelled by the caller meanwhile
+                row.future.set_exception(error)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _fail_all(self, exc: BaseException | None) -> None:
         with self._cv:
