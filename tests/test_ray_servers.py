@@ -112,7 +112,8 @@ def test_server_start_failure_is_one_line_naming_the_command_and_its_output(arit
     assert "no-such-model" in msg.split(": ", 1)[1]  # (the tail of the server's own error)
 
 
-def test_server_actor_restarts_its_dead_child_with_the_last_weights(arith_dir: Path, tmp_path: Path) -> None:
+def test_server_actor_restarts_its_dead_child_with_the_last_weights(arith_dir: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """Without Ray: the actor's watch loop brings a SIGKILLed server back on the same URL, loads the
     last recorded weight folder into it, gives up after runtime.max_restarts, and stop leaves no process."""
     from asyncflow.engines.http_client import request_json
@@ -128,6 +129,8 @@ def test_server_actor_restarts_its_dead_child_with_the_last_weights(arith_dir: P
         assert await asyncio.wait_for(actor.wait_up(), 90) == url
         assert actor.restarts == 1 and actor.proc.pid != first and not _alive(first)
         assert (await request_json("GET", f"{url}/admin/version", timeout=30))["version"] == 7
+        said = [line for line in capsys.readouterr().out.splitlines() if "[asyncflow] ray: server 0" in line]
+        assert len(said) == 1 and "exited with code -9; restarted (1 of 1)" in said[0], said
         os.kill(actor.proc.pid, signal.SIGKILL)  # no restart left: a clear error, not a hang
         with pytest.raises(ServerFailed, match=r"runtime.max_restarts=1 allows no more restarts"):
             await asyncio.wait_for(actor.wait_up(), 30)
@@ -153,3 +156,19 @@ def test_launched_server_commands_carry_the_flags_asyncflow_needs(arith_dir: Pat
         assert " ".join(want) in joined or all(w in cmd for w in want), joined
         assert "--host 127.0.0.1 --port 8123" in joined
         assert env == ({"VLLM_SERVER_DEV_MODE": "1"} if kind == "vllm" else {})
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["rollout.launch_servers=asyncflow", "runtime.kind=local"], "rollout.launch_servers"),
+    (["rollout.launch_servers=asyncflow", "rollout.server_urls=[http://127.0.0.1:8000]"], "rollout.server_urls"),
+    (["rollout.launch_servers=asyncflow", "rollout.server_type=sglang"], "rollout.server_type"),
+    (["rollout.launch_servers=tgi"], "rollout.launch_servers"),
+    (["rollout.server_urls=[http://127.0.0.1:8000]", "rollout.server_start_timeout_s=5"], "rollout.server_start_timeout_s"),
+])
+def test_launch_servers_config_errors_are_one_line_naming_the_key(sets: list[str], key: str) -> None:
+    from asyncflow.config import load_config
+    from asyncflow.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        load_config(None, ["runtime.kind=ray", "rollout.engine=openai", *sets])
+    assert str(err.value).startswith(f"{key}: ") and "\n" not in str(err.value)

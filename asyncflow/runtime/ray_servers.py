@@ -343,8 +343,9 @@ def start_servers(cfg: Config, place: Any, model_dir: str, out: Path, log: Any =
     import ray
 
     t0 = time.monotonic()
-    w, cls = cfg.rollout.workers, ray.remote(ServerActor)
-    actors = []
+    w = cfg.rollout.workers
+    cls: Any = ray.remote(ServerActor)
+    actors: list[Any] = []
     for i in range(w):
         o = place.options(i, f"server-{i}")  # the bundle of rollout actor i, all its CPUs and GPUs
         for key in ("max_restarts", "max_task_retries"):  # (the actor restarts its child, not itself)
