@@ -141,7 +141,9 @@ def _validate_agent(cfg: Config, explicit: set[str]) -> None:
                         "returns); remove one of them")
 
 
-_SERVER_KEYS = ("server_urls", "server_type", "server_model", "server_token_env", "sync_dir", "sync_timeout_s")
+_SERVER_KEYS = ("server_urls", "server_type", "server_model", "server_token_env", "sync_dir", "sync_timeout_s",
+                "launch_servers", "server_start_timeout_s")
+LAUNCHABLE = {"asyncflow": "asyncflow", "vllm": "vllm", "sglang": "sglang"}  # launch_servers -> its Python module
 
 
 def _validate_servers(cfg: Config, explicit: set[str]) -> None:
@@ -152,8 +154,12 @@ def _validate_servers(cfg: Config, explicit: set[str]) -> None:
             if f"rollout.{key}" in explicit:
                 raise UserError(f"rollout.{key}: only used with rollout.engine=openai (engine is {ro.engine})")
         return
+    if ro.launch_servers is not None or "rollout.server_start_timeout_s" in explicit:
+        _validate_launch(cfg, explicit)
+        return
     if not ro.server_urls:
-        raise UserError("rollout.server_urls: rollout.engine=openai needs at least one server URL (e.g. http://127.0.0.1:8000)")
+        raise UserError("rollout.server_urls: rollout.engine=openai needs at least one server URL (e.g. http://127.0.0.1:8000), "
+                        "or rollout.launch_servers with runtime.kind=ray")
     for url in ro.server_urls:
         if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
             raise UserError(f"rollout.server_urls: {url!r} is not an http:// or https:// URL")
@@ -173,6 +179,31 @@ def _validate_servers(cfg: Config, explicit: set[str]) -> None:
     if ro.server_type == "vllm" and ro.sync_dir is None:
         raise UserError("rollout.sync_dir: required with rollout.server_type=vllm (the folder the vLLM server was "
                         "started from; vLLM reloads its weights in place)")
+
+
+def _validate_launch(cfg: Config, explicit: set[str]) -> None:
+    """rollout.launch_servers: the Ray runtime starts rollout.workers servers itself (no server_urls)."""
+    ro = cfg.rollout
+    kind = ro.launch_servers
+    if kind is None:
+        raise UserError("rollout.server_start_timeout_s: only used with rollout.launch_servers")
+    if kind not in LAUNCHABLE:
+        raise UserError(f"rollout.launch_servers: expected asyncflow, vllm, sglang or null, got {kind!r}")
+    if cfg.runtime.kind != "ray":
+        raise UserError("rollout.launch_servers: only with runtime.kind=ray (locally, start the servers yourself "
+                        "and list them in rollout.server_urls)")
+    if ro.server_urls:
+        raise UserError("rollout.server_urls: not used with rollout.launch_servers (the run starts its own servers "
+                        "and finds their URLs); remove one of them")
+    if "rollout.server_type" in explicit and ro.server_type != kind:
+        raise UserError(f"rollout.server_type: {ro.server_type} contradicts rollout.launch_servers={kind}; "
+                        "remove rollout.server_type")
+    ro.server_type = kind  # type: ignore[assignment]  # resolved: the servers the run starts are of this type
+    if kind != "asyncflow" and importlib.util.find_spec(LAUNCHABLE[kind]) is None:
+        raise UserError(f"rollout.launch_servers: {kind} is not installed in this Python (asyncflow works here)")
+    if kind == "vllm" and ro.sync_dir is None:
+        raise UserError("rollout.sync_dir: required with rollout.launch_servers=vllm (a single-file copy of the model "
+                        "folder: vllm serve starts from it and reloads model.safetensors there in place)")
 
 
 def _validate_engines(cfg: Config, explicit: set[str]) -> None:

@@ -137,6 +137,17 @@ class RolloutConfig:
         "They must serve model.path's weights; the trainer's weights are loaded into them before the first request "
         "(version 0, or a resumed run's version). On Ray rollout actor i drives server_urls[i].",
     )
+    launch_servers: str | None = _f(
+        None,
+        "rollout.engine=openai with runtime.kind=ray: start one server per rollout worker as a Ray actor instead of "
+        "using rollout.server_urls: asyncflow (asyncflow serve), vllm (vllm serve rollout.sync_dir) or sglang. Each "
+        "server shares its rollout actor's placement-group bundle (its GPUs are the server's), listens on that node's "
+        "loopback, is health checked and restarted when it dies (runtime.max_restarts). null: rollout.server_urls. "
+        "docs/ray.md.",
+    )
+    server_start_timeout_s: float = _f(
+        600.0, "rollout.launch_servers: longest a started (or restarted) server may take to answer GET /v1/models.",
+        lo=0.001)
     server_type: Literal["asyncflow", "vllm", "sglang"] = _f(
         "asyncflow",
         "rollout.engine=openai: how weights reach the servers. asyncflow: POST /admin/load_weights (tested here); "

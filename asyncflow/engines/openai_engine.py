@@ -13,6 +13,7 @@ oldest it can be, which is what staleness counts. Weights go out through `weight
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import time
@@ -45,6 +46,11 @@ class OpenAIEngine(InferenceEngine):
         self.version = version
         self._in_flight: dict[object, int | None] = {}  # per request in flight: server version when sent (None: eval)
         self._cancel_floor = 0  # replies whose oldest token is older than this end as cancelled
+        # a server the run started and restarts (`runtime.ray_servers.ServerLink`; None: the user's server):
+        # `await server.recover()` waits, bounded, until a dead server answers again or raises why it cannot;
+        # `server.loaded(folder, version)` records the weights a restarted server must load first
+        self.server: Any = None
+        self._recovery: Any = None  # the one recovery all requests that met the dead server wait for
 
     @property
     def capacity(self) -> int:
@@ -86,8 +92,7 @@ class OpenAIEngine(InferenceEngine):
         # cancelled: None here, and its reply is kept below
         self._in_flight[key] = sent_version if request.uid >= 0 else None
         try:
-            reply = await request_json("POST", f"{self.base_url}/v1/completions", body, token=self.token,
-                                       timeout=self.request_timeout_s)
+            reply = await self._call("POST", "/v1/completions", body, self.request_timeout_s)
         finally:
             del self._in_flight[key]
         ids, logprobs, versions, reason = parse_choice(reply, sent_version, self.base_url)
@@ -98,9 +103,46 @@ class OpenAIEngine(InferenceEngine):
     async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
         start = time.monotonic()
         folder = await self.writer.folder_for(state, version)
-        await self.sync.load(self.base_url, folder, version, mode, token=self.token, timeout=self.sync_timeout_s)
+        for attempt in range(2):
+            try:
+                await self.sync.load(self.base_url, folder, version, mode, token=self.token, timeout=self.sync_timeout_s)
+                break
+            except HTTPError as exc:
+                if attempt or not self._recoverable(exc):
+                    raise
+                await self._recover()
         self.version = version
+        if self.server is not None:
+            self.server.loaded(folder, version)
         return time.monotonic() - start
+
+    async def _call(self, method: str, path: str, body: Any, timeout: float) -> Any:
+        """One request; when it meets a dead server the run restarts (`server`), once more after it is back."""
+        if self._recovery is not None:  # (a restart under way: not to the fresh process before its weights)
+            await self._recover()
+        try:
+            return await request_json(method, f"{self.base_url}{path}", body, token=self.token, timeout=timeout)
+        except HTTPError as exc:
+            if not self._recoverable(exc):
+                raise
+        await self._recover()
+        return await request_json(method, f"{self.base_url}{path}", body, token=self.token, timeout=timeout)
+
+    def _recoverable(self, exc: HTTPError) -> bool:
+        return self.server is not None and exc.status == 0  # (0: no connection, or lost mid-reply)
+
+    async def _recover(self) -> None:
+        """Wait with every other caller for one recovery of the server (`server.recover`, bounded)."""
+        if self._recovery is None:
+            self._recovery = asyncio.ensure_future(self.server.recover())
+            self._recovery.add_done_callback(self._recovered)
+        await asyncio.shield(self._recovery)
+
+    def _recovered(self, task: Any) -> None:
+        if self._recovery is task:
+            self._recovery = None
+        if not task.cancelled():
+            task.exception()  # (retrieved: every waiter gets it raised)
 
     def cancel_older_than(self, min_version: int) -> int:
         """A request cannot be stopped mid-flight over plain HTTP: replies whose oldest token is older

@@ -105,6 +105,10 @@ class RolloutWorker:
         self.engine = make_inference_engine(cfg, Path(model_dir), tok, index, version,
                                             device=actor_device(cfg.model.device, cfg.runtime.rollout_gpus),
                                             run_dir=Path(out), session=session)
+        if cfg.rollout.launch_servers is not None:  # a server the run started: recovered when it dies
+            from asyncflow.runtime.ray_servers import server_link
+
+            self.engine.server = server_link(cfg, session, index)  # type: ignore[attr-defined]
         self.connected: asyncio.Task[None] | None = None
         self.pipeline = _stage(RolloutStage, cfg, rows, Path(model_dir), Path(out), store, [self.engine])
         self.port = weight_port(cfg)

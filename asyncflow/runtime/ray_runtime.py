@@ -117,6 +117,7 @@ class RayWorkers:
     restarts: dict[str, int] = field(default_factory=dict)  # by stage ("rollout/0"): restarts so far
     pids: dict[str, int] = field(default_factory=dict)  # by stage: the actor's current process
     released: dict[str, int] = field(default_factory=dict)  # by stage: its actor's leases given back so far
+    servers: Any = None  # the servers the run started (`ray_servers.Servers`; rollout.launch_servers)
 
     def __post_init__(self) -> None:
         # outside the stages' supervision (the step-0 and final evaluations), a request that meets
@@ -139,13 +140,24 @@ class RayWorkers:
         ensure_ray(rt.address, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
         place = reserve(cfg, n_reward, prefix=f"asyncflow-{secrets.token_hex(4)}")
         prefix = place.prefix
-        store = _start_store(cfg, place)
-        actors = _start_actors(cfg, place, store, n_reward, str(model_dir), rows, str(out), reward_fn_path,
-                               threads, version)
-        timeout = cfg.workflow.step_timeout_s
-        trainer = RemoteTrainEngine(actors.trainer, timeout, name=f"{prefix}-trainer")
-        _remember(actors, store, trainer, prefix)
-        capacities, pids = _wait_ready(actors, store, place)
+        servers = None
+        if cfg.rollout.launch_servers is not None:  # the rollout actors are built with their servers' URLs
+            from asyncflow.runtime.ray_servers import start_servers
+
+            servers = start_servers(cfg, place, str(model_dir), out, log)
+            cfg = replace(cfg, rollout=replace(cfg.rollout, server_urls=servers.urls))
+        try:
+            store = _start_store(cfg, place)
+            actors = _start_actors(cfg, place, store, n_reward, str(model_dir), rows, str(out), reward_fn_path,
+                                   threads, version)
+            timeout = cfg.workflow.step_timeout_s
+            trainer = RemoteTrainEngine(actors.trainer, timeout, name=f"{prefix}-trainer")
+            _remember(actors, store, trainer, prefix)
+            capacities, pids = _wait_ready(actors, store, place)
+        except BaseException:
+            if servers is not None:
+                servers.stop()
+            raise
         stages, w = actors.stages, cfg.rollout.workers
         engines = [RemoteEngine(a, int(c), timeout, name=f"the rollout/{i} actor ({prefix}-rollout-{i})", version=version)
                    for i, (a, c) in enumerate(zip(actors.rollout, capacities, strict=True))]
@@ -157,7 +169,7 @@ class RayWorkers:
         workers = cls(store, engines, trainer, actors.rollout, actors.reward, actors.trainer, actors.feeder,
                    RemoteGate(actors.feeder, cfg.staleness), place.group, prefix=prefix,
                    max_restarts=rt.max_restarts, log=log, restarts={s: 0 for s in stages},
-                   pids=dict(zip(stages, map(int, pids), strict=True)))
+                   pids=dict(zip(stages, map(int, pids), strict=True)), servers=servers)
         log("[asyncflow] ray: nodes: " + ", ".join(f"{a['role']}/{a['index']}@{str(a['node_id'])[:8]}"
                                                    for a in workers.actors()))
         return workers
@@ -346,6 +358,8 @@ class RayWorkers:
             out[len(named) - 2:len(named) - 2] = ray.get(self.trainer_actor.placement.remote(), timeout=STORE_CALL_TIMEOUT_S)
         except ray.exceptions.RayError as exc:
             out.append({"role": "trainer", "index": 0, "node_id": None, "pid": None, "error": type(exc).__name__})
+        if self.servers is not None:  # (pid: the server process; its actor's is actor_pid)
+            out += [{"role": "server", **s} for s in self.servers.info()]
         return out
 
     def shutdown(self) -> None:
@@ -357,6 +371,8 @@ class RayWorkers:
             forget(a)
         for a in [*self.rollout_actors, *self.reward_actors, self.trainer_actor, self.feeder_actor]:
             ray.kill(a)
+        if self.servers is not None:  # (their process groups killed first: a bare ray.kill could orphan them)
+            self.servers.stop()
         self.store.kill()
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
@@ -416,8 +432,13 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
               "data_plane": store.data_plane, "put_window": store.put_window}
     store_by_name = Named(f"{prefix}-store", client)
     feeder_by_name = Named(f"{prefix}-feeder")
+    rollout_opts = [opts(i, f"rollout-{i}") for i in range(w)]
+    if cfg.rollout.launch_servers is not None:  # the bundle's resources are its server's
+        from asyncflow.runtime.ray_servers import rollout_options
+
+        rollout_opts = [rollout_options(o) for o in rollout_opts]
     rollout_actors = [
-        rollout_cls.options(**opts(i, f"rollout-{i}")).remote(i, cfg, model_dir, feeder_by_name, out,
+        rollout_cls.options(**rollout_opts[i]).remote(i, cfg, model_dir, feeder_by_name, out,
                                                                store_by_name, threads, version, session=prefix,
                                                                cwd=cwd)
         for i in range(w)
