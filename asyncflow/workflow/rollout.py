@@ -176,7 +176,10 @@ class RolloutStage(StageBase):
                 continue
             except QueueClosed:
                 return
-            barrier = TurnBarrier(len(leases))
+            # each other episode's phase ends within its generation or environment timeout, or it is
+            # abandoned and leaves: waiting longer than both means the barrier itself is stuck
+            ro = self.cfg.rollout
+            barrier = TurnBarrier(len(leases), ro.request_timeout_s + ro.env_timeout_s + 1.0)
             slots = asyncio.Semaphore(len(leases))
             start = self.clock.now()
             await asyncio.gather(*(self._episode(index, engine, lease, slots, barrier) for lease in leases))
