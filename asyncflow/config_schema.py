@@ -12,7 +12,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # every `*timeout*` key's maximum (config.py): a week is "never" for a run
 
 
