@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -23,6 +24,7 @@ import yaml
 from asyncflow.config_checks import ENV_NAMES, validate
 from asyncflow.config_reference import field_docs, reference_markdown
 from asyncflow.config_schema import (
+    MAX_TIMEOUT_S,
     AlgorithmConfig,
     CheckpointConfig,
     Config,
@@ -146,7 +148,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise UserError(f"{p}: cannot read the config file: {exc.strerror or exc}") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        data = _load_yaml(p, text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -170,8 +172,60 @@ def task_defaults(task: str | None) -> dict[str, Any]:
 
     if task not in TASK_NAMES:
         hint = _closest(task, list(TASK_NAMES))
-        raise UserError(f"task: unknown task pack {task!r}{hint}; known: {', '.join(TASK_NAMES)}")
+        raise UserError(f"task: unknown task pack {_shown(task)}{hint}; known: {', '.join(TASK_NAMES)}")
     return task_default_config(task)
+
+
+MAX_YAML_VALUES = 1_000_000  # values a config may hold once its aliases are expanded
+
+
+def _load_yaml(p: Path, text: str) -> Any:
+    """The YAML document, refused (one line) when its aliases expand past `MAX_YAML_VALUES`: a few
+    hundred bytes of nested aliases ("billion laughs") expand to a structure whose every walk or
+    repr (an error message) costs gigabytes."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node, {}) > MAX_YAML_VALUES:
+            raise UserError(f"{p}: its YAML aliases expand to over {MAX_YAML_VALUES:,} values; write the values out")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Values under `node` with every alias expanded, counted once per node (`sizes`), so the count
+    costs the document's size, not its expansion's."""
+    known = sizes.get(id(node))
+    if known is not None:
+        return known
+    sizes[id(node)] = 1  # (an alias to a node being counted, a cycle, is one value)
+    children: list[Any] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    total = 1
+    for child in children:
+        total += _expanded_size(child, sizes)
+        if total > MAX_YAML_VALUES:
+            break
+    sizes[id(node)] = total
+    return total
+
+
+def _shown(value: Any, limit: int = 200) -> str:
+    """`repr(value)` for a message, at most `limit` characters and built without walking more than
+    that of the value (a nested or huge one would make a message of megabytes)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxtuple, _REPR.maxset = 3, 8, 8, 8, 8
+_REPR.maxstring, _REPR.maxother = 200, 200
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> tuple[Config, set[str]]:
@@ -182,7 +236,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     explicit = merge(user, cli)
     task = explicit.get("task", Config.task)
     if task is not None and not isinstance(task, str):
-        raise UserError(f"task: expected a task name or null, got {task!r}")
+        raise UserError(f"task: expected a task name or null, got {_shown(task)}")
     train = explicit.get("train")
     if isinstance(train, dict) and "lr" in train and train["lr"] is None:
         # `lr: null` (DESIGN.md's contract config): the task pack's rate, else the default, as if not given
@@ -209,7 +263,7 @@ def _check_sections(user: dict[str, Any], cli: dict[str, Any], prefix: str = "")
             if isinstance(user[key], dict):
                 _check_sections(user[key], value, f"{prefix}{key}.")
             elif user[key] is not None:
-                raise UserError(f"{prefix}{key}: expected a mapping, got {user[key]!r}")
+                raise UserError(f"{prefix}{key}: expected a mapping, got {_shown(user[key])}")
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> set[str]:
@@ -235,7 +289,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     where = prefix.rstrip(".") or "config"
     if not isinstance(raw, dict):
-        raise UserError(f"{where}: expected a mapping, got {raw!r}")
+        raise UserError(f"{where}: expected a mapping, got {_shown(raw)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
@@ -256,6 +310,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 def _check_value(key: str, value: Any, tp: Any, meta: Any) -> Any:
     value = _coerce(key, value, tp)
     lo, hi = meta.get("lo"), meta.get("hi")
+    if "timeout" in key.rsplit(".", 1)[-1]:  # every timeout: past it, waits overflow (Event.wait(1e308))
+        hi = MAX_TIMEOUT_S if hi is None else min(hi, MAX_TIMEOUT_S)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if lo is not None and value < lo:
             raise UserError(f"{key}: {value} is below the minimum {lo}")
@@ -282,7 +338,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise UserError(f"{key}: expected a list, got {value!r}")
+            raise UserError(f"{key}: expected a list, got {_shown(value)}")
         return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
@@ -292,7 +348,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise UserError(f"{key}: expected an integer, got {value!r}")
+        raise UserError(f"{key}: expected an integer, got {_shown(value)}")
     if tp is float:
         return _coerce_float(key, value)
     if tp is str:
@@ -316,7 +372,7 @@ def _coerce_union(key: str, value: Any, tp: Any) -> Any:
             return _coerce(key, value, arg)
         except UserError as exc:
             errors.append(str(exc))
-    raise UserError(errors[0] if len(errors) == 1 else f"{key}: {value!r} is not valid here ({type_name(tp)})")
+    raise UserError(errors[0] if len(errors) == 1 else f"{key}: {_shown(value)} is not valid here ({type_name(tp)})")
 
 
 def _coerce_literal(key: str, value: Any, tp: Any) -> Any:
@@ -344,10 +400,10 @@ def _coerce_float(key: str, value: Any) -> float:
         except ValueError:
             number = None
     if number is None:
-        raise UserError(f"{key}: expected a number, got {value!r}")
+        raise UserError(f"{key}: expected a number, got {_shown(value)}")
     # nan passes every bound (nan < lo is False) and an infinite timeout is no timeout: no key takes either
     if not math.isfinite(number):
-        raise UserError(f"{key}: expected a finite number, got {value!r}")
+        raise UserError(f"{key}: expected a finite number, got {_shown(value)}")
     return number
 
 

@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # every `*timeout*` key's maximum (config.py): a week is "never" for a run
+
 
 def _f(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None) -> Any:
     """A config field with its docstring and optional numeric bounds (inclusive)."""

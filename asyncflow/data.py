@@ -7,6 +7,7 @@ are tokenized once, here; nothing downstream ever re-tokenizes decoded text.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Sequence
@@ -23,6 +24,21 @@ class Rows(list):  # type: ignore[type-arg]
 
     lines: list[int]
     row_at: list[int]
+
+
+_IMMUTABLE = (str, int, float, bool, bytes, type(None))
+
+
+def private_copy(value: Any) -> Any:
+    """`value` itself when immutable (strings and numbers: the usual column), else a deep copy: what a
+    reward function, an environment or an agent is handed of a dataset row, so changing it changes
+    nothing stored (the row serves every later epoch and the evaluation)."""
+    return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)
+
+
+def row_copy(row: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a dataset row that shares no mutable value with it (see `private_copy`)."""
+    return {k: private_copy(v) for k, v in row.items()}
 
 
 def subset(rows: Sequence[dict[str, Any]], indices: Sequence[int]) -> list[dict[str, Any]]:

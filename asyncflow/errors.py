@@ -15,6 +15,12 @@ class UserError(Exception):
     """
 
     exit_code = 2
+    max_chars = 2000  # a message past this is cut: it is printed as one line to a terminal or a log
+
+    def __init__(self, message: str = "", *args: object) -> None:
+        if isinstance(message, str) and len(message) > self.max_chars:
+            message = f"{message[:self.max_chars]}... ({len(message) - self.max_chars} more characters cut)"
+        super().__init__(message, *args)
 
 
 class WaitTimeout(TimeoutError):

@@ -15,7 +15,7 @@ from typing import Any
 
 from asyncflow.clock import wait_detached
 from asyncflow.config import Config
-from asyncflow.data import tokenize_prompt
+from asyncflow.data import row_copy, tokenize_prompt
 from asyncflow.engines.base import GenRequest, InferenceEngine
 from asyncflow.errors import WaitTimeout
 from asyncflow.rewards import (
@@ -184,7 +184,7 @@ class Evaluator:
         try:
             results = await asyncio.gather(*(
                 run_guarded(swept, run_episode(env=self.env_factory(self.clock), engine=self.engine, clock=swept,
-                                               tok=self.tok, uid=-(i + 1), prompt_ids=ids, row=dict(row),
+                                               tok=self.tok, uid=-(i + 1), prompt_ids=ids, row=row_copy(row),
                                                seed=self.cfg.seed * 7_919 + i, settings=settings),
                             functools.partial(hung_episode, ids), ro.env_timeout_s + 1.0)
                 for i, (ids, row) in enumerate(zip(self.prompt_ids, self.rows, strict=True))
@@ -209,7 +209,7 @@ class Evaluator:
         try:
             results = await asyncio.gather(*(
                 run_agent_episode(agent=agent, proxy=proxy, engine=self.engine, clock=clock, tok=self.tok,
-                                  uid=-(i + 1), row=dict(row), seed=self.cfg.seed * 7_919 + i,
+                                  uid=-(i + 1), row=row_copy(row), seed=self.cfg.seed * 7_919 + i,
                                   settings=recorder_settings(self.cfg, 0.0, self.max_context), timeout_s=self.cfg.rollout.agent_timeout_s)
                 for i, row in enumerate(self.rows)
             ))

@@ -232,7 +232,7 @@ def test_turn_barrier_holds_every_episode_until_the_batch_arrives() -> None:
     from asyncflow.workflow.episode import TurnBarrier
 
     async def main(clock: VirtualClock) -> list[tuple[str, float]]:
-        barrier = TurnBarrier(3)
+        barrier = TurnBarrier(3, 60.0)
         log: list[tuple[str, float]] = []
 
         async def episode(name: str, work: list[float]) -> None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -109,12 +108,107 @@ def test_output_is_truncated_at_the_cap() -> None:
     assert res.stdout == "x" * 1000 and res.stderr == "e" * 1000
 
 
-def test_processes_left_behind_are_killed() -> None:
-    code = "import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\nprint(p.pid)\n"
-    res = run_code(code, limits=SandboxLimits(timeout_s=30))
+def _writer(path: Path, setsid: bool) -> str:
+    """Code that leaves a process behind (its own session with `setsid`) appending to `path` every
+    50 ms; it returns once the first write landed."""
+    child = "    os.setsid()\n" if setsid else ""
+    return (f"import os, time\nif os.fork() == 0:\n{child}    while True:\n"
+            f"        with open({str(path)!r}, 'a') as f:\n            f.write('x')\n        time.sleep(0.05)\n"
+            f"while not os.path.exists({str(path)!r}):\n    time.sleep(0.01)\n")
+
+
+def _assert_stopped_writing(path: Path) -> None:
+    size = path.stat().st_size
+    time.sleep(0.5)  # ten writes' worth
+    assert path.stat().st_size == size, "a process left behind is still writing after run_code returned"
+
+
+def test_processes_left_behind_are_killed(tmp_path: Path) -> None:
+    res = run_code(_writer(tmp_path / "out", setsid=False), limits=SandboxLimits(timeout_s=30))
     assert res.status == "ok", res.stderr
-    status = Path(f"/proc/{int(res.stdout)}/status")
-    assert not status.exists() or "State:\tZ" in status.read_text()  # gone, or a zombie awaiting its reaper
+    _assert_stopped_writing(tmp_path / "out")
+
+
+@pytest.mark.parametrize("processes", ["auto", "fallback"])
+def test_a_setsid_grandchild_is_gone_when_run_code_returns(tmp_path: Path, processes: str) -> None:
+    res = run_code(_writer(tmp_path / "out", setsid=True), limits=SandboxLimits(timeout_s=30), processes=processes)
+    assert res.status == "ok", res.stderr
+    _assert_stopped_writing(tmp_path / "out")
+    if processes == "fallback":
+        assert "pidns_unavailable: fallback requested" in res.isolation and "subreaper" in res.isolation
+
+
+def test_a_setsid_grandchild_is_gone_after_a_timeout_too(tmp_path: Path) -> None:
+    res = run_code(_writer(tmp_path / "out", setsid=True) + "time.sleep(60)\n", limits=SandboxLimits(timeout_s=1))
+    assert res.status == "timeout" and res.seconds < 30
+    _assert_stopped_writing(tmp_path / "out")
+
+
+def _require_pid_namespace() -> list[str]:
+    isolation = run_code("pass").isolation
+    if any(i.startswith("pidns_unavailable") for i in isolation):  # the sandbox tried; the kernel refused
+        pytest.skip(f"the kernel refuses a PID namespace here: {isolation}")
+    return isolation
+
+
+def test_the_code_cannot_read_the_trainers_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    isolation = _require_pid_namespace()
+    at = isolation.index("pidns")
+    assert isolation[at:at + 5] == ["pidns", "mountns", "proc", "netns", "ipcns"]  # in the order they hold
+    monkeypatch.setenv("ASYNCFLOW_TEST_SECRET", "hunter2")
+    code = (f"import os\ntry:\n    print(open('/proc/{os.getpid()}/environ').read())\n"
+            "except OSError as exc:\n    print('refused', type(exc).__name__)\n"
+            "for pid in filter(str.isdigit, os.listdir('/proc')):\n    try:\n"
+            "        print(pid, open(f'/proc/{pid}/environ').read())\n    except OSError:\n        pass\n")
+    res = run_code(code)
+    assert res.status == "ok", res.stderr
+    assert res.stdout.startswith("refused FileNotFoundError") and "hunter2" not in res.stdout
+    assert sorted(int(line.split()[0]) for line in res.stdout.splitlines()[1:]) == [1, 2]  # its init and itself
+
+
+def test_the_code_cannot_signal_the_trainer() -> None:
+    _require_pid_namespace()
+    res = run_code(f"import os\nos.kill({os.getpid()}, 0)\n")
+    assert res.status == "error" and "ProcessLookupError" in res.stderr
+
+
+def test_the_process_count_is_bounded() -> None:
+    isolation = run_code("pass", limits=SandboxLimits(max_processes=8)).isolation
+    if any(i.startswith("pids_cgroup_unavailable") for i in isolation) and "nproc_rlimit" not in isolation:
+        pytest.skip(f"no process limit holds here: {isolation}")
+    code = ("import os, time\nmade = 0\nfor _ in range(200):\n    try:\n        if os.fork() == 0:\n"
+            "            time.sleep(30)\n            os._exit(0)\n        made += 1\n    except OSError:\n        break\n"
+            "print(made)\n")
+    res = run_code(code, limits=SandboxLimits(max_processes=8, timeout_s=30))
+    assert res.status == "ok" and int(res.stdout) <= 8, (res.stdout, res.stderr)
+
+
+def test_a_fork_bomb_ends_at_the_limits_and_leaves_nothing(tmp_path: Path) -> None:
+    isolation = run_code("pass").isolation
+    if not {"pids_cgroup", "nproc_rlimit"} & set(isolation):
+        pytest.skip(f"no process limit holds here: a fork bomb would hit the host: {isolation}")
+    marker = tmp_path / "bomb"
+    code = (f"import os\nopen({str(marker)!r}, 'w').close()\nwhile True:\n    try:\n        os.fork()\n"
+            f"    except OSError:\n        pass\n    with open({str(marker)!r}, 'a') as f:\n        f.write('x')\n")
+    res = run_code(code, limits=SandboxLimits(timeout_s=2, max_processes=16))
+    assert res.status == "timeout" and res.seconds < 30
+    _assert_stopped_writing(marker)
+    assert subprocess.run(["true"], timeout=30).returncode == 0  # the host can still start processes
+
+
+def test_require_refuses_without_a_pid_namespace_and_fallback_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    has_pid_ns = "pidns" in run_code("pass").isolation
+    monkeypatch.setenv("ASYNCFLOW_SANDBOX_PROCESSES", "require")
+    required = run_code("print(1)")
+    if has_pid_ns:
+        assert required.status == "ok" and "pidns" in required.isolation
+    else:
+        assert (required.status, required.exit_code) == ("error", None) and "refused" in required.stderr
+    monkeypatch.setenv("ASYNCFLOW_SANDBOX_PROCESSES", "fallback")
+    res = run_code("print(1)")
+    assert res.status == "ok" and "pidns" not in res.isolation and "pidns_unavailable: fallback requested" in res.isolation
+    with pytest.raises(ValueError, match="processes must be"):
+        run_code("print(1)", processes="off")  # type: ignore[arg-type]
 
 
 def test_run_tests_gives_the_fraction_of_asserts_that_pass() -> None:
@@ -191,18 +285,12 @@ def test_statuses_are_not_taken_from_the_codes_own_exit() -> None:
     assert (message.status, message.exit_code, message.stderr) == ("error", 1, "usage: solve N\n")
 
 
-def test_a_process_that_escapes_the_group_does_not_hold_run_code() -> None:
-    code = ("import os, sys, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n"
-            "    os.write(w, str(os.getpid()).encode())\n    time.sleep(60)\n    os._exit(0)\n"
-            "print(os.read(r, 32).decode())\n")
+def test_a_process_that_escapes_the_group_does_not_hold_run_code(tmp_path: Path) -> None:
     threads = threading.active_count()
-    res = run_code(code, limits=SandboxLimits(timeout_s=30))
-    try:
-        assert res.status == "ok", res.stderr
-        assert threading.active_count() == threads  # no reader thread left blocked on the escapee's pipes
-    finally:
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(res.stdout), signal.SIGKILL)
+    res = run_code(_writer(tmp_path / "out", setsid=True), limits=SandboxLimits(timeout_s=30))
+    assert res.status == "ok", res.stderr
+    assert threading.active_count() == threads  # no reader thread left blocked on the escapee's pipes
+    _assert_stopped_writing(tmp_path / "out")
 
 
 def test_a_locked_folder_is_removed_without_root_permissions(tmp_path: Path) -> None:

@@ -515,7 +515,7 @@ def test_an_abandoned_episode_that_comes_back_neither_works_nor_keeps_the_clock_
     assert later == ["refused"] and alive == []
 
     async def barrier() -> tuple[bool, bool]:
-        b = TurnBarrier(3)
+        b = TurnBarrier(3, 60.0)
         gone, live1, live2 = b.party(), b.party(), b.party()
         gone.leave()
         first = asyncio.ensure_future(live1.wait())

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncflow.data import private_copy
 from asyncflow.errors import UserError, WaitTimeout
 
 RewardFn = Callable[..., Sequence[Any]]
@@ -123,11 +124,18 @@ def _accepted(fn: Any) -> frozenset[str] | None:
     return names
 
 
-def _kwargs(fn: Any, completion_ids: list[list[int]], columns: dict[str, list[Any]]) -> dict[str, Any]:
-    kwargs: dict[str, Any] = dict(columns)
-    kwargs["completion_ids"] = completion_ids
+def _kwargs(fn: Any, prompts: list[Any], completion_ids: list[list[int]],
+            columns: dict[str, list[Any]]) -> dict[str, Any]:
+    """The call's keyword arguments. Prompts and column values are the dataset rows' own objects:
+    each is handed over as a private copy (one per completion), so a function that changes one
+    changes nothing stored."""
     names = _accepted(fn)
-    return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
+    kwargs: dict[str, Any] = {c: [private_copy(v) for v in vs] for c, vs in columns.items()
+                              if names is None or c in names}
+    if names is None or "completion_ids" in names:
+        kwargs["completion_ids"] = completion_ids
+    kwargs["prompts"] = [private_copy(p) for p in prompts]
+    return kwargs
 
 
 def is_async_reward_fn(fn: Any) -> bool:
@@ -140,9 +148,9 @@ def call_reward_fn(
     fn: RewardFn, prompts: list[Any], completions: list[str], completion_ids: list[list[int]], columns: dict[str, list[Any]]
 ) -> RewardOutcome:
     """Call `fn` for one group and validate what it returns (one finite number per completion)."""
-    kwargs = _kwargs(fn, completion_ids, columns)
+    kwargs = _kwargs(fn, prompts, completion_ids, columns)
     try:
-        out = fn(prompts=prompts, completions=completions, **kwargs)
+        out = fn(completions=completions, **kwargs)
         return validate_rewards(out, len(completions))  # converting what it returned can raise too
     except BaseException as exc:  # the plugin failed, even with sys.exit(): mark its samples, never end the run
         return _raised(exc)
@@ -158,9 +166,9 @@ async def call_reward_fn_async(
 ) -> RewardOutcome:
     """`call_reward_fn` for an `async def` function: awaited on the running loop (the caller bounds
     it with `reward.timeout_s`; on expiry the coroutine is cancelled, unlike a thread)."""
-    kwargs = _kwargs(fn, completion_ids, columns)
+    kwargs = _kwargs(fn, prompts, completion_ids, columns)
     try:
-        out = await fn(prompts=prompts, completions=completions, **kwargs)
+        out = await fn(completions=completions, **kwargs)
         return validate_rewards(out, len(completions))
     except asyncio.CancelledError as exc:
         task = asyncio.current_task()

@@ -4,21 +4,27 @@ Why a subprocess and not `exec`: generated code loops forever, allocates without
 megabytes, writes files, opens sockets and reads the environment; a reward function must survive
 all of it and still return a number. Each run gets:
 
-- a fresh interpreter (`python -I`: no user site, no PYTHON* variables) in a new session, so the
-  whole process group is killed on the wall-clock limit;
+- a fresh interpreter (`python -I`: no user site, no PYTHON* variables) in a new session;
+- its own processes: on Linux a PID namespace (with a mount namespace and a /proc of its own), so
+  the code sees and can signal only its own processes, and killing the namespace's init ends every
+  descendant, setsid'd or not (as root directly, else inside a new user namespace); where the kernel
+  refuses, the fallback: a child subreaper that kills whatever the code left behind before it
+  returns, while the code can still see and signal the user's other processes (`processes=`);
+- a process-count limit: a pids cgroup where one can be made (root), else RLIMIT_NPROC inside the
+  user namespace; none otherwise;
 - resource limits set in the child before the code runs: RLIMIT_CPU (CPU seconds), RLIMIT_AS
   (address space), RLIMIT_FSIZE (largest file written) and RLIMIT_CORE = 0;
-- no network: on Linux the child tries `unshare(CLONE_NEWNET)` (alone as root, else with a new user
-  namespace), which leaves it only a loopback device that is down; in every case `socket.socket`
-  and `_socket.socket` are replaced by a class that raises before any socket exists;
+- no network: a network namespace (only a loopback device that is down) where permitted, and in
+  every case `socket.socket` and `_socket.socket` replaced by a class that raises;
 - a fresh temporary working directory (also HOME and TMPDIR), removed afterwards;
 - a minimal environment (PATH, HOME, TMPDIR, LANG): no inherited secrets;
 - stdout and stderr capped at `max_output_bytes` each (the rest is read and discarded).
 
 `SandboxResult.isolation` says what was actually applied. This is NOT a security boundary against a
-determined attacker: the code runs as the same user, can read every file that user can read, and
-the socket guard alone (where namespaces are unavailable) is bypassable from C extensions such as
-ctypes. For hostile code, run the reward workers in a container or VM (docs/rewards.md).
+determined attacker: the code runs as the same user and can read and write every file that user can
+(no filesystem isolation, no seccomp), and the socket guard alone (where namespaces are
+unavailable) is bypassable from C extensions such as ctypes. For hostile code, run the reward
+workers in a container or VM (docs/rewards.md).
 """
 
 from __future__ import annotations
@@ -38,12 +44,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, cast
 
 Status = Literal["ok", "timeout", "cpu_limit", "memory_limit", "error", "network_blocked"]
+Processes = Literal["auto", "require", "fallback"]
 
 _DRAIN_S = 0.2  # once the code's group is killed, its pipes are read this long more (a process that
 # called setsid escaped the kill and may hold them open)
+_BACKSTOP_S = 5.0  # the child kills the code at timeout_s; run_code kills the child this much later
 _CPU_SLACK_S = 0.05  # a SIGKILL after at least cpu_s - this of CPU time is the hard CPU limit
 
 
@@ -61,6 +69,9 @@ class SandboxLimits:
     """Most bytes kept of stdout and of stderr each; the rest is discarded and `truncated` is set."""
     max_file_mb: int = 64
     """Largest file the code may write (RLIMIT_FSIZE), in MiB."""
+    max_processes: int = 64
+    """Most processes and threads of the code at once: a pids cgroup where one can be made (root or
+    a delegated cgroup), else RLIMIT_NPROC inside a new user namespace; otherwise not enforced."""
 
 
 @dataclass
@@ -76,135 +87,16 @@ class SandboxResult:
     truncated: bool = False
     """stdout or stderr went past `max_output_bytes` and was cut."""
     isolation: list[str] = field(default_factory=list)
-    """What was applied: rlimits, socket_guard, netns (or netns_unavailable: REASON), tmpdir, clean_env."""
+    """What held, in order: pids_cgroup, userns, pidns, mountns, proc, netns, ipcns, rlimits,
+    nproc_rlimit, subreaper, socket_guard, tmpdir, clean_env; `X_unavailable: REASON` for one that
+    was tried and refused (pids_cgroup, pidns, netns), `proc_hidden`/`proc_unavailable: REASON`."""
     tests_passed: list[bool] | None = None
     """`run_tests` only: one entry per test (a test that never ran, e.g. after a timeout, is False)."""
 
 
-# The child's first code: limits and guards, then the user's code. It runs in the child, so setting
-# limits there needs no preexec_fn (unsafe in a threaded parent such as the reward workers). Its
-# config comes in a file it deletes before the code runs (a command-line argument is visible to the
-# code and limited to 128 KiB); its report lines carry a nonce from that file, so a line the code
-# writes to the report descriptor is ignored; `exec` and `compile` are taken before the code can
-# replace them. The code runs as a real module (`__main__`, or `solution` with tests) with
-# `sys.argv == [its file]`; at its end, as in a normal interpreter exit, its non-daemon threads are
-# joined and its atexit functions run.
-_BOOTSTRAP = r"""
-import os, sys
-def _boot(report_fd, cfg_path):
-    import atexit, json, threading, types
-    _exec, _compile, _print = exec, compile, print
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    os.unlink(cfg_path)
-    nonce = cfg["nonce"]
-    report = os.fdopen(report_fd, "w", buffering=1)
-    say = report.write
-
-    def _unshare_net():
-        if not sys.platform.startswith("linux"):
-            return "netns_unavailable: not Linux"
-        try:
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
-            if libc.unshare(CLONE_NEWNET) == 0 or libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
-                return "netns"
-            return "netns_unavailable: " + os.strerror(ctypes.get_errno())
-        except Exception as exc:
-            return "netns_unavailable: " + type(exc).__name__
-
-    applied = [_unshare_net()]
-    import resource
-    cpu = cfg["cpu_s"]
-    for lim, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, cfg["memory"], cfg["memory"]),
-                            (resource.RLIMIT_FSIZE, cfg["fsize"], cfg["fsize"]), (resource.RLIMIT_CORE, 0, 0)):
-        cur_hard = resource.getrlimit(lim)[1]
-        if cur_hard != resource.RLIM_INFINITY:  # never ask for more than the parent may have
-            hard = min(hard, cur_hard)
-        resource.setrlimit(lim, (min(soft, hard), hard))
-    applied.append("rlimits")
-
-    import socket, _socket
-
-    class NetworkBlocked(PermissionError):
-        pass
-
-    attempts = [0]
-
-    class _NoSocket:
-        def __init__(self, *args, **kwargs):
-            attempts[0] += 1
-            raise NetworkBlocked("network access is disabled in the sandbox")
-
-    socket.socket = _socket.socket = _NoSocket
-    socket.socketpair = socket.create_connection = socket.fromfd = _NoSocket
-    applied.append("socket_guard")
-    say(json.dumps({"isolation": applied, "nonce": nonce}) + "\n")
-    tests = cfg["tests"]
-    code_file = cfg["code_file"]
-    del cfg
-    sys.argv = [code_file]
-    module = types.ModuleType("__main__" if tests is None else "solution")
-    module.__file__ = code_file
-    module.__builtins__ = __builtins__
-    sys.modules[module.__name__] = module
-
-    def _run():
-        with open(code_file) as f:
-            source = f.read()
-        _exec(_compile(source, "<solution>", "exec"), module.__dict__)
-        for i, test in enumerate(tests or ()):
-            try:
-                _exec(_compile(test, f"<test {i}>", "exec"), module.__dict__)
-                ok = "true"
-            except (MemoryError, NetworkBlocked):
-                raise
-            except BaseException as exc:
-                ok = "false"
-                _print(f"test {i} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            say(f'{{"test": {i}, "passed": {ok}, "nonce": "{nonce}"}}\n')
-
-    limit = None
-    try:
-        _run()
-    except MemoryError:
-        sys.stderr.write("MemoryError: the sandbox memory limit was reached\n")
-        code, limit = 1, "memory"
-    except NetworkBlocked as exc:
-        sys.stderr.write(f"NetworkBlocked: {exc}\n")
-        code, limit = 1, "network"
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
-            sys.stderr.write(f"{exc.code}\n")  # as the interpreter prints sys.exit("message")
-    except BaseException as exc:
-        import traceback
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":  # hide this bootstrap's frames
-            tb = tb.tb_next
-        traceback.print_exception(type(exc), exc, tb)
-        code = 1
-    else:
-        code = 0
-    try:
-        try:
-            for t in threading.enumerate():
-                if t is not threading.main_thread() and not t.daemon:
-                    t.join()
-            atexit._run_exitfuncs()
-        except BaseException:
-            pass
-        if limit is not None:
-            say(f'{{"limit": "{limit}", "nonce": "{nonce}"}}\n')
-        say(f'{{"network_attempts": {attempts[0]}, "nonce": "{nonce}"}}\n')
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
-
-_boot(int(sys.argv[1]), sys.argv[2])
-"""
+# The child's first code: isolation, limits and guards, then the user's code (sandbox_boot.py, a
+# stdlib-only script run with `python -I -c`; its module docstring says how the processes are laid out).
+_BOOTSTRAP = Path(__file__).with_name("sandbox_boot.py").read_text()
 
 
 def run_code(
@@ -214,17 +106,28 @@ def run_code(
     limits: SandboxLimits | None = None,
     tests: list[str] | None = None,
     python: str = sys.executable,
+    processes: Processes | None = None,
 ) -> SandboxResult:
     """Run `code` (a Python program, as `__main__`) in a limited child process and say what happened.
 
     With `tests`, the code is executed as a module and then each test source (e.g. an `assert`)
-    runs in its namespace; `tests_passed` holds the outcome of each.
+    runs in its namespace; `tests_passed` holds the outcome of each. `processes` (default: the
+    environment variable ASYNCFLOW_SANDBOX_PROCESSES, else "auto"): "auto" uses a PID namespace
+    where the kernel permits and the subreaper fallback elsewhere; "require" refuses to run the code
+    without one (status `error`, `exit_code` None); "fallback" never tries.
     """
     lim = limits or SandboxLimits()
+    mode = processes or os.environ.get("ASYNCFLOW_SANDBOX_PROCESSES") or "auto"
+    if mode not in ("auto", "require", "fallback"):
+        raise ValueError(f"run_code: processes must be auto, require or fallback, got {mode!r}")
+    mode = cast(Processes, mode)
     workdir = Path(tempfile.mkdtemp(prefix="asyncflow-sandbox-"))
+    cgroup, cgroup_note = _make_pids_cgroup(lim.max_processes)
     try:
-        return _run_in(workdir, code, stdin, lim, tests, python)
+        return _run_in(workdir, code, stdin, lim, tests, python, mode, cgroup, cgroup_note)
     finally:
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
         _remove_tree(workdir)
 
 
@@ -252,14 +155,10 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float | None = None,
 
 
 def _run_in(workdir: Path, code: str, stdin: str, lim: SandboxLimits, tests: list[str] | None,
-            python: str) -> SandboxResult:
-    code_file = workdir / "solution.py"
-    code_file.write_text(code)
-    cfg_file = workdir / ".asyncflow-sandbox.json"  # read and deleted by the bootstrap before the code runs
+            python: str, mode: Processes, cgroup: Path | None, cgroup_note: str) -> SandboxResult:
     cpu = max(1, math.ceil(lim.cpu_s if lim.cpu_s is not None else lim.timeout_s))
     nonce = secrets.token_hex(16)
-    cfg_file.write_text(json.dumps({"code_file": str(code_file), "tests": tests, "cpu_s": cpu, "nonce": nonce,
-                                    "memory": lim.memory_mb * 2**20, "fsize": lim.max_file_mb * 2**20}))
+    cfg_file = _write_config(workdir, code, tests, lim, cpu, nonce, mode, cgroup)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
            "LANG": "C.UTF-8"}
     report_r, report_w = os.pipe()
@@ -281,11 +180,12 @@ def _run_in(workdir: Path, code: str, stdin: str, lim: SandboxLimits, tests: lis
     out, err, rep = _Capped(lim.max_output_bytes), _Capped(lim.max_output_bytes), _Capped(1_000_000)
     sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, report_r: rep}
     try:
-        killed = _exchange(proc.pid, proc.stdin, stdin.encode(), sinks, start + lim.timeout_s)
+        # the child enforces timeout_s itself (it must outlive the code to sweep what the code left);
+        # this later deadline is the backstop if it cannot
+        backstop = _exchange(proc.pid, proc.stdin, stdin.encode(), sinks, start + lim.timeout_s + _BACKSTOP_S)
         seconds = time.monotonic() - start
     finally:
-        # the group is killed while its leader is not yet reaped, so its id cannot have been reused:
-        # this ends the code on timeout and any process it left behind in every case
+        # the group is killed while its leader is not yet reaped, so its id cannot have been reused
         _kill_group(proc.pid)
         for f in (proc.stdin, proc.stdout, proc.stderr):
             f.close()
@@ -293,6 +193,10 @@ def _run_in(workdir: Path, code: str, stdin: str, lim: SandboxLimits, tests: lis
         _, wait_status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(wait_status)
     report = _parse_report(rep.text(), nonce)
+    refused = next((r["refused"] for r in report if "refused" in r), None)
+    if refused is not None:
+        return SandboxResult("error", "", f"sandbox: refused to run the code: {refused}", None, seconds)
+    killed = backstop or any(r.get("timeout") is True for r in report)
     status = _status(proc.returncode, killed, report, usage.ru_utime + usage.ru_stime >= cpu - _CPU_SLACK_S)
     tests_passed = None
     if tests is not None:
@@ -302,8 +206,75 @@ def _run_in(workdir: Path, code: str, stdin: str, lim: SandboxLimits, tests: lis
                 ran.setdefault(int(r["test"]), r["passed"] is True)
         tests_passed = [ran.get(i, False) for i in range(len(tests))]
     isolation = next((list(r["isolation"]) for r in report if "isolation" in r), [])
+    notes = [cgroup_note] if cgroup is None else []  # the child reports `pids_cgroup` once it joined it
     return SandboxResult(status, out.text(), err.text(), proc.returncode, seconds, out.truncated or err.truncated,
-                         [*isolation, "tmpdir", "clean_env"], tests_passed)
+                         [*isolation, *notes, "tmpdir", "clean_env"], tests_passed)
+
+
+def _write_config(workdir: Path, code: str, tests: list[str] | None, lim: SandboxLimits, cpu: int, nonce: str,
+                  mode: Processes, cgroup: Path | None) -> Path:
+    """The code's file and the child's config (read and deleted by the child before the code runs)."""
+    code_file = workdir / "solution.py"
+    code_file.write_text(code)
+    cfg_file = workdir / ".asyncflow-sandbox.json"
+    cfg_file.write_text(json.dumps({
+        "code_file": str(code_file), "tests": tests, "cpu_s": cpu, "nonce": nonce, "timeout_s": lim.timeout_s,
+        "memory": lim.memory_mb * 2**20, "fsize": lim.max_file_mb * 2**20, "max_processes": lim.max_processes,
+        "processes": mode, "cgroup": None if cgroup is None else str(cgroup)}))
+    return cfg_file
+
+
+def _make_pids_cgroup(max_processes: int) -> tuple[Path | None, str]:
+    """A new pids cgroup limited to `max_processes` tasks (root, or a delegated cgroup), else
+    (None, why not). cgroup v1's pids hierarchy, or v2 where our cgroup delegates `pids`."""
+    if not sys.platform.startswith("linux"):
+        return None, "pids_cgroup_unavailable: not Linux"
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError as exc:
+        return None, f"pids_cgroup_unavailable: {exc.strerror}"
+    bases = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "pids" in controllers.split(","):
+            bases.append(Path("/sys/fs/cgroup/pids") / path.lstrip("/"))
+        elif controllers == "":
+            bases.append(Path("/sys/fs/cgroup") / path.lstrip("/"))
+    why = "no pids controller"
+    for base in bases:
+        group = base / f"asyncflow-sandbox-{secrets.token_hex(6)}"
+        try:
+            group.mkdir()
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+            continue
+        try:
+            (group / "pids.max").write_text(str(max_processes + 2))  # + the supervisor and the init
+            return group, "pids_cgroup"
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+            with contextlib.suppress(OSError):
+                group.rmdir()
+    return None, f"pids_cgroup_unavailable: {why}"
+
+
+def _remove_cgroup(group: Path) -> None:
+    """Kill whatever is still in the cgroup (a process that escaped every other sweep), then remove it.
+    Bounded: a cgroup that will not empty within 2 s is left behind (its processes are SIGKILLed)."""
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            pids = [int(p) for p in (group / "cgroup.procs").read_text().split()]
+        except OSError:
+            return
+        if not pids:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+                return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 def _exchange(pid: int, stdin: IO[bytes], data: bytes, sinks: dict[int, _Capped], deadline: float) -> bool:

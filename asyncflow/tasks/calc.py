@@ -275,6 +275,9 @@ def _turns(
     return [out[i] for i in range(len(contexts))]
 
 
+PLAY_TIMEOUT_S = 3600.0  # playing a task's evaluation episodes (minutes on a CPU) ends within this
+
+
 def play_episodes(
     model: Any,
     tokenizer: Any,
@@ -284,10 +287,11 @@ def play_episodes(
     seed: int = 0,
     max_turns: int = MAX_TURNS,
     max_new_tokens: int = MAX_NEW_TOKENS,
+    timeout_s: float = PLAY_TIMEOUT_S,
 ) -> list[dict[str, Any]]:
     """Play each row's episode against `CalculatorEnv` with `run_episode`'s token layout, without
     the pipeline (greedy at temperature 0). Returns per row `{"reward", "turns", "tool_calls", "ids"}`
-    (ids: prompt + whole response)."""
+    (ids: prompt + whole response). Raises TimeoutError past `timeout_s`."""
     import torch
 
     from asyncflow.clock import RealClock
@@ -323,9 +327,15 @@ def play_episodes(
             live = still
         return state
 
-    # its own thread and event loop: `prepare` also runs inside a run's event loop (runner: task.prepare)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, play()).result()
+    # its own thread and event loop: `prepare` also runs inside a run's event loop (runner: task.prepare);
+    # the loop cancels the episodes at the deadline, and this thread waits a little longer for that
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(asyncio.run, asyncio.wait_for(play(), timeout_s)).result(timeout_s + 60.0)
+    except concurrent.futures.TimeoutError as exc:
+        raise TimeoutError(f"calc: playing {len(rows)} episodes took over {timeout_s:g} s") from exc
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # (never wait on a thread stuck in a model call)
 
 
 def _encode_env(tokenizer: Any, text: str) -> list[int]:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from asyncflow.clock import Clock
+from asyncflow.clock import Clock, bounded
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, requester
 from asyncflow.envs.base import Env, EnvError, EnvStep, env_call
 from asyncflow.runs import Runs, concat, oldest, total
@@ -126,8 +126,9 @@ class TurnBarrier:
     removes: every live episode of the batch reaches the same point (all generations of a turn
     done, then all environment steps done) before any goes on. A finished episode leaves."""
 
-    def __init__(self, parties: int) -> None:
+    def __init__(self, parties: int, timeout_s: float) -> None:
         self.parties = parties
+        self.timeout_s = timeout_s  # the longest an episode waits for the others (WaitTimeout)
         self._arrived = 0
         self._released = asyncio.Event()
 
@@ -135,7 +136,7 @@ class TurnBarrier:
         released = self._released
         self._arrived += 1
         self._maybe_release()
-        await released.wait()
+        await bounded(released.wait(), self.timeout_s, f"the turn barrier's {self.parties} episodes")
 
     def leave(self) -> None:
         self.parties -= 1

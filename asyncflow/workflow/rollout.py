@@ -11,6 +11,7 @@ import functools
 from typing import Any
 
 from asyncflow.clock import run_guarded
+from asyncflow.data import row_copy
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.runs import oldest
@@ -175,7 +176,10 @@ class RolloutStage(StageBase):
                 continue
             except QueueClosed:
                 return
-            barrier = TurnBarrier(len(leases))
+            # each other episode's phase ends within its generation or environment timeout, or it is
+            # abandoned and leaves: waiting longer than both means the barrier itself is stuck
+            ro = self.cfg.rollout
+            barrier = TurnBarrier(len(leases), ro.request_timeout_s + ro.env_timeout_s + 1.0)
             slots = asyncio.Semaphore(len(leases))
             start = self.clock.now()
             await asyncio.gather(*(self._episode(index, engine, lease, slots, barrier) for lease in leases))
@@ -231,7 +235,7 @@ class RolloutStage(StageBase):
                 start = self.clock.now()
                 result = await run_agent_episode(
                     agent=self.agent, proxy=proxy, engine=engine, clock=self.clock, tok=self.tok, uid=sample.uid,
-                    row=dict(self.rows[sample.fields["row"]]), seed=self.cfg.seed * 1_000_003 + sample.uid,
+                    row=row_copy(self.rows[sample.fields["row"]]), seed=self.cfg.seed * 1_000_003 + sample.uid,
                     settings=recorder_settings(self.cfg, ro.temperature, self.max_context), timeout_s=ro.agent_timeout_s,
                     floor=self._floor,
                 )
@@ -250,9 +254,9 @@ class RolloutStage(StageBase):
                 # timed-out call (awaited in place, the episode, its lease and its group hung for good)
                 result = await run_guarded(self._swept, run_episode(
                     env=self.env_factory(self.clock), engine=engine, clock=self._swept, tok=self.tok, uid=sample.uid,
-                    # (a copy: an env that pops a column changed the row for its group's other episodes
-                    # and every later epoch)
-                    prompt_ids=prompt_ids, row=dict(self.rows[sample.fields["row"]]),
+                    # (a copy sharing no mutable value: an env that pops a column, or appends to one,
+                    # changed the row for its group's other episodes and every later epoch)
+                    prompt_ids=prompt_ids, row=row_copy(self.rows[sample.fields["row"]]),
                     seed=self.cfg.seed * 1_000_003 + sample.uid,
                     settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
                                              ro.top_p, ro.top_k, self.max_context),
