@@ -216,7 +216,9 @@ def open_weight_group(host: str, port: int, rank: int, size: int, *, backend: st
         store = dist.TCPStore(host, port, size, rank == 0, timeout=limit)
         prefixed = dist.PrefixStore(tag, store)
         if backend == "nccl":
-            pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = limit  # (the options' name for the group's collective timeout)
+            pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             pg = dist.ProcessGroupGloo(prefixed, rank, size, limit)
