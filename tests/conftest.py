@@ -3,9 +3,14 @@ local Ray for the whole session (`ray_session`, shared by test_ray.py and test_r
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Ray on Linux rewrites 127.0.0.1 to the machine's interface address unless this is 0 (read when ray
+# is imported): every Ray node, driver and GCS of the suite stays on loopback
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture(scope="session")

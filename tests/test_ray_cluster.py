@@ -34,11 +34,12 @@ def cluster():
     os.environ.update(LOOPBACK)  # (the nodes' processes read it; this one read it when ray was imported)
     mp = pytest.MonkeyPatch()
     mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    here = {"node_ip_address": "127.0.0.1"}  # (also where this process already runs a Ray of its own)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, **here})
     try:
-        nodes = {"trainer": c.add_node(num_cpus=2, resources={"trainer": 1}),
-                 "rollout-a": c.add_node(num_cpus=1, resources={"rollout": 1}),
-                 "rollout-b": c.add_node(num_cpus=1, resources={"rollout": 1})}
+        nodes = {"trainer": c.add_node(num_cpus=2, resources={"trainer": 1}, **here),
+                 "rollout-a": c.add_node(num_cpus=1, resources={"rollout": 1}, **here),
+                 "rollout-b": c.add_node(num_cpus=1, resources={"rollout": 1}, **here)}
         c.wait_for_nodes()
         assert {n.node_ip_address for n in [c.head_node, *nodes.values()]} == {"127.0.0.1"}
         yield c, nodes

@@ -13,6 +13,8 @@ def ensure_ray(address: str | None, num_cpus: int | None = None) -> Any:
     A Ray that is already initialised in this process (tests, notebooks) is reused as it is.
     """
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # (read when ray is imported: set it first)
+    if address is None:  # a local Ray stays on loopback: Ray on Linux otherwise binds the interface address
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
