@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncflow.atomic_files import fsync_path
 from asyncflow.errors import UserError
 
 STATE_FORMAT = 1
@@ -66,11 +67,8 @@ class Resume:
     changed: list[str]  # settings that differ from the run being resumed (allowed ones; for a note)
 
     @property
-    def store(self) -> dict[str, Any]:
-        import torch
-
-        loaded: dict[str, Any] = torch.load(self.path / "store.pt", weights_only=False)
-        return loaded
+    def store(self) -> Any:
+        return load_safely(self.path / "store.pt")
 
 
 def step_dir(out: Path, step: int) -> Path:
@@ -90,7 +88,28 @@ def complete_checkpoints(out: Path) -> list[tuple[int, Path]]:
 
 
 def log_offsets(out: Path) -> dict[str, int]:
+    """The logs' sizes, flushed to the disk first: a resume cuts them back to these sizes, which a
+    power loss must not leave longer than what the disk holds."""
+    for name in LOGS:
+        fsync_path(out / name)
     return {name: (out / name).stat().st_size if (out / name).exists() else 0 for name in LOGS}
+
+
+def load_safely(path: Path) -> Any:
+    """A checkpoint's `store.pt` or `rng.pt`, loaded with `weights_only=True`: containers, numbers,
+    strings and tensors only. A pickle naming any other object (a run folder from someone else
+    whose `__reduce__` would run code) is refused with a one-line `ValueError`, unexecuted."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        detail = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "global" in line),
+                      str(exc).splitlines()[0] if str(exc) else "")
+        raise ValueError(f"{path} holds objects a checkpoint never contains ({detail[:200]}); refused, not loaded: "
+                         "loading it could run code") from None
 
 
 def write_checkpoint(out: Path, step: int, *, save_policy: Any, state: dict[str, Any], store_state: dict[str, Any],
@@ -111,16 +130,16 @@ def write_checkpoint(out: Path, step: int, *, save_policy: Any, state: dict[str,
     torch.save(store_state, tmp / "store.pt")
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
     for f in tmp.iterdir():  # on disk before state.json marks the folder complete (a power loss must
-        _fsync(f)            # not leave a "complete" checkpoint of empty files)
+        fsync_path(f)            # not leave a "complete" checkpoint of empty files)
     body = json.dumps({"format": STATE_FORMAT, **state}, indent=1)
     (tmp / "state.json.tmp").write_text(body)
-    _fsync(tmp / "state.json.tmp")
+    fsync_path(tmp / "state.json.tmp")
     os.replace(tmp / "state.json.tmp", tmp / "state.json")
-    _fsync(tmp)
+    fsync_path(tmp)
     if final.exists():  # a step redone after a resume: the new one replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     prune_checkpoints(out, keep, protect)
     return final
 
@@ -141,21 +160,6 @@ def prune_checkpoints(out: Path, keep: int, protect: Path | None = None) -> None
     for _, old in complete_checkpoints(out)[:-keep]:
         if protect is None or old.resolve() != protect.resolve():
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's (or a folder's entries') data to the disk; best effort where a file system
-    cannot (some network file systems refuse a directory fsync)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def find_resume(out: Path, cfg: Any) -> Resume:
@@ -238,6 +242,10 @@ def _check_checkpoint(path: Path, state: dict[str, Any]) -> None:
             raise UserError(f"checkpoint.resume: {f} cannot be read ({exc}) {damaged}") from None
         if bad is not None:
             raise UserError(f"checkpoint.resume: {f} is corrupt (member {bad}) {damaged}")
+    try:  # (small: a foreign pickle is refused here, before anything is written, as store.pt is)
+        load_safely(path / "rng.pt")
+    except ValueError as exc:
+        raise UserError(f"checkpoint.resume: {exc} {damaged}") from None
 
 
 def rows_fingerprint(rows: list[dict[str, Any]], keys: tuple[str | None, ...]) -> str:
@@ -308,6 +316,6 @@ def cut_logs(out: Path, offsets: dict[str, int]) -> None:
 def restore_rng(path: Path) -> None:
     import torch
 
-    rng = torch.load(path / "rng.pt", weights_only=False)
+    rng = load_safely(path / "rng.pt")
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

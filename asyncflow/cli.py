@@ -170,7 +170,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "report":
         from asyncflow.telemetry.report import write_report
 
-        png, md = write_report(args.runs, log=lambda line: print(line, file=sys.stderr))
+        png, md = write_report(args.runs, log=lambda line: print(line, file=sys.stderr), say=print)
         print(f"wrote {png} and {md}")
         return 0
     if args.command == "trace":

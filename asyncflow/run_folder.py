@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from asyncflow.atomic_files import write_text_atomic
 from asyncflow.config import Config, dump_yaml
 from asyncflow.errors import UserError
 
@@ -75,7 +76,7 @@ class RunFolder:
             cut_logs(out, self.resume.state["logs"])
             # an earlier segment's totals (and its mark of a finished run) no longer describe the folder
             (out / "summary.json").unlink(missing_ok=True)
-            (out / "config.yaml").write_text(dump_yaml(self.cfg))
+            write_text_atomic(out / "config.yaml", dump_yaml(self.cfg))  # (cut short, the next resume is refused)
         else:
             self._created_dir = not out.exists()
             try:

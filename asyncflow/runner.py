@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
+from asyncflow.atomic_files import write_dir_atomic, write_text_atomic
 from asyncflow.config import Config, episodic
 from asyncflow.engines.http_client import HTTPError
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
@@ -270,11 +271,8 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             placement = runtime.summary()
     finally:  # (each step whatever the one before did: the log, with its W&B run, is closed last, always)
         await _close(evaluator, engines, tracer, log, out)
-    final = out / "final"
-    trainer.save(str(final), with_optimizer=False)
-    hf_tok.save_pretrained(str(final))
     summary = _summary(pipeline, evaluator, final_eval, train_seconds, placement)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    _write_final(out, trainer, hf_tok, summary)
     if actors_from is not None:  # the actors are gone: the kept starting checkpoint may go now
         from asyncflow.checkpoint import prune_checkpoints
 
@@ -285,6 +283,17 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         f"{summary['eval_accuracy_after']:.3f}; run folder {out}"
     )
     return summary
+
+
+def _write_final(out: Path, trainer: Any, hf_tok: Any, summary: dict[str, Any]) -> None:
+    """`final/` and then `summary.json` (which marks the run finished), each whole or not at all: a
+    crash while saving leaves the previous `final/` (a resumed run's) and no summary.json."""
+    def fill(folder: Path) -> None:
+        trainer.save(str(folder), with_optimizer=False)
+        hf_tok.save_pretrained(str(folder))
+
+    write_dir_atomic(out / "final", fill)
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
 
 
 def _reference_model(cfg: Config, runtime: Any, model_dir: Path) -> Any:

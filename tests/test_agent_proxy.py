@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+import urllib.request
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +19,7 @@ from asyncflow.config import load_config
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
 from asyncflow.engines.http_client import HTTPError, request_json
 from asyncflow.errors import UserError
+from asyncflow.telemetry.audit import audit
 from asyncflow.workflow.agent import run_agent_episode
 from asyncflow.workflow.agent_proxy import AgentProxy, RecorderSettings
 
@@ -427,3 +432,100 @@ def test_an_agent_may_return_a_numpy_number_as_its_reward() -> None:
 
     f = _episode(_Scripted([[9]]), _FakeTok(), agent)
     assert f["reward"] == 0.5 and f["reward_error"] is None
+
+
+# ---- an `async def` agent that blocks (a synchronous HTTP call to its endpoint, a `time.sleep`) cannot
+# freeze the run: it runs on a loop and thread of its own (`workflow/agent_thread.py`)
+def _bounded(fn: Any, limit_s: float) -> Any:
+    """`fn()` in a thread, failing the test (not hanging it) if it has not returned in `limit_s`:
+    on a single loop, a blocking agent deadlocked the episode for good."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # (re-raised in the test's thread)
+            box["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(limit_s)
+    assert not t.is_alive(), f"the episode did not end within {limit_s} s (the rollout loop is blocked)"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _sync_post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=20) as r:
+        return json.loads(r.read())["choices"][0]  # type: ignore[no-any-return]
+
+
+def test_an_async_agent_calling_its_endpoint_synchronously_completes_its_episode() -> None:
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
+        first = _sync_post(base_url + "/completions", {"prompt": [5]})  # blocks this agent's loop
+        _sync_post(base_url + "/completions", {"prompt": [5, *first["token_ids"], 7]})
+        return 1.0
+
+    start = time.monotonic()
+    f = _bounded(lambda: _episode(_Scripted([[9], [10]]), _FakeTok(), agent, timeout_s=30.0), 25.0)
+    assert f["reward_error"] is None and f["reward"] == 1.0
+    assert f["agent_calls"] == 2 and f["agent_calls_dropped"] == 0 and list(f["response_ids"]) == [9, 7, 10]
+    assert time.monotonic() - start < 10
+
+
+def test_an_agent_blocking_past_its_timeout_ends_its_episode_with_an_error_naming_the_line() -> None:
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
+        _sync_post(base_url + "/completions", {"prompt": [5]})
+        time.sleep(3.0)  # blocks its own loop past rollout.agent_timeout_s
+        return 1.0
+
+    start = time.monotonic()
+    f = _bounded(lambda: _episode(_Scripted([[9]]), _FakeTok(), agent, timeout_s=0.5), 25.0)
+    assert time.monotonic() - start < 2.5  # ended at its timeout, not when the sleep returned
+    assert f["reward"] is None and f["reward_error"].startswith(
+        "agent hung: episode 7 took longer than rollout.agent_timeout_s=0.5 s; its event loop is blocked in a "
+        "synchronous call at ")
+    assert "test_agent_proxy.py:" in f["reward_error"] and "in agent" in f["reward_error"]
+    assert list(f["response_ids"]) == [9]  # what it generated is recorded (logged, untrained)
+
+
+BLOCKING_AGENT = '''
+import json, time, urllib.request
+
+def _post(url, body):
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]
+
+async def solve(base_url, row, seed):
+    """Synchronous HTTP from an async agent; one episode in five blocks past its timeout."""
+    c1 = _post(base_url + "/completions", {"prompt": row["prompt"], "max_tokens": 6})
+    if seed % 5 == 0:
+        time.sleep(3.0)
+    return float(c1["text"].strip() == str(row["answer"]))
+'''
+
+
+@pytest.mark.slow
+def test_a_run_with_blocking_agents_goes_on_and_accounts_every_sample(arith_dir: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncflow.runner import train
+
+    (tmp_path / "blocking_agent.py").write_text(BLOCKING_AGENT)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    cfg, _ = load_config(None, [f"model.path={arith_dir}", "rollout.agent=blocking_agent:solve", "train.max_steps=2",
+                                "train.batch_size=16", "rollout.n=4", "rollout.agent_timeout_s=1.0", "eval.size=4",
+                                "eval.every=0", "logging.progress=false"])
+    summary = _bounded(lambda: train(cfg, out, progress_enabled=False), 240.0)
+    assert summary["steps"] == 2 and summary["accounting"]["lost"] == 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    hung = [s for s in samples if (s["error"] or "").startswith("agent hung")]
+    assert hung and all(s["status"] == "reward_error" and "blocked in a synchronous call at" in s["error"]
+                        and "blocking_agent.py" in s["error"] for s in hung)
+    acc = summary["accounting"]
+    # (a batch counts its reward_error samples, kept out of the loss: 2 steps of 16 samples)
+    assert acc["reward_error"] == len(hung) and acc["trained"] + acc["reward_error"] == 32 and acc["trained"] > 0
+    assert audit(acc, Counter(s["status"] for s in samples)) == []  # every sample logged once

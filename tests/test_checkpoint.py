@@ -74,7 +74,7 @@ def test_resume_continues_exactly_where_the_checkpoint_left_off(arith_dir: Path,
     state = json.loads((ckpt / "state.json").read_text())
     assert (state["step"], state["version"]) == (2, 2)
     # sync mode: step 3's prompts were admitted as soon as version 2 was loaded; they are in flight
-    in_flight = torch.load(ckpt / "store.pt", weights_only=False)
+    in_flight = torch.load(ckpt / "store.pt", weights_only=True)
     assert {d["group_id"] for d in in_flight["samples"]} <= set(range(16, 24))
     assert state["next_group_id"] == 1 + max([15, *(d["group_id"] for d in in_flight["samples"])])
 
@@ -122,7 +122,7 @@ def test_a_crash_mid_run_resumes_without_losing_or_repeating_anything(arith_dir:
     steps_before = [r["step"] for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"]
     assert steps_before[-1] >= 3 and (out / "checkpoints" / "step_3" / "state.json").is_file()
     assert not (out / "final").exists()
-    in_flight = torch.load(out / "checkpoints" / "step_3" / "store.pt", weights_only=False)["samples"]
+    in_flight = torch.load(out / "checkpoints" / "step_3" / "store.pt", weights_only=True)["samples"]
     assert in_flight, "the checkpoint should hold samples admitted ahead of the trainer"
 
     del env["CRASH_AFTER"]
@@ -238,6 +238,16 @@ def reward_fn(prompts, completions, **kw):
 '''
 
 
+class _Payload:
+    """A pickle whose loading would run code (it creates `marker`)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
 def test_a_damaged_or_changed_resume_is_refused_before_anything_is_written(
         arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a review found a resume would do wrong (each refused with one line, the run left as it was,
@@ -276,12 +286,17 @@ def test_a_damaged_or_changed_resume_is_refused_before_anything_is_written(
         (lambda c: (c / "store.pt").write_text("garbage"), r"store.pt cannot be read"),
         # loads, but is not the store's state (it failed the resume with a traceback, logs already cut)
         (lambda c: torch.save([1, 2], c / "store.pt"), r"store.pt cannot be loaded .*got list"),
-        (lambda c: torch.save({**torch.load(c / "store.pt", weights_only=False), "samples": None}, c / "store.pt"),
+        (lambda c: torch.save({**torch.load(c / "store.pt", weights_only=True), "samples": None}, c / "store.pt"),
          r"store.pt cannot be loaded .*groups and samples must be lists"),
-        (lambda c: torch.save({**(st := torch.load(c / "store.pt", weights_only=False)),
+        (lambda c: torch.save({**(st := torch.load(c / "store.pt", weights_only=True)),
                                "samples": [{**d, "group_id": -5} for d in st["samples"]]}, c / "store.pt"),
          r"store.pt cannot be loaded .*a sample entry is not"),
         (lambda c: (c / "rng.pt").write_text("garbage"), r"rng.pt cannot be read"),
+        # someone else's run folder: a pickle that would run code on loading is refused, unexecuted
+        (lambda c: torch.save({**torch.load(c / "store.pt", weights_only=True), "x": _Payload(tmp_path / "ran")},
+                              c / "store.pt"), r"store.pt cannot be loaded .*posix.system.*refused, not loaded"),
+        (lambda c: torch.save({"torch": torch.get_rng_state(), "python": _Payload(tmp_path / "ran")}, c / "rng.pt"),
+         r"rng.pt holds objects a checkpoint never contains .*refused, not loaded"),
         (lambda c: (c / "optimizer.pt").unlink(), r"has no optimizer.pt"),
         (lambda c: (c / "model.safetensors").write_text("garbage"), r"model.safetensors is corrupt"),
         (lambda c: (c / "state.json").write_text(json.dumps({**state, "logs": None})), r"'logs' is None"),
@@ -294,6 +309,7 @@ def test_a_damaged_or_changed_resume_is_refused_before_anything_is_written(
                                             "the one before"):
             _train(arith_dir, copy, resume)
         assert (copy / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]
+    assert not (tmp_path / "ran").exists()
     for change, needle in [("eval.size=64", "the training rows differ from the run's"),
                            ("train.engine=fsdp", "train.engine is 'fsdp'"),
                            ("rollout.affinity=true", "rollout.affinity is True")]:

@@ -155,3 +155,31 @@ def test_non_finite_values_are_gaps_or_one_line_errors_not_tracebacks(tmp_path: 
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(UserError, match=r"metrics.jsonl: line 4: 'time_s' must be a finite number, got inf"):
         load_run(run_dir)
+
+
+def test_the_report_audits_summary_accounting_against_samples_jsonl(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`accounting.lost` is a balance of counters: a samples.jsonl missing a trained row still
+    balanced. The report recounts the statuses from the rows and names the disagreement."""
+    run_dir = _run(tmp_path / "run", rate=4.0)
+    acc = {"admitted": 12, "trained": 6, "reward_error": 0, "filtered": 0, "dropped_stale": 1, "cancelled": 0,
+           "in_store_at_end": 5, "lost": 0}
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 4, "accounting": acc}))
+    assert main(["report", str(run_dir)]) == 0
+    assert "[asyncflow] accounting: run: agree (7 rows in samples.jsonl)" in capsys.readouterr().out
+    assert "- run: agree (7 rows in samples.jsonl)" in (run_dir / "summary.md").read_text()
+
+    lines = (run_dir / "samples.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "samples.jsonl").write_text("".join(lines[1:]))  # a trained row removed
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    expected = ("run: DISAGREE: trained: summary.json counts 6, samples.jsonl has 5; lost: summary.json says 0; "
+                "recounted from samples.jsonl, 12 admitted - 6 logged - 5 left in the store = 1")
+    assert f"[asyncflow] accounting: {expected}" in out
+    assert f"- {expected}" in (run_dir / "summary.md").read_text()
+
+    (run_dir / "summary.json").unlink()  # a run still going: nothing to audit against
+    assert load_run(run_dir).audit is None
+    assert main(["report", str(run_dir)]) == 0
+    assert "accounting" not in capsys.readouterr().out
+    assert "run: not audited (no summary.json" in (run_dir / "summary.md").read_text()

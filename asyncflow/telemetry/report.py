@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.errors import UserError
+from asyncflow.telemetry.audit import audit_run
 
 WAIT_PREFIXES = ("wait",)  # trace spans that are waiting, not work
 
@@ -34,6 +35,9 @@ class RunData:
     notes: list[str] = field(default_factory=list)  # what was left out while reading (a cut-short last line)
     status: Counter[str] = field(default_factory=Counter)
     spans: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # track -> (start, end) s
+    # summary.json's accounting against samples.jsonl's statuses (`telemetry/audit.py`): the
+    # disagreements ([] when none), None when the run has no summary.json (not finished)
+    audit: list[str] | None = None
 
     @property
     def wall_s(self) -> float:
@@ -200,6 +204,7 @@ def load_run(path: str | Path, label: str | None = None) -> RunData:
     _add_metrics(run, p / "metrics.jsonl")
     if (p / "samples.jsonl").is_file():
         _add_samples(run, p / "samples.jsonl")
+    run.audit = audit_run(p, run.status)
     if (p / "trace.json").is_file():
         _add_trace(run, p / "trace.json")
     return run
@@ -291,8 +296,19 @@ def summary_markdown(runs: list[RunData]) -> str:
     for r in runs:
         busy = busy_fractions(r)
         lines.append(f"- {r.label}: " + (", ".join(f"{t} {b:.2f}" for t, b in busy.items()) or "no trace"))
+    lines += ["", "## Sample accounting (summary.json against the statuses in samples.jsonl)", ""]
+    lines += [audit_line(r) for r in runs]
     lines += ["", "Picture: report.png (reward, eval accuracy, throughput, staleness, busy fractions, timeline).", ""]
     return "\n".join(lines)
+
+
+def audit_line(run: RunData) -> str:
+    """One line on whether `run`'s accounting and its samples.jsonl agree."""
+    if run.audit is None:
+        return f"- {run.label}: not audited (no summary.json: the run has not finished)"
+    if not run.audit:
+        return f"- {run.label}: agree ({sum(run.status.values())} rows in samples.jsonl)"
+    return f"- {run.label}: DISAGREE: " + "; ".join(run.audit)
 
 
 def _moving_mean(values: list[float], window: int) -> list[float]:
@@ -405,9 +421,11 @@ def _plot_timeline(ax: Any, run: RunData, color: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def write_report(run_dirs: list[str | Path], log: Callable[[str], None] | None = None) -> tuple[Path, Path]:
+def write_report(run_dirs: list[str | Path], log: Callable[[str], None] | None = None,
+                 say: Callable[[str], None] | None = None) -> tuple[Path, Path]:
     """Write `report.png` and `summary.md` into the first run folder; returns their paths. `log`
-    gets a note for each thing left out while reading (a run's cut-short last line)."""
+    gets a note for each thing left out while reading (a run's cut-short last line); `say` the
+    accounting audit's line of each finished run."""
     if not run_dirs:
         raise UserError("report: give at least one run folder")
     labels = [Path(d).name or Path(d).resolve().name for d in run_dirs]  # ("." has no name of its own)
@@ -420,6 +438,10 @@ def write_report(run_dirs: list[str | Path], log: Callable[[str], None] | None =
     for r in runs:
         if not r.train:
             raise UserError(f"{r.path}: metrics.jsonl has no train rows yet")
+    if say is not None:
+        for r in runs:
+            if r.audit is not None:
+                say(f"[asyncflow] accounting: {audit_line(r)[2:]}")
     out = runs[0].path
     png, md = out / "report.png", out / "summary.md"
     for target, write in ((png, lambda: plot_report(runs, png)), (md, lambda: md.write_text(summary_markdown(runs)))):
@@ -431,4 +453,4 @@ def write_report(run_dirs: list[str | Path], log: Callable[[str], None] | None =
     return png, md
 
 
-__all__ = ["busy_fractions", "load_run", "plot_report", "summary_markdown", "write_report"]
+__all__ = ["audit_line", "busy_fractions", "load_run", "plot_report", "summary_markdown", "write_report"]

@@ -3,7 +3,8 @@ endpoint and turn the recorded calls into one training sample.
 
 The agent is `async def agent(base_url: str, row: dict, seed: int) -> float` (or a dict with
 `reward`); it may use any OpenAI client against `base_url` (see `agent_proxy.py`). Each episode is
-its own asyncio task, as environment episodes are, so a slow agent holds only its own episode.
+run on an event loop and thread of its own (`agent_thread.py`), so a slow agent holds only its own
+episode, and one that blocks (a synchronous HTTP call in an `async def`) cannot stall the worker.
 
 Stitching: the calls, in the order they finished, form one multi-turn trajectory while each call's
 prompt ids extend the previous call's prompt + response ids (a prefix check on token ids). The
@@ -18,7 +19,6 @@ reward or makes no model call ends its episode with `reward_error` (kept out of 
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 import math
@@ -28,11 +28,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncflow.clock import Clock, wait_detached
+from asyncflow.clock import Clock
 from asyncflow.engines.base import InferenceEngine
-from asyncflow.envs.base import own_cancel
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.workflow.agent_proxy import AgentProxy, Call, EpisodeRecorder, RecorderSettings
+from asyncflow.workflow.agent_thread import AgentBlocked, AgentCancelled, run_agent_thread
 from asyncflow.workflow.episode import EpisodeResult, Trajectory
 
 AgentFn = Callable[[str, dict[str, Any], int], Awaitable[Any]]
@@ -74,10 +74,6 @@ def stitch(calls: Sequence[Call]) -> tuple[list[int], Trajectory, int]:
     return prompt, traj, kept
 
 
-async def _called(agent: AgentFn, base_url: str, row: dict[str, Any], seed: int) -> Any:
-    return await agent(base_url, row, seed)
-
-
 def _reward_of(value: Any) -> float:
     reward = value.get("reward") if isinstance(value, dict) else value
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
@@ -107,18 +103,20 @@ async def run_agent_episode(
     reward: float | None = None
     error: str | None = None
     try:
-        # as a task of its own (once per episode): an agent whose retry loop swallows the cancellation
-        # of its timeout otherwise ran on, and its episode, lease and group with it, for good
-        reward = _reward_of(await wait_detached(clock, _called(agent, base_url, row, seed), timeout_s,
-                                                f"agent episode {uid}"))
-    except WaitTimeout:
+        # on a loop and thread of its own (`agent_thread.py`): an agent that blocks (a synchronous HTTP
+        # call to this endpoint) froze the worker's loop, endpoint and timeouts with it; one that
+        # swallows the cancellation of its timeout still ends its episode at the limit
+        reward = _reward_of(await run_agent_thread(clock, agent, (base_url, row, seed), timeout_s,
+                                                   f"agent episode {uid}"))
+    except WaitTimeout as exc:
         error = f"agent hung: episode {uid} took longer than rollout.agent_timeout_s={timeout_s:g} s"
+        if isinstance(exc, AgentBlocked):
+            error += (f"; its event loop is blocked in a synchronous call at {exc.where} (an async agent must not "
+                      "block: use an async client, or asyncio.to_thread)")
+    except AgentCancelled as exc:
+        error = f"agent failed: {exc}"
     except Exception as exc:  # the agent's own failure: end this episode, keep the run
         error = f"agent failed: {type(exc).__name__}: {exc}"
-    except asyncio.CancelledError:
-        if not own_cancel():
-            raise
-        error = "agent failed: CancelledError raised by the agent itself (e.g. it awaited a task it had cancelled)"
     finally:
         proxy.unregister(base_url)
     if rec.failure is not None:
