@@ -227,7 +227,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     from asyncflow.clock import RealClock
     from asyncflow.evaluation import Evaluator
     from asyncflow.step_hooks import StepHooks, evaluates_again
-    from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, Tracer
+    from asyncflow.telemetry.runlog import Tracer
     from asyncflow.workflow.pipeline import Pipeline
 
     engines, trainer = list(runtime.engines), runtime.trainer
@@ -237,7 +237,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     redo_eval = resume is not None and evaluates_again(cfg, resume.step, resume.state["eval_history"])
     log = _run_log(cfg, out, resume, redo_eval)
     clock = RealClock()
-    tracer = Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS)
+    tracer = Tracer(now=clock.now, path=out / "trace.json")  # (streamed: a killed run keeps its spans)
     evaluator = None
     try:  # whatever fails from here (the step-0 evaluation, a resume's, the run) closes what the run opened:
         # the metric sinks (a W&B run left "running", TensorBoard's last events unflushed), the engines'
@@ -349,7 +349,7 @@ def _restore(pipeline: Any, runtime: Any, resume: Any, store_state: Any) -> None
 
 
 async def _close(evaluator: Any, engines: list[Any], tracer: Any, log: Any, out: Path) -> None:
-    """Close what the run opened: the evaluator and the engines, then the trace is written, then the log."""
+    """Close what the run opened: the evaluator and the engines, then the trace is ended, then the log."""
     try:
         try:
             if evaluator is not None:
@@ -357,7 +357,7 @@ async def _close(evaluator: Any, engines: list[Any], tracer: Any, log: Any, out:
             for e in engines:
                 await e.close()
         finally:
-            tracer.write(out / "trace.json")
+            tracer.close()
     finally:
         log.close()
 

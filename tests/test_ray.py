@@ -427,7 +427,7 @@ def test_short_training_run_on_ray(ray_session, arith_dir: Path, tmp_path: Path)
     others = {s["uid"] for s in samples if s["status"] != "trained"}
     assert not others & {s["uid"] for s in trained}
     trace = json.loads((out / "trace.json").read_text())
-    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    names = {e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
     assert {"rollout/0", "reward/0", "trainer", "weight sync"} <= names
     assert (out / "final" / "config.json").is_file()
     assert not ray_session.util.placement_group_table() or all(

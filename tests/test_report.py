@@ -130,6 +130,42 @@ def test_the_tracer_writes_its_file_whole_or_not_at_all(tmp_path: Path, monkeypa
     assert (tmp_path / "trace.json").read_text() == before  # the old file stands, whole
 
 
+def test_the_run_trace_streams_as_a_chrome_array_that_a_kill_leaves_readable(tmp_path: Path) -> None:
+    """trace.json is written as spans end (`[`, an event per line); before `close` it has no `]`,
+    as a killed run's, and reads as Perfetto reads it; after it, it is one JSON array."""
+    import asyncflow.telemetry.runlog as runlog
+    from asyncflow.telemetry.runlog import Tracer, parse_trace
+
+    run_dir = _run(tmp_path / "streamed", rate=4.0)
+    path = run_dir / "trace.json"
+    tracer = Tracer(now=lambda: 0.0, path=path)
+    for i in range(runlog.TRACE_FLUSH_EVENTS + 5):  # (one flush by count; the 5 after it still buffered)
+        tracer.span("trainer" if i % 2 else "rollout/0", f"train step {i}", 0.0, 1.0, samples=i)
+    text = path.read_text()
+    events = json.loads(text + "]")  # as Perfetto reads a trace without its closing bracket
+    assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} == {"trainer", "rollout/0"}
+    assert parse_trace(text + ',\n{"ph": "X", "na')[0] == events  # (a cut last line is left out)
+    run = load_run(run_dir)
+    assert set(run.spans) == {"trainer", "rollout/0"}
+    assert any("cut short (the run was killed?)" in n for n in run.notes)
+    tracer.close()
+    events = json.loads(path.read_text())
+    assert sum(e["ph"] == "X" for e in events) == runlog.TRACE_FLUSH_EVENTS + 5
+    assert load_run(run_dir).notes == []
+
+
+def test_an_in_memory_trace_over_its_cap_says_so(tmp_path: Path) -> None:
+    from asyncflow.telemetry.runlog import Tracer
+
+    run_dir = _run(tmp_path / "capped", rate=4.0)
+    tracer = Tracer(now=lambda: 0.0, max_events=2)
+    for i in range(5):
+        tracer.span("trainer", f"train step {i}", float(i), i + 1.0)
+    tracer.write(run_dir / "trace.json")
+    assert load_run(run_dir).notes == [f"{run_dir / 'trace.json'}: 3 later spans were dropped at the trace's cap; "
+                                       "the timeline and busy fractions cover the first 2 s of the run only"]
+
+
 def test_without_samples_jsonl_the_staleness_comes_from_the_train_rows(tmp_path: Path) -> None:
     """It showed "0.00 / 0" (no trained samples read) although metrics.jsonl has it."""
     run_dir = _run(tmp_path / "nosamples", rate=4.0)

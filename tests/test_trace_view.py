@@ -49,7 +49,14 @@ def test_nothing_fetched_ends_after_the_timeout(tmp_path: Path) -> None:
     assert serve_trace(tmp_path / "trace.json", timeout_s=0.2, log=lambda _: None, port=_free_port()) is False
 
 
-@pytest.mark.parametrize(("content", "needle"), [(None, "not found"), ("{cut", "is not a JSON trace")])
+def test_a_killed_runs_trace_without_its_bracket_is_served(tmp_path: Path) -> None:
+    (tmp_path / "trace.json").write_text('[{"ph": "M", "name": "process_name", "pid": 1, "args": {}},\n'
+                                         '{"name": "x", "ph": "X", "ts": 0, "dur": 1}')
+    assert trace_file(tmp_path) == tmp_path / "trace.json"
+
+
+@pytest.mark.parametrize(("content", "needle"), [(None, "not found"), ("{cut", "is not a JSON trace"),
+                                                  ("[{cut", "is not a JSON trace")])
 def test_a_missing_or_broken_trace_is_refused(tmp_path: Path, content: str | None, needle: str) -> None:
     if content is not None:
         (tmp_path / "trace.json").write_text(content)

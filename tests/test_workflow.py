@@ -79,7 +79,7 @@ def test_short_run_writes_the_run_folder_and_respects_staleness(
         assert set(s) == {"uid", "group_id", "prompt", "response", "reward", "behavior_version", "trained_version",
                           "status", "error"}
     trace = json.loads((out / "trace.json").read_text())
-    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    names = {e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
     assert {"trainer", "reward", "weight sync", "rollout/0"} <= names
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -403,7 +403,7 @@ def test_multi_turn_episodes_train_only_generated_tokens_and_interleave(
     # trained tokens are exactly the generated ones: the env's 4 tokens per episode are masked out
     assert last["tokens"] == sum(s["generated_tokens"] for s in trained)
     assert all(len(s["response"]) >= s["generated_tokens"] for s in trained)
-    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    trace = json.loads((out / "trace.json").read_text())
     tid = next(e["tid"] for e in trace if e.get("name") == "thread_name" and e["args"]["name"] == "env/0")
     spans: dict[str, list[float]] = {}
     for e in trace:
@@ -419,7 +419,7 @@ def test_multi_turn_episodes_train_only_generated_tokens_and_interleave(
     out = tmp_path / "barrier"
     summary = _run(arith_dir, out, ["rollout.env=count_env:make", "eval.every=0", "rollout.turn_barrier=true"])
     assert summary["samples"] == 128
-    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    trace = json.loads((out / "trace.json").read_text())
     tid = next(e["tid"] for e in trace if e.get("name") == "thread_name" and e["args"]["name"] == "env/0")
     assert _turn_two_waited_for_turn_one(trace, tid) is True
 
@@ -475,7 +475,7 @@ def test_kl_to_the_reference_comes_from_its_own_stage(
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 trains the reference weights themselves
     assert any(abs(r["kl"]) > 0 for r in rows[1:])  # the policy has moved away from the reference
     assert all(r["overlong_penalty_mean"] <= 0 for r in rows)
-    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    trace = json.loads((out / "trace.json").read_text())
     tid = next(e["tid"] for e in trace if e.get("name") == "thread_name" and e["args"]["name"] == "reference")
     assert any(e.get("ph") == "X" and e["tid"] == tid for e in trace)
 

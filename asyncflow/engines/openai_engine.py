@@ -4,7 +4,8 @@ Each request is one `POST /v1/completions` whose prompt is the sample's token id
 never re-tokenizes text and the ids the trainer sees are exactly the ids that were sampled. The reply
 must carry the generated ids (`choices[0].token_ids`, or vLLM's `token_id:N` tokens) and their
 log-probs (`logprobs.token_logprobs`). Continuous batching is the server's job: this engine keeps up
-to `capacity` requests in flight at once, each on its own connection, with a deadline on every call.
+to `capacity` requests in flight at once, on pooled keep-alive connections (`http_client`), with a
+deadline on every call.
 
 Versions: `asyncflow serve` reports the weight version of every token (`token_versions`); other
 servers do not, so every token gets the version the server held when the request was sent — the
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
-from asyncflow.engines.http_client import HTTPError, request_json
+from asyncflow.engines.http_client import HTTPError, close_pool, request_json
 from asyncflow.engines.server_sync import WeightFolderWriter, WeightSync, make_weight_sync
 from asyncflow.errors import UserError, WaitTimeout
 
@@ -92,7 +93,7 @@ class OpenAIEngine(InferenceEngine):
         # cancelled: None here, and its reply is kept below
         self._in_flight[key] = sent_version if request.uid >= 0 else None
         try:
-            reply = await self._call("POST", "/v1/completions", body, self.request_timeout_s)
+            reply = await self._call("POST", "/v1/completions", body, self.request_timeout_s, retry_safe=True)
         finally:
             del self._in_flight[key]
         ids, logprobs, versions, reason = parse_choice(reply, sent_version, self.base_url)
@@ -116,17 +117,25 @@ class OpenAIEngine(InferenceEngine):
             self.server.loaded(folder, version)
         return time.monotonic() - start
 
-    async def _call(self, method: str, path: str, body: Any, timeout: float) -> Any:
-        """One request; when it meets a dead server the run restarts (`server`), once more after it is back."""
+    async def _call(self, method: str, path: str, body: Any, timeout: float, retry_safe: bool = False) -> Any:
+        """One request; when it meets a dead server the run restarts (`server`), once more after it is back.
+        `retry_safe`: a completion may be sent again when a kept connection turns out closed (its first
+        reply never arrived, so the sample is drawn once as far as the run sees)."""
         if self._recovery is not None:  # (a restart under way: not to the fresh process before its weights)
             await self._recover()
         try:
-            return await request_json(method, f"{self.base_url}{path}", body, token=self.token, timeout=timeout)
+            return await request_json(method, f"{self.base_url}{path}", body, token=self.token, timeout=timeout,
+                                      retry_safe=retry_safe)
         except HTTPError as exc:
             if not self._recoverable(exc):
                 raise
         await self._recover()
-        return await request_json(method, f"{self.base_url}{path}", body, token=self.token, timeout=timeout)
+        return await request_json(method, f"{self.base_url}{path}", body, token=self.token, timeout=timeout,
+                                  retry_safe=retry_safe)
+
+    async def close(self) -> None:
+        """Close this event loop's kept connections (shared by the loop's engines: a later call reopens)."""
+        await close_pool()
 
     def _recoverable(self, exc: HTTPError) -> bool:
         return self.server is not None and exc.status == 0  # (0: no connection, or lost mid-reply)

@@ -19,6 +19,7 @@ from typing import Any
 
 from asyncflow.errors import UserError
 from asyncflow.telemetry.audit import audit_run
+from asyncflow.telemetry.runlog import DROPPED, parse_trace
 
 WAIT_PREFIXES = ("wait",)  # trace spans that are waiting, not work
 
@@ -153,17 +154,23 @@ def _add_samples(run: RunData, path: Path) -> None:
 
 
 def _add_trace(run: RunData, path: Path) -> None:
-    """Work spans per track from a Chrome trace (an object with `traceEvents`, or a bare event list)."""
+    """Work spans per track from a Chrome trace (an event array, possibly without its closing `]` when
+    the run was killed, or an object with `traceEvents` as older runs wrote)."""
     try:
-        doc = json.loads(_read_text(path))
-    except json.JSONDecodeError:  # (cut short: written by a run before trace.json was written whole)
+        doc, cut = parse_trace(_read_text(path))
+    except ValueError:
         run.notes.append(f"{path}: not valid JSON (cut short?); the timeline and busy fractions are left out")
         return
+    if cut:
+        run.notes.append(f"{path}: cut short (the run was killed?); read up to its last whole event")
     events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
     if not isinstance(events, list):
         raise UserError(f"{path}: not a Chrome trace (expected a traceEvents list)")
     other = doc.get("otherData") if isinstance(doc, dict) else None
     dropped = other.get("dropped_spans") if isinstance(other, dict) else None
+    for e in events if isinstance(doc, list) else []:  # (an in-memory trace that hit its cap says so last)
+        if isinstance(e, dict) and e.get("name") == DROPPED and isinstance(e.get("args"), dict):
+            dropped = e["args"].get("dropped_spans")
     names: dict[int | str, str] = {}
     spans: list[tuple[int | str, float, float]] = []  # (tid, start, end) in s
     for i, e in enumerate(events):

@@ -1,8 +1,9 @@
 """The run folder's logs: metrics.jsonl, samples.jsonl and the Chrome trace (trace.json).
 
 Rows are appended and flushed as they happen, so a crashed run still leaves everything up to the
-crash on disk. The trace uses Chrome's trace-event format (Perfetto opens it): one track per worker,
-one complete ("X") event per span, times in microseconds since the run started.
+crash on disk. The trace uses Chrome's trace-event format, as a JSON array streamed as spans end
+(Perfetto opens it, whole or cut short by a kill): one track per worker, one complete ("X") event
+per span, times in microseconds since the run started.
 """
 
 from __future__ import annotations
@@ -206,20 +207,30 @@ def _make_json_line() -> Callable[[Any], str]:
 _json_line = _make_json_line()
 
 
-RUN_TRACE_EVENTS = 300_000  # a run's trace: ~140 MB in memory and ~35 MB on disk at most; later spans
-# are counted as dropped (a multi-turn run adds one per environment step: it grew without bound)
+RUN_TRACE_EVENTS = 300_000  # an in-memory tracer (a Ray actor's, merged into the run's at its end): ~140 MB
+# at most; later spans are counted as dropped. The run's own trace streams to disk and has no cap.
+TRACE_FLUSH_S = 1.0  # a streamed trace reaches the disk at least this often (a kill -9 loses at most this)
+TRACE_FLUSH_EVENTS = 2000  # ... and whenever this many events are buffered
+DROPPED = "asyncflow_dropped_spans"  # the metadata event an in-memory trace that hit its cap ends with
 
 
 class Tracer:
-    """Collects spans per track and writes Chrome trace JSON.
+    """Collects spans per track as Chrome trace events (JSON array format; Perfetto opens it).
+
+    With `path`, events are streamed to that file as they happen: `[` and one event per line, each
+    line after the first led by a comma, flushed every `TRACE_FLUSH_S` seconds or `TRACE_FLUSH_EVENTS`
+    events; `close` adds the `]`. The array format allows a missing `]`, so a killed run's file is a
+    readable trace up to its last flush (`parse_trace`). Without `path`, events are kept in memory
+    (`raw`, `write`), at most `max_events`.
 
     `now` is the run's clock (`Clock.now`), so spans share the workflow's time line — virtual time
     included, when the PIPE benchmark drives the workflow on a virtual clock.
     """
 
-    def __init__(self, now: Callable[[], float] = time.monotonic, max_events: int | None = None) -> None:
-        """`max_events`: keep at most this many spans (later ones are counted in `dropped`), so a
-        very long or very large run cannot grow the trace without bound."""
+    def __init__(self, now: Callable[[], float] = time.monotonic, max_events: int | None = None,
+                 path: Path | None = None) -> None:
+        """`max_events`: an in-memory tracer keeps at most this many spans (later ones are counted in
+        `dropped`); 0 records nothing."""
         self.now = now
         self.t0 = now()
         self.max_events = max_events
@@ -227,6 +238,15 @@ class Tracer:
         self._events: list[dict[str, Any]] = []
         self._tracks: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._buffer: list[str] = []
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        if path is not None and max_events != 0:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._write("[" + json.dumps(_PROCESS_NAME))
+            self._flusher = threading.Thread(target=self._flush_every, name="trace-flush", daemon=True)
+            self._flusher.start()
 
     @property
     def off(self) -> bool:
@@ -235,19 +255,56 @@ class Tracer:
 
     def _tid(self, track: str) -> int:
         if track not in self._tracks:
-            self._tracks[track] = len(self._tracks) + 1
+            self._tracks[track] = tid = len(self._tracks) + 1
+            if self._fd is not None:
+                self._buffer.append(",\n" + json.dumps(_thread_name(track, tid)))
         return self._tracks[track]
 
     def span(self, track: str, name: str, start: float, end: float, **args: Any) -> None:
         """A finished span on `track`, times from the tracer's clock."""
         with self._lock:
-            if self.max_events is not None and len(self._events) >= self.max_events:
+            if self.max_events == 0 or (self._fd is None and self.max_events is not None
+                                        and len(self._events) >= self.max_events):
                 self.dropped += 1
                 return
-            self._events.append(
-                {"ph": "X", "name": name, "pid": 1, "tid": self._tid(track), "ts": (start - self.t0) * 1e6,
-                 "dur": max(end - start, 0.0) * 1e6, "args": args}
-            )
+            event = {"ph": "X", "name": name, "pid": 1, "tid": self._tid(track), "ts": (start - self.t0) * 1e6,
+                     "dur": max(end - start, 0.0) * 1e6, "args": args}
+            if self._fd is None:
+                self._events.append(event)
+                return
+            self._buffer.append(",\n" + json.dumps(event))
+            if len(self._buffer) >= TRACE_FLUSH_EVENTS:
+                self._flush_locked()
+
+    def _write(self, text: str) -> None:
+        """One write call per flush (a kill lands between events, not inside one)."""
+        assert self._fd is not None
+        view = memoryview(text.encode())
+        while view:
+            view = view[os.write(self._fd, view):]
+
+    def _flush_locked(self) -> None:
+        if self._buffer and self._fd is not None:
+            self._write("".join(self._buffer))
+            self._buffer.clear()
+
+    def _flush_every(self) -> None:
+        while not self._stop.wait(TRACE_FLUSH_S):
+            with self._lock:
+                self._flush_locked()
+
+    def close(self) -> None:
+        """Write what is buffered and end the streamed file with `]` (a JSON document from then on)."""
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=5 * TRACE_FLUSH_S)
+        with self._lock:
+            if self._fd is None:
+                return
+            self._flush_locked()
+            self._write("\n]\n")
+            os.close(self._fd)
+            self._fd = None
 
     @contextmanager
     def timed(self, track: str, name: str, **args: Any) -> Iterator[None]:
@@ -259,7 +316,7 @@ class Tracer:
             self.span(track, name, start, self.now(), **args)
 
     def raw(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
-        """Spans as (track, name, start, end, args) on this tracer's clock (to merge into another)."""
+        """An in-memory tracer's spans as (track, name, start, end, args) on its clock (to merge into another)."""
         names = {tid: track for track, tid in self._tracks.items()}
         with self._lock:
             return [
@@ -268,17 +325,39 @@ class Tracer:
             ]
 
     def write(self, path: Path) -> None:
+        """An in-memory tracer's events as one trace file (array format), written whole or not at all."""
         with self._lock:
-            meta = [
-                {"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": track}}
-                for track, tid in self._tracks.items()
-            ]
-            events = meta + [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "asyncflow"}}] + self._events
-        doc: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
-        if self.dropped:
-            doc["otherData"] = {"dropped_spans": self.dropped, "max_events": self.max_events}
-        # whole or not at all: a run killed while writing (or a full disk) left half a file, which the
-        # report refused
+            events = [_thread_name(track, tid) for track, tid in self._tracks.items()]
+            events += [_PROCESS_NAME, *self._events]
+            if self.dropped:
+                events.append({"ph": "M", "name": DROPPED, "pid": 1,
+                               "args": {"dropped_spans": self.dropped, "max_events": self.max_events}})
+        # whole or not at all: a run killed while writing (or a full disk) left half a file
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(doc))
+        tmp.write_text(json.dumps(events))
         os.replace(tmp, path)
+
+
+_PROCESS_NAME = {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "asyncflow"}}
+
+
+def _thread_name(track: str, tid: int) -> dict[str, Any]:
+    return {"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": track}}
+
+
+def parse_trace(text: str) -> tuple[Any, bool]:
+    """A Chrome trace file's JSON (array or object format) and whether it was cut short. An array
+    without its `]` (a run killed mid-way) is read as Perfetto reads it, up to its last whole event.
+    ValueError when it is neither."""
+    try:
+        return json.loads(text), False
+    except ValueError:
+        if not text.lstrip().startswith("["):
+            raise
+    body = text.rstrip()
+    for candidate in (body, body[:body.rfind("\n")].rstrip()):  # (the last line may be cut mid-event)
+        try:
+            return json.loads(candidate.rstrip(",") + "]"), True
+        except ValueError:
+            continue
+    raise ValueError("a Chrome trace array cut short inside its first event")

@@ -9,7 +9,6 @@ that opens it is printed. The serve ends after the UI has fetched the file, or a
 from __future__ import annotations
 
 import http.server
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -17,18 +16,20 @@ from pathlib import Path
 from urllib.parse import quote
 
 from asyncflow.errors import UserError
+from asyncflow.telemetry.runlog import parse_trace
 
 PORT = 9001
 UI = "https://ui.perfetto.dev"
 
 
 def trace_file(run_dir: Path) -> Path:
-    """The run's `trace.json`, checked to be a JSON trace; a one-line UserError otherwise."""
+    """The run's `trace.json`, checked to be a JSON trace (a killed run's, without its closing `]`,
+    is one: Perfetto reads it); a one-line UserError otherwise."""
     path = run_dir / "trace.json" if run_dir.is_dir() else run_dir
     if not path.is_file():
-        raise UserError(f"trace: {path} not found (a run folder holds trace.json once its run has ended)")
+        raise UserError(f"trace: {path} not found (a run writes trace.json as it goes)")
     try:
-        json.loads(path.read_text(encoding="utf-8"))
+        parse_trace(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise UserError(f"trace: {path} is not a JSON trace ({exc})") from None
     return path
