@@ -278,7 +278,7 @@ def test_the_endpoint_refuses_what_it_cannot_record_faithfully() -> None:
     seen: list[str] = []
 
     async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
-        for body in ({"prompt": [5], "temperature": 0.7}, {"prompt": [5], "n": 2}, {"prompt": [5], "stop": ["x"]},
+        for body in ({"prompt": [5], "temperature": 0.7}, {"prompt": [5], "n": 2}, {"prompt": [5], "stop": [""]},
                      {"prompt": [999]}):
             with pytest.raises(HTTPError) as err:
                 await _post(base_url, "/completions", body)
