@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hmac
+import queue
 import signal
 import sys
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncflow.errors import RunFailed, UserError
+from asyncflow.openai_text import TokenFeed, finish_choice
 from asyncflow.openai_wire import (
     MAX_BODY_BYTES,
     READ_TIMEOUT_S,
@@ -40,6 +42,7 @@ from asyncflow.openai_wire import (
     completion_tokens_key,
     flatten_content,
     is_token_ids,
+    openai_logprobs,
     parse_body,
     rl_fields,
     sampling_params,
@@ -58,6 +61,8 @@ from asyncflow.weight_folder import read_weights, weights_folder
 
 if TYPE_CHECKING:  # torch stays unimported until a server starts: the CLI validates arguments first
     from asyncflow.engines.base import GenResult
+
+Reply = dict[str, Any] | Iterator[bytes]  # a JSON object, or a stream's server-sent events
 
 MAX_CHOICES = 4096  # prompts x n of one request: each queued choice holds memory until it runs
 MAX_QUEUED_CHOICES = 8192  # choices of all requests admitted and not finished (over it: 429)
@@ -107,8 +112,8 @@ class OpenAIServer:
     # ------------------------------------------------------------------ dispatch
 
     def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes,
-               gone: Callable[[], bool] | None = None) -> tuple[int, dict[str, Any]]:
-        """Answer one HTTP request: (status, JSON object). Never raises. `gone()`: whether the client
+               gone: Callable[[], bool] | None = None) -> tuple[int, Reply]:
+        """Answer one HTTP request: (status, JSON object or event stream). Never raises. `gone()`: whether the client
         has disconnected (checked while generating: its requests are then cancelled)."""
         self._local.gone = gone
         try:
@@ -123,7 +128,7 @@ class OpenAIServer:
                 if route in getters:
                     return 200, getters[route]()
             elif method == "POST":
-                posts: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+                posts: dict[str, Callable[[dict[str, Any]], Reply]] = {
                     "/v1/completions": self._completions, "/v1/chat/completions": self._chat,
                     "/admin/load_weights": self._load_weights, "/admin/pause": self._pause,
                     "/admin/resume": self._resume,
@@ -199,18 +204,12 @@ class OpenAIServer:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "asyncflow"}]}
 
-    def _completions(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _completions(self, req: dict[str, Any]) -> Reply:
         prompts = self._prompts(req.get("prompt"))
         params = sampling_params(req, {**UNSUPPORTED, "suffix": None, "echo": False})
-        results = self._run(prompts, params)
-        choices = []
-        for i, (prompt_index, res) in enumerate(results):
-            choices.append({"index": i, "text": self._text(res.response_ids), **rl_fields(res),
-                            "prompt_index": prompt_index})
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": usage(prompts, params["n"], results)}
+        return self._answer(prompts, params, chat=False)
 
-    def _chat(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _chat(self, req: dict[str, Any]) -> Reply:
         messages = req.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -231,12 +230,28 @@ class OpenAIServer:
         req = completion_tokens_key(req)
         if req.get("max_tokens") is None and self.max_context is not None:  # (as OpenAI and vLLM: the rest of
             req = {**req, "max_tokens": max(1, self.max_context - len(prompt))}  # the context, not 16)
-        params = sampling_params(req, UNSUPPORTED)
-        results = self._run([prompt], params)
-        choices = [{"index": i, "message": {"role": "assistant", "content": self._text(res.response_ids)},
-                    **rl_fields(res)} for i, (_, res) in enumerate(results)]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": usage([prompt], params["n"], results)}
+        return self._answer([prompt], sampling_params(req, UNSUPPORTED, chat=True), chat=True)
+
+    def _answer(self, prompts: list[list[int]], params: dict[str, Any], chat: bool) -> Reply:
+        """The reply: one JSON object, or (`stream`) server-sent events. Each choice is cut at its
+        first stop string (`openai_text`): its ids and log-probs are the tokens up to the one
+        completing it, its text stops before it."""
+        if params["stream"]:
+            return self._stream(prompts, params, chat)
+        results = self._run(prompts, params)
+        choices = []
+        for i, (prompt_index, res) in enumerate(results):
+            cut, text = finish_choice(res, self._text, params["stop"])
+            results[i] = (prompt_index, cut)
+            fields = rl_fields(cut)
+            if params["logprobs"]:
+                fields["logprobs"].update(openai_logprobs(cut, self._piece, chat, params["top_logprobs"]))
+            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text,
+                                                                                       "prompt_index": prompt_index}
+            choices.append({"index": i, **body, **fields})
+        rid, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+        return {"id": f"{rid}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": usage(prompts, params["n"], results)}
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
         """Token ids of each prompt: text (tokenized as it is), a token-id list, or a list of either."""
@@ -262,8 +277,8 @@ class OpenAIServer:
             out.append(ids)
         return out
 
-    def _run(self, prompts: list[list[int]], params: dict[str, Any]) -> list[tuple[int, GenResult]]:
-        """Admit the request's choices (within `max_queued_choices`), wait until not paused, generate."""
+    def _admit(self, prompts: list[list[int]], params: dict[str, Any]) -> int:
+        """Admit the request's choices (within `max_queued_choices`); the count, for `_release`."""
         choices = len(prompts) * params["n"]
         if choices > min(MAX_CHOICES, self.max_queued_choices):
             raise RequestError(f"{len(prompts)} prompts x n={params['n']} is more than "
@@ -280,13 +295,21 @@ class OpenAIServer:
                                    f"--max-queued-choices {self.max_queued_choices}: retry later", status=429,
                                    kind="rate_limit_error")
             self._queued += choices
+        return choices
+
+    def _release(self, choices: int) -> None:
+        with self._gate:
+            self._queued -= choices
+
+    def _run(self, prompts: list[list[int]], params: dict[str, Any]) -> list[tuple[int, GenResult]]:
+        """Admit the request's choices, wait until not paused, generate."""
+        choices = self._admit(prompts, params)
         try:
             deadline = time.monotonic() + self.request_timeout_s
             self._wait_unpaused(deadline)
             return self._generate(prompts, params, deadline)
         finally:
-            with self._gate:
-                self._queued -= choices
+            self._release(choices)
 
     def _check_engine(self) -> None:
         error = getattr(self.engine, "error", None)
@@ -294,23 +317,32 @@ class OpenAIServer:
             raise RequestError(f"the engine stopped after an error ({error!r}); the server is exiting for its "
                                "supervisor to restart it", status=503, kind="server_error")
 
+    def _submit(self, prompts: list[list[int]], params: dict[str, Any], futures: list[tuple[int, Any]],
+                emit: Callable[[tuple[Any, ...]], None] | None = None) -> None:
+        """Submit n requests per prompt into `futures` (the caller cancels them on any failure); a
+        token callback where stop strings or a stream (`emit`) need one; choice k seeded seed + k."""
+        from asyncflow.engines.base import GenRequest
+
+        for index, ids in enumerate(prompts):
+            for _ in range(params["n"]):
+                with self._gate:
+                    self._uid += 1
+                    uid = self._uid
+                k = len(futures)
+                feed = TokenFeed(k, self._text, params["stop"], emit) if params["stop"] or emit else None
+                seed = None if params["seed"] is None else (params["seed"] + k) % (1 << 64)
+                req = GenRequest(uid, ids, params["max_tokens"], params["temperature"], params["top_p"],
+                                 params["top_k"], seed=seed, top_logprobs=params["top_logprobs"], on_token=feed)
+                futures.append((index, self.engine.submit(req)))
+
     def _generate(self, prompts: list[list[int]], params: dict[str, Any],
                   deadline: float) -> list[tuple[int, GenResult]]:
         """Submit n requests per prompt and wait for all of them (to `deadline`; cancelled when the
         client leaves). Out of memory for their batch is a 503 for this request alone."""
-        from asyncflow.engines.base import EngineOutOfMemory, GenRequest
-
-        futures = []
+        futures: list[tuple[int, Any]] = []
         results = []
         try:
-            for index, ids in enumerate(prompts):
-                for _ in range(params["n"]):
-                    with self._gate:
-                        self._uid += 1
-                        uid = self._uid
-                    req = GenRequest(uid, ids, params["max_tokens"], params["temperature"], params["top_p"],
-                                     params["top_k"])
-                    futures.append((index, self.engine.submit(req)))
+            self._submit(prompts, params, futures)
             gone = getattr(self._local, "gone", None)
             for index, fut in futures:
                 while True:
@@ -324,19 +356,68 @@ class OpenAIServer:
                             raise
                         if gone is not None and gone():
                             raise RequestError("the client disconnected", status=499, kind="client_closed") from None
-        except (TimeoutError, cf.TimeoutError):
-            raise RequestError(f"generation timed out after {self.request_timeout_s:g} s", status=504,
-                               kind="timeout") from None
-        except EngineOutOfMemory as exc:
-            raise RequestError(f"{exc}; retry with fewer choices or shorter prompts", status=503,
-                               kind="server_error") from None
-        except Exception:
-            self._check_engine()  # (a stopped engine: 503, as /health says; anything else is a 500)
-            raise
+        except Exception as exc:
+            raise self._failure(exc) from None
         finally:  # a request that failed or timed out (or could not submit them all): its other choices are abandoned
             for _, fut in futures:
                 fut.cancel()
         return results
+
+    def _failure(self, exc: Exception) -> Exception:
+        """What a generation failure is answered with: a timeout 504, out of memory 503 (for this
+        request alone), a stopped engine 503 (as /health says); anything else as it is (a 500)."""
+        from asyncflow.engines.base import EngineOutOfMemory
+
+        if isinstance(exc, RequestError):
+            return exc
+        if isinstance(exc, (TimeoutError, cf.TimeoutError)):
+            return RequestError(f"generation timed out after {self.request_timeout_s:g} s", status=504, kind="timeout")
+        if isinstance(exc, EngineOutOfMemory):
+            return RequestError(f"{exc}; retry with fewer choices or shorter prompts", status=503, kind="server_error")
+        try:
+            self._check_engine()
+        except RequestError as stopped:
+            return stopped
+        return exc
+
+    # ------------------------------------------------------------------ streaming
+
+    def _stream(self, prompts: list[list[int]], params: dict[str, Any], chat: bool) -> Iterator[bytes]:
+        stream = self._stream_events(prompts, params, chat)
+        next(stream)  # admission, the pause and submission: their refusals are answered before the 200
+        return stream
+
+    def _stream_events(self, prompts: list[list[int]], params: dict[str, Any], chat: bool) -> Iterator[bytes]:
+        """Server-sent events: one chunk per generated token, each choice's last chunk, the usage
+        when asked, `[DONE]`. A failure after the 200 is an `error` event (the SDK raises it)."""
+        from asyncflow.openai_stream import DONE, StreamState, pump, sse
+
+        choices = self._admit(prompts, params)
+        futures: list[tuple[int, Any]] = []
+        try:
+            self._wait_unpaused(time.monotonic() + self.request_timeout_s)
+            deadline = time.monotonic() + self.request_timeout_s
+            events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+            self._submit(prompts, params, futures, emit=events.put)
+            state = StreamState(chat=chat, model=self.model_name, rid=f"{'chatcmpl' if chat else 'cmpl'}-"
+                                f"{uuid.uuid4().hex}", decode=self._text, piece=self._piece, params=params)
+            yield b""
+            try:
+                results = yield from pump(futures, events, state, deadline, getattr(self._local, "gone", None))
+            except Exception as exc:
+                err = self._failure(exc)
+                if not isinstance(err, RequestError):
+                    traceback.print_exc(file=sys.stderr)
+                kind = err.kind if isinstance(err, RequestError) else "server_error"
+                yield sse(error_body(str(err), kind))
+                return
+            if params["include_usage"]:
+                yield sse(state.usage_chunk(usage(prompts, params["n"], results)))
+            yield DONE
+        finally:
+            for _, fut in futures:
+                fut.cancel()
+            self._release(choices)
 
     def _paused_now(self) -> bool:
         """Paused, and the pause has not expired (call under `_gate`)."""
@@ -358,6 +439,10 @@ class OpenAIServer:
 
     def _text(self, ids: list[int]) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=True))
+
+    def _piece(self, token: int) -> str:
+        """One token's text in log-prob lists (special tokens by name)."""
+        return str(self.tok.decode([token]))
 
     # ------------------------------------------------------------------ admin routes
 

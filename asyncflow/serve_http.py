@@ -6,7 +6,7 @@
     headers ──► app.precheck (token, origin, body limit per route) ──refused──► 401/403/413, body unread
          │
          ▼
-    body (Content-Length) ──► app.handle ──► JSON reply ──► closed
+    body (Content-Length) ──► app.handle ──► JSON reply (or server-sent events) ──► closed
 
 Bounds: at most `max_connections` connection threads; a request's headers and body must arrive
 within `read_timeout_s` in total (a client sending a byte a second is dropped at that deadline, not
@@ -28,6 +28,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from asyncflow.errors import UserError
@@ -140,7 +141,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 status, reply = self.server.app.handle(method, self.path, headers, body, gone=self._client_gone)
         self._reply(method, status, reply)
 
-    def _reply(self, method: str, status: int, reply: dict[str, Any]) -> None:
+    def _reply(self, method: str, status: int, reply: Any) -> None:
+        if not isinstance(reply, dict):  # a stream: server-sent events
+            self._reply_events(reply)
+            return
         data = json.dumps(reply).encode()
         self.close_connection = True
         self.connection.settimeout(WRITE_TIMEOUT_S)
@@ -154,6 +158,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             if method != "HEAD":  # (a HEAD reply has headers only)
                 self.wfile.write(data)
+
+    def _reply_events(self, events: Iterator[bytes]) -> None:
+        """A `text/event-stream` body, its end the connection's close; every write is bounded by
+        `WRITE_TIMEOUT_S`, and a client that leaves closes the stream (which cancels its requests)."""
+        self.close_connection = True
+        try:
+            with contextlib.suppress(OSError):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                for data in events:
+                    if data:
+                        self.wfile.write(data)
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()
 
     def _discard_small_body(self, length: int) -> None:
         """Read a refused request's body when it is small (its client, still sending, would otherwise

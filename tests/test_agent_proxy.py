@@ -283,7 +283,7 @@ def test_the_endpoint_refuses_what_it_cannot_record_faithfully() -> None:
     seen: list[str] = []
 
     async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
-        for body in ({"prompt": [5], "temperature": 0.7}, {"prompt": [5], "n": 2}, {"prompt": [5], "stop": ["x"]},
+        for body in ({"prompt": [5], "temperature": 0.7}, {"prompt": [5], "n": 2}, {"prompt": [5], "stop": [""]},
                      {"prompt": [999]}):
             with pytest.raises(HTTPError) as err:
                 await _post(base_url, "/completions", body)
@@ -529,3 +529,67 @@ def test_a_run_with_blocking_agents_goes_on_and_accounts_every_sample(arith_dir:
     # (a batch counts its reward_error samples, kept out of the loss: 2 steps of 16 samples)
     assert acc["reward_error"] == len(hung) and acc["trained"] + acc["reward_error"] == 32 and acc["trained"] > 0
     assert audit(acc, Counter(s["status"] for s in samples)) == []  # every sample logged once
+
+
+HERMES_LIKE = ("{% if tools %}tools:{% for t in tools %}{{ t['function']['name'] }} {% endfor %}<tool_call>{% endif %}"
+               "{% for m in messages %}{% if m['role'] == 'user' %}q {{ m['content'] }} {% elif m['role'] == 'tool' %}"
+               "t {{ m['content'] }} {% else %}a {{ m['content'] }}{{ eos_token }} {% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}a {% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tool_call_parsers_per_template_family() -> None:
+    from asyncflow.tool_calls import parse_hermes, parse_llama3, tool_parser
+
+    content, calls = parse_hermes('Let me add. <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
+    assert content == "Let me add." and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    content, calls = parse_llama3('<|python_tag|>{"name": "add", "parameters": {"a": "1;2"}}')
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": "1;2"}
+    assert len(parse_llama3('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}')[1]) == 2
+    assert parse_llama3("The answer is {x}") == ("The answer is {x}", [])
+    assert tool_parser(HERMES_LIKE) is parse_hermes
+    assert tool_parser("<|start_header_id|>... {\"name\": ..., \"parameters\": ...}") is parse_llama3
+    assert tool_parser("{{ messages }}") is None
+
+
+def test_an_sdk_agent_with_tools_stop_and_streams_is_recorded_exactly(tiny_model: Any) -> None:
+    """The official SDK (async) against the proxy: `tools` reach the chat template, a `stop` string
+    cuts the turn (its recorded ids end at the token completing it), streamed turns record the same."""
+    openai = pytest.importorskip("openai")
+    tok, engine = _tiny(tiny_model)
+    tok.hf.chat_template = HERMES_LIKE
+    seen: dict[str, Any] = {}
+
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
+        c = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=30)
+        try:
+            msgs: list[dict[str, Any]] = [{"role": "user", "content": row["prompt"]}]
+            r1 = await c.chat.completions.create(model="p", messages=msgs, tools=TOOLS, max_tokens=4, stop=["="],
+                                                 seed=3)  # type: ignore[arg-type]
+            msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "content": "3"}]
+            stream = await c.chat.completions.create(model="p", messages=msgs, tools=TOOLS, max_tokens=4,
+                                                     stream=True, logprobs=True, top_logprobs=2)  # type: ignore[arg-type]
+            chunks = [ch async for ch in stream]
+            seen.update(r1=r1, chunks=chunks)
+        finally:
+            await c.close()
+        return 1.0
+
+    settings = RecorderSettings(max_new_tokens=4, temperature=1.0, train_temperature=1.0, request_timeout_s=30.0,
+                                max_calls=4)
+    f = _episode(engine, tok, agent, settings=settings)
+    assert f["reward_error"] is None and f["turns"] == 2 and f["agent_calls_dropped"] == 0, f
+    r1 = seen["r1"].choices[0]
+    r1_ids = r1.model_extra["token_ids"]
+    user = [{"role": "user", "content": "1+2="}]
+    p1, plain = (list(tok.hf.apply_chat_template(user, tools=tools, add_generation_prompt=True)["input_ids"])
+                 for tools in (TOOLS, None))
+    assert r1.model_extra["prompt_token_ids"] == p1 and list(f["prompt_ids"]) == p1 and p1 != plain  # tools rendered
+    text = tok.decode(r1_ids)
+    assert "=" not in (r1.message.content or "") and (r1.finish_reason == "stop") == ("=" in text)
+    if "=" in text:  # the turn ends at the token completing the stop string
+        assert text.index("=") == len(text) - 1
+    streamed = [t for ch in seen["chunks"] if ch.choices for t in (ch.choices[0].model_extra or {}).get("token_ids", [])]
+    assert 1 <= len(streamed) <= 4 and list(f["response_ids"])[-len(streamed):] == streamed
+    assert list(f["response_ids"])[: len(r1_ids)] == r1_ids and f["loss_mask"][0] == 1

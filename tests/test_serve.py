@@ -246,8 +246,11 @@ def test_load_weights_changes_outputs_and_version(server: Server, serve_dir: Pat
     [
         ({"max_tokens": 2}, "prompt"),
         ({"prompt": [5], "temperature": -1}, "temperature"),
-        ({"prompt": [5], "stream": True}, "stream"),
-        ({"prompt": [5], "seed": 3}, "seed"),
+        ({"prompt": [5], "stream": "yes"}, "stream"),
+        ({"prompt": [5], "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": [5], "seed": 3.5}, "seed"),
+        ({"prompt": [5], "stop": ["a", ""]}, "stop"),
+        ({"prompt": [5], "stop": ["a"] * 17}, "stop"),
         ({"prompt": [5], "n": 0}, "n:"),
         ({"prompt": [5, 999]}, "vocabulary"),
         ({"prompt": [5], "max_tokens": 10_000}, "context"),
@@ -257,8 +260,9 @@ def test_load_weights_changes_outputs_and_version(server: Server, serve_dir: Pat
         ({"prompt": [5], "min_tokens": 2}, "min_tokens"),
         ({"prompt": [5], "stop_token_ids": [7]}, "stop_token_ids"),
         ({"prompt": [5], "repetition_penalty": 2.0}, "repetition_penalty"),
-        ({"prompt": [5], "logprobs": 5}, "top alternatives are not"),
-        ({"prompt": [5], "logprobs": -3}, "logprobs: expected 0, 1"),
+        ({"prompt": [5], "logprobs": 21}, "logprobs: expected an integer in [0, 20]"),
+        ({"prompt": [5], "logprobs": -3}, "logprobs: expected an integer in [0, 20]"),
+        ({"prompt": [5], "top_logprobs": 3}, "top_logprobs: a chat field"),
         pytest.param(b"[" * 100_000 + b"]" * 100_000, "not valid JSON", id="deep JSON"),  # (RecursionError: a 500)
         ({"prompt": [[5, 6]] * 40, "n": 128}, "40 prompts x n=128 is more than 4096 choices"),  # (unbounded memory)
     ],

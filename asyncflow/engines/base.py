@@ -17,6 +17,10 @@ from typing import Any, Literal
 import torch
 
 WeightUpdateMode = Literal["drain", "swap", "abort"]
+# called by an engine that streams, once per sampled token, in its decode thread: (token id, its
+# log-prob, its weight version, the top alternatives [(id, log-prob)] or None) -> True to end the
+# request there (finish "stop": a stop string completed). Must be cheap and must not block.
+TokenCallback = Callable[[int, float, int, list[tuple[int, float]] | None], bool]
 
 
 def quiet_transformers() -> None:
@@ -39,6 +43,9 @@ class GenRequest:
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0  # nucleus sampling (1: off)
     top_k: int = 0  # top-k sampling (0: off)
+    seed: int | None = None  # this request's own generator (reproducible sampling); None: the engine's
+    top_logprobs: int = 0  # alternatives per token to return in `GenResult.extra["top_logprobs"]`
+    on_token: TokenCallback | None = None  # per-token callback (engines without one finish whole requests)
 
 
 class EngineOutOfMemory(RuntimeError):

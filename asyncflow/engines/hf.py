@@ -53,6 +53,9 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     cancelled: bool = False
+    gen: torch.Generator | None = None  # the request's own (per-request seed)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # alternatives per token, when asked
+    stop_hit: bool = False  # its token callback ended it (a stop string)
 
     def context(self) -> list[int]:
         """Tokens that must be in the KV cache before the next token is sampled."""
@@ -62,7 +65,9 @@ class _Row:
         """Give the caller its result, unless it abandoned the request: a cancelled future (its
         awaiting task timed out or stopped) takes no result, and must not take this thread down."""
         with contextlib.suppress(cf.InvalidStateError):  # cancelled by the caller meanwhile
-            self.future.set_result(GenResult(self.req.uid, self.tokens, self.logprobs, self.versions, reason))  # type: ignore[arg-type]
+            extra: dict[str, Any] = {"top_logprobs": self.top} if self.req.top_logprobs > 0 else {}
+            self.future.set_result(GenResult(self.req.uid, self.tokens, self.logprobs, self.versions, reason,  # type: ignore[arg-type]
+                                             extra))
 
 
 @dataclass
@@ -174,6 +179,8 @@ class HFEngine(InferenceEngine):
         if not request.prompt_ids:  # (refused here, for this request: in the decode thread it stopped the engine)
             raise ValueError(f"request {request.uid}: empty prompt (nothing to condition on)")
         row = _Row(req=request, future=cf.Future())
+        if request.seed is not None:
+            row.gen = torch.Generator(device=self.device).manual_seed(request.seed)
         with self._cv:
             if self._stop:
                 raise RuntimeError(f"engine {self.name} is closed" + (f" after an error: {self.error!r}" if self.error else ""))
@@ -416,12 +423,24 @@ class HFEngine(InferenceEngine):
                 raise RunFailed(f"{self.name}: the policy of version {self.version} gives NaN or inf logits: its "
                                 "weights diverged (train.lr too high?); the run cannot go on") from exc
             raise
+        probs = logp.exp()
+        for i, row in enumerate(rows):  # a seeded request samples from its own generator (batch-independent)
+            if row.gen is not None:
+                sampled[i] = torch.multinomial(probs[i], 1, generator=row.gen)[0]
         tokens = torch.where(greedy, scaled.argmax(-1), sampled)
         chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        for row, tok, lp in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
+        tops = _top_alternatives(logp, [r.req.top_logprobs for r in rows])
+        for row, tok, lp, top in zip(rows, tokens.tolist(), chosen.tolist(), tops, strict=True):
             row.tokens.append(tok)
             row.logprobs.append(lp)
             row.versions.append(self.version)
+            if top is not None:
+                row.top.append(top)
+            if row.req.on_token is not None:
+                try:
+                    row.stop_hit = bool(row.req.on_token(tok, lp, self.version, top))
+                except Exception:  # (a broken callback ends its own request, not the engine)
+                    row.cancelled = True
 
     def _retire(self) -> None:
         """Resolve finished rows and drop them (and all-padding columns) from the running batch."""
@@ -431,7 +450,7 @@ class HFEngine(InferenceEngine):
             reason = None
             if row.cancelled or row.future.cancelled():  # (the latter: abandoned by its caller)
                 reason = "cancelled"
-            elif row.tokens and row.tokens[-1] in eos:
+            elif row.stop_hit or (row.tokens and row.tokens[-1] in eos):
                 reason = "stop"
             elif len(row.tokens) >= row.req.max_new_tokens:
                 reason = "length"
@@ -483,6 +502,18 @@ class HFEngine(InferenceEngine):
         if pending is not None:
             with contextlib.suppress(cf.InvalidStateError):  # done, or cancelled by the caller meanwhile
                 pending.done.set_exception(exc or RuntimeError(f"engine {self.name} closed before loading weights"))
+
+
+def _top_alternatives(logp: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]] | None]:
+    """Per row, its `counts[i]` most likely tokens under `logp` (the distribution sampled from) as
+    (id, log-prob), tokens outside the top-p/top-k truncation (-inf) left out; None where 0 asked."""
+    most = max(counts, default=0)
+    if most <= 0:
+        return [None] * len(counts)
+    values, ids = logp.topk(min(most, logp.shape[-1]), dim=-1)
+    values_l, ids_l = values.tolist(), ids.tolist()
+    return [[(t, v) for t, v in zip(ids_l[i][:k], values_l[i][:k], strict=True) if v != float("-inf")] if k > 0
+            else None for i, k in enumerate(counts)]
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -81,7 +82,8 @@ class RemoteEngine(InferenceEngine):
         while True:
             await self._until_up(what)
             seen = self.incarnation
-            ref = self.handle.generate.remote(request)
+            # (a token callback cannot cross processes: stop strings are then cut from the result)
+            ref = self.handle.generate.remote(replace(request, on_token=None) if request.on_token else request)
             try:
                 result: GenResult = await asyncio.wait_for(ref, self._timeout)
                 return result

@@ -37,7 +37,7 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,8 @@ from asyncflow.clock import Clock
 from asyncflow.config import Config
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
 from asyncflow.engines.http_client import read_headers
+from asyncflow.openai_stream import DONE, StreamState, sse
+from asyncflow.openai_text import TokenFeed, finish_choice
 from asyncflow.openai_wire import (
     MAX_BODY_BYTES,
     READ_TIMEOUT_S,
@@ -52,15 +54,20 @@ from asyncflow.openai_wire import (
     completion_tokens_key,
     flatten_content,
     is_token_ids,
+    openai_logprobs,
     parse_body,
     rl_fields,
     sampling_params,
     usage,
 )
 from asyncflow.openai_wire import UNSUPPORTED as SERVE_UNSUPPORTED
+from asyncflow.tool_calls import ToolParser, tool_parser
 from asyncflow.workflow.episode import end_ids
 
-UNSUPPORTED: dict[str, Any] = {**SERVE_UNSUPPORTED, "suffix": None, "echo": False}
+# (`tools` are rendered by the chat template and the calls parsed back: `tool_calls`)
+UNSUPPORTED: dict[str, Any] = {**{k: v for k, v in SERVE_UNSUPPORTED.items() if k != "tools"}, "suffix": None,
+                               "echo": False}
+Reply = dict[str, Any] | AsyncIterator[bytes]
 
 
 @dataclass
@@ -99,7 +106,8 @@ class _Last:
     """The previous call, for splicing the next one onto its exact ids."""
 
     call: Call
-    reply: str
+    reply: str  # the text (chat: the content) returned: stop strings and tool calls left out
+    generated: str = ""  # the text of all response ids (a completion continued from it is spliced)
     messages: list[dict[str, Any]] | None = None  # chat
     skeleton: list[int] = field(default_factory=list)  # chat: template render with assistant contents blank
     prompt_text: str | None = None  # text completion
@@ -125,7 +133,7 @@ class EpisodeRecorder:
         self._generated: set[int] = set()
         self._oldest: float = math.inf  # the oldest policy version among the tokens generated so far
 
-    async def completions(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def completions(self, req: dict[str, Any]) -> Reply:
         prompt = req.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or is_token_ids(prompt[0])):
             prompt = prompt[0]
@@ -140,52 +148,96 @@ class EpisodeRecorder:
         else:
             raise RequestError("prompt: expected one text or one list of token ids (n=1, one prompt per call)",
                                param="prompt")
-        call = await self._generate(ids, req)
-        reply = self.tok.decode(call.response_ids)
-        self._last = _Last(call, reply, prompt_text=text)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": "asyncflow-policy", "choices": [{"index": 0, "text": reply, **_fields(call)}],
+        request, params = self._prepare(ids, req, chat=False)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+
+        def remember(call: Call, reply: str) -> None:
+            self._last = _Last(call, reply, self.tok.decode(call.response_ids), prompt_text=text)
+
+        if params["stream"]:
+            return self._stream(request, params, rid, None, remember)
+        call, reply, cut = await self._sample(request, params)
+        remember(call, reply)
+        return {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": "asyncflow-policy", "choices": [{"index": 0, "text": reply, **self._fields(call, cut, params)}],
                 "usage": usage([ids], 1, [(0, _result(call))])}
 
-    async def chat(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def chat(self, req: dict[str, Any]) -> Reply:
         messages = req.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages")
         if getattr(self.tok.hf, "chat_template", None) is None:
             raise RequestError("the policy's tokenizer has no chat template; use /v1/completions", param="messages")
+        tools, parser = self._tools(req)
         # content parts as one text, as `asyncflow serve` reads them (their repr went into the prompt);
         # the flattened messages are what the next call's history is compared with
         messages = [flatten_content(m, i) for i, m in enumerate(messages)]
-        ids, skeleton = self._chat_ids(messages)
-        req = completion_tokens_key(req)
-        call = await self._generate(ids, req)
-        reply = self.tok.decode(call.response_ids)
-        self._last = _Last(call, reply, messages=[dict(m) for m in messages], skeleton=skeleton)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": "asyncflow-policy",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, **_fields(call)}],
-                "usage": usage([ids], 1, [(0, _result(call))])}
+        ids, skeleton = self._chat_ids(messages, tools)
+        request, params = self._prepare(ids, completion_tokens_key(req), chat=True)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+
+        def remember(call: Call, reply: str) -> None:
+            content = parser(reply)[0] if parser is not None else reply
+            self._last = _Last(call, content or "", messages=[dict(m) for m in messages], skeleton=skeleton)
+
+        if params["stream"]:
+            return self._stream(request, params, rid, parser, remember, chat=True)
+        call, reply, cut = await self._sample(request, params)
+        remember(call, reply)
+        message: dict[str, Any] = {"role": "assistant", "content": reply}
+        fields = self._fields(call, cut, params, chat=True)
+        if parser is not None:
+            message["content"], calls = parser(reply)
+            if calls:
+                message["tool_calls"], fields["finish_reason"] = calls, "tool_calls"
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": "asyncflow-policy",
+                "choices": [{"index": 0, "message": message, **fields}], "usage": usage([ids], 1, [(0, _result(call))])}
+
+    def _tools(self, req: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolParser | None]:
+        """The request's `tools` (rendered by the chat template) and the parser of the calls in the
+        reply (none when `tool_choice` is "none")."""
+        tools, choice = req.get("tools"), req.get("tool_choice")
+        if tools is None or tools == []:
+            return None, None
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise RequestError("tools: expected a list of tool objects", param="tools")
+        template = str(self.tok.hf.chat_template)
+        parser = tool_parser(template)
+        if parser is None and "tools" not in template:
+            raise RequestError("tools: the policy's chat template does not render tools", param="tools")
+        return tools, None if choice == "none" else parser
+
+    def _fields(self, call: Call, cut: GenResult, params: dict[str, Any], chat: bool = False) -> dict[str, Any]:
+        fields = {**rl_fields(_result(call)), "prompt_token_ids": call.prompt_ids}
+        if params["logprobs"]:
+            fields["logprobs"].update(openai_logprobs(cut, self._piece, chat, params["top_logprobs"]))
+        return fields
+
+    def _piece(self, token: int) -> str:
+        return str(self.tok.hf.decode([token]))
 
     # ------------------------------------------------------------------ prompt ids
 
     def _text_ids(self, text: str) -> list[int]:
         last = self._last
-        if last is not None and last.prompt_text is not None and text.startswith(last.prompt_text + last.reply):
-            rest = text[len(last.prompt_text) + len(last.reply):]
+        # (from the text of all generated ids: after a stop string, the agent's text goes on with it)
+        if last is not None and last.prompt_text is not None and text.startswith(last.prompt_text + last.generated):
+            rest = text[len(last.prompt_text) + len(last.generated):]
             return [*last.call.prompt_ids, *last.call.response_ids, *self.tok.encode(rest)]
         return [int(t) for t in self.tok.hf(text)["input_ids"]]
 
-    def _chat_ids(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    def _chat_ids(self, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
         """(prompt ids, skeleton): spliced onto the previous call's exact ids when it continues it."""
         last = self._last
         if last is not None and last.messages is not None:
             k = len(last.messages)
             if (len(messages) > k and messages[:k] == last.messages and messages[k].get("role") == "assistant"
-                    and messages[k].get("content") == last.reply):
+                    and (messages[k].get("content") or "") == last.reply):
                 try:
-                    hist = self._render(_blank(messages[: k + 1]), generation_prompt=False)
-                    full = self._render(_blank(messages), generation_prompt=True)
+                    hist = self._render(_blank(messages[: k + 1]), generation_prompt=False, tools=tools)
+                    full = self._render(_blank(messages), generation_prompt=True, tools=tools)
                 except RequestError:
                     hist = full = []
                 n = len(last.skeleton)
@@ -197,16 +249,18 @@ class EpisodeRecorder:
                         # turn with (Gemma's <end_of_turn>, Phi-3's <|end|>), which was spliced twice
                         closing = closing[1:]
                     return [*last.call.prompt_ids, *resp, *closing, *full[len(hist):]], full
-        ids = self._render(messages, generation_prompt=True)
+        ids = self._render(messages, generation_prompt=True, tools=tools)
         try:
-            skeleton = self._render(_blank(messages), generation_prompt=True)
+            skeleton = self._render(_blank(messages), generation_prompt=True, tools=tools)
         except RequestError:
             skeleton = ids
         return ids, skeleton
 
-    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:
-            ids = self.tok.hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+            ids = self.tok.hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                                  **({"tools": tools} if tools else {}))
         except Exception as exc:
             raise RequestError(f"messages: the chat template failed: {exc}", param="messages") from None
         if hasattr(ids, "keys"):
@@ -215,9 +269,10 @@ class EpisodeRecorder:
 
     # ------------------------------------------------------------------ generation
 
-    async def _generate(self, prompt_ids: list[int], req: dict[str, Any]) -> Call:
+    def _prepare(self, prompt_ids: list[int], req: dict[str, Any], chat: bool) -> tuple[GenRequest, dict[str, Any]]:
+        """The call's engine request, or its refusal (before any reply is begun)."""
         s = self.settings
-        params = sampling_params(req, UNSUPPORTED, "the agent endpoint (each call is recorded as one turn)")
+        params = sampling_params(req, UNSUPPORTED, "the agent endpoint (each call is recorded as one turn)", chat=chat)
         if params["n"] != 1:
             raise RequestError("n: one completion per call (each call is one turn of this episode)", param="n")
         for key, value in (("temperature", s.train_temperature), ("top_p", s.top_p), ("top_k", s.top_k)):
@@ -243,34 +298,84 @@ class EpisodeRecorder:
                                    "no room to generate (end the episode)", param="prompt", kind="context_length_exceeded")
             max_tokens = min(max_tokens, s.max_context - len(prompt_ids))
         self._started += 1
-        request = GenRequest(self.uid, prompt_ids, max_tokens, s.temperature, s.top_p, s.top_k)
+        # a stop string ends generation in the engine at the token completing it (`_sample` cuts the
+        # same way after the fact for an engine without token callbacks)
+        feed = TokenFeed(0, self.tok.decode, params["stop"]) if params["stop"] else None
+        return GenRequest(self.uid, prompt_ids, max_tokens, s.temperature, s.top_p, s.top_k, seed=params["seed"],
+                          top_logprobs=params["top_logprobs"], on_token=feed), params
+
+    async def _sample(self, request: GenRequest, params: dict[str, Any]) -> tuple[Call, str, GenResult]:
+        """Generate and record the call: (the call, its text, the result), cut at its first stop
+        string, so that the recorded ids and log-probs are exactly what the reply's text came from."""
         try:
-            res = await self.clock.wait_for(self.engine.generate(request), s.request_timeout_s,
+            res = await self.clock.wait_for(self.engine.generate(request), self.settings.request_timeout_s,
                                             f"generation of agent sample {self.uid}, call {self._started}")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the engine's failure ends the run (as in `run_episode`), not just this call
             self.failure = self.failure or exc
             raise
-        call = Call(list(prompt_ids), list(res.response_ids), list(res.behavior_logprobs), list(res.token_versions),
-                    res.finish_reason)
+        cut, text = finish_choice(res, self.tok.decode, params["stop"])
+        call = Call(list(request.prompt_ids), list(cut.response_ids), list(cut.behavior_logprobs),
+                    list(cut.token_versions), cut.finish_reason)
         self.calls.append(call)
         if call.versions:
             self._oldest = min(self._oldest, call.versions[0])
         self._generated.update(call.response_ids)
-        return call
+        return call, text, cut
+
+    async def _stream(self, request: GenRequest, params: dict[str, Any], rid: str, parser: ToolParser | None,
+                      remember: Callable[[Call, str], None], chat: bool = False) -> AsyncIterator[bytes]:
+        """The call as server-sent events: a chunk per token as the engine samples it (an engine
+        without token callbacks: one chunk at the end); recorded as the call is without `stream`."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        request.on_token = TokenFeed(0, self.tok.decode, params["stop"],
+                                     lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        state = StreamState(chat=chat, model="asyncflow-policy", rid=rid, decode=self.tok.decode, piece=self._piece,
+                            params=params, tool_parser=parser)
+        me = asyncio.current_task()
+        if me is not None:
+            self.tasks.add(me)  # (cancelled with the episode, as a call without `stream` is)
+        task = asyncio.ensure_future(self._sample(request, params))
+        try:
+            while not task.done():  # (bounded: `_sample` times out at rollout.request_timeout_s)
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                for chunk in state.token(getter.result()):
+                    yield sse(chunk)
+            while not events.empty():  # (the engine queued every token before it resolved the request)
+                for chunk in state.token(events.get_nowait()):
+                    yield sse(chunk)
+            try:
+                call, text, cut = task.result()
+            except Exception as exc:
+                kind = exc.kind if isinstance(exc, RequestError) else "server_error"
+                yield sse({"error": {"message": str(exc), "type": kind, "param": None, "code": None}})
+                return
+            remember(call, text)
+            for chunk in state.finish(0, cut)[0]:
+                yield sse(chunk)
+            if params["include_usage"]:
+                yield sse(state.usage_chunk(usage([call.prompt_ids], 1, [(0, _result(call))])))
+            yield DONE
+        finally:
+            task.cancel()
+            if me is not None:
+                self.tasks.discard(me)
 
 
 def _blank(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{**m, "content": ""} if m.get("role") == "assistant" else m for m in messages]
+    """Assistant turns emptied, their tool calls too: the generated ids stand for both in a splice."""
+    return [{**{k: v for k, v in m.items() if k != "tool_calls"}, "content": ""} if m.get("role") == "assistant"
+            else m for m in messages]
 
 
 def _result(call: Call) -> GenResult:
     return GenResult(0, call.response_ids, call.logprobs, call.versions, call.finish_reason)  # type: ignore[arg-type]
-
-
-def _fields(call: Call) -> dict[str, Any]:
-    return {**rl_fields(_result(call)), "prompt_token_ids": call.prompt_ids}
 
 
 class AgentProxy:
@@ -311,8 +416,8 @@ class AgentProxy:
             for t in list(rec.tasks):
                 t.cancel()
 
-    async def handle(self, method: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
-        """Answer one request: (status, JSON object)."""
+    async def handle(self, method: str, path: str, body: bytes) -> tuple[int, Reply]:
+        """Answer one request: (status, JSON object or, streamed, server-sent events)."""
         rec: EpisodeRecorder | None = None
         try:
             parts = path.split("?", 1)[0].strip("/").split("/")
@@ -344,6 +449,7 @@ class AgentProxy:
                                    "code": None}}
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reply: Reply
         try:
             try:
                 method, path, body = await asyncio.wait_for(_read_request(reader), READ_TIMEOUT_S)
@@ -352,6 +458,9 @@ class AgentProxy:
                                                 "param": None, "code": None}}
             else:
                 status, reply = await self.handle(method, path, body)
+            if not isinstance(reply, dict):
+                await _write_events(writer, reply)
+                return
             data = json.dumps(reply).encode()
             # a refusal (4xx: max turns, staleness, bad request) is final: the OpenAI SDK retried 409
             # and 429 twice with back-off unless told not to
@@ -376,3 +485,19 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
         raise ValueError("bad or too large Content-Length")
     return line[0].upper(), line[1], await reader.readexactly(length) if length else b""
 
+
+
+async def _write_events(writer: asyncio.StreamWriter, events: AsyncIterator[bytes]) -> None:
+    """A `text/event-stream` reply ended by the connection's close; each write bounded."""
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+                 b"Connection: close\r\n\r\n")
+    try:
+        async for data in events:
+            writer.write(data)
+            await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError):
+        pass  # the agent left: the stream is closed below, which abandons its call
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
