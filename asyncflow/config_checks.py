@@ -53,8 +53,21 @@ def _validate_sources(cfg: Config, explicit: set[str]) -> None:
                         + " (it seeds the task pack's own base model)")
     if cfg.rollout.env is not None and cfg.rollout.env not in ENV_NAMES and ":" not in cfg.rollout.env:
         raise UserError(f"rollout.env: {cfg.rollout.env!r} is neither a built-in ({', '.join(ENV_NAMES)}) nor 'module:factory'")
-    if cfg.reward.fn is not None and ":" not in cfg.reward.fn:
-        raise UserError(f"reward.fn: {cfg.reward.fn!r} must be 'module:function' or 'path/to/file.py:function'")
+    _validate_reward_fns(cfg)
+
+
+def _validate_reward_fns(cfg: Config) -> None:
+    """`reward.fn` (one or a list) names functions; `reward.weights` has one weight per function."""
+    fns = [cfg.reward.fn] if isinstance(cfg.reward.fn, str) else cfg.reward.fn
+    if fns is not None and not fns:
+        raise UserError("reward.fn: an empty list (give at least one 'module:function', or null for the task's)")
+    for fn in fns or ():
+        if ":" not in fn.removeprefix("verl:"):
+            raise UserError(f"reward.fn: {fn!r} must be 'module:function' or 'path/to/file.py:function'")
+    weights = cfg.reward.weights
+    if weights is not None and len(weights) != len(fns or [None]):  # (null fn: the task's one verifier)
+        raise UserError(f"reward.weights: {len(weights)} weights for {len(fns or [None])} reward functions "
+                        "(reward.fn); give one weight per function")
 
 
 def _validate_outputs(cfg: Config, explicit: set[str]) -> None:
@@ -90,7 +103,7 @@ def _validate_scoped_keys(cfg: Config, explicit: set[str]) -> None:
             if f"rollout.{key}" in explicit:
                 raise UserError(f"rollout.{key}: only used with rollout.env (multi-turn environments)")
     if episodic(cfg):  # an episode's reward comes from its environment or agent: no reward function runs
-        for key in ("timeout_s", "concurrency"):
+        for key in ("timeout_s", "concurrency", "weights"):
             if f"reward.{key}" in explicit:
                 raise UserError(f"reward.{key}: not used with rollout.env or rollout.agent (no reward function "
                                 "runs: an episode is scored by its environment or agent)")

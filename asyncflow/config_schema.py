@@ -57,7 +57,15 @@ class DatasetConfig:
 class RewardConfig:
     """The reward function."""
 
-    fn: str | None = _f(None, "`module:function` (or `path/to/file.py:function`) with TRL's signature fn(prompts, completions, **columns) -> list[float] (a None fails the group's call). null: the task pack's verifier.")
+    fn: str | list[str] | None = _f(
+        None,
+        "`module:function` (or `path/to/file.py:function`) with TRL's signature fn(prompts, completions, **columns) "
+        "-> list[float] (a None fails the group's call); a function taking `trainer_state` gets the step and version. "
+        "A list: several functions, the reward their weighted sum (reward.weights), each one's mean logged as "
+        "`reward/<name>`. A `verl:` prefix (`verl:file.py:compute_score`) takes a verl compute_score(data_source, "
+        "solution_str, ground_truth, extra_info) unchanged. null: the task pack's verifier.")
+    weights: list[float] | None = _f(None, "One weight per reward.fn function (TRL's reward_weights); the reward is "
+                                           "the weighted sum. null: 1.0 each.")
     timeout_s: float = _f(60.0, "Longest one reward call may take before its samples are marked as failed.", lo=0.001)
     fail_fast_calls: int = _f(32, "If this many first reward calls of a run all fail, stop the run (exit 2). "
                                "With rollout.env or rollout.agent: this many first episodes.", lo=1)

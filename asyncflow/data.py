@@ -133,7 +133,7 @@ def _read_datasets_dir(p: Path, key: str) -> list[dict[str, Any]]:
 
 
 # argument names a reward function is called with besides the dataset's columns (`rewards._kwargs`)
-REWARD_ARGUMENTS = frozenset(("prompts", "completions", "completion_ids"))
+REWARD_ARGUMENTS = frozenset(("prompts", "completions", "completion_ids", "trainer_state"))
 
 
 def check_columns(rows: list[dict[str, Any]], path: str, prompt_key: str, label_key: str | None,

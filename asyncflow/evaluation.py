@@ -23,6 +23,7 @@ from asyncflow.rewards import (
     PlainCalls,
     RewardFn,
     RewardOutcome,
+    TrainerState,
     call_reward_fn_async,
     is_async_reward_fn,
 )
@@ -83,7 +84,7 @@ class Evaluator:
         elif self.env_factory is not None:
             rewards, error, newest = await self._episodes()
         else:
-            rewards, error, newest = await self._completions()
+            rewards, error, newest = await self._completions(TrainerState(step, step, version, self.cfg.train.max_steps))
         threshold = self.cfg.eval.success_threshold
         n = max(len(rewards), 1)
         row = {
@@ -107,7 +108,7 @@ class Evaluator:
         self.history.append(row)
         return row
 
-    async def _completions(self) -> tuple[list[float | None], str | None, int | None]:
+    async def _completions(self, state: TrainerState) -> tuple[list[float | None], str | None, int | None]:
         """Greedy completions, each prompt scored as a group of its own (the reward function's contract:
         one call per group), so one bad value or one slow call costs that prompt (None: failed; the first
         error is reported), not the whole evaluation."""
@@ -138,7 +139,8 @@ class Evaluator:
         for row, result in zip(self.rows, results, strict=True):
             ids = result.response_ids
             completion = self.tok.completions([ids], isinstance(row[key], list))
-            calls.append((self.reward_fn, [row[key]], completion, [ids], {c: [v] for c, v in row.items() if c != key}))
+            calls.append((self.reward_fn, [row[key]], completion, [ids], {c: [v] for c, v in row.items() if c != key},
+                          state))
         timeout = self.cfg.reward.timeout_s
         if is_async_reward_fn(self.reward_fn):
             limit = asyncio.Semaphore(self.cfg.reward.concurrency)  # (a rate-limited judge's setting holds here too)

@@ -26,7 +26,7 @@ class Inputs:
     model_dir: Path
     train_rows: list[dict[str, Any]]
     eval_rows: list[dict[str, Any]]
-    reward_fn_path: str
+    reward_fn_path: str | list[str]  # `reward.fn`: one function or several
     first_chat: str | None = None  # where the first conversational prompt is (None: all are text)
     train_path: str = ""  # the files the rows came from (for messages naming a row)
     eval_path: str = ""
@@ -68,7 +68,9 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
     else:  # a held-out slice of the dataset: whole prompts (all their copies), at most 10% of it
         eval_path = data_path
         rows, eval_rows = _hold_out(cfg, rows, data_path, log)
-    reward_path = absolute_reward_path(cfg.reward.fn) if cfg.reward.fn else (task.reward_fn_path if task is not None else "")
+    fn = cfg.reward.fn
+    reward_path: str | list[str] = (task.reward_fn_path if task is not None else "") if not fn else \
+        absolute_reward_path(fn) if isinstance(fn, str) else [absolute_reward_path(f) for f in fn]
     first_chat = next((c for c in chats if c is not None), None)
     eval_rows = subset(eval_rows, range(min(len(eval_rows), cfg.eval.size)))
     return Inputs(model_dir, rows, eval_rows, reward_path, first_chat, data_path, eval_path,

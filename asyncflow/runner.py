@@ -127,7 +127,7 @@ def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
                   log: Callable[[str], None]) -> tuple[Inputs, Any, Any, Any]:
     """The inputs, the reward function, the tokenizer and the environment factory, each checked
     (bad input fails here): with `resume`, against the checkpoint too."""
-    from asyncflow.rewards import is_async_reward_fn, load_reward_fn
+    from asyncflow.rewards import is_async_reward_fn, load_run_reward
 
     inputs = resolve_inputs(cfg, log)
     from asyncflow.checkpoint import check_rows, rows_fingerprint
@@ -136,7 +136,7 @@ def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
     if resume is not None:
         check_rows(resume, inputs.fingerprint)
     # multi-turn episodes are scored by their environment: no reward function is loaded
-    reward_fn = None if episodic(cfg) else load_reward_fn(inputs.reward_fn_path, [str(inputs.model_dir)])
+    reward_fn = None if episodic(cfg) else load_run_reward(cfg, inputs.reward_fn_path, [str(inputs.model_dir)])
     if reward_fn is not None and "reward.concurrency" in explicit and not is_async_reward_fn(reward_fn):
         raise UserError(f"reward.concurrency: applies to an async def reward function; {inputs.reward_fn_path} "
                         "is a plain function, called one batch at a time in a worker thread (remove the key)")

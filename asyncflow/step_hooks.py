@@ -102,6 +102,7 @@ class StepHooks:
             "tokens": c.tokens,
             "time_s": now - pipeline.t_start,
             "samples_per_s": c.trained / max(now - pipeline.t_start, 1e-9),
+            "lr": self.cfg.train.lr,  # the configured rate; a train engine's own `lr` metric (a schedule) wins
             **{k: v for k, v in result.metrics.items()},
             "kl": result.metrics.get("kl", 0.0),
             **engine_batching(self.engines),

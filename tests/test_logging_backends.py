@@ -31,7 +31,7 @@ def test_tensorboard_sink_writes_every_train_and_eval_scalar(tmp_path: Path) -> 
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/reward_mean")] == [(1, 0.25), (2, 0.5)]
-    assert [(e.step, e.value) for e in acc.Scalars("eval/eval_accuracy")] == [(2, 0.75)]
+    assert [(e.step, e.value) for e in acc.Scalars("eval/accuracy")] == [(2, 0.75)]
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3  # the jsonl is unchanged
 
 
@@ -73,7 +73,7 @@ def test_a_resume_that_evaluates_its_checkpoint_step_again_draws_that_evaluation
     log.close()
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
-    assert [(e.step, round(e.value, 3)) for e in acc.Scalars("eval/eval_accuracy")] == [(2, 0.6)]
+    assert [(e.step, round(e.value, 3)) for e in acc.Scalars("eval/accuracy")] == [(2, 0.6)]
     assert [(e.step, round(e.value, 3)) for e in acc.Scalars("train/reward_mean")] == [(1, 0.1), (2, 0.2), (3, 0.7)]
 
 
@@ -101,7 +101,7 @@ def test_wandb_sink_logs_through_the_wandb_api(tmp_path: Path, monkeypatch: pyte
     assert calls[0][0] == "init" and init["project"] == "proj" and init["config"] == {"seed": 1}
     assert ("define_metric", ("*", "step")) in calls
     logs = [c[1] for c in calls if c[0] == "log"]  # placed by their own step (the eval landed at W&B's step 4)
-    assert logs == [({"step": 4, "train/loss": 1.5}, None), ({"step": 2, "eval/eval_accuracy": 0.5}, None)]
+    assert logs == [({"step": 4, "train/loss": 1.5}, None), ({"step": 2, "eval/accuracy": 0.5}, None)]
     assert calls[-1] == ("finish", None)
     # a resumed run goes on in the same W&B run (each resume opened a second one of the same name)
     calls.clear()

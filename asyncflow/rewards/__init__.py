@@ -2,8 +2,10 @@
 
 The signature is TRL's, so TRL users' reward functions work unchanged:
 `fn(prompts: list, completions: list, completion_ids: list[list[int]], **columns) -> list[float]` (a None fails its group),
-where every dataset column is passed as a list aligned with the completions. A plain function runs in
-a worker thread; an `async def` one (a remote judge or verifier service) is awaited on the event loop.
+where every dataset column is passed as a list aligned with the completions; a function that takes
+`trainer_state` (or **kwargs) gets a `TrainerState` too. A plain function runs in a worker thread; an
+`async def` one (a remote judge or verifier service) is awaited on the event loop. Several functions
+(`reward.fn` a list, `reward.weights`) score as one `RewardFns`: the reward is their weighted sum.
 """
 
 from __future__ import annotations
@@ -21,10 +23,16 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncflow.data import private_copy
 from asyncflow.errors import UserError, WaitTimeout
+from asyncflow.rewards.verl import VERL_PREFIX, VerlScore, verl_compute_score
+
+if TYPE_CHECKING:
+    from asyncflow.config_schema import Config
+
+__all__ = ["RewardFns", "TrainerState", "VerlScore", "load_reward", "verl_compute_score"]
 
 RewardFn = Callable[..., Sequence[Any]]
 
@@ -87,21 +95,113 @@ def _load_file(name: str, dirs: Sequence[Path]) -> Any:
 
 def absolute_reward_path(path: str) -> str:
     """`file.py:function` relative to the current directory made absolute (for Ray actors, whose
-    working directory differs); anything else unchanged."""
-    module_name, _, attr = path.rpartition(":")
+    working directory differs); anything else unchanged. A `verl:` prefix is kept."""
+    prefix = VERL_PREFIX if path.startswith(VERL_PREFIX) else ""
+    module_name, _, attr = path.removeprefix(prefix).rpartition(":")
     if module_name.endswith(".py") and not Path(module_name).expanduser().is_absolute():
         here = Path.cwd() / module_name
         if here.is_file():
-            return f"{here.resolve()}:{attr}"
+            return f"{prefix}{here.resolve()}:{attr}"
     return path
 
 
 @dataclass
 class RewardOutcome:
-    """Per-completion rewards of one call, or the error that marks all of its samples."""
+    """Per-completion rewards of one call, or the error that marks all of its samples. `parts`
+    (several reward functions): each function's own rewards, by name, before weighting."""
 
     rewards: list[float] | None
     error: str | None
+    parts: dict[str, list[float]] | None = None
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward function taking `trainer_state` gets (TRL passes its `TrainerState`, whose
+    `global_step` curriculum rewards read). `global_step` = `step`: train steps done when the group's
+    last token was generated (the newest policy version it came from); `version`: the oldest policy
+    version of its tokens (samples.jsonl's `behavior_version`); `max_steps`: `train.max_steps`."""
+
+    global_step: int
+    step: int
+    version: int
+    max_steps: int
+
+
+class RewardFns:
+    """Several reward functions scored as one: each called with what it accepts, the reward their
+    weighted sum (TRL's `reward_funcs` with `reward_weights`). A failing one fails the group."""
+
+    def __init__(self, fns: Sequence[RewardFn], weights: Sequence[float]) -> None:
+        self.fns, self.weights = list(fns), [float(w) for w in weights]
+        # one name per function, unique: its metric is `reward/<name>`
+        self.names = unique_names([getattr(f, "__name__", type(f).__name__) for f in self.fns])
+        self._threads: _DaemonThreads | None = None  # a mixed list's plain functions, when the whole is awaited
+
+    def __call__(self, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]] | None = None,
+                 trainer_state: TrainerState | None = None, **columns: list[Any]) -> list[float]:
+        """The weighted sums, called as one plain function (the pipeline calls `call_reward_fn`)."""
+        ids = completion_ids if completion_ids is not None else [[] for _ in completions]
+        out = call_reward_fn(self, prompts, completions, ids, columns, trainer_state)
+        if out.rewards is None:
+            raise ValueError(out.error)
+        return out.rewards
+
+    def combine(self, outcomes: list[RewardOutcome]) -> RewardOutcome:
+        """The weighted sum of the functions' outcomes (the first error, named, fails the group)."""
+        for name, o in zip(self.names, outcomes, strict=True):
+            if o.rewards is None:
+                return RewardOutcome(None, f"{name}: {o.error}")
+        parts = {name: o.rewards for name, o in zip(self.names, outcomes, strict=True) if o.rewards is not None}
+        total = [math.fsum(w * p[i] for w, p in zip(self.weights, parts.values(), strict=True))
+                 for i in range(len(next(iter(parts.values()))))]
+        return RewardOutcome(total, None, parts)
+
+    def threads(self) -> concurrent.futures.Executor:
+        if self._threads is None:
+            self._threads = _DaemonThreads(PLAIN_THREADS, "reward-mixed")
+        return self._threads
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """`names` with repeats made unique (`f`, `f_2`, ...)."""
+    out: list[str] = []
+    for name in names:
+        candidate, k = name, 1
+        while candidate in out:
+            k += 1
+            candidate = f"{name}_{k}"
+        out.append(candidate)
+    return out
+
+
+def load_reward(fn: str | Sequence[str], weights: Sequence[float] | None = None,
+                search_dirs: Sequence[str | Path] = (), *, label_key: str | None = "answer",
+                dataset_name: str | None = None) -> RewardFn:
+    """The run's reward function: `reward.fn` (one path or a list) with `reward.weights`. One
+    function without weights is returned as it is; else a `RewardFns`. A `verl:` prefixed path is a
+    verl `compute_score`, wrapped (`asyncflow.rewards.verl`)."""
+    paths = [fn] if isinstance(fn, str) else list(fn)
+    if weights is not None and len(weights) != len(paths):
+        raise UserError(f"reward.weights: {len(weights)} weights for {len(paths)} reward functions (reward.fn); "
+                        "give one weight per function")
+    fns: list[RewardFn] = []
+    for path in paths:
+        if path.startswith(VERL_PREFIX):
+            fns.append(VerlScore(load_reward_fn(path[len(VERL_PREFIX):], search_dirs), label_key=label_key,
+                                 data_source=dataset_name))
+        else:
+            fns.append(load_reward_fn(path, search_dirs))
+    if len(fns) == 1 and weights is None and not isinstance(fn, list):
+        return fns[0]
+    return RewardFns(fns, weights if weights is not None else [1.0] * len(fns))
+
+
+def load_run_reward(cfg: Config, fn: str | Sequence[str], search_dirs: Sequence[str | Path] = ()) -> RewardFn:
+    """`load_reward` with the run's settings: `reward.weights`; for a verl function the label column
+    and the dataset's name (its file's stem, else the task's name) as the default `data_source`."""
+    name = Path(cfg.dataset.path).stem if cfg.dataset.path else cfg.task
+    return load_reward(fn, cfg.reward.weights, search_dirs, label_key=cfg.dataset.label_key, dataset_name=name)
 
 
 _PARAMS: dict[int, tuple[Any, frozenset[str] | None]] = {}  # id(fn) -> (fn, the names it accepts; None: any)
@@ -125,7 +225,7 @@ def _accepted(fn: Any) -> frozenset[str] | None:
 
 
 def _kwargs(fn: Any, prompts: list[Any], completion_ids: list[list[int]],
-            columns: dict[str, list[Any]]) -> dict[str, Any]:
+            columns: dict[str, list[Any]], trainer_state: TrainerState | None) -> dict[str, Any]:
     """The call's keyword arguments. Prompts and column values are the dataset rows' own objects:
     each is handed over as a private copy (one per completion), so a function that changes one
     changes nothing stored."""
@@ -134,21 +234,29 @@ def _kwargs(fn: Any, prompts: list[Any], completion_ids: list[list[int]],
                               if names is None or c in names}
     if names is None or "completion_ids" in names:
         kwargs["completion_ids"] = completion_ids
+    if trainer_state is not None and (names is None or "trainer_state" in names):
+        kwargs["trainer_state"] = trainer_state
     kwargs["prompts"] = [private_copy(p) for p in prompts]
     return kwargs
 
 
 def is_async_reward_fn(fn: Any) -> bool:
-    """An `async def` function (or an object whose `__call__` is one): awaited on the event loop
-    instead of being called in a worker thread."""
+    """An `async def` function (or an object whose `__call__` is one; a `RewardFns` with one):
+    awaited on the event loop instead of being called in a worker thread."""
+    if isinstance(fn, RewardFns):
+        return any(map(is_async_reward_fn, fn.fns))
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def call_reward_fn(
-    fn: RewardFn, prompts: list[Any], completions: list[str], completion_ids: list[list[int]], columns: dict[str, list[Any]]
+    fn: RewardFn, prompts: list[Any], completions: list[str], completion_ids: list[list[int]],
+    columns: dict[str, list[Any]], trainer_state: TrainerState | None = None,
 ) -> RewardOutcome:
     """Call `fn` for one group and validate what it returns (one finite number per completion)."""
-    kwargs = _kwargs(fn, prompts, completion_ids, columns)
+    if isinstance(fn, RewardFns):
+        return fn.combine([call_reward_fn(f, prompts, completions, completion_ids, columns, trainer_state)
+                           for f in fn.fns])
+    kwargs = _kwargs(fn, prompts, completion_ids, columns, trainer_state)
     try:
         out = fn(completions=completions, **kwargs)
         return validate_rewards(out, len(completions))  # converting what it returned can raise too
@@ -162,11 +270,18 @@ def _raised(exc: BaseException) -> RewardOutcome:
 
 async def call_reward_fn_async(
     fn: Callable[..., Awaitable[Sequence[Any]]], prompts: list[Any], completions: list[str],
-    completion_ids: list[list[int]], columns: dict[str, list[Any]],
+    completion_ids: list[list[int]], columns: dict[str, list[Any]], trainer_state: TrainerState | None = None,
 ) -> RewardOutcome:
     """`call_reward_fn` for an `async def` function: awaited on the running loop (the caller bounds
-    it with `reward.timeout_s`; on expiry the coroutine is cancelled, unlike a thread)."""
-    kwargs = _kwargs(fn, prompts, completion_ids, columns)
+    it with `reward.timeout_s`; on expiry the coroutine is cancelled, unlike a thread). A `RewardFns`:
+    its functions at once, the plain ones on threads of its own."""
+    call = (prompts, completions, completion_ids, columns, trainer_state)
+    if isinstance(fn, RewardFns):
+        loop = asyncio.get_running_loop()
+        return fn.combine(list(await asyncio.gather(*(
+            call_reward_fn_async(f, *call) if is_async_reward_fn(f)
+            else loop.run_in_executor(fn.threads(), call_reward_fn, f, *call) for f in fn.fns))))
+    kwargs = _kwargs(fn, prompts, completion_ids, columns, trainer_state)
     try:
         out = await fn(completions=completions, **kwargs)
         return validate_rewards(out, len(completions))

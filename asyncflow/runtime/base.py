@@ -29,7 +29,7 @@ class RuntimeSetup:
     model_dir: Path  # the base model (its tokenizer and server settings)
     rows: list[dict[str, Any]]  # the training prompts
     out: Path  # the run folder
-    reward_fn_path: str
+    reward_fn_path: str | list[str]  # `reward.fn`: one function or several
     tok: Any  # the run's `asyncflow.tokenizer.Tokenizer`
     threads: int  # torch threads of the trainer and each engine's process
     version: int  # the policy version the weights in `policy_dir` are

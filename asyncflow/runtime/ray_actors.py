@@ -214,13 +214,13 @@ class RewardWorker:
     """Actor: the reward loop (one reward-function call per complete group)."""
 
     def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
-                 store: Any, reward_fn_path: str, cwd: str | None = None) -> None:
-        from asyncflow.rewards import load_reward_fn
+                 store: Any, reward_fn_path: str | list[str], cwd: str | None = None) -> None:
+        from asyncflow.rewards import load_run_reward
 
         torch.set_num_threads(1)
         importable(cwd)
         self.index = index
-        reward_fn = load_reward_fn(reward_fn_path, [model_dir])
+        reward_fn = load_run_reward(cfg, reward_fn_path, [model_dir])
         self.pipeline = _stage(RewardStage, cfg, rows, Path(model_dir), Path(out), store, [], reward_fn)
 
     def ready(self) -> bool:

@@ -127,7 +127,7 @@ class RayWorkers:
             engine.restart = functools.partial(self._restart, f"rollout/{i}", self.rollout_actors[i], engine)
 
     @classmethod
-    def start(cls, cfg: Config, model_dir: Path, rows: list[dict[str, Any]], out: Path, reward_fn_path: str,
+    def start(cls, cfg: Config, model_dir: Path, rows: list[dict[str, Any]], out: Path, reward_fn_path: str | list[str],
               threads: int, log: Any = print, version: int = 0) -> RayWorkers:
         """Start (or join) Ray, reserve a placement group, start the store and every actor. The policy's
         weights come from `model_dir` as `version` (a resumed run's checkpoint)."""
@@ -410,7 +410,7 @@ def _start_store(cfg: Config, place: Placement) -> Any:
 
 
 def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, model_dir: str,
-                  rows: list[dict[str, Any]], out: str, reward_fn_path: str, threads: int, version: int) -> _Actors:
+                  rows: list[dict[str, Any]], out: str, reward_fn_path: str | list[str], threads: int, version: int) -> _Actors:
     """Create the feeder, rollout, trainer and reward actors (in that order; without waiting for them)."""
     import ray
 

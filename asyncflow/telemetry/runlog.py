@@ -22,7 +22,8 @@ from typing import Any
 
 class MetricSink:
     """Somewhere metric rows also go. A row's numeric values become scalars named `kind/key`
-    (`train/reward_mean`, `eval/eval_accuracy`), indexed by the row's `step`."""
+    (`train/reward_mean`; an eval row's `eval_` keys without the doubled prefix: `eval/accuracy`),
+    indexed by the row's `step`."""
 
     def write(self, row: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -32,14 +33,16 @@ class MetricSink:
 
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:
-    """The numeric values of a metric row (booleans and non-finite values left out), as `kind/key`."""
+    """The numeric values of a metric row (booleans and non-finite values left out), as `kind/key`;
+    an eval row's `eval_accuracy` is `eval/accuracy` (its metrics.jsonl key keeps the prefix: DESIGN.md)."""
     kind = row.get("kind", "metrics")
     out = {}
     for k, v in row.items():
         if k in ("kind", "step") or isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
         if v == v and v not in (float("inf"), float("-inf")):
-            out[f"{kind}/{k}"] = float(v)
+            name = k.removeprefix("eval_") if kind == "eval" else k
+            out[f"{kind}/{name}"] = float(v)
     return out
 
 

@@ -4,6 +4,7 @@ group helpers (whole groups, equal rewards).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -12,7 +13,8 @@ from asyncflow.engines.base import TrainBatch
 from asyncflow.transfer_queue import SampleView
 
 TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "behavior_version", "reward_error",
-                "row", "finish_reason", "reward", "loss_mask", "turns", "ref_logprobs", "agent_calls", "agent_calls_dropped")
+                "row", "finish_reason", "reward", "loss_mask", "turns", "ref_logprobs", "agent_calls", "agent_calls_dropped",
+                "reward_parts")
 
 
 def build_train_batch(
@@ -54,6 +56,33 @@ def all_equal(group: list[SampleView]) -> bool:
     """True when every scored sample of the group has the same reward (and there are >= 2)."""
     rewards = [s.fields["reward"] for s in group if s.fields["reward_error"] is None]
     return len(rewards) >= 2 and all(r == rewards[0] for r in rewards)
+
+
+def batch_metrics(groups: list[list[SampleView]], valid: list[bool], rewards: list[float],
+                  filtered: int = 0) -> dict[str, float]:
+    """A train batch's reward and length metrics (`valid`, `rewards`: per sample, groups flattened):
+    the spread of the scored rewards (`reward_std`, over the batch), the fraction of groups whose
+    scored rewards are all equal (no GRPO signal; `filtered` such groups the dynamic-sampling filter
+    dropped while this batch was collected count too), the fraction of responses cut by the length
+    limit, the response lengths' min and max, and each reward function's mean (`reward/<name>`)."""
+    samples = [s for g in groups for s in g]
+    scored = [r for r, ok in zip(rewards, valid, strict=True) if ok]
+    mean = sum(scored) / max(len(scored), 1)
+    lengths = [len(s.fields["response_ids"]) for s in samples]
+    zero_std = sum(1 for g in groups if all_equal(g)) + filtered
+    out = {
+        "reward_std": math.sqrt(sum((r - mean) ** 2 for r in scored) / max(len(scored), 1)),
+        "zero_std_group_frac": zero_std / max(len(groups) + filtered, 1),
+        "truncated_frac": sum(1 for s in samples if s.fields.get("finish_reason") == "length") / max(len(samples), 1),
+        "response_len_min": float(min(lengths, default=0)),
+        "response_len_max": float(max(lengths, default=0)),
+    }
+    parts: dict[str, list[float]] = {}
+    for s, ok in zip(samples, valid, strict=True):
+        for name, value in (s.fields.get("reward_parts") or {}).items() if ok else ():
+            parts.setdefault(name, []).append(value)
+    out.update({f"reward/{name}": sum(values) / len(values) for name, values in parts.items()})
+    return out
 
 
 def by_group(samples: list[SampleView]) -> list[list[SampleView]]:

@@ -17,6 +17,7 @@ from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.rewards import (
     PLAIN_CALLS_PER_HOP,
     RewardOutcome,
+    TrainerState,
     call_reward_fn_async,
 )
 from asyncflow.transfer_queue import Lease, QueueClosed, SampleView
@@ -74,7 +75,7 @@ class RewardStage(StageBase):
 
     async def _take_reward(self, max_samples: int) -> Lease:
         return await self.store.take("reward", max_samples, timeout=self.cfg.workflow.step_timeout_s,
-                                     fields_extra=["row", "finish_reason"])
+                                     fields_extra=["row", "finish_reason", "token_versions"])
 
     async def _reward_take(self, lease: Lease) -> None:
         """Score the groups of one reward lease and write their rewards (or errors)."""
@@ -86,9 +87,12 @@ class RewardStage(StageBase):
         writes = {}
         for group in groups:
             outcome = scored.get(group[0].group_id, _CANCELLED_OUTCOME)
-            rewards, error = outcome.rewards, outcome.error
+            rewards, error, parts = outcome.rewards, outcome.error, outcome.parts
             for i, s in enumerate(group):
-                writes[s.uid] = {"reward": None if rewards is None else rewards[i], "reward_error": error}
+                write: dict[str, Any] = {"reward": None if rewards is None else rewards[i], "reward_error": error}
+                if parts is not None:  # (several reward functions: each one's reward, for `reward/<name>`)
+                    write["reward_parts"] = {name: values[i] for name, values in parts.items()}
+                writes[s.uid] = write
         with contextlib.suppress(QueueClosed):  # (closed: the run is ending)
             self.store.complete(lease, writes)  # samples removed meanwhile are skipped
 
@@ -101,7 +105,15 @@ class RewardStage(StageBase):
         completions_ids = [r.copy() if isinstance(r, list) else r for r in (s.fields["response_ids"] for s in group)]
         completions = self.tok.completions(completions_ids, conversational=isinstance(row[key], list))
         columns = {c: [v] * len(group) for c, v in row.items() if c != key}
-        return self.reward_fn, [row[key]] * len(group), completions, completions_ids, columns
+        return self.reward_fn, [row[key]] * len(group), completions, completions_ids, columns, self._trainer_state(group)
+
+    def _trainer_state(self, group: list[SampleView]) -> TrainerState:
+        """The group's `trainer_state`, from its samples' versions (this process may be a Ray
+        reward actor, which does not see the trainer's): token versions never decrease along a
+        response, so its last token's version is its newest."""
+        oldest = min((s.version for s in group if s.version is not None), default=0)
+        newest = max((s.fields["token_versions"][-1] for s in group if s.fields.get("token_versions")), default=oldest)
+        return TrainerState(global_step=newest, step=newest, version=oldest, max_steps=self.cfg.train.max_steps)
 
     async def _score_groups(self, groups: list[list[SampleView]]) -> list[RewardOutcome]:
         if not groups:

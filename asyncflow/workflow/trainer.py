@@ -16,7 +16,14 @@ from asyncflow.config import max_generated_tokens
 from asyncflow.engines.base import TrainBatch
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue import Lease, SampleView
-from asyncflow.workflow.batch import TRAIN_FIELDS, all_equal, build_train_batch, by_group, generated_count
+from asyncflow.workflow.batch import (
+    TRAIN_FIELDS,
+    all_equal,
+    batch_metrics,
+    build_train_batch,
+    by_group,
+    generated_count,
+)
 from asyncflow.workflow.stage_base import CANCELLED, Counters, StageBase, StepResult
 
 
@@ -44,8 +51,8 @@ class TrainerStage(StageBase):
         """Assemble batches of whole groups within the staleness bound, train, publish; until
         `train.max_steps`, or the step after `stop_early()` was called."""
         for step in range(self.first_step, self.cfg.train.max_steps + 1):
-            groups, leases = await self._collect_batch()
-            result = await self._train_on(step, groups)
+            groups, leases, filtered = await self._collect_batch()
+            result = await self._train_on(step, groups, filtered)
             for lease in leases:
                 self.keeper.drop(lease)
                 if not self.store.ack(lease, remove=True):  # (kept alive by the keeper: should not happen)
@@ -56,7 +63,8 @@ class TrainerStage(StageBase):
             if self._stop_early:
                 break
 
-    async def _collect_batch(self) -> tuple[list[list[SampleView]], list[Lease]]:
+    async def _collect_batch(self) -> tuple[list[list[SampleView]], list[Lease], int]:
+        """Whole groups for one step, their leases, and how many groups the filter dropped meanwhile."""
         groups: list[list[SampleView]] = []
         leases: list[Lease] = []
         have = 0
@@ -114,7 +122,7 @@ class TrainerStage(StageBase):
                 have += len(group)
             leases.append(lease)
         self.tracer.span("trainer", "wait for batch", start, self.clock.now())
-        return groups, leases
+        return groups, leases, filtered
 
     def _drop_stale(self, lease: Lease) -> None:
         """Drop groups below the version floor, freeing their admission slots. A sample whose
@@ -145,7 +153,7 @@ class TrainerStage(StageBase):
         self.store.remove([s.uid for s in samples])
         self.gate.drop(len({s.group_id for s in samples}))
 
-    async def _train_on(self, step: int, groups: list[list[SampleView]]) -> StepResult:
+    async def _train_on(self, step: int, groups: list[list[SampleView]], filtered: int = 0) -> StepResult:
         samples = [s for g in groups for s in g]
         valid: list[bool] = []
         rewards: list[float] = []
@@ -188,6 +196,7 @@ class TrainerStage(StageBase):
             staleness_max=float(max(staleness, default=0)),
             weight_sync_s=sync_s,
             response_len_mean=length / len(samples),
+            **batch_metrics(groups, valid, rewards, filtered),
         )
         return StepResult(step, self.version, metrics)
 
