@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from asyncflow.config_checks import ENV_NAMES, validate
+from asyncflow.config_hints import alias_hint
 from asyncflow.config_reference import field_docs, reference_markdown
 from asyncflow.config_schema import (
     MAX_TIMEOUT_S,
@@ -294,7 +295,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
-            raise UserError(f"{prefix}{key}: unknown key{_closest(str(key), list(fields))}")
+            hint = alias_hint(f"{prefix}{key}", raw[key]) or _closest(str(key), list(fields))
+            raise UserError(f"{prefix}{key}: unknown key{hint}")
     values: dict[str, Any] = {}
     for name, f in fields.items():
         if name not in raw:
