@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from asyncflow.config_checks import ENV_NAMES, validate
+from asyncflow.config_effective import effective_dict, effective_yaml
 from asyncflow.config_hints import alias_hint
 from asyncflow.config_reference import field_docs, reference_markdown
 from asyncflow.config_schema import (
@@ -60,6 +61,7 @@ __all__ = [
     "TrainConfig",
     "WorkflowConfig",
     "dump_yaml",
+    "effective_dict",
     "episodic",
     "field_docs",
     "from_dict",
@@ -415,5 +417,6 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def dump_yaml(cfg: Config) -> str:
-    """The fully resolved config as YAML."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """The resolved config as YAML (config.yaml, `asyncflow config`): effective values, no key the run
+    does not read, loadable back (config_effective.py)."""
+    return effective_yaml(cfg)
