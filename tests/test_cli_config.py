@@ -3,6 +3,7 @@ values that load back as the same config."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -138,3 +139,24 @@ def test_the_config_command_loads_nothing_heavy() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_verl_translation_loads_with_verls_numbers_in_asyncflows_units() -> None:
+    extra = [] if importlib.util.find_spec("vllm") is not None else ["rollout.engine=hf"]  # (vllm: checked installed)
+    cfg, _ = load_config(ROOT / "examples" / "verl_grpo.yaml", extra)
+    prompts, n, ppo_mini_batch_size = 1024, 5, 256  # verl's data.train_batch_size, rollout.n, ppo_mini_batch_size
+    assert cfg.rollout.n == n and cfg.train.batch_size == prompts * n
+    assert cfg.train.mini_batches == prompts // ppo_mini_batch_size
+    assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.dual_clip) == (0.2, 0.2, 3.0)
+    assert cfg.algorithm.kl_coef == 0.001 and cfg.staleness == 0
+    assert cfg.dataset.path is not None and not cfg.dataset.path.startswith("~")
+
+
+def test_the_verl_gsm8k_reward_scores_as_verl_does() -> None:
+    from examples.verl_gsm8k_reward import extract_answer, gsm8k_reward
+
+    assert extract_answer("so 3 + 4 = 7\n#### 1,234") == "1234" and extract_answer("no answer") is None
+    rows = [{"ground_truth": "72", "style": "rule"}, {"ground_truth": "10", "style": "rule"}]
+    chat = [[{"role": "assistant", "content": "48 + 24 = 72\n#### 72"}], [{"role": "assistant", "content": "#### 9"}]]
+    assert gsm8k_reward(["p", "q"], chat, reward_model=rows, data_source=["gsm8k"] * 2) == [1.0, 0.0]
+    assert gsm8k_reward(["p"], ["#### $72"], reward_model=rows[:1]) == [1.0]
