@@ -131,7 +131,7 @@ VERL: tuple[Alias, ...] = (
     Alias(f"{_ACT}.use_kl_loss", "algorithm.kl_coef", "verl's use_kl_loss: set algorithm.kl_coef > 0 (a loss term)"),
     Alias(f"{_ACT}.kl_loss_coef", "algorithm.kl_coef", "verl's kl_loss_coef is algorithm.kl_coef"),
     Alias(f"{_ACT}.kl_loss_type", "algorithm.kl_estimator",
-          "verl's kl_loss_type is algorithm.kl_estimator: kl -> k1, mse -> k2, low_var_kl -> k3 (unclamped)"),
+          "verl's kl_loss_type is algorithm.kl_estimator: kl -> k1, mse -> k2, low_var_kl -> k3"),
     Alias(f"{_ACT}.loss_agg_mode", "algorithm.agg",
           "verl's loss_agg_mode is algorithm.agg: token-mean -> token_mean, seq-mean-token-sum -> seq_mean_token_sum, "
           "seq-mean-token-mean -> seq_mean_token_mean, seq-mean-token-sum-norm -> dr_grpo"),
