@@ -31,6 +31,7 @@ while saving leaves the previous checkpoint as the newest complete one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -286,13 +287,15 @@ def _changed_settings(out: Path, cfg: Any) -> list[str]:
     samples and the data position mean (`MUST_MATCH`) is refused."""
     import yaml
 
-    from asyncflow.config import dump_yaml
+    from asyncflow.config import effective_dict, from_dict
 
     try:
-        old = _leaves(yaml.safe_load((out / "config.yaml").read_text()) or {})
+        raw = yaml.safe_load((out / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise UserError(f"checkpoint.resume: cannot read {out / 'config.yaml'}: {exc}") from None
-    new = _leaves(yaml.safe_load(dump_yaml(cfg)))
+    with contextlib.suppress(UserError):  # as this version writes it (older runs recorded nulls and every key)
+        raw = effective_dict(from_dict(raw))
+    old, new = _leaves(raw), _leaves(effective_dict(cfg))
     changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     routed = bool(old.get("rollout.affinity")) or bool(new.get("rollout.affinity"))
     for key in changed:

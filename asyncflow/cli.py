@@ -1,4 +1,4 @@
-"""The `asyncflow` command: demo, train, prepare, bench, report, trace, serve.
+"""The `asyncflow` command: demo, train, config, prepare, bench, report, trace, serve.
 
 Arguments and configs are validated before torch, transformers or ray are imported, so bad input
 costs milliseconds and ends with one line naming the key, file or argument, and exit code 2. A run
@@ -17,10 +17,12 @@ from asyncflow.serve_options import add_serve_arguments
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line and exit code 2."""
+    """argparse, but a usage error is one line and exit code 2. The line names the subcommand
+    (`train: ...`), not the program: `main` prints `asyncflow: error:` before it."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(f"{self.prog}: {message}")
+        command = self.prog.removeprefix("asyncflow").strip()
+        raise UserError(f"{command}: {message}" if command else message)
 
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
@@ -44,18 +46,68 @@ def _path(text: str) -> Path:
     return Path(text).expanduser()
 
 
+CONFIG_HELP = ("Every config key, its default and bounds: docs/configuration.md. `asyncflow config CONFIG "
+               "[--set ...]` prints the resolved config (the run folder's config.yaml) without running.")
+
+
+def package_version() -> str:
+    """The installed distribution's version; the source's `__version__` where the package imported is
+    not that distribution's (a checkout on PYTHONPATH) or none is installed. An editable install or a
+    checkout says where its source is, since its version alone does not tell two checkouts apart."""
+    import importlib.metadata
+    import json
+
+    import asyncflow
+
+    here = Path(asyncflow.__file__).resolve().parent
+    try:
+        dist = importlib.metadata.distribution("asyncflow")
+    except importlib.metadata.PackageNotFoundError:
+        return f"{asyncflow.__version__} (source {here.parent}, not installed)"
+    url = json.loads(dist.read_text("direct_url.json") or "{}")
+    if url.get("dir_info", {}).get("editable"):
+        source = Path(url.get("url", "").removeprefix("file://"))
+        if (source / "asyncflow").resolve() != here:
+            return f"{asyncflow.__version__} (source {here.parent}; the installed one is {source})"
+        return f"{dist.version} (editable, source {source})"
+    if Path(str(dist.locate_file("asyncflow"))).resolve() != here:
+        return f"{asyncflow.__version__} (source {here.parent}; asyncflow {dist.version} is installed)"
+    return dist.version
+
+
+class _Version(argparse.Action):
+    """`--version`, its text built only when asked: reading package metadata costs ~0.1 s."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=kwargs.get("help"))  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(f"asyncflow {package_version()}")
+        parser.exit()
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="asyncflow", description="Asynchronous, streaming RL post-training for LLMs.")
+    p.add_argument("--version", action=_Version, help="print asyncflow's version and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    demo = sub.add_parser("demo", help="train the built-in arith task with async GRPO on this machine")
+    demo = sub.add_parser("demo", help="train the built-in arith task with async GRPO on this machine",
+                          epilog=CONFIG_HELP)
     demo.add_argument("--out", type=_path, default=None, help="run folder (default runs/demo-TIMESTAMP)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
 
-    train = sub.add_parser("train", help="train from a YAML config")
-    train.add_argument("config", type=_path, help="YAML config file")
+    train = sub.add_parser("train", help="train from a YAML config", epilog=CONFIG_HELP)
+    train.add_argument("config", type=_path, help="YAML config file (keys: docs/configuration.md)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     train.add_argument("--out", type=_path, default=None, help="run folder (default runs/train-TIMESTAMP)")
+
+    config = sub.add_parser(
+        "config", help="print the resolved config as YAML (validated as train does, without running)",
+        epilog="No CONFIG: the built-in defaults. Effective values replace null placeholders; keys the run would "
+               "not read are left out. Model, data and reward function are checked when a run starts. "
+               "Every key: docs/configuration.md.")
+    config.add_argument("config", type=_path, nargs="?", default=None, help="YAML config file")
+    config.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
 
     prep = sub.add_parser("prepare", help="build a task's base model and data as a Hugging Face folder")
     prep.add_argument("task", help="task pack name, e.g. arith")
@@ -129,16 +181,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     from asyncflow.config import load_config
 
     if args.command == "demo":
-        cfg, explicit = load_config(DEMO_CONFIG, args.set)
-        from asyncflow.runner import train
+        return _demo(args)
+    if args.command == "config":
+        from asyncflow.config import dump_yaml
 
-        out = args.out or _default_out("demo")
-        train(cfg, out, explicit=explicit)
-        from asyncflow.telemetry.report import write_report
-
-        png, md = write_report([out], log=lambda line: print(line, file=sys.stderr))
-        print(f"[asyncflow] the report: {png}\n[asyncflow] its summary: {md}\n"
-              f"[asyncflow] the trace (stages and workers over time): asyncflow trace {out}")
+        sys.stdout.write(dump_yaml(load_config(args.config, args.set)[0]))
         return 0
     if args.command == "train":
         cfg, explicit = load_config(args.config, args.set)
@@ -184,6 +231,22 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return _serve(args)
     raise UserError(f"unknown command {args.command!r}")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from asyncflow.config import load_config
+
+    cfg, explicit = load_config(DEMO_CONFIG, args.set)
+    from asyncflow.runner import train
+
+    out = args.out or _default_out("demo")
+    train(cfg, out, explicit=explicit)
+    from asyncflow.telemetry.report import write_report
+
+    png, md = write_report([out], log=lambda line: print(line, file=sys.stderr))
+    print(f"[asyncflow] the report: {png}\n[asyncflow] its summary: {md}\n"
+          f"[asyncflow] the trace (stages and workers over time): asyncflow trace {out}")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -22,6 +22,8 @@ from typing import Any, Literal
 import yaml
 
 from asyncflow.config_checks import ENV_NAMES, validate
+from asyncflow.config_effective import effective_dict, effective_yaml
+from asyncflow.config_hints import alias_hint
 from asyncflow.config_reference import field_docs, reference_markdown
 from asyncflow.config_schema import (
     MAX_TIMEOUT_S,
@@ -59,6 +61,7 @@ __all__ = [
     "TrainConfig",
     "WorkflowConfig",
     "dump_yaml",
+    "effective_dict",
     "episodic",
     "field_docs",
     "from_dict",
@@ -294,7 +297,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
-            raise UserError(f"{prefix}{key}: unknown key{_closest(str(key), list(fields))}")
+            hint = alias_hint(f"{prefix}{key}", raw[key]) or _closest(str(key), list(fields))
+            raise UserError(f"{prefix}{key}: unknown key{hint}")
     values: dict[str, Any] = {}
     for name, f in fields.items():
         if name not in raw:
@@ -413,5 +417,6 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def dump_yaml(cfg: Config) -> str:
-    """The fully resolved config as YAML."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """The resolved config as YAML (config.yaml, `asyncflow config`): effective values, no key the run
+    does not read, loadable back (config_effective.py)."""
+    return effective_yaml(cfg)

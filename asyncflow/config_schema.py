@@ -7,6 +7,7 @@ Every field has a docstring (`doc` metadata) so the reference in docs/ is genera
 
 from __future__ import annotations
 
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -465,6 +466,20 @@ class Config:
         if self.workflow.max_staleness is not None:
             return self.workflow.max_staleness
         return 0 if self.workflow.mode == "sync" else 1
+
+
+def torch_threads(cfg: Config) -> int:
+    """CPU threads for torch: measured best placement per mode (docs/performance.md, E2E)."""
+    if cfg.runtime.torch_threads is not None:
+        return cfg.runtime.torch_threads
+    return usable_cores() if cfg.workflow.mode == "sync" else max(1, usable_cores() // 2)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (`taskset`, a container's cpuset), not the machine's:
+    `os.cpu_count()` put 2 torch threads on the 1 core a `taskset -c 0` run had."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 def max_generated_tokens(cfg: Config) -> int:

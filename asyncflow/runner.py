@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
 import signal
 import sys
@@ -22,26 +21,13 @@ from typing import Any
 
 from asyncflow.atomic_files import write_dir_atomic, write_text_atomic
 from asyncflow.config import Config, episodic
+from asyncflow.config_schema import torch_threads
 from asyncflow.engines.http_client import HTTPError
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
 from asyncflow.inputs import Inputs, resolve_inputs
 from asyncflow.run_folder import RunFolder, check_out_dir, resume_hint
 from asyncflow.runtime.base import RuntimeSetup, runtime_class
 from asyncflow.tokenizer import load_tokenizer
-
-
-def torch_threads(cfg: Config) -> int:
-    """CPU threads for torch: measured best placement per mode (docs/performance.md, E2E)."""
-    if cfg.runtime.torch_threads is not None:
-        return cfg.runtime.torch_threads
-    return usable_cores() if cfg.workflow.mode == "sync" else max(1, usable_cores() // 2)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (`taskset`, a container's cpuset), not the machine's:
-    `os.cpu_count()` put 2 torch threads on the 1 core a `taskset -c 0` run had."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 @contextlib.contextmanager
@@ -329,12 +315,12 @@ def _saved_store(resume: Any) -> Any:
 
 def _run_log(cfg: Config, out: Path, resume: Any, redo_eval: bool) -> Any:
     """The run's log, with the metric sinks the config names (TensorBoard, W&B)."""
-    from asyncflow.config import to_dict
+    from asyncflow.config import effective_dict
     from asyncflow.telemetry.runlog import RunLog, make_sinks
 
     return RunLog(out, sinks=make_sinks(out, tensorboard=cfg.logging.tensorboard,
                                         wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
-                                        config=to_dict(cfg), resume_step=None if resume is None else resume.step,
+                                        config=effective_dict(cfg), resume_step=None if resume is None else resume.step,
                                         redo_eval=redo_eval))
 
 

@@ -1,0 +1,162 @@
+"""`asyncflow config`, `--version`, one error prefix, and the run folder's config.yaml: effective
+values that load back as the same config."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import asyncflow
+from asyncflow import checkpoint
+from asyncflow.cli import main
+from asyncflow.config import dump_yaml, load_config, to_dict
+from asyncflow.config_schema import torch_threads
+from asyncflow.run_folder import RunFolder
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = [
+    (ROOT / "asyncflow" / "demo.yaml", []),
+    (None, []),
+    (None, ["workflow.mode=sync"]),
+    (None, ["algorithm.agg=dr_grpo", "algorithm.advantage=dr_grpo"]),
+    (None, ["algorithm.loss=gspo", "algorithm.agg=token_mean"]),
+    (None, ["algorithm.loss=tis", "algorithm.kl_coef=0.01", "runtime.kind=ray", "runtime.rollout_gpus=0.5"]),
+    (None, ["rollout.engine=openai", "rollout.server_urls=[http://127.0.0.1:8000, http://127.0.0.1:8001]"]),
+    (None, ["train.engine=fsdp", "train.world_size=2", "train.micro_batch_size=8"]),
+    *[(p, []) for p in sorted((ROOT / "examples").glob("arith*.yaml"))],
+    (ROOT / "examples" / "byo" / "config.yaml", ["model.path=/nonexistent"]),
+    (ROOT / "examples" / "calc_agent.yaml", []),
+]
+
+
+@pytest.mark.parametrize(("path", "overrides"), CONFIGS)
+def test_the_resolved_config_loads_back_as_the_same_config(path: Path | None, overrides: list[str],
+                                                           tmp_path: Path) -> None:
+    cfg, _ = load_config(path, overrides)
+    text = dump_yaml(cfg)
+    (tmp_path / "config.yaml").write_text(text)
+    again, _ = load_config(tmp_path / "config.yaml")  # every key now explicit: none may be refused
+    assert dump_yaml(again) == text
+    data = yaml.safe_load(text)
+    assert data["workflow"]["max_staleness"] == cfg.staleness
+    assert data["runtime"]["torch_threads"] == torch_threads(cfg)
+    if cfg.algorithm.agg == "dr_grpo":
+        assert data["algorithm"]["norm_length"] == cfg.rollout.max_new_tokens
+    assert again.algorithm.agg == cfg.algorithm.agg and again.rollout.workers == cfg.rollout.workers
+
+
+def test_effective_values_replace_null_and_unread_keys_are_left_out() -> None:
+    data = yaml.safe_load(dump_yaml(load_config(None, [])[0]))
+    assert data["workflow"]["max_staleness"] == 1  # async: null meant 1
+    assert data["runtime"]["torch_threads"] >= 1
+    assert "rollout_gpus" not in data["runtime"] and "server_urls" not in data["rollout"]  # local, hf
+    assert "is_level" not in data["algorithm"] and "world_size" not in data["train"]  # ppo, torch
+    data = yaml.safe_load(dump_yaml(load_config(None, ["workflow.mode=sync", "runtime.kind=ray"])[0]))
+    assert data["workflow"]["max_staleness"] == 0 and data["runtime"]["rollout_gpus"] == 0.0
+
+
+def test_a_run_folder_records_the_effective_config(tmp_path: Path) -> None:
+    cfg, _ = load_config(None, [])
+    folder = RunFolder(tmp_path / "run", cfg, None)
+    try:
+        folder.open()
+    finally:
+        folder.close()
+    assert (tmp_path / "run" / "config.yaml").read_text() == dump_yaml(cfg)
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["workflow"]["max_staleness"] == 1
+
+
+def test_a_run_recorded_with_nulls_and_every_key_resumes_unchanged(tmp_path: Path) -> None:
+    """Runs written before config.yaml held effective values recorded nulls and unread keys; a
+    resume compares them as this version writes them, so none reads as a changed setting."""
+    cfg, _ = load_config(None, [])  # (rollout.max_turns, a key a resume must keep, is not read here)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    assert checkpoint._changed_settings(tmp_path, cfg) == []
+
+
+def test_config_command_prints_the_resolved_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("rollout: {n: 4}\ntrain: {batch_size: 16}\n")
+    assert main(["config", str(f), "--set", "workflow.mode=sync"]) == 0
+    out = capsys.readouterr().out
+    assert out == dump_yaml(load_config(f, ["workflow.mode=sync"])[0])
+    assert yaml.safe_load(out)["train"]["batch_size"] == 16
+    assert main(["config"]) == 0 and yaml.safe_load(capsys.readouterr().out)["task"] == "arith"
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["config", "--set", "algorithm.beta=0.1"],
+         "asyncflow: error: algorithm.beta: unknown key; TRL's beta is algorithm.kl_coef\n"),
+        (["config", "missing.yaml"], "asyncflow: error: missing.yaml: config file not found\n"),
+        # one prefix: argparse's usage errors name the subcommand, not the program again
+        ([], "asyncflow: error: the following arguments are required: command\n"),
+        (["train"], "asyncflow: error: train: the following arguments are required: config\n"),
+        (["prepare", "arith"], "asyncflow: error: prepare: the following arguments are required: --out\n"),
+        (["config", "a.yaml", "b.yaml"], "asyncflow: error: unrecognized arguments: b.yaml\n"),
+    ],
+)
+def test_bad_input_is_one_line_with_one_prefix(argv: list[str], line: str, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == line and captured.out == ""
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("asyncflow ") and out.count("\n") == 1
+    try:
+        installed = importlib.metadata.version("asyncflow")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    assert out.split()[1] in {asyncflow.__version__, installed}
+
+
+def test_train_help_points_to_the_config_reference(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "docs/configuration.md" in text and "asyncflow config CONFIG" in text
+
+
+def test_the_config_command_loads_nothing_heavy() -> None:
+    code = ("import sys; from asyncflow.cli import main; main(['config']); "
+            "assert not {'torch', 'transformers', 'ray'} & set(sys.modules), sorted(sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_verl_translation_loads_with_verls_numbers_in_asyncflows_units() -> None:
+    extra = [] if importlib.util.find_spec("vllm") is not None else ["rollout.engine=hf"]  # (vllm: checked installed)
+    cfg, _ = load_config(ROOT / "examples" / "verl_grpo.yaml", extra)
+    prompts, n, ppo_mini_batch_size = 1024, 5, 256  # verl's data.train_batch_size, rollout.n, ppo_mini_batch_size
+    assert cfg.rollout.n == n and cfg.train.batch_size == prompts * n
+    assert cfg.train.mini_batches == prompts // ppo_mini_batch_size
+    assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.dual_clip) == (0.2, 0.2, 3.0)
+    assert cfg.algorithm.kl_coef == 0.001 and cfg.staleness == 0
+    assert cfg.dataset.path is not None and not cfg.dataset.path.startswith("~")
+
+
+def test_the_verl_gsm8k_reward_scores_as_verl_does() -> None:
+    from examples.verl_gsm8k_reward import extract_answer, gsm8k_reward
+
+    assert extract_answer("so 3 + 4 = 7\n#### 1,234") == "1234" and extract_answer("no answer") is None
+    rows = [{"ground_truth": "72", "style": "rule"}, {"ground_truth": "10", "style": "rule"}]
+    chat = [[{"role": "assistant", "content": "48 + 24 = 72\n#### 72"}], [{"role": "assistant", "content": "#### 9"}]]
+    assert gsm8k_reward(["p", "q"], chat, reward_model=rows, data_source=["gsm8k"] * 2) == [1.0, 0.0]
+    assert gsm8k_reward(["p"], ["#### $72"], reward_model=rows[:1]) == [1.0]
