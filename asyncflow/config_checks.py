@@ -219,6 +219,8 @@ def _validate_engines(cfg: Config, explicit: set[str]) -> None:
                 f"train.world_size: batch_size={t.batch_size} is not divisible by world_size x mini_batches="
                 f"{t.world_size} x {t.mini_batches} (every rank takes an equal share of each optimizer step)"
             )
+    if "train.min_lr_ratio" in explicit and t.lr_schedule != "cosine":
+        raise UserError(f"train.min_lr_ratio: only used with train.lr_schedule=cosine (it is {t.lr_schedule})")
     if cfg.rollout.engine == "vllm":
         if cfg.runtime.kind == "ray" and cfg.runtime.rollout_gpus < 1:
             raise UserError(f"runtime.rollout_gpus: {cfg.runtime.rollout_gpus:g} with rollout.engine=vllm on Ray; "

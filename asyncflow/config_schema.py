@@ -208,6 +208,25 @@ class TrainConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay.", lo=0.0, hi=10.0)
     max_steps: int = _f(100, "Train steps (weight publications) in the run.", lo=1)
     max_grad_norm: float = _f(1.0, "Gradient-norm clip per optimizer step (0: no clipping).", lo=0.0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = _f(
+        "constant",
+        "How train.lr changes per optimizer step (train.max_steps x train.mini_batches of them), with "
+        "transformers' schedules step for step: constant; linear: down to 0 at the run's end (TRL's "
+        "default); cosine: down to train.min_lr_ratio x lr. After the warmup; logged per train row as `lr`.",
+    )
+    warmup_ratio: float = _f(
+        0.0,
+        "Fraction of the run's optimizer steps (rounded up) over which lr rises linearly from 0 (TRL's "
+        "warmup_ratio; the first warmup step has lr 0, as in transformers). Any train.lr_schedule.",
+        lo=0.0, hi=1.0,
+    )
+    min_lr_ratio: float = _f(0.0, "cosine: the lr it decays to, as a fraction of train.lr (transformers' "
+                                  "cosine_with_min_lr).", lo=0.0, hi=1.0)
+    gradient_checkpointing: bool = _f(
+        False,
+        "Recompute each decoder layer's activations in backward instead of keeping them "
+        "(model.gradient_checkpointing_enable): less memory, about one more forward pass of time.",
+    )
 
 
 @dataclass
