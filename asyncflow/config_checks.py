@@ -11,6 +11,7 @@ import urllib.parse
 
 from asyncflow.config_schema import Config, episodic, max_generated_tokens
 from asyncflow.errors import UserError
+from asyncflow.hub import hub_id
 
 
 def validate(cfg: Config, explicit: set[str]) -> None:
@@ -51,6 +52,8 @@ def _validate_sources(cfg: Config, explicit: set[str]) -> None:
     if "model.task_seed" in explicit and (cfg.task is None or cfg.model.path is not None):
         raise UserError("model.task_seed: not used with " + ("task null" if cfg.task is None else "model.path set")
                         + " (it seeds the task pack's own base model)")
+    if "dataset.config" in explicit and not any(p is not None and hub_id(p) for p in (cfg.dataset.path, cfg.eval.path)):
+        raise UserError("dataset.config: only used with a Hugging Face Hub dataset id in dataset.path or eval.path")
     if cfg.rollout.env is not None and cfg.rollout.env not in ENV_NAMES and ":" not in cfg.rollout.env:
         raise UserError(f"rollout.env: {cfg.rollout.env!r} is neither a built-in ({', '.join(ENV_NAMES)}) nor 'module:factory'")
     if cfg.reward.fn is not None and ":" not in cfg.reward.fn:

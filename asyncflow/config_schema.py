@@ -24,7 +24,9 @@ def _f(default: Any, doc: str, *, lo: float | None = None, hi: float | None = No
 class ModelConfig:
     """The policy model."""
 
-    path: str | None = _f(None, "Hugging Face causal-LM folder. null: the task pack prepares (and caches) its model.")
+    path: str | None = _f(None, "Hugging Face causal-LM folder, or a Hub id (org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct: "
+                                "not a local path) fetched into the Hugging Face cache (HF_HOME, HF_HUB_CACHE; "
+                                "HF_HUB_OFFLINE=1: the cache only). null: the task pack prepares (and caches) its model.")
     cache_dir: str | None = _f(None, "Where prepared task models are cached. null: $ASYNCFLOW_CACHE or ~/.cache/asyncflow.")
     task_seed: int = _f(0, "Seed of the task pack's base model and data (model.path null). 0: the base model shipped "
                            "inside the package (built by `asyncflow prepare TASK`, the same on every machine); another "
@@ -46,8 +48,11 @@ class ModelConfig:
 class DatasetConfig:
     """Training prompts."""
 
-    path: str | None = _f(None, "jsonl, parquet or a saved `datasets` folder (its `train` split, or its only one). "
-                                "null: the task pack's train split.")
+    path: str | None = _f(None, "jsonl, parquet, a saved `datasets` folder (its `train` split, or its only one), or a "
+                                "Hub dataset id (org/name, e.g. openai/gsm8k; read with `datasets`, cached and offline "
+                                "as model.path). null: the task pack's train split.")
+    config: str | None = _f(None, "Configuration (subset) of a Hub dataset id in dataset.path or eval.path, e.g. "
+                                  "main for openai/gsm8k (TRL's dataset_config). null: its only or default one.")
     prompt_key: str = _f("prompt", "Column holding the prompt (text, or a list of chat messages).")
     label_key: str | None = _f("answer", "Column passed to the reward function under its own name (null: none required).")
     shuffle: bool = _f(True, "Shuffle the prompt order (seeded by `seed`) once per epoch.")
