@@ -11,6 +11,7 @@ import urllib.parse
 
 from asyncflow.config_schema import Config, episodic, max_generated_tokens
 from asyncflow.errors import UserError
+from asyncflow.hub import hub_id
 
 
 def validate(cfg: Config, explicit: set[str]) -> None:
@@ -51,6 +52,8 @@ def _validate_sources(cfg: Config, explicit: set[str]) -> None:
     if "model.task_seed" in explicit and (cfg.task is None or cfg.model.path is not None):
         raise UserError("model.task_seed: not used with " + ("task null" if cfg.task is None else "model.path set")
                         + " (it seeds the task pack's own base model)")
+    if "dataset.config" in explicit and not any(p is not None and hub_id(p) for p in (cfg.dataset.path, cfg.eval.path)):
+        raise UserError("dataset.config: only used with a Hugging Face Hub dataset id in dataset.path or eval.path")
     if cfg.rollout.env is not None and cfg.rollout.env not in ENV_NAMES and ":" not in cfg.rollout.env:
         raise UserError(f"rollout.env: {cfg.rollout.env!r} is neither a built-in ({', '.join(ENV_NAMES)}) nor 'module:factory'")
     _validate_reward_fns(cfg)
@@ -232,6 +235,8 @@ def _validate_engines(cfg: Config, explicit: set[str]) -> None:
                 f"train.world_size: batch_size={t.batch_size} is not divisible by world_size x mini_batches="
                 f"{t.world_size} x {t.mini_batches} (every rank takes an equal share of each optimizer step)"
             )
+    if "train.min_lr_ratio" in explicit and t.lr_schedule != "cosine":
+        raise UserError(f"train.min_lr_ratio: only used with train.lr_schedule=cosine (it is {t.lr_schedule})")
     if cfg.rollout.engine == "vllm":
         if cfg.runtime.kind == "ray" and cfg.runtime.rollout_gpus < 1:
             raise UserError(f"runtime.rollout_gpus: {cfg.runtime.rollout_gpus:g} with rollout.engine=vllm on Ray; "

@@ -25,7 +25,9 @@ def _f(default: Any, doc: str, *, lo: float | None = None, hi: float | None = No
 class ModelConfig:
     """The policy model."""
 
-    path: str | None = _f(None, "Hugging Face causal-LM folder. null: the task pack prepares (and caches) its model.")
+    path: str | None = _f(None, "Hugging Face causal-LM folder, or a Hub id (org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct: "
+                                "not a local path) fetched into the Hugging Face cache (HF_HOME, HF_HUB_CACHE; "
+                                "HF_HUB_OFFLINE=1: the cache only). null: the task pack prepares (and caches) its model.")
     cache_dir: str | None = _f(None, "Where prepared task models are cached. null: $ASYNCFLOW_CACHE or ~/.cache/asyncflow.")
     task_seed: int = _f(0, "Seed of the task pack's base model and data (model.path null). 0: the base model shipped "
                            "inside the package (built by `asyncflow prepare TASK`, the same on every machine); another "
@@ -47,8 +49,11 @@ class ModelConfig:
 class DatasetConfig:
     """Training prompts."""
 
-    path: str | None = _f(None, "jsonl, parquet or a saved `datasets` folder (its `train` split, or its only one). "
-                                "null: the task pack's train split.")
+    path: str | None = _f(None, "jsonl, parquet, a saved `datasets` folder (its `train` split, or its only one), or a "
+                                "Hub dataset id (org/name, e.g. openai/gsm8k; read with `datasets`, cached and offline "
+                                "as model.path). null: the task pack's train split.")
+    config: str | None = _f(None, "Configuration (subset) of a Hub dataset id in dataset.path or eval.path, e.g. "
+                                  "main for openai/gsm8k (TRL's dataset_config). null: its only or default one.")
     prompt_key: str = _f("prompt", "Column holding the prompt (text, or a list of chat messages).")
     label_key: str | None = _f("answer", "Column passed to the reward function under its own name (null: none required).")
     shuffle: bool = _f(True, "Shuffle the prompt order (seeded by `seed`) once per epoch.")
@@ -217,6 +222,25 @@ class TrainConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay.", lo=0.0, hi=10.0)
     max_steps: int = _f(100, "Train steps (weight publications) in the run.", lo=1)
     max_grad_norm: float = _f(1.0, "Gradient-norm clip per optimizer step (0: no clipping).", lo=0.0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = _f(
+        "constant",
+        "How train.lr changes per optimizer step (train.max_steps x train.mini_batches of them), with "
+        "transformers' schedules step for step: constant; linear: down to 0 at the run's end (TRL's "
+        "default); cosine: down to train.min_lr_ratio x lr. After the warmup; logged per train row as `lr`.",
+    )
+    warmup_ratio: float = _f(
+        0.0,
+        "Fraction of the run's optimizer steps (rounded up) over which lr rises linearly from 0 (TRL's "
+        "warmup_ratio; the first warmup step has lr 0, as in transformers). Any train.lr_schedule.",
+        lo=0.0, hi=1.0,
+    )
+    min_lr_ratio: float = _f(0.0, "cosine: the lr it decays to, as a fraction of train.lr (transformers' "
+                                  "cosine_with_min_lr).", lo=0.0, hi=1.0)
+    gradient_checkpointing: bool = _f(
+        False,
+        "Recompute each decoder layer's activations in backward instead of keeping them "
+        "(model.gradient_checkpointing_enable): less memory, about one more forward pass of time.",
+    )
 
 
 @dataclass

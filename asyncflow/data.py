@@ -65,8 +65,17 @@ def where(rows: Sequence[Any], path: str | Path, i: int) -> str:
     return f"{path}, row {at[i] if at is not None else i}"
 
 
-def read_rows(path: str | Path, *, key: str = "dataset.path") -> list[dict[str, Any]]:
-    """All rows of a jsonl / parquet file or a `datasets.save_to_disk` folder (JSON lines as `Rows`)."""
+def read_rows(path: str | Path, *, key: str = "dataset.path", config: str | None = None) -> list[dict[str, Any]]:
+    """All rows of a jsonl / parquet file, a `datasets.save_to_disk` folder (JSON lines as `Rows`) or a
+    Hub dataset id (`asyncflow.hub`; `config`: its configuration, dataset.config)."""
+    from asyncflow.hub import hub_id
+
+    repo = hub_id(str(path))
+    if repo is not None:
+        rows = _read_hub_dataset(repo, key, config)
+        if not rows:
+            raise UserError(f"{key}: {repo}: the dataset is empty")
+        return rows
     p = Path(path)
     if not p.exists():
         raise UserError(f"{key}: {p} does not exist")
@@ -119,6 +128,32 @@ def _read_datasets_dir(p: Path, key: str) -> list[dict[str, Any]]:
         ds = datasets.load_from_disk(str(p))
     except Exception as exc:
         raise UserError(f"{key}: {p} is not a saved datasets folder ({exc})") from None
+    return _split_rows(ds, p, key)
+
+
+def _read_hub_dataset(repo: str, key: str, config: str | None) -> list[dict[str, Any]]:
+    """A Hub dataset's rows: its snapshot (`asyncflow.hub.snapshot`), read by `datasets.load_dataset`
+    (the repository's configurations and split files as the Hub lays them out)."""
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(f"{key}: {repo} is a Hub dataset id; reading one needs `pip install datasets`") from None
+    from asyncflow.hub import snapshot
+
+    folder = snapshot(repo, key, dataset=True)
+    try:
+        ds = datasets.load_dataset(str(folder), name=config)
+    except Exception as exc:  # (a missing or unknown configuration, unreadable files)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        hint = "" if config is None else f" with dataset.config={config!r}"
+        raise UserError(f"{key}: {repo} (Hub snapshot {folder}) cannot be read{hint}: {type(exc).__name__}: {first}"
+                        " (a dataset of several configurations needs dataset.config)") from None
+    return _split_rows(ds, repo, key)
+
+
+def _split_rows(ds: Any, p: Path | str, key: str) -> list[dict[str, Any]]:
+    import datasets
+
     if isinstance(ds, datasets.DatasetDict):
         # dataset.path reads `train`, eval.path `test` then `validation` (it read `train` too: evaluation
         # ran on the training rows when both keys named one folder); a folder of one split gives that one

@@ -58,12 +58,12 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
         if not Path(data_path).is_file():  # (the message named a dataset.path the user never set)
             raise UserError(f"dataset.path: not set, and model.path ({model_dir}) has no train.jsonl to default to; "
                             "set dataset.path")
-    rows = read_rows(data_path)
+    rows = read_rows(data_path, config=cfg.dataset.config)
     reserved = frozenset() if episodic(cfg) else REWARD_ARGUMENTS  # (an environment gets the row as it is)
     chats = [check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved)]
     if cfg.eval.path is not None or (cfg.dataset.path is None and (model_dir / "eval.jsonl").is_file()):
         eval_path = cfg.eval.path if cfg.eval.path is not None else str(model_dir / "eval.jsonl")
-        eval_rows = read_rows(eval_path, key="eval.path")
+        eval_rows = read_rows(eval_path, key="eval.path", config=cfg.dataset.config)
         chats.append(check_columns(eval_rows, eval_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved))
     else:  # a held-out slice of the dataset: whole prompts (all their copies), at most 10% of it
         eval_path = data_path
@@ -79,10 +79,12 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
 
 def _model_dir(cfg: Config, task: TaskPack | None, log: Callable[[str], None]) -> Path:
     """`model.path`, checked; else the task pack's model folder, prepared (its cache folder checked first)."""
+    from asyncflow.hub import hub_id, snapshot
     from asyncflow.model_folder import check_model_dir
 
     if cfg.model.path is not None:
-        return check_model_dir(cfg.model.path)
+        repo = hub_id(cfg.model.path)
+        return check_model_dir(cfg.model.path if repo is None else snapshot(repo, "model.path"))
     assert task is not None
     if task.shipped(cfg.model.task_seed) is not None:
         pass  # the package holds it: no cache is read or written

@@ -18,6 +18,7 @@ import torch
 
 from asyncflow.config import Config
 from asyncflow.engines.base import InferenceEngine, TrainEngine, pick_device
+from asyncflow.engines.lr_schedule import LrSchedule
 
 
 def make_train_engine(cfg: Config, model_dir: Path, *, threads: int, device: str | None = None,
@@ -30,7 +31,8 @@ def make_train_engine(cfg: Config, model_dir: Path, *, threads: int, device: str
     t = cfg.train
     common: dict[str, Any] = dict(lr=t.lr, weight_decay=t.weight_decay, mini_batches=t.mini_batches,
                                   micro_batch_size=t.micro_batch_size, max_grad_norm=t.max_grad_norm,
-                                  dtype=getattr(torch, cfg.model.dtype))
+                                  dtype=getattr(torch, cfg.model.dtype), schedule=lr_schedule(cfg),
+                                  gradient_checkpointing=t.gradient_checkpointing)
     if t.engine == "fsdp":
         from asyncflow.engines.fsdp_train import FSDPTrainEngine
 
@@ -45,6 +47,13 @@ def make_train_engine(cfg: Config, model_dir: Path, *, threads: int, device: str
     from asyncflow.engines.torch_train import TorchTrainEngine
 
     return TorchTrainEngine(model_dir, device=device or pick_device(cfg.model.device), **common)
+
+
+def lr_schedule(cfg: Config) -> LrSchedule:
+    """`train.lr` over the run's optimizer steps, as `train.lr_schedule` shapes it."""
+    t = cfg.train
+    return LrSchedule(t.lr, kind=t.lr_schedule, warmup_ratio=t.warmup_ratio, total_steps=t.max_steps * t.mini_batches,
+                      min_lr_ratio=t.min_lr_ratio, mini_batches=t.mini_batches)
 
 
 def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int, version: int = 0,

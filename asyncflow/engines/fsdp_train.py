@@ -49,8 +49,11 @@ import torch.multiprocessing  # noqa: F401  (registers shared-memory pickling of
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from asyncflow.engines.base import LossFn, Norm, TrainBatch, TrainEngine, quiet_transformers
+from asyncflow.engines.lr_schedule import LrSchedule, expect_keys_of, mark_steps, restored_steps, set_lr
 from asyncflow.engines.torch_train import (
     combine_metrics,
+    enable_gradient_checkpointing,
+    eval_mode,
     finish_optimizer_step,
     keep_hyperparameters,
     nonfinite_weights_error,
@@ -79,6 +82,7 @@ class WorkerSpec:
     seed: int
     master_addr: str = "127.0.0.1"  # the rendezvous host: rank 0's node
     own_gpu_only: bool = False  # the process sees exactly its own GPU (a Ray actor's CUDA_VISIBLE_DEVICES): cuda:0
+    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -152,6 +156,8 @@ class FSDPRank:
             else:
                 first[id(param)] = name
         model.to(self.device)  # type: ignore[arg-type]
+        if spec.gradient_checkpointing:  # before fully_shard: the FSDP layer classes wrap checkpointed forwards
+            enable_gradient_checkpointing(model)
         policy = MixedPrecisionPolicy(param_dtype=None if self.dtype == torch.float32 else self.dtype,
                                       reduce_dtype=torch.float32)
         for layer in _decoder_layers(model):
@@ -163,7 +169,7 @@ class FSDPRank:
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
-        self.model: Any = sharded.eval()  # no dropout (as the plain engine: the log-prob passes must agree)
+        self.model: Any = eval_mode(sharded, spec.gradient_checkpointing)  # no dropout (as the plain engine)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
 
     def run(self, method: RankMethod, args: tuple[Any, ...]) -> Any:
@@ -192,11 +198,16 @@ class FSDPRank:
                     parts.append(logp.cpu())
         return torch.cat(parts) if parts else None
 
-    def train_step(
-        self, shares: list[Share], dummy: TrainBatch, loss_bytes: bytes, temperature: float
-    ) -> list[tuple[dict[str, float], float]]:
+    def train_step(self, shares: list[Share], dummy: TrainBatch, loss_bytes: bytes, temperature: float,
+                   rates: list[float], steps_done: int) -> list[tuple[dict[str, float], float]]:
+        """`rates`: each optimizer step's lr, the same on every rank (the driver's schedule)."""
         loss_fn: LossFn = pickle.loads(loss_bytes)
-        return [self._optimizer_step(s, dummy, loss_fn, temperature) for s in shares]
+        out = []
+        for share, lr in zip(shares, rates, strict=True):
+            set_lr(self.optimizer, lr)
+            out.append(self._optimizer_step(share, dummy, loss_fn, temperature))
+        mark_steps(self.optimizer, steps_done)  # (saved with the optimizer state: a resume continues from it)
+        return out
 
     def _optimizer_step(
         self, share: Share, dummy: TrainBatch, loss_fn: LossFn, temperature: float
@@ -255,12 +266,15 @@ class FSDPRank:
             os.makedirs(path, exist_ok=True)
             torch.save(state, os.path.join(path, "optimizer.pt"))
 
-    def load_optimizer(self, path: str) -> None:
+    def load_optimizer(self, path: str, mini_batches: int) -> int:
+        """Returns the schedule's position the state records (`restored_steps`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         state = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
+        expect_keys_of(self.optimizer, state)
         with keep_hyperparameters(self.optimizer):
             set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+        return restored_steps(self.optimizer, mini_batches)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -451,6 +465,8 @@ class FSDPTrainEngine(TrainEngine):
         start_timeout_s: float = 300.0,
         seed: int = 0,
         links: Callable[[WorkerSpec], RankLinks] = PipeLinks,
+        schedule: LrSchedule | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -468,13 +484,15 @@ class FSDPTrainEngine(TrainEngine):
         self.mini_batches = mini_batches
         self.micro_batch_size = micro_batch_size
         self.dtype = dtype
-        self.lr = lr
+        self.schedule = schedule or LrSchedule(lr, mini_batches=mini_batches)
+        self.steps_done = 0  # train steps taken: the schedule's position (restored with the optimizer)
         self.timeout_s = timeout_s
         self._loss_cache: tuple[LossFn, bytes] | None = None
         spec = WorkerSpec(
             model_dir=self.model_dir, world_size=world_size, master_port=0, lr=lr,
             weight_decay=weight_decay, max_grad_norm=max_grad_norm, device=device,
             dtype=str(dtype).removeprefix("torch."), threads=threads, timeout_s=timeout_s, seed=seed,
+            gradient_checkpointing=gradient_checkpointing,
         )
         self._links: RankLinks | None = None
         try:
@@ -533,14 +551,18 @@ class FSDPTrainEngine(TrainEngine):
                 per_rank[rank].append(share)
         dummy = batch.select([0])
         loss_bytes = self._loss_bytes(loss_fn)
-        replies = self._call("train_step", [(s, dummy, loss_bytes, temperature) for s in per_rank], "train a step")
+        rates = self.schedule.rates(self.steps_done)[: len(minis)]
+        args = [(s, dummy, loss_bytes, temperature, rates, self.steps_done + 1) for s in per_rank]
+        replies = self._call("train_step", args, "train a step")
+        self.steps_done += 1
         steps = []
         for i in range(len(minis)):
             sums = combine_metrics([replies[r][i][0] for r in range(self.world_size)], mean=False)
             if sums.pop("nonfinite_weights", 0.0):
-                raise nonfinite_weights_error(replies[0][i][1], self.lr)
+                raise nonfinite_weights_error(replies[0][i][1], rates[i])
             sums["grad_norm"] = replies[0][i][1]  # the norm of the whole gradient: equal on every rank
             sums["skipped_nonfinite"] = 0.0 if math.isfinite(sums["grad_norm"]) else 1.0
+            sums["lr"] = rates[i]
             steps.append(sums)
         return combine_metrics(steps, mean=True)
 
@@ -565,7 +587,8 @@ class FSDPTrainEngine(TrainEngine):
 
     def load_optimizer(self, path: str) -> None:
         """Restore the optimizer state written by `save(..., with_optimizer=True)` (every rank reads it)."""
-        self._call("load_optimizer", [(path,)] * self.world_size, "load the optimizer state")
+        positions = self._call("load_optimizer", [(path, self.mini_batches)] * self.world_size, "load the optimizer state")
+        self.steps_done = positions[0]
 
     def close(self) -> None:
         """Stop the ranks (politely, then by force) and remove the temporary model folder."""

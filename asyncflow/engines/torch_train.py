@@ -20,7 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine
-from asyncflow.errors import RunFailed
+from asyncflow.engines.lr_schedule import LrSchedule, mark_steps, restored_steps, set_lr
+from asyncflow.errors import RunFailed, UserError
 
 
 @contextlib.contextmanager
@@ -36,7 +37,8 @@ def keep_hyperparameters(optimizer: torch.optim.Optimizer, keys: tuple[str, ...]
 def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, L-1] of each next token under logits / temperature, and per-token entropy."""
     pos = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=pos).logits
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=pos,
+                   use_cache=False).logits  # (no KV cache to build; gradient checkpointing refuses one)
     logits = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
     logp_all = torch.log_softmax(logits, dim=-1)
     targets = batch.input_ids[:, 1:]
@@ -53,6 +55,29 @@ def compute_dtype_context(device: torch.device, dtype: torch.dtype) -> contextli
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """`train.gradient_checkpointing` (transformers' activation checkpointing): each decoder layer's
+    activations are recomputed in backward instead of kept (before FSDP's fully_shard, so the wrapped layers inherit it)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise UserError(f"train.gradient_checkpointing: {type(model).__name__} does not support gradient checkpointing")
+    enable = getattr(model, "activation_checkpointing_enable", None)  # (its name from transformers 5.2x on)
+    if enable is not None:
+        enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def eval_mode(model: Any, checkpointing: bool) -> Any:
+    """`model.eval()` (no dropout: RL trainers run so), with checkpointed layers flagged `training`:
+    transformers recomputes a layer only while it is training; their submodules stay in eval mode."""
+    model.eval()
+    if checkpointing:
+        for module in model.modules():
+            if getattr(module, "gradient_checkpointing", False):
+                module.training = True
+    return model
 
 
 def finish_optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: float, sums: dict[str, float]) -> bool:
@@ -137,18 +162,24 @@ class TorchTrainEngine(TrainEngine):
         max_grad_norm: float = 1.0,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
+        schedule: LrSchedule | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         if isinstance(model, (str, Path)):
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         # float32 master weights (see compute_dtype_context); eval mode: no dropout, as RL trainers run
         # (with it the proximal log-probs and the ratio's first value would be noisy samples)
-        self.model = model.to(device=device, dtype=torch.float32).eval()  # type: ignore[arg-type,call-arg]
+        self.model = eval_mode(model.to(device=device, dtype=torch.float32), gradient_checkpointing)  # type: ignore[arg-type,call-arg]
         self.device = torch.device(device)
         self.dtype = dtype  # the compute dtype: passes, exported and final weights
         self.mini_batches = mini_batches
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.schedule = schedule or LrSchedule(lr, mini_batches=mini_batches)
+        self.steps_done = 0  # train steps taken: the schedule's position (restored with the optimizer)
 
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         with torch.no_grad(), compute_dtype_context(self.device, self.dtype):
@@ -162,13 +193,18 @@ class TorchTrainEngine(TrainEngine):
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         order = list(range(len(batch)))
         parts = [p for p in (order[i :: self.mini_batches] for i in range(self.mini_batches)) if p]
-        return combine_metrics([self._optimizer_step(batch.select(p), loss_fn, temperature) for p in parts], mean=True)
+        rates = self.schedule.rates(self.steps_done)
+        steps = [self._optimizer_step(batch.select(p), loss_fn, temperature, lr) for p, lr in zip(parts, rates, strict=False)]  # (parts: the non-empty ones)
+        self.steps_done += 1
+        mark_steps(self.optimizer, self.steps_done)
+        return combine_metrics(steps, mean=True)
 
-    def _optimizer_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
+    def _optimizer_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, lr: float) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
+        set_lr(self.optimizer, lr)
         norm = batch.norm()
         if norm.tokens == 0:  # every row masked (e.g. reward errors): AdamW's momentum would still move the weights
-            return {"grad_norm": 0.0, "skipped_nonfinite": 0.0}
+            return {"grad_norm": 0.0, "skipped_nonfinite": 0.0, "lr": lr}
         parts: list[dict[str, float]] = []
         for mb in self._micro(batch):
             with compute_dtype_context(self.device, self.dtype):
@@ -183,7 +219,8 @@ class TorchTrainEngine(TrainEngine):
         clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
         if not finish_optimizer_step(self.optimizer, float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)),
                                      sums):
-            raise nonfinite_weights_error(sums["grad_norm"], self.optimizer.param_groups[0]["lr"])
+            raise nonfinite_weights_error(sums["grad_norm"], lr)
+        sums["lr"] = lr
         return sums
 
     def export_weights(self) -> dict[str, torch.Tensor]:
@@ -221,3 +258,4 @@ class TorchTrainEngine(TrainEngine):
         with keep_hyperparameters(self.optimizer):
             self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True,
                                                       map_location="cpu"))
+        self.steps_done = restored_steps(self.optimizer, self.mini_batches)
