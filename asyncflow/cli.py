@@ -250,7 +250,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from asyncflow.serve import run_server
+    from asyncflow.serve_main import run_server
     from asyncflow.serve_options import options_from_args
 
     if not (args.model_dir / "config.json").is_file():

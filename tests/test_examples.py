@@ -20,7 +20,6 @@ FAST = ["train.max_steps=2", "train.batch_size=16", "rollout.n=4", "eval.every=0
 
 
 def test_every_example_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib.util
 
     find_spec = importlib.util.find_spec  # vLLM counts as installed: only that check is skipped
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from asyncflow.engines.base import GenRequest
-from asyncflow.serve import make_app, start_http
+from asyncflow.serve_main import make_app, start_http
 
 REPO = Path(__file__).resolve().parent.parent
 

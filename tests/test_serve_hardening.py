@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from asyncflow.errors import UserError
-from asyncflow.serve import make_app, start_http
+from asyncflow.serve_main import make_app, start_http
 from asyncflow.serve_options import ServeOptions, options_from_args
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from asyncflow.serve import make_app, start_http
+from asyncflow.serve_main import make_app, start_http
 
 openai = pytest.importorskip("openai")
 
