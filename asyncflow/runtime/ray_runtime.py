@@ -135,7 +135,7 @@ class RayWorkers:
 
         rt = cfg.runtime
         n_reward = 0 if episodic(cfg) else rt.reward_workers  # episodes carry their reward
-        need = rt.rollout_cpus * cfg.rollout.workers + rt.train_cpus + rt.reward_cpus * n_reward
+        need = rt.rollout_cpus * cfg.rollout.workers + rt.train_cpus * train_ranks(cfg) + rt.reward_cpus * n_reward
         t0 = time.monotonic()
         ensure_ray(rt.address, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
         place = reserve(cfg, n_reward, prefix=f"asyncflow-{secrets.token_hex(4)}")
