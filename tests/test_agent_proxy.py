@@ -593,3 +593,53 @@ def test_an_sdk_agent_with_tools_stop_and_streams_is_recorded_exactly(tiny_model
     streamed = [t for ch in seen["chunks"] if ch.choices for t in (ch.choices[0].model_extra or {}).get("token_ids", [])]
     assert 1 <= len(streamed) <= 4 and list(f["response_ids"])[-len(streamed):] == streamed
     assert list(f["response_ids"])[: len(r1_ids)] == r1_ids and f["loss_mask"][0] == 1
+
+
+TOOLS_AGENT_MODULE = '''
+import openai
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+
+async def solve(base_url, row, seed):
+    """A tool-using chat agent on the official SDK: `tools` and a `stop` string in both calls."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=60)
+    try:
+        msgs = [{"role": "user", "content": row["prompt"]}]
+        r1 = await client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS, stop=["="],
+                                                  max_tokens=6, seed=seed)
+        msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "content": "1"}]
+        r2 = await client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS, stop=["="],
+                                                  max_tokens=4)
+    finally:
+        await client.close()
+    return float(row["answer"] in (r1.choices[0].message.content or "") + (r2.choices[0].message.content or ""))
+'''
+
+
+@pytest.mark.slow
+def test_a_tool_using_agent_with_stop_strings_trains_through_the_proxy(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calc base model with a tool-rendering chat template: an SDK agent sending `tools` and
+    `stop` trains for 3 steps, both calls of every episode recorded, every sample accounted for."""
+    import shutil
+
+    pytest.importorskip("openai")
+    from asyncflow.runner import train
+
+    model = tmp_path / "calc-chat"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "asyncflow/tasks/base_models/calc-v1-seed0", model)
+    cfg_path = model / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**tok_cfg, "chat_template": HERMES_LIKE}))
+    (tmp_path / "tools_agent.py").write_text(TOOLS_AGENT_MODULE)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    cfg, _ = load_config(None, ["task=null", f"model.path={model}", f"dataset.path={model / 'train.jsonl'}",
+                                "dataset.label_key=answer", "rollout.agent=tools_agent:solve", "train.max_steps=3",
+                                "train.batch_size=16", "rollout.n=4", "eval.size=8", "eval.every=0",
+                                "logging.progress=false"])
+    summary = train(cfg, out, progress_enabled=False)
+    assert summary["samples"] == 48 and summary["accounting"]["lost"] == 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    trained = [s for s in samples if s["status"] == "trained"]
+    assert len(trained) == 48 and all(s["agent_calls"] == 2 and s["agent_calls_dropped"] == 0 for s in trained)
