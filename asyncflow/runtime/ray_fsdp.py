@@ -28,8 +28,6 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from asyncflow.config import Config
 from asyncflow.engines.base import quiet_transformers
 from asyncflow.engines.fsdp_train import FSDPRank, FSDPTrainEngine, RankMethod, WorkerSpec
@@ -219,36 +217,14 @@ class RayFSDPTrainEngine(FSDPTrainEngine):
         return links.where(self.timeout_s)
 
 
-def start_ray_fsdp(
-    model_dir: str | Path,
-    *,
-    world_size: int,
-    actor_options: list[dict[str, Any]],
-    lr: float,
-    weight_decay: float = 0.0,
-    mini_batches: int = 1,
-    micro_batch_size: int | None = None,
-    max_grad_norm: float = 1.0,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    threads: int = 1,
-    timeout_s: float = 600.0,
-    start_timeout_s: float = 300.0,
-    seed: int = 0,
-) -> RayFSDPTrainEngine:
-    """An FSDP engine over `world_size` Ray rank actors, rank r started with `actor_options[r]` (Ray's
-    `.options()`: num_cpus, num_gpus, name, scheduling_strategy...). `device`: "cuda" (NCCL; each
-    rank's options must ask for a GPU) or "cpu" (gloo). `model_dir` must be readable on every rank's
-    node, and `save`'s folder writable where the driver and rank 0 run (the driver writes the model,
-    rank 0 the optimizer state). Waits at most `start_timeout_s` for the ranks to start, then
-    `timeout_s` for each call."""
+def start_ray_fsdp(model_dir: str | Path, *, actor_options: list[dict[str, Any]], **engine: Any) -> RayFSDPTrainEngine:
+    """An FSDP engine over Ray rank actors, rank r started with `actor_options[r]` (Ray's `.options()`:
+    num_cpus, num_gpus, name, scheduling_strategy...); `engine`: `FSDPTrainEngine`'s keywords
+    (`world_size`, `lr`, `device`: "cuda" (NCCL; each rank's options must ask for a GPU) or "cpu"
+    (gloo), ...). `model_dir` must be readable on every rank's node, and `save`'s folder writable where
+    the driver and rank 0 run (the driver writes the model, rank 0 the optimizer state)."""
     options = [dict(o) for o in actor_options]
-    return RayFSDPTrainEngine(
-        model_dir, world_size=world_size, lr=lr, weight_decay=weight_decay, mini_batches=mini_batches,
-        micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, device=device, dtype=dtype,
-        threads=threads, timeout_s=timeout_s, start_timeout_s=start_timeout_s, seed=seed,
-        links=lambda spec: RayRankLinks(spec, options),
-    )
+    return RayFSDPTrainEngine(model_dir, links=lambda spec: RayRankLinks(spec, options), **engine)
 
 
 # ---------------------------------------------------------------------------------------------------
