@@ -21,7 +21,7 @@ from typing import Any
 
 from asyncflow.atomic_files import write_dir_atomic, write_text_atomic
 from asyncflow.config import Config, episodic
-from asyncflow.config_schema import torch_threads
+from asyncflow.config_schema import clip_defaults, torch_threads
 from asyncflow.engines.http_client import HTTPError
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
 from asyncflow.inputs import Inputs, resolve_inputs
@@ -199,9 +199,11 @@ def loss_settings(cfg: Config) -> Any:
     from asyncflow.config import max_generated_tokens
 
     a = cfg.algorithm
+    low, high = clip_defaults(a.loss)  # (null: validate resolves them at load; a config built otherwise may not)
     return LossSettings(
-        loss=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, is_level=a.is_level,
-        is_cap=a.is_cap, agg=a.agg, norm_length=float(a.norm_length or max_generated_tokens(cfg)),
+        loss=a.loss, clip_low=low if a.clip_low is None else a.clip_low,
+        clip_high=high if a.clip_high is None else a.clip_high, dual_clip=a.dual_clip, is_level=a.is_level,
+        is_cap=a.is_cap, is_mode=a.is_mode, agg=a.agg, norm_length=float(a.norm_length or max_generated_tokens(cfg)),
         kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
     )
 
