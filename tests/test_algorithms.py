@@ -386,7 +386,7 @@ def test_loss_and_gradients_do_not_depend_on_micro_batch_size(tiny_model: torch.
     results = []
     for micro in (None, 1, 4):
         engine = TorchTrainEngine(copy.deepcopy(tiny_model), lr=0.0, micro_batch_size=micro)
-        metrics = engine._optimizer_step(batch, make_loss_fn(LossSettings(loss="tis", agg=agg, norm_length=8.0)), 1.0)
+        metrics = engine._optimizer_step(batch, make_loss_fn(LossSettings(loss="tis", agg=agg, norm_length=8.0)), 1.0, 0.0)
         grads = torch.cat([p.grad.flatten() for p in engine.model.parameters() if p.grad is not None])
         results.append((metrics, grads))
     (m0, g0), *rest = results
@@ -406,7 +406,7 @@ def test_a_micro_batch_without_trained_tokens_does_not_put_a_1_into_the_max_and_
     batch.response_mask[:2] = 0.0
     batch.behavior_logprobs = (batch.behavior_logprobs - math.log(0.61)) * batch.response_mask  # every ratio 0.61
     engine = TorchTrainEngine(copy.deepcopy(tiny_model), lr=0.0, micro_batch_size=2)
-    m = engine._optimizer_step(batch, make_loss_fn(LossSettings(loss="tis")), 1.0)
+    m = engine._optimizer_step(batch, make_loss_fn(LossSettings(loss="tis")), 1.0, 0.0)
     assert m["is_weight_max"] == pytest.approx(0.61, rel=1e-4) and m["is_weight_min"] == pytest.approx(0.61, rel=1e-4)
 
 
