@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import urllib.parse
 
-from asyncflow.config_schema import Config, episodic, max_generated_tokens
+from asyncflow.config_schema import Config, clip_defaults, episodic, max_generated_tokens
 from asyncflow.errors import UserError
 from asyncflow.hub import hub_id
 
@@ -248,11 +248,11 @@ def _validate_engines(cfg: Config, explicit: set[str]) -> None:
 # algorithm.* keys each loss reads; a key set explicitly for a loss that does not read it is refused
 _LOSS_KEYS: dict[str, tuple[str, ...]] = {
     "ppo": ("clip_low", "clip_high", "dual_clip"),
-    "decoupled_ppo": ("clip_low", "clip_high", "dual_clip", "is_level", "is_cap"),
+    "decoupled_ppo": ("clip_low", "clip_high", "dual_clip", "is_level", "is_cap", "is_mode"),
     "tis": ("is_level", "is_cap"),
     "mis": ("is_level", "is_cap"),
     "cispo": ("clip_low", "clip_high"),
-    "topr": (),
+    "topr": ("is_level",),
     "gspo": ("clip_low", "clip_high"),
     "reinforce": (),
 }
@@ -262,8 +262,11 @@ def _validate_algorithm(cfg: Config, explicit: set[str]) -> None:
     a = cfg.algorithm
     if a.loss == "gspo" and "algorithm.agg" not in explicit:
         a.agg = "seq_mean_token_mean"  # GSPO's own aggregation (a mean over sequences), unless asked otherwise
+    low, high = clip_defaults(a.loss)
+    a.clip_low = low if a.clip_low is None else a.clip_low  # resolved per loss (config.yaml shows the value)
+    a.clip_high = high if a.clip_high is None else a.clip_high
     used = _LOSS_KEYS[a.loss]
-    for key in ("clip_low", "clip_high", "dual_clip", "is_level", "is_cap"):
+    for key in ("clip_low", "clip_high", "dual_clip", "is_level", "is_cap", "is_mode"):
         if f"algorithm.{key}" in explicit and key not in used:
             users = ", ".join(loss for loss, keys in _LOSS_KEYS.items() if key in keys)
             raise UserError(f"algorithm.{key}: not used by algorithm.loss={a.loss} (used by: {users}); remove it")
@@ -288,7 +291,13 @@ def _validate_algorithm(cfg: Config, explicit: set[str]) -> None:
         raise UserError(
             f"{key}: truncated sampling with algorithm.loss={a.loss} is refused: the behavior log-probs would be "
             "those of the truncated distribution, which the loss's importance ratios cannot use; use top_p=1 and "
-            "top_k=0, or algorithm.loss=reinforce"
+            "top_k=0, or algorithm.loss=reinforce with workflow.max_staleness: 0"
         )
+    if a.loss == "reinforce" and cfg.staleness > 0:
+        raise UserError(f"algorithm.loss: reinforce has no off-policy correction, and workflow.max_staleness="
+                        f"{cfg.staleness} trains stale samples; set workflow.max_staleness: 0 or an off-policy loss (ppo)")
+    if a.filter_groups and a.advantage == "reinforce_pp":
+        raise UserError("algorithm.filter_groups: not used with algorithm.advantage=reinforce_pp (its baseline is the "
+                        "batch's: a group of equal rewards still has a non-zero advantage)")
     if cfg.rollout.n == 1 and a.advantage in ("grpo", "dr_grpo", "rloo"):
         raise UserError(f"rollout.n: group advantages (algorithm.advantage={a.advantage}) need n >= 2")

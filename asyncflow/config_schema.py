@@ -102,7 +102,8 @@ class RolloutConfig:
     top_p: float = _f(
         1.0,
         "Nucleus sampling: sample from the smallest set of tokens with this much probability; behavior "
-        "log-probs are then of that truncated distribution, so only algorithm.loss=reinforce accepts < 1.",
+        "log-probs are then of that truncated distribution, so only algorithm.loss=reinforce (on-policy: "
+        "workflow.max_staleness 0) accepts < 1.",
         lo=1e-6,
         hi=1.0,
     )
@@ -260,18 +261,30 @@ class AlgorithmConfig:
         "masked importance sampling current/behavior; cispo: clipped IS weight on log pi; topr: tapered "
         "off-policy REINFORCE; gspo: sequence-level ratio; reinforce: -A log pi.",
     )
-    clip_low: float = _f(0.2, "Lower clip: ratio >= 1 - clip_low (ppo, decoupled_ppo, cispo, gspo).", lo=0.0, hi=1.0)
-    clip_high: float = _f(0.28, "Upper clip: ratio <= 1 + clip_high, clip-higher (ppo, decoupled_ppo, cispo, gspo).", lo=0.0)
+    clip_low: float | None = _f(
+        None, "Lower clip: ratio >= 1 - clip_low (ppo, decoupled_ppo, cispo, gspo). null: 0.2, or 3e-4 with "
+        "loss=gspo (its sequence ratio is a geometric mean: GSPO's paper and verl clip it this tightly).", lo=0.0, hi=1.0)
+    clip_high: float | None = _f(
+        None, "Upper clip: ratio <= 1 + clip_high, clip-higher (ppo, decoupled_ppo, cispo, gspo). null: 0.28, or "
+        "4e-4 with loss=gspo.", lo=0.0)
     dual_clip: float = _f(
         0.0, "Dual clip c (ppo, decoupled_ppo): a negative-advantage token's loss is at most c x |A|. 0: off; else > 1.", lo=0.0
     )
     is_level: Literal["token", "sequence", "geometric"] = _f(
         "token",
-        "Importance-weight level (decoupled_ppo, tis, mis): per token, the sequence's product, or its geometric mean.",
+        "Importance-weight level (decoupled_ppo, tis, mis, topr): per token, the sequence's product, or its "
+        "geometric mean (biased as a weight: docs/algorithms.md). topr: token (default, lower variance) or "
+        "sequence (the trajectory ratio of TOPR's bound).",
+    )
+    is_mode: Literal["truncate", "mask"] = _f(
+        "truncate",
+        "decoupled_ppo's proximal/behavior weight above is_cap: truncate to is_cap, or mask (weight 0; AReaL's "
+        "behav_imp_weight_cap).",
     )
     is_cap: float = _f(
         2.0,
-        "Importance-weight cap (decoupled_ppo, tis: truncate above it; mis: mask weights above it or below 1/cap).",
+        "Importance-weight cap (decoupled_ppo: see is_mode; tis: truncate above it; mis: mask weights above it "
+        "or below 1/cap).",
         lo=1.0,
     )
     agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo"] = _f(
@@ -490,6 +503,14 @@ class Config:
         if self.workflow.max_staleness is not None:
             return self.workflow.max_staleness
         return 0 if self.workflow.mode == "sync" else 1
+
+
+CLIP_DEFAULTS = {"gspo": (3e-4, 4e-4)}  # (clip_low, clip_high) where a loss's differ from PPO's (0.2, 0.28)
+
+
+def clip_defaults(loss: str) -> tuple[float, float]:
+    """`algorithm.clip_low` / `clip_high` when null: per loss (GSPO clips its sequence ratio hundreds of times tighter)."""
+    return CLIP_DEFAULTS.get(loss, (0.2, 0.28))
 
 
 def torch_threads(cfg: Config) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 from asyncflow.atomic_files import write_dir_atomic, write_text_atomic
 from asyncflow.config import Config, episodic
-from asyncflow.config_schema import torch_threads
+from asyncflow.config_schema import clip_defaults, torch_threads
 from asyncflow.engines.http_client import HTTPError
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
 from asyncflow.inputs import Inputs, resolve_inputs
@@ -199,9 +199,11 @@ def loss_settings(cfg: Config) -> Any:
     from asyncflow.config import max_generated_tokens
 
     a = cfg.algorithm
+    low, high = clip_defaults(a.loss)  # (null: validate resolves them at load; a config built otherwise may not)
     return LossSettings(
-        loss=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, is_level=a.is_level,
-        is_cap=a.is_cap, agg=a.agg, norm_length=float(a.norm_length or max_generated_tokens(cfg)),
+        loss=a.loss, clip_low=low if a.clip_low is None else a.clip_low,
+        clip_high=high if a.clip_high is None else a.clip_high, dual_clip=a.dual_clip, is_level=a.is_level,
+        is_cap=a.is_cap, is_mode=a.is_mode, agg=a.agg, norm_length=float(a.norm_length or max_generated_tokens(cfg)),
         kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
     )
 
@@ -217,6 +219,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     from asyncflow.workflow.pipeline import Pipeline
 
     engines, trainer = list(runtime.engines), runtime.trainer
+    await _probe_logprobs(cfg, engines, trainer, inputs, tok)  # (before the run folder is written)
     ref_fn = _reference_model(cfg, runtime, inputs.model_dir) if cfg.algorithm.kl_coef > 0 else None
     saved_store = None if resume is None else _saved_store(resume)  # (read before the logs are cut)
     out = folder.open()  # the run is built: from here on it writes its folder
@@ -332,6 +335,23 @@ def _restore(pipeline: Any, runtime: Any, resume: Any, store_state: Any) -> None
     pipeline.restore_trainer(resume.step, resume.version, st["counters"], st["elapsed_s"])
     admitted = resume.step * pipeline.groups_per_step + live_groups
     runtime.restore_feeder(pipeline, st["next_group_id"], resume.version, admitted)
+
+
+async def _probe_logprobs(cfg: Config, engines: list[Any], trainer: Any, inputs: Inputs, tok: Any) -> None:
+    """`rollout.engine: openai` at temperature != 1: refuse a server whose log-probs ignore the
+    temperature (workflow/logprob_probe.py)."""
+    from asyncflow.workflow.logprob_probe import check_server_logprobs, probe_needed
+
+    if not probe_needed(cfg.rollout.engine, cfg.rollout.temperature) or not inputs.train_rows:
+        return
+    prompt = tok.prompt_ids(inputs.train_rows[0][cfg.dataset.prompt_key])
+    try:
+        for e in engines:
+            await check_server_logprobs(e, trainer, prompt, cfg.rollout.temperature)
+    except BaseException:
+        for e in engines:
+            await e.close()
+        raise
 
 
 async def _close(evaluator: Any, engines: list[Any], tracer: Any, log: Any, out: Path) -> None:

@@ -327,13 +327,18 @@ def test_the_kl_term_ignores_positions_outside_the_mask_even_when_they_diverge()
 
 def test_the_k3_term_stays_finite_for_a_trained_token_far_below_the_reference() -> None:
     """A trained token whose log pi is ~93 nats below log ref: exp(-d) overflowed, the loss was inf
-    and its gradient -inf (the step skipped). The log ratio is clamped to +-20 in k3, as verl does."""
+    and its gradient -inf (the step skipped). As verl's low_var_kl: the log ratio is clamped to +-20
+    and the estimate to at most 10 (clamped input alone left ~4.9e8 from one token)."""
     lp = torch.tensor([[-93.0, -0.5]])
     ref = torch.tensor([[0.0, -0.5]])
     out, m, grad = _loss("ppo", lp, lp.clone(), [1.0], mask=torch.ones(1, 2), kl_coef=0.1, ref=ref)
     assert math.isfinite(float(out)) and torch.isfinite(grad).all()
-    assert float(m["kl"]) == pytest.approx((math.exp(20.0) - 20.0 - 1) / 2, rel=1e-5)
-    assert float(kl_k3(torch.tensor(-3.0), torch.tensor(0.0))) == pytest.approx(math.exp(3.0) - 3.0 - 1)  # inside: exact
+    assert float(m["kl"]) == pytest.approx(10.0 / 2)
+    assert float(kl_k3(torch.tensor(-20.0), torch.tensor(0.0))) == 10.0  # e^20 - 21 ~ 4.9e8 unclamped
+    assert float(kl_k3(torch.tensor(-2.5), torch.tensor(0.0))) == pytest.approx(math.exp(2.5) - 3.5)  # 8.68: kept
+    lp = torch.tensor(-4.0, requires_grad=True)  # past the clamp the token's KL gradient is 0, not e^4 - 1
+    kl_k3(lp, torch.tensor(0.0)).backward()
+    assert lp.grad is not None and float(lp.grad) == 0.0
 
 
 def test_make_loss_fn_reads_the_batch_fields_and_refuses_unknown_names() -> None:
@@ -419,3 +424,59 @@ def test_the_clip_becomes_active_only_with_several_mini_batches(tiny_model: torc
     assert one["clip_frac"] == 0.0 and one["ratio_max"] == pytest.approx(1.0, abs=1e-5)
     three = TorchTrainEngine(copy.deepcopy(tiny_model), lr=0.05, mini_batches=3).train_step(batch, fn, 1.0)
     assert three["clip_frac"] > 0.0 and three["ratio_max"] > 1.28
+
+
+# ---------------------------------------------------------------------------------------------------
+# issue 35: topr's sequence form, decoupled_ppo's masking mode
+
+
+def test_topr_sequence_level_tapers_by_the_trajectory_ratio() -> None:
+    lp, behavior = L(0.6, 0.2), L(0.4, 0.4)  # token ratios 1.5, 0.5 -> trajectory ratio 0.75
+    _, m, grad = _loss("topr", lp, behavior, [-1.0], is_level="sequence")
+    assert grad[0].tolist() == pytest.approx([0.75 / 2, 0.75 / 2])  # A < 0: one weight, the trajectory's
+    assert float(m["is_trunc_frac"]) == 0.0
+    lp, behavior = L(0.6, 0.36), L(0.4, 0.4)  # ratios 1.5, 0.9 -> 1.35, clipped to 1
+    _, m, grad = _loss("topr", lp, behavior, [-1.0], is_level="sequence")
+    assert grad[0].tolist() == pytest.approx([0.5, 0.5])
+    assert float(m["is_trunc_frac"]) == 1.0
+    _, _, grad = _loss("topr", lp, behavior, [-1.0])  # the token form (default) tapers each token
+    assert grad[0].tolist() == pytest.approx([0.5, 0.45])
+    _, _, grad = _loss("topr", lp, behavior, [2.0], is_level="sequence")  # A >= 0: weight 1 either way
+    assert grad[0].tolist() == pytest.approx([-1.0, -1.0])
+
+
+def test_decoupled_ppo_masks_over_cap_weights_in_mask_mode() -> None:
+    prox, behavior = L(0.6, 0.3), L(0.2, 0.2)  # proximal/behavior weights 3 and 1.5; cap 2; current = proximal
+    loss, m, grad = _loss("decoupled_ppo", prox, behavior, [1.0], prox=prox, is_cap=2.0)
+    assert float(loss) == pytest.approx(-(2.0 + 1.5) / 2)  # truncate (default): min(w, 2)
+    assert float(m["is_trunc_frac"]) == pytest.approx(0.5)
+    loss, m, grad = _loss("decoupled_ppo", prox, behavior, [1.0], prox=prox, is_cap=2.0, is_mode="mask")
+    assert float(loss) == pytest.approx(-(0.0 + 1.5) / 2)  # mask: the over-cap token's weight is 0 ...
+    assert grad[0].tolist() == pytest.approx([0.0, -1.5 / 2])  # ... and so is its gradient; still counted in the mean
+    assert float(m["is_mask_frac"]) == pytest.approx(0.5) and "is_trunc_frac" not in m
+    with pytest.raises(ValueError, match="is_mode"):
+        make_loss_fn(LossSettings(loss="decoupled_ppo", is_mode="drop"))
+
+
+def test_kl_terms_expected_gradients_name_the_right_direction() -> None:
+    """Exact expectation over a 4-token vocabulary (tokens drawn from pi, differentiated through
+    log pi): k2's gradient is that of KL(pi || ref), k3's that of KL(ref || pi), k1's is 0."""
+    theta = torch.tensor([0.3, -1.2, 0.8, 0.1], dtype=torch.float64)
+    log_ref = torch.log_softmax(torch.tensor([-0.5, 0.4, 0.2, -1.0], dtype=torch.float64), -1)
+
+    def grad(f: object) -> torch.Tensor:
+        t = theta.clone().requires_grad_(True)
+        logp = torch.log_softmax(t, -1)
+        f(logp).backward()  # type: ignore[operator]
+        assert t.grad is not None
+        return t.grad
+
+    def expected(est: str) -> object:  # E_pi[k(x)] with pi's sampling weights held fixed
+        return lambda logp: (logp.exp().detach() * kl_estimate(logp, log_ref, est)).sum()
+
+    forward = grad(lambda logp: (logp.exp() * (logp - log_ref)).sum())  # KL(pi || ref)
+    reverse = grad(lambda logp: (log_ref.exp() * (log_ref - logp)).sum())  # KL(ref || pi)
+    torch.testing.assert_close(grad(expected("k2")), forward)
+    torch.testing.assert_close(grad(expected("k3")), reverse)
+    torch.testing.assert_close(grad(expected("k1")), torch.zeros(4, dtype=torch.float64))
+    assert not torch.allclose(forward, reverse)

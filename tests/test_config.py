@@ -97,7 +97,13 @@ def test_set_values_are_parsed_as_yaml_scalars() -> None:
         (["algorithm.loss=tis", "algorithm.clip_low=0.1"], "algorithm.clip_low: not used by algorithm.loss=tis"),
         (["algorithm.loss=cispo", "algorithm.is_cap=3"], "algorithm.is_cap: not used by algorithm.loss=cispo"),
         (["algorithm.loss=gspo", "algorithm.dual_clip=3"], "algorithm.dual_clip: not used by algorithm.loss=gspo"),
-        (["algorithm.loss=reinforce", "algorithm.is_level=sequence"], "algorithm.is_level: not used by"),
+        (["algorithm.loss=reinforce", "workflow.max_staleness=0", "algorithm.is_level=sequence"],
+         "algorithm.is_level: not used by"),
+        (["algorithm.loss=ppo", "algorithm.is_mode=mask"], "algorithm.is_mode: not used by algorithm.loss=ppo"),
+        (["algorithm.loss=reinforce"], "algorithm.loss: reinforce has no off-policy correction, and "
+                                       "workflow.max_staleness=1"),
+        (["algorithm.filter_groups=true", "algorithm.advantage=reinforce_pp"],
+         "algorithm.filter_groups: not used with algorithm.advantage=reinforce_pp"),
         (["algorithm.dual_clip=0.5"], "algorithm.dual_clip: 0.5 must be 0 (off) or > 1"),
         (["algorithm.loss=mis", "algorithm.is_cap=1"], "algorithm.is_cap: 1 with algorithm.loss=mis keeps only weights"),
         (["algorithm.is_cap=0.5"], "algorithm.is_cap: 0.5 is below the minimum 1"),
@@ -153,11 +159,30 @@ def test_algorithm_settings_that_are_used_load() -> None:
     cfg, _ = load_config(None, ["algorithm.loss=decoupled_ppo", "algorithm.is_cap=3", "algorithm.is_level=sequence",
                                 "algorithm.dual_clip=3", "algorithm.agg=dr_grpo", "algorithm.norm_length=8"])
     assert (cfg.algorithm.is_cap, cfg.algorithm.is_level, cfg.algorithm.norm_length) == (3.0, "sequence", 8)
-    cfg, _ = load_config(None, ["algorithm.loss=reinforce", "rollout.top_p=0.9", "rollout.top_k=5",
+    cfg, _ = load_config(None, ["algorithm.loss=reinforce", "workflow.max_staleness=0", "rollout.top_p=0.9", "rollout.top_k=5",
                                 "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2", "algorithm.overlong_buffer=2",
                                 "algorithm.overlong_penalty=0.5", "rollout.n=1", "train.batch_size=8",
                                 "algorithm.advantage=reinforce_pp"])
     assert (cfg.rollout.top_p, cfg.algorithm.kl_estimator, cfg.algorithm.overlong_buffer) == (0.9, "k2", 2)
+
+
+def test_clip_defaults_are_per_loss_and_config_yaml_shows_them_resolved() -> None:
+    from asyncflow.config import effective_dict
+
+    cfg, _ = load_config(None, ["algorithm.loss=gspo"])  # GSPO's sequence ratio: its paper's ~3e-4 / 4e-4
+    assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (3e-4, 4e-4)
+    assert (effective_dict(cfg)["algorithm"]["clip_low"], effective_dict(cfg)["algorithm"]["clip_high"]) == (3e-4, 4e-4)
+    cfg, _ = load_config(None, ["algorithm.loss=ppo"])
+    assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (0.2, 0.28)
+    cfg, _ = load_config(None, ["algorithm.loss=gspo", "algorithm.clip_high=0.001"])
+    assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (3e-4, 0.001)
+    assert "clip_low" not in effective_dict(load_config(None, ["algorithm.loss=tis"])[0])["algorithm"]
+
+
+def test_topr_reads_is_level_and_reinforce_loads_on_policy() -> None:
+    assert load_config(None, ["algorithm.loss=topr", "algorithm.is_level=sequence"])[0].algorithm.is_level == "sequence"
+    cfg, _ = load_config(None, ["algorithm.loss=reinforce", "workflow.mode=sync"])
+    assert cfg.algorithm.loss == "reinforce"
 
 
 def test_gspo_aggregates_over_sequences_unless_told_otherwise() -> None:

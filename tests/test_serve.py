@@ -380,12 +380,22 @@ def test_openai_engine_generates_and_syncs_weights_through_asyncflow_serve(serve
 
 
 @pytest.mark.slow
-def test_train_with_the_openai_engine_against_a_real_asyncflow_serve(arith_dir: Path, tmp_path: Path) -> None:
+def test_train_with_the_openai_engine_against_a_real_asyncflow_serve(
+        arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import queue
 
+    import asyncflow.workflow.logprob_probe as probe
     from asyncflow.config import load_config
     from asyncflow.runner import train
 
+    gaps: list[Any] = []
+    real_probe = probe.check_server_logprobs
+
+    async def recorded(*args: Any) -> Any:
+        gaps.append(await real_probe(*args))
+        return gaps[-1]
+
+    monkeypatch.setattr(probe, "check_server_logprobs", recorded)
     proc = subprocess.Popen([sys.executable, "-m", "asyncflow", "serve", str(arith_dir), "--port", "0", "--max-batch", "64"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
     lines: queue.Queue[str] = queue.Queue()
@@ -399,8 +409,10 @@ def test_train_with_the_openai_engine_against_a_real_asyncflow_serve(arith_dir: 
             "train.max_steps=3", "train.batch_size=16", "rollout.n=4", "rollout.max_new_tokens=4", "eval.size=16",
             "eval.every=0", "logging.progress=false", f"model.path={arith_dir}", "rollout.engine=openai",
             f"rollout.server_urls=[{url}]", "rollout.request_timeout_s=120", "rollout.sync_timeout_s=120",
+            "rollout.temperature=0.8",  # (not 1: the start-up log-prob probe runs, and asyncflow serve passes it)
         ])
         summary = train(cfg, out, progress_enabled=False)
+        assert len(gaps) == 1 and gaps[0] is not None and gaps[0][0] < 1e-4 < gaps[0][1]  # probed: scaled log-probs
         metrics = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in metrics if r["kind"] == "train"]
         assert [r["policy_version"] for r in steps] == [1, 2, 3]

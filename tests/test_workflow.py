@@ -451,7 +451,8 @@ def test_every_policy_loss_trains_on_arith(
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / loss
     summary = _run(arith_dir, out, [f"algorithm.loss={loss}", "train.max_steps=2", "train.mini_batches=2",
-                                    "eval.every=0", "eval.size=16", "workflow.max_staleness=2",
+                                    "eval.every=0", "eval.size=16",
+                                    f"workflow.max_staleness={0 if loss == 'reinforce' else 2}",  # (on-policy only)
                                     "reward.fn=varied_rewards:score"])
     assert summary["samples"] == 2 * 32
     rows = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"]

@@ -32,11 +32,10 @@ LOSS_NAMES = ("ppo", "decoupled_ppo", "tis", "mis", "cispo", "topr", "gspo", "re
 AGG_NAMES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 _K3_CLAMP = 20.0  # |log pi - log ref| at most this in k3 (see kl_estimate)
+_K3_MAX = 10.0  # k3's estimate at most this (verl's low_var_kl clamps it to [-10, 10])
 IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("truncate", "mask")  # decoupled_ppo: an over-cap proximal/behavior weight is capped, or zeroed
 
-# Losses whose objective is computed from the behavior log-probs (a ratio or weight against mu):
-# they need the engine's log-probs to be those of the distribution it sampled from.
-USES_BEHAVIOR = frozenset({"ppo", "decoupled_ppo", "tis", "mis", "cispo", "topr", "gspo"})
 NEEDS_PROXIMAL = frozenset({"decoupled_ppo"})
 
 
@@ -50,6 +49,7 @@ class LossSettings:
     dual_clip: float = 0.0  # 0: off; c > 1: a negative-advantage token's loss is at most c * |A|
     is_level: str = "token"
     is_cap: float = 2.0
+    is_mode: str = "truncate"
     agg: str = "token_mean"
     norm_length: float = 1.0  # dr_grpo's constant L
     kl_coef: float = 0.0
@@ -64,12 +64,14 @@ LOG_RATIO_LIMIT = 20.0  # |log ratio| is clamped here before exp (policy_loss)
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3).
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3). As loss terms
+    (differentiated through log pi) their expected gradients differ: k2's is KL(pi || ref)'s, k3's
+    KL(ref || pi)'s, k1's zero (docs/algorithms.md; tested).
 
     k1 = log pi - log ref (unbiased, can be negative); k2 = (log pi - log ref)^2 / 2;
-    k3 = exp(log ref - log pi) - (log ref - log pi) - 1 (unbiased, >= 0), with the log ratio clamped
-    to +-20 (as verl clamps it): a token whose log pi fell ~88 below log ref made exp(-d) inf, so
-    the loss was inf, its gradient -inf, and the step was skipped; clamped it is ~4.9e8 and finite."""
+    k3 = exp(log ref - log pi) - (log ref - log pi) - 1 (unbiased, >= 0), as verl's low_var_kl: the
+    log ratio clamped to +-20 (exp(-d) overflowed ~88 nats below ref) and the estimate to at most 10
+    (one token at d = -20 gave ~4.9e8, swamping the loss; past 10 that token's KL gradient is 0)."""
     d = logprobs - ref_logprobs
     if estimator == "k1":
         return d
@@ -77,7 +79,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
         return 0.5 * d * d
     if estimator == "k3":
         d = d.clamp(-_K3_CLAMP, _K3_CLAMP)
-        return torch.exp(-d) + d - 1
+        return (torch.exp(-d) + d - 1).clamp(max=_K3_MAX)
     raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
 
 
@@ -171,11 +173,11 @@ def policy_loss(
     sg the stop-gradient:
     - `ppo`: max(-A r, -A clip(r, 1-cl, 1+ch)) (dual clip optional)
     - `decoupled_ppo`: w * max(-A r', -A clip(r')) with r' = pi_theta / pi_prox and
-      w = sg(min(pi_prox / mu, is_cap)) at `is_level`
+      w = sg(min(pi_prox / mu, is_cap)) at `is_level` (`is_mode: mask`: sg(w [w <= is_cap]))
     - `tis`: -sg(min(w, is_cap)) A log pi_theta, w = r at `is_level`
     - `mis`: -sg(w [1/is_cap <= w <= is_cap]) A log pi_theta (tokens/sequences outside are masked)
     - `cispo`: -sg(clip(r, 1-cl, 1+ch)) A log pi_theta
-    - `topr`: -A log pi_theta where A >= 0, -sg(clip(r, 0, 1)) A log pi_theta where A < 0
+    - `topr`: -A log pi_theta where A >= 0, -sg(clip(w, 0, 1)) A log pi_theta where A < 0, w = r at `is_level`
     - `gspo`: max(-A s, -A clip(s, 1-cl, 1+ch)) with s = sg(exp(mean_t log r)) * pi_theta / sg(pi_theta)
       per token (a sequence-level ratio whose gradient flows through every token)
     - `reinforce`: -A log pi_theta (no ratio: on-policy)
@@ -228,11 +230,7 @@ def _objective(
         metrics["clip_frac"] = (((ratio < 1 - s.clip_low) | (ratio > 1 + s.clip_high)).to(mask.dtype) * mask).sum() / t
         metrics.update(_masked_stats("ratio", ratio, mask, t))
     elif s.loss == "topr":
-        ratio = torch.exp(log_r)
-        w = torch.where(adv >= 0, torch.ones_like(ratio), ratio.clamp(0.0, 1.0))
-        per_token = -w.detach() * adv * logprobs
-        metrics["is_trunc_frac"] = (((adv < 0) & (ratio > 1)).to(mask.dtype) * mask).sum() / t
-        metrics.update(_masked_stats("ratio", ratio, mask, t))
+        per_token, metrics = _topr(s, logprobs, log_r, adv, mask, t)
     elif s.loss == "gspo":
         seq_log_r = log_is_weight(log_r, mask, "geometric")  # a mean of clamped values: within the limit
         ratio = torch.exp(seq_log_r.detach() + logprobs - logprobs.detach())
@@ -261,11 +259,28 @@ def _decoupled_ppo(
     per_token, metrics = _clip_objective(ratio, adv, s, mask, t)
     log_w = log_is_weight((proximal_logprobs - behavior_logprobs) * mask, mask, s.is_level)
     raw = torch.exp(log_w)
-    w = raw.clamp(max=s.is_cap)
+    over = raw > s.is_cap
+    # truncate: min(w, cap); mask (AReaL's behav_imp_weight_cap): over-cap tokens get weight 0, while
+    # the normaliser still counts them
+    w = torch.where(over, torch.zeros_like(raw), raw) if s.is_mode == "mask" else raw.clamp(max=s.is_cap)
     per_token = w.detach() * per_token
     metrics.update(_masked_stats("ratio", ratio, mask, t))
     metrics.update(_masked_stats("is_weight", w, mask, t))
-    metrics["is_trunc_frac"] = ((raw > s.is_cap).to(mask.dtype) * mask).sum() / t
+    frac = "is_mask_frac" if s.is_mode == "mask" else "is_trunc_frac"
+    metrics[frac] = (over.to(mask.dtype) * mask).sum() / t
+    return per_token, metrics
+
+
+def _topr(
+    s: LossSettings, logprobs: torch.Tensor, log_r: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, t: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TOPR: weight 1 where A >= 0, sg(clip(w, 0, 1)) where A < 0, w = r at `is_level` (`sequence`:
+    the trajectory ratio of the paper's bound; A is per sequence, so the split is per trajectory)."""
+    log_w = log_is_weight(log_r, mask, s.is_level)
+    w = torch.where(adv >= 0, torch.ones_like(log_w), torch.exp(log_w.clamp(max=0.0)))  # clip(w, 0, 1) in logs
+    per_token = -w.detach() * adv * logprobs
+    metrics = {"is_trunc_frac": (((adv < 0) & (log_w > 0)).to(mask.dtype) * mask).sum() / t}
+    metrics.update(_masked_stats("ratio", torch.exp(log_r), mask, t))
     return per_token, metrics
 
 
@@ -311,6 +326,8 @@ def make_loss_fn(settings: LossSettings) -> LossFn:
         raise ValueError(f"unknown aggregation {settings.agg!r}; known: {', '.join(AGG_NAMES)}")
     if not (settings.is_cap >= 1.0 and math.isfinite(settings.is_cap)):
         raise ValueError(f"is_cap must be a finite number >= 1, got {settings.is_cap}")
+    if settings.is_mode not in IS_MODES:
+        raise ValueError(f"unknown is_mode {settings.is_mode!r}; known: {', '.join(IS_MODES)}")
 
     def loss_fn(logprobs: torch.Tensor, batch: TrainBatch, norm: Norm) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return policy_loss(

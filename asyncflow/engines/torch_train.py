@@ -114,20 +114,22 @@ class ReferenceModel:
     """The frozen reference policy of the KL term (`algorithm.kl_coef` > 0): the base model's weights
     on `device`, evaluated without gradients in micro-batches of `micro_batch_size` rows (as the
     trainer's passes are: a whole batch's logits at once would be batch x length x vocabulary floats).
-    Calling it with a CPU batch gives the [B, L-1] log-probs as a CPU tensor."""
+    Its passes are the trainer's: float32 weights under autocast in `dtype` (bf16 weights gave a
+    non-zero KL at step 0). Calling it with a CPU batch gives the [B, L-1] log-probs as a CPU tensor."""
 
     def __init__(self, model: str | Path | PreTrainedModel, *, temperature: float, micro_batch_size: int | None = None,
                  device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         if isinstance(model, (str, Path)):
-            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
-        self.model = model.to(device).eval()  # type: ignore[arg-type]
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+        self.model = model.to(device=device, dtype=torch.float32).eval()  # type: ignore[arg-type,call-arg]
         self.model.requires_grad_(False)
         self.device = torch.device(device)
+        self.dtype = dtype
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
 
     def __call__(self, batch: TrainBatch) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), compute_dtype_context(self.device, self.dtype):
             parts = [token_logprobs(self.model, mb, self.temperature)[0]
                      for mb in micro_batches(batch, self.micro_batch_size, self.device)]
         return torch.cat(parts).cpu()

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from asyncflow.algorithms.advantages import overlong_penalty
+from asyncflow.algorithms.losses import kl_estimate
 from asyncflow.config import max_generated_tokens
 from asyncflow.engines.base import TrainBatch
 from asyncflow.errors import WaitTimeout
@@ -25,6 +26,30 @@ from asyncflow.workflow.batch import (
     generated_count,
 )
 from asyncflow.workflow.stage_base import CANCELLED, Counters, StageBase, StepResult
+
+
+def current_version_mask(samples: list[SampleView], version: int, response_mask: torch.Tensor) -> torch.Tensor:
+    """The trained tokens of the responses whose every token `version` generated: after a `swap`
+    mid-response the later tokens are the new version's, but their prefix's KV cache was computed
+    under the old weights, so their log-probs are not the trainer's either."""
+    same = torch.zeros_like(response_mask)
+    for i, s in enumerate(samples):
+        versions = s.fields["token_versions"]
+        # (one array comparison: a Python loop per token held the GIL ~0.4 us a token, every step)
+        ids = np.fromiter(versions, dtype=np.int64, count=len(versions))
+        if len(ids) and bool((ids == version).all()):
+            p = len(s.fields["prompt_ids"])
+            same[i, p - 1 : p - 1 + len(ids)] = 1.0
+    return same * response_mask
+
+
+def mismatch_kl(current: torch.Tensor, behavior: torch.Tensor, same: torch.Tensor) -> float | None:
+    """k3 of KL(mu || pi_trainer) over the `same` tokens (None if none), clamped as the loss's KL
+    term is: one token far apart made it inf."""
+    n = float(same.sum())
+    if not n:
+        return None
+    return float(kl_estimate(behavior * same, current * same, "k3").mul(same).sum() / n)
 
 
 class TrainerStage(StageBase):
@@ -245,18 +270,11 @@ class TrainerStage(StageBase):
     def _compute_step(self, batch: TrainBatch, temperature: float, samples: list[SampleView]) -> dict[str, Any]:
         """Runs in a worker thread: the optimizer steps, plus train/inference mismatch diagnostics.
 
-        `mismatch_kl` compares behavior log-probs with the trainer's, on the tokens that the
-        trainer's own version generated (elsewhere the two policies differ by design). It needs
-        one extra forward pass, so it is computed only when the batch holds such tokens.
+        `mismatch_kl` compares behavior log-probs with the trainer's, on the responses that the
+        trainer's own version generated wholly (elsewhere the two policies differ by design). It needs
+        one extra forward pass, so it is computed only when the batch holds such responses.
         """
-        same = torch.zeros_like(batch.response_mask)
-        for i, s in enumerate(samples):
-            versions = s.fields["token_versions"]
-            p = len(s.fields["prompt_ids"])
-            # (one array comparison: a Python loop per token held the GIL ~0.4 us a token, every step)
-            ids = np.fromiter(versions, dtype=np.int64, count=len(versions))
-            same[i, p - 1 : p - 1 + len(versions)] = torch.from_numpy(ids == self.version)
-        same = same * batch.response_mask
+        same = current_version_mask(samples, self.version, batch.response_mask)
         n = float(same.sum())
         # the trainer's log-probs before this step's first optimizer step: the proximal policy of
         # decoupled PPO, and the trainer side of mismatch_kl
@@ -265,10 +283,7 @@ class TrainerStage(StageBase):
             batch.proximal_logprobs = current
         metrics: dict[str, Any] = dict(self.trainer.train_step(batch, self.loss_fn, temperature))
         # None (null in metrics.jsonl) when no token of the batch came from the trainer's own version
-        metrics["mismatch_kl"] = None
-        if current is not None and n:
-            d = (current - batch.behavior_logprobs) * same
-            metrics["mismatch_kl"] = float((torch.exp(d) - d - 1).mul(same).sum() / n)
+        metrics["mismatch_kl"] = None if current is None else mismatch_kl(current, batch.behavior_logprobs, same)
         return metrics
 
     async def _publish(self) -> float:
