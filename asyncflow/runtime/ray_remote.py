@@ -277,6 +277,9 @@ class RemoteTrainEngine(TrainEngine):
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         return self._get(self.handle.logprobs.remote(batch, temperature), "compute log-probs")  # type: ignore[no-any-return]
 
+    def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        return self._get(self.handle.reference_logprobs.remote(batch, temperature), "compute reference log-probs")  # type: ignore[no-any-return]
+
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         metrics = self._get(self.handle.train_step.remote(batch, loss_fn, temperature), "train a step")
         self.steps += 1

@@ -13,7 +13,7 @@ import torch
 
 from asyncflow.algorithms.advantages import overlong_penalty
 from asyncflow.config import max_generated_tokens
-from asyncflow.engines.base import TrainBatch
+from asyncflow.engines.base import TrainBatch, state_bytes
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue import Lease, SampleView
 from asyncflow.workflow.batch import (
@@ -171,7 +171,7 @@ class TrainerStage(StageBase):
         with self.tracer.timed("trainer", f"train step {step}", samples=len(samples)):
             metrics, tokens = await self._optimize(samples, valid, rewards)
         self.counters.train_busy_s += self.clock.now() - t0
-        sync_s = await self._publish()
+        sync_s, sync_bytes = await self._publish()
         trained_version = self.version - 1
         staleness: list[int] = []
         logged: list[tuple[SampleView, int | None, str, str | None]] = []
@@ -195,6 +195,7 @@ class TrainerStage(StageBase):
             staleness_mean=sum(staleness) / max(n_valid, 1),
             staleness_max=float(max(staleness, default=0)),
             weight_sync_s=sync_s,
+            **({} if sync_bytes is None else {"weight_sync_bytes": float(sync_bytes)}),
             response_len_mean=length / len(samples),
             **batch_metrics(groups, valid, rewards, filtered),
         )
@@ -271,8 +272,9 @@ class TrainerStage(StageBase):
             metrics["mismatch_kl"] = float((torch.exp(d) - d - 1).mul(same).sum() / n)
         return metrics
 
-    async def _publish(self) -> float:
-        """Version v -> v+1: export weights and load them into every engine."""
+    async def _publish(self) -> tuple[float, int | None]:
+        """Version v -> v+1: export weights and load them into every engine. Returns the seconds it
+        took and the bytes published (None where the state is a Ray reference, not at hand)."""
         start = self.clock.now()
         # in a worker thread, as the train step is: a full copy of the weights (an FSDP gather) held the
         # event loop for it, stalling rollout callbacks, new requests and evaluation (0.7 s at 156M
@@ -296,4 +298,4 @@ class TrainerStage(StageBase):
         for e in self.engines:  # (again: what started meanwhile from the old version, or an abort put back)
             e.cancel_older_than(floor)
         self.tracer.span("weight sync", f"v{new_version}", start, self.clock.now())
-        return self.clock.now() - start
+        return self.clock.now() - start, state_bytes(state)
