@@ -218,6 +218,15 @@ def test_fsdp_lora_matches_the_plain_engine(tiny_model: Any, tmp_path: Path) -> 
         assert (tmp_path / "ckpt" / lora.WEIGHTS_FILE).is_file() and (tmp_path / "ckpt" / "optimizer.pt").is_file()
     finally:
         fsdp.close()
+    resumed = FSDPTrainEngine(copy.deepcopy(tiny_model), world_size=2, lr=5e-2, lora=SETTINGS)
+    try:
+        resumed.load_optimizer(str(tmp_path / "ckpt"))
+        assert torch.allclose(resumed.logprobs(batch, 1.0), plain.logprobs(batch, 1.0), atol=1e-4)
+        resumed.train_step(batch, _pg_loss, 1.0)
+        plain.train_step(batch, _pg_loss, 1.0)
+        assert torch.allclose(resumed.logprobs(batch, 1.0), plain.logprobs(batch, 1.0), atol=1e-4)  # Adam state too
+    finally:
+        resumed.close()
 
 
 def _folder(state: dict[str, torch.Tensor], path: Path) -> Path:
@@ -250,3 +259,25 @@ def test_lora_run_publishes_adapter_bytes_and_resumes(arith_dir: Path, tmp_path:
     cfg, _ = load_config(None, [*small, "train.max_steps=3", "checkpoint.resume=auto"])
     summary = train(cfg, out, progress_enabled=False)
     assert summary["samples"] == 48
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["torch", "fsdp"])
+def test_lora_run_on_ray(ray_session: Any, arith_dir: Path, tmp_path: Path, engine: str) -> None:
+    """The Ray runtime builds the LoRA trainer through the factory (an actor, or FSDP rank actors): it
+    trains, the KL reference comes from the trainer actor, final/ is the adapter."""
+    import json
+
+    from asyncflow.runner import train
+
+    fsdp = ["train.engine=fsdp", "train.world_size=2"] if engine == "fsdp" else []
+    cfg, _ = load_config(None, [
+        f"model.path={arith_dir}", "runtime.kind=ray", "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5",
+        "train.max_steps=2", "train.batch_size=16", "rollout.n=4", "rollout.max_new_tokens=4", "eval.size=16",
+        "logging.progress=false", "model.lora.r=4", "train.lr=1e-3", "algorithm.kl_coef=0.05", *fsdp])
+    out = tmp_path / "run"
+    assert train(cfg, out, progress_enabled=False)["samples"] == 32
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kl"] >= 0 for r in rows if r["kind"] == "train"] == [True, True]
+    assert (out / "final" / lora.WEIGHTS_FILE).is_file() and not (out / "final" / "model.safetensors").exists()
