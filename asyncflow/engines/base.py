@@ -179,6 +179,8 @@ LossFn = Callable[[torch.Tensor, TrainBatch, Norm], tuple[torch.Tensor, dict[str
 class TrainEngine(abc.ABC):
     """Log-probs, optimizer steps and weight export for the policy."""
 
+    last_export_bytes: int | None = None  # tensor bytes of the last export (None: not known here)
+
     @abc.abstractmethod
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         """Per-token log-probs [B, L-1] of the batch's target tokens (logits / temperature), no grad."""
@@ -194,6 +196,11 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def save(self, path: str, *, with_optimizer: bool) -> None:
         """Write a Hugging Face folder (and the optimizer state if asked)."""
+
+    def export_bytes(self) -> int | None:
+        """Bytes the last `export_weights` published (`weight_sync_bytes`), where the state itself is
+        not at hand (a Ray reference); None when unknown."""
+        return self.last_export_bytes
 
     def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         """Log-probs of the KL reference, where the trainer holds it: a LoRA trainer's base model

@@ -51,7 +51,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from asyncflow.engines import fsdp_lora
 from asyncflow.engines import lora as lora_adapter
-from asyncflow.engines.base import LossFn, Norm, TrainBatch, TrainEngine, quiet_transformers
+from asyncflow.engines.base import LossFn, Norm, TrainBatch, TrainEngine, quiet_transformers, state_bytes
 from asyncflow.engines.fsdp_parts import Share, decoder_layers, make_shares
 from asyncflow.engines.lr_schedule import LrSchedule, expect_keys_of, mark_steps, restored_steps, set_lr
 from asyncflow.engines.torch_train import (
@@ -554,6 +554,7 @@ class FSDPTrainEngine(TrainEngine):
 
     def export_weights(self, master: bool = False) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = self._call("export", [(master,)] * self.world_size, "gather the full weights")[0]
+        self.last_export_bytes = state_bytes(state)
         return state
 
     def save(self, path: str, *, with_optimizer: bool) -> None:

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from asyncflow.engines import lora as lora_adapter
-from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine
+from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine, state_bytes
 from asyncflow.engines.lr_schedule import LrSchedule, mark_steps, restored_steps, set_lr
 from asyncflow.errors import RunFailed, UserError
 
@@ -247,11 +247,13 @@ class TorchTrainEngine(TrainEngine):
     def export_weights(self) -> dict[str, torch.Tensor]:
         if self.lora is not None:  # the adapter alone (engines merge or serve it: asyncflow.engines.lora)
             with self._passes:
-                return lora_adapter.adapter_state(self.model, self.dtype)
-        # CPU copies in the compute dtype: engines load them onto their own devices, and a Ray actor
-        # without a GPU can unpickle them
-        return {k: v.detach().to("cpu", dtype=self.dtype if v.is_floating_point() else v.dtype, copy=True)
-                for k, v in self.model.state_dict().items()}
+                state = lora_adapter.adapter_state(self.model, self.dtype)
+        else:  # CPU copies in the compute dtype: engines load them onto their own devices, and a Ray
+            # actor without a GPU can unpickle them
+            state = {k: v.detach().to("cpu", dtype=self.dtype if v.is_floating_point() else v.dtype, copy=True)
+                     for k, v in self.model.state_dict().items()}
+        self.last_export_bytes = state_bytes(state)
+        return state
 
     def save(self, path: str, *, with_optimizer: bool) -> None:
         """A checkpoint (`with_optimizer`) keeps the float32 master weights, so a resume continues

@@ -296,6 +296,9 @@ class TrainerWorker:
     def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         return self.engine.reference_logprobs(batch, temperature)
 
+    def export_bytes(self) -> int | None:
+        return self.engine.export_bytes()
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.export_weights()
 

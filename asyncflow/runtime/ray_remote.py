@@ -277,6 +277,9 @@ class RemoteTrainEngine(TrainEngine):
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         return self._get(self.handle.logprobs.remote(batch, temperature), "compute log-probs")  # type: ignore[no-any-return]
 
+    def export_bytes(self) -> int | None:
+        return self._get(self.handle.export_bytes.remote(), "report the size of its export")  # type: ignore[no-any-return]
+
     def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         return self._get(self.handle.reference_logprobs.remote(batch, temperature), "compute reference log-probs")  # type: ignore[no-any-return]
 

@@ -274,7 +274,7 @@ class TrainerStage(StageBase):
 
     async def _publish(self) -> tuple[float, int | None]:
         """Version v -> v+1: export weights and load them into every engine. Returns the seconds it
-        took and the bytes published (None where the state is a Ray reference, not at hand)."""
+        took and the bytes published (None where unknown: FSDP ranks broadcasting over Ray)."""
         start = self.clock.now()
         # in a worker thread, as the train step is: a full copy of the weights (an FSDP gather) held the
         # event loop for it, stalling rollout callbacks, new requests and evaluation (0.7 s at 156M
@@ -298,4 +298,7 @@ class TrainerStage(StageBase):
         for e in self.engines:  # (again: what started meanwhile from the old version, or an abort put back)
             e.cancel_older_than(floor)
         self.tracer.span("weight sync", f"v{new_version}", start, self.clock.now())
-        return self.clock.now() - start, state_bytes(state)
+        seconds, sent = self.clock.now() - start, state_bytes(state)
+        if sent is None:  # (a Ray reference: the trainer actor knows the size; asked after the loads)
+            sent = await asyncio.to_thread(self.trainer.export_bytes)
+        return seconds, sent
