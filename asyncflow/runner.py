@@ -200,9 +200,9 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
 async def _publish_adapter(runtime: Any, version: int) -> None:
     """LoRA resume: the engines were built from the base model; the checkpoint's adapter (in the
     trainer since `load_optimizer`) is loaded into them as `version` before any request."""
-    state = runtime.trainer.export_weights()
-    if hasattr(runtime.trainer, "exported"):  # (Ray's handle counts exports as versions: this one is not new)
-        runtime.trainer.exported = version
+    trainer = runtime.trainer
+    # Ray: an object-store copy (export_weights counts a new version, and may broadcast it as one)
+    state = trainer.stored_weights() if hasattr(trainer, "stored_weights") else trainer.export_weights()
     await asyncio.gather(*(e.load_weights(state, version, "drain") for e in runtime.engines))
 
 

@@ -275,7 +275,8 @@ def test_lora_run_on_ray(ray_session: Any, arith_dir: Path, tmp_path: Path, engi
     cfg, _ = load_config(None, [
         f"model.path={arith_dir}", "runtime.kind=ray", "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5",
         "train.max_steps=2", "train.batch_size=16", "rollout.n=4", "rollout.max_new_tokens=4", "eval.size=16",
-        "logging.progress=false", "model.lora.r=4", "train.lr=1e-3", "algorithm.kl_coef=0.05", *fsdp])
+        "logging.progress=false", "model.lora.r=4", "train.lr=1e-3", "algorithm.kl_coef=0.05", "checkpoint.every=1",
+        *fsdp])
     out = tmp_path / "run"
     assert train(cfg, out, progress_enabled=False)["samples"] == 32
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -283,3 +284,7 @@ def test_lora_run_on_ray(ray_session: Any, arith_dir: Path, tmp_path: Path, engi
     adapter = (out / "final" / lora.WEIGHTS_FILE).stat().st_size  # (the driver held only references: the actor counted)
     assert all(adapter * 0.9 < r["weight_sync_bytes"] < adapter * 1.1 for r in rows if r["kind"] == "train")
     assert not (out / "final" / "model.safetensors").exists()
+    cfg.train.max_steps, cfg.checkpoint.resume = 3, "auto"  # the engines get the checkpoint's adapter at version 2
+    assert train(cfg, out, progress_enabled=False)["samples"] == 48
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows if r["kind"] == "train"] == [1, 2, 3]

@@ -296,6 +296,11 @@ class RemoteTrainEngine(TrainEngine):
             return self.channel.publish(self.exported)
         return StoredWeights(self.export_ref())
 
+    def stored_weights(self) -> StoredWeights:
+        """The current weights in the object store, not published as a new version (a LoRA resume
+        loads the checkpoint's adapter into the engines with them)."""
+        return StoredWeights(self.export_ref())
+
     # the sender's side of `WeightChannel` (calls return object references; the channel waits)
 
     def export_ref(self) -> Any:
