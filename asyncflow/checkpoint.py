@@ -3,6 +3,7 @@
 ```
 checkpoints/step_N/
   config.json, model.safetensors, generation_config.json, tokenizer files   # the policy at version N
+  (model.lora: adapter_config.json + adapter_model.safetensors instead: the adapter; the base is the run's)
   optimizer.pt     # the trainer's optimizer state
   store.pt         # the TransferQueue's live samples (fields, versions, priorities, consumed marks)
   rng.pt           # torch and Python RNG states of the driver
@@ -228,10 +229,15 @@ def _check_checkpoint(path: Path, state: dict[str, Any]) -> None:
     if not all(isinstance(v, int) for v in state["logs"].values()) or not state["eval_history"] \
             or not all(isinstance(r, dict) for r in state["eval_history"]):
         raise UserError(f"checkpoint.resume: {path / 'state.json'}: 'logs' or 'eval_history' is malformed {damaged}")
-    try:
-        check_model_dir(path, key="checkpoint.resume")
-    except UserError as exc:
-        raise UserError(f"{exc} {damaged}") from None
+    adapter = [path / "adapter_config.json", path / "adapter_model.safetensors"]  # (a LoRA run's: model.lora)
+    if adapter[0].is_file():
+        if not adapter[1].is_file():
+            raise UserError(f"checkpoint.resume: {path} has no {adapter[1].name} {damaged}")
+    else:
+        try:
+            check_model_dir(path, key="checkpoint.resume")
+        except UserError as exc:
+            raise UserError(f"{exc} {damaged}") from None
     for name in ("optimizer.pt", "store.pt", "rng.pt"):  # torch.save files: zip archives
         f = path / name
         try:

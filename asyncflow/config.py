@@ -33,6 +33,7 @@ from asyncflow.config_schema import (
     DatasetConfig,
     EvalConfig,
     LoggingConfig,
+    LoraConfig,
     ModelConfig,
     RewardConfig,
     RolloutConfig,
@@ -41,6 +42,7 @@ from asyncflow.config_schema import (
     WorkflowConfig,
     episodic,
     max_generated_tokens,
+    section_type,
     type_name,
 )
 from asyncflow.errors import UserError
@@ -54,6 +56,7 @@ __all__ = [
     "DatasetConfig",
     "EvalConfig",
     "LoggingConfig",
+    "LoraConfig",
     "ModelConfig",
     "RewardConfig",
     "RolloutConfig",
@@ -304,8 +307,11 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         if name not in raw:
             continue
         tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            values[name] = _build(tp, raw[name], f"{prefix}{name}.")  # type: ignore[arg-type]
+        section = section_type(tp)
+        if section is not None and raw[name] is None and section is not tp:  # an optional section: null is off
+            values[name] = None
+        elif section is not None:
+            values[name] = _build(section, raw[name], f"{prefix}{name}.")
         else:
             values[name] = _check_value(f"{prefix}{name}", raw[name], tp, f.metadata)
     return cls(**values)

@@ -237,12 +237,24 @@ def _validate_engines(cfg: Config, explicit: set[str]) -> None:
             )
     if "train.min_lr_ratio" in explicit and t.lr_schedule != "cosine":
         raise UserError(f"train.min_lr_ratio: only used with train.lr_schedule=cosine (it is {t.lr_schedule})")
+    if cfg.model.lora is not None:
+        _validate_lora(cfg)
     if cfg.rollout.engine == "vllm":
         if cfg.runtime.kind == "ray" and cfg.runtime.rollout_gpus < 1:
             raise UserError(f"runtime.rollout_gpus: {cfg.runtime.rollout_gpus:g} with rollout.engine=vllm on Ray; "
                             "each rollout actor's vLLM needs a GPU of its own (set runtime.rollout_gpus=1)")
         if importlib.util.find_spec("vllm") is None:
             raise UserError("rollout.engine: vllm is not installed (pip install 'asyncflow[vllm]', needs a GPU); use hf")
+
+
+def _validate_lora(cfg: Config) -> None:
+    """`model.lora`: the peft package, and target modules named."""
+    assert cfg.model.lora is not None
+    if importlib.util.find_spec("peft") is None:
+        raise UserError("model.lora: the peft package is not installed (pip install 'asyncflow[lora]')")
+    targets = cfg.model.lora.target_modules
+    if not targets or (isinstance(targets, list) and not all(targets)):
+        raise UserError("model.lora.target_modules: empty (name modules, e.g. [q_proj, v_proj], or all-linear)")
 
 
 # algorithm.* keys each loss reads; a key set explicitly for a loss that does not read it is refused

@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from asyncflow.config_schema import Config
+from asyncflow.config_schema import Config, section_type
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,11 @@ TRL: tuple[Alias, ...] = (
     Alias("vllm_importance_sampling_cap", "algorithm.is_cap", "TRL's vllm_importance_sampling_cap is algorithm.is_cap"),
     Alias("mask_truncated_completions", None,
           "TRL's mask_truncated_completions is not available; algorithm.overlong_buffer shapes over-long responses"),
+    Alias("use_peft", "model.lora", "TRL's use_peft is model.lora (a mapping: model.lora.r, alpha, dropout, target_modules)"),
+    Alias("lora_r", "model.lora.r", "TRL's lora_r is model.lora.r"),
+    Alias("lora_alpha", "model.lora.alpha", "TRL's (and PEFT's) lora_alpha is model.lora.alpha"),
+    Alias("lora_dropout", "model.lora.dropout", "TRL's (and PEFT's) lora_dropout is model.lora.dropout"),
+    Alias("lora_target_modules", "model.lora.target_modules", "TRL's lora_target_modules is model.lora.target_modules"),
     Alias("use_vllm", "rollout.engine", "TRL's use_vllm is rollout.engine: vllm (or openai with servers)"),
     Alias("reward_funcs", "reward.fn", "TRL's reward_funcs is reward.fn ('module:function', or a list of them)"),
     Alias("reward_weights", "reward.weights", "TRL's reward_weights is reward.weights",
@@ -201,8 +206,11 @@ def schema_keys(cls: type = Config, prefix: str = "") -> set[str]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            out |= schema_keys(typing.cast(type, tp), f"{prefix}{f.name}.")
+        section = section_type(tp)
+        if section is not None and section is not tp:  # an optional section (null: off) is a key itself
+            out.add(f"{prefix}{f.name}")
+        if section is not None:
+            out |= schema_keys(section, f"{prefix}{f.name}.")
         else:
             out.add(f"{prefix}{f.name}")
     return out

@@ -6,7 +6,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from asyncflow.config_schema import Config, type_name
+from asyncflow.config_schema import Config, section_type, type_name
 
 
 def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
@@ -15,8 +15,11 @@ def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            rows += field_docs(tp, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        section = section_type(tp)
+        if section is not None and section is not tp:  # an optional section: its own row, then its keys
+            rows.append((f"{prefix}{f.name}", "mapping or null", None, f.metadata.get("doc", "")))
+        if section is not None:
+            rows += field_docs(section, f"{prefix}{f.name}.")
         else:
             rows.append((f"{prefix}{f.name}", type_name(tp), f.default, f.metadata.get("doc", "")))
     return rows

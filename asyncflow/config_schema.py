@@ -7,6 +7,7 @@ Every field has a docstring (`doc` metadata) so the reference in docs/ is genera
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import types
 import typing
@@ -19,6 +20,20 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # every `*timeout*` key's maximum (config.py): 
 def _f(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None) -> Any:
     """A config field with its docstring and optional numeric bounds (inclusive)."""
     return field(default=default, metadata={"doc": doc, "lo": lo, "hi": hi})
+
+
+@dataclass
+class LoraConfig:
+    """LoRA: train a PEFT adapter instead of the whole model (needs `pip install 'asyncflow[lora]'`)."""
+
+    r: int = _f(16, "Rank of the adapter's update matrices.", lo=1)
+    alpha: float = _f(32.0, "Scale of the update: the adapted weight is W + (alpha / r) B A.", lo=0.0)
+    dropout: float = _f(0.0, "Dropout on the adapter's input in train steps (never in log-prob or reference passes).",
+                        lo=0.0, hi=0.99)
+    target_modules: str | list[str] = _f("all-linear", "Module names (or name suffixes) to adapt, e.g. [q_proj, v_proj]; "
+                                                       "all-linear: every linear layer but the output head.")
+    save_merged: bool = _f(False, "Also write the merged model (base + adapter, a plain Hugging Face folder) to "
+                                  "final/merged; final/ itself holds the adapter in PEFT layout.")
 
 
 @dataclass
@@ -43,6 +58,10 @@ class ModelConfig:
         "vllm) on the CPU. (train.engine=fsdp places its ranks itself; "
         "rollout.engine=vllm always runs on a GPU.)",
     )
+    lora: LoraConfig | None = field(default=None, metadata={"doc": "LoRA (a mapping: model.lora.r, ...): train a PEFT "
+                                    "adapter on the frozen base model and publish only the adapter to the rollout "
+                                    "engines; the KL reference is the base model with the adapter off. null: full "
+                                    "fine-tuning. docs/algorithms.md (LoRA)."})
 
 
 @dataclass
@@ -535,6 +554,17 @@ def max_generated_tokens(cfg: Config) -> int:
 def episodic(cfg: Config) -> bool:
     """Whether each sample is a multi-turn episode that carries its own reward (rollout.env or rollout.agent)."""
     return cfg.rollout.env is not None or cfg.rollout.agent is not None
+
+
+def section_type(tp: Any) -> type | None:
+    """The dataclass of a config section's type: `X` or an optional section `X | None` (null: off)."""
+    if dataclasses.is_dataclass(tp):
+        return typing.cast(type, tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        kinds = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(kinds) == 1 and dataclasses.is_dataclass(kinds[0]):
+            return typing.cast(type, kinds[0])
+    return None
 
 
 def type_name(tp: Any) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import random
 import signal
@@ -149,7 +150,8 @@ def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
                                        max_turns=cfg.rollout.max_turns)
     from asyncflow.model_folder import check_weights_match_config
 
-    check_weights_match_config(inputs.model_dir if resume is None else resume.path)
+    # (a LoRA checkpoint holds the adapter alone: the policy's weights are the base model's)
+    check_weights_match_config(inputs.model_dir if resume is None or cfg.model.lora is not None else resume.path)
     return inputs, reward_fn, hf_tok, env_factory
 
 
@@ -165,7 +167,7 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
     tok = Tokenizer.of(hf_tok, inputs.model_dir)
     # a resumed run's policy (trainer and engines) starts from the checkpoint's HF folder, at its version;
     # the reference model and the tokenizer stay the base model's
-    policy_dir = inputs.model_dir if resume is None else resume.path
+    policy_dir = inputs.model_dir if resume is None or cfg.model.lora is not None else resume.path
     version = 0 if resume is None else resume.version
     runtime_cls = runtime_class(cfg.runtime.kind)
     if runtime_cls.opens_folder_first and resume is None:
@@ -182,15 +184,26 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
             from asyncflow.checkpoint import damaged_hint, restore_rng
 
             try:
-                runtime.trainer.load_optimizer(str(resume.path))
+                runtime.trainer.load_optimizer(str(resume.path))  # (LoRA: the checkpoint's adapter too)
                 restore_rng(resume.path)
             except Exception as exc:  # (checked as archives in find_resume; a damaged member shows only now)
                 raise UserError(f"checkpoint.resume: {resume.path}: the optimizer or RNG state cannot be loaded "
                                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) "
                                 f"{damaged_hint(resume.path)}") from None
+        if resume is not None and cfg.model.lora is not None:
+            await _publish_adapter(runtime, version)
         return await _run(cfg, folder, progress, inputs, reward_fn, hf_tok, tok, runtime, resume, env_factory)
     finally:
         runtime.shutdown()
+
+
+async def _publish_adapter(runtime: Any, version: int) -> None:
+    """LoRA resume: the engines were built from the base model; the checkpoint's adapter (in the
+    trainer since `load_optimizer`) is loaded into them as `version` before any request."""
+    trainer = runtime.trainer
+    # Ray: an object-store copy (export_weights counts a new version, and may broadcast it as one)
+    state = trainer.stored_weights() if hasattr(trainer, "stored_weights") else trainer.export_weights()
+    await asyncio.gather(*(e.load_weights(state, version, "drain") for e in runtime.engines))
 
 
 def loss_settings(cfg: Config) -> Any:
@@ -288,6 +301,9 @@ def _write_final(out: Path, trainer: Any, hf_tok: Any, summary: dict[str, Any]) 
 def _reference_model(cfg: Config, runtime: Any, model_dir: Path) -> Any:
     """The frozen base model the KL term is taken against (`algorithm.kl_coef` > 0)."""
     import torch
+
+    if cfg.model.lora is not None:  # the trainer's own base model, its adapter off: no second copy
+        return functools.partial(runtime.trainer.reference_logprobs, temperature=cfg.rollout.temperature)
 
     from asyncflow.engines.base import pick_device
     from asyncflow.engines.torch_train import ReferenceModel

@@ -32,11 +32,16 @@ def _check_inside(path: Path, root: Path) -> None:
 
 
 def read_weights(folder: Path, model: Any, root: Path | None = None) -> dict[str, Any]:
-    """The `*.safetensors` tensors of `folder` as a full state dict of `model` (a weight tied to a
+    """A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) as a published
+    adapter, which the engine merges onto its base weights (asyncflow.engines.lora); else the `*.safetensors` tensors of `folder` as a full state dict of `model` (a weight tied to a
     loaded one may be absent, as `save_pretrained` writes it); any other mismatch is a 400. With a
     `root`, every file must resolve inside it (a link in the folder must not lead out)."""
     from safetensors.torch import load_file
 
+    from asyncflow.engines import lora
+
+    if lora.is_adapter_folder(folder):
+        return _read_adapter(folder, model, root)
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         raise RequestError(f"path: {folder} holds no *.safetensors files", param="path")
@@ -69,4 +74,22 @@ def read_weights(folder: Path, model: Any, root: Path | None = None) -> dict[str
         if t.is_floating_point() and not bool(t.isfinite().all()):  # (the decode thread would stop for good)
             raise RequestError(f"path: weight {src} holds NaN or infinite values", param="path")
         state[k] = t.to(v.dtype)
+    return state
+
+
+def _read_adapter(folder: Path, model: Any, root: Path | None) -> dict[str, Any]:
+    """A PEFT adapter folder as a published adapter; one that does not fit `model` is a 400."""
+    from asyncflow.engines import lora
+
+    if root is not None:
+        for name in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
+            _check_inside(folder / name, root)
+    try:
+        state = lora.read_folder(folder)
+        problem = lora.adapter_mismatch(model, state)
+    except Exception as exc:  # (bad JSON, a bad safetensors file, a config without r / lora_alpha)
+        raise RequestError(f"path: {folder} cannot be read as a PEFT LoRA adapter ({type(exc).__name__}: {exc})",
+                           param="path") from None
+    if problem is not None:
+        raise RequestError(f"path: {folder}: {problem}", param="path")
     return state

@@ -29,6 +29,7 @@ CONFIGS = [
     (None, ["algorithm.loss=tis", "algorithm.kl_coef=0.01", "runtime.kind=ray", "runtime.rollout_gpus=0.5"]),
     (None, ["rollout.engine=openai", "rollout.server_urls=[http://127.0.0.1:8000, http://127.0.0.1:8001]"]),
     (None, ["train.engine=fsdp", "train.world_size=2", "train.micro_batch_size=8"]),
+    (None, ["model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"]),
     *[(p, []) for p in sorted((ROOT / "examples").glob("arith*.yaml"))],
     (ROOT / "examples" / "byo" / "config.yaml", ["model.path=/nonexistent"]),
     (ROOT / "examples" / "calc_agent.yaml", []),

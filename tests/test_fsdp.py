@@ -64,16 +64,16 @@ def test_every_architecture_s_blocks_are_sharded_one_by_one(tiny_model) -> None:
     `transformer.h`, so only the root was sharded and the whole model was gathered at once."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from asyncflow.engines.fsdp_train import _decoder_layers
+    from asyncflow.engines.fsdp_parts import decoder_layers
 
-    assert _decoder_layers(tiny_model) == list(tiny_model.model.layers)
+    assert decoder_layers(tiny_model) == list(tiny_model.model.layers)
     for kind, blocks, size in (("gpt2", "transformer.h", dict(n_layer=3, n_embd=32, n_head=2)),
                                ("bloom", "transformer.h", dict(n_layer=3, hidden_size=32, n_head=2)),
                                ("falcon", "transformer.h", dict(num_hidden_layers=3, hidden_size=32,
                                                                 num_attention_heads=2))):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, vocab_size=64, **size))
-        assert _decoder_layers(model) == list(model.get_submodule(blocks)), kind
+        assert decoder_layers(model) == list(model.get_submodule(blocks)), kind
 
 
 def test_fsdp_on_two_ranks_matches_the_plain_engine_and_round_trips_a_checkpoint(tiny_model, tmp_path: Path) -> None:

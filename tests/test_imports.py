@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.metadata as md
 import pkgutil
 import re
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import asyncflow
 
@@ -27,6 +27,7 @@ OPTIONAL = {
     "wandb": "wandb",
     "tensorboard": "tensorboard",
     "vllm": "vllm",
+    "peft": "lora",
     "transfer_queue": "bench",
     "psutil": "bench",
     "tensordict": "bench",
@@ -44,17 +45,15 @@ def _normal(name: str) -> str:
 
 
 def _requirements() -> tuple[set[str], dict[str, set[str]]]:
-    """The core requirements and each extra's, as normalised distribution names."""
-    core: set[str] = set()
-    extras: dict[str, set[str]] = {}
-    for req in md.requires("asyncflow") or []:
-        name = _normal(re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0])
-        extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", req)
-        if extra is None:
-            core.add(name)
-        else:
-            extras.setdefault(extra.group(1), set()).add(name)
-    return core, extras
+    """The core requirements and each extra's, as normalised distribution names: read from this
+    tree's pyproject.toml (the installed metadata may be another checkout's)."""
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+
+    def names(reqs: list[str]) -> set[str]:
+        return {_normal(re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0]) for req in reqs}
+
+    extras = {extra: names(reqs) for extra, reqs in project.get("optional-dependencies", {}).items()}
+    return names(project["dependencies"]), extras
 
 
 def _third_party_imports() -> dict[str, set[str]]:

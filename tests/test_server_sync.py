@@ -344,3 +344,24 @@ def test_concurrent_requests_of_one_sample_are_each_counted_in_flight(monkeypatc
         return (*seen, engine.load())
 
     assert asyncio.run(main()) == (1, 1, 0)
+
+
+def test_lora_adapter_routes_of_vllm_and_sglang(fake: FakeServer, tmp_path: Path) -> None:
+    """A LoRA publication: vLLM's /v1/load_lora_adapter replaced in place under one name; SGLang's
+    unload of the previous version's name, then load of this one's; asyncflow serve's admin route."""
+    from asyncflow.engines.server_sync import ADAPTER_NAME, AsyncflowSync
+
+    name = asyncio.run(VLLMSync().load_adapter(fake.url, tmp_path, 3, "swap", token=None, timeout=10))
+    assert name == ADAPTER_NAME
+    assert [(m, p) for m, p, _, _ in fake.seen] == [("POST", "/v1/load_lora_adapter")]
+    assert fake.seen[0][2] == {"lora_name": ADAPTER_NAME, "lora_path": str(tmp_path.resolve()), "load_inplace": True}
+    fake.seen.clear()
+    name = asyncio.run(SGLangSync().load_adapter(fake.url, tmp_path, 4, "drain", token=None, timeout=10))
+    assert name == f"{ADAPTER_NAME}-v4"
+    assert [(p, b) for _, p, b, _ in fake.seen] == [
+        ("/unload_lora_adapter", {"lora_name": f"{ADAPTER_NAME}-v3"}),
+        ("/load_lora_adapter", {"lora_name": f"{ADAPTER_NAME}-v4", "lora_path": str(tmp_path.resolve())})]
+    fake.seen.clear()
+    fake.replies["/admin/load_weights"] = {"version": 5}
+    assert asyncio.run(AsyncflowSync().load_adapter(fake.url, tmp_path, 5, "swap", token=None, timeout=10)) is None
+    assert fake.seen[0][1] == "/admin/load_weights"  # asyncflow serve merges: the model keeps its name

@@ -179,6 +179,8 @@ LossFn = Callable[[torch.Tensor, TrainBatch, Norm], tuple[torch.Tensor, dict[str
 class TrainEngine(abc.ABC):
     """Log-probs, optimizer steps and weight export for the policy."""
 
+    last_export_bytes: int | None = None  # tensor bytes of the last export (None: not known here)
+
     @abc.abstractmethod
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         """Per-token log-probs [B, L-1] of the batch's target tokens (logits / temperature), no grad."""
@@ -195,6 +197,16 @@ class TrainEngine(abc.ABC):
     def save(self, path: str, *, with_optimizer: bool) -> None:
         """Write a Hugging Face folder (and the optimizer state if asked)."""
 
+    def export_bytes(self) -> int | None:
+        """Bytes the last `export_weights` published (`weight_sync_bytes`), where the state itself is
+        not at hand (a Ray reference); None when unknown."""
+        return self.last_export_bytes
+
+    def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        """Log-probs of the KL reference, where the trainer holds it: a LoRA trainer's base model
+        (its adapter off), so the reference costs no second copy of the weights."""
+        raise NotImplementedError(f"{type(self).__name__} holds no reference model")
+
     def load_optimizer(self, path: str) -> None:
         """Restore the optimizer state that `save(path, with_optimizer=True)` wrote (resume)."""
         raise NotImplementedError(f"{type(self).__name__} cannot restore an optimizer state")
@@ -202,6 +214,14 @@ class TrainEngine(abc.ABC):
     def close(self) -> None:
         """Release processes or devices the engine holds (nothing for an in-process engine)."""
         return None
+
+
+def state_bytes(state: Any) -> int | None:
+    """Bytes a weight publication moves (its tensors' payload), or None where the state is not at hand
+    (a Ray object-store reference or a collective broadcast)."""
+    if not isinstance(state, dict):
+        return None
+    return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
 
 
 def requester(engine: InferenceEngine) -> Callable[[GenRequest], Awaitable[GenResult]]:

@@ -32,7 +32,7 @@ def make_train_engine(cfg: Config, model_dir: Path, *, threads: int, device: str
     common: dict[str, Any] = dict(lr=t.lr, weight_decay=t.weight_decay, mini_batches=t.mini_batches,
                                   micro_batch_size=t.micro_batch_size, max_grad_norm=t.max_grad_norm,
                                   dtype=getattr(torch, cfg.model.dtype), schedule=lr_schedule(cfg),
-                                  gradient_checkpointing=t.gradient_checkpointing)
+                                  gradient_checkpointing=t.gradient_checkpointing, lora=cfg.model.lora)
     if t.engine == "fsdp":
         from asyncflow.engines.fsdp_train import FSDPTrainEngine
 
@@ -74,7 +74,8 @@ def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int, ve
     if cfg.rollout.engine == "vllm":
         from asyncflow.engines.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(model_dir, max_batch=cfg.rollout.max_batch, dtype=cfg.model.dtype, seed=cfg.seed + index)
+        engine = VLLMEngine(model_dir, max_batch=cfg.rollout.max_batch, dtype=cfg.model.dtype, seed=cfg.seed + index,
+                            lora_rank=None if cfg.model.lora is None else cfg.model.lora.r)
         engine.version = version
         return engine
     from asyncflow.engines.hf import HFEngine

@@ -34,6 +34,7 @@ import pickle
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -48,7 +49,10 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers shared-memory pickling of tensors for the pipes)
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from asyncflow.engines.base import LossFn, Norm, TrainBatch, TrainEngine, quiet_transformers
+from asyncflow.engines import fsdp_lora
+from asyncflow.engines import lora as lora_adapter
+from asyncflow.engines.base import LossFn, Norm, TrainBatch, TrainEngine, quiet_transformers, state_bytes
+from asyncflow.engines.fsdp_parts import Share, decoder_layers, make_shares
 from asyncflow.engines.lr_schedule import LrSchedule, expect_keys_of, mark_steps, restored_steps, set_lr
 from asyncflow.engines.torch_train import (
     combine_metrics,
@@ -60,7 +64,6 @@ from asyncflow.engines.torch_train import (
     token_logprobs,
 )
 from asyncflow.errors import WaitTimeout
-from asyncflow.transfer_queue.samplers import balance_equal_counts
 
 POLL_S = 0.2  # how often a wait on a worker checks that every worker is still alive
 
@@ -83,26 +86,7 @@ class WorkerSpec:
     master_addr: str = "127.0.0.1"  # the rendezvous host: rank 0's node
     own_gpu_only: bool = False  # the process sees exactly its own GPU (a Ray actor's CUDA_VISIBLE_DEVICES): cuda:0
     gradient_checkpointing: bool = False
-
-
-@dataclass
-class Share:
-    """One rank's rows of one mini-batch (or of a log-prob batch) and how many passes every rank runs."""
-
-    rows: TrainBatch | None  # None: this rank has no rows; it still runs `passes` dummy passes
-    passes: int
-    micro_batch_size: int
-    index: list[int] = dataclasses.field(default_factory=list)  # the rows' positions in the split batch
-
-
-def make_shares(batch: TrainBatch, world_size: int, micro_batch_size: int | None) -> list[Share]:
-    """Split `batch` by rank: as many rows each as `split_sequential` gives, chosen so every rank gets about
-    the same number of tokens (`balance_equal_counts`: a rank with the long rows would make the others
-    wait at every collective); every rank runs as many passes as the rank with the most micro-batches."""
-    parts = balance_equal_counts(batch.attention_mask.sum(-1).tolist(), world_size)
-    micro = micro_batch_size or max(len(p) for p in parts)
-    passes = max(math.ceil(len(p) / micro) for p in parts)
-    return [Share(batch.select(p) if p else None, passes, micro, p) for p in parts]
+    lora: Any = None  # the `model.lora` section (None: full fine-tuning; asyncflow.engines.fsdp_lora)
 
 
 def _free_port() -> int:
@@ -158,9 +142,11 @@ class FSDPRank:
         model.to(self.device)  # type: ignore[arg-type]
         if spec.gradient_checkpointing:  # before fully_shard: the FSDP layer classes wrap checkpointed forwards
             enable_gradient_checkpointing(model)
+        if spec.lora is not None:  # before fully_shard, so FSDP shards the PEFT model (fsdp_lora)
+            model = lora_adapter.wrap(model, spec.lora)
         policy = MixedPrecisionPolicy(param_dtype=None if self.dtype == torch.float32 else self.dtype,
                                       reduce_dtype=torch.float32)
-        for layer in _decoder_layers(model):
+        for layer in decoder_layers(model):
             fully_shard(layer, mp_policy=policy)
         sharded: Any = fully_shard(model, mp_policy=policy)
         # losses are normalised by the whole mini-batch: rank contributions add up, so sum gradients
@@ -170,7 +156,8 @@ class FSDPRank:
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
         self.model: Any = eval_mode(sharded, spec.gradient_checkpointing)  # no dropout (as the plain engine)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # (LoRA: the adapter's)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=spec.lr, weight_decay=spec.weight_decay)
 
     def run(self, method: RankMethod, args: tuple[Any, ...]) -> Any:
         """One command: this rank's method `method`, or the function `method(self, *args)`."""
@@ -203,9 +190,13 @@ class FSDPRank:
         """`rates`: each optimizer step's lr, the same on every rank (the driver's schedule)."""
         loss_fn: LossFn = pickle.loads(loss_bytes)
         out = []
-        for share, lr in zip(shares, rates, strict=True):
-            set_lr(self.optimizer, lr)
-            out.append(self._optimizer_step(share, dummy, loss_fn, temperature))
+        lora_adapter.set_dropout(self.model, True)  # (no LoRA: no such modules)
+        try:
+            for share, lr in zip(shares, rates, strict=True):
+                set_lr(self.optimizer, lr)
+                out.append(self._optimizer_step(share, dummy, loss_fn, temperature))
+        finally:
+            lora_adapter.set_dropout(self.model, False)
         mark_steps(self.optimizer, steps_done)  # (saved with the optimizer state: a resume continues from it)
         return out
 
@@ -236,7 +227,7 @@ class FSDPRank:
             part["entropy"] = float((entropy.detach() * mb.response_mask).sum()) / max(norm.tokens, 1.0)
             parts.append(part)
         clip = self.spec.max_grad_norm if self.spec.max_grad_norm > 0 else float("inf")
-        total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        total = torch.nn.utils.clip_grad_norm_(self.trainable, clip)
         full = total.full_tensor() if hasattr(total, "full_tensor") else total
         sums = combine_metrics(parts, mean=False)
         finite = finish_optimizer_step(self.optimizer, float(full), sums)  # the norm is global: ranks decide alike
@@ -250,6 +241,8 @@ class FSDPRank:
         folder), or with `master` the float32 master weights (a checkpoint, so a resume is exact)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if self.spec.lora is not None:  # the adapter alone (a collective as well)
+            return fsdp_lora.gather_adapter(self, torch.float32 if master else self.dtype)
         state: dict[str, Any] = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
@@ -275,23 +268,6 @@ class FSDPRank:
         with keep_hyperparameters(self.optimizer):
             set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
         return restored_steps(self.optimizer, mini_batches)
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks to shard one by one: the modules of the classes the model names in
-    `_no_split_modules` (transformers' own list of its blocks: `Qwen2DecoderLayer`, GPT-2's `GPT2Block`
-    in `transformer.h`, Bloom's, Falcon's), else those of a ModuleList named `layers`. Without them
-    only the root is sharded and the whole model is gathered at once (no memory saved)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    found = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in names]
-    # the outermost ones (a block listed inside another is sharded with it)
-    blocks = [m for n, m in found if not any(n.startswith(f"{other}.") for other, _ in found)]
-    if blocks:
-        return blocks
-    for name, module in model.named_modules():
-        if name.endswith("layers") and isinstance(module, torch.nn.ModuleList):
-            return list(module)
-    return []
 
 
 def _worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
@@ -467,6 +443,7 @@ class FSDPTrainEngine(TrainEngine):
         links: Callable[[WorkerSpec], RankLinks] = PipeLinks,
         schedule: LrSchedule | None = None,
         gradient_checkpointing: bool = False,
+        lora: Any = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -488,11 +465,13 @@ class FSDPTrainEngine(TrainEngine):
         self.steps_done = 0  # train steps taken: the schedule's position (restored with the optimizer)
         self.timeout_s = timeout_s
         self._loss_cache: tuple[LossFn, bytes] | None = None
+        self.lora = lora
+        self._rpc = threading.Lock()  # one command at a time on the ranks (LoRA: reference passes run beside steps)
         spec = WorkerSpec(
             model_dir=self.model_dir, world_size=world_size, master_port=0, lr=lr,
             weight_decay=weight_decay, max_grad_norm=max_grad_norm, device=device,
             dtype=str(dtype).removeprefix("torch."), threads=threads, timeout_s=timeout_s, seed=seed,
-            gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing=gradient_checkpointing, lora=lora,
         )
         self._links: RankLinks | None = None
         try:
@@ -517,7 +496,8 @@ class FSDPTrainEngine(TrainEngine):
     def _call(self, method: RankMethod, per_rank_args: list[tuple[Any, ...]], what: str) -> list[Any]:
         if self._links is None or not self._links.alive:
             raise RuntimeError("the FSDP train engine is closed (after close() or an earlier worker failure)")
-        return self._links.call(method, per_rank_args, what, self.timeout_s)
+        with self._rpc:
+            return self._links.call(method, per_rank_args, what, self.timeout_s)
 
     def call_ranks(self, method: RankMethod, per_rank_args: list[tuple[Any, ...]] | None = None,
                    what: str = "run a command") -> list[Any]:
@@ -528,13 +508,19 @@ class FSDPTrainEngine(TrainEngine):
 
     # ------------------------------------------------------------------ TrainEngine
 
-    def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+    def logprobs(self, batch: TrainBatch, temperature: float, method: RankMethod = "logprobs") -> torch.Tensor:
         shares = make_shares(batch, self.world_size, self.micro_batch_size)
         dummy = batch.select([0])
-        parts = self._call("logprobs", [(s, dummy, temperature) for s in shares], "compute log-probs")
+        parts = self._call(method, [(s, dummy, temperature) for s in shares], "compute log-probs")
         out = torch.cat([p for p in parts if p is not None])
         order = torch.tensor([i for s in shares for i in s.index], dtype=torch.long)
         return out[torch.argsort(order)]  # back into the batch's row order
+
+    def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        """LoRA: the base model's log-probs (the ranks' adapter off for the passes)."""
+        if self.lora is None:
+            raise ValueError("reference_logprobs: only a LoRA trainer holds its reference (the base model)")
+        return self.logprobs(batch, temperature, method=fsdp_lora.reference_logprobs)
 
     def _loss_bytes(self, loss_fn: LossFn) -> bytes:
         """The loss function pickled by value (closures included), once per distinct function."""
@@ -568,6 +554,7 @@ class FSDPTrainEngine(TrainEngine):
 
     def export_weights(self, master: bool = False) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = self._call("export", [(master,)] * self.world_size, "gather the full weights")[0]
+        self.last_export_bytes = state_bytes(state)
         return state
 
     def save(self, path: str, *, with_optimizer: bool) -> None:
@@ -575,6 +562,8 @@ class FSDPTrainEngine(TrainEngine):
 
         The optimizer file holds the full FSDP optimizer state keyed by parameter name; it is read back
         by `FSDPTrainEngine.load_optimizer` (not by the plain engine, whose file is keyed by index)."""
+        if self.lora is not None:
+            return fsdp_lora.save(self, path, with_optimizer=with_optimizer, config=self._config)
         state = self.export_weights(master=with_optimizer)  # a checkpoint keeps the float32 master weights
         model = AutoModelForCausalLM.from_config(self._config, dtype=torch.float32 if with_optimizer else self.dtype)
         model.load_state_dict(state, strict=True)
@@ -587,6 +576,8 @@ class FSDPTrainEngine(TrainEngine):
 
     def load_optimizer(self, path: str) -> None:
         """Restore the optimizer state written by `save(..., with_optimizer=True)` (every rank reads it)."""
+        if self.lora is not None:  # a LoRA checkpoint holds the adapter; the base model is the run's
+            self._call(fsdp_lora.load_adapter, [(path,)] * self.world_size, "load the adapter")
         positions = self._call("load_optimizer", [(path, self.mini_batches)] * self.world_size, "load the optimizer state")
         self.steps_done = positions[0]
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import EngineOutOfMemory, GenRequest, GenResult, InferenceEngine, WeightUpdateMode
 from asyncflow.engines.kv_cache import returned_cache, with_cache
 from asyncflow.errors import RunFailed, UserError
@@ -165,6 +166,7 @@ class HFEngine(InferenceEngine):
         self._busy = 0.0
         self.steps = 0
         self.counts = {"prefills": 0, "prefill_rows": 0, "decode_rows": 0, "out_of_memory": 0}  # diagnostics
+        self._lora_base: dict[str, torch.Tensor] = {}  # LoRA: base weights of the adapted modules (lora.merge_into)
         self._thread = threading.Thread(target=self._loop, name=f"asyncflow-{name}", daemon=True)
         self._thread.start()
 
@@ -328,7 +330,8 @@ class HFEngine(InferenceEngine):
             self._rows, self._cache, self._mask = [], None, None
             with self._cv:
                 self._waiting.extendleft(reversed(evicted))  # re-prefilled first, with tokens so far
-        problem = _state_mismatch(self.model, pending.state)
+        adapter = lora_adapter.is_adapter(pending.state)
+        problem = (lora_adapter.adapter_mismatch if adapter else _state_mismatch)(self.model, pending.state)
         if problem is not None:  # refused before any tensor is copied: the engine keeps serving the old weights
             with self._cv:
                 if self._pending is pending:
@@ -337,7 +340,11 @@ class HFEngine(InferenceEngine):
                 pending.done.set_exception(ValueError(f"engine {self.name}: version {pending.version}'s weights do not "
                                                       f"fit the model: {problem}"))
             return
-        self.model.load_state_dict(pending.state, strict=True)
+        if adapter:  # a LoRA publication: merged onto the kept base weights of the modules it adapts
+            lora_adapter.merge_into(self.model, pending.state, self._lora_base)
+        else:
+            self.model.load_state_dict(pending.state, strict=True)
+            self._lora_base.clear()  # (full weights replace the base an adapter merges onto)
         self.version = pending.version
         with self._cv:
             if self._pending is pending:

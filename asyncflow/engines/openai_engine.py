@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
 from asyncflow.engines.http_client import HTTPError, close_pool, request_json
 from asyncflow.engines.server_sync import WeightFolderWriter, WeightSync, make_weight_sync
@@ -40,6 +41,7 @@ class OpenAIEngine(InferenceEngine):
         self.writer = writer
         self.server_type = server_type
         self.model = model
+        self.adapter: str | None = None  # the LoRA adapter's name on the server, once one is loaded
         self.token = token
         self.max_batch = max_batch
         self.request_timeout_s = request_timeout_s
@@ -85,6 +87,8 @@ class OpenAIEngine(InferenceEngine):
         }
         if request.top_k > 0:
             body["top_k"] = request.top_k
+        if self.adapter is not None:  # a served LoRA adapter: vLLM takes its name as the model, SGLang as lora_path
+            body["model" if self.server_type == "vllm" else "lora_path"] = self.adapter
         if self.server_type == "vllm":  # vLLM's documented extras: generated ids in the reply
             body.update(return_token_ids=True, return_tokens_as_token_ids=True)
         sent_version = self.version
@@ -106,7 +110,11 @@ class OpenAIEngine(InferenceEngine):
         folder = await self.writer.folder_for(state, version)
         for attempt in range(2):
             try:
-                await self.sync.load(self.base_url, folder, version, mode, token=self.token, timeout=self.sync_timeout_s)
+                if lora_adapter.is_adapter(state):  # a LoRA publication: the server's LoRA route (server_sync)
+                    self.adapter = await self.sync.load_adapter(self.base_url, folder, version, mode, token=self.token,
+                                                                timeout=self.sync_timeout_s)
+                else:
+                    await self.sync.load(self.base_url, folder, version, mode, token=self.token, timeout=self.sync_timeout_s)
                 break
             except HTTPError as exc:
                 if attempt or not self._recoverable(exc):

@@ -9,6 +9,12 @@ to load it through its own HTTP API:
                                                         vllm:      POST /pause, /collective_rpc reload_weights, /resume
                                                         sglang:    POST /update_weights_from_disk
 
+A LoRA run (`model.lora`) publishes an adapter: it is written as a PEFT adapter folder
+(adapter_config.json + adapter_model.safetensors) and loaded through `WeightSync.load_adapter`:
+asyncflow serve merges it through the same admin route; vLLM loads it with `POST /v1/load_lora_adapter`
+(the server runs with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) and SGLang with
+`POST /load_lora_adapter`; requests then name the adapter.
+
 So the writers (the driver's engines, or on Ray the rollout actors, which take turns through a file
 lock in the folder) and the servers must share a file system (one machine, or a shared mount).
 Only the asyncflow backend is exercised against a real server in this repository's tests; the vLLM
@@ -29,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import WeightUpdateMode
 from asyncflow.engines.http_client import HTTPError, request_json
 from asyncflow.errors import WaitTimeout
@@ -46,6 +53,13 @@ class WeightSync(abc.ABC):
     async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
                    token: str | None, timeout: float) -> None:
         """Make the server at `base_url` generate with the weights in `folder` from now on."""
+
+    async def load_adapter(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
+                           token: str | None, timeout: float) -> str | None:
+        """Make the server generate with the PEFT adapter in `folder`; returns the name requests must
+        give to use it (None: the server merged it into its model, which keeps its name)."""
+        await self.load(base_url, folder, version, mode, token=token, timeout=timeout)
+        return None
 
 
 class AsyncflowSync(WeightSync):
@@ -84,6 +98,28 @@ class VLLMSync(WeightSync):
         await resume()
 
 
+    async def load_adapter(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
+                           token: str | None, timeout: float) -> str | None:
+        """`POST /v1/load_lora_adapter` under one name, replaced in place each version (`load_inplace`);
+        requests in flight finish on the adapter they started with (modes do not apply). Untested here."""
+        body = {"lora_name": ADAPTER_NAME, "lora_path": str(folder.resolve()), "load_inplace": True}
+        await post_accepting_text(f"{base_url}/v1/load_lora_adapter", body, token=token, timeout=timeout)
+        return ADAPTER_NAME
+
+
+ADAPTER_NAME = "asyncflow-lora"  # the served adapter's name on vLLM and SGLang
+
+
+async def post_accepting_text(url: str, body: Any, *, token: str | None, timeout: float) -> Any:
+    """A POST whose successful reply may be plain text (vLLM's LoRA routes answer "Success: ...")."""
+    try:
+        return await request_json("POST", url, body, token=token, timeout=timeout)
+    except HTTPError as exc:
+        if exc.status == 200:
+            return None
+        raise
+
+
 class SGLangSync(WeightSync):
     """SGLang's `POST /update_weights_from_disk {model_path, abort_all_requests, weight_version}`;
     abort aborts in-flight requests first, drain and swap let SGLang finish them before it loads."""
@@ -95,6 +131,22 @@ class SGLangSync(WeightSync):
         reply = await request_json("POST", f"{base_url}/update_weights_from_disk", body, token=token, timeout=timeout)
         if not isinstance(reply, dict) or reply.get("success") is not True:
             raise HTTPError(200, f"{base_url}/update_weights_from_disk failed: {reply!r}")
+
+
+    async def load_adapter(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
+                           token: str | None, timeout: float) -> str | None:
+        """`POST /unload_lora_adapter` of the previous version's name, then `POST /load_lora_adapter`
+        under this version's (SGLang refuses a name already loaded). Untested here."""
+        name = f"{ADAPTER_NAME}-v{version}"
+        if version > 0:
+            with contextlib.suppress(HTTPError):  # (none loaded yet: a start or a restarted server)
+                await post_accepting_text(f"{base_url}/unload_lora_adapter", {"lora_name": f"{ADAPTER_NAME}-v{version - 1}"},
+                                          token=token, timeout=timeout)
+        reply = await post_accepting_text(f"{base_url}/load_lora_adapter",
+                                          {"lora_name": name, "lora_path": str(folder.resolve())}, token=token, timeout=timeout)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise HTTPError(200, f"{base_url}/load_lora_adapter failed: {reply!r}")
+        return name
 
 
 def make_weight_sync(server_type: str) -> WeightSync:
@@ -140,7 +192,10 @@ class WeightFolderWriter:
 
     def _write_once(self, state: dict[str, Any], version: int) -> Path:
         """`_write` under the root's lock, unless this session already wrote `version` there."""
-        folder = self.root if self.in_place else self.root / f"v{version:06d}"
+        if lora_adapter.is_adapter(state):
+            folder = self.root / f"a{version:06d}"
+        else:
+            folder = self.root if self.in_place else self.root / f"v{version:06d}"
         stamp = f"{self.session} {version}"
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / ".asyncflow-write.lock", "a") as lock:
@@ -165,6 +220,8 @@ class WeightFolderWriter:
     def _write(self, state: dict[str, Any], version: int, stamp: str) -> Path:
         from safetensors.torch import save_file
 
+        if lora_adapter.is_adapter(state):  # (in a versioned folder even for vLLM: it loads adapters by path)
+            return self._write_adapter(state, version, stamp)
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
         if self.in_place:
             self._check_in_place_folder()
@@ -186,6 +243,20 @@ class WeightFolderWriter:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in self.root.glob("v*"):
+            if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _write_adapter(self, state: dict[str, Any], version: int, stamp: str) -> Path:
+        """A published LoRA adapter as the PEFT folder `root/a<version>/` (older ones removed)."""
+        final = self.root / f"a{version:06d}"
+        tmp = self.root / f".a{version:06d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        lora_adapter.write_folder(state, tmp)
+        (tmp / self.MARKER).write_text(stamp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in self.root.glob("a*"):
             if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
                 shutil.rmtree(old, ignore_errors=True)
         return final

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine
+from asyncflow.engines import lora as lora_adapter
+from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine, state_bytes
 from asyncflow.engines.lr_schedule import LrSchedule, mark_steps, restored_steps, set_lr
 from asyncflow.errors import RunFailed, UserError
 
@@ -166,27 +168,40 @@ class TorchTrainEngine(TrainEngine):
         dtype: torch.dtype = torch.float32,
         schedule: LrSchedule | None = None,
         gradient_checkpointing: bool = False,
+        lora: Any = None,
     ) -> None:
         if isinstance(model, (str, Path)):
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        self.lora = lora  # the `model.lora` section (None: full fine-tuning)
+        policy: Any = model if lora is None else lora_adapter.wrap(model, lora)
         # float32 master weights (see compute_dtype_context); eval mode: no dropout, as RL trainers run
         # (with it the proximal log-probs and the ratio's first value would be noisy samples)
-        self.model = eval_mode(model.to(device=device, dtype=torch.float32), gradient_checkpointing)  # type: ignore[arg-type,call-arg]
+        self.model = eval_mode(policy.to(device=device, dtype=torch.float32), gradient_checkpointing)
         self.device = torch.device(device)
         self.dtype = dtype  # the compute dtype: passes, exported and final weights
         self.mini_batches = mini_batches
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # (LoRA: the adapter's)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=lr, weight_decay=weight_decay)
+        # LoRA: the reference pass turns the adapter off for the whole model, so no other pass may run meanwhile
+        self._passes: contextlib.AbstractContextManager[Any] = threading.RLock() if lora else contextlib.nullcontext()
         self.schedule = schedule or LrSchedule(lr, mini_batches=mini_batches)
         self.steps_done = 0  # train steps taken: the schedule's position (restored with the optimizer)
 
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
-        with torch.no_grad(), compute_dtype_context(self.device, self.dtype):
+        with self._passes, torch.no_grad(), compute_dtype_context(self.device, self.dtype):
             parts = [token_logprobs(self.model, mb, temperature)[0] for mb in self._micro(batch)]
         return torch.cat(parts).cpu()  # (batches live on the CPU, where they are built)
+
+    def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        """LoRA: the KL reference is the base model, i.e. this model with its adapter off."""
+        if self.lora is None:
+            raise ValueError("reference_logprobs: only a LoRA trainer holds its reference (the base model)")
+        with self._passes, self.model.disable_adapter():
+            return self.logprobs(batch, temperature)
 
     def _micro(self, batch: TrainBatch) -> list[TrainBatch]:
         """The micro-batches, each on the model's device."""
@@ -196,7 +211,13 @@ class TorchTrainEngine(TrainEngine):
         order = list(range(len(batch)))
         parts = [p for p in (order[i :: self.mini_batches] for i in range(self.mini_batches)) if p]
         rates = self.schedule.rates(self.steps_done)
-        steps = [self._optimizer_step(batch.select(p), loss_fn, temperature, lr) for p, lr in zip(parts, rates, strict=False)]  # (parts: the non-empty ones)
+        with self._passes:
+            lora_adapter.set_dropout(self.model, True)
+            try:
+                steps = [self._optimizer_step(batch.select(p), loss_fn, temperature, lr)
+                         for p, lr in zip(parts, rates, strict=False)]  # (parts: the non-empty ones)
+            finally:
+                lora_adapter.set_dropout(self.model, False)
         self.steps_done += 1
         mark_steps(self.optimizer, self.steps_done)
         return combine_metrics(steps, mean=True)
@@ -219,23 +240,32 @@ class TorchTrainEngine(TrainEngine):
             parts.append(part)
         sums = combine_metrics(parts, mean=False)
         clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        if not finish_optimizer_step(self.optimizer, float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)),
+        if not finish_optimizer_step(self.optimizer, float(torch.nn.utils.clip_grad_norm_(self.trainable, clip)),
                                      sums):
             raise nonfinite_weights_error(sums["grad_norm"], lr)
         sums["lr"] = lr
         return sums
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        # CPU copies in the compute dtype: engines load them onto their own devices, and a Ray actor
-        # without a GPU can unpickle them
-        return {k: v.detach().to("cpu", dtype=self.dtype if v.is_floating_point() else v.dtype, copy=True)
-                for k, v in self.model.state_dict().items()}
+        if self.lora is not None:  # the adapter alone (engines merge or serve it: asyncflow.engines.lora)
+            with self._passes:
+                state = lora_adapter.adapter_state(self.model, self.dtype)
+        else:  # CPU copies in the compute dtype: engines load them onto their own devices, and a Ray
+            # actor without a GPU can unpickle them
+            state = {k: v.detach().to("cpu", dtype=self.dtype if v.is_floating_point() else v.dtype, copy=True)
+                     for k, v in self.model.state_dict().items()}
+        self.last_export_bytes = state_bytes(state)
+        return state
 
     def save(self, path: str, *, with_optimizer: bool) -> None:
         """A checkpoint (`with_optimizer`) keeps the float32 master weights, so a resume continues
         exactly; the final folder is in the compute dtype (`model.dtype`), as the model came."""
         os.makedirs(path, exist_ok=True)
-        if with_optimizer or self.dtype == torch.float32:
+        if self.lora is not None:  # the adapter in PEFT layout (+ final/merged on request)
+            merged = self.dtype if self.lora.save_merged and not with_optimizer else None
+            with self._passes:
+                lora_adapter.save(self.model, path, merged_dtype=merged)
+        elif with_optimizer or self.dtype == torch.float32:
             self.model.save_pretrained(path)
         else:
             self.model.save_pretrained(path, state_dict=self.export_weights())
@@ -255,6 +285,8 @@ class TorchTrainEngine(TrainEngine):
 
     def load_optimizer(self, path: str) -> None:
         """Restore the optimizer state written by `save(..., with_optimizer=True)`."""
+        if self.lora is not None:  # a LoRA checkpoint holds the adapter; the base model is the run's
+            lora_adapter.load_adapter_weights(self.model, path)
         # onto the CPU: load_state_dict moves each state tensor to its parameter's device itself, except
         # AdamW's `step` counters, which stay on the CPU (on a GPU they would cost a sync per step)
         with keep_hyperparameters(self.optimizer):

@@ -20,7 +20,12 @@ Per-token versions are conservative in `swap`: a token is tagged with the new ve
 arrived after the load returned, so a token can be labelled older than it is, never newer (staleness
 is over-, never under-counted).
 
-Never run here: this machine has no GPU and no vLLM (docs/engines.md).
+LoRA (`model.lora`): vLLM runs with `enable_lora`; a published adapter is written as a PEFT folder
+and new requests carry a `LoRARequest` naming it (one id per version; vLLM's LRU cache of adapters
+evicts the old ones). A request keeps the adapter it was submitted with, so its tokens carry that
+adapter's version (an abort-mode resubmission takes the new one).
+
+Never run here: this machine has no GPU and no vLLM (docs/engines.md); the LoRA path is untested.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any
 
 import torch
 
+from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
 from asyncflow.errors import WaitTimeout
 
@@ -83,14 +89,16 @@ class VLLMEngine(InferenceEngine):
         gpu_memory_utilization: float = 0.5,
         max_model_len: int | None = None,
         timeout_s: float = 600.0,
+        lora_rank: int | None = None,
     ) -> None:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        lora: dict[str, Any] = {} if lora_rank is None else {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 2}
         args = AsyncEngineArgs(
             model=str(model_dir), dtype=dtype, seed=seed, max_num_seqs=max_batch,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            enable_prefix_caching=False, logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
+            enable_prefix_caching=False, logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION, **lora,
         )
         self._setup(AsyncLLM.from_engine_args(args), max_batch, timeout_s)
 
@@ -106,6 +114,7 @@ class VLLMEngine(InferenceEngine):
         self._ids = itertools.count()
         self._busy = 0.0
         self._busy_since: float | None = None
+        self._lora: tuple[Any, int] | None = None  # (LoRARequest, its version) once an adapter is published
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._dir = tempfile.mkdtemp(prefix="asyncflow-vllm-", dir=shm)
 
@@ -158,13 +167,15 @@ class VLLMEngine(InferenceEngine):
                 prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids) + row.tokens)
                 reason = None
                 row.streaming = True
+                adapter, adapter_version = self._lora or (None, None)
+                extra = {} if adapter is None else {"lora_request": adapter}
                 try:
-                    async for out in self.llm.generate(prompt, params, row.request_id):
+                    async for out in self.llm.generate(prompt, params, row.request_id, **extra):
                         done = out.outputs[0]
                         for j, tok in enumerate(done.token_ids):
                             row.tokens.append(int(tok))
                             logprobs.append(float(done.logprobs[j][tok].logprob))
-                            row.versions.append(self.version)
+                            row.versions.append(self.version if adapter_version is None else adapter_version)
                         if out.finished:
                             reason = done.finish_reason
                 finally:
@@ -202,6 +213,8 @@ class VLLMEngine(InferenceEngine):
     async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
         from safetensors.torch import save_file
 
+        if lora_adapter.is_adapter(state):
+            return await self._load_adapter(state, version, mode)
         start = time.monotonic()
         # (a unique name: a cancelled load of the same version may still be writing its file)
         path = os.path.join(self._dir, f"v{version}-{next(self._ids)}.safetensors")
@@ -229,6 +242,34 @@ class VLLMEngine(InferenceEngine):
                 _remove(path)
             else:  # cancelled while the file is written: remove it once it is (it is hundreds of MB in /dev/shm)
                 save.add_done_callback(lambda _: _remove(path))
+
+    async def _load_adapter(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
+        """A LoRA publication: new requests name it (`LoRARequest`); drain and abort first stop the
+        running ones as for full weights. Untested (no GPU here)."""
+        from vllm.lora.request import LoRARequest
+
+        start = time.monotonic()
+        folder = os.path.join(self._dir, f"a{version}")
+        await asyncio.to_thread(lora_adapter.write_folder, state, folder)
+        request = LoRARequest(lora_name=f"asyncflow-v{version}", lora_int_id=version + 1, lora_path=folder)
+        if mode == "swap":
+            self._lora = (request, version)
+        else:
+            self._admit.clear()
+            try:
+                if mode == "abort":
+                    for r in list(self._running.values()):
+                        r.restart = True
+                        await self.llm.abort(r.request_id)
+                await self._wait_idle(version)
+                self._lora = (request, version)
+            finally:
+                self._admit.set()
+        self.version = version
+        for old in Path(self._dir).glob("a*"):  # (two newest kept: requests may still load the previous one)
+            if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                shutil.rmtree(old, ignore_errors=True)
+        return time.monotonic() - start
 
     async def _rpc_load(self, path: str, version: int) -> None:
         try:

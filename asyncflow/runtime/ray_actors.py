@@ -293,6 +293,12 @@ class TrainerWorker:
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         return self.engine.train_step(batch, loss_fn, temperature)
 
+    def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        return self.engine.reference_logprobs(batch, temperature)
+
+    def export_bytes(self) -> int | None:
+        return self.engine.export_bytes()
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.export_weights()
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.config import Config
-from asyncflow.engines.base import quiet_transformers
+from asyncflow.engines.base import quiet_transformers, state_bytes
 from asyncflow.engines.fsdp_train import FSDPRank, FSDPTrainEngine, RankMethod, WorkerSpec
 from asyncflow.errors import WaitTimeout
 from asyncflow.runtime.ray_actors import TrainerWorker, weight_port
@@ -197,7 +197,7 @@ def _export_ref(rank: FSDPRank, master: bool) -> list[Any] | None:
     import ray
 
     state = rank.export(master)  # a collective: every rank takes part
-    return None if state is None else [ray.put(state)]  # in a list: the driver gets the reference, not the value
+    return None if state is None else [ray.put(state), state_bytes(state)]  # (a list: the reference, not the value)
 
 
 class RayFSDPTrainEngine(FSDPTrainEngine):
@@ -234,7 +234,8 @@ def start_ray_fsdp(model_dir: str | Path, *, actor_options: list[dict[str, Any]]
 
 def export_ref(engine: FSDPTrainEngine, master: bool = False) -> Any:
     """The full weights as an `ObjectRef` of rank 0's (for any FSDP engine over Ray links)."""
-    return engine.call_ranks(_export_ref, [(master,)] * engine.world_size, "gather the full weights")[0][0]
+    ref, engine.last_export_bytes = engine.call_ranks(_export_ref, [(master,)] * engine.world_size, "gather the full weights")[0]
+    return ref
 
 
 def _port(rank: FSDPRank) -> WeightPort:

@@ -277,6 +277,12 @@ class RemoteTrainEngine(TrainEngine):
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         return self._get(self.handle.logprobs.remote(batch, temperature), "compute log-probs")  # type: ignore[no-any-return]
 
+    def export_bytes(self) -> int | None:
+        return self._get(self.handle.export_bytes.remote(), "report the size of its export")  # type: ignore[no-any-return]
+
+    def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        return self._get(self.handle.reference_logprobs.remote(batch, temperature), "compute reference log-probs")  # type: ignore[no-any-return]
+
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
         metrics = self._get(self.handle.train_step.remote(batch, loss_fn, temperature), "train a step")
         self.steps += 1
@@ -288,6 +294,11 @@ class RemoteTrainEngine(TrainEngine):
         self.exported += 1
         if self.channel is not None:
             return self.channel.publish(self.exported)
+        return StoredWeights(self.export_ref())
+
+    def stored_weights(self) -> StoredWeights:
+        """The current weights in the object store, not published as a new version (a LoRA resume
+        loads the checkpoint's adapter into the engines with them)."""
         return StoredWeights(self.export_ref())
 
     # the sender's side of `WeightChannel` (calls return object references; the channel waits)

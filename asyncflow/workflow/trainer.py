@@ -14,7 +14,7 @@ import torch
 from asyncflow.algorithms.advantages import overlong_penalty
 from asyncflow.algorithms.losses import kl_estimate
 from asyncflow.config import max_generated_tokens
-from asyncflow.engines.base import TrainBatch
+from asyncflow.engines.base import TrainBatch, state_bytes
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue import Lease, SampleView
 from asyncflow.workflow.batch import (
@@ -196,7 +196,7 @@ class TrainerStage(StageBase):
         with self.tracer.timed("trainer", f"train step {step}", samples=len(samples)):
             metrics, tokens = await self._optimize(samples, valid, rewards)
         self.counters.train_busy_s += self.clock.now() - t0
-        sync_s = await self._publish()
+        sync_s, sync_bytes = await self._publish()
         trained_version = self.version - 1
         staleness: list[int] = []
         logged: list[tuple[SampleView, int | None, str, str | None]] = []
@@ -220,6 +220,7 @@ class TrainerStage(StageBase):
             staleness_mean=sum(staleness) / max(n_valid, 1),
             staleness_max=float(max(staleness, default=0)),
             weight_sync_s=sync_s,
+            **({} if sync_bytes is None else {"weight_sync_bytes": float(sync_bytes)}),
             response_len_mean=length / len(samples),
             **batch_metrics(groups, valid, rewards, filtered),
         )
@@ -286,8 +287,9 @@ class TrainerStage(StageBase):
         metrics["mismatch_kl"] = None if current is None else mismatch_kl(current, batch.behavior_logprobs, same)
         return metrics
 
-    async def _publish(self) -> float:
-        """Version v -> v+1: export weights and load them into every engine."""
+    async def _publish(self) -> tuple[float, int | None]:
+        """Version v -> v+1: export weights and load them into every engine. Returns the seconds it
+        took and the bytes published (None where unknown: FSDP ranks broadcasting over Ray)."""
         start = self.clock.now()
         # in a worker thread, as the train step is: a full copy of the weights (an FSDP gather) held the
         # event loop for it, stalling rollout callbacks, new requests and evaluation (0.7 s at 156M
@@ -311,4 +313,7 @@ class TrainerStage(StageBase):
         for e in self.engines:  # (again: what started meanwhile from the old version, or an abort put back)
             e.cancel_older_than(floor)
         self.tracer.span("weight sync", f"v{new_version}", start, self.clock.now())
-        return self.clock.now() - start
+        seconds, sent = self.clock.now() - start, state_bytes(state)
+        if sent is None:  # (a Ray reference: the trainer actor knows the size; asked after the loads)
+            sent = await asyncio.to_thread(self.trainer.export_bytes)
+        return seconds, sent
