@@ -202,7 +202,8 @@ def loss_settings(cfg: Config) -> Any:
     return LossSettings(
         loss=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, is_level=a.is_level,
         is_cap=a.is_cap, agg=a.agg, norm_length=float(a.norm_length or max_generated_tokens(cfg)),
-        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, m2_threshold=a.m2_threshold, icepop_low=a.icepop_low,
+        icepop_high=a.icepop_high,
     )
 
 
