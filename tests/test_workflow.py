@@ -435,7 +435,7 @@ LOSS_KEYS = {
     "ppo": {"clip_frac", "ratio_mean"}, "decoupled_ppo": {"clip_frac", "is_weight_mean", "is_trunc_frac"},
     "tis": {"is_weight_mean", "is_trunc_frac"}, "mis": {"is_weight_mean", "is_mask_frac"},
     "cispo": {"clip_frac", "ratio_mean"}, "topr": {"is_trunc_frac"}, "gspo": {"clip_frac", "ratio_max"},
-    "reinforce": set(),
+    "reinforce": set(), "m2po": {"m2", "m2_mask_frac", "ratio_max"}, "icepop": {"is_mask_frac", "ratio_mean"},
 }
 
 
