@@ -267,6 +267,8 @@ _LOSS_KEYS: dict[str, tuple[str, ...]] = {
     "topr": ("is_level",),
     "gspo": ("clip_low", "clip_high"),
     "reinforce": (),
+    "m2po": ("m2_threshold",),
+    "icepop": ("icepop_low", "icepop_high"),
 }
 
 
@@ -278,10 +280,15 @@ def _validate_algorithm(cfg: Config, explicit: set[str]) -> None:
     a.clip_low = low if a.clip_low is None else a.clip_low  # resolved per loss (config.yaml shows the value)
     a.clip_high = high if a.clip_high is None else a.clip_high
     used = _LOSS_KEYS[a.loss]
-    for key in ("clip_low", "clip_high", "dual_clip", "is_level", "is_cap", "is_mode"):
+    for key in dict.fromkeys(k for keys in _LOSS_KEYS.values() for k in keys):
         if f"algorithm.{key}" in explicit and key not in used:
             users = ", ".join(loss for loss, keys in _LOSS_KEYS.items() if key in keys)
             raise UserError(f"algorithm.{key}: not used by algorithm.loss={a.loss} (used by: {users}); remove it")
+    if a.loss == "m2po" and a.m2_threshold <= 0:
+        raise UserError("algorithm.m2_threshold: must be > 0 (0 keeps only tokens whose ratio is exactly 1)")
+    if a.loss == "icepop" and not 0 < a.icepop_low < 1 < a.icepop_high:
+        raise UserError(f"algorithm.icepop_low/icepop_high: the window [{a.icepop_low:g}, {a.icepop_high:g}] must "
+                        "hold 1 strictly inside (0 < icepop_low < 1 < icepop_high)")
     if 0 < a.dual_clip <= 1:
         raise UserError(f"algorithm.dual_clip: {a.dual_clip} must be 0 (off) or > 1")
     if a.loss == "mis" and a.is_cap <= 1:

@@ -273,12 +273,13 @@ class AlgorithmConfig:
         "samples; reinforce_pp: (r - batch mean) / batch std (REINFORCE++, no group baseline). Computed at "
         "batch assembly.",
     )
-    loss: Literal["ppo", "decoupled_ppo", "tis", "mis", "cispo", "topr", "gspo", "reinforce"] = _f(
+    loss: Literal["ppo", "decoupled_ppo", "tis", "mis", "cispo", "topr", "gspo", "reinforce", "m2po", "icepop"] = _f(
         "ppo",
         "Policy loss (docs/algorithms.md). ppo: clipped ratio current/behavior; decoupled_ppo: clip against "
         "the proximal policy (recomputed), importance weight proximal/behavior; tis / mis: truncated / "
         "masked importance sampling current/behavior; cispo: clipped IS weight on log pi; topr: tapered "
-        "off-policy REINFORCE; gspo: sequence-level ratio; reinforce: -A log pi.",
+        "off-policy REINFORCE; gspo: sequence-level ratio; reinforce: -A log pi; m2po: ratio current/behavior, "
+        "tokens masked to bound its second moment; icepop: ratio current/behavior, tokens outside a window masked.",
     )
     clip_low: float | None = _f(
         None, "Lower clip: ratio >= 1 - clip_low (ppo, decoupled_ppo, cispo, gspo). null: 0.2, or 3e-4 with "
@@ -306,6 +307,16 @@ class AlgorithmConfig:
         "or below 1/cap).",
         lo=1.0,
     )
+    m2_threshold: float = _f(
+        0.04,
+        "M2PO's second-moment bound (loss=m2po): the fewest tokens with the largest (log r)^2, r = current/behavior, "
+        "are masked so that the kept tokens' mean (log r)^2 is at most this (per micro-batch).",
+        lo=0.0,
+    )
+    icepop_low: float = _f(0.5, "IcePop's window (loss=icepop): tokens whose ratio current/behavior is below this are masked.",
+                           lo=0.0, hi=1.0)
+    icepop_high: float = _f(5.0, "IcePop's window (loss=icepop): tokens whose ratio current/behavior is above this are masked.",
+                            lo=1.0)
     agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo"] = _f(
         "token_mean",
         "Loss aggregation over the mini-batch: token_mean, seq_mean_token_sum, seq_mean_token_mean, or dr_grpo "

@@ -217,7 +217,8 @@ def loss_settings(cfg: Config) -> Any:
         loss=a.loss, clip_low=low if a.clip_low is None else a.clip_low,
         clip_high=high if a.clip_high is None else a.clip_high, dual_clip=a.dual_clip, is_level=a.is_level,
         is_cap=a.is_cap, is_mode=a.is_mode, agg=a.agg, norm_length=float(a.norm_length or max_generated_tokens(cfg)),
-        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, m2_threshold=a.m2_threshold, icepop_low=a.icepop_low,
+        icepop_high=a.icepop_high,
     )
 
 

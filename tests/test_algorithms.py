@@ -193,6 +193,36 @@ def test_tis_truncates_and_mis_masks_the_importance_weight() -> None:
     assert grad[0].tolist() == pytest.approx([-1.8 / 3] * 3)
 
 
+def test_m2po_masks_the_fewest_largest_second_moment_tokens() -> None:
+    behavior = L(0.5, 0.4, 0.3, 0.2, 0.1)
+    log_r = torch.tensor([[0.5, -0.3, 0.1, 0.0, 3.0]])  # (log r)^2: 0.25, 0.09, 0.01, 0, (9: not trained)
+    mask = torch.tensor([[1.0, 1, 1, 1, 0]])
+    # mean over the 4 trained tokens 0.35 / 4 = 0.0875 > 0.04; without the 0.25 one: 0.10 / 3 <= 0.04
+    loss, m, grad = _loss("m2po", behavior + log_r, behavior, [2.0], mask=mask)
+    kept = [0.0, math.exp(-0.3), math.exp(0.1), 1.0, 0.0]  # the ratio r on kept tokens, 0 on masked ones
+    assert grad[0].tolist() == pytest.approx([-r * 2.0 / 4 for r in kept])  # d(-r A)/d log pi = -r A
+    assert float(loss) == pytest.approx(-sum(kept) * 2.0 / 4)
+    assert float(m["m2"]) == pytest.approx(0.0875) and float(m["m2_kept"]) == pytest.approx(0.10 / 4)
+    assert float(m["m2_mask_frac"]) == pytest.approx(0.25)
+    # a tighter bound drops the next largest too (0.01 / 2 <= 0.02); a looser one drops nothing
+    _, m, grad = _loss("m2po", behavior + log_r, behavior, [2.0], mask=mask, m2_threshold=0.02)
+    assert grad[0].tolist() == pytest.approx([0.0, 0.0, -math.exp(0.1) * 2.0 / 4, -2.0 / 4, 0.0])
+    _, m, _ = _loss("m2po", behavior + log_r, behavior, [2.0], mask=mask, m2_threshold=0.1)
+    assert float(m["m2_mask_frac"]) == 0.0
+
+
+def test_icepop_masks_ratios_outside_its_window() -> None:
+    lp, behavior = L(0.6, 0.4, 0.2, 0.3, 0.5), L(0.1, 0.1, 0.5, 0.5, 0.5)  # ratios 6, 4, 0.4, 0.6, 1
+    loss, m, grad = _loss("icepop", lp, behavior, [-1.0])  # window [0.5, 5]
+    kept = [0.0, 4.0, 0.0, 0.6, 1.0]
+    assert grad[0].tolist() == pytest.approx([r / 5 for r in kept])  # -r A / 5 with A = -1
+    assert float(loss) == pytest.approx(5.6 / 5)
+    assert float(m["is_mask_frac"]) == pytest.approx(2 / 5)
+    assert float(m["is_mask_frac_low"]) == pytest.approx(1 / 5) and float(m["is_mask_frac_high"]) == pytest.approx(1 / 5)
+    _, _, grad = _loss("icepop", lp, behavior, [-1.0], icepop_low=0.3, icepop_high=10.0)  # everything kept
+    assert grad[0].tolist() == pytest.approx([6 / 5, 4 / 5, 0.4 / 5, 0.6 / 5, 1 / 5])
+
+
 def test_cispo_keeps_the_gradient_of_clipped_tokens() -> None:
     lp, behavior = L(0.6, 0.25), L(0.4, 0.25)  # ratios 1.5, 1
     _, m, grad = _loss("cispo", lp, behavior, [1.0])
@@ -262,7 +292,7 @@ def test_aggregation_modes_by_hand() -> None:
 
 
 @pytest.mark.parametrize("agg", AGG_NAMES)
-@pytest.mark.parametrize("loss", LOSS_NAMES)
+@pytest.mark.parametrize("loss", [n for n in LOSS_NAMES if n != "m2po"])  # m2po's mask is per micro-batch (by design)
 def test_micro_batch_contributions_add_up_to_the_whole_batch(loss: str, agg: str) -> None:
     g = torch.Generator().manual_seed(0)
     lp = -torch.rand(3, 5, generator=g) * 2
@@ -427,7 +457,7 @@ def test_the_clip_becomes_active_only_with_several_mini_batches(tiny_model: torc
 
 
 # ---------------------------------------------------------------------------------------------------
-# issue 35: topr's sequence form, decoupled_ppo's masking mode
+# topr's sequence form, decoupled_ppo's masking mode, the KL estimators' directions
 
 
 def test_topr_sequence_level_tapers_by_the_trajectory_ratio() -> None:
@@ -480,3 +510,23 @@ def test_kl_terms_expected_gradients_name_the_right_direction() -> None:
     torch.testing.assert_close(grad(expected("k3")), reverse)
     torch.testing.assert_close(grad(expected("k1")), torch.zeros(4, dtype=torch.float64))
     assert not torch.allclose(forward, reverse)
+
+
+def test_decoupled_ppo_with_one_mini_batch_is_tis_with_the_proximal_weight(tiny_model: torch.nn.Module) -> None:
+    """With train.mini_batches 1, decoupled_ppo's only optimizer step sees pi_theta = pi_prox: its clip
+    never acts and its gradient is tis's, -min(pi_prox / mu, is_cap) A grad log pi (no trust region)."""
+    from asyncflow.engines.torch_train import TorchTrainEngine
+
+    batch = _engine_batch(tiny_model)
+    g = torch.Generator().manual_seed(1)
+    batch.behavior_logprobs = batch.behavior_logprobs + (torch.rand(6, 8, generator=g) - 0.5) * 2 * batch.response_mask
+    grads = {}
+    for loss in ("decoupled_ppo", "tis"):
+        engine = TorchTrainEngine(copy.deepcopy(tiny_model), lr=0.0)
+        batch.proximal_logprobs = engine.logprobs(batch, 1.0) if loss == "decoupled_ppo" else None
+        m = engine._optimizer_step(batch, make_loss_fn(LossSettings(loss=loss)), 1.0, 0.0)
+        assert m["is_trunc_frac"] > 0.0  # some weights above the cap: the truncation is exercised
+        grads[loss] = torch.cat([p.grad.flatten() for p in engine.model.parameters() if p.grad is not None])
+        if loss == "decoupled_ppo":
+            assert m["clip_frac"] == 0.0 and m["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert torch.allclose(grads["decoupled_ppo"], grads["tis"], rtol=1e-4, atol=1e-7)

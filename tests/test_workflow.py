@@ -435,7 +435,7 @@ LOSS_KEYS = {
     "ppo": {"clip_frac", "ratio_mean"}, "decoupled_ppo": {"clip_frac", "is_weight_mean", "is_trunc_frac"},
     "tis": {"is_weight_mean", "is_trunc_frac"}, "mis": {"is_weight_mean", "is_mask_frac"},
     "cispo": {"clip_frac", "ratio_mean"}, "topr": {"is_trunc_frac"}, "gspo": {"clip_frac", "ratio_max"},
-    "reinforce": set(),
+    "reinforce": set(), "m2po": {"m2", "m2_mask_frac", "ratio_max"}, "icepop": {"is_mask_frac", "ratio_mean"},
 }
 
 
@@ -460,6 +460,23 @@ def test_every_policy_loss_trains_on_arith(
         assert LOSS_KEYS[loss] | {"loss", "pg_loss", "entropy", "grad_norm"} <= set(r), sorted(r)
         assert all(isinstance(r[k], float) and r[k] == r[k] for k in ("loss", "pg_loss", "entropy", "grad_norm"))
     assert any(r["grad_norm"] > 0 for r in rows)  # the loss produced a gradient
+
+
+def test_decoupled_ppo_proximal_log_probs_are_the_trainers_before_its_step(
+    arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one mini-batch the only optimizer step starts from pi_prox: the ratio pi_theta / pi_prox is 1
+    on every token. A recompute from other weights (an older or already-updated policy) breaks that."""
+    _write_reward_module(tmp_path, "varied_rewards", VARIED_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "dppo"
+    _run(arith_dir, out, ["algorithm.loss=decoupled_ppo", "train.max_steps=4", "train.mini_batches=1", "eval.every=0",
+                          "eval.size=16", "workflow.max_staleness=2", "reward.fn=varied_rewards:score"])
+    rows = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"]
+    for r in rows:
+        assert r["ratio_max"] == pytest.approx(1.0, abs=1e-4) and r["ratio_min"] == pytest.approx(1.0, abs=1e-4)
+        assert r["clip_frac"] == 0.0
+    assert any(r["staleness_mean"] > 0 and r["is_weight_max"] != pytest.approx(1.0, abs=1e-4) for r in rows)
 
 
 def test_kl_to_the_reference_comes_from_its_own_stage(

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncflow.algorithms.stale_losses import icepop_objective, m2po_objective
 from asyncflow.engines.base import LossFn, Norm, TrainBatch
 
-LOSS_NAMES = ("ppo", "decoupled_ppo", "tis", "mis", "cispo", "topr", "gspo", "reinforce")
+LOSS_NAMES = ("ppo", "decoupled_ppo", "tis", "mis", "cispo", "topr", "gspo", "reinforce", "m2po", "icepop")
 AGG_NAMES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 _K3_CLAMP = 20.0  # |log pi - log ref| at most this in k3 (see kl_estimate)
@@ -54,6 +55,9 @@ class LossSettings:
     norm_length: float = 1.0  # dr_grpo's constant L
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    m2_threshold: float = 0.04  # m2po: the kept tokens' mean (log r)^2 at most this
+    icepop_low: float = 0.5  # icepop: tokens with r outside [low, high] are masked
+    icepop_high: float = 5.0
 
 
 LOG_RATIO_LIMIT = 20.0  # |log ratio| is clamped here before exp (policy_loss)
@@ -181,6 +185,9 @@ def policy_loss(
     - `gspo`: max(-A s, -A clip(s, 1-cl, 1+ch)) with s = sg(exp(mean_t log r)) * pi_theta / sg(pi_theta)
       per token (a sequence-level ratio whose gradient flows through every token)
     - `reinforce`: -A log pi_theta (no ratio: on-policy)
+    - `m2po`: -M A r, M masking the fewest largest-(log r)^2 tokens so the rest have mean (log r)^2 <=
+      `m2_threshold` (taken over this micro-batch: the one loss not invariant to micro_batch_size)
+    - `icepop`: -M A r, M masking tokens with r outside [icepop_low, icepop_high]
     plus `kl_coef` * KL estimate to the reference where given.
     """
     s = settings
@@ -238,6 +245,12 @@ def _objective(
         metrics.update(_masked_stats("ratio", ratio, mask, t))
     elif s.loss == "reinforce":
         per_token = -adv * logprobs
+    elif s.loss in ("m2po", "icepop"):
+        if s.loss == "m2po":
+            per_token, metrics = m2po_objective(log_r, adv, mask, t, s.m2_threshold)
+        else:
+            per_token, metrics = icepop_objective(log_r, adv, mask, t, s.icepop_low, s.icepop_high)
+        metrics.update(_masked_stats("ratio", torch.exp(log_r), mask, t))
     else:
         raise ValueError(f"unknown policy loss {s.loss!r}; known: {', '.join(LOSS_NAMES)}")
     return per_token, metrics
