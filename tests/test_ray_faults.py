@@ -147,10 +147,9 @@ def test_a_killed_rollout_actor_is_restarted_and_the_run_completes(ray_session, 
     summary = train(_config(arith_dir, f"runtime.weight_sync={weight_sync}"), out, progress_enabled=True)
     thread.join(timeout=30)
     assert "killed_at" in info, info
-    if weight_sync == "collective":  # a group before the death and one after the restart, every version delivered
-        sync = summary["weight_sync"]
-        assert sync["path"] == "collective" and sync["groups_built"] >= 2, sync
-        assert sync["broadcast"] + sync["from_object_store"] >= STEPS - 1 and sync["broadcast"] >= 2, sync
+    if weight_sync == "collective":  # a group before the death and one built again with the restarted actor
+        sync = summary["weight_sync"]  # (versions published while it was down reach it as the latest, below)
+        assert sync["path"] == "collective" and sync["groups_built"] >= 2 and sync["broadcast"] >= 2, sync
     else:
         assert summary["weight_sync"] == {"path": "object_store"}
     prefix = watch.workers.prefix

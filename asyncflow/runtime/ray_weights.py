@@ -21,6 +21,7 @@ always names the weights it came with.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,9 @@ from asyncflow.engines.weight_sync import (
 )
 from asyncflow.errors import WaitTimeout
 from asyncflow.runtime.ray_errors import dead_actor_error
+
+MISSED = object()  # a broadcast that did not reach its member (it then loads from the object store)
+STATUS_TIMEOUT_S = 10.0  # reading the result of a call `ray.wait` already reported as finished
 
 # ---------------------------------------------------------------------------------------------------
 # actor side: the trainer's rank 0 and each rollout actor hold one
@@ -132,22 +136,47 @@ class Broadcast:
         self._stored: Any = None
 
     async def deliver(self, engine: Any, version: int, mode: str) -> Any:
-        import ray
-
+        """Load this version into one `RemoteEngine`'s actor; its reply, or None if the actor died."""
         if engine.actor_id in self.ranks:
-            try:
-                reply = await engine.unless_down(engine.handle.receive_weights.remote(version, mode),
-                                                 f"receive policy version {version} by broadcast")
+            reply = await self._receive(engine, version, mode)
+            if reply is not MISSED:
                 self.channel.delivered += reply is not None
                 return reply
-            except ray.exceptions.RayTaskError as exc:
-                if dead_actor_error(exc) is not None:
-                    raise
-                self.channel.failed(f"{engine.name} missed the broadcast of version {version} "
-                                    f"({type(exc.cause).__name__}); it loads it from the object store")
         self.channel.fallbacks += 1
         return await engine.unless_down(engine.handle.load_weights.remote(self.catch_up(), version, mode),
                                         f"load policy version {version}")
+
+    async def _receive(self, engine: Any, version: int, mode: str) -> Any:
+        """The broadcast's reply, or MISSED when the receive failed or the trainer's send did first (a
+        receive left waiting for a send that failed would wait out its whole timeout)."""
+        import ray
+
+        ref = engine.handle.receive_weights.remote(version, mode)
+        recv = asyncio.ensure_future(engine.unless_down(ref, f"receive policy version {version} by broadcast"))
+        sent = asyncio.ensure_future(self._sent())
+        try:
+            done, _ = await asyncio.wait({recv, sent}, return_when=asyncio.FIRST_COMPLETED)
+            if recv not in done and sent.exception() is not None:
+                ray.cancel(ref)
+                why = type(sent.exception()).__name__
+            else:
+                try:
+                    return await recv
+                except ray.exceptions.RayTaskError as exc:
+                    if dead_actor_error(exc) is not None:
+                        raise
+                    why = type(exc.cause).__name__
+        finally:
+            for task in (recv, sent):
+                if not task.done():
+                    task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self.channel.failed(f"{engine.name} missed the broadcast of version {version} ({why}); it loads it "
+                            "from the object store")
+        return MISSED
+
+    async def _sent(self) -> None:
+        await self.send
 
     def catch_up(self) -> Any:
         if self._stored is None:
@@ -163,7 +192,10 @@ class WeightChannel:
     def __init__(self, sender: Any, engines: list[Any], backend: str, timeout_s: float,
                  log: Callable[[str], None]) -> None:
         self.sender, self.engines, self.backend, self.timeout_s, self.log = sender, engines, backend, timeout_s, log
-        self.members: list[int] | None = None
+        # the group's members as (engine index, incarnation): a restarted actor is a new process that
+        # must join again even where the index list is the same
+        self.members: list[tuple[int, int]] | None = None
+        self.last_send: Any = None  # the previous publication's send (a failed one leaves the sender groupless)
         self.epoch = 0  # groups built so far
         self.delivered = 0  # loads by broadcast, and from the object store (misses, restarts, no group)
         self.fallbacks = 0
@@ -182,14 +214,31 @@ class WeightChannel:
         live = [i for i, e in enumerate(self.engines) if not e.down and e.gone is None]
         if not live:
             return StoredWeights(self.sender.export_ref())
-        if live != self.members:
+        if self._send_failed():
+            self.failed("the trainer's last broadcast failed; the group is built again")
+        members = [(i, self.engines[i].incarnation) for i in live]
+        if members != self.members:
             try:
                 self._rebuild(live)
             except (WaitTimeout, RuntimeError) as exc:
                 self.failed(f"could not rebuild the group ({exc}); version {version} goes through the object store")
                 return StoredWeights(self.sender.export_ref())
+            self.members = members
         ranks = {self.engines[i].actor_id: k + 1 for k, i in enumerate(live)}
-        return Broadcast(self, version, ranks, self.sender.send_weights(version))
+        self.last_send = self.sender.send_weights(version)
+        return Broadcast(self, version, ranks, self.last_send)
+
+    def _send_failed(self) -> bool:
+        """Whether the previous publication's send ended in an error (not waiting for one still running)."""
+        import ray
+
+        if self.last_send is None or not ray.wait([self.last_send], timeout=0)[0]:
+            return False
+        try:
+            ray.get(self.last_send, timeout=STATUS_TIMEOUT_S)
+        except ray.exceptions.RayError:
+            return True
+        return False
 
     def _rebuild(self, live: list[int]) -> None:
         import ray
@@ -207,4 +256,3 @@ class WeightChannel:
                               f"actors {live} to join weight group {self.epoch}") from None
         except ray.exceptions.RayError as exc:
             raise RuntimeError(f"joining weight group {self.epoch} failed: {type(exc).__name__}") from exc
-        self.members = live
