@@ -43,6 +43,18 @@ def calc_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return calc.cached_prepare(tmp_path_factory.mktemp("calc-cache"), seed=0, sft_steps=30)
 
 
+@pytest.fixture(scope="module")
+def serve_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random arith-shaped model folder (char tokenizer, 2-layer Qwen2): built in a second."""
+    from asyncflow.tasks.arith import make_model, make_tokenizer
+
+    out = tmp_path_factory.mktemp("serve") / "tiny-arith"
+    tok = make_tokenizer()
+    make_model(tok, seed=0, hidden=64).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray (2 CPUs) for the whole pytest session, shut down at its end if this started it."""

@@ -23,18 +23,6 @@ from asyncflow.serve_main import make_app, start_http
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def serve_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random arith-shaped model folder (char tokenizer, 2-layer Qwen2): built in a second."""
-    from asyncflow.tasks.arith import make_model, make_tokenizer
-
-    out = tmp_path_factory.mktemp("serve") / "tiny-arith"
-    tok = make_tokenizer()
-    make_model(tok, seed=0, hidden=64).save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    return out
-
-
 class Server:
     """An in-process `asyncflow serve` on a free loopback port."""
 

@@ -26,17 +26,6 @@ from asyncflow.serve_options import ServeOptions, options_from_args
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def serve_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from asyncflow.tasks.arith import make_model, make_tokenizer
-
-    out = tmp_path_factory.mktemp("serve") / "tiny-arith"
-    tok = make_tokenizer()
-    make_model(tok, seed=0, hidden=64).save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    return out
-
-
 class Server:
     def __init__(self, model_dir: Path, **limits: Any) -> None:
         opts = ServeOptions(**limits)
