@@ -18,17 +18,12 @@ from asyncflow.config_schema import Config, section_type
 
 @dataclass(frozen=True)
 class Alias:
-    """Another framework's name for a setting. `target`: the asyncflow key it maps to (None: none);
-    `missing`: the text to use instead while `target` is not a key yet (a feature being added)."""
+    """Another framework's name for a setting. `target`: the asyncflow key it maps to (None: none)."""
 
     name: str
     target: str | None
     text: str
-    missing: str | None = None
 
-
-_NO_SCHEDULE = "not yet supported: train.lr is constant"
-_NO_CHECKPOINTING = "not yet supported (no gradient checkpointing)"
 
 TRL: tuple[Alias, ...] = (
     Alias("num_generations", "rollout.n", "TRL's num_generations is rollout.n (samples per prompt)"),
@@ -79,19 +74,14 @@ TRL: tuple[Alias, ...] = (
     Alias("lora_target_modules", "model.lora.target_modules", "TRL's lora_target_modules is model.lora.target_modules"),
     Alias("use_vllm", "rollout.engine", "TRL's use_vllm is rollout.engine: vllm (or openai with servers)"),
     Alias("reward_funcs", "reward.fn", "TRL's reward_funcs is reward.fn ('module:function', or a list of them)"),
-    Alias("reward_weights", "reward.weights", "TRL's reward_weights is reward.weights",
-          missing="TRL's reward_weights is not yet supported: one reward.fn per run (combine them in one function)"),
-    Alias("lr_scheduler_type", "train.lr_schedule", "TRL's lr_scheduler_type is train.lr_schedule",
-          missing=f"TRL's lr_scheduler_type is {_NO_SCHEDULE}"),
+    Alias("reward_weights", "reward.weights", "TRL's reward_weights is reward.weights"),
+    Alias("lr_scheduler_type", "train.lr_schedule", "TRL's lr_scheduler_type is train.lr_schedule"),
     Alias("warmup_ratio", "train.warmup_ratio",
-          "TRL's warmup_ratio is train.warmup_ratio (of the optimizer steps: train.max_steps x train.mini_batches)",
-          missing=f"TRL's warmup_ratio: a warmup is {_NO_SCHEDULE}"),
+          "TRL's warmup_ratio is train.warmup_ratio (of the optimizer steps: train.max_steps x train.mini_batches)"),
     Alias("warmup_steps", "train.warmup_ratio",
-          "TRL's warmup_steps is a count: train.warmup_ratio = warmup_steps / (train.max_steps x train.mini_batches)",
-          missing=f"TRL's warmup_steps: a warmup is {_NO_SCHEDULE}"),
+          "TRL's warmup_steps is a count: train.warmup_ratio = warmup_steps / (train.max_steps x train.mini_batches)"),
     Alias("gradient_checkpointing", "train.gradient_checkpointing",
-          "TRL's gradient_checkpointing is train.gradient_checkpointing",
-          missing=f"TRL's gradient_checkpointing is {_NO_CHECKPOINTING}"),
+          "TRL's gradient_checkpointing is train.gradient_checkpointing"),
     Alias("bf16", "model.dtype", "TRL's bf16 is model.dtype: bfloat16"),
     Alias("report_to", "logging.wandb", "TRL's report_to is logging.tensorboard / logging.wandb (true or false)"),
     Alias("output_dir", None, "TRL's output_dir is the --out argument of asyncflow train"),
@@ -109,18 +99,15 @@ VERL: tuple[Alias, ...] = (
     Alias("data.shuffle", "dataset.shuffle", "verl's data.shuffle is dataset.shuffle"),
     Alias(f"{_AR}.model.path", "model.path", f"verl's {_AR}.model.path is model.path"),
     Alias(f"{_AR}.model.enable_gradient_checkpointing", "train.gradient_checkpointing",
-          f"verl's {_AR}.model.enable_gradient_checkpointing is train.gradient_checkpointing",
-          missing=f"verl's enable_gradient_checkpointing is {_NO_CHECKPOINTING}"),
+          f"verl's {_AR}.model.enable_gradient_checkpointing is train.gradient_checkpointing"),
     Alias(f"{_ACT}.optim.lr", "train.lr", f"verl's {_ACT}.optim.lr is train.lr"),
     Alias(f"{_ACT}.optim.weight_decay", "train.weight_decay", f"verl's {_ACT}.optim.weight_decay is train.weight_decay"),
     Alias(f"{_ACT}.optim.lr_warmup_steps_ratio", "train.warmup_ratio",
-          "verl's lr_warmup_steps_ratio is train.warmup_ratio",
-          missing=f"verl's lr_warmup_steps_ratio: a warmup is {_NO_SCHEDULE}"),
+          "verl's lr_warmup_steps_ratio is train.warmup_ratio"),
     Alias(f"{_ACT}.optim.lr_warmup_steps", "train.warmup_ratio",
           "verl's lr_warmup_steps is a count: train.warmup_ratio = lr_warmup_steps / (train.max_steps x "
-          "train.mini_batches)", missing=f"verl's lr_warmup_steps: a warmup is {_NO_SCHEDULE}"),
-    Alias(f"{_ACT}.optim.warmup_style", "train.lr_schedule", "verl's warmup_style is train.lr_schedule",
-          missing=f"verl's warmup_style is {_NO_SCHEDULE}"),
+          "train.mini_batches)"),
+    Alias(f"{_ACT}.optim.warmup_style", "train.lr_schedule", "verl's warmup_style is train.lr_schedule"),
     Alias(f"{_ACT}.ppo_mini_batch_size", "train.mini_batches",
           "verl's ppo_mini_batch_size counts prompts per optimizer step; train.mini_batches is a count: "
           "data.train_batch_size / ppo_mini_batch_size"),
@@ -216,12 +203,6 @@ def schema_keys(cls: type = Config, prefix: str = "") -> set[str]:
     return out
 
 
-def _text(alias: Alias, keys: set[str]) -> str:
-    if alias.missing is not None and alias.target not in keys:
-        return alias.missing
-    return alias.text
-
-
 def _match(path: str) -> Alias | None:
     """The alias for dotted `path`: a verl path sharing its last two or more segments, else its
     last segment as a TRL or (specific) verl name."""
@@ -257,7 +238,7 @@ def alias_hint(path: str, value: Any) -> str | None:
     keys = schema_keys()
     found = [(p, a) for p in _leaf_paths(path, value) if (a := _match(p)) is not None]
     if found:
-        text = _text(found[0][1], keys)
+        text = found[0][1].text
         others = len(found) - 1
         more = f" (and {others} more verl or TRL key{'s' if others > 1 else ''} under {path}: docs/verl.md)" if others else ""
         return f"; {text}{more}"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from asyncflow.config import load_config
-from asyncflow.config_hints import TRL, VERL, Alias, schema_keys
+from asyncflow.config_hints import TRL, VERL, schema_keys
 from asyncflow.errors import UserError
 
 
@@ -74,22 +74,14 @@ def test_a_verl_section_names_its_first_key_and_counts_the_rest(tmp_path: Path) 
         "default here, is off) (and 2 more verl or TRL keys under actor_rollout_ref: docs/verl.md)")
 
 
-def test_a_feature_not_here_yet_says_so() -> None:
-    keys = schema_keys()
+def test_a_trl_schedule_key_names_its_key() -> None:
     message = _error(["train.lr_scheduler_type=linear"])
-    if "train.lr_schedule" in keys:  # (once the schedule lands, the hint names its key)
-        assert message.endswith("TRL's lr_scheduler_type is train.lr_schedule")
-    else:
-        assert message == "train.lr_scheduler_type: unknown key; TRL's lr_scheduler_type is not yet supported: train.lr is constant"
+    assert message == "train.lr_scheduler_type: unknown key; TRL's lr_scheduler_type is train.lr_schedule"
 
 
 def test_every_target_is_a_real_key() -> None:
     keys = schema_keys()
     for alias in (*TRL, *VERL):
-        if alias.target is not None and alias.missing is None:
+        if alias.target is not None:
             assert alias.target in keys, alias
-        assert alias.name.rsplit(".", 1)[-1] in _text_of(alias), alias  # the hint names their key
-
-
-def _text_of(alias: Alias) -> str:
-    return alias.text + (alias.missing or "")
+        assert alias.name.rsplit(".", 1)[-1] in alias.text, alias  # the hint names their key
