@@ -4,7 +4,9 @@ local Ray for the whole session (`ray_session`, shared by test_ray.py and test_r
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +55,57 @@ def serve_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_model(tok, seed=0, hidden=64).save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out
+
+
+class InProcessServer:
+    """An in-process `asyncflow serve` on a free loopback port, with `ServeOptions` limits."""
+
+    def __init__(self, model_dir: Path, **limits: Any) -> None:
+        from asyncflow.serve_main import make_app, start_http
+        from asyncflow.serve_options import ServeOptions
+
+        opts = ServeOptions(**limits)
+        self.app = make_app(model_dir, model_name="tiny", token=opts.token, max_batch=opts.max_batch, options=opts)
+        self.http, self.thread = start_http(self.app, "127.0.0.1", 0, max_connections=opts.max_connections,
+                                            read_timeout_s=opts.read_timeout_s)
+        self.port = int(self.http.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.app.engine.shutdown()
+
+
+@pytest.fixture()
+def make_server(serve_dir: Path) -> Iterator[Callable[..., InProcessServer]]:
+    """make_server(**limits): an in-process server on `serve_dir`'s model, closed after the test."""
+    made: list[InProcessServer] = []
+
+    def make(**limits: Any) -> InProcessServer:
+        made.append(InProcessServer(serve_dir, **limits))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.fixture(scope="session")
+def train_batch() -> Callable[..., Any]:
+    """train_batch(n, seed): a toy train batch of n rows (ids < 32, lengths 1-7) for engine tests."""
+    import torch
+
+    from asyncflow.workflow.pipeline import build_train_batch
+
+    def make(n: int = 6, seed: int = 0) -> Any:
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(2, 32, (3 + i % 3,), generator=g).tolist() for i in range(n)]
+        responses = [torch.randint(2, 32, (1 + (i * 5) % 7,), generator=g).tolist() for i in range(n)]
+        behavior = [(-torch.rand(len(r), generator=g)).tolist() for r in responses]
+        return build_train_batch(prompts, responses, behavior, torch.randn(n, generator=g), [True] * n, 0)
+
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -19,19 +19,11 @@ from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.workflow.pipeline import build_train_batch
 
 
-def _batch(n: int = 6, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(2, 32, (3 + i % 3,), generator=g).tolist() for i in range(n)]
-    responses = [torch.randint(2, 32, (1 + (i * 5) % 7,), generator=g).tolist() for i in range(n)]
-    behavior = [(-torch.rand(len(r), generator=g)).tolist() for r in responses]
-    return build_train_batch(prompts, responses, behavior, torch.randn(n, generator=g), [True] * n, 0)
-
-
-def test_rows_split_evenly_and_every_rank_runs_the_same_number_of_passes() -> None:
-    shares = make_shares(_batch(5), 2, micro_batch_size=2)
+def test_rows_split_evenly_and_every_rank_runs_the_same_number_of_passes(train_batch) -> None:
+    shares = make_shares(train_batch(5), 2, micro_batch_size=2)
     assert [len(s.rows) if s.rows is not None else 0 for s in shares] == [3, 2]
     assert [s.passes for s in shares] == [2, 2]  # rank 1 needs one pass, runs two (the second a dummy)
-    shares = make_shares(_batch(1), 2, micro_batch_size=None)
+    shares = make_shares(train_batch(1), 2, micro_batch_size=None)
     assert shares[1].rows is None and shares[1].passes == 1
 
 
@@ -76,8 +68,8 @@ def test_every_architecture_s_blocks_are_sharded_one_by_one(tiny_model) -> None:
         assert decoder_layers(model) == list(model.get_submodule(blocks)), kind
 
 
-def test_fsdp_on_two_ranks_matches_the_plain_engine_and_round_trips_a_checkpoint(tiny_model, tmp_path: Path) -> None:
-    batch = _batch(6)
+def test_fsdp_on_two_ranks_matches_the_plain_engine_and_round_trips_a_checkpoint(train_batch, tiny_model, tmp_path: Path) -> None:
+    batch = train_batch(6)
     # 2 mini-batches of 3 rows: ranks get 2 and 1 rows; micro-batches of 1 make rank 1 run a dummy pass
     fsdp = FSDPTrainEngine(copy.deepcopy(tiny_model), world_size=2, lr=1e-2, mini_batches=2, micro_batch_size=1)
     try:
@@ -128,18 +120,18 @@ def test_an_engine_that_fails_to_start_leaves_no_temporary_model_folder(
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("asyncflow-fsdp-")] == []
 
 
-def test_a_dead_worker_is_an_error_naming_its_rank_not_a_hang(tiny_model) -> None:
+def test_a_dead_worker_is_an_error_naming_its_rank_not_a_hang(train_batch, tiny_model) -> None:
     engine = FSDPTrainEngine(copy.deepcopy(tiny_model), world_size=2, lr=1e-2, timeout_s=60)
     try:
         os.kill(engine._procs[1].pid, signal.SIGKILL)
         engine._procs[1].join(timeout=10)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="rank 1 died"):
-            engine.logprobs(_batch(4), 1.0)
+            engine.logprobs(train_batch(4), 1.0)
         assert time.monotonic() - start < 30
         assert not engine._procs[0].is_alive()  # the survivor is stopped too (it would wait in a collective)
         with pytest.raises(RuntimeError, match="closed"):
-            engine.logprobs(_batch(4), 1.0)
+            engine.logprobs(train_batch(4), 1.0)
     finally:
         engine.close()
 
@@ -169,12 +161,12 @@ def test_short_training_run_with_the_fsdp_engine(arith_dir: Path, tmp_path: Path
     AutoModelForCausalLM.from_pretrained(str(out / "final"))
 
 
-def test_fsdp_bfloat16_trains_float32_master_weights_and_skips_non_finite_steps(tiny_model, tmp_path: Path) -> None:
+def test_fsdp_bfloat16_trains_float32_master_weights_and_skips_non_finite_steps(train_batch, tiny_model, tmp_path: Path) -> None:
     """FSDP's mixed-precision policy: bf16 passes over float32 shards (bf16 shards lost most small
     AdamW updates); a NaN gradient leaves every rank's shard as it was."""
     fsdp = FSDPTrainEngine(copy.deepcopy(tiny_model), world_size=2, lr=1e-6, dtype=torch.bfloat16)
     try:
-        batch = _batch(4)
+        batch = train_batch(4)
         before = fsdp.export_weights(master=True)
         assert {v.dtype for v in before.values()} == {torch.float32}
 

@@ -14,20 +14,11 @@ import torch
 from asyncflow.algorithms.losses import LossSettings, make_loss_fn
 from asyncflow.engines.fsdp_train import FSDPTrainEngine
 from asyncflow.runtime.ray_fsdp import RayFSDPTrainEngine, start_ray_fsdp
-from asyncflow.workflow.pipeline import build_train_batch
 
 pytestmark = pytest.mark.ray
 
 # 2 mini-batches of 3 rows: ranks get 2 and 1 rows; micro-batches of 1 make rank 1 run a dummy pass
 SETTINGS: dict[str, Any] = dict(world_size=2, lr=1e-2, mini_batches=2, micro_batch_size=1, timeout_s=60)
-
-
-def _batch(n: int = 6, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(2, 32, (3 + i % 3,), generator=g).tolist() for i in range(n)]
-    responses = [torch.randint(2, 32, (1 + (i * 5) % 7,), generator=g).tolist() for i in range(n)]
-    behavior = [(-torch.rand(len(r), generator=g)).tolist() for r in responses]
-    return build_train_batch(prompts, responses, behavior, torch.randn(n, generator=g), [True] * n, 0)
 
 
 def _on_ray(model_dir: Path) -> RayFSDPTrainEngine:
@@ -59,8 +50,8 @@ def model_dir(tiny_model, tmp_path: Path) -> Path:
     return tmp_path / "model"
 
 
-def test_ray_ranks_compute_what_local_ranks_compute(ray_session, model_dir: Path) -> None:
-    batch = _batch()
+def test_ray_ranks_compute_what_local_ranks_compute(train_batch, ray_session, model_dir: Path) -> None:
+    batch = train_batch()
     local = FSDPTrainEngine(model_dir, **SETTINGS)
     remote = _on_ray(model_dir)
     try:
@@ -84,8 +75,8 @@ def test_ray_ranks_compute_what_local_ranks_compute(ray_session, model_dir: Path
         local.close()
 
 
-def test_a_fresh_ray_engine_resumes_a_checkpoint_exactly(ray_session, model_dir: Path, tmp_path: Path) -> None:
-    batch = _batch(seed=1)
+def test_a_fresh_ray_engine_resumes_a_checkpoint_exactly(train_batch, ray_session, model_dir: Path, tmp_path: Path) -> None:
+    batch = train_batch(seed=1)
     loss_fn = make_loss_fn(LossSettings())
     first = _on_ray(model_dir)
     try:
@@ -102,30 +93,30 @@ def test_a_fresh_ray_engine_resumes_a_checkpoint_exactly(ray_session, model_dir:
         first.close()
 
 
-def test_a_killed_rank_actor_is_an_error_naming_its_rank_not_a_hang(ray_session, model_dir: Path) -> None:
+def test_a_killed_rank_actor_is_an_error_naming_its_rank_not_a_hang(train_batch, ray_session, model_dir: Path) -> None:
     engine = _on_ray(model_dir)
     try:
         survivor, victim = engine._links.actors  # type: ignore[union-attr]
         ray_session.kill(victim, no_restart=True)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="rank 1 died .*killed by ray.kill.* compute log-probs"):
-            engine.logprobs(_batch(4), 1.0)
+            engine.logprobs(train_batch(4), 1.0)
         assert time.monotonic() - start < 30  # loose: the point is an error, not a wait for timeout_s
         # the survivor is killed too (it would wait in a collective), and the engine says it is closed
         assert _dies_within(ray_session, survivor, 30.0)
         with pytest.raises(RuntimeError, match="closed"):
-            engine.logprobs(_batch(4), 1.0)
+            engine.logprobs(train_batch(4), 1.0)
     finally:
         engine.close()
 
 
-def test_a_rank_s_error_names_the_rank_and_carries_its_traceback(ray_session, model_dir: Path) -> None:
+def test_a_rank_s_error_names_the_rank_and_carries_its_traceback(train_batch, ray_session, model_dir: Path) -> None:
     engine = _on_ray(model_dir)
     try:
         with pytest.raises(RuntimeError, match=r"(?s)rank \d failed to load the optimizer state:.*FileNotFoundError"):
             engine.load_optimizer("/nonexistent/ckpt")
         with pytest.raises(RuntimeError, match="closed"):  # every rank was stopped with it
-            engine.logprobs(_batch(4), 1.0)
+            engine.logprobs(train_batch(4), 1.0)
     finally:
         engine.close()
 

@@ -9,7 +9,6 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,32 +17,13 @@ import pytest
 import torch
 
 from asyncflow.engines.base import GenRequest
-from asyncflow.serve_main import make_app, start_http
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-class Server:
-    """An in-process `asyncflow serve` on a free loopback port."""
-
-    def __init__(self, model_dir: Path, token: str | None = None, max_batch: int = 64) -> None:
-        self.app = make_app(model_dir, model_name="tiny", token=token, max_batch=max_batch)
-        self.http, self.thread = start_http(self.app, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-
-    def close(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
-        self.app.engine.shutdown()
-
-
 @pytest.fixture()
-def server(serve_dir: Path) -> Iterator[Server]:
-    s = Server(serve_dir)
-    try:
-        yield s
-    finally:
-        s.close()
+def server(make_server: Any) -> Any:
+    return make_server(max_batch=64)
 
 
 def call(url: str, body: Any = None, token: str | None = None, method: str | None = None) -> tuple[int, Any]:
@@ -66,7 +46,7 @@ def full_forward_logprobs(model: Any, prompt: list[int], response: list[int], te
     return [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(response)]
 
 
-def test_completions_with_text_and_token_id_prompts_match_a_full_forward_pass(server: Server, serve_dir: Path) -> None:
+def test_completions_with_text_and_token_id_prompts_match_a_full_forward_pass(server: Any, serve_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(serve_dir)).eval()
@@ -94,7 +74,7 @@ def test_completions_with_text_and_token_id_prompts_match_a_full_forward_pass(se
     assert status == 200 and reply["choices"][0]["token_ids"][0] == first
 
 
-def test_chat_completions_apply_the_chat_template_or_refuse_without_one(server: Server) -> None:
+def test_chat_completions_apply_the_chat_template_or_refuse_without_one(server: Any) -> None:
     status, reply = call(f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "1+1="}]})
     assert status == 400 and "chat template" in reply["error"]["message"]
     tok = server.app.tok
@@ -111,7 +91,7 @@ def test_chat_completions_apply_the_chat_template_or_refuse_without_one(server: 
     assert reply["usage"]["prompt_tokens"] == len(tok("1+1=")["input_ids"])
 
 
-def test_concurrent_requests_are_batched_not_served_one_by_one(server: Server) -> None:
+def test_concurrent_requests_are_batched_not_served_one_by_one(server: Any) -> None:
     call(f"{server.url}/admin/pause", {})
     before = call(f"{server.url}/admin/stats")[1]
     bodies = [{"prompt": [5 + i % 20, 6, 7], "max_tokens": 12, "temperature": 1.0} for i in range(16)]
@@ -127,7 +107,7 @@ def test_concurrent_requests_are_batched_not_served_one_by_one(server: Server) -
     assert steps > 0 and rows / steps > 1.0
 
 
-def _slow_without_eos(server: Server) -> Any:
+def _slow_without_eos(server: Any) -> Any:
     """The server's engine, made to decode 0.1 s a step and never stop at EOS (a 25-token choice
     then takes ~2.5 s), so a test can tell cancelled choices from ones left to decode."""
     import time
@@ -144,7 +124,7 @@ def _slow_without_eos(server: Server) -> Any:
     return engine
 
 
-def test_a_timed_out_request_is_abandoned_not_decoded_to_its_end(server: Server) -> None:
+def test_a_timed_out_request_is_abandoned_not_decoded_to_its_end(server: Any) -> None:
     """A 504 cancels the request's choices in the engine: they leave the batch at the next step
     instead of decoding to `max_tokens` for nobody."""
     import time
@@ -159,7 +139,7 @@ def test_a_timed_out_request_is_abandoned_not_decoded_to_its_end(server: Server)
     assert engine.load() == 0
 
 
-def test_a_client_that_disconnects_has_its_requests_cancelled(server: Server) -> None:
+def test_a_client_that_disconnects_has_its_requests_cancelled(server: Any) -> None:
     """A client that closes its connection while its choices decode (a killed rollout worker, a
     client-side timeout): the server notices within `_GONE_POLL_S` and cancels them."""
     import socket
@@ -181,7 +161,7 @@ def test_a_client_that_disconnects_has_its_requests_cancelled(server: Server) ->
     assert engine.load() == 0
 
 
-def test_pause_holds_new_requests_until_resume(server: Server) -> None:
+def test_pause_holds_new_requests_until_resume(server: Any) -> None:
     assert call(f"{server.url}/admin/pause", {})[1] == {"paused": True}
     assert call(f"{server.url}/admin/version")[1]["paused"] is True
     got: list[tuple[int, Any]] = []
@@ -195,7 +175,7 @@ def test_pause_holds_new_requests_until_resume(server: Server) -> None:
     assert got and got[0][0] == 200
 
 
-def test_load_weights_changes_outputs_and_version(server: Server, serve_dir: Path, tmp_path: Path) -> None:
+def test_load_weights_changes_outputs_and_version(server: Any, serve_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from asyncflow.tasks.arith import make_model, make_tokenizer
@@ -255,7 +235,7 @@ def test_load_weights_changes_outputs_and_version(server: Server, serve_dir: Pat
         ({"prompt": [[5, 6]] * 40, "n": 128}, "40 prompts x n=128 is more than 4096 choices"),  # (unbounded memory)
     ],
 )
-def test_bad_requests_get_openai_style_400s(server: Server, body: Any, needle: str) -> None:
+def test_bad_requests_get_openai_style_400s(server: Any, body: Any, needle: str) -> None:
     status, reply = call(f"{server.url}/v1/completions", body)
     assert status == 400
     assert needle in reply["error"]["message"] and reply["error"]["type"] == "invalid_request_error"
@@ -264,7 +244,7 @@ def test_bad_requests_get_openai_style_400s(server: Server, body: Any, needle: s
     assert call(f"{server.url}/v1/completions", {"prompt": [5]}, method="PUT")[0] == 405  # (was an HTML 501 page)
 
 
-def test_requests_that_used_to_stop_the_engine_are_answered_and_it_keeps_serving(server: Server,
+def test_requests_that_used_to_stop_the_engine_are_answered_and_it_keeps_serving(server: Any,
                                                                                 tmp_path: Path) -> None:
     """A temperature of 1e-38 (logits / t overflowed to NaN probabilities) or a chat conversation that
     renders to no tokens raised inside the decode thread, which stopped the engine for good: every
@@ -302,7 +282,7 @@ def test_requests_that_used_to_stop_the_engine_are_answered_and_it_keeps_serving
     server.app.engine.error = None
 
 
-def test_a_chunked_request_body_gets_411_not_an_empty_prompt(server: Server) -> None:
+def test_a_chunked_request_body_gets_411_not_an_empty_prompt(server: Any) -> None:
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", server.http.server_address[1], timeout=30)
@@ -313,30 +293,27 @@ def test_a_chunked_request_body_gets_411_not_an_empty_prompt(server: Server) -> 
     conn.close()
 
 
-def test_a_token_is_required_off_loopback_and_checked_on_every_request(serve_dir: Path) -> None:
+def test_a_token_is_required_off_loopback_and_checked_on_every_request(serve_dir: Path, make_server: Any) -> None:
     proc = subprocess.run([sys.executable, "-m", "asyncflow", "serve", str(serve_dir), "--host", "0.0.0.0"],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "--token" in proc.stderr and "Traceback" not in proc.stderr
-    s = Server(serve_dir, token="s3cret")
-    try:
-        for path in ("/v1/models", "/admin/version"):
-            status, reply = call(f"{s.url}{path}")
-            assert status == 401 and reply["error"]["type"] == "authentication_error"
-            assert call(f"{s.url}{path}", token="wrong")[0] == 401
-            assert call(f"{s.url}{path}", token="s3cret")[0] == 200
-        for header in ("bearer s3cret", "BEARER  s3cret"):  # the scheme is case-insensitive (RFC 7235)
-            assert _raw(s, f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {header}\r\n\r\n")[0] == 200
-        # with a token, a web page that has it may call (the browser had to ask before sending it)
-        assert _raw(s, "GET /v1/models HTTP/1.1\r\nHost: example.org\r\nOrigin: https://example.org\r\n"
-                       "Authorization: Bearer s3cret\r\n\r\n")[0] == 200
-        assert call(f"{s.url}/admin/pause", {})[0] == 401
-        assert call(f"{s.url}/v1/completions", {"prompt": [5], "max_tokens": 1}, token="s3cret")[0] == 200
-    finally:
-        s.close()
+    s = make_server(token="s3cret")
+    for path in ("/v1/models", "/admin/version"):
+        status, reply = call(f"{s.url}{path}")
+        assert status == 401 and reply["error"]["type"] == "authentication_error"
+        assert call(f"{s.url}{path}", token="wrong")[0] == 401
+        assert call(f"{s.url}{path}", token="s3cret")[0] == 200
+    for header in ("bearer s3cret", "BEARER  s3cret"):  # the scheme is case-insensitive (RFC 7235)
+        assert _raw(s, f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {header}\r\n\r\n")[0] == 200
+    # with a token, a web page that has it may call (the browser had to ask before sending it)
+    assert _raw(s, "GET /v1/models HTTP/1.1\r\nHost: example.org\r\nOrigin: https://example.org\r\n"
+                   "Authorization: Bearer s3cret\r\n\r\n")[0] == 200
+    assert call(f"{s.url}/admin/pause", {})[0] == 401
+    assert call(f"{s.url}/v1/completions", {"prompt": [5], "max_tokens": 1}, token="s3cret")[0] == 200
 
 
-def test_openai_engine_generates_and_syncs_weights_through_asyncflow_serve(server: Server, serve_dir: Path,
+def test_openai_engine_generates_and_syncs_weights_through_asyncflow_serve(server: Any, serve_dir: Path,
                                                                            tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -415,7 +392,7 @@ def test_train_with_the_openai_engine_against_a_real_asyncflow_serve(
         proc.wait(timeout=60)
 
 
-def _raw(server: Server, request: str, body: bytes = b"") -> tuple[int, Any, bytes]:
+def _raw(server: Any, request: str, body: bytes = b"") -> tuple[int, Any, bytes]:
     """(status, JSON reply, raw bytes) of one request written as it is on a fresh connection."""
     import socket
 
@@ -430,7 +407,7 @@ def _raw(server: Server, request: str, body: bytes = b"") -> tuple[int, Any, byt
     return status, json.loads(payload) if payload else None, raw
 
 
-def test_without_a_token_web_pages_and_other_host_names_are_refused(server: Server) -> None:
+def test_without_a_token_web_pages_and_other_host_names_are_refused(server: Any) -> None:
     """A loopback server without a token answered any page the user had open: a browser sends a
     text/plain POST cross-site unasked (pause, load weights from any folder, generate), and a page
     whose name re-resolves to 127.0.0.1 (DNS rebinding) could read the replies."""
@@ -449,7 +426,7 @@ def test_without_a_token_web_pages_and_other_host_names_are_refused(server: Serv
         assert _raw(server, post.format(host=host, extra=""), body)[0] == 200, host
 
 
-def test_the_standard_librarys_own_refusals_are_json_too(server: Server) -> None:
+def test_the_standard_librarys_own_refusals_are_json_too(server: Any) -> None:
     """A malformed request line, an over-long header and HEAD/OPTIONS got its HTML page (the first
     without even a status line)."""
     status, reply, raw = _raw(server, "GARBAGE\r\n\r\n")
@@ -462,7 +439,7 @@ def test_the_standard_librarys_own_refusals_are_json_too(server: Server) -> None
     assert status == 405 and reply is None  # headers only
 
 
-def test_chat_takes_max_completion_tokens_when_max_tokens_is_null(server: Server) -> None:
+def test_chat_takes_max_completion_tokens_when_max_tokens_is_null(server: Any) -> None:
     """Clients that send unset fields as null: `max_completion_tokens` was ignored and the choice ran
     to the end of the context."""
     server.app.engine.eos = frozenset()  # (never stops early: only the limit ends the choice)
@@ -476,7 +453,7 @@ def test_chat_takes_max_completion_tokens_when_max_tokens_is_null(server: Server
     assert status == 200 and reply["usage"]["completion_tokens"] == 2
 
 
-def test_a_paused_request_whose_client_left_is_never_generated(server: Server) -> None:
+def test_a_paused_request_whose_client_left_is_never_generated(server: Any) -> None:
     """It held its thread until the pause ended (or the 600 s timeout), then its choices were prefilled
     for nobody."""
     import socket
@@ -496,7 +473,7 @@ def test_a_paused_request_whose_client_left_is_never_generated(server: Server) -
     assert server.app._uid == uid_before and server.app.engine.load() == 0
 
 
-def test_weight_loads_are_one_at_a_time_and_a_timed_out_one_never_takes_effect(server: Server, serve_dir: Path,
+def test_weight_loads_are_one_at_a_time_and_a_timed_out_one_never_takes_effect(server: Any, serve_dir: Path,
                                                                               tmp_path: Path) -> None:
     """Two loads at once: the first was superseded by the second before it was used and answered 200
     with the old version. A load answered 504 stayed queued and took effect after the caller was told

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,38 +19,9 @@ import pytest
 import torch
 
 from asyncflow.errors import UserError
-from asyncflow.serve_main import make_app, start_http
-from asyncflow.serve_options import ServeOptions, options_from_args
+from asyncflow.serve_options import options_from_args
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-class Server:
-    def __init__(self, model_dir: Path, **limits: Any) -> None:
-        opts = ServeOptions(**limits)
-        self.app = make_app(model_dir, model_name="tiny", token=opts.token, max_batch=opts.max_batch, options=opts)
-        self.http, self.thread = start_http(self.app, "127.0.0.1", 0, max_connections=opts.max_connections,
-                                            read_timeout_s=opts.read_timeout_s)
-        self.port = int(self.http.server_address[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
-        self.app.engine.shutdown()
-
-
-@pytest.fixture()
-def make_server(serve_dir: Path) -> Iterator[Any]:
-    made: list[Server] = []
-
-    def make(**limits: Any) -> Server:
-        made.append(Server(serve_dir, **limits))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def raw(port: int, request: bytes, timeout: float = 10) -> tuple[int, dict[str, str], Any]:
