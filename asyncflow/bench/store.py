@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncflow.bench.store1 import FIELDS, Store1Spec, checksum, expected_checksums, make_batches, row
+from asyncflow.bench.store1 import FIELDS, Store1Spec, expected_checksums, make_batches, row, verify
 from asyncflow.errors import UserError
 
 TIMEOUT_S = 120.0
@@ -36,20 +36,17 @@ def produce(store: Any, batches: list[dict[str, np.ndarray]]) -> float:
     return start
 
 
-def consume(store: Any, total: int, take_batch: int, expected: dict[int, int]) -> float:
-    """Take batches of `take_batch` until `total` samples are verified; returns the end time."""
-    seen: set[int] = set()
-    while len(seen) < total:
-        want = min(take_batch, total - len(seen))
-        lease = store.take_blocking("train", want, min_samples=want, timeout=TIMEOUT_S, fields_extra=["idx"])
-        for s in lease.samples:
-            f = s.fields
-            if checksum(f["prompt_ids"], f["response_ids"], f["behavior_logprobs"], f["reward"]) != expected[f["idx"]]:
-                raise RuntimeError(f"STORE-1: checksum mismatch on sample {f['idx']}")
-            if f["idx"] in seen:
-                raise RuntimeError(f"STORE-1: sample {f['idx']} delivered twice")
-            seen.add(f["idx"])
-        store.ack(lease, remove=True)
+def consume(store: Any, total: int, take_batch: int, expected: np.ndarray) -> float:
+    """Take batches of `take_batch` as column blocks until `total` samples are verified (each one's
+    checksum, with column operations over each block); returns the end time."""
+    seen = np.zeros(len(expected), dtype=bool)
+    done = 0
+    while done < total:
+        want = min(take_batch, total - done)
+        taken = store.take_columns_blocking("train", want, min_samples=want, timeout=TIMEOUT_S, fields_extra=["idx"])
+        for b in taken.blocks:
+            done += verify(b, expected, seen)
+        store.ack(taken.lease, remove=True)
     return time.monotonic()
 
 
