@@ -5,6 +5,7 @@ blobs alive while a live sample points into them, and gives back the leases of o
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -13,17 +14,22 @@ import numpy as np
 
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue.api import Lease, NewSample
-from asyncflow.transfer_queue.ray_data import LOST, Slot, compact_views
+from asyncflow.transfer_queue.put_buffer import Part
+from asyncflow.transfer_queue.ray_data import LOST, PartRef, Slot, compact_views
 from asyncflow.transfer_queue.store import TransferQueue
 
 
 class StoreController:
     """The Ray actor behind `RayTransferQueue`: a `TransferQueue` of metadata and slots."""
 
-    def __init__(self, capacity: int, lease_timeout_s: float, owner_check_s: float = 2.0) -> None:
+    def __init__(self, capacity: int, lease_timeout_s: float, owner_check_s: float = 2.0,
+                 gc_threshold: int = 0) -> None:
+        if gc_threshold:  # (its own process: see `RayTransferQueue.create`)
+            gc.set_threshold(gc_threshold, *gc.get_threshold()[1:])
         self.q = TransferQueue(capacity=capacity, lease_timeout_s=lease_timeout_s, on_remove=self._unref)
         self.blobs: dict[int, list[Any]] = {}  # blob id -> [ObjectRef or None, live rows, held data or None]
         self.next_blob = 0
+        self.blob_part: dict[int, int] = {}  # blob id -> its index in a coalesced put's object (`put_parts`)
         self.owners: dict[str, Any] = {}  # owner id -> actor handle
         self.lease_owner: dict[int, str] = {}
         self.leases: dict[int, Lease] = {}
@@ -56,6 +62,7 @@ class StoreController:
                     if b[1] <= 0:
                         del self.blobs[v.blob]
                         self.blob_writer.pop(v.blob, None)
+                        self.blob_part.pop(v.blob, None)
 
     def _materialize(self, payload: list[dict[str, Any]] | None, names: Any, nbytes: Any, ref: Any,
                      held: Any = None) -> list[dict[str, Any]]:
@@ -102,6 +109,27 @@ class StoreController:
             for f in fields:
                 self._unref(f)
             raise
+
+    async def put_parts(self, parts: list[Part], ref: Any, timeout: float | None) -> list[int]:
+        """A client's coalesced columnar puts (`put_buffer`): `ref` is [the object of all their column
+        dicts]; each part's rows become a blob of their own (freed on its own) and are admitted as
+        that put alone would be, in order."""
+        fields: list[list[dict[str, Any]]] = []
+        for index, (_, _, uids, names, per_row) in enumerate(parts):
+            bid = self._add_blob(ref, len(uids))
+            self.blob_part[bid] = index
+            fields.append([dict(zip(names, [Slot(bid, r, b) for b in per_row], strict=True)) for r in range(len(uids))])
+        out: list[int] = []
+        for i, (gids, size, uids, _, _) in enumerate(parts):
+            samples = [NewSample(g, size, f, None, u) for g, u, f in zip(gids, uids, fields[i], strict=True)]
+            try:
+                out += await self.q.put(samples, timeout=timeout)
+            except BaseException:  # (a full store's timeout, closed): this part and those after it hold nothing
+                for rest in fields[i:]:
+                    for f in rest:
+                        self._unref(f)
+                raise
+        return out
 
     async def take(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
                    lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
@@ -154,7 +182,7 @@ class StoreController:
                     continue
                 ref, _, held = self.blobs[bid]
                 if held is None:
-                    out[bid] = ref
+                    out[bid] = self._ref_of(bid, ref)
                     continue
                 mask = slots[:, :, 0] == bid
                 rows = np.unique(slots[:, :, 1][mask])
@@ -169,6 +197,11 @@ class StoreController:
                 slots[:, :, 1][mask] = np.searchsorted(rows, slots[:, :, 1][mask])
                 slots[:, :, 0][mask] = key
         return (lease.id, lease.stage, lease.deadline, samples, expired), out
+
+    def _ref_of(self, bid: int, ref: Any) -> Any:
+        """What a reader fetches for blob `bid`: its object, or its part of a coalesced one."""
+        index = self.blob_part.get(bid)
+        return ref if index is None else PartRef(ref, index)
 
     def _run(self, what: str, fn: Any) -> Any:
         try:
@@ -279,6 +312,7 @@ class StoreController:
         for b in lost:
             self.blobs.pop(b, None)
             self.blob_writer.pop(b, None)
+            self.blob_part.pop(b, None)
         self.lost_with_writer += n
         return n
 
@@ -335,7 +369,7 @@ class StoreController:
             for v in d["fields"].values():
                 if isinstance(v, Slot) and v.blob not in refs:
                     ref, _, held = self.blobs[v.blob]
-                    refs[v.blob] = ref if held is None else held
+                    refs[v.blob] = self._ref_of(v.blob, ref) if held is None else held
         return state, refs
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

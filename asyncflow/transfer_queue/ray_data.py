@@ -1,5 +1,5 @@
 """The Ray placement's data plane: where a field's value lives (inline, or a `Slot` into a blob in
-Ray's object store), how a put's rows are packed for the wire, how a lease's views are compacted for
+Ray's object store, possibly one put's part of a coalesced object: `PartRef`), how a put's rows are packed for the wire, how a lease's views are compacted for
 the trip and expanded again, and what a value that died with its writer reads as (`LOST`)."""
 
 from __future__ import annotations
@@ -18,6 +18,14 @@ class Slot(NamedTuple):
     blob: int
     row: int
     nbytes: int
+
+
+class PartRef(NamedTuple):
+    """A blob that is entry `index` of a coalesced put's object (`put_buffer`): the object holds a
+    tuple of the puts' column dicts, and each put's rows are a blob of their own."""
+
+    ref: Any
+    index: int
 
 
 def value_nbytes(v: Any) -> int:

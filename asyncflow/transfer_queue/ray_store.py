@@ -42,10 +42,13 @@ import numpy as np
 
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView
+from asyncflow.transfer_queue.columns import ColumnLease, bare_views, blocks_from_slots
 from asyncflow.transfer_queue.payload import rows_of
+from asyncflow.transfer_queue.put_buffer import Part, PutBuffer
 from asyncflow.transfer_queue.ray_controller import StoreController
 from asyncflow.transfer_queue.ray_data import (
     LostBlob,
+    PartRef,
     expand_views,
     pack_rows,
     slot_value,
@@ -81,12 +84,17 @@ class RayTransferQueue:
         self.rpc_grace_s = rpc_grace_s
         self._owner: str | None = None
         self._owner_known = False
+        self._puts = PutBuffer(self._send_parts)  # columnar puts, coalesced (`put_buffer`)
 
     @classmethod
     def create(cls, capacity: int = 4096, lease_timeout_s: float = 600.0, *, owner_check_s: float = 2.0,
                num_cpus: float = 0.0, name: str | None = None, scheduling_strategy: Any = None,
-               **kwargs: Any) -> RayTransferQueue:
-        """Start a controller actor (max_concurrency high: every waiting take is a pending call)."""
+               gc_threshold: int = 50_000, **kwargs: Any) -> RayTransferQueue:
+        """Start a controller actor (max_concurrency high: every waiting take is a pending call).
+
+        `gc_threshold`: the controller process's young-generation GC threshold (0: Python's 700). It
+        allocates ~15 tracked objects per sample put and keeps them until the sample is removed, so
+        at 700 collections ran every ~50 samples and took ~60% of a put's CPU (STORE-1, profiled)."""
         import ray
 
         opts: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 10_000}
@@ -95,7 +103,7 @@ class RayTransferQueue:
         if name is not None:
             opts["name"] = name
         actor: Any = ray.remote(StoreController)
-        handle = actor.options(**opts).remote(capacity, lease_timeout_s, owner_check_s)
+        handle = actor.options(**opts).remote(capacity, lease_timeout_s, owner_check_s, gc_threshold)
         ray.get(handle.ping.remote(), timeout=120)
         return cls(handle, **kwargs)
 
@@ -140,43 +148,44 @@ class RayTransferQueue:
             raise _unwrap(exc) from None
 
     def _fetch(self, refs: dict[int, Any]) -> dict[int, Any]:
-        """Blob values: object-store refs fetched (zero-copy), rows sent by the controller as they are."""
+        """Blob values: object-store refs fetched (zero-copy, each once), rows sent by the controller
+        as they are; a `PartRef` reads its put's entry of a coalesced object."""
         import ray
 
-        fetch = [b for b, r in refs.items() if isinstance(r, ray.ObjectRef)]
+        fetch = _object_refs(refs)
         try:
-            got = ray.get([refs[b] for b in fetch], timeout=self.rpc_grace_s) if fetch else []
+            got = ray.get(fetch, timeout=self.rpc_grace_s) if fetch else []
         except ray.exceptions.ObjectLostError:  # one of them died with its writer: see `_lost`
             got = []
-            for b in fetch:
+            for r in fetch:
                 try:
-                    got.append(ray.get(refs[b], timeout=self.rpc_grace_s))
+                    got.append(ray.get(r, timeout=self.rpc_grace_s))
                 except ray.exceptions.ObjectLostError:
-                    got.append(self._lost(b))
-        return {**refs, **dict(zip(fetch, got, strict=True))}
+                    got.append(self._lost(_blobs_of(refs, r)))
+        return _resolve(refs, dict(zip(fetch, got, strict=True)))
 
     async def _afetch(self, refs: dict[int, Any]) -> dict[int, Any]:
         """`_fetch` on the caller's event loop (bounded by `rpc_grace_s` as well)."""
         import ray
 
-        fetch = [b for b, r in refs.items() if isinstance(r, ray.ObjectRef)]
+        fetch = _object_refs(refs)
         if not fetch:
             return dict(refs)
         try:
-            got = list(await self._aget(asyncio.gather(*(refs[b] for b in fetch)), 0.0, "a take's data"))
+            got = list(await self._aget(asyncio.gather(*fetch), 0.0, "a take's data"))
         except ray.exceptions.ObjectLostError:
             got = []
-            for b in fetch:
+            for r in fetch:
                 try:
-                    got.append(await self._aget(refs[b], 0.0, "a take's data"))
+                    got.append(await self._aget(r, 0.0, "a take's data"))
                 except ray.exceptions.ObjectLostError:
-                    got.append(self._lost(b))
-        return {**refs, **dict(zip(fetch, got, strict=True))}
+                    got.append(self._lost(_blobs_of(refs, r)))
+        return _resolve(refs, dict(zip(fetch, got, strict=True)))
 
-    def _lost(self, blob: int) -> LostBlob:
-        """A blob that died with the process that put it (a rollout actor Ray restarted, before its
+    def _lost(self, blobs: list[int]) -> LostBlob:
+        """Blobs that died with the process that put them (a rollout actor Ray restarted, before its
         supervisor told the controller): read as `LOST` values, and the controller told too."""
-        self._op("lose_blobs", ([blob],))
+        self._op("lose_blobs", (blobs,))
         return LostBlob()
 
     @staticmethod
@@ -239,10 +248,9 @@ class RayTransferQueue:
 
     def put_columns_blocking(self, columns: dict[str, Any], group_ids: Sequence[int], group_size: int,
                              timeout: float | None = None) -> list[int]:
-        """`TransferQueue.put_columns_blocking`: the columns go into the object store as they are
-        (one `ray.put`, no per-sample dicts, no re-stacking), pipelined like `put_blocking`."""
-        import ray
-
+        """`TransferQueue.put_columns_blocking`: the columns go into the object store as they are (no
+        per-sample dicts, no re-stacking). Pipelined like `put_blocking`, and puts made within
+        `coalesce_s` of each other share one `ray.put` and one controller call (`put_buffer`)."""
         n = len(group_ids)
         names = list(columns)
         per_row = []
@@ -251,21 +259,28 @@ class RayTransferQueue:
             if len(col) != n:
                 raise ValueError(f"column {k!r} has {len(col)} rows, expected {n} (one per group id)")
             per_row.append(int(col.nbytes) // max(n, 1) if isinstance(col, np.ndarray) else value_nbytes(col[0]) if n else 0)
-        nbytes = np.tile(np.array(per_row, dtype=np.int64), (n, 1))
-        if int(nbytes.sum()) <= self.inline_max_bytes:
+        if n * sum(per_row) <= self.inline_max_bytes:
             return self.put_blocking(rows_of(columns, group_ids, group_size), timeout=timeout)
         uids = self._uids(n)
-        meta = (list(group_ids), [group_size] * n, [None] * n, uids)
         cols = {k: (v if isinstance(v, np.ndarray) else list(v)) for k, v in columns.items()}
-        self._pending.append((self.handle.put.remote(meta, None, names, nbytes, [ray.put(cols)], timeout), timeout))
+        part: Part = (list(group_ids), group_size, uids, names, per_row)
+        self._puts.add(part, cols, n * sum(per_row), timeout)
         while len(self._pending) > self.put_window:
             ref, t = self._pending.popleft()
             self._get(ref, t, "put")
         return uids
 
+    def _send_parts(self, parts: list[Part], columns: list[dict[str, Any]], timeout: float | None) -> None:
+        """One `ray.put` of the buffered puts' columns and one controller call (may run on the timer thread)."""
+        import ray
+
+        ref = ray.put(tuple(columns))
+        self._pending.append((self.handle.put_parts.remote(parts, [ref], timeout), timeout))
+
     def flush(self) -> None:
         """Wait until every earlier call of this client has been applied (read-your-writes: reads
         call it first); raises the first error of a pipelined put."""
+        self._puts.send()
         while self._pending:
             ref, t = self._pending.popleft()
             self._get(ref, t, "put")
@@ -275,6 +290,7 @@ class RayTransferQueue:
             self._get(ops, 0.0, "earlier updates")
 
     async def flush_async(self) -> None:
+        self._puts.send()
         while self._pending:
             ref, t = self._pending.popleft()
             await self._aget(ref, t, "put")
@@ -286,6 +302,7 @@ class RayTransferQueue:
     def _before_take(self) -> bool:
         """Send queued updates; True if the take must first wait for them. Acks need no wait (acked
         samples are this client's lease, never offered again), releases and writes do."""
+        self._puts.send()
         self._send_ops()
         return self._unsettled or bool(self._pending)
 
@@ -358,6 +375,28 @@ class RayTransferQueue:
                                       list(fields_extra), self._get_owner())
         lease, refs = self._get(ref, timeout, f"take({stage!r})")
         return self._fill(lease, self._fetch(refs))
+
+    def take_columns_blocking(self, stage: str, max_samples: int, *, min_samples: int = 1,
+                              timeout: float | None = None, lease_s: float | None = None,
+                              fields_extra: Sequence[str] = ()) -> ColumnLease:
+        """`take_blocking` with the fields as blocks of columns (`columns.ColumnLease`): the blobs'
+        columns sliced (zero-copy views of the object store), no per-sample dicts."""
+        if self._before_take():
+            self.flush()
+        ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, None, list(fields_extra),
+                                      self._get_owner())
+        compact, refs = self._get(ref, timeout, f"take_columns({stage!r})")
+        return _columns(compact, self._fetch(refs))
+
+    async def take_columns(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
+                           lease_s: float | None = None, fields_extra: Sequence[str] = ()) -> ColumnLease:
+        """`take` with the fields as blocks of columns (`take_columns_blocking`)."""
+        if self._before_take():
+            await self.flush_async()
+        ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, None, list(fields_extra),
+                                      self._get_owner())
+        compact, refs = await self._aget(ref, timeout, f"take_columns({stage!r})")
+        return _columns(compact, await self._afetch(refs))
 
     def take_nowait(self, stage: str, max_samples: int, *, min_samples: int = 1, lease_s: float | None = None,
                     min_version: int | None = None, fields_extra: Sequence[str] = ()) -> Lease | None:
@@ -461,6 +500,49 @@ class RayTransferQueue:
 def _rebuild(handle: Any, inline_max_bytes: int, rpc_grace_s: float, data_plane: str, put_window: int) -> RayTransferQueue:
     return RayTransferQueue(handle, inline_max_bytes=inline_max_bytes, rpc_grace_s=rpc_grace_s, data_plane=data_plane,
                             put_window=put_window)
+
+
+def _columns(compact: Any, values: dict[int, Any]) -> ColumnLease:
+    """A take's compacted lease (no version floor: nothing expired) as a `ColumnLease`."""
+    lid, stage, deadline, samples, _ = compact
+    return ColumnLease(Lease(lid, stage, bare_views(samples), [], deadline), blocks_from_slots(samples, values))
+
+
+def _object_refs(refs: dict[int, Any]) -> list[Any]:
+    """The distinct object-store refs among a take's blob values (parts of one coalesced put share one)."""
+    import ray
+
+    out: dict[Any, None] = {}
+    for x in refs.values():
+        if isinstance(x, ray.ObjectRef):
+            out[x] = None
+        elif isinstance(x, PartRef):
+            out[x.ref] = None
+    return list(out)
+
+
+def _blobs_of(refs: dict[int, Any], ref: Any) -> list[int]:
+    """The blob ids a take read from object `ref` (several when it holds a coalesced put)."""
+    import ray
+
+    return [b for b, x in refs.items()
+            if (isinstance(x, ray.ObjectRef) and x == ref) or (isinstance(x, PartRef) and x.ref == ref)]
+
+
+def _resolve(refs: dict[int, Any], got: dict[Any, Any]) -> dict[int, Any]:
+    """Blob id -> value: a fetched object, its put's entry for a `PartRef`, or what came inline."""
+    import ray
+
+    out = {}
+    for b, x in refs.items():
+        if isinstance(x, ray.ObjectRef):
+            out[b] = got[x]
+        elif isinstance(x, PartRef):
+            obj = got[x.ref]
+            out[b] = obj if isinstance(obj, LostBlob) else obj[x.index]
+        else:
+            out[b] = x
+    return out
 
 
 def _unwrap(exc: Exception) -> Exception:
