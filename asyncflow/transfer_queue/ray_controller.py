@@ -15,7 +15,7 @@ import numpy as np
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue.api import Lease, NewSample
 from asyncflow.transfer_queue.put_buffer import Part
-from asyncflow.transfer_queue.ray_data import LOST, PartRef, Slot, compact_views
+from asyncflow.transfer_queue.ray_data import LOST, SLOTS, PartRef, RowsSlot, Slot, compact_views
 from asyncflow.transfer_queue.store import TransferQueue
 
 
@@ -54,7 +54,7 @@ class StoreController:
     def _unref(self, fields: dict[str, Any]) -> None:
         seen = set()
         for v in fields.values():
-            if isinstance(v, Slot) and v.blob not in seen:
+            if isinstance(v, SLOTS) and v.blob not in seen:
                 seen.add(v.blob)
                 b = self.blobs.get(v.blob)
                 if b is not None:
@@ -118,7 +118,11 @@ class StoreController:
         for index, (_, _, uids, names, per_row) in enumerate(parts):
             bid = self._add_blob(ref, len(uids))
             self.blob_part[bid] = index
-            fields.append([dict(zip(names, [Slot(bid, r, b) for b in per_row], strict=True)) for r in range(len(uids))])
+            n = len(uids)
+            if n and uids == list(range(uids[0], uids[0] + n)):  # (the client's reserved ranges: always)
+                fields.append([dict(zip(names, [RowsSlot(bid, uids[0], b) for b in per_row], strict=True))] * n)
+            else:
+                fields.append([dict(zip(names, [Slot(bid, r, b) for b in per_row], strict=True)) for r in range(n)])
         out: list[int] = []
         for i, (gids, size, uids, _, _) in enumerate(parts):
             samples = [NewSample(g, size, f, None, u) for g, u, f in zip(gids, uids, fields[i], strict=True)]
@@ -300,7 +304,7 @@ class StoreController:
             return 0
 
         def fix(fields: dict[str, Any]) -> dict[str, Any] | None:
-            hit = [k for k, v in fields.items() if type(v) is Slot and v.blob in lost]
+            hit = [k for k, v in fields.items() if type(v) in SLOTS and v.blob in lost]
             if not hit:
                 return None
             new = dict(fields)
@@ -367,7 +371,7 @@ class StoreController:
         refs = {}
         for d in state["samples"]:
             for v in d["fields"].values():
-                if isinstance(v, Slot) and v.blob not in refs:
+                if isinstance(v, SLOTS) and v.blob not in refs:
                     ref, _, held = self.blobs[v.blob]
                     refs[v.blob] = self._ref_of(v.blob, ref) if held is None else held
         return state, refs

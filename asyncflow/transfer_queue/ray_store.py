@@ -484,7 +484,7 @@ class RayTransferQueue:
         state, refs = self._get(self.handle.state_dict.remote(), 600, "state_dict")
         values = self._fetch(refs)
         for d in state["samples"]:
-            d["fields"] = {k: slot_value(values, v, k) for k, v in d["fields"].items()}
+            d["fields"] = {k: slot_value(values, v, k, d["uid"]) for k, v in d["fields"].items()}
         return dict(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
