@@ -655,3 +655,44 @@ def test_responses_whose_writer_died_are_marked_cancelled_not_lost_with_it(ray_s
     finally:
         ray.kill(writer)
         store.close()
+
+
+class _ColumnConsumer:
+    def take_columns(self, store, n: int) -> tuple[list[int], list[int], list[list[float]]]:
+        got = store.take_columns_blocking("train", n, min_samples=n, timeout=30, fields_extra=["i"])
+        store.ack(got.lease, remove=True)
+        return [len(b["i"]) for b in got.blocks], got.column("i").tolist(), got.column("big").sum(axis=1).tolist()
+
+    def take_rows(self, store, n: int) -> dict[int, float]:
+        lease = store.take_blocking("train", n, min_samples=n, timeout=30, fields_extra=["i"])
+        store.ack(lease, remove=True)
+        return {int(s.fields["i"]): float(np.sum(s.fields["big"])) for s in lease.samples}
+
+
+def test_coalesced_columnar_puts_read_back_as_columns_rows_and_state(ray_session) -> None:
+    """Columnar puts made together share one object (`put_buffer`): a columnar take gets slices of
+    it, a per-sample take and `state_dict` the same values row by row."""
+    ray = ray_session
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64)
+    try:
+        store.register_stage("train", ["big"])
+        store._puts.coalesce_s = 30.0  # (all three in one object, sent by the flush below, not the timer)
+        big = np.random.default_rng(5).random((24, 4096))
+        for start in range(0, 24, 8):
+            store.put_columns_blocking({"big": big[start:start + 8], "i": np.arange(start, start + 8)},
+                                       list(range(start, start + 8)), 1, timeout=30)
+        store.flush()
+        consumer = ray.remote(_ColumnConsumer).options(num_cpus=0).remote()
+        lengths, idx, sums = ray.get(consumer.take_columns.remote(store, 12), timeout=60)
+        assert lengths == [8, 4] and idx == list(range(12))  # one block per put, cut where the take ends
+        assert sums == pytest.approx(big[:12].sum(axis=1).tolist())
+        rows = ray.get(consumer.take_rows.remote(store, 4), timeout=60)
+        assert rows == {i: pytest.approx(float(big[i].sum())) for i in range(12, 16)}
+        state = store.state_dict()
+        kept = {int(d["fields"]["i"]): d["fields"]["big"] for d in state["samples"]}
+        assert sorted(kept) == list(range(16, 24)) and all(np.array_equal(kept[i], big[i]) for i in kept)
+        assert store.metrics()["samples"] == 8.0
+    finally:
+        store.kill()

@@ -84,6 +84,10 @@ class ColumnIndex:
                     self._at.pop(u, None)
         self._blocks = keep
 
+    def __len__(self) -> int:
+        """How many puts' blocks are held."""
+        return len(self._blocks)
+
     def clear(self) -> None:
         self._at.clear()
         self._blocks.clear()

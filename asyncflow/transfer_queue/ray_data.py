@@ -34,11 +34,11 @@ SLOTS = (Slot, RowsSlot)
 
 
 class PartRef(NamedTuple):
-    """A blob that is entry `index` of a coalesced put's object (`put_buffer`): the object holds a
+    """A blob that is entry `part` of a coalesced put's object (`put_buffer`): the object holds a
     tuple of the puts' column dicts, and each put's rows are a blob of their own."""
 
     ref: Any
-    index: int
+    part: int
 
 
 def value_nbytes(v: Any) -> int:

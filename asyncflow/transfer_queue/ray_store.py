@@ -539,7 +539,7 @@ def _resolve(refs: dict[int, Any], got: dict[Any, Any]) -> dict[int, Any]:
             out[b] = got[x]
         elif isinstance(x, PartRef):
             obj = got[x.ref]
-            out[b] = obj if isinstance(obj, LostBlob) else obj[x.index]
+            out[b] = obj if isinstance(obj, LostBlob) else obj[x.part]
         else:
             out[b] = x
     return out
