@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ class StoreController:
         self.q = TransferQueue(capacity=capacity, lease_timeout_s=lease_timeout_s, on_remove=self._unref)
         self.blobs: dict[int, list[Any]] = {}  # blob id -> [ObjectRef or None, live rows, held data or None]
         self.next_blob = 0
-        self.blob_part: dict[int, int] = {}  # blob id -> its index in a coalesced put's object (`put_parts`)
+        self.blob_part: dict[int, tuple[int, int]] = {}  # blob id -> (object, index) of a coalesced put (`put_parts`)
         self.owners: dict[str, Any] = {}  # owner id -> actor handle
         self.lease_owner: dict[int, str] = {}
         self.leases: dict[int, Lease] = {}
@@ -115,9 +115,10 @@ class StoreController:
         dicts]; each part's rows become a blob of their own (freed on its own) and are admitted as
         that put alone would be, in order."""
         fields: list[list[dict[str, Any]]] = []
+        obj = self.next_blob  # (the object's id: its first blob's)
         for index, (_, _, uids, names, per_row) in enumerate(parts):
             bid = self._add_blob(ref, len(uids))
-            self.blob_part[bid] = index
+            self.blob_part[bid] = (obj, index)
             n = len(uids)
             if n and uids == list(range(uids[0], uids[0] + n)):  # (the client's reserved ranges: always)
                 fields.append([dict(zip(names, [RowsSlot(bid, uids[0], b) for b in per_row], strict=True))] * n)
@@ -137,13 +138,28 @@ class StoreController:
 
     async def take(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
                    lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
-                   owner: str | None) -> tuple[Any, dict[int, Any]]:
+                   owner: str | None, after: list[tuple[str, tuple[Any, ...]]] | None = None,
+                   held: list[int] | None = None) -> tuple[Any, dict[int, Any]]:
+        """`after`: the client's acks and renews, applied once this take is answered (the client's
+        next call finds them applied) or, when it must wait, at once (a full store may wait for them).
+        `held`: the coalesced objects the client holds (their refs are left out, `PartRef`)."""
         epoch = self.owner_epoch.get(owner, 0) if owner is not None else 0
-        lease = await self.q.take(stage, max_samples, min_samples=min_samples, timeout=timeout, lease_s=lease_s,
-                                  min_version=min_version, fields_extra=fields_extra)
+        lease = None
+        if after:
+            try:
+                lease = self.q.take_nowait(stage, max_samples, min_samples=min_samples, lease_s=lease_s,
+                                           min_version=min_version, fields_extra=fields_extra)
+            finally:
+                if lease is None:
+                    self.apply(after)
+        if lease is None:
+            lease = await self.q.take(stage, max_samples, min_samples=min_samples, timeout=timeout, lease_s=lease_s,
+                                      min_version=min_version, fields_extra=fields_extra)
+        elif after:
+            asyncio.get_running_loop().call_soon(self.apply, after)
         if self._orphaned([lease], owner, epoch):
             raise WaitTimeout(f"take for stage {stage!r}: its caller's process died while it waited")
-        return self._hand_out(lease, owner)
+        return self._hand_out(lease, owner, set(held) if held else ())
 
     async def take_each(self, stage: str, max_samples: int, timeout: float | None, lease_s: float | None,
                         min_version: int | None, fields_extra: Sequence[str], owner: str | None) -> list[tuple[Any, dict[int, Any]]]:
@@ -171,9 +187,10 @@ class StoreController:
                                    min_version=min_version, fields_extra=fields_extra)
         return None if lease is None else self._hand_out(lease, owner)
 
-    def _hand_out(self, lease: Lease, owner: str | None) -> tuple[Any, dict[int, Any]]:
+    def _hand_out(self, lease: Lease, owner: str | None, known: Collection[int] = ()) -> tuple[Any, dict[int, Any]]:
         """The lease in a compact, fast-to-pickle form, plus what its slots point into: the blob's
-        object-store ref, or for blobs held here the needed rows (slots renumbered into them)."""
+        object-store ref, or for blobs held here the needed rows (slots renumbered into them).
+        `known`: the coalesced objects the reader holds already (`PartRef`)."""
         if owner is not None:
             self.lease_owner[lease.id] = owner
             self.leases[lease.id] = Lease(lease.id, lease.stage, [], [], lease.deadline)
@@ -186,7 +203,7 @@ class StoreController:
                     continue
                 ref, _, held = self.blobs[bid]
                 if held is None:
-                    out[bid] = self._ref_of(bid, ref)
+                    out[bid] = self._ref_of(bid, ref, known)
                     continue
                 mask = slots[:, :, 0] == bid
                 rows = np.unique(slots[:, :, 1][mask])
@@ -202,10 +219,14 @@ class StoreController:
                 slots[:, :, 0][mask] = key
         return (lease.id, lease.stage, lease.deadline, samples, expired), out
 
-    def _ref_of(self, bid: int, ref: Any) -> Any:
-        """What a reader fetches for blob `bid`: its object, or its part of a coalesced one."""
-        index = self.blob_part.get(bid)
-        return ref if index is None else PartRef(ref, index)
+    def _ref_of(self, bid: int, ref: Any, held: Collection[int] = ()) -> Any:
+        """What a reader fetches for blob `bid`: its object, or its part of a coalesced one (without
+        the ref when the reader holds that object: `held`)."""
+        at = self.blob_part.get(bid)
+        if at is None:
+            return ref
+        obj, part = at
+        return PartRef(None if obj in held else ref, obj, part)
 
     def _run(self, what: str, fn: Any) -> Any:
         try:

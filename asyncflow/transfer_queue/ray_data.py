@@ -34,10 +34,13 @@ SLOTS = (Slot, RowsSlot)
 
 
 class PartRef(NamedTuple):
-    """A blob that is entry `part` of a coalesced put's object (`put_buffer`): the object holds a
-    tuple of the puts' column dicts, and each put's rows are a blob of their own."""
+    """A blob that is entry `part` of a coalesced put's object (`put_buffer`), which holds a tuple of
+    the puts' column dicts (each put's rows are a blob of their own). `obj` names the object (its
+    first blob's id); `ref` is None when the reader said it holds the object already (a take of
+    256 rows from objects of ~700 then fetches and borrows each object once, not once a take)."""
 
     ref: Any
+    obj: int
     part: int
 
 
@@ -179,3 +182,42 @@ def slot_value(values: dict[int, Any], v: Any, k: str, uid: int) -> Any:
     row = v.row if isinstance(v, Slot) else uid - v.first_uid
     blob = values[v.blob]
     return blob[k][row] if isinstance(blob, dict) else blob[row][k]
+
+
+def object_refs(refs: dict[int, Any]) -> list[Any]:
+    """The distinct object-store refs among a take's blob values (parts of one coalesced put share one)."""
+    import ray
+
+    out: dict[Any, None] = {}
+    for x in refs.values():
+        if isinstance(x, ray.ObjectRef):
+            out[x] = None
+        elif isinstance(x, PartRef) and x.ref is not None:
+            out[x.ref] = None
+    return list(out)
+
+
+def blobs_of(refs: dict[int, Any], ref: Any) -> list[int]:
+    """The blob ids a take read from object `ref` (several when it holds a coalesced put)."""
+    import ray
+
+    return [b for b, x in refs.items()
+            if (isinstance(x, ray.ObjectRef) and x == ref) or (isinstance(x, PartRef) and x.ref == ref)]
+
+
+def resolve(refs: dict[int, Any], got: dict[Any, Any], objs: dict[int, Any]) -> dict[int, Any]:
+    """Blob id -> value: a fetched object, its put's entry for a `PartRef`, or what came inline.
+    `objs` (coalesced objects by id) has the reader's held objects, read for a `PartRef` without a
+    ref; the ones fetched now are added to it."""
+    import ray
+
+    out = {}
+    for b, x in refs.items():
+        if isinstance(x, ray.ObjectRef):
+            out[b] = got[x]
+        elif isinstance(x, PartRef):
+            obj = objs[x.obj] if x.ref is None else objs.setdefault(x.obj, got[x.ref])
+            out[b] = obj if isinstance(obj, LostBlob) else obj[x.part]
+        else:
+            out[b] = x
+    return out

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -49,8 +50,11 @@ from asyncflow.transfer_queue.ray_controller import StoreController
 from asyncflow.transfer_queue.ray_data import (
     LostBlob,
     PartRef,
+    blobs_of,
     expand_views,
+    object_refs,
     pack_rows,
+    resolve,
     slot_value,
     stack_columns,
     value_nbytes,
@@ -76,6 +80,8 @@ class RayTransferQueue:
         self._ops: list[Any] = []  # unanswered fire-and-forget calls (write, complete, ack, ...)
         self._buf: list[tuple[str, tuple[Any, ...]]] = []  # updates not sent yet (coalesced)
         self._flush_at: Any = None
+        self._timer: threading.Timer | None = None  # sends a plain thread's buffered acks (`_op`)
+        self._lock = threading.Lock()  # `_buf` and `_ops`: the timer's thread sends too
         self._unsettled = False  # an update other than ack is unanswered: takes must wait for it
         self.coalesce_s = 0.002
         self._uid_next = 0
@@ -85,6 +91,9 @@ class RayTransferQueue:
         self._owner: str | None = None
         self._owner_known = False
         self._puts = PutBuffer(self._send_parts)  # columnar puts, coalesced (`put_buffer`)
+        # coalesced objects the last blocking take read, by id (`PartRef`): the next one that reads
+        # them gets no ref again (replaced, never changed in place: a take works on its snapshot)
+        self._held: dict[int, Any] = {}
 
     @classmethod
     def create(cls, capacity: int = 4096, lease_timeout_s: float = 600.0, *, owner_check_s: float = 2.0,
@@ -147,12 +156,12 @@ class RayTransferQueue:
         except ray.exceptions.RayTaskError as exc:
             raise _unwrap(exc) from None
 
-    def _fetch(self, refs: dict[int, Any]) -> dict[int, Any]:
+    def _fetch(self, refs: dict[int, Any], objs: dict[int, Any] | None = None) -> dict[int, Any]:
         """Blob values: object-store refs fetched (zero-copy, each once), rows sent by the controller
-        as they are; a `PartRef` reads its put's entry of a coalesced object."""
+        as they are; a `PartRef` reads its put's entry of a coalesced object (`objs`: see `resolve`)."""
         import ray
 
-        fetch = _object_refs(refs)
+        fetch = object_refs(refs)
         try:
             got = ray.get(fetch, timeout=self.rpc_grace_s) if fetch else []
         except ray.exceptions.ObjectLostError:  # one of them died with its writer: see `_lost`
@@ -161,14 +170,14 @@ class RayTransferQueue:
                 try:
                     got.append(ray.get(r, timeout=self.rpc_grace_s))
                 except ray.exceptions.ObjectLostError:
-                    got.append(self._lost(_blobs_of(refs, r)))
-        return _resolve(refs, dict(zip(fetch, got, strict=True)))
+                    got.append(self._lost(blobs_of(refs, r)))
+        return resolve(refs, dict(zip(fetch, got, strict=True)), {} if objs is None else objs)
 
     async def _afetch(self, refs: dict[int, Any]) -> dict[int, Any]:
         """`_fetch` on the caller's event loop (bounded by `rpc_grace_s` as well)."""
         import ray
 
-        fetch = _object_refs(refs)
+        fetch = object_refs(refs)
         if not fetch:
             return dict(refs)
         try:
@@ -179,8 +188,8 @@ class RayTransferQueue:
                 try:
                     got.append(await self._aget(r, 0.0, "a take's data"))
                 except ray.exceptions.ObjectLostError:
-                    got.append(self._lost(_blobs_of(refs, r)))
-        return _resolve(refs, dict(zip(fetch, got, strict=True)))
+                    got.append(self._lost(blobs_of(refs, r)))
+        return resolve(refs, dict(zip(fetch, got, strict=True)), {})
 
     def _lost(self, blobs: list[int]) -> LostBlob:
         """Blobs that died with the process that put them (a rollout actor Ray restarted, before its
@@ -285,7 +294,8 @@ class RayTransferQueue:
             ref, t = self._pending.popleft()
             self._get(ref, t, "put")
         self._send_ops()
-        ops, self._ops, self._unsettled = self._ops, [], False
+        with self._lock:
+            ops, self._ops, self._unsettled = self._ops, [], False
         if ops:
             self._get(ops, 0.0, "earlier updates")
 
@@ -295,7 +305,8 @@ class RayTransferQueue:
             ref, t = self._pending.popleft()
             await self._aget(ref, t, "put")
         self._send_ops()
-        ops, self._ops, self._unsettled = self._ops, [], False
+        with self._lock:
+            ops, self._ops, self._unsettled = self._ops, [], False
         if ops:
             await self._aget(asyncio.gather(*ops), 0.0, "earlier updates")
 
@@ -309,42 +320,92 @@ class RayTransferQueue:
     def _op(self, name: str, args: tuple[Any, ...]) -> None:
         """Queue an update. Inside an event loop, updates issued within `coalesce_s` (2 ms) go out as
         one call (a Ray call costs ~1 ms of CPU here: one per sample was a third of a rollout actor's
-        time); from plain threads each goes at once."""
-        self._buf.append((name, args))
-        self._unsettled |= name != "ack" and name != "renew"  # (neither changes what a take can see)
+        time); from plain threads each goes at once, except acks and renews, which wait up to
+        `coalesce_s` (a timer) for the client's next take to carry them (`_carried`)."""
+        with self._lock:
+            self._buf.append((name, args))
+            self._unsettled |= name != "ack" and name != "renew"  # (neither changes what a take can see)
+            many = len(self._buf) >= 256
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if loop is None or len(self._buf) >= 256:
+        if many or (loop is None and self._unsettled):
             self._send_ops()
-        elif self._flush_at is None:
-            self._flush_at = loop.call_later(self.coalesce_s, self._send_ops)
+        elif loop is not None:
+            if self._flush_at is None:
+                self._flush_at = loop.call_later(self.coalesce_s, self._send_ops)
+        elif self._timer is None:
+            self._timer = threading.Timer(self.coalesce_s, self._send_ops)
+            self._timer.daemon = True
+            self._timer.start()
 
     def _send_ops(self) -> None:
+        with self._lock:
+            ops = self._take_buf()
+            if ops:
+                self._send(self.handle.apply.remote(ops))
+
+    def _take_buf(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """The buffered updates, no longer buffered (with the lock held)."""
         if self._flush_at is not None:
             self._flush_at.cancel()
             self._flush_at = None
-        if self._buf:
-            ops, self._buf = self._buf, []
-            self._send(self.handle.apply.remote(ops))
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        ops, self._buf = self._buf, []
+        return ops
+
+    def _carried(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """Buffered updates for the next take to carry when they are all acks and renews: the
+        controller applies them right after that take (before it when the take must wait), one call
+        instead of two and the acks' removals off the take's path. Acks cannot change what the take
+        sees: acked samples are this client's lease, never offered again."""
+        with self._lock:
+            return [] if self._unsettled else self._take_buf()
 
     def _send(self, ref: Any) -> None:
-        """Track a call sent without waiting; the controller may run calls out of order (it is an
-        async actor), so later reads of this client wait for these first."""
+        """Track a call sent without waiting (with the lock held); the controller may run calls out of
+        order (it is an async actor), so later reads of this client wait for these first."""
         self._ops.append(ref)
         if len(self._ops) >= 256:
             import ray
 
             _, self._ops = ray.wait(self._ops, num_returns=len(self._ops), timeout=0)
 
+    def _take_call(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
+                   lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
+                   carried: list[tuple[str, tuple[Any, ...]]], held: dict[int, Any] | None = None) -> Any:
+        return self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
+                                       list(fields_extra), self._get_owner(), carried or None,
+                                       list(held) if held else None)
+
+    def _take_held(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
+                   lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
+                   what: str) -> tuple[Any, dict[int, Any]]:
+        """A blocking take that leaves out the refs of coalesced objects this client read last time
+        (`_held`); returns the compacted lease and its blob values."""
+        carried = self._carried()
+        if self._before_take():
+            self.flush()
+        held = self._held
+        ref = self._take_call(stage, max_samples, min_samples, timeout, lease_s, min_version, fields_extra, carried,
+                              held)
+        compact, refs = self._get(ref, timeout, what)
+        objs = dict(held)
+        values = self._fetch(refs, objs)
+        self._held = {x.obj: objs[x.obj] for x in refs.values()
+                      if isinstance(x, PartRef) and not isinstance(objs[x.obj], LostBlob)}
+        return compact, values
+
     async def take(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                    lease_s: float | None = None, min_version: int | None = None,
                    fields_extra: Sequence[str] = ()) -> Lease:
+        carried = self._carried()
         if self._before_take():
             await self.flush_async()
-        ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
-                                      list(fields_extra), self._get_owner())
+        ref = self._take_call(stage, max_samples, min_samples, timeout, lease_s, min_version, fields_extra, carried)
         lease, refs = await self._aget(ref, timeout, f"take({stage!r})")
         return self._fill(lease, await self._afetch(refs))
 
@@ -368,33 +429,26 @@ class RayTransferQueue:
     def take_blocking(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                       lease_s: float | None = None, min_version: int | None = None,
                       fields_extra: Sequence[str] = ()) -> Lease:
-
-        if self._before_take():
-            self.flush()
-        ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
-                                      list(fields_extra), self._get_owner())
-        lease, refs = self._get(ref, timeout, f"take({stage!r})")
-        return self._fill(lease, self._fetch(refs))
+        lease, values = self._take_held(stage, max_samples, min_samples, timeout, lease_s, min_version, fields_extra,
+                                        f"take({stage!r})")
+        return self._fill(lease, values)
 
     def take_columns_blocking(self, stage: str, max_samples: int, *, min_samples: int = 1,
                               timeout: float | None = None, lease_s: float | None = None,
                               fields_extra: Sequence[str] = ()) -> ColumnLease:
         """`take_blocking` with the fields as blocks of columns (`columns.ColumnLease`): the blobs'
         columns sliced (zero-copy views of the object store), no per-sample dicts."""
-        if self._before_take():
-            self.flush()
-        ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, None, list(fields_extra),
-                                      self._get_owner())
-        compact, refs = self._get(ref, timeout, f"take_columns({stage!r})")
-        return _columns(compact, self._fetch(refs))
+        compact, values = self._take_held(stage, max_samples, min_samples, timeout, lease_s, None, fields_extra,
+                                          f"take_columns({stage!r})")
+        return _columns(compact, values)
 
     async def take_columns(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                            lease_s: float | None = None, fields_extra: Sequence[str] = ()) -> ColumnLease:
         """`take` with the fields as blocks of columns (`take_columns_blocking`)."""
+        carried = self._carried()
         if self._before_take():
             await self.flush_async()
-        ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, None, list(fields_extra),
-                                      self._get_owner())
+        ref = self._take_call(stage, max_samples, min_samples, timeout, lease_s, None, fields_extra, carried)
         compact, refs = await self._aget(ref, timeout, f"take_columns({stage!r})")
         return _columns(compact, await self._afetch(refs))
 
@@ -506,43 +560,6 @@ def _columns(compact: Any, values: dict[int, Any]) -> ColumnLease:
     """A take's compacted lease (no version floor: nothing expired) as a `ColumnLease`."""
     lid, stage, deadline, samples, _ = compact
     return ColumnLease(Lease(lid, stage, bare_views(samples), [], deadline), blocks_from_slots(samples, values))
-
-
-def _object_refs(refs: dict[int, Any]) -> list[Any]:
-    """The distinct object-store refs among a take's blob values (parts of one coalesced put share one)."""
-    import ray
-
-    out: dict[Any, None] = {}
-    for x in refs.values():
-        if isinstance(x, ray.ObjectRef):
-            out[x] = None
-        elif isinstance(x, PartRef):
-            out[x.ref] = None
-    return list(out)
-
-
-def _blobs_of(refs: dict[int, Any], ref: Any) -> list[int]:
-    """The blob ids a take read from object `ref` (several when it holds a coalesced put)."""
-    import ray
-
-    return [b for b, x in refs.items()
-            if (isinstance(x, ray.ObjectRef) and x == ref) or (isinstance(x, PartRef) and x.ref == ref)]
-
-
-def _resolve(refs: dict[int, Any], got: dict[Any, Any]) -> dict[int, Any]:
-    """Blob id -> value: a fetched object, its put's entry for a `PartRef`, or what came inline."""
-    import ray
-
-    out = {}
-    for b, x in refs.items():
-        if isinstance(x, ray.ObjectRef):
-            out[b] = got[x]
-        elif isinstance(x, PartRef):
-            obj = got[x.ref]
-            out[b] = obj if isinstance(obj, LostBlob) else obj[x.part]
-        else:
-            out[b] = x
-    return out
 
 
 def _unwrap(exc: Exception) -> Exception:
