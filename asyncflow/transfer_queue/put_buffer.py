@@ -22,7 +22,7 @@ class PutBuffer:
     """Buffered columnar puts; `send_fn(parts, columns, timeout)` ships one batch of them."""
 
     def __init__(self, send_fn: Callable[[list[Part], list[dict[str, Any]], float | None], None],
-                 coalesce_s: float = 0.002, max_bytes: int = 8 << 20) -> None:
+                 coalesce_s: float = 0.002, max_bytes: int = 32 << 20) -> None:
         self._send_fn = send_fn
         self.coalesce_s = coalesce_s
         self.max_bytes = max_bytes
