@@ -146,3 +146,41 @@ def test_store1_checksums_match_the_per_sample_checksum_and_catch_a_corrupted_sa
             bad[field][5] = np.nextafter(bad[field][5], np.float32(2.0))
         with pytest.raises(RuntimeError, match="checksum mismatch on sample 5"):
             verify(bad, expected, np.zeros(len(expected), dtype=bool))
+
+
+def test_a_coalesced_put_leases_the_same_samples_and_rows_as_one_put_per_batch() -> None:
+    """The controller's `put_parts` (several columnar puts in one call, one shared slot per field)
+    against `put` of each batch with a slot per field and row: the same leases, the same values."""
+    import asyncio
+
+    from asyncflow.transfer_queue.ray_controller import StoreController
+    from asyncflow.transfer_queue.ray_data import expand_views
+
+    batches = [{"x": np.arange(8 * b, 8 * b + 8), "m": np.arange(24 * b, 24 * b + 24).reshape(8, 3)} for b in range(3)]
+    names, per_row = ["x", "m"], [8, 24]
+
+    async def run(coalesced: bool) -> list[tuple[int, int, list[int]]]:
+        c = StoreController(64, 600.0)
+        c.register_stage("s", ["x", "m"], False)
+        first = c.reserve_uids(24)
+        parts = [(list(range(8 * b, 8 * b + 8)), 1, list(range(first + 8 * b, first + 8 * b + 8)), names, per_row)
+                 for b in range(3)]
+        if coalesced:
+            await c.put_parts(parts, ["REF"], None)
+            values = {bid: batches[i] for i, bid in enumerate(sorted(c.blobs))}
+        else:
+            for (gids, size, uids, _, _), cols in zip(parts, batches, strict=True):
+                nbytes = np.tile(np.array(per_row, dtype=np.int64), (8, 1))
+                await c.put((gids, [size] * 8, [None] * 8, uids), None, names, nbytes, ["REF"], None)
+            values = {bid: batches[i] for i, bid in enumerate(sorted(c.blobs))}
+        out = []
+        for _ in range(2):
+            compact, _ = await c.take("s", 12, 12, None, None, None, [], None)
+            for v in expand_views(compact[3], values):
+                out.append((v.uid - first, int(v.fields["x"]), v.fields["m"].tolist()))
+            c.apply([("ack", (compact[0], "s", True, None))])
+        assert c.q.size() == 0 and not c.blobs  # every blob let go with its last row
+        return out
+
+    one_by_one, together = asyncio.run(run(False)), asyncio.run(run(True))
+    assert together == one_by_one and [x for _, x, _ in together] == list(range(24))
