@@ -167,12 +167,11 @@ def test_a_coalesced_put_leases_the_same_samples_and_rows_as_one_put_per_batch()
                  for b in range(3)]
         if coalesced:
             await c.put_parts(parts, ["REF"], None)
-            values = {bid: batches[i] for i, bid in enumerate(sorted(c.blobs))}
         else:
-            for (gids, size, uids, _, _), cols in zip(parts, batches, strict=True):
-                nbytes = np.tile(np.array(per_row, dtype=np.int64), (8, 1))
+            nbytes = np.tile(np.array(per_row, dtype=np.int64), (8, 1))
+            for gids, size, uids, _, _ in parts:
                 await c.put((gids, [size] * 8, [None] * 8, uids), None, names, nbytes, ["REF"], None)
-            values = {bid: batches[i] for i, bid in enumerate(sorted(c.blobs))}
+        values = {bid: batches[i] for i, bid in enumerate(sorted(c.blobs))}  # (blob i: batch i, both ways)
         out = []
         for _ in range(2):
             compact, _ = await c.take("s", 12, 12, None, None, None, [], None)
