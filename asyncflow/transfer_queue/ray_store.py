@@ -17,7 +17,8 @@ live sample that points into it is deleted.
 
 The client has the in-process `TransferQueue`'s API, so the workflow code is the same on both
 placements. Mutations that need no answer (`write`, `complete`, `ack`, `release`, `remove`) are
-sent without waiting; a failure inside them is counted in `metrics()["op_errors"]`. Takes and puts
+sent without waiting; a failure inside them is counted in `metrics()["op_errors"]`. Acks (and renews)
+ride on the client's next take when one follows within `coalesce_s` (`_carried`). Takes and puts
 wait in the controller with the caller's timeout, and the client waits at most `rpc_grace_s` longer
 before deciding the controller is gone.
 
