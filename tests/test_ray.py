@@ -655,3 +655,85 @@ def test_responses_whose_writer_died_are_marked_cancelled_not_lost_with_it(ray_s
     finally:
         ray.kill(writer)
         store.close()
+
+
+class _ColumnConsumer:
+    def take_columns(self, store, sizes: list[int]) -> tuple[list[list[int]], list[int], list[float]]:
+        """Takes one after another on one client: the later ones read objects it holds (no refs)."""
+        lengths, idx, sums = [], [], []
+        for n in sizes:
+            got = store.take_columns_blocking("train", n, min_samples=n, timeout=30, fields_extra=["i"])
+            store.ack(got.lease, remove=True)
+            lengths.append([len(b["i"]) for b in got.blocks])
+            idx += got.column("i").tolist()
+            sums += got.column("big").sum(axis=1).tolist()
+        store.flush()  # (an ack waits up to 2 ms for a next take to carry it: applied before returning)
+        return lengths, idx, sums
+
+    def take_rows(self, store, n: int) -> dict[int, float]:
+        lease = store.take_blocking("train", n, min_samples=n, timeout=30, fields_extra=["i"])
+        store.ack(lease, remove=True)
+        store.flush()
+        return {int(s.fields["i"]): float(np.sum(s.fields["big"])) for s in lease.samples}
+
+
+def test_coalesced_columnar_puts_read_back_as_columns_rows_and_state(ray_session) -> None:
+    """Columnar puts made together share one object (`put_buffer`): a columnar take gets slices of
+    it, a per-sample take and `state_dict` the same values row by row."""
+    ray = ray_session
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64)
+    try:
+        store.register_stage("train", ["big"])
+        store._puts.coalesce_s = 30.0  # (all three in one object, sent by the flush below, not the timer)
+        big = np.random.default_rng(5).random((24, 4096))
+        for start in range(0, 24, 8):
+            store.put_columns_blocking({"big": big[start:start + 8], "i": np.arange(start, start + 8)},
+                                       list(range(start, start + 8)), 1, timeout=30)
+        store.flush()
+        consumer = ray.remote(_ColumnConsumer).options(num_cpus=0).remote()
+        lengths, idx, sums = ray.get(consumer.take_columns.remote(store, [6, 6]), timeout=60)
+        assert lengths == [[6], [2, 4]] and idx == list(range(12))  # a block per put, cut where a take ends
+        assert sums == pytest.approx(big[:12].sum(axis=1).tolist())
+        rows = ray.get(consumer.take_rows.remote(store, 4), timeout=60)
+        assert rows == {i: pytest.approx(float(big[i].sum())) for i in range(12, 16)}
+        state = store.state_dict()
+        kept = {int(d["fields"]["i"]): d["fields"]["big"] for d in state["samples"]}
+        assert sorted(kept) == list(range(16, 24)) and all(np.array_equal(kept[i], big[i]) for i in kept)
+        assert store.metrics()["samples"] == 8.0
+    finally:
+        store.kill()
+
+
+class _Filler:
+    def put(self, store, start: int, n: int) -> list[int]:
+        return store.put_blocking([NewSample(i, 1, {"x": i}) for i in range(start, start + n)], timeout=60)
+
+
+def test_an_ack_carried_by_a_take_that_must_wait_is_applied_first(ray_session) -> None:
+    """A plain thread's ack waits for its next take to carry it (`_carried`); when that take must
+    wait (here for samples a producer can only put once the ack has made room), the controller
+    applies the ack before waiting. An ack no take follows goes out on its own (a timer)."""
+    ray = ray_session
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=4)
+    try:
+        store.register_stage("s", ["x"])
+        store.put_blocking([NewSample(i, 1, {"x": i}) for i in range(4)], timeout=30)
+        store.flush()
+        filler = ray.remote(_Filler).options(num_cpus=0).remote()
+        more = filler.put.remote(store, 4, 4)  # waits for room: the store is full
+        first = store.take_blocking("s", 4, min_samples=4, timeout=30)
+        assert store.ack(first, remove=True)
+        second = store.take_blocking("s", 4, min_samples=4, timeout=30)
+        assert sorted(s.fields["x"] for s in second.samples) == [4, 5, 6, 7]
+        assert len(ray.get(more, timeout=60)) == 4
+        store.ack(second, remove=True)  # no take follows: the timer sends it
+        deadline = time.monotonic() + 30
+        while ray.get(store.handle.size.remote(), timeout=30) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ray.get(store.handle.size.remote(), timeout=30) == 0
+    finally:
+        store.kill()

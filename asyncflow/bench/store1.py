@@ -49,20 +49,45 @@ def make_batches(spec: Store1Spec, seed: int = 0) -> list[dict[str, np.ndarray]]
     return out
 
 
-def checksum(prompt_ids: Any, response_ids: Any, behavior_logprobs: Any, reward: Any) -> int:
-    """One sample's checksum: exact integer sums of the token ids and of the float fields' raw bits."""
+def checksums(prompt_ids: Any, response_ids: Any, behavior_logprobs: Any, reward: Any) -> np.ndarray:
+    """Each sample's checksum over a block of rows (2-D columns, one row per sample; `reward` one
+    value per row), with column operations: exact integer sums of the token ids and of the float
+    fields' raw bits, per row (int64, which these sums cannot overflow)."""
     lp = np.ascontiguousarray(behavior_logprobs, dtype=np.float32).view(np.int32)
-    rw = np.asarray(reward, dtype=np.float32).reshape(1).view(np.int32)
-    return int(np.sum(prompt_ids)) + 3 * int(np.sum(response_ids)) + 5 * int(np.sum(lp, dtype=np.int64)) + 7 * int(rw[0])
+    rw = np.ascontiguousarray(reward, dtype=np.float32).reshape(-1).view(np.int32)
+    return (np.sum(prompt_ids, axis=1, dtype=np.int64) + 3 * np.sum(response_ids, axis=1, dtype=np.int64)
+            + 5 * np.sum(lp, axis=1, dtype=np.int64) + 7 * rw.astype(np.int64))
 
 
-def expected_checksums(batches: list[dict[str, np.ndarray]]) -> dict[int, int]:
-    """idx -> checksum, computed before the timed window."""
-    out: dict[int, int] = {}
+def checksum(prompt_ids: Any, response_ids: Any, behavior_logprobs: Any, reward: Any) -> int:
+    """One sample's checksum (its row of `checksums`)."""
+    one = [np.asarray(prompt_ids)[None], np.asarray(response_ids)[None], np.asarray(behavior_logprobs)[None],
+           np.asarray(reward, dtype=np.float32).reshape(1)]
+    return int(checksums(*one)[0])
+
+
+def expected_checksums(batches: list[dict[str, np.ndarray]]) -> np.ndarray:
+    """The checksum of sample `idx` at index `idx`, computed before the timed window."""
+    total = sum(len(b["idx"]) for b in batches)
+    out = np.zeros(total, dtype=np.int64)
     for b in batches:
-        for j, idx in enumerate(b["idx"].tolist()):
-            out[idx] = checksum(b["prompt_ids"][j], b["response_ids"][j], b["behavior_logprobs"][j], b["reward"][j])
+        out[b["idx"]] = checksums(*(b[f] for f in FIELDS))
     return out
+
+
+def verify(block: dict[str, Any], expected: np.ndarray, seen: np.ndarray) -> int:
+    """Check every row of a block against its expected checksum, once each; returns the row count."""
+    idx = np.asarray(block["idx"], dtype=np.int64).reshape(-1)
+    if idx.size and (idx.min() < 0 or idx.max() >= len(expected)):
+        raise RuntimeError(f"STORE-1: unknown sample index in {idx.tolist()}")
+    got = checksums(*(block[f] for f in FIELDS))
+    bad = np.flatnonzero(got != expected[idx])
+    if bad.size:
+        raise RuntimeError(f"STORE-1: checksum mismatch on sample {int(idx[bad[0]])}")
+    if seen[idx].any() or len(np.unique(idx)) != len(idx):
+        raise RuntimeError(f"STORE-1: a sample of {idx.tolist()} delivered twice")
+    seen[idx] = True
+    return len(idx)
 
 
 def row(placement: str, mode: str, samples: int, seconds: float, **extra: Any) -> dict[str, Any]:

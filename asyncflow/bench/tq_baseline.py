@@ -35,7 +35,8 @@ config on the controller as `init()` does; (2) `TQ_NUM_THREADS` is set to the ph
 Timing and checks: the data (`store1.make_batches`, seeded, built by the producer before the clock)
 and the expected checksums (built here) exist before the timed window, which runs from the first
 put to the last verified sample (wall clock, same host). The consumer checks every sample with
-`store1.checksum` inside the window and fails on a mismatch, a duplicate or a missing sample. A full
+`store1.verify` (each sample's checksum, computed with column operations, as asyncflow's consumer
+does) inside the window and fails on a mismatch, a duplicate or a missing sample. A full
 untimed warm-up pass on its own partition precedes the timed passes, so both sides' sockets, the
 controller's partition code paths and the storage units are warm; every timed pass uses a fresh
 partition, which the consumer clears after the clock stops.
@@ -135,7 +136,7 @@ class _Producer:
 class _Consumer:
     """Takes batches of 256 for task `train` until every sample is consumed, verifying each one."""
 
-    def __init__(self, spec: Store1Spec, expected: dict[int, int]) -> None:
+    def __init__(self, spec: Store1Spec, expected: np.ndarray) -> None:
         import transfer_queue as tq
 
         tq.init()
@@ -149,7 +150,7 @@ class _Consumer:
 
     def consume(self, partition_id: str, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
-        seen: set[int] = set()
+        seen = np.zeros(len(self._expected), dtype=bool)
         remaining = self._spec.samples
         t_first_take = 0.0
         empty_polls = 0
@@ -162,7 +163,7 @@ class _Consumer:
             if meta.size == 0:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"consumer: {len(seen)}/{self._spec.samples} samples after {timeout_s:.0f} s "
+                        f"consumer: {int(seen.sum())}/{self._spec.samples} samples after {timeout_s:.0f} s "
                         f"({empty_polls} empty get_meta answers)"
                     )
                 empty_polls += 1
@@ -172,13 +173,13 @@ class _Consumer:
                 t_first_take = time.time()
             data = self._client.get_data(meta)
             self._verify(data, seen)
-            remaining = self._spec.samples - len(seen)
+            remaining = self._spec.samples - int(seen.sum())
             batches += 1
         t_last_verified = time.time()
-        missing = set(self._expected) - seen
-        if missing:
+        missing = np.flatnonzero(~seen)
+        if missing.size:
             raise RuntimeError(
-                f"consumer: {len(missing)} samples never delivered, e.g. {sorted(missing)[:5]}"
+                f"consumer: {missing.size} samples never delivered, e.g. {missing[:5].tolist()}"
             )
         self._client.clear_partition(partition_id)  # after the clock: frees the storage units
         return {
@@ -188,20 +189,14 @@ class _Consumer:
             "batches": batches,
         }
 
-    def _verify(self, data: Any, seen: set[int]) -> None:
-        idxs = data["idx"].reshape(-1).tolist()
-        columns = {name: _rows_of(data[name]) for name in store1.FIELDS}
-        for j, idx in enumerate(idxs):
-            if idx in seen:
-                raise RuntimeError(f"consumer: sample {idx} delivered twice")
-            if idx not in self._expected:
-                raise RuntimeError(f"consumer: unknown sample index {idx}")
-            got = store1.checksum(*(columns[name][j] for name in store1.FIELDS))
-            if got != self._expected[idx]:
-                raise RuntimeError(
-                    f"consumer: checksum mismatch for sample {idx}: {got} != {self._expected[idx]}"
-                )
-            seen.add(idx)
+    def _verify(self, data: Any, seen: np.ndarray) -> None:
+        """Every sample's checksum with the same column operations as asyncflow's consumer
+        (`store1.verify`), over the columns `get_data` returned (jagged ones re-stacked: one copy)."""
+        block = {"idx": data["idx"].reshape(-1).numpy()}
+        for name in store1.FIELDS:
+            value = data[name]
+            block[name] = np.stack(_rows_of(value)) if value.is_nested else value.numpy()
+        store1.verify(block, self._expected, seen)
 
 
 class _TransferQueue:

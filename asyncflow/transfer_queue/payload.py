@@ -1,5 +1,5 @@
 """Sizes and shapes of field values: the payload bytes a put or write adds to the store's metrics,
-and a columnar batch split into per-sample rows (`rows_of`)."""
+and a columnar batch split into per-sample rows (`column_rows`, `rows_of`)."""
 
 from __future__ import annotations
 
@@ -52,10 +52,24 @@ def payload_bytes(fields: dict[str, Any]) -> int:
     return total
 
 
-def rows_of(columns: dict[str, Any], group_ids: Sequence[int], group_size: int) -> list[NewSample]:
-    """One `NewSample` per row of a columnar batch (views, no copies)."""
-    n = len(group_ids)
+def column_rows(columns: dict[str, Any], n: int) -> dict[str, list[Any]]:
+    """Each column of a batch of `n` rows as a list of its rows (an array's rows are views of it)."""
+    out = {}
     for k, col in columns.items():
         if len(col) != n:
             raise ValueError(f"column {k!r} has {len(col)} rows, expected {n} (one per group id)")
-    return [NewSample(g, group_size, {k: col[i] for k, col in columns.items()}) for i, g in enumerate(group_ids)]
+        out[k] = list(col)
+    return out
+
+
+def samples_of(rows: dict[str, list[Any]], group_ids: Sequence[int], group_size: int) -> list[NewSample]:
+    """One `NewSample` per row of `column_rows`: sample i gets row i of every column."""
+    names = list(rows)
+    return [NewSample(g, group_size, dict(zip(names, vals, strict=True)))
+            for g, vals in zip(group_ids, zip(*rows.values(), strict=True) if names else ((),) * len(group_ids),
+                               strict=True)]
+
+
+def rows_of(columns: dict[str, Any], group_ids: Sequence[int], group_size: int) -> list[NewSample]:
+    """One `NewSample` per row of a columnar batch (views, no copies)."""
+    return samples_of(column_rows(columns, len(group_ids)), group_ids, group_size)

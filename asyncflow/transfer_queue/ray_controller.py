@@ -5,25 +5,31 @@ blobs alive while a live sample points into them, and gives back the leases of o
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue.api import Lease, NewSample
-from asyncflow.transfer_queue.ray_data import LOST, Slot, compact_views
+from asyncflow.transfer_queue.put_buffer import Part
+from asyncflow.transfer_queue.ray_data import LOST, SLOTS, PartRef, RowsSlot, Slot, compact_views
 from asyncflow.transfer_queue.store import TransferQueue
 
 
 class StoreController:
     """The Ray actor behind `RayTransferQueue`: a `TransferQueue` of metadata and slots."""
 
-    def __init__(self, capacity: int, lease_timeout_s: float, owner_check_s: float = 2.0) -> None:
+    def __init__(self, capacity: int, lease_timeout_s: float, owner_check_s: float = 2.0,
+                 gc_threshold: int = 0) -> None:
+        if gc_threshold:  # (its own process: see `RayTransferQueue.create`)
+            gc.set_threshold(gc_threshold, *gc.get_threshold()[1:])
         self.q = TransferQueue(capacity=capacity, lease_timeout_s=lease_timeout_s, on_remove=self._unref)
         self.blobs: dict[int, list[Any]] = {}  # blob id -> [ObjectRef or None, live rows, held data or None]
         self.next_blob = 0
+        self.blob_part: dict[int, tuple[int, int]] = {}  # blob id -> (object, index) of a coalesced put (`put_parts`)
         self.owners: dict[str, Any] = {}  # owner id -> actor handle
         self.lease_owner: dict[int, str] = {}
         self.leases: dict[int, Lease] = {}
@@ -48,7 +54,7 @@ class StoreController:
     def _unref(self, fields: dict[str, Any]) -> None:
         seen = set()
         for v in fields.values():
-            if isinstance(v, Slot) and v.blob not in seen:
+            if isinstance(v, SLOTS) and v.blob not in seen:
                 seen.add(v.blob)
                 b = self.blobs.get(v.blob)
                 if b is not None:
@@ -56,6 +62,7 @@ class StoreController:
                     if b[1] <= 0:
                         del self.blobs[v.blob]
                         self.blob_writer.pop(v.blob, None)
+                        self.blob_part.pop(v.blob, None)
 
     def _materialize(self, payload: list[dict[str, Any]] | None, names: Any, nbytes: Any, ref: Any,
                      held: Any = None) -> list[dict[str, Any]]:
@@ -103,15 +110,56 @@ class StoreController:
                 self._unref(f)
             raise
 
+    async def put_parts(self, parts: list[Part], ref: Any, timeout: float | None) -> list[int]:
+        """A client's coalesced columnar puts (`put_buffer`): `ref` is [the object of all their column
+        dicts]; each part's rows become a blob of their own (freed on its own) and are admitted as
+        that put alone would be, in order."""
+        fields: list[list[dict[str, Any]]] = []
+        obj = self.next_blob  # (the object's id: its first blob's)
+        for index, (_, _, uids, names, per_row) in enumerate(parts):
+            bid = self._add_blob(ref, len(uids))
+            self.blob_part[bid] = (obj, index)
+            n = len(uids)
+            if n and uids == list(range(uids[0], uids[0] + n)):  # (the client's reserved ranges: always)
+                fields.append([dict(zip(names, [RowsSlot(bid, uids[0], b) for b in per_row], strict=True))] * n)
+            else:
+                fields.append([dict(zip(names, [Slot(bid, r, b) for b in per_row], strict=True)) for r in range(n)])
+        out: list[int] = []
+        for i, (gids, size, uids, _, _) in enumerate(parts):
+            samples = [NewSample(g, size, f, None, u) for g, u, f in zip(gids, uids, fields[i], strict=True)]
+            try:
+                out += await self.q.put(samples, timeout=timeout)
+            except BaseException:  # (a full store's timeout, closed): this part and those after it hold nothing
+                for rest in fields[i:]:
+                    for f in rest:
+                        self._unref(f)
+                raise
+        return out
+
     async def take(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
                    lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
-                   owner: str | None) -> tuple[Any, dict[int, Any]]:
+                   owner: str | None, after: list[tuple[str, tuple[Any, ...]]] | None = None,
+                   held: list[int] | None = None) -> tuple[Any, dict[int, Any]]:
+        """`after`: the client's acks and renews, applied once this take is answered (the client's
+        next call finds them applied) or, when it must wait, at once (a full store may wait for them).
+        `held`: the coalesced objects the client holds (their refs are left out, `PartRef`)."""
         epoch = self.owner_epoch.get(owner, 0) if owner is not None else 0
-        lease = await self.q.take(stage, max_samples, min_samples=min_samples, timeout=timeout, lease_s=lease_s,
-                                  min_version=min_version, fields_extra=fields_extra)
+        lease = None
+        if after:
+            try:
+                lease = self.q.take_nowait(stage, max_samples, min_samples=min_samples, lease_s=lease_s,
+                                           min_version=min_version, fields_extra=fields_extra)
+            finally:
+                if lease is None:
+                    self.apply(after)
+        if lease is None:
+            lease = await self.q.take(stage, max_samples, min_samples=min_samples, timeout=timeout, lease_s=lease_s,
+                                      min_version=min_version, fields_extra=fields_extra)
+        elif after:
+            asyncio.get_running_loop().call_soon(self.apply, after)
         if self._orphaned([lease], owner, epoch):
             raise WaitTimeout(f"take for stage {stage!r}: its caller's process died while it waited")
-        return self._hand_out(lease, owner)
+        return self._hand_out(lease, owner, set(held) if held else ())
 
     async def take_each(self, stage: str, max_samples: int, timeout: float | None, lease_s: float | None,
                         min_version: int | None, fields_extra: Sequence[str], owner: str | None) -> list[tuple[Any, dict[int, Any]]]:
@@ -139,9 +187,10 @@ class StoreController:
                                    min_version=min_version, fields_extra=fields_extra)
         return None if lease is None else self._hand_out(lease, owner)
 
-    def _hand_out(self, lease: Lease, owner: str | None) -> tuple[Any, dict[int, Any]]:
+    def _hand_out(self, lease: Lease, owner: str | None, known: Collection[int] = ()) -> tuple[Any, dict[int, Any]]:
         """The lease in a compact, fast-to-pickle form, plus what its slots point into: the blob's
-        object-store ref, or for blobs held here the needed rows (slots renumbered into them)."""
+        object-store ref, or for blobs held here the needed rows (slots renumbered into them).
+        `known`: the coalesced objects the reader holds already (`PartRef`)."""
         if owner is not None:
             self.lease_owner[lease.id] = owner
             self.leases[lease.id] = Lease(lease.id, lease.stage, [], [], lease.deadline)
@@ -154,7 +203,7 @@ class StoreController:
                     continue
                 ref, _, held = self.blobs[bid]
                 if held is None:
-                    out[bid] = ref
+                    out[bid] = self._ref_of(bid, ref, known)
                     continue
                 mask = slots[:, :, 0] == bid
                 rows = np.unique(slots[:, :, 1][mask])
@@ -169,6 +218,15 @@ class StoreController:
                 slots[:, :, 1][mask] = np.searchsorted(rows, slots[:, :, 1][mask])
                 slots[:, :, 0][mask] = key
         return (lease.id, lease.stage, lease.deadline, samples, expired), out
+
+    def _ref_of(self, bid: int, ref: Any, held: Collection[int] = ()) -> Any:
+        """What a reader fetches for blob `bid`: its object, or its part of a coalesced one (without
+        the ref when the reader holds that object: `held`)."""
+        at = self.blob_part.get(bid)
+        if at is None:
+            return ref
+        obj, part = at
+        return PartRef(None if obj in held else ref, obj, part)
 
     def _run(self, what: str, fn: Any) -> Any:
         try:
@@ -267,7 +325,7 @@ class StoreController:
             return 0
 
         def fix(fields: dict[str, Any]) -> dict[str, Any] | None:
-            hit = [k for k, v in fields.items() if type(v) is Slot and v.blob in lost]
+            hit = [k for k, v in fields.items() if type(v) in SLOTS and v.blob in lost]
             if not hit:
                 return None
             new = dict(fields)
@@ -279,6 +337,7 @@ class StoreController:
         for b in lost:
             self.blobs.pop(b, None)
             self.blob_writer.pop(b, None)
+            self.blob_part.pop(b, None)
         self.lost_with_writer += n
         return n
 
@@ -333,9 +392,9 @@ class StoreController:
         refs = {}
         for d in state["samples"]:
             for v in d["fields"].values():
-                if isinstance(v, Slot) and v.blob not in refs:
+                if isinstance(v, SLOTS) and v.blob not in refs:
                     ref, _, held = self.blobs[v.blob]
-                    refs[v.blob] = ref if held is None else held
+                    refs[v.blob] = self._ref_of(v.blob, ref) if held is None else held
         return state, refs
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

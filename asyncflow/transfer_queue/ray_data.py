@@ -1,5 +1,5 @@
 """The Ray placement's data plane: where a field's value lives (inline, or a `Slot` into a blob in
-Ray's object store), how a put's rows are packed for the wire, how a lease's views are compacted for
+Ray's object store, possibly one put's part of a coalesced object: `PartRef`), how a put's rows are packed for the wire, how a lease's views are compacted for
 the trip and expanded again, and what a value that died with its writer reads as (`LOST`)."""
 
 from __future__ import annotations
@@ -18,6 +18,30 @@ class Slot(NamedTuple):
     blob: int
     row: int
     nbytes: int
+
+
+class RowsSlot(NamedTuple):
+    """A `Slot` shared by every row of one columnar put whose uids are consecutive: sample `uid`'s
+    value is row `uid - first_uid` of blob `blob`. One per field and put instead of one per field
+    and row, and the put's samples share one fields dict (its payload bytes are counted once)."""
+
+    blob: int
+    first_uid: int
+    nbytes: int
+
+
+SLOTS = (Slot, RowsSlot)
+
+
+class PartRef(NamedTuple):
+    """A blob that is entry `part` of a coalesced put's object (`put_buffer`), which holds a tuple of
+    the puts' column dicts (each put's rows are a blob of their own). `obj` names the object (its
+    first blob's id); `ref` is None when the reader said it holds the object already (a take of
+    256 rows from objects of ~700 then fetches and borrows each object once, not once a take)."""
+
+    ref: Any
+    obj: int
+    part: int
 
 
 def value_nbytes(v: Any) -> int:
@@ -53,26 +77,44 @@ class LostBlob:
         return _LostRow()
 
 
+_ABSENT = object()
+
+
 def compact_views(views: list[SampleView]) -> tuple[Any, ...]:
     """Sample views in a form that pickles fast (a take moves thousands): id lists, one field-name
     list, an int array [samples, fields, 2] of (blob, row) slots (blob -1: inline), and inline values."""
     names: dict[str, int] = {}
+    last: Any = None
     for v in views:
-        for k in v.fields:
-            names.setdefault(k, len(names))
-    slots = np.full((len(views), len(names), 2), -1, dtype=np.int64)
+        keys = v.fields.keys()
+        if keys != last:  # (the views of one take nearly always share their names: checked once a run)
+            for k in keys:
+                names.setdefault(k, len(names))
+            last = keys
+    order = list(names)
+    flat: list[list[tuple[int, int]]] = []
     inline: list[dict[str, Any] | None] = []
-    for i, v in enumerate(views):
+    for v in views:
+        f, uid = v.fields, v.uid
         own: dict[str, Any] | None = None
-        for k, x in v.fields.items():
-            if type(x) is Slot:
-                slots[i, names[k]] = x[0], x[1]
+        row = []
+        for k in order:
+            x = f.get(k, _ABSENT)
+            t = type(x)
+            if t is RowsSlot:
+                row.append((x[0], uid - x[1]))
+            elif t is Slot:
+                row.append((x[0], x[1]))
             else:
-                if own is None:
-                    own = {}
-                own[k] = x
+                row.append((-1, -1))
+                if x is not _ABSENT:
+                    if own is None:
+                        own = {}
+                    own[k] = x
+        flat.append(row)
         inline.append(own)
-    return ([v.uid for v in views], [v.group_id for v in views], [v.version for v in views], list(names), slots, inline)
+    slots = np.array(flat, dtype=np.int64).reshape(len(views), len(order), 2)
+    return ([v.uid for v in views], [v.group_id for v in views], [v.version for v in views], order, slots, inline)
 
 
 def expand_views(compact: tuple[Any, ...], values: dict[int, Any]) -> list[SampleView]:
@@ -133,9 +175,49 @@ def pack_rows(dicts: list[dict[str, Any]], inline_max_bytes: int,
     return None, names, nbytes, [ray.put(dicts if cols is None else cols)]
 
 
-def slot_value(values: dict[int, Any], v: Any, k: str) -> Any:
-    """Field `k`'s value `v`, read from its blob in `values` when it is a `Slot`."""
-    if not isinstance(v, Slot):
+def slot_value(values: dict[int, Any], v: Any, k: str, uid: int) -> Any:
+    """Field `k`'s value `v` of sample `uid`, read from its blob in `values` when it is a slot."""
+    if not isinstance(v, SLOTS):
         return v
+    row = v.row if isinstance(v, Slot) else uid - v.first_uid
     blob = values[v.blob]
-    return blob[k][v.row] if isinstance(blob, dict) else blob[v.row][k]
+    return blob[k][row] if isinstance(blob, dict) else blob[row][k]
+
+
+def object_refs(refs: dict[int, Any]) -> list[Any]:
+    """The distinct object-store refs among a take's blob values (parts of one coalesced put share one)."""
+    import ray
+
+    out: dict[Any, None] = {}
+    for x in refs.values():
+        if isinstance(x, ray.ObjectRef):
+            out[x] = None
+        elif isinstance(x, PartRef) and x.ref is not None:
+            out[x.ref] = None
+    return list(out)
+
+
+def blobs_of(refs: dict[int, Any], ref: Any) -> list[int]:
+    """The blob ids a take read from object `ref` (several when it holds a coalesced put)."""
+    import ray
+
+    return [b for b, x in refs.items()
+            if (isinstance(x, ray.ObjectRef) and x == ref) or (isinstance(x, PartRef) and x.ref == ref)]
+
+
+def resolve(refs: dict[int, Any], got: dict[Any, Any], objs: dict[int, Any]) -> dict[int, Any]:
+    """Blob id -> value: a fetched object, its put's entry for a `PartRef`, or what came inline.
+    `objs` (coalesced objects by id) has the reader's held objects, read for a `PartRef` without a
+    ref; the ones fetched now are added to it."""
+    import ray
+
+    out = {}
+    for b, x in refs.items():
+        if isinstance(x, ray.ObjectRef):
+            out[b] = got[x]
+        elif isinstance(x, PartRef):
+            obj = objs[x.obj] if x.ref is None else objs.setdefault(x.obj, got[x.ref])
+            out[b] = obj if isinstance(obj, LostBlob) else obj[x.part]
+        else:
+            out[b] = x
+    return out

@@ -17,7 +17,8 @@ live sample that points into it is deleted.
 
 The client has the in-process `TransferQueue`'s API, so the workflow code is the same on both
 placements. Mutations that need no answer (`write`, `complete`, `ack`, `release`, `remove`) are
-sent without waiting; a failure inside them is counted in `metrics()["op_errors"]`. Takes and puts
+sent without waiting; a failure inside them is counted in `metrics()["op_errors"]`. Acks (and renews)
+ride on the client's next take when one follows within `coalesce_s` (`_carried`). Takes and puts
 wait in the controller with the caller's timeout, and the client waits at most `rpc_grace_s` longer
 before deciding the controller is gone.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -42,12 +44,18 @@ import numpy as np
 
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView
+from asyncflow.transfer_queue.columns import ColumnLease, bare_views, blocks_from_slots
 from asyncflow.transfer_queue.payload import rows_of
+from asyncflow.transfer_queue.put_buffer import Part, PutBuffer
 from asyncflow.transfer_queue.ray_controller import StoreController
 from asyncflow.transfer_queue.ray_data import (
     LostBlob,
+    PartRef,
+    blobs_of,
     expand_views,
+    object_refs,
     pack_rows,
+    resolve,
     slot_value,
     stack_columns,
     value_nbytes,
@@ -73,6 +81,8 @@ class RayTransferQueue:
         self._ops: list[Any] = []  # unanswered fire-and-forget calls (write, complete, ack, ...)
         self._buf: list[tuple[str, tuple[Any, ...]]] = []  # updates not sent yet (coalesced)
         self._flush_at: Any = None
+        self._timer: threading.Timer | None = None  # sends a plain thread's buffered acks (`_op`)
+        self._lock = threading.Lock()  # `_buf` and `_ops`: the timer's thread sends too
         self._unsettled = False  # an update other than ack is unanswered: takes must wait for it
         self.coalesce_s = 0.002
         self._uid_next = 0
@@ -81,12 +91,20 @@ class RayTransferQueue:
         self.rpc_grace_s = rpc_grace_s
         self._owner: str | None = None
         self._owner_known = False
+        self._puts = PutBuffer(self._send_parts)  # columnar puts, coalesced (`put_buffer`)
+        # coalesced objects the last blocking take read, by id (`PartRef`): the next one that reads
+        # them gets no ref again (replaced, never changed in place: a take works on its snapshot)
+        self._held: dict[int, Any] = {}
 
     @classmethod
     def create(cls, capacity: int = 4096, lease_timeout_s: float = 600.0, *, owner_check_s: float = 2.0,
                num_cpus: float = 0.0, name: str | None = None, scheduling_strategy: Any = None,
-               **kwargs: Any) -> RayTransferQueue:
-        """Start a controller actor (max_concurrency high: every waiting take is a pending call)."""
+               gc_threshold: int = 50_000, **kwargs: Any) -> RayTransferQueue:
+        """Start a controller actor (max_concurrency high: every waiting take is a pending call).
+
+        `gc_threshold`: the controller process's young-generation GC threshold (0: Python's 700). It
+        allocates ~15 tracked objects per sample put and keeps them until the sample is removed, so
+        at 700 collections ran every ~50 samples and took ~60% of a put's CPU (STORE-1, profiled)."""
         import ray
 
         opts: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 10_000}
@@ -95,7 +113,7 @@ class RayTransferQueue:
         if name is not None:
             opts["name"] = name
         actor: Any = ray.remote(StoreController)
-        handle = actor.options(**opts).remote(capacity, lease_timeout_s, owner_check_s)
+        handle = actor.options(**opts).remote(capacity, lease_timeout_s, owner_check_s, gc_threshold)
         ray.get(handle.ping.remote(), timeout=120)
         return cls(handle, **kwargs)
 
@@ -139,44 +157,45 @@ class RayTransferQueue:
         except ray.exceptions.RayTaskError as exc:
             raise _unwrap(exc) from None
 
-    def _fetch(self, refs: dict[int, Any]) -> dict[int, Any]:
-        """Blob values: object-store refs fetched (zero-copy), rows sent by the controller as they are."""
+    def _fetch(self, refs: dict[int, Any], objs: dict[int, Any] | None = None) -> dict[int, Any]:
+        """Blob values: object-store refs fetched (zero-copy, each once), rows sent by the controller
+        as they are; a `PartRef` reads its put's entry of a coalesced object (`objs`: see `resolve`)."""
         import ray
 
-        fetch = [b for b, r in refs.items() if isinstance(r, ray.ObjectRef)]
+        fetch = object_refs(refs)
         try:
-            got = ray.get([refs[b] for b in fetch], timeout=self.rpc_grace_s) if fetch else []
+            got = ray.get(fetch, timeout=self.rpc_grace_s) if fetch else []
         except ray.exceptions.ObjectLostError:  # one of them died with its writer: see `_lost`
             got = []
-            for b in fetch:
+            for r in fetch:
                 try:
-                    got.append(ray.get(refs[b], timeout=self.rpc_grace_s))
+                    got.append(ray.get(r, timeout=self.rpc_grace_s))
                 except ray.exceptions.ObjectLostError:
-                    got.append(self._lost(b))
-        return {**refs, **dict(zip(fetch, got, strict=True))}
+                    got.append(self._lost(blobs_of(refs, r)))
+        return resolve(refs, dict(zip(fetch, got, strict=True)), {} if objs is None else objs)
 
     async def _afetch(self, refs: dict[int, Any]) -> dict[int, Any]:
         """`_fetch` on the caller's event loop (bounded by `rpc_grace_s` as well)."""
         import ray
 
-        fetch = [b for b, r in refs.items() if isinstance(r, ray.ObjectRef)]
+        fetch = object_refs(refs)
         if not fetch:
             return dict(refs)
         try:
-            got = list(await self._aget(asyncio.gather(*(refs[b] for b in fetch)), 0.0, "a take's data"))
+            got = list(await self._aget(asyncio.gather(*fetch), 0.0, "a take's data"))
         except ray.exceptions.ObjectLostError:
             got = []
-            for b in fetch:
+            for r in fetch:
                 try:
-                    got.append(await self._aget(refs[b], 0.0, "a take's data"))
+                    got.append(await self._aget(r, 0.0, "a take's data"))
                 except ray.exceptions.ObjectLostError:
-                    got.append(self._lost(b))
-        return {**refs, **dict(zip(fetch, got, strict=True))}
+                    got.append(self._lost(blobs_of(refs, r)))
+        return resolve(refs, dict(zip(fetch, got, strict=True)), {})
 
-    def _lost(self, blob: int) -> LostBlob:
-        """A blob that died with the process that put it (a rollout actor Ray restarted, before its
+    def _lost(self, blobs: list[int]) -> LostBlob:
+        """Blobs that died with the process that put them (a rollout actor Ray restarted, before its
         supervisor told the controller): read as `LOST` values, and the controller told too."""
-        self._op("lose_blobs", ([blob],))
+        self._op("lose_blobs", (blobs,))
         return LostBlob()
 
     @staticmethod
@@ -239,10 +258,9 @@ class RayTransferQueue:
 
     def put_columns_blocking(self, columns: dict[str, Any], group_ids: Sequence[int], group_size: int,
                              timeout: float | None = None) -> list[int]:
-        """`TransferQueue.put_columns_blocking`: the columns go into the object store as they are
-        (one `ray.put`, no per-sample dicts, no re-stacking), pipelined like `put_blocking`."""
-        import ray
-
+        """`TransferQueue.put_columns_blocking`: the columns go into the object store as they are (no
+        per-sample dicts, no re-stacking). Pipelined like `put_blocking`, and puts made within
+        `coalesce_s` of each other share one `ray.put` and one controller call (`put_buffer`)."""
         n = len(group_ids)
         names = list(columns)
         per_row = []
@@ -251,83 +269,144 @@ class RayTransferQueue:
             if len(col) != n:
                 raise ValueError(f"column {k!r} has {len(col)} rows, expected {n} (one per group id)")
             per_row.append(int(col.nbytes) // max(n, 1) if isinstance(col, np.ndarray) else value_nbytes(col[0]) if n else 0)
-        nbytes = np.tile(np.array(per_row, dtype=np.int64), (n, 1))
-        if int(nbytes.sum()) <= self.inline_max_bytes:
+        if n * sum(per_row) <= self.inline_max_bytes:
             return self.put_blocking(rows_of(columns, group_ids, group_size), timeout=timeout)
         uids = self._uids(n)
-        meta = (list(group_ids), [group_size] * n, [None] * n, uids)
         cols = {k: (v if isinstance(v, np.ndarray) else list(v)) for k, v in columns.items()}
-        self._pending.append((self.handle.put.remote(meta, None, names, nbytes, [ray.put(cols)], timeout), timeout))
+        part: Part = (list(group_ids), group_size, uids, names, per_row)
+        self._puts.add(part, cols, n * sum(per_row), timeout)
         while len(self._pending) > self.put_window:
             ref, t = self._pending.popleft()
             self._get(ref, t, "put")
         return uids
 
+    def _send_parts(self, parts: list[Part], columns: list[dict[str, Any]], timeout: float | None) -> None:
+        """One `ray.put` of the buffered puts' columns and one controller call (may run on the timer thread)."""
+        import ray
+
+        ref = ray.put(tuple(columns))
+        self._pending.append((self.handle.put_parts.remote(parts, [ref], timeout), timeout))
+
     def flush(self) -> None:
         """Wait until every earlier call of this client has been applied (read-your-writes: reads
         call it first); raises the first error of a pipelined put."""
+        self._puts.send()
         while self._pending:
             ref, t = self._pending.popleft()
             self._get(ref, t, "put")
         self._send_ops()
-        ops, self._ops, self._unsettled = self._ops, [], False
+        with self._lock:
+            ops, self._ops, self._unsettled = self._ops, [], False
         if ops:
             self._get(ops, 0.0, "earlier updates")
 
     async def flush_async(self) -> None:
+        self._puts.send()
         while self._pending:
             ref, t = self._pending.popleft()
             await self._aget(ref, t, "put")
         self._send_ops()
-        ops, self._ops, self._unsettled = self._ops, [], False
+        with self._lock:
+            ops, self._ops, self._unsettled = self._ops, [], False
         if ops:
             await self._aget(asyncio.gather(*ops), 0.0, "earlier updates")
 
     def _before_take(self) -> bool:
         """Send queued updates; True if the take must first wait for them. Acks need no wait (acked
         samples are this client's lease, never offered again), releases and writes do."""
+        self._puts.send()
         self._send_ops()
         return self._unsettled or bool(self._pending)
 
     def _op(self, name: str, args: tuple[Any, ...]) -> None:
         """Queue an update. Inside an event loop, updates issued within `coalesce_s` (2 ms) go out as
         one call (a Ray call costs ~1 ms of CPU here: one per sample was a third of a rollout actor's
-        time); from plain threads each goes at once."""
-        self._buf.append((name, args))
-        self._unsettled |= name != "ack" and name != "renew"  # (neither changes what a take can see)
+        time); from plain threads each goes at once, except acks and renews, which wait up to
+        `coalesce_s` (a timer) for the client's next take to carry them (`_carried`)."""
+        with self._lock:
+            self._buf.append((name, args))
+            self._unsettled |= name != "ack" and name != "renew"  # (neither changes what a take can see)
+            many = len(self._buf) >= 256
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if loop is None or len(self._buf) >= 256:
+        if many or (loop is None and self._unsettled):
             self._send_ops()
-        elif self._flush_at is None:
-            self._flush_at = loop.call_later(self.coalesce_s, self._send_ops)
+        elif loop is not None:
+            if self._flush_at is None:
+                self._flush_at = loop.call_later(self.coalesce_s, self._send_ops)
+        elif self._timer is None:
+            self._timer = threading.Timer(self.coalesce_s, self._send_ops)
+            self._timer.daemon = True
+            self._timer.start()
 
     def _send_ops(self) -> None:
+        with self._lock:
+            ops = self._take_buf()
+            if ops:
+                self._send(self.handle.apply.remote(ops))
+
+    def _take_buf(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """The buffered updates, no longer buffered (with the lock held)."""
         if self._flush_at is not None:
             self._flush_at.cancel()
             self._flush_at = None
-        if self._buf:
-            ops, self._buf = self._buf, []
-            self._send(self.handle.apply.remote(ops))
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        ops, self._buf = self._buf, []
+        return ops
+
+    def _carried(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """Buffered updates for the next take to carry when they are all acks and renews: the
+        controller applies them right after that take (before it when the take must wait), one call
+        instead of two and the acks' removals off the take's path. Acks cannot change what the take
+        sees: acked samples are this client's lease, never offered again."""
+        with self._lock:
+            return [] if self._unsettled else self._take_buf()
 
     def _send(self, ref: Any) -> None:
-        """Track a call sent without waiting; the controller may run calls out of order (it is an
-        async actor), so later reads of this client wait for these first."""
+        """Track a call sent without waiting (with the lock held); the controller may run calls out of
+        order (it is an async actor), so later reads of this client wait for these first."""
         self._ops.append(ref)
         if len(self._ops) >= 256:
             import ray
 
             _, self._ops = ray.wait(self._ops, num_returns=len(self._ops), timeout=0)
 
+    def _take_call(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
+                   lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
+                   carried: list[tuple[str, tuple[Any, ...]]], held: dict[int, Any] | None = None) -> Any:
+        return self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
+                                       list(fields_extra), self._get_owner(), carried or None,
+                                       list(held) if held else None)
+
+    def _take_held(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
+                   lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
+                   what: str) -> tuple[Any, dict[int, Any]]:
+        """A blocking take that leaves out the refs of coalesced objects this client read last time
+        (`_held`); returns the compacted lease and its blob values."""
+        carried = self._carried()
+        if self._before_take():
+            self.flush()
+        held = self._held
+        ref = self._take_call(stage, max_samples, min_samples, timeout, lease_s, min_version, fields_extra, carried,
+                              held)
+        compact, refs = self._get(ref, timeout, what)
+        objs = dict(held)
+        values = self._fetch(refs, objs)
+        self._held = {x.obj: objs[x.obj] for x in refs.values()
+                      if isinstance(x, PartRef) and not isinstance(objs[x.obj], LostBlob)}
+        return compact, values
+
     async def take(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                    lease_s: float | None = None, min_version: int | None = None,
                    fields_extra: Sequence[str] = ()) -> Lease:
+        carried = self._carried()
         if self._before_take():
             await self.flush_async()
-        ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
-                                      list(fields_extra), self._get_owner())
+        ref = self._take_call(stage, max_samples, min_samples, timeout, lease_s, min_version, fields_extra, carried)
         lease, refs = await self._aget(ref, timeout, f"take({stage!r})")
         return self._fill(lease, await self._afetch(refs))
 
@@ -351,13 +430,28 @@ class RayTransferQueue:
     def take_blocking(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                       lease_s: float | None = None, min_version: int | None = None,
                       fields_extra: Sequence[str] = ()) -> Lease:
+        lease, values = self._take_held(stage, max_samples, min_samples, timeout, lease_s, min_version, fields_extra,
+                                        f"take({stage!r})")
+        return self._fill(lease, values)
 
+    def take_columns_blocking(self, stage: str, max_samples: int, *, min_samples: int = 1,
+                              timeout: float | None = None, lease_s: float | None = None,
+                              fields_extra: Sequence[str] = ()) -> ColumnLease:
+        """`take_blocking` with the fields as blocks of columns (`columns.ColumnLease`): the blobs'
+        columns sliced (zero-copy views of the object store), no per-sample dicts."""
+        compact, values = self._take_held(stage, max_samples, min_samples, timeout, lease_s, None, fields_extra,
+                                          f"take_columns({stage!r})")
+        return _columns(compact, values)
+
+    async def take_columns(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
+                           lease_s: float | None = None, fields_extra: Sequence[str] = ()) -> ColumnLease:
+        """`take` with the fields as blocks of columns (`take_columns_blocking`)."""
+        carried = self._carried()
         if self._before_take():
-            self.flush()
-        ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
-                                      list(fields_extra), self._get_owner())
-        lease, refs = self._get(ref, timeout, f"take({stage!r})")
-        return self._fill(lease, self._fetch(refs))
+            await self.flush_async()
+        ref = self._take_call(stage, max_samples, min_samples, timeout, lease_s, None, fields_extra, carried)
+        compact, refs = await self._aget(ref, timeout, f"take_columns({stage!r})")
+        return _columns(compact, await self._afetch(refs))
 
     def take_nowait(self, stage: str, max_samples: int, *, min_samples: int = 1, lease_s: float | None = None,
                     min_version: int | None = None, fields_extra: Sequence[str] = ()) -> Lease | None:
@@ -445,7 +539,7 @@ class RayTransferQueue:
         state, refs = self._get(self.handle.state_dict.remote(), 600, "state_dict")
         values = self._fetch(refs)
         for d in state["samples"]:
-            d["fields"] = {k: slot_value(values, v, k) for k, v in d["fields"].items()}
+            d["fields"] = {k: slot_value(values, v, k, d["uid"]) for k, v in d["fields"].items()}
         return dict(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -461,6 +555,12 @@ class RayTransferQueue:
 def _rebuild(handle: Any, inline_max_bytes: int, rpc_grace_s: float, data_plane: str, put_window: int) -> RayTransferQueue:
     return RayTransferQueue(handle, inline_max_bytes=inline_max_bytes, rpc_grace_s=rpc_grace_s, data_plane=data_plane,
                             put_window=put_window)
+
+
+def _columns(compact: Any, values: dict[int, Any]) -> ColumnLease:
+    """A take's compacted lease (no version floor: nothing expired) as a `ColumnLease`."""
+    lid, stage, deadline, samples, _ = compact
+    return ColumnLease(Lease(lid, stage, bare_views(samples), [], deadline), blocks_from_slots(samples, values))
 
 
 def _unwrap(exc: Exception) -> Exception:

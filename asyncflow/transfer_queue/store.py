@@ -40,8 +40,9 @@ from typing import Any
 from asyncflow.clock import Clock, RealClock
 from asyncflow.transfer_queue.admission import UidReservations, check_new, check_take
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView, StoreClient
+from asyncflow.transfer_queue.columns import ColumnIndex, ColumnLease
 from asyncflow.transfer_queue.expiry import ExpiryQueue
-from asyncflow.transfer_queue.payload import payload_bytes, rows_of
+from asyncflow.transfer_queue.payload import column_rows, payload_bytes, samples_of
 from asyncflow.transfer_queue.records import GroupRecord, LeaseRecord, SampleRecord, StageRecord
 from asyncflow.transfer_queue.state import check_state, restore, snapshot
 from asyncflow.transfer_queue.waiters import On, Tried, Waiter, wait_async, wait_thread, wake
@@ -85,6 +86,7 @@ class TransferQueue:
         self._restored_wait_s: dict[str, float] = {}  # restored wait totals of stages not registered yet
         self._closed = False
         self._on_remove = on_remove
+        self._columns = ColumnIndex()  # columnar puts, for columnar takes (`columns`)
 
     # ----------------------------------------------------------------------------- stages
     def register_stage(self, stage: str, fields: Sequence[str], *, groups: bool = False) -> None:
@@ -136,17 +138,29 @@ class TransferQueue:
     def put_columns_blocking(self, columns: dict[str, Any], group_ids: Sequence[int], group_size: int,
                              timeout: float | None = None) -> list[int]:
         """Put a columnar batch (each value an array or list with one row per sample): sample i
-        gets row i of every column. Same as `put_blocking` of the rows; the Ray client sends the
-        columns as they are instead of per-sample dicts."""
-        return self.put_blocking(rows_of(columns, group_ids, group_size), timeout=timeout)
+        gets row i of every column, a view. Same as `put_blocking` of the rows, and a columnar take
+        (`take_columns_blocking`) hands consecutive rows back as slices of these columns."""
+        rows = column_rows(columns, len(group_ids))
+        samples = samples_of(rows, group_ids, group_size)
+        live = self._samples.__contains__
 
-    def _put_or_wait(self, samples: list[NewSample], on: On | None) -> Tried[list[int]]:
+        def index(uids: list[int]) -> None:  # (under the lock, so no take sees the rows unindexed)
+            self._columns.add(uids, columns, rows, live)
+
+        return wait_thread(self._clock, self._lock, lambda on: self._put_or_wait(samples, on, index), timeout,
+                           "room in the store")
+
+    def _put_or_wait(self, samples: list[NewSample], on: On | None,
+                     then: Callable[[list[int]], None] | None = None) -> Tried[list[int]]:
         with self._lock:
             self._check_open()
             self._reap()
             check_new(samples, self.capacity, self._groups, self._reserved)
             if len(self._samples) + len(samples) <= self.capacity:
-                return self._insert_many(samples), None, None
+                uids = self._insert_many(samples)
+                if then is not None:
+                    then(uids)
+                return uids, None, None
             assert on is not None
             w = Waiter(len(samples), self._put_waiters, on)
             self._put_waiters.append(w)
@@ -383,6 +397,21 @@ class TransferQueue:
         """`take` without waiting: None when fewer than `min_samples` are available."""
         args = (stage, max_samples, min_samples, lease_s, min_version, tuple(fields_extra))
         return self._take_or_wait(*args, None)[0]
+
+    def take_columns_blocking(self, stage: str, max_samples: int, *, min_samples: int = 1,
+                              timeout: float | None = None, lease_s: float | None = None,
+                              fields_extra: Sequence[str] = ()) -> ColumnLease:
+        """`take_blocking` with the fields as blocks of columns (`columns.ColumnLease`)."""
+        lease = self.take_blocking(stage, max_samples, min_samples=min_samples, timeout=timeout, lease_s=lease_s,
+                                   fields_extra=fields_extra)
+        return ColumnLease(lease, self._columns.gather(lease.samples))
+
+    async def take_columns(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
+                           lease_s: float | None = None, fields_extra: Sequence[str] = ()) -> ColumnLease:
+        """`take` with the fields as blocks of columns (`columns.ColumnLease`)."""
+        lease = await self.take(stage, max_samples, min_samples=min_samples, timeout=timeout, lease_s=lease_s,
+                                fields_extra=fields_extra)
+        return ColumnLease(lease, self._columns.gather(lease.samples))
 
     def _add_wait(self, stage: str, start: float) -> None:
         with self._lock:
@@ -799,6 +828,7 @@ class TransferQueue:
                 for s in self._samples.values():
                     self._on_remove(s.fields)
             self._samples.clear()
+            self._columns.clear()
             self._groups.clear()
             self._leases.clear()
             self._expiry.clear()
