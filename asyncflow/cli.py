@@ -115,7 +115,7 @@ def make_parser() -> argparse.ArgumentParser:
     prep.add_argument("--seed", type=int, default=0, help="seed of the base model and data (0 to 2^31-1, as the config's seed)")
 
     bench = sub.add_parser("bench", help="run a benchmark workload")
-    bench.add_argument("workload", choices=["store", "pipeline", "e2e", "serve"])
+    bench.add_argument("workload", choices=["store", "pipeline", "e2e", "serve", "weights"])
     bench.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     bench.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",

@@ -32,6 +32,7 @@ from asyncflow.engines.weight_sync import (
     BroadcastWeightReceiver,
     BroadcastWeightSender,
     WeightGroup,
+    WeightsRefused,
     open_weight_group,
 )
 from asyncflow.errors import WaitTimeout
@@ -90,6 +91,18 @@ class WeightPort:
     def published(self, version: int) -> dict[str, torch.Tensor] | None:
         """The state last sent, if it is `version` (None: a newer one has been sent since)."""
         return self.last[0] if self.last is not None and self.last[1] == version else None
+
+    def receive_into(self, params: dict[str, torch.Tensor], version: int) -> None:
+        """The broadcast of `version` written straight into an engine's tensors (`HFEngine.request_fill`)."""
+        if self.group is None:
+            raise WeightsRefused(f"weight broadcast: cannot receive version {version}: this actor is in no weight "
+                                 "group (or its last broadcast failed); the driver rebuilds it at the next publication")
+        receiver = BroadcastWeightReceiver(src=0, group=self.group, device=self.group.device)
+        try:
+            receiver.receive_into(params, self.timeout_s, expect=version)
+        except BaseException:
+            self.group = None  # (a refused version or state was still received whole, but the driver rebuilds)
+            raise
 
     def receive(self, version: int) -> dict[str, torch.Tensor]:
         """The broadcast of `version` (anything else is an error: versions are exact)."""
