@@ -27,11 +27,12 @@ from asyncflow.engines.weight_sync import (
 BUCKET = 4096
 
 
-def _record_sends(monkeypatch: pytest.MonkeyPatch, state: dict[str, torch.Tensor], version: int) -> list[torch.Tensor]:
+def _record_sends(monkeypatch: pytest.MonkeyPatch, state: dict[str, torch.Tensor], version: int,
+                  direct_bytes: int = ws.DEFAULT_DIRECT_BYTES) -> list[torch.Tensor]:
     """What a sender broadcasts for `state` (each collective's tensor, cloned)."""
     sent: list[torch.Tensor] = []
     monkeypatch.setattr(ws, "_bcast", lambda t, *a: sent.append(t.clone()))
-    BroadcastWeightSender(bucket_bytes=BUCKET).send(state, version)
+    BroadcastWeightSender(bucket_bytes=BUCKET, direct_bytes=direct_bytes).send(state, version)
     return sent
 
 
@@ -52,8 +53,11 @@ def _tied_model(tiny_model: Any) -> Any:
     return model
 
 
+@pytest.mark.parametrize("direct_bytes", [ws.DEFAULT_DIRECT_BYTES, 1024])
 def test_a_broadcast_is_received_in_place_with_one_bucket_of_extra_memory(monkeypatch: pytest.MonkeyPatch,
-                                                                          tiny_model: Any) -> None:
+                                                                          tiny_model: Any, direct_bytes: int) -> None:
+    """Small tensors come packed in buckets (one reused buffer), large ones by themselves straight
+    into the parameter's memory (`direct_bytes`: 1,024 sends most of the tiny model's that way)."""
     sender = _tied_model(tiny_model)
     with torch.no_grad():
         for p in sender.parameters():
@@ -61,7 +65,7 @@ def test_a_broadcast_is_received_in_place_with_one_bucket_of_extra_memory(monkey
     receiver = _tied_model(tiny_model)
     params = receiver.state_dict()
     before = {k: v.data_ptr() for k, v in params.items()}
-    sent = _record_sends(monkeypatch, sender.state_dict(), 5)
+    sent = _record_sends(monkeypatch, sender.state_dict(), 5, direct_bytes)
     assert len(sent) > 4  # (several buckets)
     seen: list[torch.Tensor] = []
     _replay(monkeypatch, sent, seen)
@@ -71,7 +75,11 @@ def test_a_broadcast_is_received_in_place_with_one_bucket_of_extra_memory(monkey
     assert {k: v.data_ptr() for k, v in after.items()} == before  # loaded in place
     for k, v in sender.state_dict().items():
         assert torch.equal(after[k], v), k
-    buckets = seen[2:]  # (after the header and the metadata)
+    own = {p.untyped_storage().data_ptr() for p in receiver.parameters()}
+    transfers = seen[2:]  # (after the header and the metadata)
+    buckets = [t for t in transfers if t.untyped_storage().data_ptr() not in own]
+    direct = len(transfers) - len(buckets)
+    assert (direct > 0) == (direct_bytes == 1024)
     assert len({t.untyped_storage().data_ptr() for t in buckets}) == 1  # one buffer, reused
     assert max(t.untyped_storage().nbytes() for t in buckets) <= BUCKET
 

@@ -11,12 +11,22 @@ Paths (each the runtime's own code, `weights_actors`):
   folder (`WeightFolderWriter`); every engine loads it as `asyncflow serve`'s admin route does.
 
 `bound_s` = the seconds one memory copy of `bytes` takes here (a `copy_` between two buffers of
-that size, best of 3, one thread) x the copies the path must make at the least (`copies`):
+that size, best of 3, one thread) x the copies the path must make at the least (`copies`). Every
+path starts with the trainer's export: its float32 master weights cast into the published dtype, a
+snapshot it needs because it trains on while engines load (object store, folder) or because a member
+that misses a broadcast loads it later. Then:
 
-- object_store: 1 + N — into the shared store once, out of it into each engine's parameters.
-- broadcast: 1 + 3N — packed into a bucket once; per receiver a socket write and read (gloo over
-  loopback TCP: two kernel copies) and the unpack into the engine's parameters.
-- folder: 1 + N — written into the page cache once, read out of it into each engine's parameters.
+- object_store: 2 + N — the export; into the shared store (Ray has no way to write a new object in
+  place, so the export and the store are two copies); out of it into each engine's parameters.
+- broadcast: 1 + 2N — the export; per receiver a socket write and read (gloo over loopback TCP: two
+  kernel copies), the read landing in the engine's parameters (tensors under 1 MiB are packed into
+  buckets and unpacked: ~1% of the bytes, not counted).
+- folder: 2 + N — the export; written into the page cache; read out of it into each engine's
+  parameters.
+
+`trainer_s`: how long the trainer was busy with the publication (the export and what follows it on
+the trainer: the store, the whole broadcast, the folder write). `GB_per_s`: bytes delivered to all
+engines per second.
 
 The update mode decides *when* an engine loads relative to its running requests (swap between two
 decode steps, drain after they finish, abort after evicting them); with no request running the bytes
@@ -45,7 +55,7 @@ MODE_NOTE = "same byte path in every mode (idle engines)"
 
 def copies(path: str, engines: int) -> int:
     """The memory copies of the whole state `path` must make at the least (module docstring)."""
-    return {"object_store": 1 + engines, "broadcast": 1 + 3 * engines, "folder": 1 + engines}[path]
+    return {"object_store": 2 + engines, "broadcast": 1 + 2 * engines, "folder": 2 + engines}[path]
 
 
 def copy_seconds(nbytes: int, repeats: int = 3) -> float:

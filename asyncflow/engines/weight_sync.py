@@ -38,6 +38,7 @@ import torch
 from asyncflow.errors import WaitTimeout
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
+DEFAULT_DIRECT_BYTES = 2**20  # a tensor this large is broadcast by itself, straight from and into its memory
 
 
 class WeightSender(abc.ABC):
@@ -149,13 +150,16 @@ def describe(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
     return [TensorSpec(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()]
 
 
-def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[Segment]]:
-    """Cut the concatenated bytes of all tensors into buckets of at most `bucket_bytes`."""
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, skip: frozenset[int] = frozenset()) -> list[list[Segment]]:
+    """Cut the concatenated bytes of all tensors (but those `skip` names) into buckets of at most
+    `bucket_bytes`."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     buckets: list[list[Segment]] = [[]]
     used = 0
     for i, spec in enumerate(specs):
+        if i in skip:
+            continue
         offset, left = 0, spec.nbytes
         while left > 0:
             if used == bucket_bytes:
@@ -167,6 +171,12 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[Segmen
             offset += n
             left -= n
     return [b for b in buckets if b]
+
+
+def plan_direct(specs: list[TensorSpec], direct_bytes: int) -> frozenset[int]:
+    """The tensors broadcast whole from and into their own memory (no packing, no unpacking): those
+    of at least `direct_bytes`, where one collective's fixed cost is small beside the bytes."""
+    return frozenset(i for i, s in enumerate(specs) if s.nbytes >= direct_bytes)
 
 
 def bucket_size(segments: list[Segment]) -> int:
@@ -284,26 +294,31 @@ class BroadcastWeightSender(WeightSender, _Collective):
     """Broadcast state dicts from rank `src` of `group` (None: the default group), bucket by bucket."""
 
     def __init__(self, *, src: int = 0, group: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 device: torch.device | str = "cpu", timeout_s: float = 600.0) -> None:
+                 device: torch.device | str = "cpu", timeout_s: float = 600.0,
+                 direct_bytes: int = DEFAULT_DIRECT_BYTES) -> None:
         self.src, self.group, self.bucket_bytes = src, group, bucket_bytes
-        self.device, self.timeout_s = torch.device(device), timeout_s
+        self.device, self.timeout_s, self.direct_bytes = torch.device(device), timeout_s, direct_bytes
 
     def send(self, state: dict[str, torch.Tensor], version: int) -> None:
         same = aliases(state)  # (a tied tensor goes once; receivers give it its other names again)
         state = {k: v for k, v in state.items() if k not in same}
         specs = describe(state)
-        meta = torch.frombuffer(bytearray(pickle.dumps((specs, self.bucket_bytes, same))), dtype=torch.uint8)
+        plan = (specs, self.bucket_bytes, same, self.direct_bytes)
+        meta = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
         header = torch.tensor([version, meta.numel()], dtype=torch.int64, device=self.device)
         self._run(header, self.src, self.group, self.timeout_s, f"the header of version {version}")
         self._run(meta.to(self.device), self.src, self.group, self.timeout_s, f"the metadata of version {version}")
         # flat byte views made once: a non-contiguous tensor is copied once, not once per bucket
         tensors = [as_bytes(v.to(self.device)) for v in state.values()]
-        buckets = plan_buckets(specs, self.bucket_bytes)
+        direct = plan_direct(specs, self.direct_bytes)
+        buckets = plan_buckets(specs, self.bucket_bytes, skip=direct)
         # one buffer for every bucket: its pages are faulted in once, not once per bucket
         buf = torch.empty(max((bucket_size(b) for b in buckets), default=0), dtype=torch.uint8, device=self.device)
         for i, segments in enumerate(buckets):
             view = pack_bucket(tensors, segments, self.device, out=buf)
             self._run(view, self.src, self.group, self.timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
+        for i in sorted(direct):
+            self._run(tensors[i], self.src, self.group, self.timeout_s, f"tensor {specs[i].name} of version {version}")
 
 
 class WeightsRefused(ValueError):
@@ -331,9 +346,9 @@ class BroadcastWeightReceiver(WeightReceiver, _Collective):
         self.src, self.group, self.device = src, group, torch.device(device)
 
     def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
-        version, specs, bucket_bytes, same = self._begin(timeout_s)
+        version, specs, bucket_bytes, same, direct_bytes = self._begin(timeout_s)
         out = allocate(specs, self.device)
-        self._stream(plan_buckets(specs, bucket_bytes), out, version, timeout_s)
+        self._stream(specs, bucket_bytes, direct_bytes, out, version, timeout_s)
         state = {s.name: t for s, t in zip(specs, out, strict=True)}
         return {**state, **{k: state[v] for k, v in same.items()}}, version
 
@@ -341,12 +356,12 @@ class BroadcastWeightReceiver(WeightReceiver, _Collective):
         """Write the next broadcast into `params` (name -> the engine's tensor, same shape and dtype,
         contiguous) in place; its version. Another version than `expect`, or a state that does not
         fit, is still received (into a scratch bucket: the group stays in step) and refused."""
-        version, specs, bucket_bytes, same = self._begin(timeout_s)
+        version, specs, bucket_bytes, same, direct_bytes = self._begin(timeout_s)
         problem = fit_problem(specs, same, params)
         if problem is None and expect is not None and version != expect:
             problem = f"version {version} arrived where {expect} was announced"
         out = None if problem is not None else [params[s.name] for s in specs]
-        self._stream(plan_buckets(specs, bucket_bytes), out, version, timeout_s)
+        self._stream(specs, bucket_bytes, direct_bytes, out, version, timeout_s)
         if problem is not None:
             raise WeightsRefused(f"weight broadcast: version {version} not loaded: {problem}")
         for name, target in same.items():  # (an engine whose copy of a tied weight is a tensor of its own)
@@ -354,22 +369,30 @@ class BroadcastWeightReceiver(WeightReceiver, _Collective):
                 params[name].copy_(params[target])
         return version
 
-    def _begin(self, timeout_s: float) -> tuple[int, list[TensorSpec], int, dict[str, str]]:
-        """The header and metadata of the next version: (version, specs, bucket bytes, aliases)."""
+    def _begin(self, timeout_s: float) -> tuple[int, list[TensorSpec], int, dict[str, str], int]:
+        """The header and metadata of the next version: (version, specs, bucket bytes, aliases,
+        the size from which a tensor goes by itself)."""
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._run(header, self.src, self.group, timeout_s, "the header of the next version")
         version, meta_len = int(header[0]), int(header[1])
         meta = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
         self._run(meta, self.src, self.group, timeout_s, f"the metadata of version {version}")
-        specs, bucket_bytes, same = pickle.loads(meta.cpu().numpy().tobytes())
-        return version, specs, bucket_bytes, same
+        specs, bucket_bytes, same, direct_bytes = pickle.loads(meta.cpu().numpy().tobytes())
+        return version, specs, bucket_bytes, same, direct_bytes
 
-    def _stream(self, buckets: list[list[Segment]], out: list[torch.Tensor] | None, version: int,
-                timeout_s: float) -> None:
-        """Receive every bucket into one reused buffer and unpack it into `out` (None: discard)."""
+    def _stream(self, specs: list[TensorSpec], bucket_bytes: int, direct_bytes: int,
+                out: list[torch.Tensor] | None, version: int, timeout_s: float) -> None:
+        """Receive every bucket into one reused buffer and unpack it into `out`, then each tensor sent
+        by itself straight into its place in `out` (None: received and dropped)."""
+        direct = plan_direct(specs, direct_bytes)
+        buckets = plan_buckets(specs, bucket_bytes, skip=direct)
         buf = torch.empty(max((bucket_size(b) for b in buckets), default=0), dtype=torch.uint8, device=self.device)
         for i, segments in enumerate(buckets):
             view = buf[: bucket_size(segments)]
             self._run(view, self.src, self.group, timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
             if out is not None:
                 unpack_bucket(view, segments, out)
+        for i in sorted(direct):
+            into = out[i].view(-1).view(torch.uint8) if out is not None else torch.empty(
+                specs[i].nbytes, dtype=torch.uint8, device=self.device)
+            self._run(into, self.src, self.group, timeout_s, f"tensor {specs[i].name} of version {version}")

@@ -155,10 +155,12 @@ class RolloutWorker:
 
     async def receive_weights(self, version: int, mode: str) -> dict[str, float]:
         """Receive `version` by broadcast and load it (`mode` honoured): an engine that can
-        (`request_fill`) receives it into its own parameters at the mode's load point; any other
-        receives a whole state dict first, then loads it as `load_weights` does."""
+        (`request_fill`) receives it into its own parameters at the mode's load point (no second
+        copy of the weights); any other, and a `drain` while requests run (the broadcast would wait
+        for them to finish, and the trainer with it), receives a whole state dict first, then loads
+        it as `load_weights` does."""
         fill = getattr(self.engine, "request_fill", None)
-        if fill is None:
+        if fill is None or (mode == "drain" and self.engine.load() > 0):
             state = await asyncio.to_thread(self.port.receive, version)
             return await self.load_weights(state, version, mode)
         seconds = await asyncio.wrap_future(fill(lambda params: self.port.receive_into(params, version), version, mode))
