@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,23 @@ def test_an_engine_fills_its_parameters_in_place_at_the_load_point(tiny_model: A
             engine.request_fill(refuse, 4, "swap").result(timeout=60)
         assert engine.version == 3
         assert engine.generate_many([GenRequest(0, [5, 6], 3, 1.0)], timeout=60)[0].token_versions == [3, 3, 3]
+    finally:
+        engine.shutdown()
+
+
+def test_a_fill_cancelled_before_it_began_is_skipped(tiny_model: Any) -> None:
+    """(Its caller gave up, e.g. the trainer's send failed: a receive would wait for bytes that never come.)"""
+    engine = HFEngine(copy.deepcopy(tiny_model), eos_token_id=[], max_batch=4)  # (no EOS: it runs on)
+    try:
+        engine.submit(GenRequest(0, [5, 6], 2000, 1.0))  # running: a drain fill waits for it
+        deadline = time.monotonic() + 60
+        while engine.steps == 0 and time.monotonic() < deadline:  # (decoding, not just queued)
+            time.sleep(0.01)
+        ran: list[int] = []
+        first = engine.request_fill(lambda params: ran.append(1), 1, "drain")
+        assert first.cancel()
+        engine.request_fill(lambda params: ran.append(2), 2, "abort").result(timeout=60)
+        assert ran == [2] and engine.version == 2
     finally:
         engine.shutdown()
 

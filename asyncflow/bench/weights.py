@@ -10,8 +10,8 @@ Paths (each the runtime's own code, `weights_actors`):
 - `folder` (server engines, `rollout.engine: openai`): the version is written once as a safetensors
   folder (`WeightFolderWriter`); every engine loads it as `asyncflow serve`'s admin route does.
 
-`bound_s` = the seconds one memory copy of `bytes` takes here (a `copy_` between two buffers of
-that size, best of 3, one thread) x the copies the path must make at the least (`copies`). Every
+`bound_s` = the seconds one memory copy of `bytes` takes here (a `copy_` between two 256 MiB
+buffers, best of 3, one thread, scaled to `bytes`) x the copies the path must make at the least (`copies`). Every
 path starts with the trainer's export: its float32 master weights cast into the published dtype, a
 snapshot it needs because it trains on while engines load (object store, folder) or because a member
 that misses a broadcast loads it later. Then:
@@ -58,19 +58,25 @@ def copies(path: str, engines: int) -> int:
     return {"object_store": 2 + engines, "broadcast": 1 + 2 * engines, "folder": 2 + engines}[path]
 
 
+PROBE_BYTES = 256 * 2**20  # far beyond any cache: the copy time per byte is the memory's
+
+
 def copy_seconds(nbytes: int, repeats: int = 3) -> float:
-    """Seconds for one `copy_` of `nbytes` between two buffers on one thread (best of `repeats`)."""
+    """Seconds for one `copy_` of `nbytes` between two buffers on one thread (best of `repeats`),
+    measured on at most `PROBE_BYTES` and scaled (so the bench itself never holds two more copies
+    of a large model)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    size = min(nbytes, PROBE_BYTES)
     try:
-        src = torch.ones(nbytes, dtype=torch.uint8)
-        dst = torch.zeros(nbytes, dtype=torch.uint8)  # (zeros: its pages are touched before the clock starts)
+        src = torch.ones(size, dtype=torch.uint8)
+        dst = torch.zeros(size, dtype=torch.uint8)  # (zeros: its pages are touched before the clock starts)
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
             dst.copy_(src)
             best = min(best, time.perf_counter() - t0)
-        return best
+        return best * nbytes / size
     finally:
         torch.set_num_threads(threads)
 

@@ -229,8 +229,9 @@ class HFEngine(InferenceEngine):
         model's own tensors by state-dict name, which `fill` overwrites in place (a broadcast
         received straight into them: no second copy of the weights). Fills run in request order
         and none supersedes another (each is a collective its group waits for); the future gives
-        seconds until in use. A fill that fails other than by `WeightsRefused` may leave the weights
-        mixed: the engine then stops decoding until a whole load (`request_weights`) comes."""
+        seconds until in use; one whose future is cancelled before it begins is skipped. A fill that
+        fails other than by `WeightsRefused` may leave the weights mixed: the engine then stops
+        decoding until a whole load (`request_weights`) comes."""
         done: cf.Future[float] = cf.Future()
         with self._cv:
             if self._stop:
@@ -342,6 +343,10 @@ class HFEngine(InferenceEngine):
         return admit
 
     def _maybe_load(self, pending: _PendingWeights) -> None:
+        if pending.fill is not None and pending.done.cancelled():  # its caller gave up before it began
+            with self._cv:
+                self._fills.remove(pending)
+            return
         if pending.mode == "drain" and self._rows:
             return
         with self._cv:

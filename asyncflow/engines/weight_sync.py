@@ -22,6 +22,12 @@ Two implementations behind one small sender/receiver interface:
 The plan is a pure function of the metadata, so both sides cut the byte stream identically; a tensor
 is copied as raw bytes, so dtypes and values round-trip exactly. Every collective is issued
 asynchronously and waited for with a timeout that names what was waited for.
+
+Tensors of `direct_bytes` (1 MiB) and more are not packed: each goes by itself after the buckets,
+straight from the sender's tensor into the receiver's. A tied weight (the same tensor under two
+names) goes once; the metadata names its aliases. `receive_into` writes a version into an engine's
+own tensors (no second state dict); `announced` takes the header first, so a receiver can wait for
+a publication in one thread and stream its bytes in another (an engine's decode thread).
 """
 
 from __future__ import annotations
@@ -321,6 +327,9 @@ class BroadcastWeightSender(WeightSender, _Collective):
             self._run(tensors[i], self.src, self.group, self.timeout_s, f"tensor {specs[i].name} of version {version}")
 
 
+Incoming = tuple[int, list[TensorSpec], int, dict[str, str], int]  # a version's header and metadata
+
+
 class WeightsRefused(ValueError):
     """A receive into an engine's parameters stopped before it wrote any byte into them (another
     version, a state that does not fit, no group): the engine still holds its previous weights whole."""
@@ -346,17 +355,20 @@ class BroadcastWeightReceiver(WeightReceiver, _Collective):
         self.src, self.group, self.device = src, group, torch.device(device)
 
     def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
-        version, specs, bucket_bytes, same, direct_bytes = self._begin(timeout_s)
+        version, specs, bucket_bytes, same, direct_bytes = self.announced(timeout_s)
         out = allocate(specs, self.device)
         self._stream(specs, bucket_bytes, direct_bytes, out, version, timeout_s)
         state = {s.name: t for s, t in zip(specs, out, strict=True)}
         return {**state, **{k: state[v] for k, v in same.items()}}, version
 
-    def receive_into(self, params: dict[str, torch.Tensor], timeout_s: float, expect: int | None = None) -> int:
+    def receive_into(self, params: dict[str, torch.Tensor], timeout_s: float, expect: int | None = None,
+                     incoming: Incoming | None = None) -> int:
         """Write the next broadcast into `params` (name -> the engine's tensor, same shape and dtype,
         contiguous) in place; its version. Another version than `expect`, or a state that does not
-        fit, is still received (into a scratch bucket: the group stays in step) and refused."""
-        version, specs, bucket_bytes, same, direct_bytes = self._begin(timeout_s)
+        fit, is still received (into a scratch bucket: the group stays in step) and refused.
+        `incoming`: its header, already taken by `announced` (the wait for a publication then
+        happens there, and only the bytes here)."""
+        version, specs, bucket_bytes, same, direct_bytes = incoming or self.announced(timeout_s)
         problem = fit_problem(specs, same, params)
         if problem is None and expect is not None and version != expect:
             problem = f"version {version} arrived where {expect} was announced"
@@ -369,7 +381,7 @@ class BroadcastWeightReceiver(WeightReceiver, _Collective):
                 params[name].copy_(params[target])
         return version
 
-    def _begin(self, timeout_s: float) -> tuple[int, list[TensorSpec], int, dict[str, str], int]:
+    def announced(self, timeout_s: float) -> Incoming:
         """The header and metadata of the next version: (version, specs, bucket bytes, aliases,
         the size from which a tensor goes by itself)."""
         header = torch.zeros(2, dtype=torch.int64, device=self.device)

@@ -163,7 +163,9 @@ class RolloutWorker:
         if fill is None or (mode == "drain" and self.engine.load() > 0):
             state = await asyncio.to_thread(self.port.receive, version)
             return await self.load_weights(state, version, mode)
-        seconds = await asyncio.wrap_future(fill(lambda params: self.port.receive_into(params, version), version, mode))
+        incoming = await asyncio.to_thread(self.port.announced, version)  # (the wait for the send: off the engine)
+        seconds = await asyncio.wrap_future(fill(lambda params: self.port.receive_into(params, version, incoming),
+                                                 version, mode))
         return {"seconds": seconds, **self.stats()}
 
     def where(self) -> dict[str, Any]:
