@@ -8,7 +8,7 @@ from typing import Any
 
 from asyncflow.errors import UserError
 
-_NAMES = {"store": "STORE-1", "pipeline": "PIPE", "e2e": "E2E", "serve": "SERVE-LOAD"}
+_NAMES = {"store": "STORE-1", "pipeline": "PIPE", "e2e": "E2E", "serve": "SERVE-LOAD", "weights": "weights"}
 
 
 def _progress(row: dict[str, Any]) -> None:
@@ -34,8 +34,12 @@ def run_bench(workload: str, *, as_json: bool, overrides: list[str]) -> int:
         from asyncflow.bench.serve_load import run_serve_load
 
         rows = run_serve_load(overrides)
+    elif workload == "weights":
+        from asyncflow.bench.weights import run_weights
+
+        rows = run_weights(overrides, report=_progress)
     else:
-        raise UserError(f"bench {workload}: unknown workload; use store, pipeline, e2e, serve")
+        raise UserError(f"bench {workload}: unknown workload; use store, pipeline, e2e, serve, weights")
     for row in rows:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     if as_json:

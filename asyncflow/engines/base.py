@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import torch
 
+from asyncflow.engines.weight_sync import aliases
+
 WeightUpdateMode = Literal["drain", "swap", "abort"]
 # called by an engine that streams, once per sampled token, in its decode thread: (token id, its
 # log-prob, its weight version, the top alternatives [(id, log-prob)] or None) -> True to end the
@@ -221,7 +223,9 @@ def state_bytes(state: Any) -> int | None:
     (a Ray object-store reference or a collective broadcast)."""
     if not isinstance(state, dict):
         return None
-    return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+    tensors = {k: t for k, t in state.items() if isinstance(t, torch.Tensor)}
+    same = aliases(tensors)  # (a tied weight travels once)
+    return sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in same)
 
 
 def requester(engine: InferenceEngine) -> Callable[[GenRequest], Awaitable[GenResult]]:

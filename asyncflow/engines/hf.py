@@ -27,6 +27,7 @@ import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import EngineOutOfMemory, GenRequest, GenResult, InferenceEngine, WeightUpdateMode
 from asyncflow.engines.kv_cache import returned_cache, with_cache
+from asyncflow.engines.weight_sync import WeightsRefused, aliases
 from asyncflow.errors import RunFailed, UserError
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's rule: logits / t overflows)
@@ -73,12 +75,13 @@ class _Row:
 
 @dataclass
 class _PendingWeights:
-    state: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor] | None  # None: a `fill` writes the weights in place
     version: int
     mode: WeightUpdateMode
     done: cf.Future[float]
     requested_at: float
     claimed: bool = False  # the decode thread is loading it: it can no longer be withdrawn
+    fill: Callable[[dict[str, torch.Tensor]], None] | None = None
 
 
 def truncate_logits(logits: torch.Tensor, top_p: list[float], top_k: list[int]) -> torch.Tensor:
@@ -158,6 +161,8 @@ class HFEngine(InferenceEngine):
         self._waiting: deque[_Row] = deque()
         self._rows: list[_Row] = []
         self._pending: _PendingWeights | None = None
+        self._fills: deque[_PendingWeights] = deque()  # in-place loads, in order (each one a collective)
+        self._torn = False  # a fill failed midway: no decoding until a whole load replaces the mixed weights
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [B, T] 1 where the cache holds a real token
         self._stop = False
@@ -218,6 +223,24 @@ class HFEngine(InferenceEngine):
             self._cv.notify()
         return done
 
+    def request_fill(self, fill: Callable[[dict[str, torch.Tensor]], None], version: int,
+                     mode: WeightUpdateMode) -> cf.Future[float]:
+        """Ask the decode thread to call `fill(params)` at `mode`'s load point, `params` being the
+        model's own tensors by state-dict name, which `fill` overwrites in place (a broadcast
+        received straight into them: no second copy of the weights). Fills run in request order
+        and none supersedes another (each is a collective its group waits for); the future gives
+        seconds until in use; one whose future is cancelled before it begins is skipped. A fill that
+        fails other than by `WeightsRefused` may leave the weights mixed: the engine then stops
+        decoding until a whole load (`request_weights`) comes."""
+        done: cf.Future[float] = cf.Future()
+        with self._cv:
+            if self._stop:
+                done.set_exception(RuntimeError(f"engine {self.name} is closed; cannot load version {version}"))
+                return done
+            self._fills.append(_PendingWeights(None, version, mode, done, time.monotonic(), fill=fill))
+            self._cv.notify()
+        return done
+
     def withdraw_weights(self, done: cf.Future[float]) -> bool:
         """Withdraw the load whose future is `done` if the decode thread has not begun it (its caller
         gave up waiting: it must not take effect after the caller was told it did not); True if withdrawn."""
@@ -270,11 +293,12 @@ class HFEngine(InferenceEngine):
         try:
             while True:
                 with self._cv:
-                    while not self._stop and not self._rows and not self._waiting and self._pending is None:
+                    while not self._stop and self._pending is None and not self._fills and (
+                            self._torn or (not self._rows and not self._waiting)):
                         self._cv.wait(timeout=1.0)
                     if self._stop:
                         break
-                    pending = self._pending
+                    pending = self._fills[0] if self._fills else self._pending
                     admit = self._take_admissions(pending)
                     self._admitting = admit  # (under the lock: cancel_older_than sees every row)
                 t0 = time.perf_counter()
@@ -285,7 +309,7 @@ class HFEngine(InferenceEngine):
                         if admit:
                             self._prefill(admit)
                         self._admitting = []
-                        if self._rows:
+                        if self._rows and not self._torn:
                             self._decode_step()
                     except _OOM as exc:  # in a merge or decode step: the running batch's cache is unusable
                         self._fail_oom([*self._rows, *(r for r in admit if r not in self._rows)], exc)
@@ -300,7 +324,7 @@ class HFEngine(InferenceEngine):
         self._fail_all(None)
 
     def _take_admissions(self, pending: _PendingWeights | None) -> list[_Row]:
-        if pending is not None and pending.mode == "drain":
+        if self._torn or (pending is not None and pending.mode == "drain"):
             return []  # drain: no new work until the running rows finish and weights load
         free = self.max_batch - len(self._rows)
         admit: list[_Row] = []
@@ -319,10 +343,14 @@ class HFEngine(InferenceEngine):
         return admit
 
     def _maybe_load(self, pending: _PendingWeights) -> None:
+        if pending.fill is not None and pending.done.cancelled():  # its caller gave up before it began
+            with self._cv:
+                self._fills.remove(pending)
+            return
         if pending.mode == "drain" and self._rows:
             return
         with self._cv:
-            if self._pending is not pending:
+            if pending.fill is None and self._pending is not pending:
                 return  # withdrawn by its caller (or superseded) since this step began
             pending.claimed = True
         if pending.mode == "abort" and self._rows:
@@ -330,27 +358,49 @@ class HFEngine(InferenceEngine):
             self._rows, self._cache, self._mask = [], None, None
             with self._cv:
                 self._waiting.extendleft(reversed(evicted))  # re-prefilled first, with tokens so far
+        error = self._fill(pending) if pending.fill is not None else self._load_state(pending)
+        if error is None:
+            self.version = pending.version
+            self._torn = False
+        with self._cv:
+            if pending.fill is not None:
+                self._fills.remove(pending)
+            elif self._pending is pending:
+                self._pending = None
+        with contextlib.suppress(cf.InvalidStateError):  # the caller stopped waiting (a publish timed out)
+            if error is None:
+                pending.done.set_result(time.monotonic() - pending.requested_at)
+            else:
+                pending.done.set_exception(error)
+
+    def _load_state(self, pending: _PendingWeights) -> BaseException | None:
+        """Copy a whole state dict (or merge an adapter) into the model; why not, or None."""
+        assert pending.state is not None
         adapter = lora_adapter.is_adapter(pending.state)
         problem = (lora_adapter.adapter_mismatch if adapter else _state_mismatch)(self.model, pending.state)
         if problem is not None:  # refused before any tensor is copied: the engine keeps serving the old weights
-            with self._cv:
-                if self._pending is pending:
-                    self._pending = None
-            with contextlib.suppress(cf.InvalidStateError):
-                pending.done.set_exception(ValueError(f"engine {self.name}: version {pending.version}'s weights do not "
-                                                      f"fit the model: {problem}"))
-            return
+            return ValueError(f"engine {self.name}: version {pending.version}'s weights do not fit the model: {problem}")
         if adapter:  # a LoRA publication: merged onto the kept base weights of the modules it adapts
             lora_adapter.merge_into(self.model, pending.state, self._lora_base)
         else:
-            self.model.load_state_dict(pending.state, strict=True)
+            # a tied weight is copied in once, through its first name (the check above saw every name)
+            tied = aliases(self.model.state_dict())
+            self.model.load_state_dict({k: v for k, v in pending.state.items() if k not in tied}, strict=not tied)
             self._lora_base.clear()  # (full weights replace the base an adapter merges onto)
-        self.version = pending.version
-        with self._cv:
-            if self._pending is pending:
-                self._pending = None
-        with contextlib.suppress(cf.InvalidStateError):  # the caller stopped waiting (a publish timed out)
-            pending.done.set_result(time.monotonic() - pending.requested_at)
+        return None
+
+    def _fill(self, pending: _PendingWeights) -> BaseException | None:
+        """Let the pending fill write the model's tensors in place; why it failed, or None."""
+        assert pending.fill is not None
+        try:
+            pending.fill(self.model.state_dict())  # (detached tensors sharing the parameters' memory)
+        except WeightsRefused as exc:  # nothing was written: the old weights stay whole
+            return exc
+        except Exception as exc:  # (a broadcast that failed midway: some tensors new, some old)
+            self._torn = True
+            return exc
+        self._lora_base.clear()
+        return None
 
     def _prefill(self, rows: list[_Row]) -> None:
         self.counts["prefills"] += 1
@@ -498,6 +548,7 @@ class HFEngine(InferenceEngine):
             rows = self._admitting + self._rows + list(self._waiting)
             self._rows, self._waiting, self._admitting = [], deque(), []
             pending, self._pending = self._pending, None
+            fills, self._fills = list(self._fills), deque()
         for row in rows:
             if row.future.done():
                 continue
@@ -506,9 +557,9 @@ class HFEngine(InferenceEngine):
             else:
                 with contextlib.suppress(cf.InvalidStateError):  # cancelled by the caller meanwhile
                     row.future.set_exception(exc)
-        if pending is not None:
+        for load in [*fills, *([pending] if pending is not None else [])]:
             with contextlib.suppress(cf.InvalidStateError):  # done, or cancelled by the caller meanwhile
-                pending.done.set_exception(exc or RuntimeError(f"engine {self.name} closed before loading weights"))
+                load.done.set_exception(exc or RuntimeError(f"engine {self.name} closed before loading weights"))
 
 
 def _top_alternatives(logp: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]] | None]:

@@ -38,6 +38,8 @@ from typing import Any
 from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import WeightUpdateMode
 from asyncflow.engines.http_client import HTTPError, request_json
+from asyncflow.engines.safetensors_io import write_file
+from asyncflow.engines.weight_sync import aliases
 from asyncflow.errors import WaitTimeout
 
 SERVER_TYPES = ("asyncflow", "vllm", "sglang")
@@ -218,15 +220,15 @@ class WeightFolderWriter:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _write(self, state: dict[str, Any], version: int, stamp: str) -> Path:
-        from safetensors.torch import save_file
-
         if lora_adapter.is_adapter(state):  # (in a versioned folder even for vLLM: it loads adapters by path)
             return self._write_adapter(state, version, stamp)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        # tensor by tensor from their own memory (safetensors' save_file first copies the whole state)
+        same = aliases(state)  # (a tied weight once, as save_pretrained writes it; readers tie it again)
+        tensors = {k: v.detach() for k, v in state.items() if k not in same}
         if self.in_place:
             self._check_in_place_folder()
             tmp = self.root / "model.safetensors.tmp"
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            write_file(tensors, tmp, metadata={"format": "pt"})
             os.replace(tmp, self.root / "model.safetensors")
             (self.root / f"{self.MARKER}.tmp").write_text(stamp)
             os.replace(self.root / f"{self.MARKER}.tmp", self.root / self.MARKER)
@@ -238,7 +240,7 @@ class WeightFolderWriter:
         for f in self.model_dir.iterdir():
             if f.is_file() and f.suffix in _MODEL_FILES and not f.name.endswith(".safetensors.index.json"):
                 shutil.copy2(f, tmp / f.name)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / self.MARKER).write_text(stamp)  # (inside the folder before it appears: present iff complete)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

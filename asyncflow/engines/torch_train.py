@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine, state_bytes
 from asyncflow.engines.lr_schedule import LrSchedule, mark_steps, restored_steps, set_lr
+from asyncflow.engines.weight_sync import aliases
 from asyncflow.errors import RunFailed, UserError
 
 
@@ -252,8 +253,12 @@ class TorchTrainEngine(TrainEngine):
                 state = lora_adapter.adapter_state(self.model, self.dtype)
         else:  # CPU copies in the compute dtype: engines load them onto their own devices, and a Ray
             # actor without a GPU can unpickle them
-            state = {k: v.detach().to("cpu", dtype=self.dtype if v.is_floating_point() else v.dtype, copy=True)
-                     for k, v in self.model.state_dict().items()}
+            own = self.model.state_dict()
+            same = aliases(own)  # a tied weight is exported once, under all its names
+            state = {}
+            for k, v in own.items():
+                state[k] = state[same[k]] if k in same else v.detach().to(
+                    "cpu", dtype=self.dtype if v.is_floating_point() else v.dtype, copy=True)
         self.last_export_bytes = state_bytes(state)
         return state
 

@@ -22,6 +22,12 @@ Two implementations behind one small sender/receiver interface:
 The plan is a pure function of the metadata, so both sides cut the byte stream identically; a tensor
 is copied as raw bytes, so dtypes and values round-trip exactly. Every collective is issued
 asynchronously and waited for with a timeout that names what was waited for.
+
+Tensors of `direct_bytes` (1 MiB) and more are not packed: each goes by itself after the buckets,
+straight from the sender's tensor into the receiver's. A tied weight (the same tensor under two
+names) goes once; the metadata names its aliases. `receive_into` writes a version into an engine's
+own tensors (no second state dict); `announced` takes the header first, so a receiver can wait for
+a publication in one thread and stream its bytes in another (an engine's decode thread).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 from asyncflow.errors import WaitTimeout
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
+DEFAULT_DIRECT_BYTES = 2**20  # a tensor this large is broadcast by itself, straight from and into its memory
 
 
 class WeightSender(abc.ABC):
@@ -130,18 +137,35 @@ class Segment:
     nbytes: int
 
 
+def aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Name -> the earlier name whose tensor it is (tied weights: the same memory, shape and dtype).
+    A publication carries such a tensor once; a receiver gives it both names again."""
+    first: dict[tuple[Any, ...], str] = {}
+    out = {}
+    for k, v in state.items():
+        key = (v.device, v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype)
+        if v.numel() and key in first:
+            out[k] = first[key]
+        else:
+            first.setdefault(key, k)
+    return out
+
+
 def describe(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
     """The specs of a state dict, in its order."""
     return [TensorSpec(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()]
 
 
-def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[Segment]]:
-    """Cut the concatenated bytes of all tensors into buckets of at most `bucket_bytes`."""
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, skip: frozenset[int] = frozenset()) -> list[list[Segment]]:
+    """Cut the concatenated bytes of all tensors (but those `skip` names) into buckets of at most
+    `bucket_bytes`."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     buckets: list[list[Segment]] = [[]]
     used = 0
     for i, spec in enumerate(specs):
+        if i in skip:
+            continue
         offset, left = 0, spec.nbytes
         while left > 0:
             if used == bucket_bytes:
@@ -155,6 +179,12 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[Segmen
     return [b for b in buckets if b]
 
 
+def plan_direct(specs: list[TensorSpec], direct_bytes: int) -> frozenset[int]:
+    """The tensors broadcast whole from and into their own memory (no packing, no unpacking): those
+    of at least `direct_bytes`, where one collective's fixed cost is small beside the bytes."""
+    return frozenset(i for i, s in enumerate(specs) if s.nbytes >= direct_bytes)
+
+
 def bucket_size(segments: list[Segment]) -> int:
     """Bytes a bucket holds (the last bucket is usually smaller than the limit)."""
     return max(s.bucket_offset + s.nbytes for s in segments)
@@ -165,11 +195,13 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def pack_bucket(tensors: list[torch.Tensor], segments: list[Segment], device: torch.device | str = "cpu") -> torch.Tensor:
-    """The bucket's bytes: each segment's slice of its tensor, at its offset. Give it `as_bytes`
-    views when packing many buckets: a non-contiguous tensor is otherwise copied whole once per
-    bucket that holds a piece of it."""
-    buf = torch.empty(bucket_size(segments), dtype=torch.uint8, device=device)
+def pack_bucket(tensors: list[torch.Tensor], segments: list[Segment], device: torch.device | str = "cpu",
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bucket's bytes: each segment's slice of its tensor, at its offset (in the front of `out`
+    when given, a reused buffer). Give it `as_bytes` views when packing many buckets: a
+    non-contiguous tensor is otherwise copied whole once per bucket that holds a piece of it."""
+    size = bucket_size(segments)
+    buf = torch.empty(size, dtype=torch.uint8, device=device) if out is None else out[:size]
     for s in segments:
         src = as_bytes(tensors[s.index])[s.tensor_offset : s.tensor_offset + s.nbytes]
         buf[s.bucket_offset : s.bucket_offset + s.nbytes].copy_(src)
@@ -268,41 +300,111 @@ class BroadcastWeightSender(WeightSender, _Collective):
     """Broadcast state dicts from rank `src` of `group` (None: the default group), bucket by bucket."""
 
     def __init__(self, *, src: int = 0, group: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 device: torch.device | str = "cpu", timeout_s: float = 600.0) -> None:
+                 device: torch.device | str = "cpu", timeout_s: float = 600.0,
+                 direct_bytes: int = DEFAULT_DIRECT_BYTES) -> None:
         self.src, self.group, self.bucket_bytes = src, group, bucket_bytes
-        self.device, self.timeout_s = torch.device(device), timeout_s
+        self.device, self.timeout_s, self.direct_bytes = torch.device(device), timeout_s, direct_bytes
 
     def send(self, state: dict[str, torch.Tensor], version: int) -> None:
+        same = aliases(state)  # (a tied tensor goes once; receivers give it its other names again)
+        state = {k: v for k, v in state.items() if k not in same}
         specs = describe(state)
-        meta = torch.frombuffer(bytearray(pickle.dumps((specs, self.bucket_bytes))), dtype=torch.uint8)
+        plan = (specs, self.bucket_bytes, same, self.direct_bytes)
+        meta = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
         header = torch.tensor([version, meta.numel()], dtype=torch.int64, device=self.device)
         self._run(header, self.src, self.group, self.timeout_s, f"the header of version {version}")
         self._run(meta.to(self.device), self.src, self.group, self.timeout_s, f"the metadata of version {version}")
         # flat byte views made once: a non-contiguous tensor is copied once, not once per bucket
         tensors = [as_bytes(v.to(self.device)) for v in state.values()]
-        buckets = plan_buckets(specs, self.bucket_bytes)
+        direct = plan_direct(specs, self.direct_bytes)
+        buckets = plan_buckets(specs, self.bucket_bytes, skip=direct)
+        # one buffer for every bucket: its pages are faulted in once, not once per bucket
+        buf = torch.empty(max((bucket_size(b) for b in buckets), default=0), dtype=torch.uint8, device=self.device)
         for i, segments in enumerate(buckets):
-            buf = pack_bucket(tensors, segments, self.device)
-            self._run(buf, self.src, self.group, self.timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
+            view = pack_bucket(tensors, segments, self.device, out=buf)
+            self._run(view, self.src, self.group, self.timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
+        for i in sorted(direct):
+            self._run(tensors[i], self.src, self.group, self.timeout_s, f"tensor {specs[i].name} of version {version}")
+
+
+Incoming = tuple[int, list[TensorSpec], int, dict[str, str], int]  # a version's header and metadata
+
+
+class WeightsRefused(ValueError):
+    """A receive into an engine's parameters stopped before it wrote any byte into them (another
+    version, a state that does not fit, no group): the engine still holds its previous weights whole."""
+
+
+def fit_problem(specs: list[TensorSpec], same: dict[str, str], params: dict[str, torch.Tensor]) -> str | None:
+    """Why the broadcast tensors `specs` (and their `aliases`) cannot be written in place into
+    `params`, or None."""
+    missing = [k for k in params if k not in {s.name for s in specs} and same.get(k) not in params]
+    bad = [s.name for s in specs if s.name not in params or tuple(params[s.name].shape) != s.shape
+           or str(params[s.name].dtype).removeprefix("torch.") != s.dtype or not params[s.name].is_contiguous()]
+    parts = [f"{what} {names[:3]}{' ...' if len(names) > 3 else ''}"
+             for what, names in (("missing", missing), ("unexpected or other shape/dtype", bad)) if names]
+    return "; ".join(parts) or None
 
 
 class BroadcastWeightReceiver(WeightReceiver, _Collective):
-    """Receive state dicts broadcast by `BroadcastWeightSender` (allocated on `device`)."""
+    """Receive state dicts broadcast by `BroadcastWeightSender`: into new tensors on `device`
+    (`receive`), or straight into an engine's own parameters (`receive_into`: no second copy of the
+    state, one bucket of extra memory)."""
 
     def __init__(self, *, src: int = 0, group: Any = None, device: torch.device | str = "cpu") -> None:
         self.src, self.group, self.device = src, group, torch.device(device)
 
     def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
+        version, specs, bucket_bytes, same, direct_bytes = self.announced(timeout_s)
+        out = allocate(specs, self.device)
+        self._stream(specs, bucket_bytes, direct_bytes, out, version, timeout_s)
+        state = {s.name: t for s, t in zip(specs, out, strict=True)}
+        return {**state, **{k: state[v] for k, v in same.items()}}, version
+
+    def receive_into(self, params: dict[str, torch.Tensor], timeout_s: float, expect: int | None = None,
+                     incoming: Incoming | None = None) -> int:
+        """Write the next broadcast into `params` (name -> the engine's tensor, same shape and dtype,
+        contiguous) in place; its version. Another version than `expect`, or a state that does not
+        fit, is still received (into a scratch bucket: the group stays in step) and refused.
+        `incoming`: its header, already taken by `announced` (the wait for a publication then
+        happens there, and only the bytes here)."""
+        version, specs, bucket_bytes, same, direct_bytes = incoming or self.announced(timeout_s)
+        problem = fit_problem(specs, same, params)
+        if problem is None and expect is not None and version != expect:
+            problem = f"version {version} arrived where {expect} was announced"
+        out = None if problem is not None else [params[s.name] for s in specs]
+        self._stream(specs, bucket_bytes, direct_bytes, out, version, timeout_s)
+        if problem is not None:
+            raise WeightsRefused(f"weight broadcast: version {version} not loaded: {problem}")
+        for name, target in same.items():  # (an engine whose copy of a tied weight is a tensor of its own)
+            if name in params and params[name].data_ptr() != params[target].data_ptr():
+                params[name].copy_(params[target])
+        return version
+
+    def announced(self, timeout_s: float) -> Incoming:
+        """The header and metadata of the next version: (version, specs, bucket bytes, aliases,
+        the size from which a tensor goes by itself)."""
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._run(header, self.src, self.group, timeout_s, "the header of the next version")
         version, meta_len = int(header[0]), int(header[1])
         meta = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
         self._run(meta, self.src, self.group, timeout_s, f"the metadata of version {version}")
-        specs, bucket_bytes = pickle.loads(meta.cpu().numpy().tobytes())
-        out = allocate(specs, self.device)
-        buckets = plan_buckets(specs, bucket_bytes)
+        specs, bucket_bytes, same, direct_bytes = pickle.loads(meta.cpu().numpy().tobytes())
+        return version, specs, bucket_bytes, same, direct_bytes
+
+    def _stream(self, specs: list[TensorSpec], bucket_bytes: int, direct_bytes: int,
+                out: list[torch.Tensor] | None, version: int, timeout_s: float) -> None:
+        """Receive every bucket into one reused buffer and unpack it into `out`, then each tensor sent
+        by itself straight into its place in `out` (None: received and dropped)."""
+        direct = plan_direct(specs, direct_bytes)
+        buckets = plan_buckets(specs, bucket_bytes, skip=direct)
+        buf = torch.empty(max((bucket_size(b) for b in buckets), default=0), dtype=torch.uint8, device=self.device)
         for i, segments in enumerate(buckets):
-            buf = torch.empty(bucket_size(segments), dtype=torch.uint8, device=self.device)
-            self._run(buf, self.src, self.group, timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
-            unpack_bucket(buf, segments, out)
-        return {s.name: t for s, t in zip(specs, out, strict=True)}, version
+            view = buf[: bucket_size(segments)]
+            self._run(view, self.src, self.group, timeout_s, f"bucket {i + 1}/{len(buckets)} of version {version}")
+            if out is not None:
+                unpack_bucket(view, segments, out)
+        for i in sorted(direct):
+            into = out[i].view(-1).view(torch.uint8) if out is not None else torch.empty(
+                specs[i].nbytes, dtype=torch.uint8, device=self.device)
+            self._run(into, self.src, self.group, timeout_s, f"tensor {specs[i].name} of version {version}")

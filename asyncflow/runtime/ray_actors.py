@@ -14,6 +14,7 @@ import torch
 
 from asyncflow.config import Config
 from asyncflow.engines.base import GenRequest, GenResult, LossFn, TrainBatch, pick_device, quiet_transformers
+from asyncflow.engines.shared_state import SharedState
 from asyncflow.errors import WaitTimeout
 from asyncflow.runtime.ray_weights import WeightPort
 from asyncflow.workflow.feeder import FeederStage
@@ -153,9 +154,19 @@ class RolloutWorker:
         await asyncio.to_thread(self.port.join, host, port, rank, size, epoch, backend)
 
     async def receive_weights(self, version: int, mode: str) -> dict[str, float]:
-        """Receive `version` by broadcast, then load it as `load_weights` does (`mode` honoured)."""
-        state = await asyncio.to_thread(self.port.receive, version)
-        return await self.load_weights(state, version, mode)
+        """Receive `version` by broadcast and load it (`mode` honoured): an engine that can
+        (`request_fill`) receives it into its own parameters at the mode's load point (no second
+        copy of the weights); any other, and a `drain` while requests run (the broadcast would wait
+        for them to finish, and the trainer with it), receives a whole state dict first, then loads
+        it as `load_weights` does."""
+        fill = getattr(self.engine, "request_fill", None)
+        if fill is None or (mode == "drain" and self.engine.load() > 0):
+            state = await asyncio.to_thread(self.port.receive, version)
+            return await self.load_weights(state, version, mode)
+        incoming = await asyncio.to_thread(self.port.announced, version)  # (the wait for the send: off the engine)
+        seconds = await asyncio.wrap_future(fill(lambda params: self.port.receive_into(params, version, incoming),
+                                                 version, mode))
+        return {"seconds": seconds, **self.stats()}
 
     def where(self) -> dict[str, Any]:
         return where()
@@ -299,8 +310,10 @@ class TrainerWorker:
     def export_bytes(self) -> int | None:
         return self.engine.export_bytes()
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        return self.engine.export_weights()
+    def export_weights(self) -> SharedState:
+        """The weights to publish; they arrive as a plain state dict (`SharedState`: one copy into
+        the object store, none out of it)."""
+        return SharedState(self.engine.export_weights())
 
     def weights_address(self) -> tuple[str, int]:
         return self.port.address()
@@ -312,8 +325,9 @@ class TrainerWorker:
         """Export and broadcast `version` to the weight group (`asyncflow.runtime.ray_weights`)."""
         self.port.send(self.engine.export_weights(), version)
 
-    def published(self, version: int) -> dict[str, torch.Tensor] | None:
-        return self.port.published(version)
+    def published(self, version: int) -> SharedState | None:
+        state = self.port.published(version)
+        return None if state is None else SharedState(state)
 
     def placement(self) -> list[dict[str, Any]]:
         """Where the trainer runs, for the run's summary."""

@@ -31,6 +31,7 @@ from typing import Any
 from asyncflow.config import Config
 from asyncflow.engines.base import quiet_transformers, state_bytes
 from asyncflow.engines.fsdp_train import FSDPRank, FSDPTrainEngine, RankMethod, WorkerSpec
+from asyncflow.engines.shared_state import SharedState
 from asyncflow.errors import WaitTimeout
 from asyncflow.runtime.ray_actors import TrainerWorker, weight_port
 from asyncflow.runtime.ray_errors import why_died
@@ -197,7 +198,8 @@ def _export_ref(rank: FSDPRank, master: bool) -> list[Any] | None:
     import ray
 
     state = rank.export(master)  # a collective: every rank takes part
-    return None if state is None else [ray.put(state), state_bytes(state)]  # (a list: the reference, not the value)
+    # (a list: the reference, not the value; SharedState: raw bytes, read in place by every actor)
+    return None if state is None else [ray.put(SharedState(state)), state_bytes(state)]
 
 
 class RayFSDPTrainEngine(FSDPTrainEngine):
@@ -272,7 +274,7 @@ def rank_published(rank: FSDPRank, version: int) -> Any:
     if rank.rank != 0:
         return None
     state = _port(rank).published(version)
-    return None if state is None else [ray.put(state)]
+    return None if state is None else [ray.put(SharedState(state))]
 
 
 class FSDPTrainerWorker(TrainerWorker):

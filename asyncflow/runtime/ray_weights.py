@@ -31,7 +31,9 @@ import torch
 from asyncflow.engines.weight_sync import (
     BroadcastWeightReceiver,
     BroadcastWeightSender,
+    Incoming,
     WeightGroup,
+    WeightsRefused,
     open_weight_group,
 )
 from asyncflow.errors import WaitTimeout
@@ -90,6 +92,29 @@ class WeightPort:
     def published(self, version: int) -> dict[str, torch.Tensor] | None:
         """The state last sent, if it is `version` (None: a newer one has been sent since)."""
         return self.last[0] if self.last is not None and self.last[1] == version else None
+
+    def announced(self, version: int) -> Incoming:
+        """Wait for the header of the broadcast of `version` (off the engine's decode thread: a send
+        that never comes must not hold the engine); its bytes follow through `receive_into`."""
+        group = self._current(f"receive version {version}")
+        try:
+            return BroadcastWeightReceiver(src=0, group=group, device=group.device).announced(self.timeout_s)
+        except BaseException:
+            self.group = None
+            raise
+
+    def receive_into(self, params: dict[str, torch.Tensor], version: int, incoming: Incoming) -> None:
+        """The announced broadcast of `version` written straight into an engine's tensors
+        (`HFEngine.request_fill`)."""
+        if self.group is None:
+            raise WeightsRefused(f"weight broadcast: cannot receive version {version}: this actor is in no weight "
+                                 "group (or its last broadcast failed); the driver rebuilds it at the next publication")
+        receiver = BroadcastWeightReceiver(src=0, group=self.group, device=self.group.device)
+        try:
+            receiver.receive_into(params, self.timeout_s, expect=version, incoming=incoming)
+        except BaseException:
+            self.group = None  # (a refused version or state was still received whole, but the driver rebuilds)
+            raise
 
     def receive(self, version: int) -> dict[str, torch.Tensor]:
         """The broadcast of `version` (anything else is an error: versions are exact)."""
