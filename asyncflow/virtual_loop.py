@@ -181,7 +181,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
                 self._polled_at = now
                 base._process_events(self._selector.select(0))
         elif timers and not self.thread_jobs and now - self._polled_at < self._poll_every:
-            self.advance(timers[0][0] - self._virtual_now)  # polled a moment ago: jump without a system call
+            gap = timers[0][0] - self._virtual_now  # polled a moment ago: jump without a system call
+            if gap > 0:  # (`advance`, in place: the same sum, so the same float)
+                self._virtual_now += gap
         else:
             timeout = None if not timers else max(0.0, timers[0][0] - self._virtual_now)
             self._polled_at = now
