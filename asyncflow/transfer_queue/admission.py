@@ -80,9 +80,10 @@ def check_new(samples: list[NewSample], capacity: int, groups: dict[int, GroupRe
         gid, size = ns.group_id, ns.group_size
         # (ints, checked here: a str group id failed half-way through admitting the put, and a
         # fractional size made a group that can never be complete)
-        if not isinstance(gid, numbers.Integral) or isinstance(gid, bool) or gid < 0:
+        # (`type(...) is int` first: the usual case without the two Python calls of an ABC check)
+        if type(gid) is not int and (not isinstance(gid, numbers.Integral) or isinstance(gid, bool)) or gid < 0:
             raise ValueError(f"group_id must be an int >= 0, got {gid!r}")
-        if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+        if type(size) is not int and (not isinstance(size, numbers.Integral) or isinstance(size, bool)) or size < 1:
             raise ValueError(f"group {gid}: group_size must be an int >= 1, got {size!r}")
         g = groups.get(gid)
         first = sizes.setdefault(gid, size if g is None else g.size)
