@@ -88,15 +88,10 @@ else:  # 3.11's `asyncio.current_task` is Python over this dict (0.41 against 0.
     _current_task = getattr(asyncio.tasks, "_current_tasks", {}).get
 
 
-class _Wait:
-    __slots__ = ("deadline", "fired", "task", "timeout", "what")
-
-    def __init__(self, deadline: float, task: asyncio.Task[Any], timeout: float, what: str) -> None:
-        self.deadline = deadline
-        self.task = task
-        self.fired = False
-        self.timeout = timeout
-        self.what = what
+# A bounded wait of a `SweptClock`: [deadline, task, timeout, what, fired]. A list, not an object:
+# one is made per wait (twice per turn of every episode), and an object's `__init__` call was a
+# third of `wait_for`'s own cost.
+_TASK, _FIRED = 1, 4
 
 
 class SweptClock:
@@ -112,7 +107,7 @@ class SweptClock:
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self.unit: str = getattr(clock, "unit", "s")
-        self._waits: dict[int, _Wait] = {}
+        self._waits: dict[int, list[Any]] = {}  # key -> [deadline, task, timeout, what, fired]
         self._next = 0
         self._tick = math.inf
         self._sweeper: asyncio.Task[None] | None = None
@@ -137,7 +132,7 @@ class SweptClock:
             return await self.clock.wait_for(aw, timeout, what)
         key = self._next
         self._next = key + 1
-        w = self._waits[key] = _Wait(self.clock.now() + timeout, task, timeout, what)
+        w = self._waits[key] = [self.now() + timeout, task, timeout, what, False]
         restart = timeout / 8 < self._tick  # a shorter timeout than the sweeper's: sweep more often from now
         if restart:
             self._tick = timeout / 8
@@ -148,12 +143,12 @@ class SweptClock:
         try:
             result = await aw
         except asyncio.CancelledError:
-            if not w.fired:
+            if not w[_FIRED]:
                 raise
             _uncancel(task)
             raise WaitTimeout(f"timed out after {seconds_text(timeout)} {self.unit} waiting for {what}") from None
         except Exception as exc:
-            if not w.fired:
+            if not w[_FIRED]:
                 raise
             # the call turned our cancel into an error of its own (a client's ConnectionError): it timed
             # out all the same, and the cancel is taken back (left, a CancelledError the plugin raised
@@ -162,7 +157,7 @@ class SweptClock:
             raise WaitTimeout(f"timed out after {seconds_text(timeout)} {self.unit} waiting for {what}") from exc
         finally:
             del self._waits[key]
-        if w.fired:  # `aw` finished anyway, swallowing our cancel: take it back
+        if w[_FIRED]:  # `aw` finished anyway, swallowing our cancel: take it back
             _uncancel(task)
         return result
 
@@ -197,20 +192,21 @@ class SweptClock:
             await self.clock.sleep(self._tick)
             waits = list(self._waits.values())
             if self._abandoned:  # (a stuck wait of an abandoned task never ends: not waited for)
-                waits = [w for w in waits if w.task not in self._abandoned]
+                waits = [w for w in waits if w[_TASK] not in self._abandoned]
             if not waits:
                 break
             now = self.clock.now()
             for w in waits:
-                if not w.fired:
-                    if now >= w.deadline:
-                        w.fired = True
-                        w.task.cancel()
-                elif now >= w.deadline + w.timeout and w.task in self._guards:
+                deadline, task, timeout, what, fired = w
+                if not fired:
+                    if now >= deadline:
+                        w[_FIRED] = True
+                        task.cancel()
+                elif now >= deadline + timeout and task in self._guards:
                     # cancelled a whole timeout ago and still waiting: the plugin ignores cancellation
-                    self._guards.pop(w.task)(f"{w.what} did not end within {seconds_text(w.timeout)} {self.unit} "
-                                             f"after its timeout of {seconds_text(w.timeout)} {self.unit}: it ignores "
-                                             "cancellation, and was abandoned")
+                    self._guards.pop(task)(f"{what} did not end within {seconds_text(timeout)} {self.unit} "
+                                           f"after its timeout of {seconds_text(timeout)} {self.unit}: it ignores "
+                                           "cancellation, and was abandoned")
         self._tick = math.inf
 
     def guard(self, task: asyncio.Task[Any], on_stuck: Callable[[str], None]) -> None:

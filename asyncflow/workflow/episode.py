@@ -27,7 +27,7 @@ import numpy as np
 from asyncflow.clock import Clock, bounded
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, requester
 from asyncflow.envs.base import Env, EnvError, EnvStep, env_call
-from asyncflow.runs import Runs, concat, oldest, total
+from asyncflow.runs import Runs, concat, oldest, total, without_end
 
 
 class EpisodeTokenizer(Protocol):
@@ -53,12 +53,9 @@ class EpisodeSettings:
     max_context: int | None = None
 
 
-@dataclass
-class _Segment:
-    ids: Sequence[int]
-    logprobs: Sequence[float]
-    versions: Sequence[int] | None  # None: environment text (filled in at the end)
-    generated: bool
+# One piece of a response, in order: (ids, logprobs, versions, generated). `versions` is None for
+# environment text (filled in at the end). A tuple, not an object: one is made per turn.
+_Segment = tuple[Sequence[int], Sequence[float], Sequence[int] | None, bool]
 
 
 @dataclass
@@ -70,17 +67,14 @@ class Trajectory:
     segments: list[_Segment] = field(default_factory=list)
     _context: Sequence[int] | None = None  # prefix + every segment so far (kept up to date: read every turn)
 
-    def _extend(self, ids: Sequence[int]) -> None:
-        self._context = concat([self.context(), ids])
-
     def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
-        self.segments.append(_Segment(ids, logprobs, versions, True))
-        self._extend(ids)
+        self.segments.append((ids, logprobs, versions, True))
+        self._context = concat((self.context() if self._context is None else self._context, ids))
 
     def add_env(self, ids: Sequence[int]) -> None:
         if len(ids):
-            self.segments.append(_Segment(ids, Runs([(0.0, len(ids))]), None, False))
-            self._extend(ids)
+            self.segments.append((ids, Runs([(0.0, len(ids))]), None, False))
+            self._context = concat((self.context(), ids))
 
     def context(self) -> Sequence[int]:
         if self._context is None:
@@ -88,7 +82,7 @@ class Trajectory:
         return self._context
 
     def response_ids(self) -> Sequence[int]:
-        return concat([s.ids for s in self.segments])
+        return concat([s[0] for s in self.segments])
 
     def fields(self) -> dict[str, Any]:
         """`response_ids`, `behavior_logprobs`, `token_versions`, `loss_mask`, `behavior_version`.
@@ -97,13 +91,12 @@ class Trajectory:
         segments = self.segments
         last = -1
         for s in segments:  # only generated segments carry versions
-            if s.versions is not None and len(s.versions):
-                last = s.versions[0]
+            if s[2] is not None and len(s[2]):
+                last = s[2][0]
                 break
         versions: list[Sequence[int]] = []
         behavior: int | None = None
-        for s in segments:
-            v = s.versions
+        for ids, _, v, _ in segments:
             if v is not None and len(v):
                 versions.append(v)
                 last = v[-1]
@@ -111,12 +104,12 @@ class Trajectory:
                 if behavior is None or o < behavior:
                     behavior = o
             else:
-                versions.append(Runs([(last, len(s.ids))]))
+                versions.append(Runs([(last, len(ids))]))
         return {
             "response_ids": self.response_ids(),
-            "behavior_logprobs": concat([s.logprobs for s in segments]),
+            "behavior_logprobs": concat([s[1] for s in segments]),
             "token_versions": concat(versions),
-            "loss_mask": Runs([(1 if s.generated else 0, len(s.ids)) for s in segments]),  # (merges, skips empties)
+            "loss_mask": Runs([(1 if s[3] else 0, len(s[0])) for s in segments]),  # (merges, skips empties)
             "behavior_version": -1 if behavior is None else behavior,
         }
 
@@ -260,7 +253,7 @@ async def _play_turns(
             progress.finish = "cancelled"
             return
         context = traj.context()
-        max_new = _turn_limit(len(context), settings)
+        max_new = settings.max_new_tokens if settings.max_context is None else _turn_limit(len(context), settings)
         if max_new is None:
             if turn == 1:  # nothing generated: not a sample to train (its reward would say nothing)
                 progress.error = (f"the prompt and the environment's first observation take {len(context)} of the "
@@ -280,7 +273,13 @@ async def _play_turns(
         if res.finish_reason == "cancelled":
             progress.finish = "cancelled"
             return
-        step = await _step_env(env, clock, tok, ends, res.response_ids, turn, settings.env_timeout_s, on_env_step)
+        # the environment's step on the turn's text, decoded without its end token (in place, not a
+        # coroutine of its own: one frame less to create and to resume through, every turn)
+        start = 0.0 if on_env_step is None else clock.now()
+        step = _checked_step(await env_call(clock, env.step(tok.decode(without_end(res.response_ids, ends))),
+                                            settings.env_timeout_s, env, f"step {turn}"), env, turn)
+        if on_env_step is not None:  # (its clock times, for tracing)
+            on_env_step(turn, start, clock.now())
         if barrier is not None:
             await barrier.wait()
         progress.reward += float(step.reward)
@@ -304,20 +303,6 @@ def _turn_limit(context_len: int, settings: EpisodeSettings) -> int | None:
         if max_new < 1:
             return None
     return max_new
-
-
-async def _step_env(env: Env, clock: Clock, tok: EpisodeTokenizer, ends: Collection[int], response_ids: Sequence[int],
-                    turn: int, timeout_s: float, on_env_step: Callable[[int, float, float], None] | None) -> EnvStep:
-    """The environment's step on a turn's text (decoded without its end token), checked; its clock
-    times told to `on_env_step`."""
-    ids = response_ids
-    if len(ids) and ids[-1] in ends:
-        ids = ids[:-1]
-    start = clock.now()
-    step = _checked_step(await env_call(clock, env.step(tok.decode(ids)), timeout_s, env, f"step {turn}"), env, turn)
-    if on_env_step is not None:
-        on_env_step(turn, start, clock.now())
-    return step
 
 
 async def _close_env(env: Env, clock: Clock, timeout_s: float) -> str | None:
