@@ -26,7 +26,6 @@ runs next iteration either way; with thread jobs outstanding every jump polls an
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import heapq
 import itertools
 import selectors
@@ -65,24 +64,6 @@ class _VirtualSelector:
         return getattr(self._inner, name)
 
 
-class _Timer(asyncio.TimerHandle):
-    """A timer of `VirtualTimeLoop`: `cancel` without asyncio's two calls back into the loop (every
-    `asyncio.sleep` cancels its timer on the way out). In debug mode, asyncio's own."""
-
-    __slots__ = ()
-
-    def cancel(self) -> None:
-        h: Any = self  # (asyncio's private handle and loop state, as its own `cancel` writes it)
-        if h._cancelled:
-            return
-        if h._loop._debug:
-            super().cancel()
-            return
-        if h._scheduled:
-            h._loop._timer_cancelled_count += 1
-        h._cancelled, h._callback, h._args = True, None, None
-
-
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     """`time()` is virtual; idle waits jump it forward instead of sleeping."""
 
@@ -110,49 +91,15 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         if seconds > 0:  # (not max(0.0, seconds): a builtin call per jump)
             self._virtual_now += seconds
 
-    def call_soon(self, callback: Callable[..., object], *args: Any,  # type: ignore[override]
-                  context: Any = None) -> asyncio.Handle:
-        """asyncio's `call_soon` (every future's callbacks and every task's steps pass here), its handle
-        made without three more Python calls (`_call_soon`, `Handle.__init__`, `get_debug`)."""
-        base: Any = self  # (asyncio's private loop state)
-        if base._debug:  # (asyncio's checks and source tracebacks)
-            return super().call_soon(callback, *args, context=context)
-        if base._closed:
-            raise RuntimeError("Event loop is closed")
-        handle: Any = asyncio.Handle.__new__(asyncio.Handle)
-        handle._callback, handle._args, handle._loop = callback, args, self
-        handle._context = contextvars.copy_context() if context is None else context
-        handle._cancelled, handle._repr, handle._source_traceback = False, None, None
-        base._ready.append(handle)
-        return handle  # type: ignore[no-any-return]
-
-    def call_later(self, delay: float, callback: Callable[..., object], *args: Any,  # type: ignore[override]
-                   context: Any = None) -> asyncio.TimerHandle:
-        if delay is None:
-            raise TypeError("delay must not be None")
-        return self.call_at(self._virtual_now + delay, callback, *args, context=context)
-
     def call_at(self, when: float, callback: Callable[..., object], *args: Any,  # type: ignore[override]
                 context: Any = None) -> asyncio.TimerHandle:
         if when is None:
             raise TypeError("when cannot be None")
-        timer: Any
-        base: Any = self  # (asyncio's private loop state)
-        if base._debug:  # (asyncio's checks and source tracebacks)
-            base._check_closed()
-            base._check_thread()
-            base._check_callback(callback, "call_at")
-            timer = _Timer(when, callback, args, self, context)
-        else:  # (as `call_soon`: no `__init__` chain per timer)
-            if base._closed:
-                raise RuntimeError("Event loop is closed")
-            timer = _Timer.__new__(_Timer)
-            timer._when, timer._callback, timer._args, timer._loop = when, callback, args, self
-            timer._context = contextvars.copy_context() if context is None else context
-            timer._cancelled, timer._repr, timer._source_traceback = False, None, None
+        self._check_closed()  # type: ignore[attr-defined]
+        timer = asyncio.TimerHandle(when, callback, args, self, context)
         heapq.heappush(self._timers, (when, next(self._timer_seq), timer))
-        timer._scheduled = True  # (so that cancel() counts it, as in asyncio)
-        return timer  # type: ignore[no-any-return]
+        timer._scheduled = True  # type: ignore[attr-defined]  # (so that cancel() counts it, as in asyncio)
+        return timer
 
     def _run_once(self) -> None:
         """One iteration, as asyncio's: drop cancelled timers, poll I/O (or jump virtual time), move
@@ -181,9 +128,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
                 self._polled_at = now
                 base._process_events(self._selector.select(0))
         elif timers and not self.thread_jobs and now - self._polled_at < self._poll_every:
-            gap = timers[0][0] - self._virtual_now  # polled a moment ago: jump without a system call
-            if gap > 0:  # (`advance`, in place: the same sum, so the same float)
-                self._virtual_now += gap
+            self.advance(timers[0][0] - self._virtual_now)  # polled a moment ago: jump without a system call
         else:
             timeout = None if not timers else max(0.0, timers[0][0] - self._virtual_now)
             self._polled_at = now
@@ -198,12 +143,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             for _ in range(len(ready)):
                 handle = ready.popleft()
                 if not handle._cancelled:
-                    try:  # (`handle._run()`, in place: one Python call less per callback)
-                        handle._context.run(handle._callback, *handle._args)
-                    except (SystemExit, KeyboardInterrupt):
-                        raise
-                    except BaseException as exc:
-                        _callback_failed(handle, exc)
+                    handle._run()
         else:  # (a second loop, not a test per handle: the common case pays nothing)
             for _ in range(len(ready)):
                 handle = ready.popleft()
@@ -223,15 +163,6 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def _job_done(self, _: asyncio.Future[Any]) -> None:
         self.thread_jobs -= 1
-
-
-def _callback_failed(handle: Any, exc: BaseException) -> None:
-    """What asyncio's `Handle._run` does when a callback raises: the loop's exception handler."""
-    cb = asyncio.format_helpers._format_callback_source(handle._callback, handle._args)  # type: ignore[attr-defined]
-    context = {"message": f"Exception in callback {cb}", "exception": exc, "handle": handle}
-    if handle._source_traceback:
-        context["source_traceback"] = handle._source_traceback
-    handle._loop.call_exception_handler(context)
 
 
 class VirtualClock:
