@@ -105,7 +105,10 @@ class StoreController:
 
     async def take(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
                    lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
-                   owner: str | None) -> tuple[Any, dict[int, Any]]:
+                   owner: str | None, ops: list[tuple[str, tuple[Any, ...]]] | None = None) -> tuple[Any, dict[int, Any]]:
+        """`ops`: the caller's queued updates, applied first (see `RayTransferQueue._ride_along`)."""
+        if ops:
+            self.apply(ops)
         epoch = self.owner_epoch.get(owner, 0) if owner is not None else 0
         lease = await self.q.take(stage, max_samples, min_samples=min_samples, timeout=timeout, lease_s=lease_s,
                                   min_version=min_version, fields_extra=fields_extra)
@@ -114,7 +117,10 @@ class StoreController:
         return self._hand_out(lease, owner)
 
     async def take_each(self, stage: str, max_samples: int, timeout: float | None, lease_s: float | None,
-                        min_version: int | None, fields_extra: Sequence[str], owner: str | None) -> list[tuple[Any, dict[int, Any]]]:
+                        min_version: int | None, fields_extra: Sequence[str], owner: str | None,
+                        ops: list[tuple[str, tuple[Any, ...]]] | None = None) -> list[tuple[Any, dict[int, Any]]]:
+        if ops:  # (as in `take`)
+            self.apply(ops)
         epoch = self.owner_epoch.get(owner, 0) if owner is not None else 0
         leases = await self.q.take_each(stage, max_samples, timeout=timeout, lease_s=lease_s, min_version=min_version,
                                         fields_extra=fields_extra)

@@ -73,8 +73,13 @@ class RayTransferQueue:
         self._ops: list[Any] = []  # unanswered fire-and-forget calls (write, complete, ack, ...)
         self._buf: list[tuple[str, tuple[Any, ...]]] = []  # updates not sent yet (coalesced)
         self._flush_at: Any = None
-        self._unsettled = False  # an update other than ack is unanswered: takes must wait for it
+        self._unsettled = False  # a sent update other than ack is unanswered: takes must wait for it
+        self._buf_unsettled = False  # the same for the updates not sent yet
         self.coalesce_s = 0.002
+        # with no take of this client waiting in the controller, updates wait this long for the next
+        # take to carry them (`_ride_along`): a rollout actor's refill comes every few responses
+        self.ride_along_s = 0.02
+        self._taking = 0  # takes of this client waiting for the controller's answer
         self._uid_next = 0
         self._uid_end = 0
         self.inline_max_bytes = inline_max_bytes
@@ -292,9 +297,10 @@ class RayTransferQueue:
     def _op(self, name: str, args: tuple[Any, ...]) -> None:
         """Queue an update. Inside an event loop, updates issued within `coalesce_s` (2 ms) go out as
         one call (a Ray call costs ~1 ms of CPU here: one per sample was a third of a rollout actor's
-        time); from plain threads each goes at once."""
+        time), or with this client's next take if that comes first: while no take of this client is
+        waiting, they wait up to `ride_along_s` for one. From plain threads each goes at once."""
         self._buf.append((name, args))
-        self._unsettled |= name != "ack" and name != "renew"  # (neither changes what a take can see)
+        self._buf_unsettled |= name != "ack" and name != "renew"  # (neither changes what a take can see)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -302,7 +308,7 @@ class RayTransferQueue:
         if loop is None or len(self._buf) >= 256:
             self._send_ops()
         elif self._flush_at is None:
-            self._flush_at = loop.call_later(self.coalesce_s, self._send_ops)
+            self._flush_at = loop.call_later(self.coalesce_s if self._taking else self.ride_along_s, self._send_ops)
 
     def _send_ops(self) -> None:
         if self._flush_at is not None:
@@ -310,7 +316,30 @@ class RayTransferQueue:
             self._flush_at = None
         if self._buf:
             ops, self._buf = self._buf, []
+            self._unsettled |= self._buf_unsettled
+            self._buf_unsettled = False
             self._send(self.handle.apply.remote(ops))
+
+    async def _waiting(self, ref: Any, timeout: float | None, what: str) -> Any:
+        """A take's answer; meanwhile updates go out after `coalesce_s`, not `ride_along_s` (the take
+        just carried the queued ones: `_ride_along`)."""
+        self._taking += 1
+        try:
+            return await self._aget(ref, timeout, what)
+        finally:
+            self._taking -= 1
+
+    async def _ride_along(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """The queued updates, taken off the queue for the next take to carry: the controller applies
+        them before it takes, in the same call (a rollout actor's response writes and its refill were
+        a flush round trip and two calls). Waits first for updates and puts already sent."""
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        ops, self._buf, self._buf_unsettled = self._buf, [], False
+        if self._unsettled or self._pending:
+            await self.flush_async()
+        return ops
 
     def _send(self, ref: Any) -> None:
         """Track a call sent without waiting; the controller may run calls out of order (it is an
@@ -324,22 +353,20 @@ class RayTransferQueue:
     async def take(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                    lease_s: float | None = None, min_version: int | None = None,
                    fields_extra: Sequence[str] = ()) -> Lease:
-        if self._before_take():
-            await self.flush_async()
+        ops = await self._ride_along()
         ref = self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
-                                      list(fields_extra), self._get_owner())
-        lease, refs = await self._aget(ref, timeout, f"take({stage!r})")
+                                      list(fields_extra), self._get_owner(), ops)
+        lease, refs = await self._waiting(ref, timeout, f"take({stage!r})")
         return self._fill(lease, await self._afetch(refs))
 
     async def take_each(self, stage: str, max_samples: int, *, timeout: float | None = None,
                         lease_s: float | None = None, min_version: int | None = None,
                         fields_extra: Sequence[str] = ()) -> list[Lease]:
         """See `TransferQueue.take_each`: one call, one lease per sample (or group)."""
-        if self._before_take():
-            await self.flush_async()
+        ops = await self._ride_along()
         ref = self.handle.take_each.remote(stage, max_samples, timeout, lease_s, min_version, list(fields_extra),
-                                           self._get_owner())
-        got = await self._aget(ref, timeout, f"take_each({stage!r})")
+                                           self._get_owner(), ops)
+        got = await self._waiting(ref, timeout, f"take_each({stage!r})")
         # Blob ids (>= 0) name object-store refs that leases share: fetched once for all of them.
         # Negative keys name one lease's own rows gathered by the controller (`_hand_out`): each
         # lease numbers them from -2, so they stay with their lease (merged, the last lease's rows
@@ -431,6 +458,11 @@ class RayTransferQueue:
     def metrics(self) -> dict[str, float]:
         self.flush()
         return dict(self._get(self.handle.metrics.remote(), 60, "metrics"))
+
+    async def metrics_async(self) -> dict[str, float]:
+        """`metrics` for a caller on an event loop (a blocking `ray.get` there stalls the loop)."""
+        await self.flush_async()
+        return dict(await self._aget(self.handle.metrics.remote(), 60, "metrics"))
 
     def errors(self) -> tuple[int, str]:
         """(count, last message) of failed fire-and-forget operations."""
