@@ -322,7 +322,10 @@ class StoreController:
     def in_flight(self, stage: str) -> int:
         return self.q.in_flight(stage)
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, ops: list[tuple[str, tuple[Any, ...]]] | None = None) -> dict[str, float]:
+        """`ops`: the caller's queued updates, applied first (as a take's are)."""
+        if ops:
+            self.apply(ops)
         m = self.q.metrics()
         m["op_errors"] = float(self.op_errors)
         m["blobs"] = float(len(self.blobs))

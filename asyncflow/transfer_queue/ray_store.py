@@ -460,9 +460,10 @@ class RayTransferQueue:
         return dict(self._get(self.handle.metrics.remote(), 60, "metrics"))
 
     async def metrics_async(self) -> dict[str, float]:
-        """`metrics` for a caller on an event loop (a blocking `ray.get` there stalls the loop)."""
-        await self.flush_async()
-        return dict(await self._aget(self.handle.metrics.remote(), 60, "metrics"))
+        """`metrics` for a caller on an event loop (a blocking `ray.get` there stalls the loop), in one
+        call that carries this client's queued updates (`_ride_along`)."""
+        ops = await self._ride_along()
+        return dict(await self._aget(self.handle.metrics.remote(ops), 60, "metrics"))
 
     def errors(self) -> tuple[int, str]:
         """(count, last message) of failed fire-and-forget operations."""
