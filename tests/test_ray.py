@@ -121,7 +121,8 @@ def test_take_each_gives_each_lease_its_own_rows(ray_session, data_plane: str) -
 
 def test_updates_ride_with_the_client_s_next_take(ray_session) -> None:
     """Responses written in an event loop are applied by the client's next take, in that call: the
-    next stage sees them at once (read-your-writes) and no update call of their own went out."""
+    next stage sees them at once (read-your-writes) and no update call of their own went out; the
+    same for an ack and the next metrics read."""
     import asyncio
 
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
@@ -139,11 +140,13 @@ def test_updates_ride_with_the_client_s_next_take(ray_session) -> None:
                 store.complete(lease, {s.uid: {"response": 10 * s.group_id}})
             # the take below carries the four writes (no 2 ms timer ran: nothing awaited since)
             got = await store.take("reward", 4, min_samples=4, timeout=30)
-            return sorted(s.fields["response"] for s in got.samples), len(store._ops)
+            store.ack(got, remove=True)  # (carried by the metrics read below, which sees it applied)
+            left = (await store.metrics_async())["samples"]
+            return sorted(s.fields["response"] for s in got.samples), len(store._ops), left
 
-        responses, sent_alone = asyncio.run(main())
+        responses, sent_alone, left = asyncio.run(main())
         assert responses == [0, 10, 20, 30]
-        assert sent_alone == 0
+        assert sent_alone == 0 and left == 0
     finally:
         store.kill()
 

@@ -330,15 +330,17 @@ class RayTransferQueue:
             self._taking -= 1
 
     async def _ride_along(self) -> list[tuple[str, tuple[Any, ...]]]:
-        """The queued updates, taken off the queue for the next take to carry: the controller applies
-        them before it takes, in the same call (a rollout actor's response writes and its refill were
-        a flush round trip and two calls). Waits first for updates and puts already sent."""
+        """The queued updates, taken off the queue for the next call to carry: the controller applies
+        them first, in the same call (a rollout actor's response writes and its refill were a flush
+        round trip and two calls). While earlier puts or updates are unanswered, everything goes out
+        in order and is waited for first instead (as `flush_async` does), and nothing rides along."""
+        if self._unsettled or self._pending:
+            await self.flush_async()
+            return []
         if self._flush_at is not None:
             self._flush_at.cancel()
             self._flush_at = None
         ops, self._buf, self._buf_unsettled = self._buf, [], False
-        if self._unsettled or self._pending:
-            await self.flush_async()
         return ops
 
     def _send(self, ref: Any) -> None:
