@@ -71,7 +71,11 @@ class StepHooks:
 
     async def on_step(self, result: StepResult) -> None:
         cfg = self.cfg
-        row = self.train_row(result)
+        # one read of the store per step, awaited: a store in another process (Ray) answered two
+        # blocking calls here (metrics, size), each a round trip with the event loop held
+        ask = getattr(self.pipeline.store, "metrics_async", None)
+        store = await ask() if ask is not None else self.pipeline.store.metrics()
+        row = self.train_row(result, store)
         self.log.metric(row)
         if cfg.checkpoint.every > 0 and result.step % cfg.checkpoint.every == 0:
             if self.pending_eval is not None:  # its row goes into this checkpoint's logs: a resume lost it
@@ -85,11 +89,11 @@ class StepHooks:
         self.progress.update(
             result.step,
             {"samples/s": row["samples_per_s"], "reward": row["reward_mean"], "stale": row["staleness_mean"],
-             "eval": self.last_eval["eval_accuracy"], "depth": self.pipeline.store.size()},
+             "eval": self.last_eval["eval_accuracy"], "depth": int(store["samples"])},
         )
 
-    def train_row(self, result: StepResult) -> dict[str, Any]:
-        """The step's `kind: "train"` row of metrics.jsonl."""
+    def train_row(self, result: StepResult, store: dict[str, float]) -> dict[str, Any]:
+        """The step's `kind: "train"` row of metrics.jsonl (`store`: the store's metrics now)."""
         pipeline = self.pipeline
         c = pipeline.counters
         now = self.clock.now()
@@ -115,7 +119,7 @@ class StepHooks:
             "reward_errors": c.reward_errors,
             "cancelled": c.cancelled,
             **self.runtime.row_fields(),
-            **{f"store/{k}": v for k, v in pipeline.store.metrics().items()},
+            **{f"store/{k}": v for k, v in store.items()},
         }
 
     def _stop_if_flat(self, step: int) -> bool:

@@ -460,3 +460,36 @@ def test_split_refuses_a_verifier_thread() -> None:
     waiting for it: it was charged to loop and trainer."""
     with pytest.raises(UserError, match="split=true: needs reward=async"):
         run_pipeline(["split=true", "reward=thread"])
+
+
+def test_flight_wakes_its_worker_once_enough_slots_are_free() -> None:
+    """`Flight.free(at_least)` (a rollout worker refilling in batches) sleeps through releases that
+    free fewer slots and returns the number free once enough are; at most `limit` are ever asked for."""
+    import asyncio
+
+    from asyncflow.clock import RealClock
+    from asyncflow.workflow.flight import Flight
+
+    async def main() -> list[tuple[str, int]]:
+        flight = Flight(8, lambda start: None, RealClock())
+        for _ in range(8):
+            flight.acquire()
+        seen: list[tuple[str, int]] = []
+
+        async def worker() -> None:
+            seen.append(("free", await flight.free(3)))
+
+        task = asyncio.create_task(worker())
+        for i in range(4):
+            await asyncio.sleep(0)
+            seen.append(("released", i + 1))
+            flight.release()
+        await asyncio.wait_for(task, 5)
+        for _ in range(4):
+            flight.release()
+        seen.append(("all free", await flight.free(100)))
+        return seen
+
+    assert asyncio.run(main()) == [("released", 1), ("released", 2), ("released", 3), ("free", 3),
+                                   ("released", 4), ("all free", 8)]
+

@@ -119,6 +119,38 @@ def test_take_each_gives_each_lease_its_own_rows(ray_session, data_plane: str) -
         store.kill()
 
 
+def test_updates_ride_with_the_client_s_next_take(ray_session) -> None:
+    """Responses written in an event loop are applied by the client's next take, in that call: the
+    next stage sees them at once (read-your-writes) and no update call of their own went out; the
+    same for an ack and the next metrics read."""
+    import asyncio
+
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64)
+    try:
+        store.register_stage("rollout", ["prompt"])
+        store.register_stage("reward", ["response"])
+
+        async def main() -> tuple[list[int], int]:
+            await store.put([NewSample(g, 1, {"prompt": g}) for g in range(4)])
+            leases = await store.take_each("rollout", 4, timeout=30)
+            for lease in leases:
+                (s,) = lease.samples
+                store.complete(lease, {s.uid: {"response": 10 * s.group_id}})
+            # the take below carries the four writes (no 2 ms timer ran: nothing awaited since)
+            got = await store.take("reward", 4, min_samples=4, timeout=30)
+            store.ack(got, remove=True)  # (carried by the metrics read below, which sees it applied)
+            left = (await store.metrics_async())["samples"]
+            return sorted(s.fields["response"] for s in got.samples), len(store._ops), left
+
+        responses, sent_alone, left = asyncio.run(main())
+        assert responses == [0, 10, 20, 30]
+        assert sent_alone == 0 and left == 0
+    finally:
+        store.kill()
+
+
 def test_errors_come_out_as_the_store_s_own(ray_session) -> None:
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
 
@@ -258,7 +290,8 @@ def _slow_rollout_worker(model):
                 original()
 
             self.engine._decode_step = slow  # type: ignore[method-assign]
-            self.pipeline = types.SimpleNamespace(counters=Counters())
+            self.pipeline = types.SimpleNamespace(counters=Counters(), rows=[])
+            self.rows_from = []  # (rows given as such: nothing to fetch from the feeder)
             self.connected = None
             self.port = WeightPort(2**16, 60.0)  # small buckets: a version spans several broadcasts
 

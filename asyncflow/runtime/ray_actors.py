@@ -55,14 +55,19 @@ def _store(store: Any) -> Any:
 
 
 def _rows(rows: Any) -> list[dict[str, Any]]:
-    """The prompt rows, given as such or as the feeder actor (`Named`), which holds them."""
-    if not isinstance(rows, Named):
-        return list(rows)
-    import ray
+    """The prompt rows given as such; empty where they come from the feeder actor (`Named`): an
+    async actor fetches those on its event loop (`fetch_rows`), as a blocking `ray.get` here would
+    block the loop."""
+    return [] if isinstance(rows, Named) else list(rows)
 
+
+async def fetch_rows(rows: Any, into: list[dict[str, Any]]) -> None:
+    """Fill `into` (the stage's row list, empty so far) with the rows the feeder actor holds."""
+    if not isinstance(rows, Named) or into:
+        return
     try:
-        return list(ray.get(rows.get().rows.remote(), timeout=READY_TIMEOUT_S))
-    except ray.exceptions.GetTimeoutError:
+        into.extend(await asyncio.wait_for(rows.get().rows.remote(), READY_TIMEOUT_S))
+    except asyncio.TimeoutError:
         raise WaitTimeout(f"timed out after {READY_TIMEOUT_S:.0f} s waiting for the feeder actor ({rows.name}) "
                           "to hand over the prompt rows") from None
 
@@ -112,13 +117,19 @@ class RolloutWorker:
             self.engine.server = server_link(cfg, session, index)  # type: ignore[attr-defined]
         self.connected: asyncio.Task[None] | None = None
         self.pipeline = _stage(RolloutStage, cfg, rows, Path(model_dir), Path(out), store, [self.engine])
+        self.rows_from = rows
         self.port = weight_port(cfg)
 
     async def _connect(self) -> None:
-        """The engine's `connect`, once per process (a restarted actor's first call connects again)."""
+        """The engine's `connect` and the prompt rows' fetch, once per process (a restarted actor's
+        first call does both again)."""
         if self.connected is None:
-            self.connected = asyncio.ensure_future(self.engine.connect())
+            self.connected = asyncio.ensure_future(self._setup())
         await self.connected
+
+    async def _setup(self) -> None:
+        await self.engine.connect()
+        await fetch_rows(self.rows_from, self.pipeline.rows)
 
     async def ready(self) -> int:
         await self._connect()
@@ -233,14 +244,24 @@ class RewardWorker:
         self.index = index
         reward_fn = load_run_reward(cfg, reward_fn_path, [model_dir])
         self.pipeline = _stage(RewardStage, cfg, rows, Path(model_dir), Path(out), store, [], reward_fn)
+        self.rows_from = rows
+        self.fetched: asyncio.Future[None] | None = None
 
-    def ready(self) -> bool:
+    async def ready(self) -> bool:
+        await self._with_rows()
         return True
+
+    async def _with_rows(self) -> None:
+        """The rows' fetch, once per process (`ready` and `run` may both be waiting for it)."""
+        if self.fetched is None:
+            self.fetched = asyncio.ensure_future(fetch_rows(self.rows_from, self.pipeline.rows))
+        await self.fetched
 
     def pid(self) -> int:
         return os.getpid()
 
     async def run(self) -> None:
+        await self._with_rows()  # (a restarted process: its first call)
         await self.pipeline.reward_worker()
 
     def where(self) -> dict[str, Any]:

@@ -245,6 +245,7 @@ class RemoteTrainEngine(TrainEngine):
         self.steps = 0
         self.exported = 0
         self.channel: WeightChannel | None = None  # set by the runtime for `runtime.weight_sync: collective`
+        self._export_bytes: Any = None  # the size of the latest export, asked for with it (`export_weights`)
 
     def died(self, exc: BaseException, what: str) -> TrainerDied:
         """The error for the trainer actor's death, found while waiting for it to do `what`."""
@@ -278,7 +279,10 @@ class RemoteTrainEngine(TrainEngine):
         return self._get(self.handle.logprobs.remote(batch, temperature), "compute log-probs")  # type: ignore[no-any-return]
 
     def export_bytes(self) -> int | None:
-        return self._get(self.handle.export_bytes.remote(), "report the size of its export")  # type: ignore[no-any-return]
+        ref, self._export_bytes = self._export_bytes, None
+        if ref is None:
+            ref = self.handle.export_bytes.remote()
+        return self._get(ref, "report the size of its export")  # type: ignore[no-any-return]
 
     def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         return self._get(self.handle.reference_logprobs.remote(batch, temperature), "compute reference log-probs")  # type: ignore[no-any-return]
@@ -293,8 +297,15 @@ class RemoteTrainEngine(TrainEngine):
         channel (`runtime.weight_sync: collective`), else an object-store reference engines fetch."""
         self.exported += 1
         if self.channel is not None:
-            return self.channel.publish(self.exported)
-        return StoredWeights(self.export_ref())
+            publication: Any = self.channel.publish(self.exported)
+        else:
+            publication = StoredWeights(self.export_ref())
+        # asked for now, queued behind the export in the trainer actor: read after the loads, it is
+        # there already (asked for then, it was one more round trip per step with the trainer idle)
+        if self._export_bytes is not None:  # (never read: its error, if any, is not logged as unhandled)
+            _forget(self._export_bytes)
+        self._export_bytes = self.handle.export_bytes.remote()
+        return publication
 
     def stored_weights(self) -> StoredWeights:
         """The current weights in the object store, not published as a new version (a LoRA resume

@@ -138,11 +138,15 @@ class StoreController:
 
     async def take(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
                    lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
-                   owner: str | None, after: list[tuple[str, tuple[Any, ...]]] | None = None,
+                   owner: str | None, first: list[tuple[str, tuple[Any, ...]]] | None = None,
+                   after: list[tuple[str, tuple[Any, ...]]] | None = None,
                    held: list[int] | None = None) -> tuple[Any, dict[int, Any]]:
-        """`after`: the client's acks and renews, applied once this take is answered (the client's
-        next call finds them applied) or, when it must wait, at once (a full store may wait for them).
-        `held`: the coalesced objects the client holds (their refs are left out, `PartRef`)."""
+        """`first`: the client's queued updates, applied before the take. `after`: its acks and
+        renews, applied once this take is answered (the client's next call finds them applied) or,
+        when it must wait, at once (a full store may wait for them). `held`: the coalesced objects the
+        client holds (their refs are left out, `PartRef`). See `RayTransferQueue._carried`."""
+        if first:
+            self.apply(first)
         epoch = self.owner_epoch.get(owner, 0) if owner is not None else 0
         lease = None
         if after:
@@ -162,7 +166,10 @@ class StoreController:
         return self._hand_out(lease, owner, set(held) if held else ())
 
     async def take_each(self, stage: str, max_samples: int, timeout: float | None, lease_s: float | None,
-                        min_version: int | None, fields_extra: Sequence[str], owner: str | None) -> list[tuple[Any, dict[int, Any]]]:
+                        min_version: int | None, fields_extra: Sequence[str], owner: str | None,
+                        first: list[tuple[str, tuple[Any, ...]]] | None = None) -> list[tuple[Any, dict[int, Any]]]:
+        if first:  # (as in `take`)
+            self.apply(first)
         epoch = self.owner_epoch.get(owner, 0) if owner is not None else 0
         leases = await self.q.take_each(stage, max_samples, timeout=timeout, lease_s=lease_s, min_version=min_version,
                                         fields_extra=fields_extra)
@@ -375,7 +382,10 @@ class StoreController:
     def in_flight(self, stage: str) -> int:
         return self.q.in_flight(stage)
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, first: list[tuple[str, tuple[Any, ...]]] | None = None) -> dict[str, float]:
+        """`first`: the caller's queued updates, applied first (as a take's are)."""
+        if first:
+            self.apply(first)
         m = self.q.metrics()
         m["op_errors"] = float(self.op_errors)
         m["blobs"] = float(len(self.blobs))

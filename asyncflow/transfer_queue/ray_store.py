@@ -17,8 +17,8 @@ live sample that points into it is deleted.
 
 The client has the in-process `TransferQueue`'s API, so the workflow code is the same on both
 placements. Mutations that need no answer (`write`, `complete`, `ack`, `release`, `remove`) are
-sent without waiting; a failure inside them is counted in `metrics()["op_errors"]`. Acks (and renews)
-ride on the client's next take when one follows within `coalesce_s` (`_carried`). Takes and puts
+sent without waiting; a failure inside them is counted in `metrics()["op_errors"]`. Queued updates
+ride on the client's next take or metrics read when one comes first (`_carried`). Takes and puts
 wait in the controller with the caller's timeout, and the client waits at most `rpc_grace_s` longer
 before deciding the controller is gone.
 
@@ -83,8 +83,13 @@ class RayTransferQueue:
         self._flush_at: Any = None
         self._timer: threading.Timer | None = None  # sends a plain thread's buffered acks (`_op`)
         self._lock = threading.Lock()  # `_buf` and `_ops`: the timer's thread sends too
-        self._unsettled = False  # an update other than ack is unanswered: takes must wait for it
+        self._unsettled = False  # a sent update other than ack is unanswered: takes must wait for it
+        self._buf_unsettled = False  # the same for the updates not sent yet
         self.coalesce_s = 0.002
+        # with no take of this client waiting in the controller, updates on an event loop wait this
+        # long for the next take to carry them (`_carried`): a rollout actor's refill comes every few responses
+        self.ride_along_s = 0.02
+        self._taking = 0  # takes of this client on its event loop waiting for the controller's answer
         self._uid_next = 0
         self._uid_end = 0
         self.inline_max_bytes = inline_max_bytes
@@ -319,23 +324,22 @@ class RayTransferQueue:
         return self._unsettled or bool(self._pending)
 
     def _op(self, name: str, args: tuple[Any, ...]) -> None:
-        """Queue an update. Inside an event loop, updates issued within `coalesce_s` (2 ms) go out as
-        one call (a Ray call costs ~1 ms of CPU here: one per sample was a third of a rollout actor's
-        time); from plain threads each goes at once, except acks and renews, which wait up to
-        `coalesce_s` (a timer) for the client's next take to carry them (`_carried`)."""
+        """Queue an update: it goes in one call with those near it (a Ray call costs ~1 ms of CPU) or
+        with the next take (`_carried`). Waits: on a loop `coalesce_s` while a take of this client
+        waits, else `ride_along_s`; from threads, acks and renews `coalesce_s`, others none."""
         with self._lock:
             self._buf.append((name, args))
-            self._unsettled |= name != "ack" and name != "renew"  # (neither changes what a take can see)
+            self._buf_unsettled |= name != "ack" and name != "renew"  # (neither changes what a take can see)
             many = len(self._buf) >= 256
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if many or (loop is None and self._unsettled):
+        if many or (loop is None and self._buf_unsettled):
             self._send_ops()
         elif loop is not None:
             if self._flush_at is None:
-                self._flush_at = loop.call_later(self.coalesce_s, self._send_ops)
+                self._flush_at = loop.call_later(self.coalesce_s if self._taking else self.ride_along_s, self._send_ops)
         elif self._timer is None:
             self._timer = threading.Timer(self.coalesce_s, self._send_ops)
             self._timer.daemon = True
@@ -343,28 +347,32 @@ class RayTransferQueue:
 
     def _send_ops(self) -> None:
         with self._lock:
-            ops = self._take_buf()
+            ops, unsettled = self._take_buf()
             if ops:
+                self._unsettled |= unsettled
                 self._send(self.handle.apply.remote(ops))
 
-    def _take_buf(self) -> list[tuple[str, tuple[Any, ...]]]:
-        """The buffered updates, no longer buffered (with the lock held)."""
+    def _take_buf(self) -> tuple[list[tuple[str, tuple[Any, ...]]], bool]:
+        """The buffered updates, taken, and whether any is not an ack or renew (lock held)."""
         if self._flush_at is not None:
             self._flush_at.cancel()
             self._flush_at = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        ops, self._buf = self._buf, []
-        return ops
+        out = (self._buf, self._buf_unsettled)
+        self._buf, self._buf_unsettled = [], False
+        return out
 
-    def _carried(self) -> list[tuple[str, tuple[Any, ...]]]:
-        """Buffered updates for the next take to carry when they are all acks and renews: the
-        controller applies them right after that take (before it when the take must wait), one call
-        instead of two and the acks' removals off the take's path. Acks cannot change what the take
-        sees: acked samples are this client's lease, never offered again."""
+    def _carried(self) -> tuple[list[tuple[str, tuple[Any, ...]]], list[tuple[str, tuple[Any, ...]]]]:
+        """(first, after): the buffered updates for the next controller call to carry. All acks and
+        renews go `after` (applied once a take is answered: acked samples are never offered again);
+        else all go `first`, in order. None ride while earlier calls are unanswered (`_before_take`)."""
         with self._lock:
-            return [] if self._unsettled else self._take_buf()
+            if self._unsettled or self._pending:
+                return [], []
+            ops, unsettled = self._take_buf()
+            return (ops, []) if unsettled else ([], ops)
 
     def _send(self, ref: Any) -> None:
         """Track a call sent without waiting (with the lock held); the controller may run calls out of
@@ -375,11 +383,20 @@ class RayTransferQueue:
 
             _, self._ops = ray.wait(self._ops, num_returns=len(self._ops), timeout=0)
 
+    async def _waiting(self, ref: Any, timeout: float | None, what: str) -> Any:
+        """A take's answer; meanwhile queued updates go out after `coalesce_s`, not `ride_along_s`."""
+        self._taking += 1
+        try:
+            return await self._aget(ref, timeout, what)
+        finally:
+            self._taking -= 1
+
     def _take_call(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
                    lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
-                   carried: list[tuple[str, tuple[Any, ...]]], held: dict[int, Any] | None = None) -> Any:
+                   carried: tuple[list[Any], list[Any]], held: dict[int, Any] | None = None) -> Any:
+        first, after = carried
         return self.handle.take.remote(stage, max_samples, min_samples, timeout, lease_s, min_version,
-                                       list(fields_extra), self._get_owner(), carried or None,
+                                       list(fields_extra), self._get_owner(), first or None, after or None,
                                        list(held) if held else None)
 
     def _take_held(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
@@ -407,18 +424,19 @@ class RayTransferQueue:
         if self._before_take():
             await self.flush_async()
         ref = self._take_call(stage, max_samples, min_samples, timeout, lease_s, min_version, fields_extra, carried)
-        lease, refs = await self._aget(ref, timeout, f"take({stage!r})")
+        lease, refs = await self._waiting(ref, timeout, f"take({stage!r})")
         return self._fill(lease, await self._afetch(refs))
 
     async def take_each(self, stage: str, max_samples: int, *, timeout: float | None = None,
                         lease_s: float | None = None, min_version: int | None = None,
                         fields_extra: Sequence[str] = ()) -> list[Lease]:
         """See `TransferQueue.take_each`: one call, one lease per sample (or group)."""
+        first, after = self._carried()
         if self._before_take():
             await self.flush_async()
         ref = self.handle.take_each.remote(stage, max_samples, timeout, lease_s, min_version, list(fields_extra),
-                                           self._get_owner())
-        got = await self._aget(ref, timeout, f"take_each({stage!r})")
+                                           self._get_owner(), first + after or None)
+        got = await self._waiting(ref, timeout, f"take_each({stage!r})")
         # Blob ids (>= 0) name object-store refs that leases share: fetched once for all of them.
         # Negative keys name one lease's own rows gathered by the controller (`_hand_out`): each
         # lease numbers them from -2, so they stay with their lease (merged, the last lease's rows
@@ -450,7 +468,7 @@ class RayTransferQueue:
         if self._before_take():
             await self.flush_async()
         ref = self._take_call(stage, max_samples, min_samples, timeout, lease_s, None, fields_extra, carried)
-        compact, refs = await self._aget(ref, timeout, f"take_columns({stage!r})")
+        compact, refs = await self._waiting(ref, timeout, f"take_columns({stage!r})")
         return _columns(compact, await self._afetch(refs))
 
     def take_nowait(self, stage: str, max_samples: int, *, min_samples: int = 1, lease_s: float | None = None,
@@ -521,6 +539,14 @@ class RayTransferQueue:
     def in_flight(self, stage: str) -> int:
         self.flush()
         return int(self._get(self.handle.in_flight.remote(stage), 60, "in_flight"))
+
+    async def metrics_async(self) -> dict[str, float]:
+        """`metrics` for a caller on an event loop (a blocking `ray.get` there stalls the loop), in one
+        call that carries this client's queued updates (`_carried`)."""
+        first, after = self._carried()
+        if self._before_take():
+            await self.flush_async()
+        return dict(await self._aget(self.handle.metrics.remote(first + after or None), 60, "metrics"))
 
     def metrics(self) -> dict[str, float]:
         self.flush()

@@ -40,7 +40,7 @@ class FeederStage(StageBase):
                 row_index = next(self._order)
                 fields = {"prompt_ids": self.tok.prompt_ids(self.rows[row_index][key]), "row": row_index}
                 if affinity:
-                    fields[f"to/{self._least_loaded_worker()}"] = True
+                    fields[f"to/{await self._least_loaded_worker()}"] = True
                 # one NewSample (and one fields dict) for the group's n samples: the store reads it and
                 # copies the fields for each sample it admits, and assigns each its own uid
                 samples += [NewSample(group_id, n, fields, priority=float(group_id))] * n
@@ -54,8 +54,10 @@ class FeederStage(StageBase):
             # loop to itself for as long as a huge batch's admission took (no rollout, no Ctrl-C)
             await asyncio.sleep(0)
 
-    def _least_loaded_worker(self) -> int:
-        """The rollout worker with the fewest samples queued for it or in flight (affinity routing)."""
-        m = self.store.metrics()
+    async def _least_loaded_worker(self) -> int:
+        """The rollout worker with the fewest samples queued for it or in flight (affinity routing);
+        a store in another process is asked without blocking the event loop (`metrics_async`)."""
+        ask = getattr(self.store, "metrics_async", None)
+        m = await ask() if ask is not None else self.store.metrics()
         return min(range(len(self.rollout_stages)),
                    key=lambda i: m.get(f"depth/rollout/{i}", 0.0) + m.get(f"leased/rollout/{i}", 0.0))

@@ -69,6 +69,7 @@ class Flight:
         self._clock = clock
         self._since = 0.0
         self._wake: asyncio.Future[None] | None = None
+        self._below = limit - 1
 
     def acquire(self) -> None:
         if self.n == 0:
@@ -80,12 +81,13 @@ class Flight:
         if self.n == 0:
             self._on_idle(self._since)
         wake = self._wake
-        if wake is not None and self.n < self.limit and not wake.done():
+        if wake is not None and self.n <= self._below and not wake.done():
             wake.set_result(None)
 
-    async def free(self) -> int:
-        """Wait until a slot is free; the number free."""
-        while self.n >= self.limit:
+    async def free(self, at_least: int = 1) -> int:
+        """Wait until `at_least` slots are free (at most `limit`); the number free."""
+        self._below = self.limit - min(at_least, self.limit)  # wake when at most this many are in flight
+        while self.n > self._below:
             self._wake = asyncio.get_running_loop().create_future()
             try:
                 await self._wake

@@ -74,6 +74,13 @@ class RolloutStage(StageBase):
         ro = self.cfg.rollout
         # in process: a finished request's write and its slot's next sample in one store call
         fused = getattr(self.store, "complete_and_take", None) if not self.episodic else None
+        # otherwise (a store in another process) freed slots are refilled in batches of half the
+        # engine's slots, one store call each (the other half of the flight still waits in the
+        # engine's queue meanwhile, so the engine stays full), while the store has more ready; once a
+        # take got fewer than it asked for, the next waits in the store at once, for one slot's worth
+        # (this worker's last writes then go out at once, not with a later refill)
+        batch = max(1, engine.capacity // 2) if fused is None and not self.episodic else 1
+        refill = 1
         fail = episodes.fail  # a request failed or timed out: stop this worker with its error
         sampling = (ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k)
         now, timeout_s = self.clock.now, ro.request_timeout_s
@@ -113,9 +120,11 @@ class RolloutStage(StageBase):
         self.keeper.watch(in_flight)
         try:
             while True:
-                leases = await self._take_rollouts(stage, await flight.free(), extra)
+                free = await flight.free(refill)
+                leases = await self._take_rollouts(stage, free, extra)
                 if leases is None:
                     return
+                refill = batch if len(leases) == free else 1
                 for lease in leases:
                     if not self.episodic:
                         start(lease)
