@@ -398,7 +398,8 @@ def test_weight_modes_keep_versions_right_on_either_path(ray_session, tiny_model
     channel = WeightChannel(_SenderProxy(sender, state_ref), [engine], "gloo", 60.0, print) if sender else None
 
     async def scenario():
-        reqs = [GenRequest(i, [3 + i, 4, 5], 30, 1.0) for i in range(4)]
+        # 100 steps of 10 ms: a load published 0.1 s in lands mid-request even on a busy machine
+        reqs = [GenRequest(i, [3 + i, 4, 5], 100, 1.0) for i in range(4)]
         running = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
         for _ in range(500):  # wait until all four are decoding, then let a few tokens come out
             if (await actor.stats.remote())["load"] == 4:
@@ -421,7 +422,7 @@ def test_weight_modes_keep_versions_right_on_either_path(ray_session, tiny_model
         assert (channel.delivered, channel.fallbacks, channel.epoch) == (1, 0, 1)
     for res in results:
         v = res.token_versions
-        assert len(res.response_ids) == len(res.behavior_logprobs) == len(v) == 30
+        assert len(res.response_ids) == len(res.behavior_logprobs) == len(v) == 100
         assert v == sorted(v) and v[0] == 0
         if mode == "drain":
             assert set(v) == {0}
