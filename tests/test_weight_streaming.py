@@ -208,3 +208,30 @@ def test_a_trainer_exports_a_tied_weight_once(tiny_model: Any) -> None:
     assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
     unique = {p.data_ptr(): p.numel() for p in trainer.model.parameters()}
     assert trainer.export_bytes() == 2 * sum(unique.values())
+
+
+def test_a_trainer_that_reuses_export_memory_overwrites_the_last_export_in_place(tiny_model: Any,
+                                                                                 tmp_path: Path) -> None:
+    from asyncflow.engines.torch_train import TorchTrainEngine
+
+    fresh = TorchTrainEngine(copy.deepcopy(tiny_model), lr=1e-3, dtype=torch.bfloat16)
+    a, b = fresh.export_weights(), fresh.export_weights()
+    assert all(a[k].data_ptr() != b[k].data_ptr() for k in a)  # the default: a new tensor per export
+
+    trainer = TorchTrainEngine(copy.deepcopy(tiny_model), lr=1e-3, dtype=torch.bfloat16)
+    trainer.reuse_export_memory()
+    first = trainer.export_weights()
+    ptrs = {k: t.data_ptr() for k, t in first.items()}
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(1.0)
+    second = trainer.export_weights()
+    assert {k: t.data_ptr() for k, t in second.items()} == ptrs  # the same memory, new values
+    for k, p in trainer.model.state_dict().items():
+        assert second[k].dtype == torch.bfloat16 and torch.equal(second[k], p.to(torch.bfloat16)), k
+    kept = {k: t.clone() for k, t in second.items()}
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(1.0)
+    trainer.save(str(tmp_path / "final"), with_optimizer=False)  # a save's export is a copy of its own
+    assert all(torch.equal(second[k], kept[k]) for k in kept)

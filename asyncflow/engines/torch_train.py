@@ -191,6 +191,7 @@ class TorchTrainEngine(TrainEngine):
         self._passes: contextlib.AbstractContextManager[Any] = threading.RLock() if lora else contextlib.nullcontext()
         self.schedule = schedule or LrSchedule(lr, mini_batches=mini_batches)
         self.steps_done = 0  # train steps taken: the schedule's position (restored with the optimizer)
+        self._export_memory: dict[str, torch.Tensor] | None = None  # (`reuse_export_memory`)
 
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         with self._passes, torch.no_grad(), compute_dtype_context(self.device, self.dtype):
@@ -257,10 +258,22 @@ class TorchTrainEngine(TrainEngine):
             same = aliases(own)  # a tied weight is exported once, under all its names
             state = {}
             for k, v in own.items():
-                state[k] = state[same[k]] if k in same else v.detach().to(
-                    "cpu", dtype=self.dtype if v.is_floating_point() else v.dtype, copy=True)
+                state[k] = state[same[k]] if k in same else self._export_copy(k, v.detach())
         self.last_export_bytes = state_bytes(state)
         return state
+
+    def reuse_export_memory(self) -> None:
+        self._export_memory = {}
+
+    def _export_copy(self, name: str, v: torch.Tensor) -> torch.Tensor:
+        """`v` on the CPU in the compute dtype: a new tensor, or the last export's, overwritten."""
+        dtype = self.dtype if v.is_floating_point() else v.dtype
+        if self._export_memory is None:
+            return v.to("cpu", dtype=dtype, copy=True)
+        out = self._export_memory.get(name)
+        if out is None or out.shape != v.shape or out.dtype != dtype:
+            out = self._export_memory[name] = torch.empty(v.shape, dtype=dtype)
+        return out.copy_(v)
 
     def save(self, path: str, *, with_optimizer: bool) -> None:
         """A checkpoint (`with_optimizer`) keeps the float32 master weights, so a resume continues
@@ -273,7 +286,11 @@ class TorchTrainEngine(TrainEngine):
         elif with_optimizer or self.dtype == torch.float32:
             self.model.save_pretrained(path)
         else:
-            self.model.save_pretrained(path, state_dict=self.export_weights())
+            memory, self._export_memory = self._export_memory, None  # (the last export stays as sent)
+            try:
+                self.model.save_pretrained(path, state_dict=self.export_weights())
+            finally:
+                self._export_memory = memory
             # its config.json names that dtype: save_pretrained writes the (float32) parameters' dtype,
             # and from_pretrained, or vLLM's dtype auto, loaded the folder at twice the memory
             config_file = os.path.join(path, "config.json")

@@ -314,6 +314,8 @@ class TrainerWorker:
         torch.manual_seed(cfg.seed)
         self.engine = make_train_engine(cfg, Path(model_dir), threads=threads,
                                         device=actor_device(cfg.model.device, cfg.runtime.train_gpus))
+        # calls run one at a time and each export is stored or sent before the next: its memory is reused
+        self.engine.reuse_export_memory()
         self.port = weight_port(cfg)
 
     def ready(self) -> bool:
