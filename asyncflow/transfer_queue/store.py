@@ -616,8 +616,9 @@ class TransferQueue:
         live = self._end_lease(rec)
         name = rec.stage
         if rec.groups:
-            for g in self._lease_groups(rec):
-                g.consumed.add(name)
+            for g in map(self._groups.get, rec.groups):
+                if g is not None and g.uids:
+                    g.consumed.add(name)
         if remove:  # (its samples are deleted at once: no need to mark them)
             self._remove_many([s.uid for s in live])
             return
@@ -684,10 +685,6 @@ class TransferQueue:
             if g is not None and g.leased.get(rec.stage) == rec.id:
                 del g.leased[rec.stage]
         return live
-
-    def _lease_groups(self, rec: LeaseRecord) -> list[GroupRecord]:
-        groups = (self._groups.get(gid) for gid in rec.groups)
-        return [g for g in groups if g is not None and g.uids]
 
     def _reap(self) -> None:
         """Release every lease whose deadline has passed (lazy expiry)."""
@@ -781,7 +778,7 @@ class TransferQueue:
     # ----------------------------------------------------------------------------- waiting
     def _wake_all_waiters(self) -> None:
         """Every waiter retries (and, if it still cannot go on, sleeps with a fresh wake time)."""
-        self._wake_epoch += 1  # (a taker `wake_in_turn` deferred goes on too: `_notify`)
+        self._wake_epoch += 1
         for st in self._stages.values():
             if st.waiters:
                 wake(st.waiters, 1 << 62)
@@ -789,9 +786,8 @@ class TransferQueue:
 
     def _notify(self, st: StageRecord) -> None:
         if st.waiters:
-            epoch = self._wake_epoch
-            wake_in_turn(st.waiters, st.depth, self._lock,
-                         lambda need: st.depth >= need or self._wake_epoch != epoch)
+            epoch = self._wake_epoch  # (a deferred taker goes on if all were woken meanwhile)
+            wake_in_turn(st.waiters, st.depth, self._lock, lambda n: st.depth >= n or self._wake_epoch != epoch)
 
     def _notify_put(self) -> None:
         if self._put_waiters:
