@@ -88,13 +88,14 @@ def wake(waiters: list[Waiter], have: int) -> None:
 
 def wake_in_turn(waiters: list[Waiter], have: int, lock: threading.Lock, ready: Callable[[int], bool]) -> None:
     """`wake(waiters, have)` for a stage's takers, without a herd: the first met waiters are woken
-    while the `have` samples last (each takes up to its `want`); every other met waiter on this loop
-    gets a callback at the point where its woken task would have retried, which puts it back at the
-    end of the list or, when `ready(need)` holds by then, wakes it. So the takes and the list's
-    order are those of waking all of them, without a task switch and a failed retry per waiter
-    (at 1,024 rollout workers, one per sample)."""
+    while the `have` samples last (each takes up to its `want`); the other met waiters on this loop
+    get one callback, queued where their woken tasks would have retried (one after another), which
+    puts each back at the end of the list or, when `ready(need)` holds by then, wakes it. So the
+    takes and the list's order are those of waking all of them, without a task switch and a failed
+    retry per waiter (at 1,024 rollout workers, about one per sample)."""
     loop = asyncio._get_running_loop()
-    keep = []
+    keep: list[Waiter] = []
+    later: list[Waiter] = []
     left = have  # samples not yet claimed by a woken waiter
     for w in waiters:
         if w.need > have:
@@ -103,19 +104,24 @@ def wake_in_turn(waiters: list[Waiter], have: int, lock: threading.Lock, ready: 
             w.wake()
             left -= w.want
         else:
-            loop.call_soon(_retry_later, w, lock, ready)
+            later.append(w)
     waiters[:] = keep
+    if later:
+        assert loop is not None
+        loop.call_soon(_retry_later, later, lock, ready)
 
 
-def _retry_later(w: Waiter, lock: threading.Lock, ready: Callable[[int], bool]) -> None:
-    """`wake_in_turn`'s deferred waiter: gone if its wait ended meanwhile, woken if it can go on."""
-    if w.fut is None or w.fut.done():
-        return
+def _retry_later(later: list[Waiter], lock: threading.Lock, ready: Callable[[int], bool]) -> None:
+    """`wake_in_turn`'s deferred waiters, in order: gone if the wait ended meanwhile, woken if it
+    can go on, else back on its list."""
     with lock:
-        if ready(w.need):
-            w.wake()
-        else:
-            w.home.append(w)
+        for w in later:
+            if w.fut is None or w.fut.done():
+                continue
+            if ready(w.need):
+                w.wake()
+            else:
+                w.home.append(w)
 
 
 def drop(w: Waiter | None, lock: threading.Lock) -> None:
