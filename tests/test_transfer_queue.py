@@ -1159,3 +1159,31 @@ def test_the_leases_a_dead_owner_held_are_counted_whoever_gave_them_back() -> No
         assert c.released_of("actor-A") == 3 and c.released_of("actor-B") == 0
 
     asyncio.run(main())
+
+
+def test_takers_woken_in_turn_take_what_a_put_brings_in_the_order_they_waited() -> None:
+    """A put wakes only the takers its samples can serve; the others keep their turn and are
+    served by later puts, in order; a woken taker cancelled before it retries leaves its samples
+    to the next one."""
+
+    async def main() -> None:
+        q = TransferQueue()
+        q.register_stage("gen", ["prompt"])
+        takers = [asyncio.create_task(q.take_each("gen", 2, timeout=5)) for _ in range(4)]
+        await asyncio.sleep(0)
+        q.put_blocking(prompts(2))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert [t.done() for t in takers] == [True, False, False, False]
+        assert [uids_of(lease) for lease in takers[0].result()] == [[0], [1]]
+        q.put_blocking(prompts(2, first_group=2))
+        takers[1].cancel()  # woken by this put, cancelled before it retries
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert takers[1].cancelled() and takers[2].done() and not takers[3].done()
+        assert [uids_of(lease) for lease in takers[2].result()] == [[2], [3]]
+        q.put_blocking(prompts(1, first_group=4))
+        assert [uids_of(lease) for lease in await takers[3]] == [[4]]
+        assert q.metrics()["depth/gen"] == 0 and q.metrics()["leased/gen"] == 5
+
+    asyncio.run(main())

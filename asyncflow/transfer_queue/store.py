@@ -45,7 +45,7 @@ from asyncflow.transfer_queue.expiry import ExpiryQueue
 from asyncflow.transfer_queue.payload import column_rows, payload_bytes, samples_of
 from asyncflow.transfer_queue.records import GroupRecord, LeaseRecord, SampleRecord, StageRecord
 from asyncflow.transfer_queue.state import check_state, restore, snapshot
-from asyncflow.transfer_queue.waiters import On, Tried, Waiter, wait_async, wait_thread, wake
+from asyncflow.transfer_queue.waiters import On, Tried, Waiter, wait_async, wait_thread, wake, wake_in_turn
 
 # (the public types are defined in `api` and importable from here, as before)
 __all__ = ["Lease", "NewSample", "QueueClosed", "SampleView", "StoreClient", "TransferQueue", "check_state"]
@@ -76,6 +76,7 @@ class TransferQueue:
         self._expiry = ExpiryQueue()  # (deadline, lease id) of every lease
         self._put_waiters: list[Waiter] = []
         self._latest_wake = -math.inf  # the latest wake time handed to a waiter since all were last woken
+        self._wake_epoch = 0  # counts `_wake_all_waiters` calls
         self._next_uid = 0
         self._reserved = UidReservations()  # uid ranges handed to clients (`reserve_uids`)
         self._next_group = 0  # one past the highest group id ever put (a feeder's position, checkpoints)
@@ -376,7 +377,7 @@ class TransferQueue:
                 budget -= _count(lease)
             if out or on is None:
                 return out or None, None, None
-            w = Waiter(1, st.waiters, on)
+            w = Waiter(1, st.waiters, on, max_samples)
             st.waiters.append(w)
             return None, w, self._wake_at()
 
@@ -430,7 +431,7 @@ class TransferQueue:
                 lease = self._lease(st, max_samples, lease_s, min_version, extra)
             if lease is not None or on is None:
                 return lease, None, None
-            w = Waiter(min_samples, st.waiters, on)
+            w = Waiter(min_samples, st.waiters, on, max_samples)
             st.waiters.append(w)
             return None, w, self._wake_at()
 
@@ -615,8 +616,9 @@ class TransferQueue:
         live = self._end_lease(rec)
         name = rec.stage
         if rec.groups:
-            for g in self._lease_groups(rec):
-                g.consumed.add(name)
+            for g in map(self._groups.get, rec.groups):
+                if g is not None and g.uids:
+                    g.consumed.add(name)
         if remove:  # (its samples are deleted at once: no need to mark them)
             self._remove_many([s.uid for s in live])
             return
@@ -683,10 +685,6 @@ class TransferQueue:
             if g is not None and g.leased.get(rec.stage) == rec.id:
                 del g.leased[rec.stage]
         return live
-
-    def _lease_groups(self, rec: LeaseRecord) -> list[GroupRecord]:
-        groups = (self._groups.get(gid) for gid in rec.groups)
-        return [g for g in groups if g is not None and g.uids]
 
     def _reap(self) -> None:
         """Release every lease whose deadline has passed (lazy expiry)."""
@@ -780,6 +778,7 @@ class TransferQueue:
     # ----------------------------------------------------------------------------- waiting
     def _wake_all_waiters(self) -> None:
         """Every waiter retries (and, if it still cannot go on, sleeps with a fresh wake time)."""
+        self._wake_epoch += 1
         for st in self._stages.values():
             if st.waiters:
                 wake(st.waiters, 1 << 62)
@@ -787,7 +786,8 @@ class TransferQueue:
 
     def _notify(self, st: StageRecord) -> None:
         if st.waiters:
-            wake(st.waiters, st.depth)
+            epoch = self._wake_epoch  # (a deferred taker goes on if all were woken meanwhile)
+            wake_in_turn(st.waiters, st.depth, self._lock, lambda n: st.depth >= n or self._wake_epoch != epoch)
 
     def _notify_put(self) -> None:
         if self._put_waiters:
