@@ -141,7 +141,7 @@ ENV_NAMES = ("calculator", "guess_number")
 # runtime.* keys only the Ray runtime reads (placement of its actors)
 _RAY_KEYS = ("rollout_cpus", "rollout_gpus", "train_cpus", "train_gpus", "reward_workers", "reward_cpus",
              "placement_strategy", "max_restarts", "train_resource", "rollout_resource", "weight_sync",
-             "weight_bucket_mb")
+             "weight_bucket_mb", "colocate")
 
 
 def _validate_agent(cfg: Config, explicit: set[str]) -> None:

@@ -19,7 +19,7 @@ import yaml
 
 from asyncflow.config_checks import validate
 from asyncflow.config_hints import schema_keys
-from asyncflow.config_schema import Config, clip_defaults, max_generated_tokens, torch_threads
+from asyncflow.config_schema import Config, clip_defaults, colocated, max_generated_tokens, torch_threads
 from asyncflow.errors import UserError
 
 
@@ -28,6 +28,8 @@ def resolve_defaults(cfg: Config) -> Config:
     out = copy.deepcopy(cfg)
     out.workflow.max_staleness = cfg.staleness
     out.runtime.torch_threads = torch_threads(cfg)  # (this machine's cores: null lets another machine choose)
+    if cfg.runtime.kind == "ray":
+        out.runtime.colocate = colocated(cfg)
     low, high = clip_defaults(cfg.algorithm.loss)
     out.algorithm.clip_low = low if cfg.algorithm.clip_low is None else cfg.algorithm.clip_low
     out.algorithm.clip_high = high if cfg.algorithm.clip_high is None else cfg.algorithm.clip_high

@@ -430,6 +430,17 @@ class RuntimeConfig:
                            "uses as many torch threads (at least 1).", lo=0.0)
     train_gpus: float = _f(0.0, "GPUs for the trainer actor, or per FSDP rank actor (ray); the trainer runs on them "
                            "(model.device).", lo=0.0)
+    colocate: bool | None = _f(
+        None,
+        "true: rollout actor 0 is also the store controller, the feeder and the reward workers (ray), so its "
+        "engine's per-sample traffic (take a prompt, write a response, score a group) stays in its process, as "
+        "in the local runtime; only the trainer's batches, the weights and the other rollout actors' samples "
+        "cross processes. Its death then ends the run (it holds the store), so it is never restarted. false: "
+        "each is an actor of its own, every rollout and reward actor restartable. null: true on the one machine of "
+        "a Ray the run starts (runtime.address: null) whose rollout actors get no GPU (runtime.rollout_gpus: 0: "
+        "their engines share the CPU cores with every other process, and each process a sample passes through "
+        "costs throughput); false on a joined cluster or with GPU engines. docs/ray.md.",
+    )
     reward_workers: int = _f(1, "Reward worker actors (ray); each scores whole groups as they complete.", lo=1)
     reward_cpus: float = _f(0.0, "CPUs reserved per reward worker actor (ray); 0 for light verifiers.", lo=0.0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _f(
@@ -548,6 +559,13 @@ def torch_threads(cfg: Config) -> int:
     if cfg.runtime.torch_threads is not None:
         return cfg.runtime.torch_threads
     return usable_cores() if cfg.workflow.mode == "sync" else max(1, usable_cores() // 2)
+
+
+def colocated(cfg: Config) -> bool:
+    """`runtime.colocate`, with null resolved (see its doc)."""
+    if cfg.runtime.colocate is not None:
+        return cfg.runtime.colocate
+    return cfg.runtime.address is None and cfg.runtime.rollout_gpus == 0
 
 
 def usable_cores() -> int:

@@ -10,6 +10,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -493,15 +494,11 @@ def test_workers_a_local_ray_can_never_hold_are_refused_at_once(ray_session, ari
     check_placeable([{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}], "SPREAD", {"CPU": 2.0, "GPU": 1.0}, nodes=2)
 
 
-@pytest.mark.slow
-def test_async_reward_function_runs_in_the_reward_actor(ray_session, arith_dir: Path, tmp_path: Path) -> None:
-    """An `async def` reward function on the Ray runtime: awaited in the reward actor's event loop
-    (another process), with the driver's evaluation using it too."""
-    import os
+def _judging_model(arith_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the arith model folder with `async_arith:judge`, an `async def` reward function
+    that records each call's group size in a file named after the calling process; and that folder
+    of files."""
     import shutil
-
-    from asyncflow.config import load_config
-    from asyncflow.runner import train
 
     model = tmp_path / "model"
     shutil.copytree(arith_dir, model)  # the module must be importable in the actor: put it in the model folder
@@ -517,21 +514,65 @@ def test_async_reward_function_runs_in_the_reward_actor(ray_session, arith_dir: 
         "        f.write(f'{len(completions)}\\n')\n"
         "    return reward_fn(prompts, completions, answer)\n"
     )
+    return model, calls
+
+
+def _judged_run(model: Path, out: Path, extra: list[str]) -> dict[str, Any]:
+    from asyncflow.config import load_config
+    from asyncflow.runner import train
+
     cfg, _ = load_config(None, [f"model.path={model}", "runtime.kind=ray", "train.max_steps=2", "train.batch_size=16",
                                 "rollout.n=4", "rollout.max_new_tokens=4", "eval.every=0", "eval.size=8",
-                                "logging.progress=false", "reward.fn=async_arith:judge",
-                                "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5"])
-    summary = train(cfg, tmp_path / "run", progress_enabled=False)
+                                "logging.progress=false", "reward.fn=async_arith:judge", *extra])
+    summary = train(cfg, out, progress_enabled=False)
     assert summary["samples"] == 2 * 16
-    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     trained = [s for s in samples if s["status"] == "trained"]
     assert len(trained) == 32 and all(s["reward"] in (0.0, 1.0) for s in trained)
+    return summary
+
+
+@pytest.mark.slow
+def test_async_reward_function_runs_in_the_reward_actor(ray_session, arith_dir: Path, tmp_path: Path) -> None:
+    """An `async def` reward function on the Ray runtime: awaited in the reward actor's event loop
+    (another process), with the driver's evaluation using it too."""
+    import os
+
+    model, calls = _judging_model(arith_dir, tmp_path)
+    _judged_run(model, tmp_path / "run", ["runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5"])
     by_pid = {int(p.name): p.read_text().split() for p in calls.iterdir()}
     actor = [pid for pid in by_pid if pid != os.getpid()]
     assert len(actor) == 1 and set(by_pid[actor[0]]) == {"4"}  # groups of 4, scored in the reward actor
     assert len(by_pid[actor[0]]) >= 8  # at least the 8 trained groups
     driver = by_pid.get(os.getpid(), [])  # the driver's eval calls: one per eval prompt (a group of one)
     assert set(driver) == {"1"} and len(driver) >= 8 and len(driver) % 8 == 0
+
+
+@pytest.mark.slow
+def test_colocated_hub_is_rollout_0_store_feeder_and_reward_in_one_process(ray_session, arith_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    """`runtime.colocate`: rollout actor 0's process is also the store, the feeder and the reward
+    worker (the reward calls come from it); rollout actor 1 is a process of its own that takes its
+    prompts from the hub's store; both engines generate what trains."""
+    import os
+
+    model, calls = _judging_model(arith_dir, tmp_path)
+    out = tmp_path / "run"
+    summary = _judged_run(model, out, ["runtime.colocate=true", "rollout.workers=2", "runtime.rollout_cpus=0.5",
+                                       "runtime.train_cpus=0.5", "rollout.max_batch=4"])
+    pids = {(a["role"], a["index"]): a["pid"] for a in summary["actors"]}
+    hub = pids[("rollout", 0)]
+    assert pids[("store", 0)] == pids[("feeder", 0)] == hub
+    assert pids[("rollout", 1)] not in (hub, None) and not any(role == "reward" for role, _ in pids)
+    by_pid = {int(p.name): p.read_text().split() for p in calls.iterdir()}
+    assert set(by_pid[hub]) == {"4"} and len(by_pid[hub]) >= 8  # every group scored in the hub
+    assert set(by_pid) <= {hub, os.getpid()}  # (the driver's: its evaluation)
+    trace = json.loads((out / "trace.json").read_text())
+    names = {e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
+    assert {"rollout/0", "rollout/1", "reward/0", "trainer"} <= names
+    generated = {e["tid"] for e in trace if e.get("name") == "generating"}
+    tids = {e["args"]["name"]: e["tid"] for e in trace if e.get("name") == "thread_name"}
+    assert {tids["rollout/0"], tids["rollout/1"]} <= generated  # both engines took prompts and generated
 
 
 def test_columnar_put_lands_row_by_row_in_another_process(ray_session) -> None:

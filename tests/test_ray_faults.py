@@ -26,12 +26,13 @@ N = 4
 
 
 def _settings(arith_dir: Path, *extra: str) -> list[str]:
-    """A tiny async run (staleness 1) on one rollout and one reward actor; a broken recovery shows up
-    as a step timeout after 2 minutes, not 30."""
+    """A tiny async run (staleness 1) on one rollout and one reward actor, each its own restartable
+    actor (not colocated); a broken recovery shows up as a step timeout after 2 minutes, not 30."""
     return [
         f"model.path={arith_dir}", f"train.max_steps={STEPS}", f"train.batch_size={BATCH}", f"rollout.n={N}",
         "eval.every=0", "eval.size=8", "logging.progress=false", "workflow.weight_update=abort",
-        "workflow.step_timeout_s=120", "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5", *extra,
+        "workflow.step_timeout_s=120", "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5",
+        "runtime.colocate=false", *extra,
     ]
 
 
@@ -238,7 +239,8 @@ def test_a_dead_trainer_ends_the_run_with_one_line_and_exit_code_1(ray_session, 
                                                                    monkeypatch: pytest.MonkeyPatch, capsys,
                                                                    engine: str) -> None:
     """fsdp: rank 1 of 2 rank actors is killed; the run ends the same way, and resumes from the
-    checkpoint the FSDP ranks wrote (their optimizer state included)."""
+    checkpoint the FSDP ranks wrote (their optimizer state included). torch: colocated (the hub's
+    store state and feeder position are what the checkpoint holds and the resume restores)."""
     from asyncflow.cli import main
 
     ray = ray_session
@@ -249,7 +251,7 @@ def test_a_dead_trainer_ends_the_run_with_one_line_and_exit_code_1(ray_session, 
     role = "trainer" if engine == "torch" else "trainer-rank-1"
     thread, info = _killer(ray, watch, out, role, after_step=2, restart=False)
     args = ["train", str(EXAMPLE), "--out", str(out)]
-    extra = ["train.engine=fsdp", "train.world_size=2"] if engine == "fsdp" else []
+    extra = ["train.engine=fsdp", "train.world_size=2"] if engine == "fsdp" else ["runtime.colocate=true"]
     for setting in _settings(arith_dir, "train.max_steps=20", "checkpoint.every=1", *extra):
         args += ["--set", setting]
     rc = main(args)
@@ -300,6 +302,30 @@ def test_with_max_restarts_0_a_killed_rollout_actor_ends_the_run(ray_session, ar
                                  "runtime.max_restarts=0 allows no restart; no checkpoint was written (set "
                                  "checkpoint.every to make runs resumable)")
     assert watch.workers.restarts == {"rollout/0": 0, "reward/0": 0}
+    assert _trained_steps(out) < 20
+
+
+@pytest.mark.slow
+def test_a_killed_colocated_hub_ends_the_run_in_one_line_naming_it(ray_session, arith_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`runtime.colocate`: the hub (rollout 0, the store, the feeder, the reward worker) holds the
+    store, so it is never restarted (max_restarts 3 notwithstanding): its death ends the run."""
+    from asyncflow.runner import train
+
+    ray = ray_session
+    watch = _Watch(monkeypatch, ray)
+    out = tmp_path / "run"
+    thread, info = _killer(ray, watch, out, "store", after_step=1, restart=True)
+    with pytest.raises(RunFailed) as caught:
+        train(_config(arith_dir, "runtime.colocate=true", "train.max_steps=20"), out, progress_enabled=False)
+    thread.join(timeout=30)
+    assert "killed_at" in info, info
+    prefix = watch.workers.prefix
+    assert info["named"] == sorted(f"{prefix}-{r}" for r in ("store", "trainer"))  # (the hub is named as the store)
+    assert re.fullmatch(rf"the rollout/0, store controller and feeder actor "
+                        rf"\({prefix}-store\) died \(ActorDiedError: killed by ray.kill\); no checkpoint was "
+                        rf"written \(set checkpoint.every to make runs resumable\)", str(caught.value)), str(caught.value)
+    assert watch.workers.restarts == {"rollout/0": 0}
     assert _trained_steps(out) < 20
 
 

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.soak, pytest.mark.slow]
 STEPS, BATCH, N = 60, 64, 4
 SETTINGS = [
     "runtime.kind=ray", "rollout.workers=2", "runtime.rollout_cpus=0.5", "runtime.reward_workers=1",
-    "runtime.max_restarts=3",
+    "runtime.max_restarts=3", "runtime.colocate=false",  # (every rollout and reward actor restartable)
     "workflow.mode=async", "workflow.max_staleness=2", f"train.batch_size={BATCH}", f"rollout.n={N}",
     "rollout.max_new_tokens=8", "eval.every=0", "eval.size=16", "checkpoint.every=20", "logging.progress=false",
 ]

@@ -192,7 +192,7 @@ class RolloutWorker:
     def spans(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
         return self.pipeline.tracer.raw()
 
-    async def close(self) -> None:
+    async def close_engine(self) -> None:
         await self.engine.close()
 
 
@@ -215,7 +215,7 @@ class FeederWorker:
         """The prompt rows, for the rollout and reward actors (again after a restart)."""
         return list(self.pipeline.rows)
 
-    async def run(self) -> None:
+    async def feed(self) -> None:
         await self.pipeline.feeder()
 
     def restore(self, next_group: int, version: int, admitted: int) -> None:
@@ -228,7 +228,7 @@ class FeederWorker:
     def drop(self, groups: int) -> None:
         self.pipeline.gate.drop(groups)
 
-    def close(self) -> None:
+    def close_gate(self) -> None:
         self.pipeline.gate.close()
 
 

@@ -217,7 +217,7 @@ class RemoteEngine(InferenceEngine):
         if self.down or self.gone is not None:
             return
         with contextlib.suppress(ray.exceptions.RayActorError, asyncio.TimeoutError):
-            await asyncio.wait_for(self.handle.close.remote(), 30)
+            await asyncio.wait_for(self.handle.close_engine.remote(), 30)
 
 
 def retrieve(fut: Any) -> None:
@@ -356,4 +356,4 @@ class RemoteGate:
 
     def close(self) -> None:
         self.closed = True
-        self.handle.close.remote()
+        self.handle.close_gate.remote()

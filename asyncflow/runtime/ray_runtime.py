@@ -19,6 +19,10 @@ never through the driver. The trainer's weights go into the object store once pe
 return value of `export_weights`; the driver only passes the reference on, and each rollout actor
 fetches it (on GPUs the same interface leaves room for an NCCL broadcast).
 
+With `runtime.colocate`, rollout actor 0 is also the store controller, the feeder and the reward
+workers (`ray_hub.HubWorker`, named as the store): its engine's per-sample traffic stays in its
+process; it is never restarted (it holds the store).
+
 When an actor dies. Every actor of a run has a Ray name `asyncflow-<8 hex>-<role>` (`RayWorkers.prefix`;
 roles `rollout-i`, `reward-j`, `trainer`, `feeder`, `store`). Rollout and reward actors are created
 with `max_restarts=runtime.max_restarts` and the driver supervises their `run` calls: when one fails
@@ -52,6 +56,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from asyncflow.config import Config, episodic
+from asyncflow.config_schema import colocated
 from asyncflow.engines.factory import loads_initial_weights
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
 from asyncflow.runtime.base import RuntimeSetup
@@ -76,6 +81,7 @@ from asyncflow.runtime.ray_errors import (
     who_died,
     why_died,
 )
+from asyncflow.runtime.ray_hub import hub_client, start_hub
 from asyncflow.runtime.ray_placement import Placement, driver_node, reserve, train_ranks
 from asyncflow.runtime.ray_remote import RemoteEngine, RemoteGate, RemoteTrainEngine, retrieve
 from asyncflow.runtime.ray_weights import WeightChannel
@@ -118,13 +124,16 @@ class RayWorkers:
     pids: dict[str, int] = field(default_factory=dict)  # by stage: the actor's current process
     released: dict[str, int] = field(default_factory=dict)  # by stage: its actor's leases given back so far
     servers: Any = None  # the servers the run started (`ray_servers.Servers`; rollout.launch_servers)
+    hub: Any = None  # runtime.colocate: rollout actor 0, also the store, the feeder and the reward workers
+    hub_rewards: int = 0  # the reward loops the hub runs
 
     def __post_init__(self) -> None:
         # outside the stages' supervision (the step-0 and final evaluations), a request that meets
         # its dead rollout actor brings it back itself: such a death ended the run with max_restarts
-        # left (in the final evaluation: a fully trained run without final/)
+        # left (in the final evaluation: a fully trained run without final/). The hub is never restarted.
         for i, engine in enumerate(self.engines):
-            engine.restart = functools.partial(self._restart, f"rollout/{i}", self.rollout_actors[i], engine)
+            if self.rollout_actors[i] is not self.hub:
+                engine.restart = functools.partial(self._restart, f"rollout/{i}", self.rollout_actors[i], engine)
 
     @classmethod
     def start(cls, cfg: Config, model_dir: Path, rows: list[dict[str, Any]], out: Path, reward_fn_path: str | list[str],
@@ -135,10 +144,12 @@ class RayWorkers:
 
         rt = cfg.runtime
         n_reward = 0 if episodic(cfg) else rt.reward_workers  # episodes carry their reward
-        need = rt.rollout_cpus * cfg.rollout.workers + rt.train_cpus * train_ranks(cfg) + rt.reward_cpus * n_reward
+        colocate = colocated(cfg)
+        reward_actors = 0 if colocate else n_reward  # (colocated: loops of the hub)
+        need = rt.rollout_cpus * cfg.rollout.workers + rt.train_cpus * train_ranks(cfg) + rt.reward_cpus * reward_actors
         t0 = time.monotonic()
         ensure_ray(rt.address, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
-        place = reserve(cfg, n_reward, prefix=f"asyncflow-{secrets.token_hex(4)}")
+        place = reserve(cfg, reward_actors, prefix=f"asyncflow-{secrets.token_hex(4)}")
         prefix = place.prefix
         servers = None
         if cfg.rollout.launch_servers is not None:  # the rollout actors are built with their servers' URLs
@@ -147,9 +158,10 @@ class RayWorkers:
             servers = start_servers(cfg, place, str(model_dir), out, log)
             cfg = replace(cfg, rollout=replace(cfg.rollout, server_urls=servers.urls))
         try:
-            store = _start_store(cfg, place)
-            actors = _start_actors(cfg, place, store, n_reward, str(model_dir), rows, str(out), reward_fn_path,
-                                   threads, version)
+            setup = (str(model_dir), rows, str(out), reward_fn_path, threads, version)
+            hub = start_hub(_absolute_sync_dir(cfg), place, n_reward, *setup) if colocate else None
+            store = _start_store(cfg, place) if hub is None else hub_client(hub)
+            actors = _start_actors(cfg, place, store, reward_actors, *setup, hub=hub)
             timeout = cfg.workflow.step_timeout_s
             trainer = RemoteTrainEngine(actors.trainer, timeout, name=f"{prefix}-trainer")
             _remember(actors, store, trainer, prefix)
@@ -164,12 +176,14 @@ class RayWorkers:
         if rt.weight_sync == "collective":
             trainer.channel = WeightChannel(trainer, engines, weight_backend(cfg), timeout, log)
         ranks = f" ({cfg.train.world_size} FSDP ranks)" if cfg.train.engine == "fsdp" else ""
+        hosted = " (rollout/0 is also the store, the feeder and the reward workers)" if hub is not None else ""
         log(f"[asyncflow] ray: feeder, {w} rollout, 1 trainer{ranks}, {n_reward} reward actor(s) ready in "
-            f"{time.monotonic() - t0:.1f} s (names {prefix}-*)")
+            f"{time.monotonic() - t0:.1f} s (names {prefix}-*){hosted}")
         workers = cls(store, engines, trainer, actors.rollout, actors.reward, actors.trainer, actors.feeder,
                    RemoteGate(actors.feeder, cfg.staleness), place.group, prefix=prefix,
                    max_restarts=rt.max_restarts, log=log, restarts={s: 0 for s in stages},
-                   pids=dict(zip(stages, map(int, pids), strict=True)), servers=servers)
+                   pids=dict(zip(stages, map(int, pids), strict=True)), servers=servers,
+                   hub=hub, hub_rewards=n_reward if hub is not None else 0)
         log("[asyncflow] ray: nodes: " + ", ".join(f"{a['role']}/{a['index']}@{str(a['node_id'])[:8]}"
                                                    for a in workers.actors()))
         return workers
@@ -198,10 +212,17 @@ class RayWorkers:
     def stages(self) -> dict[str, Any]:
         """Start the remote stage loops; awaitables by stage name for `Pipeline.run(remote=...)`.
         Rollout and reward stages restart their actor when it dies (`_supervise`)."""
-        self.runs = {"feeder": self.feeder_actor.run.remote()}
+        self.runs = {"feeder": self.feeder_actor.feed.remote()}
         stages: dict[str, Any] = {"feeder": _stage("feeder", self.runs["feeder"])}
-        stages.update({f"rollout/{i}": self._supervise("rollout", i) for i in range(len(self.rollout_actors))})
+        first = 0 if self.hub is None else 1
+        stages.update({f"rollout/{i}": self._supervise("rollout", i) for i in range(first, len(self.rollout_actors))})
         stages.update({f"reward/{j}": self._supervise("reward", j) for j in range(len(self.reward_actors))})
+        if self.hub is not None:  # its loops end the run when it dies: it holds the store
+            self.runs["rollout/0"] = self.hub.run.remote()
+            stages["rollout/0"] = _stage("rollout/0", self.runs["rollout/0"])
+            for j in range(self.hub_rewards):
+                self.runs[f"reward/{j}"] = self.hub.run_reward.remote(j)
+                stages[f"reward/{j}"] = _stage(f"reward/{j}", self.runs[f"reward/{j}"])
         return stages
 
     @property
@@ -322,7 +343,8 @@ class RayWorkers:
                 why = "no answer within 60 s" if isinstance(exc, ray.exceptions.GetTimeoutError) else type(exc).__name__
                 self.log(f"[asyncflow] ray: the trace spans of {stage} are missing ({why})")
         try:
-            rstats = ray.get([a.stats.remote() for a in self.reward_actors], timeout=60)
+            calls = [a.stats.remote() for a in self.reward_actors]
+            rstats = ray.get(calls if self.hub is None else [self.hub.reward_stats.remote()], timeout=60)
             counters.reward_calls = int(sum(s["reward_calls"] for s in rstats))
             counters.reward_call_failures = int(sum(s["reward_call_failures"] for s in rstats))
         except ray.exceptions.RayError as exc:
@@ -369,7 +391,8 @@ class RayWorkers:
 
         for a in [*self.rollout_actors, *self.reward_actors, self.trainer_actor, self.feeder_actor, self.store.handle]:
             forget(a)
-        for a in [*self.rollout_actors, *self.reward_actors, self.trainer_actor, self.feeder_actor]:
+        for a in _distinct([*self.rollout_actors, *self.reward_actors, self.trainer_actor, self.feeder_actor],
+                           but=self.store.handle):
             ray.kill(a)
         if self.servers is not None:  # (their process groups killed first: a bare ray.kill could orphan them)
             self.servers.stop()
@@ -409,9 +432,27 @@ def _start_store(cfg: Config, place: Placement) -> Any:
         raise WaitTimeout("timed out after 120 s waiting for the store controller actor to start") from None
 
 
+def _absolute_sync_dir(cfg: Config) -> Config:
+    """`rollout.sync_dir` made absolute: the actors write it, relative to the driver, not to them."""
+    if cfg.rollout.sync_dir is None:
+        return cfg
+    return replace(cfg, rollout=replace(cfg.rollout, sync_dir=str(Path(cfg.rollout.sync_dir).resolve())))
+
+
+def _distinct(actors: list[Any], but: Any = None) -> list[Any]:
+    """Each actor once (the hub is rollout 0 and the feeder), without `but`."""
+    out: list[Any] = []
+    for a in actors:
+        if a is not but and all(a is not b for b in out):
+            out.append(a)
+    return out
+
+
 def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, model_dir: str,
-                  rows: list[dict[str, Any]], out: str, reward_fn_path: str | list[str], threads: int, version: int) -> _Actors:
-    """Create the feeder, rollout, trainer and reward actors (in that order; without waiting for them)."""
+                  rows: list[dict[str, Any]], out: str, reward_fn_path: str | list[str], threads: int, version: int,
+                  hub: Any = None) -> _Actors:
+    """Create the feeder, rollout, trainer and reward actors (in that order; without waiting for them).
+    With a `hub` (`runtime.colocate`) it is the feeder and rollout actor 0, and `n_reward` is 0."""
     import ray
 
     prefix, opts = place.prefix, place.options
@@ -421,27 +462,27 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
     trainer_cls: Any = ray.remote(TrainerWorker)
     feeder_cls: Any = ray.remote(FeederWorker)
     cwd = os.getcwd()  # importable in every actor, for plugins named module:function
-    if cfg.rollout.sync_dir is not None:  # (the actors write it: relative to the driver, not to them)
-        cfg = replace(cfg, rollout=replace(cfg.rollout, sync_dir=str(Path(cfg.rollout.sync_dir).resolve())))
-    feeder_actor = feeder_cls.options(num_cpus=0, max_concurrency=1000, name=f"{prefix}-feeder",
-                                      scheduling_strategy=driver_node()).remote(
+    cfg = _absolute_sync_dir(cfg)
+    feeder_actor = hub if hub is not None else feeder_cls.options(
+        num_cpus=0, max_concurrency=1000, name=f"{prefix}-feeder", scheduling_strategy=driver_node()).remote(
         cfg, model_dir, ray.put(rows), out, store, cwd=cwd)
     # rollout and reward actors (restartable) get the store and the feeder (which holds the prompt
     # rows) by name, not as handles or object references
     client = {"inline_max_bytes": store.inline_max_bytes, "rpc_grace_s": store.rpc_grace_s,
               "data_plane": store.data_plane, "put_window": store.put_window}
     store_by_name = Named(f"{prefix}-store", client)
-    feeder_by_name = Named(f"{prefix}-feeder")
+    feeder_by_name = Named(f"{prefix}-store" if hub is not None else f"{prefix}-feeder")
     rollout_opts = [opts(i, f"rollout-{i}") for i in range(w)]
     if cfg.rollout.launch_servers is not None:  # the bundle's resources are its server's
         from asyncflow.runtime.ray_servers import rollout_options
 
         rollout_opts = [rollout_options(o) for o in rollout_opts]
-    rollout_actors = [
+    rollout_actors = [hub] if hub is not None else []
+    rollout_actors += [
         rollout_cls.options(**rollout_opts[i]).remote(i, cfg, model_dir, feeder_by_name, out,
                                                                store_by_name, threads, version, session=prefix,
                                                                cwd=cwd)
-        for i in range(w)
+        for i in range(len(rollout_actors), w)
     ]
     if cfg.train.engine == "fsdp":  # a coordinator on the driver's node; the ranks hold the bundles
         from asyncflow.runtime.ray_fsdp import FSDPTrainerWorker
@@ -463,8 +504,9 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
 def _remember(actors: _Actors, store: Any, trainer: RemoteTrainEngine, prefix: str) -> None:
     """Register every actor of the run by its Ray actor id, for the messages about its death."""
     stages = actors.stages
+    hub = "rollout/0, store controller and feeder" if actors.feeder is store.handle else "store controller"
     for label, actor in [*zip(stages, [*actors.rollout, *actors.reward], strict=True), ("trainer", actors.trainer),
-                         ("feeder", actors.feeder), ("store controller", store.handle)]:
+                         ("feeder", actors.feeder), (hub, store.handle)]:
         name = f"{prefix}-{'store' if actor is store.handle else label.replace('/', '-')}"
         remember(actor, label, name, trainer if actor is actors.trainer else None)
 
@@ -483,7 +525,7 @@ def _wait_ready(actors: _Actors, store: Any, place: Placement) -> tuple[list[Any
     except BaseException:
         for a in [*actors.rollout, actors.trainer, actors.feeder, *actors.reward, store.handle]:
             forget(a)
-        for a in [*actors.rollout, actors.trainer, actors.feeder, *actors.reward]:
+        for a in _distinct([*actors.rollout, actors.trainer, actors.feeder, *actors.reward], but=store.handle):
             ray.kill(a)
         store.kill()
         place.remove()

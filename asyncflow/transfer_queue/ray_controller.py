@@ -18,11 +18,17 @@ from asyncflow.transfer_queue.put_buffer import Part
 from asyncflow.transfer_queue.ray_data import LOST, SLOTS, PartRef, RowsSlot, Slot, compact_views
 from asyncflow.transfer_queue.store import TransferQueue
 
+# the controller process's young-generation GC threshold: it allocates ~15 tracked objects per sample
+# put and keeps them until the sample is removed, so at Python's 700 collections ran every ~50 samples
+# and took ~60% of a put's CPU (STORE-1, profiled)
+GC_THRESHOLD = 50_000
+OWNER_CHECK_S = 2.0  # how often the controller checks that the owners of live leases are alive
+
 
 class StoreController:
     """The Ray actor behind `RayTransferQueue`: a `TransferQueue` of metadata and slots."""
 
-    def __init__(self, capacity: int, lease_timeout_s: float, owner_check_s: float = 2.0,
+    def __init__(self, capacity: int, lease_timeout_s: float, owner_check_s: float = OWNER_CHECK_S,
                  gc_threshold: int = 0) -> None:
         if gc_threshold:  # (its own process: see `RayTransferQueue.create`)
             gc.set_threshold(gc_threshold, *gc.get_threshold()[1:])

@@ -47,7 +47,7 @@ from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleVi
 from asyncflow.transfer_queue.columns import ColumnLease, bare_views, blocks_from_slots
 from asyncflow.transfer_queue.payload import rows_of
 from asyncflow.transfer_queue.put_buffer import Part, PutBuffer
-from asyncflow.transfer_queue.ray_controller import StoreController
+from asyncflow.transfer_queue.ray_controller import GC_THRESHOLD, StoreController
 from asyncflow.transfer_queue.ray_data import (
     LostBlob,
     PartRef,
@@ -104,12 +104,11 @@ class RayTransferQueue:
     @classmethod
     def create(cls, capacity: int = 4096, lease_timeout_s: float = 600.0, *, owner_check_s: float = 2.0,
                num_cpus: float = 0.0, name: str | None = None, scheduling_strategy: Any = None,
-               gc_threshold: int = 50_000, **kwargs: Any) -> RayTransferQueue:
+               gc_threshold: int = GC_THRESHOLD, **kwargs: Any) -> RayTransferQueue:
         """Start a controller actor (max_concurrency high: every waiting take is a pending call).
 
-        `gc_threshold`: the controller process's young-generation GC threshold (0: Python's 700). It
-        allocates ~15 tracked objects per sample put and keeps them until the sample is removed, so
-        at 700 collections ran every ~50 samples and took ~60% of a put's CPU (STORE-1, profiled)."""
+        `gc_threshold`: the controller process's young-generation GC threshold (0: Python's 700;
+        `ray_controller.GC_THRESHOLD` says why it is higher)."""
         import ray
 
         opts: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 10_000}
