@@ -143,7 +143,7 @@ def test_updates_ride_with_the_client_s_next_take(ray_session) -> None:
             got = await store.take("reward", 4, min_samples=4, timeout=30)
             store.ack(got, remove=True)  # (carried by the metrics read below, which sees it applied)
             left = (await store.metrics_async())["samples"]
-            return sorted(s.fields["response"] for s in got.samples), len(store._ops), left
+            return sorted(s.fields["response"] for s in got.samples), store._updates.unanswered, left
 
         responses, sent_alone, left = asyncio.run(main())
         assert responses == [0, 10, 20, 30]

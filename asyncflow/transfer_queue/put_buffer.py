@@ -4,7 +4,7 @@ A `ray.put` and an actor call each cost a fixed ~0.5-1 ms of CPU on a small mach
 size (STORE-1: 64 puts of 720 KB spent more time in those two calls than in moving the bytes), so
 puts issued within `coalesce_s` of each other go out together, up to `max_bytes`: the columns of
 all of them as one object (a tuple, one entry per put, each kept as it was put) and their metadata
-in one call. A put that comes alone is sent `coalesce_s` after it was made (a timer thread), so
+in one call. A put that comes alone is sent `coalesce_s` after it was made (a `CoalesceTimer`), so
 nothing waits for a later put to become visible; a client's reads and `flush` send what is
 buffered first.
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from asyncflow.transfer_queue.coalesce import CoalesceTimer
 
 Part = tuple[list[int], int, list[int], list[str], list[int]]  # group ids, group size, uids, names, bytes per row
 
@@ -32,7 +34,7 @@ class PutBuffer:
         self._bytes = 0
         self._timeout: float | None = None
         self._unbounded = False
-        self._timer: threading.Timer | None = None
+        self._timer = CoalesceTimer(self._on_timer)
         self._error: BaseException | None = None
 
     def add(self, part: Part, columns: dict[str, Any], nbytes: int, timeout: float | None) -> None:
@@ -49,10 +51,8 @@ class PutBuffer:
                 self._timeout = max(timeout, self._timeout or 0.0)
             if self._bytes >= self.max_bytes:
                 self._send_locked()
-            elif self._timer is None:
-                self._timer = threading.Timer(self.coalesce_s, self._on_timer)
-                self._timer.daemon = True
-                self._timer.start()
+            else:
+                self._timer.arm(self.coalesce_s)
 
     def send(self) -> None:
         """Ship what is buffered now (before a read of the client, or its flush)."""
@@ -62,16 +62,13 @@ class PutBuffer:
 
     def _on_timer(self) -> None:
         with self._lock:
-            self._timer = None
             try:
                 self._send_locked()
             except BaseException as exc:  # (no caller here: the client's next put or flush raises it)
                 self._error = exc
 
     def _send_locked(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
         if not self._parts:
             return
         parts, columns, timeout = self._parts, self._columns, None if self._unbounded else self._timeout

@@ -18,7 +18,7 @@ live sample that points into it is deleted.
 The client has the in-process `TransferQueue`'s API, so the workflow code is the same on both
 placements. Mutations that need no answer (`write`, `complete`, `ack`, `release`, `remove`) are
 sent without waiting; a failure inside them is counted in `metrics()["op_errors"]`. Queued updates
-ride on the client's next take or metrics read when one comes first (`_carried`). Takes and puts
+ride on the client's next take or metrics read when one comes first (`op_queue`). Takes and puts
 wait in the controller with the caller's timeout, and the client waits at most `rpc_grace_s` longer
 before deciding the controller is gone.
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -45,6 +44,7 @@ import numpy as np
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView
 from asyncflow.transfer_queue.columns import ColumnLease, bare_views, blocks_from_slots
+from asyncflow.transfer_queue.op_queue import Op, OpQueue
 from asyncflow.transfer_queue.payload import rows_of
 from asyncflow.transfer_queue.put_buffer import Part, PutBuffer
 from asyncflow.transfer_queue.ray_controller import GC_THRESHOLD, StoreController
@@ -78,18 +78,8 @@ class RayTransferQueue:
         self.data_plane = data_plane
         self.put_window = put_window
         self._pending: collections.deque[tuple[Any, float | None]] = collections.deque()
-        self._ops: list[Any] = []  # unanswered fire-and-forget calls (write, complete, ack, ...)
-        self._buf: list[tuple[str, tuple[Any, ...]]] = []  # updates not sent yet (coalesced)
-        self._flush_at: Any = None
-        self._timer: threading.Timer | None = None  # sends a plain thread's buffered acks (`_op`)
-        self._lock = threading.Lock()  # `_buf` and `_ops`: the timer's thread sends too
-        self._unsettled = False  # a sent update other than ack is unanswered: takes must wait for it
-        self._buf_unsettled = False  # the same for the updates not sent yet
-        self.coalesce_s = 0.002
-        # with no take of this client waiting in the controller, updates on an event loop wait this
-        # long for the next take to carry them (`_carried`): a rollout actor's refill comes every few responses
-        self.ride_along_s = 0.02
-        self._taking = 0  # takes of this client on its event loop waiting for the controller's answer
+        # write, complete, ack, ...: sent without waiting, coalesced, carried by takes (`op_queue`)
+        self._updates = OpQueue(lambda ops: self.handle.apply.remote(ops))
         self._uid_next = 0
         self._uid_end = 0
         self.inline_max_bytes = inline_max_bytes
@@ -199,7 +189,7 @@ class RayTransferQueue:
     def _lost(self, blobs: list[int]) -> LostBlob:
         """Blobs that died with the process that put them (a rollout actor Ray restarted, before its
         supervisor told the controller): read as `LOST` values, and the controller told too."""
-        self._op("lose_blobs", (blobs,))
+        self._updates.add("lose_blobs", (blobs,))
         return LostBlob()
 
     @staticmethod
@@ -298,9 +288,7 @@ class RayTransferQueue:
         while self._pending:
             ref, t = self._pending.popleft()
             self._get(ref, t, "put")
-        self._send_ops()
-        with self._lock:
-            ops, self._ops, self._unsettled = self._ops, [], False
+        ops = self._updates.drain()
         if ops:
             self._get(ops, 0.0, "earlier updates")
 
@@ -309,86 +297,26 @@ class RayTransferQueue:
         while self._pending:
             ref, t = self._pending.popleft()
             await self._aget(ref, t, "put")
-        self._send_ops()
-        with self._lock:
-            ops, self._ops, self._unsettled = self._ops, [], False
+        ops = self._updates.drain()
         if ops:
             await self._aget(asyncio.gather(*ops), 0.0, "earlier updates")
 
     def _before_take(self) -> bool:
-        """Send queued updates; True if the take must first wait for them. Acks need no wait (acked
-        samples are this client's lease, never offered again), releases and writes do."""
+        """Send queued updates; True if the take must first wait for them (`OpQueue.unsettled`) or
+        for this client's puts."""
         self._puts.send()
-        self._send_ops()
-        return self._unsettled or bool(self._pending)
+        self._updates.send()
+        return self._updates.unsettled or bool(self._pending)
 
-    def _op(self, name: str, args: tuple[Any, ...]) -> None:
-        """Queue an update: it goes in one call with those near it (a Ray call costs ~1 ms of CPU) or
-        with the next take (`_carried`). Waits: on a loop `coalesce_s` while a take of this client
-        waits, else `ride_along_s`; from threads, acks and renews `coalesce_s`, others none."""
-        with self._lock:
-            self._buf.append((name, args))
-            self._buf_unsettled |= name != "ack" and name != "renew"  # (neither changes what a take can see)
-            many = len(self._buf) >= 256
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if many or (loop is None and self._buf_unsettled):
-            self._send_ops()
-        elif loop is not None:
-            if self._flush_at is None:
-                self._flush_at = loop.call_later(self.coalesce_s if self._taking else self.ride_along_s, self._send_ops)
-        elif self._timer is None:
-            self._timer = threading.Timer(self.coalesce_s, self._send_ops)
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _send_ops(self) -> None:
-        with self._lock:
-            ops, unsettled = self._take_buf()
-            if ops:
-                self._unsettled |= unsettled
-                self._send(self.handle.apply.remote(ops))
-
-    def _take_buf(self) -> tuple[list[tuple[str, tuple[Any, ...]]], bool]:
-        """The buffered updates, taken, and whether any is not an ack or renew (lock held)."""
-        if self._flush_at is not None:
-            self._flush_at.cancel()
-            self._flush_at = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        out = (self._buf, self._buf_unsettled)
-        self._buf, self._buf_unsettled = [], False
-        return out
-
-    def _carried(self) -> tuple[list[tuple[str, tuple[Any, ...]]], list[tuple[str, tuple[Any, ...]]]]:
-        """(first, after): the buffered updates for the next controller call to carry. All acks and
-        renews go `after` (applied once a take is answered: acked samples are never offered again);
-        else all go `first`, in order. None ride while earlier calls are unanswered (`_before_take`)."""
-        with self._lock:
-            if self._unsettled or self._pending:
-                return [], []
-            ops, unsettled = self._take_buf()
-            return (ops, []) if unsettled else ([], ops)
-
-    def _send(self, ref: Any) -> None:
-        """Track a call sent without waiting (with the lock held); the controller may run calls out of
-        order (it is an async actor), so later reads of this client wait for these first."""
-        self._ops.append(ref)
-        if len(self._ops) >= 256:
-            import ray
-
-            _, self._ops = ray.wait(self._ops, num_returns=len(self._ops), timeout=0)
+    def _carried(self) -> tuple[list[Op], list[Op]]:
+        """(first, after): the queued updates for the next take or metrics read (`OpQueue.carried`);
+        none ride while this client's puts are unanswered."""
+        return self._updates.carried(bool(self._pending))
 
     async def _waiting(self, ref: Any, timeout: float | None, what: str) -> Any:
         """A take's answer; meanwhile queued updates go out after `coalesce_s`, not `ride_along_s`."""
-        self._taking += 1
-        try:
+        with self._updates.taking():
             return await self._aget(ref, timeout, what)
-        finally:
-            self._taking -= 1
 
     def _take_call(self, stage: str, max_samples: int, min_samples: int, timeout: float | None,
                    lease_s: float | None, min_version: int | None, fields_extra: Sequence[str],
@@ -486,33 +414,33 @@ class RayTransferQueue:
     def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None:
         """Sent without waiting; a write to a deleted sample is dropped (as `complete` does)."""
         payload, names, nbytes, ref = pack_rows([fields], self.inline_max_bytes)
-        self._op("write", (uid, None if payload is None else payload[0], names, nbytes, ref, version))
+        self._updates.add("write", (uid, None if payload is None else payload[0], names, nbytes, ref, version))
 
     def complete(self, lease: Lease, writes: dict[int, dict[str, Any]], *, versions: dict[int, int] | None = None,
                  remove: bool = False) -> bool:
         """Sent without waiting (returns True); see `TransferQueue.complete`."""
         uids = list(writes)
         payload, names, nbytes, ref = pack_rows([writes[u] for u in uids], self.inline_max_bytes)
-        self._op("complete", (lease.id, lease.stage, uids, payload, names, nbytes, ref, versions, remove))
+        self._updates.add("complete", (lease.id, lease.stage, uids, payload, names, nbytes, ref, versions, remove))
         return True
 
     def ack(self, lease: Lease, *, remove: bool = False) -> bool:
         """Sent without waiting (returns True). An ack of an ended lease acks nothing, as in process;
         with `remove` its samples are removed anyway (in process the caller sees False and does it)."""
         uids = [s.uid for s in (*lease.samples, *lease.expired)] if remove else None
-        self._op("ack", (lease.id, lease.stage, remove, uids))
+        self._updates.add("ack", (lease.id, lease.stage, remove, uids))
         return True
 
     def release(self, lease: Lease) -> bool:
-        self._op("release", (lease.id, lease.stage))
+        self._updates.add("release", (lease.id, lease.stage))
         return True
 
     def remove(self, uids: Iterable[int]) -> None:
-        self._op("remove", (list(uids),))
+        self._updates.add("remove", (list(uids),))
 
     def renew(self, leases: Iterable[Lease], lease_s: float | None = None) -> None:
         """Sent without waiting; see `TransferQueue.renew`."""
-        self._op("renew", ([lease.id for lease in leases], lease_s))
+        self._updates.add("renew", ([lease.id for lease in leases], lease_s))
 
     def release_owner(self, owner: str) -> int:
         """Release every lease held by `owner` (an actor id) now, e.g. when a supervisor saw it die."""
