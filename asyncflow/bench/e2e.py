@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.config import load_config
+from asyncflow.config_schema import colocated
 
 # Rollout-dominated settings: 8 continuous-batching slots per engine (as on a memory-bound GPU)
 # make generation ~60% of a sync step on this machine (measured: rollout_busy_frac 0.62 vs
@@ -68,6 +69,8 @@ def run_e2e(overrides: list[str]) -> list[dict[str, Any]]:
                 {
                     "mode": mode,
                     "runtime": cfg.runtime.kind,
+                    # (ray: rollout actor 0 also the store, feeder and reward workers; null in process)
+                    "colocate": colocated(cfg) if cfg.runtime.kind == "ray" else None,
                     "rollout_workers": cfg.rollout.workers,
                     "train_workers": cfg.train.world_size if cfg.train.engine == "fsdp" else 1,
                     "samples": summary["samples"],
