@@ -419,9 +419,10 @@ class RuntimeConfig:
 
     kind: Literal["local", "ray"] = _f(
         "local",
-        "local: one process, asyncio + threads (fastest on one small machine). ray: every rollout worker, "
-        "reward worker and the trainer is a Ray actor in its own process, placed with a placement group; "
-        "the store is a controller actor with data in Ray's object store.",
+        "local: one process, asyncio + threads. ray: every rollout worker, reward worker and the trainer is "
+        "a Ray actor in its own process, placed with a placement group; the store is a controller actor with "
+        "data in Ray's object store (runtime.colocate: rollout actor 0 is also the store, the feeder and the "
+        "reward workers).",
     )
     address: str | None = _f(None, "Ray cluster address to join (runtime.kind: ray); null starts a local Ray (loopback, no dashboard).")
     rollout_cpus: float = _f(1.0, "CPUs reserved per rollout worker actor (ray).", lo=0.0)
