@@ -31,41 +31,42 @@ def test_the_timer_fires_once_per_arming_however_often_it_is_armed() -> None:
     fires = _Fires()
     timer = CoalesceTimer(fires)
     timer.arm(60.0)
-    timer.arm(0.0)  # armed already: no second timer, and the first keeps its delay
-    assert timer.armed and timer._armings == 1 and fires.count == 0
-    timer.cancel()  # (the 60 s timer: so the test does not wait for it)
+    timer.arm(0.0)  # armed already: the first arming keeps its delay
+    assert timer.armed and fires.count == 0
+    timer.cancel()  # (the 60 s arming: so the test does not wait for it)
     timer.arm(0.001)
     assert fires.wait_for(1) and not timer.armed  # it disarmed itself before it fired
-    timer.arm(0.001)  # fired: the next item arms a new one
+    timer.arm(0.001)  # fired: the next item arms it again
     assert fires.wait_for(2) and fires.count == 2
 
 
 def test_a_send_now_cancels_the_timer() -> None:
-    """The owner's own send cancels: a cancelled timer never fires, and the next item arms again."""
+    """The owner's own send cancels: a cancelled arming never fires, and the next item arms again."""
     fires = _Fires()
     timer = CoalesceTimer(fires)
-    timer.arm(60.0)
+    timer.arm(0.05)
     timer.cancel()
     assert not timer.armed
     timer.cancel()  # (nothing armed: nothing to do)
-    timer.arm(0.001)
+    timer.arm(0.2)
     assert fires.wait_for(1)
-    assert fires.count == 1  # only the second arming fired
+    assert fires.count == 1  # only the second arming fired, once
 
 
-def test_a_timer_cancelled_while_it_wakes_up_fires_nothing() -> None:
-    """The owner's send and the timer's wake-up can race: the owner holds its lock while it sends
-    and cancels, the timer waits for that lock in `fire`; a stale wake-up must not send again."""
+def test_one_thread_serves_a_burst_of_armings_and_ends_when_idle() -> None:
+    """An arming does not start a thread while the last one still runs; an idle timer's thread ends
+    (`IDLE_EXIT_S`) and the next arming starts another."""
     fires = _Fires()
     timer = CoalesceTimer(fires)
-    timer.arm(60.0)
-    stale = timer._armings
-    timer.cancel()
-    timer._run(stale)  # (what a timer thread that was already waking up runs)
-    timer.arm(60.0)
-    timer._run(stale)  # an older arming's wake-up does not fire the new arming either
-    assert fires.count == 0 and timer.armed
-    timer.cancel()
+    timer.arm(0.001)
+    assert fires.wait_for(1)
+    first = timer._thread
+    timer.arm(0.001)
+    assert fires.wait_for(2) and timer._thread is first is not None
+    first.join(timeout=10.0)
+    assert not first.is_alive() and timer._thread is None
+    timer.arm(0.001)
+    assert fires.wait_for(3) and timer._thread is not first
 
 
 class _Calls:
