@@ -99,7 +99,8 @@ class BenchTrainer(TrainerWorker):
         """Export and write `version` as a server engine's weight folder (once per version)."""
         from asyncflow.engines.server_sync import WeightFolderWriter
 
-        writer = WeightFolderWriter(Path(root), Path(model_dir), in_place=False, session=session)
+        # (reuse_files: the engines read as `asyncflow serve` does, under `map_file`'s lock)
+        writer = WeightFolderWriter(Path(root), Path(model_dir), in_place=False, session=session, reuse_files=True)
         return str(asyncio.run(writer.folder_for(self.engine.export_weights(), version)))
 
 
