@@ -80,6 +80,7 @@ class BenchTrainer(TrainerWorker):
         model = build_model(shape, torch.float32, initialise=True)
         self.torch_engine = TorchTrainEngine(model, lr=1e-5, dtype=getattr(torch, dtype))
         self.engine = self.torch_engine
+        self.engine.reuse_export_memory()  # (as `TrainerWorker.__init__`: the runtime's trainer does)
         self.port = WeightPort(bucket_bytes, timeout_s)
 
     def params(self) -> tuple[int, int]:
