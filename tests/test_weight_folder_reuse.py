@@ -180,3 +180,22 @@ def test_only_servers_that_lock_their_reads_get_reused_files_and_never_in_place(
     writer = _writer(shm_dir)
     folders = [_publish(writer, v) for v in range(1, 4)]
     assert writer.reused == 0 and _inode(folders[2]) != _inode(folders[1])
+
+
+def test_a_linked_weights_file_is_never_written_over(shm_dir: Path) -> None:
+    writer = _writer(shm_dir, reuse_files=True)
+    first = _publish(writer, 1)
+    _publish(writer, 2)
+    keep = shm_dir / "kept.safetensors"
+    os.link(first / "model.safetensors", keep)  # (e.g. someone keeping version 1's weights)
+    _publish(writer, 3)
+    assert writer.reused == 0 and map_file(keep)["w"][0] == 1
+    (shm_dir / "elsewhere.safetensors").write_bytes(b"not yours")
+    fourth = shm_dir / "sync" / "v000004"  # a folder of another session whose weights file is a link
+    fourth.mkdir()
+    (fourth / "model.safetensors").symlink_to(shm_dir / "elsewhere.safetensors")
+    held = read_weights(shm_dir / "sync" / "v000002", Tiny())  # (version 2's file is busy: the link is next)
+    _publish(writer, 4)
+    assert writer.reused == 0 and held["w"][0] == 2
+    assert (shm_dir / "elsewhere.safetensors").read_bytes() == b"not yours"
+    assert read_weights(fourth, Tiny())["w"][0] == 4 and not (fourth / "model.safetensors").is_symlink()

@@ -31,6 +31,7 @@ import fcntl
 import os
 import secrets
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -295,11 +296,12 @@ class WeightFolderWriter:
         olds = sorted(int(d.name[1:]) for d in self.root.glob("v*") if d.is_dir() and d.name[1:].isdigit())
         for old in [v for v in olds if v < version - 1 or v == version]:
             folder = self.root / f"v{old:06d}"
-            try:
-                f = open(folder / "model.safetensors", "r+b")  # noqa: SIM115 (returned, held open)
+            try:  # (never through a link: only a file of its own is overwritten)
+                f = os.fdopen(os.open(folder / "model.safetensors", os.O_RDWR | os.O_NOFOLLOW), "r+b")
             except OSError:
                 continue
-            if not try_lock_exclusive(f):
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or not try_lock_exclusive(f):
                 f.close()
                 continue
             try:
