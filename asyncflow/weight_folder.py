@@ -1,6 +1,9 @@
 """Reading a folder of safetensors weights into a model's full state dict: what `asyncflow serve`'s
 admin route `/admin/load_weights` loads. A bad folder is the caller's input: a `RequestError` (400);
-one outside the server's weights root (after resolving `..` and symbolic links) is a 403.
+one outside the server's weights root (after resolving `..` and symbolic links) is a 403; one a
+weight-folder writer took over for a newer version before it was read, a 404. The weights are read
+as views of memory maps that hold a shared lock on their files until the engine drops them
+(`safetensors_io.map_file`), so no writer reuses a file while it is loaded.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def read_weights(folder: Path, model: Any, root: Path | None = None) -> dict[str
     loaded one may be absent, as `save_pretrained` writes it); any other mismatch is a 400. With a
     `root`, every file must resolve inside it (a link in the folder must not lead out)."""
     from asyncflow.engines import lora
-    from asyncflow.engines.safetensors_io import map_file
+    from asyncflow.engines.safetensors_io import FileReplaced, map_file
 
     if lora.is_adapter_folder(folder):
         return _read_adapter(folder, model, root)
@@ -51,6 +54,9 @@ def read_weights(folder: Path, model: Any, root: Path | None = None) -> dict[str
     for f in files:
         try:
             loaded.update(map_file(f))  # (views of the page cache: the engine's load is the one copy)
+        except FileReplaced as exc:  # (the writer reuses a version's files once no reader maps them)
+            raise RequestError(f"path: {folder} is gone: {exc}; load a newer version", status=404,
+                               kind="not_found_error", param="path") from None
         except Exception as exc:  # (safetensors' own error class, OSError): a bad file is the caller's input
             raise RequestError(f"path: {f} cannot be read as safetensors ({type(exc).__name__}: {exc})",
                                param="path") from None

@@ -47,3 +47,18 @@ def test_every_path_delivers_the_trainers_weights_to_every_engine(ray_session) -
 def test_bad_bench_weights_values_are_one_line_naming_the_key(setting: str, needle: str, one_line_error: Any) -> None:
     err = one_line_error(["bench", "weights", "--set", setting])
     assert f"bench weights {needle}" in err
+
+
+def test_the_bench_trainer_exports_into_its_last_exports_memory_as_the_runtime_trainer_does() -> None:
+    from asyncflow.bench.weights_actors import BenchTrainer
+
+    threads = torch.get_num_threads()
+    try:
+        trainer = BenchTrainer("tiny", "bfloat16", 2**20, 10.0, 1)
+    finally:
+        torch.set_num_threads(threads)
+    first = {k: v.data_ptr() for k, v in trainer.engine.export_weights().items()}
+    trainer.new_version(2)
+    second = trainer.engine.export_weights()
+    assert {k: v.data_ptr() for k, v in second.items()} == first
+    assert float(second["model.norm.weight"][0]) == float(2 % 7 + 1) / 8

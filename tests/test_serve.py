@@ -344,6 +344,38 @@ def test_openai_engine_generates_and_syncs_weights_through_asyncflow_serve(serve
     assert (tmp_path / "sync" / "v000003" / "config.json").is_file()
 
 
+def test_asyncflow_serve_loads_versions_written_over_old_ones_on_a_memory_file_system(server: Any,
+                                                                                        serve_dir: Path) -> None:
+    """The writer reuses the file of the version two back once the server's maps of it are gone, and
+    the server holds every version's weights exactly."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from asyncflow.engines.openai_engine import OpenAIEngine
+    from asyncflow.engines.server_sync import AsyncflowSync, WeightFolderWriter, on_memory_fs
+
+    if not on_memory_fs(Path("/dev/shm")):
+        pytest.skip("no memory file system at /dev/shm")
+    model = AutoModelForCausalLM.from_pretrained(str(serve_dir)).eval()
+    with tempfile.TemporaryDirectory(prefix="asyncflow-test-", dir="/dev/shm") as shm:
+        writer = WeightFolderWriter(Path(shm) / "sync", serve_dir, in_place=False, reuse_files=True)
+        engine = OpenAIEngine(server.url, sync=AsyncflowSync(), writer=writer, server_type="asyncflow",
+                              request_timeout_s=60, sync_timeout_s=60)
+
+        async def publish(versions: range) -> None:
+            await engine.connect(None)
+            for v in versions:
+                state = {k: t + 0.01 * v for k, t in model.state_dict().items()}
+                await engine.load_weights(state, v, "swap")
+                held = server.app.engine.model.state_dict()
+                assert all(torch.equal(held[k], t.to(held[k].dtype)) for k, t in state.items()), v
+
+        asyncio.run(publish(range(1, 5)))
+        assert writer.reused == 2 and sorted(p.name for p in (Path(shm) / "sync").glob("v*")) == ["v000003", "v000004"]
+    assert call(f"{server.url}/admin/version")[1]["version"] == 4
+
+
 @pytest.mark.slow
 def test_train_with_the_openai_engine_against_a_real_asyncflow_serve(
         arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

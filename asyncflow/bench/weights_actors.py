@@ -80,6 +80,7 @@ class BenchTrainer(TrainerWorker):
         model = build_model(shape, torch.float32, initialise=True)
         self.torch_engine = TorchTrainEngine(model, lr=1e-5, dtype=getattr(torch, dtype))
         self.engine = self.torch_engine
+        self.engine.reuse_export_memory()  # (as `TrainerWorker.__init__`: the runtime's trainer does)
         self.port = WeightPort(bucket_bytes, timeout_s)
 
     def params(self) -> tuple[int, int]:
@@ -99,7 +100,8 @@ class BenchTrainer(TrainerWorker):
         """Export and write `version` as a server engine's weight folder (once per version)."""
         from asyncflow.engines.server_sync import WeightFolderWriter
 
-        writer = WeightFolderWriter(Path(root), Path(model_dir), in_place=False, session=session)
+        # (reuse_files: the engines read as `asyncflow serve` does, under `map_file`'s lock)
+        writer = WeightFolderWriter(Path(root), Path(model_dir), in_place=False, session=session, reuse_files=True)
         return str(asyncio.run(writer.folder_for(self.engine.export_weights(), version)))
 
 

@@ -215,7 +215,7 @@ def make_openai_engine(rollout: Any, index: int, model_dir: Path, run_dir: Path,
     sync = make_weight_sync(rollout.server_type)
     root = Path(rollout.sync_dir) if rollout.sync_dir is not None else run_dir / "weight_sync"
     writer = WeightFolderWriter(root, model_dir, in_place=sync.in_place, session=session,
-                                lock_timeout_s=rollout.sync_timeout_s)
+                                lock_timeout_s=rollout.sync_timeout_s, reuse_files=sync.locks_reads)
     token = os.environ.get(rollout.server_token_env) or None
     return OpenAIEngine(rollout.server_urls[index], sync=sync, writer=writer, server_type=rollout.server_type,
                         model=rollout.server_model, token=token, max_batch=rollout.max_batch,

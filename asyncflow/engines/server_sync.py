@@ -31,14 +31,15 @@ import fcntl
 import os
 import secrets
 import shutil
+import stat
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import WeightUpdateMode
 from asyncflow.engines.http_client import HTTPError, request_json
-from asyncflow.engines.safetensors_io import write_file
+from asyncflow.engines.safetensors_io import try_lock_exclusive, write_file
 from asyncflow.engines.weight_sync import aliases
 from asyncflow.errors import WaitTimeout
 
@@ -50,6 +51,9 @@ class WeightSync(abc.ABC):
     """Tells one server to load a weight folder as a new version."""
 
     in_place = False  # True: the server reloads from the folder it was started with (the writer overwrites it)
+    # True: the server reads a version's weights under a shared lock (`safetensors_io.map_file`), so
+    # the writer may overwrite an old version's files for a new one once no server maps them
+    locks_reads = False
 
     @abc.abstractmethod
     async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
@@ -66,6 +70,8 @@ class WeightSync(abc.ABC):
 
 class AsyncflowSync(WeightSync):
     """`asyncflow serve`: one call; the server applies drain/swap/abort itself and reports per-token versions."""
+
+    locks_reads = True  # (`read_weights` maps each file with `map_file`)
 
     async def load(self, base_url: str, folder: Path, version: int, mode: WeightUpdateMode, *,
                    token: str | None, timeout: float) -> None:
@@ -151,6 +157,24 @@ class SGLangSync(WeightSync):
         return name
 
 
+def on_memory_fs(path: Path) -> bool:
+    """Whether `path` lies on a memory file system (tmpfs, ramfs: /dev/shm), by the longest mount
+    point above it in /proc/mounts (False where there is none)."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    where, best, kind = path.resolve(), -1, ""
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = Path(fields[1].replace("\\040", " ").replace("\\011", "\t"))
+        if where.is_relative_to(point) and len(point.parts) > best:
+            best, kind = len(point.parts), fields[2]
+    return kind in ("tmpfs", "ramfs")
+
+
 def make_weight_sync(server_type: str) -> WeightSync:
     """The backend for `rollout.server_type`."""
     backends: dict[str, type[WeightSync]] = {"asyncflow": AsyncflowSync, "vllm": VLLMSync, "sglang": SGLangSync}
@@ -163,8 +187,13 @@ class WeightFolderWriter:
     """Writes each version's weights once, however many engines ask, as a loadable HF folder.
 
     Versioned (default): `root/v000001/` with the model folder's config files and `model.safetensors`;
-    folders two versions old are removed. In place (vLLM): `root/model.safetensors` is replaced
-    atomically, `root` being the folder the server was started with.
+    folders two versions old are removed. Each is written as a hidden `.vNNNNNN.tmp` folder and
+    renamed into place once complete (its `MARKER` inside), so a reader never sees a half-written one.
+    With `reuse_files` (the servers lock what they read: `WeightSync.locks_reads`) on a memory file
+    system, the new version is written over the files of one two or more versions old that no server
+    maps (renamed to the hidden folder first): its memory is already allocated (`safetensors_io`).
+    In place (vLLM): `root/model.safetensors` is replaced atomically, `root` being the folder the
+    server was started with.
 
     Once across processes too (the Ray rollout actors each hold a writer): writes take a file lock
     in `root`, and a version already written by a writer of the same `session` (one per run start,
@@ -174,10 +203,13 @@ class WeightFolderWriter:
     MARKER = ".asyncflow-writer"  # in a written folder: "<session> <version>"
 
     def __init__(self, root: Path, model_dir: Path, *, in_place: bool, session: str = "",
-                 lock_timeout_s: float = 600.0) -> None:
+                 lock_timeout_s: float = 600.0, reuse_files: bool = False) -> None:
         self.root = root
         self.model_dir = model_dir
         self.in_place = in_place
+        # (where it pays, and where the readers' locks and the writer's share one kernel)
+        self.reuse_files = reuse_files and not in_place and on_memory_fs(root)
+        self.reused = 0  # versions written over an old version's files
         self.session = session or secrets.token_hex(8)
         self.lock_timeout_s = lock_timeout_s
         self._writes: dict[int, asyncio.Task[Path]] = {}
@@ -236,11 +268,17 @@ class WeightFolderWriter:
         final = self.root / f"v{version:06d}"
         tmp = self.root / f".v{version:06d}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        for f in self.model_dir.iterdir():
-            if f.is_file() and f.suffix in _MODEL_FILES and not f.name.endswith(".safetensors.index.json"):
-                shutil.copy2(f, tmp / f.name)
-        write_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        held = self._take_old_folder(version, tmp) if self.reuse_files else None
+        try:
+            if held is None:
+                tmp.mkdir()
+            for f in self.model_dir.iterdir():
+                if f.is_file() and f.suffix in _MODEL_FILES and not f.name.endswith(".safetensors.index.json"):
+                    shutil.copy2(f, tmp / f.name)
+            write_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        finally:
+            if held is not None:
+                held.close()  # (the lock: no reader can reach the file before the rename below)
         (tmp / self.MARKER).write_text(stamp)  # (inside the folder before it appears: present iff complete)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -248,6 +286,37 @@ class WeightFolderWriter:
             if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
                 shutil.rmtree(old, ignore_errors=True)
         return final
+
+    def _take_old_folder(self, version: int, tmp: Path) -> IO[bytes] | None:
+        """Rename the oldest version folder this write may reuse to `tmp`, holding its weights file's
+        exclusive lock (returned: keep it until the file is rewritten); None if none is free. May be
+        reused: a version before `version - 1` (one engines may still load is kept) or another
+        session's `version`, whose `model.safetensors` no reader maps (it holds a shared lock while
+        it does). A reader that opened it before the rename finds its path gone (`map_file`)."""
+        olds = sorted(int(d.name[1:]) for d in self.root.glob("v*") if d.is_dir() and d.name[1:].isdigit())
+        for old in [v for v in olds if v < version - 1 or v == version]:
+            folder = self.root / f"v{old:06d}"
+            try:  # (never through a link: only a file of its own is overwritten)
+                f = os.fdopen(os.open(folder / "model.safetensors", os.O_RDWR | os.O_NOFOLLOW), "r+b")
+            except OSError:
+                continue
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or not try_lock_exclusive(f):
+                f.close()
+                continue
+            try:
+                os.replace(folder, tmp)
+                for leftover in tmp.iterdir():  # (it then holds what a fresh folder would)
+                    if leftover.is_dir() and not leftover.is_symlink():
+                        shutil.rmtree(leftover)
+                    elif leftover.name != "model.safetensors":
+                        leftover.unlink()
+            except BaseException:
+                f.close()
+                raise
+            self.reused += 1
+            return f
+        return None
 
     def _write_adapter(self, state: dict[str, Any], version: int, stamp: str) -> Path:
         """A published LoRA adapter as the PEFT folder `root/a<version>/` (older ones removed)."""
