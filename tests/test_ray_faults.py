@@ -283,26 +283,33 @@ def test_a_dead_trainer_ends_the_run_with_one_line_and_exit_code_1(ray_session, 
     assert sum(s["status"] == "trained" for s in samples) == 20 * BATCH
 
 
+def _run_killed_after_step_1(ray: Any, monkeypatch: pytest.MonkeyPatch, arith_dir: Path, out: Path, role: str,
+                             *settings: str) -> tuple[RunFailed, dict[str, Any], _Watch]:
+    """A 20-step run whose actor `role` is killed (Ray may restart it) once step 1 is trained; the
+    run's error, what the killer saw, and the run's workers."""
+    from asyncflow.runner import train
+
+    watch = _Watch(monkeypatch, ray)
+    thread, info = _killer(ray, watch, out, role, after_step=1, restart=True)
+    with pytest.raises(RunFailed) as caught:
+        train(_config(arith_dir, *settings, "train.max_steps=20"), out, progress_enabled=False)
+    thread.join(timeout=30)
+    assert "killed_at" in info, info
+    assert _trained_steps(out) < 20
+    return caught.value, info, watch
+
+
 @pytest.mark.slow
 def test_with_max_restarts_0_a_killed_rollout_actor_ends_the_run(ray_session, arith_dir: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncflow.runner import train
-
-    ray = ray_session
-    watch = _Watch(monkeypatch, ray)
-    out = tmp_path / "run"
-    thread, info = _killer(ray, watch, out, "rollout-0", after_step=1, restart=True)
-    with pytest.raises(RunFailed) as caught:
-        train(_config(arith_dir, "runtime.max_restarts=0", "train.max_steps=20"), out, progress_enabled=False)
-    thread.join(timeout=30)
-    assert "killed_at" in info, info
-    assert not isinstance(caught.value, TrainerDied)
+    error, _, watch = _run_killed_after_step_1(ray_session, monkeypatch, arith_dir, tmp_path / "run", "rollout-0",
+                                               "runtime.max_restarts=0")
+    assert not isinstance(error, TrainerDied)
     prefix = watch.workers.prefix
-    assert str(caught.value) == (f"the rollout/0 actor ({prefix}-rollout-0) died (ActorDiedError: killed by ray.kill); "
-                                 "runtime.max_restarts=0 allows no restart; no checkpoint was written (set "
-                                 "checkpoint.every to make runs resumable)")
+    assert str(error) == (f"the rollout/0 actor ({prefix}-rollout-0) died (ActorDiedError: killed by ray.kill); "
+                          "runtime.max_restarts=0 allows no restart; no checkpoint was written (set "
+                          "checkpoint.every to make runs resumable)")
     assert watch.workers.restarts == {"rollout/0": 0, "reward/0": 0}
-    assert _trained_steps(out) < 20
 
 
 @pytest.mark.slow
@@ -310,23 +317,13 @@ def test_a_killed_colocated_hub_ends_the_run_in_one_line_naming_it(ray_session, 
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """`runtime.colocate`: the hub (rollout 0, the store, the feeder, the reward worker) holds the
     store, so it is never restarted (max_restarts 3 notwithstanding): its death ends the run."""
-    from asyncflow.runner import train
-
-    ray = ray_session
-    watch = _Watch(monkeypatch, ray)
-    out = tmp_path / "run"
-    thread, info = _killer(ray, watch, out, "store", after_step=1, restart=True)
-    with pytest.raises(RunFailed) as caught:
-        train(_config(arith_dir, "runtime.colocate=true", "train.max_steps=20"), out, progress_enabled=False)
-    thread.join(timeout=30)
-    assert "killed_at" in info, info
+    error, info, watch = _run_killed_after_step_1(ray_session, monkeypatch, arith_dir, tmp_path / "run", "store",
+                                                  "runtime.colocate=true")
     prefix = watch.workers.prefix
     assert info["named"] == sorted(f"{prefix}-{r}" for r in ("store", "trainer"))  # (the hub is named as the store)
-    assert re.fullmatch(rf"the rollout/0, store controller and feeder actor "
-                        rf"\({prefix}-store\) died \(ActorDiedError: killed by ray.kill\); no checkpoint was "
-                        rf"written \(set checkpoint.every to make runs resumable\)", str(caught.value)), str(caught.value)
+    assert str(error) == (f"the rollout/0, store controller and feeder actor ({prefix}-store) died (ActorDiedError: "
+                          "killed by ray.kill); no checkpoint was written (set checkpoint.every to make runs resumable)")
     assert watch.workers.restarts == {"rollout/0": 0}
-    assert _trained_steps(out) < 20
 
 
 def test_the_cli_prints_a_run_failure_as_one_line_with_exit_code_1(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
