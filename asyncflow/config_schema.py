@@ -477,7 +477,8 @@ class RuntimeConfig:
         3,
         "How many times each rollout and reward actor is restarted after it dies (ray); its leased samples "
         "go back to the queue and a restarted rollout actor gets the latest weights first. 0: an actor death "
-        "ends the run. A trainer, feeder or store death always ends the run.",
+        "ends the run. A trainer, feeder or store death always ends the run (so does the colocated hub's: "
+        "runtime.colocate).",
         lo=0,
     )
     torch_threads: int | None = _f(
