@@ -246,6 +246,7 @@ class RemoteTrainEngine(TrainEngine):
         self.exported = 0
         self.channel: WeightChannel | None = None  # set by the runtime for `runtime.weight_sync: collective`
         self._export_bytes: Any = None  # the size of the latest export, asked for with it (`export_weights`)
+        self._next_export: Any = None  # the export queued behind the last train step (`train_step`)
 
     def died(self, exc: BaseException, what: str) -> TrainerDied:
         """The error for the trainer actor's death, found while waiting for it to do `what`."""
@@ -288,7 +289,14 @@ class RemoteTrainEngine(TrainEngine):
         return self._get(self.handle.reference_logprobs.remote(batch, temperature), "compute reference log-probs")  # type: ignore[no-any-return]
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        metrics = self._get(self.handle.train_step.remote(batch, loss_fn, temperature), "train a step")
+        ref = self.handle.train_step.remote(batch, loss_fn, temperature)
+        if self.channel is None:
+            # every step is published: its export, queued behind it now, runs as the step ends, not a
+            # round trip to the driver later with the trainer idle (`export_ref` hands it out)
+            if self._next_export is not None:
+                _forget(self._next_export)
+            self._next_export = self.handle.export_weights.remote()
+        metrics = self._get(ref, "train a step")
         self.steps += 1
         return metrics  # type: ignore[no-any-return]
 
@@ -315,7 +323,10 @@ class RemoteTrainEngine(TrainEngine):
     # the sender's side of `WeightChannel` (calls return object references; the channel waits)
 
     def export_ref(self) -> Any:
-        return self.handle.export_weights.remote()
+        """A reference to the trainer's current weights in the object store (the export queued
+        behind the last train step, if it has not been handed out)."""
+        ref, self._next_export = self._next_export, None
+        return ref if ref is not None else self.handle.export_weights.remote()
 
     def weights_address(self) -> tuple[str, int]:
         return self._get(self.handle.weights_address.remote(), "open a port for the weight group")  # type: ignore[no-any-return]
