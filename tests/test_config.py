@@ -261,3 +261,21 @@ def test_yaml_merge_keys_load_and_a_home_path_is_expanded(tmp_path: Path) -> Non
     cfg, _ = load_config(f)
     assert (cfg.train.batch_size, cfg.train.max_steps) == (16, 1)  # a merged key may be overridden beside it
     assert cfg.dataset.path == str(Path.home() / "data.jsonl")
+
+
+def test_colocation_defaults_to_a_ray_the_run_starts_with_cpu_engines() -> None:
+    """`runtime.colocate: null` is true only where the run starts its own Ray (one machine) and the
+    rollout actors get no GPU; an explicit value always wins; the resolved config says which."""
+    from asyncflow.config_effective import resolve_defaults
+    from asyncflow.config_schema import colocated
+
+    def cfg(*extra: str):
+        return load_config(None, ["runtime.kind=ray", *extra])[0]
+
+    assert colocated(cfg()) is True
+    assert colocated(cfg("runtime.address=auto")) is False  # a joined cluster: restartable actors
+    assert colocated(cfg("runtime.rollout_gpus=1")) is False  # GPU engines: cores are not the limit
+    assert colocated(cfg("runtime.address=auto", "runtime.colocate=true")) is True
+    assert colocated(cfg("runtime.colocate=false")) is False
+    assert resolve_defaults(cfg()).runtime.colocate is True
+    assert resolve_defaults(load_config(None, [])[0]).runtime.colocate is None  # (local: no Ray actors)
