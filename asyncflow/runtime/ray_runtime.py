@@ -343,8 +343,8 @@ class RayWorkers:
                 why = "no answer within 60 s" if isinstance(exc, ray.exceptions.GetTimeoutError) else type(exc).__name__
                 self.log(f"[asyncflow] ray: the trace spans of {stage} are missing ({why})")
         try:
-            calls = [a.stats.remote() for a in self.reward_actors]
-            rstats = ray.get(calls if self.hub is None else [self.hub.reward_stats.remote()], timeout=60)
+            calls = [a.stats.remote() for a in self.reward_actors] if self.hub is None else [self.hub.reward_stats.remote()]
+            rstats = ray.get(calls, timeout=60)
             counters.reward_calls = int(sum(s["reward_calls"] for s in rstats))
             counters.reward_call_failures = int(sum(s["reward_call_failures"] for s in rstats))
         except ray.exceptions.RayError as exc:

@@ -313,6 +313,14 @@ class RayTransferQueue:
         none ride while this client's puts are unanswered."""
         return self._updates.carried(bool(self._pending))
 
+    async def _ready_to_read(self) -> tuple[list[Op], list[Op]]:
+        """Before a take or metrics read on an event loop: the updates it carries (`_carried`), after
+        waiting for this client's earlier calls it must see applied (`_before_take`)."""
+        carried = self._carried()
+        if self._before_take():
+            await self.flush_async()
+        return carried
+
     async def _waiting(self, ref: Any, timeout: float | None, what: str) -> Any:
         """A take's answer; meanwhile queued updates go out after `coalesce_s`, not `ride_along_s`."""
         with self._updates.taking():
@@ -347,9 +355,7 @@ class RayTransferQueue:
     async def take(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                    lease_s: float | None = None, min_version: int | None = None,
                    fields_extra: Sequence[str] = ()) -> Lease:
-        carried = self._carried()
-        if self._before_take():
-            await self.flush_async()
+        carried = await self._ready_to_read()
         ref = self._take_call(stage, max_samples, min_samples, timeout, lease_s, min_version, fields_extra, carried)
         lease, refs = await self._waiting(ref, timeout, f"take({stage!r})")
         return self._fill(lease, await self._afetch(refs))
@@ -358,9 +364,7 @@ class RayTransferQueue:
                         lease_s: float | None = None, min_version: int | None = None,
                         fields_extra: Sequence[str] = ()) -> list[Lease]:
         """See `TransferQueue.take_each`: one call, one lease per sample (or group)."""
-        first, after = self._carried()
-        if self._before_take():
-            await self.flush_async()
+        first, after = await self._ready_to_read()
         ref = self.handle.take_each.remote(stage, max_samples, timeout, lease_s, min_version, list(fields_extra),
                                            self._get_owner(), first + after or None)
         got = await self._waiting(ref, timeout, f"take_each({stage!r})")
@@ -391,9 +395,7 @@ class RayTransferQueue:
     async def take_columns(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                            lease_s: float | None = None, fields_extra: Sequence[str] = ()) -> ColumnLease:
         """`take` with the fields as blocks of columns (`take_columns_blocking`)."""
-        carried = self._carried()
-        if self._before_take():
-            await self.flush_async()
+        carried = await self._ready_to_read()
         ref = self._take_call(stage, max_samples, min_samples, timeout, lease_s, None, fields_extra, carried)
         compact, refs = await self._waiting(ref, timeout, f"take_columns({stage!r})")
         return _columns(compact, await self._afetch(refs))
@@ -470,9 +472,7 @@ class RayTransferQueue:
     async def metrics_async(self) -> dict[str, float]:
         """`metrics` for a caller on an event loop (a blocking `ray.get` there stalls the loop), in one
         call that carries this client's queued updates (`_carried`)."""
-        first, after = self._carried()
-        if self._before_take():
-            await self.flush_async()
+        first, after = await self._ready_to_read()
         return dict(await self._aget(self.handle.metrics.remote(first + after or None), 60, "metrics"))
 
     def metrics(self) -> dict[str, float]:
