@@ -22,6 +22,7 @@ from asyncflow.errors import UserError
         ("samples=0", "--set samples: must be >= 1, got 0"),
         ("samples=-5", "--set samples: must be >= 1, got -5"),
         ("transferqueue=yes", "--set transferqueue: expected true or false, got 'yes'"),
+        ("readahead=-1", "--set readahead: must be >= 0, got -1"),
     ],
 )
 def test_bad_bench_store_values_are_one_line_naming_the_key(setting: str, needle: str,

@@ -812,3 +812,106 @@ def test_an_ack_carried_by_a_take_that_must_wait_is_applied_first(ray_session) -
         assert ray.get(store.handle.size.remote(), timeout=30) == 0
     finally:
         store.kill()
+
+
+class _Reader:
+    def read(self, store, batch: int, total: int, readahead: int, stop_after: int | None = None) -> dict:
+        """Batches read through `iter_columns`, counting the controller calls it made."""
+        calls = []
+        send = store._send_batches
+
+        def counted(stage, sizes, *args):
+            calls.append(list(sizes))
+            return send(stage, sizes, *args)
+
+        store._send_batches = counted
+        sizes, idx, sums = [], [], []
+        for i, got in enumerate(store.iter_columns("train", batch, total, timeout=30, fields_extra=["i"],
+                                                   readahead=readahead)):
+            sizes.append(len(got.lease.samples))
+            idx += got.column("i").tolist()
+            sums += got.column("big").sum(axis=1).tolist()
+            store.ack(got.lease, remove=True)
+            if stop_after is not None and i + 1 == stop_after:
+                break
+        store.flush()
+        return {"sizes": sizes, "idx": idx, "sums": sums, "calls": calls}
+
+
+def _put_rows(store, big: np.ndarray, start: int, n: int) -> None:
+    store.put_columns_blocking({"big": big[start:start + n], "i": np.arange(start, start + n)},
+                               list(range(start, start + n)), 1, timeout=30)
+
+
+def test_a_reader_reads_ready_batches_ahead_in_few_calls_and_gets_each_sample_once(ray_session) -> None:
+    """`iter_columns` asks for up to `readahead` batches a call (all ready here: every call is served
+    whole), hands out leases of exactly `batch` samples (the last one what is left), in order."""
+    ray = ray_session
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64)
+    try:
+        store.register_stage("train", ["big"])
+        big = np.random.default_rng(7).random((40, 2048))
+        for start in range(0, 40, 8):
+            _put_rows(store, big, start, 8)
+        store.flush()
+        reader = ray.remote(_Reader).options(num_cpus=0).remote()
+        got = ray.get(reader.read.remote(store, 6, 40, 3), timeout=60)
+        assert got["sizes"] == [6, 6, 6, 6, 6, 6, 4] and got["idx"] == list(range(40))
+        assert got["calls"] == [[6, 6, 6], [6, 6, 6], [4]]  # 3 calls for 7 batches
+        assert got["sums"] == pytest.approx(big.sum(axis=1).tolist())
+        assert store.size() == 0
+        with pytest.raises(ValueError, match="readahead >= 0"):
+            next(store.iter_columns("train", 6, 40, readahead=-1))
+    finally:
+        store.kill()
+
+
+def test_a_reader_that_stops_early_gives_back_the_batches_it_read_ahead(ray_session) -> None:
+    """Stopping after the first batch: the leases of the batches read ahead (and of the call in
+    flight) are released, so every other sample is ready for the next reader at once."""
+    ray = ray_session
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64, lease_timeout_s=600.0)
+    try:
+        store.register_stage("train", ["big"])
+        big = np.random.default_rng(8).random((32, 2048))
+        for start in range(0, 32, 8):
+            _put_rows(store, big, start, 8)
+        store.flush()
+        reader = ray.remote(_Reader).options(num_cpus=0).remote()
+        got = ray.get(reader.read.remote(store, 4, 32, 2, 1), timeout=60)
+        assert got["sizes"] == [4] and got["idx"] == [0, 1, 2, 3]
+        assert got["calls"] == [[4, 4], [4, 4]]  # (the second call was in flight when the reader stopped)
+        assert store.ready_count("train") == 28 and store.in_flight("train") == 0
+        rest = ray.get(reader.read.remote(store, 8, 28, 0), timeout=60)
+        assert rest["idx"] == list(range(4, 32)) and rest["calls"] == []  # readahead=0: plain takes
+    finally:
+        store.kill()
+
+
+def test_a_reader_waits_for_batches_a_producer_puts_later(ray_session) -> None:
+    """Read ahead while the samples are still coming: a call waits for its first batch only, takes
+    what else is ready, and asks again for the rest; nothing is read twice or lost."""
+    ray = ray_session
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64)
+    try:
+        store.register_stage("train", ["big"])
+        big = np.random.default_rng(9).random((24, 1024))
+        reader = ray.remote(_Reader).options(num_cpus=0).remote()
+        pending = reader.read.remote(store, 4, 24, 4)
+        for start in range(0, 24, 4):
+            _put_rows(store, big, start, 4)
+            store.flush()
+            time.sleep(0.05)
+        got = ray.get(pending, timeout=60)
+        assert got["sizes"] == [4] * 6 and got["idx"] == list(range(24))
+        assert got["sums"] == pytest.approx(big.sum(axis=1).tolist())
+        assert sum(map(len, got["calls"])) > len(got["calls"])  # (calls asked for several; some were not served)
+        assert store.size() == 0
+    finally:
+        store.kill()

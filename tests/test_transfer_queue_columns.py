@@ -46,6 +46,21 @@ def test_columnar_take_hands_out_views_of_the_put_columns_equal_to_the_data() ->
     assert rest.column("x").tolist() == [6, 7] and set(rest.blocks[0]) == {"x", "m"}
 
 
+def test_iter_columns_takes_batches_of_the_size_asked_the_last_one_what_is_left() -> None:
+    q = TransferQueue(capacity=64)
+    q.register_stage("s", ["x"])
+    _put(q, 0, 10)
+    sizes, xs = [], []
+    for got in q.iter_columns("s", 4, 10, timeout=5):
+        sizes.append(len(got.lease.samples))
+        xs += got.column("x").tolist()
+        assert q.ack(got.lease, remove=True)
+    assert sizes == [4, 4, 2] and xs == list(range(10)) and q.size() == 0
+    assert list(q.iter_columns("s", 4, 0)) == []
+    with pytest.raises(ValueError, match="batch >= 1"):
+        next(q.iter_columns("s", 0, 10))
+
+
 def test_a_field_written_after_the_put_is_served_as_written() -> None:
     q = TransferQueue(capacity=64)
     q.register_stage("s", ["x", "m"])

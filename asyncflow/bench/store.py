@@ -37,17 +37,18 @@ def produce(store: Any, batches: list[dict[str, np.ndarray]]) -> float:
     return start
 
 
-def consume(store: Any, total: int, take_batch: int, expected: np.ndarray) -> float:
+def consume(store: Any, total: int, take_batch: int, expected: np.ndarray, readahead: int) -> float:
     """Take batches of `take_batch` as column blocks until `total` samples are verified (each one's
     checksum, with column operations over each block); returns the end time."""
     seen = np.zeros(len(expected), dtype=bool)
     done = 0
-    while done < total:
-        want = min(take_batch, total - done)
-        taken = store.take_columns_blocking("train", want, min_samples=want, timeout=TIMEOUT_S, fields_extra=["idx"])
+    for taken in store.iter_columns("train", take_batch, total, timeout=TIMEOUT_S, fields_extra=["idx"],
+                                    readahead=readahead):
         for b in taken.blocks:
             done += verify(b, expected, seen)
         store.ack(taken.lease, remove=True)
+    if done != total:
+        raise RuntimeError(f"STORE-1: verified {done} samples, expected {total}")
     return time.monotonic()
 
 
@@ -60,10 +61,11 @@ def _local(mode: str, spec: Store1Spec) -> dict[str, Any]:
     store.register_stage("train", list(FIELDS))
     if mode == "sequential":
         start = produce(store, batches)
-        end = consume(store, spec.samples, spec.take_batch, expected)
+        end = consume(store, spec.samples, spec.take_batch, expected, spec.readahead)
     else:
         out: dict[str, float] = {}
-        t = threading.Thread(target=lambda: out.setdefault("end", consume(store, spec.samples, spec.take_batch, expected)))
+        t = threading.Thread(target=lambda: out.setdefault("end", consume(store, spec.samples, spec.take_batch, expected,
+                                                                         spec.readahead)))
         t.start()
         start = produce(store, batches)
         t.join(TIMEOUT_S)
@@ -97,7 +99,7 @@ class _Consumer:
         self.spec = spec
 
     def run(self, store: Any, total: int) -> float:
-        return consume(store, total, self.spec.take_batch, self.expected)
+        return consume(store, total, self.spec.take_batch, self.expected, self.spec.readahead)
 
 
 def _ray(mode: str, spec: Store1Spec, actors: tuple[Any, Any], store: Any) -> dict[str, Any]:
@@ -111,7 +113,7 @@ def _ray(mode: str, spec: Store1Spec, actors: tuple[Any, Any], store: Any) -> di
         end_ref = consumer.run.remote(store, spec.samples)
         start = ray.get(producer.run.remote(store), timeout=TIMEOUT_S * 2)
         end = ray.get(end_ref, timeout=TIMEOUT_S * 2)
-    return row("ray", mode, spec.samples, end - start)
+    return row("ray", mode, spec.samples, end - start, readahead=spec.readahead)
 
 
 def _ray_rows(spec: Store1Spec, repeats: int) -> list[dict[str, Any]]:
@@ -142,7 +144,7 @@ def _ray_rows(spec: Store1Spec, repeats: int) -> list[dict[str, Any]]:
 def run_store(overrides: list[str]) -> list[dict[str, Any]]:
     """STORE-1: local and Ray placements x sequential and streaming modes (best of `repeats`)."""
     opts = _parse(overrides)
-    spec = Store1Spec(samples=_count(opts, "samples", 4096))
+    spec = Store1Spec(samples=_count(opts, "samples", 4096), readahead=_count(opts, "readahead", 4, least=0))
     repeats = _count(opts, "repeats", 3)
     placements = str(opts.get("placements", "local,ray")).split(",")
     transferqueue = _flag(opts, "transferqueue")
@@ -179,7 +181,7 @@ def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {**best, "repeats": len(rows), "worst_samples_per_s": min(r["samples_per_s"] for r in rows)}
 
 
-_KNOWN = ("samples", "repeats", "placements", "transferqueue")
+_KNOWN = ("samples", "repeats", "placements", "transferqueue", "readahead")
 
 
 def _parse(overrides: list[str]) -> dict[str, str]:
@@ -192,16 +194,16 @@ def _parse(overrides: list[str]) -> dict[str, str]:
     return out
 
 
-def _count(opts: dict[str, str], key: str, default: int) -> int:
-    """`--set key=N` as an int >= 1 (0 samples or repeats has nothing to measure), checked before any work."""
+def _count(opts: dict[str, str], key: str, default: int, least: int = 1) -> int:
+    """`--set key=N` as an int >= `least` (0 samples or repeats has nothing to measure), checked before any work."""
     if key not in opts:
         return default
     try:
         value = int(opts[key])
     except ValueError:
         raise UserError(f"bench store --set {key}: expected an integer, got {opts[key]!r}") from None
-    if value < 1:
-        raise UserError(f"bench store --set {key}: must be >= 1, got {value}")
+    if value < least:
+        raise UserError(f"bench store --set {key}: must be >= {least}, got {value}")
     return value
 
 

@@ -29,6 +29,7 @@ class Store1Spec:
     samples: int = 4096
     put_batch: int = 64
     take_batch: int = 256
+    readahead: int = 4  # batches asyncflow's Ray consumer may read ahead (`RayTransferQueue.iter_columns`)
 
 
 def make_batches(spec: Store1Spec, seed: int = 0) -> list[dict[str, np.ndarray]]:

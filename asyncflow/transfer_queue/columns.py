@@ -15,7 +15,7 @@ block of its own values. Concatenated, the blocks' rows are the lease's samples 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -42,6 +42,19 @@ class ColumnLease:
         if parts and all(isinstance(p, np.ndarray) for p in parts):
             return parts[0] if len(parts) == 1 else np.concatenate(parts)
         return [x for p in parts for x in p]
+
+
+def column_batches(take: Callable[..., ColumnLease], stage: str, batch: int, total: int,
+                   **kwargs: Any) -> Iterator[ColumnLease]:
+    """`total` samples of `stage` as columnar takes of `batch` samples (the last one what is left),
+    each waiting for its full size: `take(stage, want, min_samples=want, **kwargs)`."""
+    if batch < 1 or total < 0:
+        raise ValueError(f"iter_columns({stage!r}): need batch >= 1 and total >= 0, got {batch} and {total}")
+    left = total
+    while left > 0:
+        want = min(batch, left)
+        left -= want
+        yield take(stage, want, min_samples=want, **kwargs)
 
 
 def one_row(fields: dict[str, Any]) -> dict[str, Any]:

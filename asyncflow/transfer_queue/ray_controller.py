@@ -171,6 +171,26 @@ class StoreController:
             raise WaitTimeout(f"take for stage {stage!r}: its caller's process died while it waited")
         return self._hand_out(lease, owner, set(held) if held else ())
 
+    async def take_batches(self, stage: str, sizes: list[int], timeout: float | None, lease_s: float | None,
+                           fields_extra: Sequence[str], owner: str | None,
+                           first: list[tuple[str, tuple[Any, ...]]] | None = None,
+                           after: list[tuple[str, tuple[Any, ...]]] | None = None,
+                           held: list[int] | None = None) -> list[tuple[Any, dict[int, Any]]]:
+        """A reader's read-ahead (`RayTransferQueue.iter_columns`): a lease of exactly `sizes[0]` samples,
+        waited for as `take` waits, then one of each next size while that many are ready now. A
+        coalesced object's ref travels once per answer: the leases after the first that reads it get
+        a `PartRef` without it."""
+        known = set(held) if held else set()
+        out = [await self.take(stage, sizes[0], sizes[0], timeout, lease_s, None, fields_extra, owner, first, after,
+                               held)]
+        for n in sizes[1:]:
+            known.update(x.obj for x in out[-1][1].values() if isinstance(x, PartRef))
+            lease = self.q.take_nowait(stage, n, min_samples=n, lease_s=lease_s, fields_extra=fields_extra)
+            if lease is None:
+                break
+            out.append(self._hand_out(lease, owner, known))
+        return out
+
     async def take_each(self, stage: str, max_samples: int, timeout: float | None, lease_s: float | None,
                         min_version: int | None, fields_extra: Sequence[str], owner: str | None,
                         first: list[tuple[str, tuple[Any, ...]]] | None = None) -> list[tuple[Any, dict[int, Any]]]:

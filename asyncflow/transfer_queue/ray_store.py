@@ -36,14 +36,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView
-from asyncflow.transfer_queue.columns import ColumnLease, bare_views, blocks_from_slots
+from asyncflow.transfer_queue.columns import ColumnLease, bare_views, blocks_from_slots, column_batches
 from asyncflow.transfer_queue.op_queue import Op, OpQueue
 from asyncflow.transfer_queue.payload import rows_of
 from asyncflow.transfer_queue.put_buffer import Part, PutBuffer
@@ -352,6 +352,50 @@ class RayTransferQueue:
                       if isinstance(x, PartRef) and not isinstance(objs[x.obj], LostBlob)}
         return compact, values
 
+    def _send_batches(self, stage: str, sizes: list[int], timeout: float | None, lease_s: float | None,
+                      fields_extra: Sequence[str]) -> tuple[Any, dict[int, Any], int]:
+        """A `take_batches` call, sent: (its answer's ref, the held objects it named, kept until it is
+        read: its answer leaves their refs out, how many samples it asked for)."""
+        first, after = self._carried()
+        if self._before_take():
+            self.flush()
+        held = self._held
+        ref = self.handle.take_batches.remote(stage, sizes, timeout, lease_s, list(fields_extra), self._get_owner(),
+                                              first or None, after or None, list(held) if held else None)
+        return ref, held, sum(sizes)
+
+    def _receive_batches(self, sent: tuple[Any, dict[int, Any], int], timeout: float | None,
+                         what: str) -> tuple[list[ColumnLease], int]:
+        """A `take_batches` answer as column leases, and how many of the samples asked for it did not
+        give (the batches that were not ready)."""
+        ref, held, asked = sent
+        got = self._get(ref, timeout, what)
+        objs = dict(held)  # (filled as the leases are read: a later lease's `PartRef`s name earlier ones' objects)
+        out, given, now_held = [], 0, {}
+        for compact, refs in got:
+            values = self._fetch(refs, objs)
+            now_held.update({x.obj: objs[x.obj] for x in refs.values()
+                             if isinstance(x, PartRef) and not isinstance(objs[x.obj], LostBlob)})
+            taken = _columns(compact, values)
+            given += len(taken.lease.samples)
+            out.append(taken)
+        self._held = now_held
+        return out, asked - given
+
+    def _drop_batches(self, ref: Any, wait_s: float = 1.0) -> None:
+        """A `take_batches` call nobody will read: its leases released once it is answered (a read-ahead
+        of ready batches is, within ms), or, still waiting for samples after `wait_s`, the call
+        cancelled (a lease it gets all the same ends at its deadline)."""
+        import ray
+
+        ready, _ = ray.wait([ref], timeout=wait_s)
+        if not ready:
+            ray.cancel(ref)
+            return
+        with contextlib.suppress(Exception):  # (it failed: it holds no lease)
+            for compact, _ in ray.get(ref):
+                self._updates.add("release", (compact[0], compact[1]))
+
     async def take(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                    lease_s: float | None = None, min_version: int | None = None,
                    fields_extra: Sequence[str] = ()) -> Lease:
@@ -391,6 +435,53 @@ class RayTransferQueue:
         compact, values = self._take_held(stage, max_samples, min_samples, timeout, lease_s, None, fields_extra,
                                           f"take_columns({stage!r})")
         return _columns(compact, values)
+
+    def iter_columns(self, stage: str, batch: int, total: int, *, timeout: float | None = None,
+                     lease_s: float | None = None, fields_extra: Sequence[str] = (),
+                     readahead: int = 4) -> Iterator[ColumnLease]:
+        """`TransferQueue.iter_columns`, reading up to `readahead` batches ahead of the caller.
+
+        One call to the controller asks for up to `readahead` batches (the first waited for, the
+        others taken only if ready then), and the next call goes out as soon as one is answered,
+        before its batches are handed out. A Ray call costs ~1 ms of CPU and a 1-4 ms round trip on
+        a small machine: a reader of many small batches then pays it once per call, not once per
+        batch, and not while it works on a batch. Batches read ahead hold their leases from when the
+        controller answers (up to 2 x `readahead` at a time); acks ride on the next call. A caller
+        that stops early gets every lease it was not handed released. `readahead=0`: one
+        `take_columns_blocking` per batch, when the caller asks for it."""
+        if batch < 1 or total < 0 or readahead < 0:
+            raise ValueError(f"iter_columns({stage!r}): need batch >= 1, total >= 0 and readahead >= 0, "
+                             f"got {batch}, {total} and {readahead}")
+        if readahead == 0:
+            yield from column_batches(self.take_columns_blocking, stage, batch, total, timeout=timeout,
+                                      lease_s=lease_s, fields_extra=fields_extra)
+            return
+        what = f"iter_columns({stage!r})"
+        left = total  # samples not yet asked for (or asked for and not given: asked again)
+        ready: collections.deque[ColumnLease] = collections.deque()
+        ahead = None
+
+        def send() -> Any:
+            nonlocal left
+            sizes = [min(batch, left - i * batch) for i in range(min(readahead, -(-left // batch)))]
+            left -= sum(sizes)
+            return self._send_batches(stage, sizes, timeout, lease_s, fields_extra)
+
+        try:
+            while left > 0 or ahead is not None or ready:
+                if not ready:
+                    got, missing = self._receive_batches(ahead if ahead is not None else send(), timeout, what)
+                    ahead = None
+                    left += missing
+                    ready.extend(got)
+                    if left > 0:
+                        ahead = send()
+                yield ready.popleft()
+        finally:
+            for taken in ready:
+                self.release(taken.lease)
+            if ahead is not None:
+                self._drop_batches(ahead[0])
 
     async def take_columns(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                            lease_s: float | None = None, fields_extra: Sequence[str] = ()) -> ColumnLease:

@@ -34,13 +34,13 @@ from __future__ import annotations
 import heapq
 import math
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from asyncflow.clock import Clock, RealClock
 from asyncflow.transfer_queue.admission import UidReservations, check_new, check_take
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView, StoreClient
-from asyncflow.transfer_queue.columns import ColumnIndex, ColumnLease
+from asyncflow.transfer_queue.columns import ColumnIndex, ColumnLease, column_batches
 from asyncflow.transfer_queue.expiry import ExpiryQueue
 from asyncflow.transfer_queue.payload import column_rows, payload_bytes, samples_of
 from asyncflow.transfer_queue.records import GroupRecord, LeaseRecord, SampleRecord, StageRecord
@@ -406,6 +406,16 @@ class TransferQueue:
         lease = self.take_blocking(stage, max_samples, min_samples=min_samples, timeout=timeout, lease_s=lease_s,
                                    fields_extra=fields_extra)
         return ColumnLease(lease, self._columns.gather(lease.samples))
+
+    def iter_columns(self, stage: str, batch: int, total: int, *, timeout: float | None = None,
+                     lease_s: float | None = None, fields_extra: Sequence[str] = (),
+                     readahead: int = 0) -> Iterator[ColumnLease]:
+        """Take `total` samples of `stage` as columnar leases of `batch` samples (the last one what is
+        left), each as `take_columns_blocking` with `min_samples` = its size; ack each one.
+        `readahead` is for the Ray client's reader (`RayTransferQueue.iter_columns`); in process a
+        take costs no round trip, so each batch is taken when the caller asks for it."""
+        return column_batches(self.take_columns_blocking, stage, batch, total, timeout=timeout, lease_s=lease_s,
+                              fields_extra=fields_extra)
 
     async def take_columns(self, stage: str, max_samples: int, *, min_samples: int = 1, timeout: float | None = None,
                            lease_s: float | None = None, fields_extra: Sequence[str] = ()) -> ColumnLease:
