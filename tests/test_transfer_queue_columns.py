@@ -21,7 +21,7 @@ from asyncflow.transfer_queue import TransferQueue
 from asyncflow.transfer_queue.api import SampleView
 from asyncflow.transfer_queue.columns import ColumnIndex, blocks_from_slots
 from asyncflow.transfer_queue.put_buffer import PutBuffer
-from asyncflow.transfer_queue.ray_data import RowsSlot, Slot, compact_views
+from asyncflow.transfer_queue.ray_data import RowsSlot, Slot, compact_views, expand_views
 
 
 def _put(q: TransferQueue, start: int, n: int) -> tuple[list[int], dict[str, np.ndarray]]:
@@ -103,6 +103,29 @@ def test_slot_runs_become_slices_and_anything_else_one_row_blocks() -> None:
     assert np.shares_memory(blocks[0]["b"], blob["b"])
     assert blocks[0]["a"].tolist() == [20, 30, 40] and blocks[1]["b"].tolist() == [[14, 15]]
     assert blocks[2]["a"] == [42] and blocks[2]["b"].tolist() == [[16, 17]]
+
+
+def test_compacted_views_keep_every_slot_and_inline_value_across_runs_and_single_views() -> None:
+    """Runs of one columnar put's slots are filled as arrays, every other view field by field; both
+    give the same (blob, row) per field, and `expand_views` reads back each sample's own values."""
+    rs, other = RowsSlot(5, 10, 8), RowsSlot(6, 12, 8)
+    views = [SampleView(10, 0, None, {"a": rs, "b": rs}), SampleView(11, 0, 3, {"a": rs, "b": rs}),
+             SampleView(12, 1, None, {"a": rs, "b": 7}),  # a written value: field by field
+             SampleView(13, 1, None, {"b": rs, "a": rs}),  # other key order: a run of its own
+             SampleView(14, 2, None, {"a": Slot(2, 3, 4)}),  # a row slot, "b" absent
+             SampleView(15, 2, None, {"a": other, "b": other}), SampleView(16, 2, None, {"a": other, "b": other})]
+    uids, gids, versions, names, slots, inline = compact_views(views)
+    assert uids == list(range(10, 17)) and gids == [0, 0, 1, 1, 2, 2, 2] and versions[1] == 3 and names == ["a", "b"]
+    assert slots.tolist() == [[[5, 0], [5, 0]], [[5, 1], [5, 1]], [[5, 2], [-1, -1]], [[5, 3], [5, 3]],
+                              [[2, 3], [-1, -1]], [[6, 3], [6, 3]], [[6, 4], [6, 4]]]
+    assert inline == [None, None, {"b": 7}, None, None, None, None]
+    blob5 = {"a": np.arange(100, 110), "b": np.arange(200, 210)}
+    values = {5: blob5, 6: {"a": np.arange(300, 310), "b": np.arange(400, 410)}, 2: [{}, {}, {}, {"a": "row3"}]}
+    back = expand_views(compact_views(views), values)
+    assert [v.fields for v in back] == [{"a": 100, "b": 200}, {"a": 101, "b": 201}, {"a": 102, "b": 7},
+                                        {"a": 103, "b": 203}, {"a": "row3"}, {"a": 303, "b": 403},
+                                        {"a": 304, "b": 404}]
+    assert compact_views([])[4].shape == (0, 0, 2)
 
 
 def test_coalesced_puts_go_out_together_or_after_the_window() -> None:

@@ -4,6 +4,7 @@ the trip and expanded again, and what a value that died with its writer reads as
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -82,7 +83,10 @@ _ABSENT = object()
 
 def compact_views(views: list[SampleView]) -> tuple[Any, ...]:
     """Sample views in a form that pickles fast (a take moves thousands): id lists, one field-name
-    list, an int array [samples, fields, 2] of (blob, row) slots (blob -1: inline), and inline values."""
+    list, an int array [samples, fields, 2] of (blob, row) slots (blob -1: inline), and inline values.
+
+    A run of views whose fields are the same `RowsSlot`s (consecutive samples of one columnar put)
+    is filled with array operations; any other view field by field."""
     names: dict[str, int] = {}
     last: Any = None
     for v in views:
@@ -92,12 +96,28 @@ def compact_views(views: list[SampleView]) -> tuple[Any, ...]:
                 names.setdefault(k, len(names))
             last = keys
     order = list(names)
-    flat: list[list[tuple[int, int]]] = []
-    inline: list[dict[str, Any] | None] = []
-    for v in views:
-        f, uid = v.fields, v.uid
-        own: dict[str, Any] | None = None
-        row = []
+    n = len(views)
+    uids = [v.uid for v in views]
+    slots = np.full((n, len(order), 2), -1, dtype=np.int64)
+    inline: list[dict[str, Any] | None] = [None] * n
+    singles: list[int] = []  # views filled field by field, and their rows
+    rows: list[list[tuple[int, int]]] = []
+    absent = itertools.repeat(_ABSENT)
+    i = 0
+    while i < n:
+        f = views[i].fields
+        vals = tuple(map(f.get, order, absent)) if order and type(f.get(order[0])) is RowsSlot else ()
+        if vals and all(type(x) is RowsSlot for x in vals):
+            j = i + 1
+            while j < n and tuple(views[j].fields.values()) == vals:
+                j += 1
+            run = np.asarray(uids[i:j], dtype=np.int64)
+            for c, x in enumerate(vals):
+                slots[i:j, c, 0] = x[0]
+                slots[i:j, c, 1] = run - x[1]
+            i = j
+            continue
+        uid, own, row = uids[i], None, []
         for k in order:
             x = f.get(k, _ABSENT)
             t = type(x)
@@ -111,10 +131,15 @@ def compact_views(views: list[SampleView]) -> tuple[Any, ...]:
                     if own is None:
                         own = {}
                     own[k] = x
-        flat.append(row)
-        inline.append(own)
-    slots = np.array(flat, dtype=np.int64).reshape(len(views), len(order), 2)
-    return ([v.uid for v in views], [v.group_id for v in views], [v.version for v in views], order, slots, inline)
+        inline[i] = own
+        singles.append(i)
+        rows.append(row)
+        i += 1
+    if len(singles) == n:
+        slots = np.array(rows, dtype=np.int64).reshape(n, len(order), 2)
+    elif singles:
+        slots[singles] = np.array(rows, dtype=np.int64).reshape(len(singles), len(order), 2)
+    return (uids, [v.group_id for v in views], [v.version for v in views], order, slots, inline)
 
 
 def expand_views(compact: tuple[Any, ...], values: dict[int, Any]) -> list[SampleView]:
