@@ -20,6 +20,7 @@ from asyncflow.bench.store1 import (
 from asyncflow.transfer_queue import TransferQueue
 from asyncflow.transfer_queue.api import SampleView
 from asyncflow.transfer_queue.columns import ColumnIndex, blocks_from_slots
+from asyncflow.transfer_queue.payload import rows_of
 from asyncflow.transfer_queue.put_buffer import PutBuffer
 from asyncflow.transfer_queue.ray_data import RowsSlot, Slot, compact_views, expand_views
 
@@ -59,6 +60,15 @@ def test_iter_columns_takes_batches_of_the_size_asked_the_last_one_what_is_left(
     assert list(q.iter_columns("s", 4, 0)) == []
     with pytest.raises(ValueError, match="batch >= 1"):
         next(q.iter_columns("s", 0, 10))
+
+
+def test_a_columnar_put_counts_the_payload_bytes_its_rows_put_one_by_one_would() -> None:
+    cols = {"ids": np.zeros((4, 6), dtype=np.int64), "r": np.ones(4, dtype=np.float32),
+            "toks": [[1, 2], [3], [], [4, 5, 6]], "obj": np.array([[1], [2, 3], [], [4]], dtype=object), "name": list("abcd")}
+    by_columns, by_rows = TransferQueue(capacity=8), TransferQueue(capacity=8)
+    by_columns.put_columns_blocking(cols, [0, 1, 2, 3], 1)
+    by_rows.put_blocking(rows_of(cols, [0, 1, 2, 3], 1))
+    assert by_columns.metrics()["bytes_put"] == by_rows.metrics()["bytes_put"] == 4 * 48 + 4 * 4 + 8 * 6 + 8 * 4
 
 
 def test_a_field_written_after_the_put_is_served_as_written() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from asyncflow.transfer_queue.api import NewSample
 
 _KINDS: dict[type, int] = {}  # value type -> 0: no payload, 1: ask the value, 2: a plain list or tuple
@@ -49,6 +51,18 @@ def payload_bytes(fields: dict[str, Any]) -> int:
             total += n
         elif isinstance(v, (list, tuple)):
             total += 8 * len(v)
+    return total
+
+
+def columns_bytes(rows: dict[str, list[Any]], columns: dict[str, Any]) -> int:
+    """`payload_bytes` summed over the rows of a columnar batch (`column_rows`): an array column's
+    rows together are its `nbytes` (an object array's rows are asked one by one)."""
+    total = 0
+    for k, col in columns.items():
+        if isinstance(col, np.ndarray) and col.dtype != object:
+            total += int(col.nbytes)
+        else:
+            total += sum(payload_bytes({k: v}) for v in rows[k])
     return total
 
 

@@ -42,7 +42,7 @@ from asyncflow.transfer_queue.admission import UidReservations, check_new, check
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView, StoreClient
 from asyncflow.transfer_queue.columns import ColumnIndex, ColumnLease, column_batches
 from asyncflow.transfer_queue.expiry import ExpiryQueue
-from asyncflow.transfer_queue.payload import column_rows, payload_bytes, samples_of
+from asyncflow.transfer_queue.payload import column_rows, columns_bytes, payload_bytes, samples_of
 from asyncflow.transfer_queue.records import GroupRecord, LeaseRecord, SampleRecord, StageRecord
 from asyncflow.transfer_queue.state import check_state, restore, snapshot
 from asyncflow.transfer_queue.waiters import On, Tried, Waiter, wait_async, wait_thread, wake, wake_in_turn
@@ -148,17 +148,18 @@ class TransferQueue:
         def index(uids: list[int]) -> None:  # (under the lock, so no take sees the rows unindexed)
             self._columns.add(uids, columns, rows, live)
 
-        return wait_thread(self._clock, self._lock, lambda on: self._put_or_wait(samples, on, index), timeout,
+        nbytes = columns_bytes(rows, columns)
+        return wait_thread(self._clock, self._lock, lambda on: self._put_or_wait(samples, on, index, nbytes), timeout,
                            "room in the store")
 
-    def _put_or_wait(self, samples: list[NewSample], on: On | None,
-                     then: Callable[[list[int]], None] | None = None) -> Tried[list[int]]:
+    def _put_or_wait(self, samples: list[NewSample], on: On | None, then: Callable[[list[int]], None] | None = None,
+                     nbytes: int | None = None) -> Tried[list[int]]:
         with self._lock:
             self._check_open()
             self._reap()
             check_new(samples, self.capacity, self._groups, self._reserved)
             if len(self._samples) + len(samples) <= self.capacity:
-                uids = self._insert_many(samples)
+                uids = self._insert_many(samples, nbytes)
                 if then is not None:
                     then(uids)
                 return uids, None, None
@@ -177,9 +178,10 @@ class TransferQueue:
             self._reserved.add(start, n)
             return start
 
-    def _insert_many(self, samples: list[NewSample]) -> list[int]:
+    def _insert_many(self, samples: list[NewSample], nbytes: int | None = None) -> list[int]:
         """Admit validated samples; returns their uids. Per initial-fields dict (by identity: a feeder
-        lists one `NewSample` n times) its payload bytes are worked out once, and per set of field
+        lists one `NewSample` n times) its payload bytes are worked out once (`nbytes`: the put's,
+        worked out by the caller, e.g. from a columnar put's columns), and per set of field
         names (kept across puts until a stage is registered) the stages they make ready. A new
         sample is in no lease and consumed by no stage, so a sample stage its fields make ready
         simply counts it and queues it here, and wakes its waiters once, after the whole put (the
@@ -218,9 +220,9 @@ class TransferQueue:
                         ready = [st for st in self._stages.values() if all(f in fields for f in st.fields)]
                         split = self._put_stages[names] = (tuple(st for st in ready if not st.groups),
                                                            tuple(st for st in ready if st.groups))
-                    known = memo[id(ns.fields)] = (*split, payload_bytes(fields))
-                flat, grouped, nbytes = known
-                self._bytes_put += nbytes
+                    known = memo[id(ns.fields)] = (*split, 0 if nbytes is not None else payload_bytes(fields))
+                flat, grouped, size = known
+                self._bytes_put += size
                 for st in flat:  # `_check_ready` + `_sync_sample` for a new sample, inlined
                     s.ready |= st.bit
                     s.avail |= st.bit
@@ -230,6 +232,7 @@ class TransferQueue:
                 for st in grouped:
                     self._check_ready(st, s)
                 uids.append(uid)
+            self._bytes_put += nbytes or 0
         finally:
             for st in touched.values():
                 self._notify(st)
