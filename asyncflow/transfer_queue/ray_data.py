@@ -1,10 +1,13 @@
 """The Ray placement's data plane: where a field's value lives (inline, or a `Slot` into a blob in
-Ray's object store, possibly one put's part of a coalesced object: `PartRef`), how a put's rows are packed for the wire, how a lease's views are compacted for
-the trip and expanded again, and what a value that died with its writer reads as (`LOST`)."""
+Ray's object store, possibly one put's part of a coalesced object: `PartRef`), how a put's rows are
+packed for the wire, how a lease's views are compacted for the trip and expanded again, how a
+take's blobs are fetched, and what a value that died with its writer reads as (`LOST`)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -220,6 +223,51 @@ def object_refs(refs: dict[int, Any]) -> list[Any]:
         elif isinstance(x, PartRef) and x.ref is not None:
             out[x.ref] = None
     return list(out)
+
+
+def fetch_values(refs: dict[int, Any], objs: dict[int, Any], timeout_s: float,
+                 on_lost: Callable[[list[int]], Any]) -> dict[int, Any]:
+    """A take's blob values (`resolve`): its object-store refs fetched (zero-copy, each once), rows
+    the controller sent as they are. An object that died with its writer reads as `on_lost(its blob ids)`."""
+    import ray
+
+    fetch = object_refs(refs)
+    try:
+        got = ray.get(fetch, timeout=timeout_s) if fetch else []
+    except ray.exceptions.ObjectLostError:  # one of them died with its writer: fetched one by one
+        got = []
+        for r in fetch:
+            try:
+                got.append(ray.get(r, timeout=timeout_s))
+            except ray.exceptions.ObjectLostError:
+                got.append(on_lost(blobs_of(refs, r)))
+    return resolve(refs, dict(zip(fetch, got, strict=True)), objs)
+
+
+async def afetch_values(refs: dict[int, Any], wait: Callable[[Any], Awaitable[Any]],
+                        on_lost: Callable[[list[int]], Any]) -> dict[int, Any]:
+    """`fetch_values` on the caller's event loop; `wait(awaitable)` bounds each wait."""
+    import ray
+
+    fetch = object_refs(refs)
+    if not fetch:
+        return dict(refs)
+    try:
+        got = list(await wait(asyncio.gather(*fetch)))
+    except ray.exceptions.ObjectLostError:
+        got = []
+        for r in fetch:
+            try:
+                got.append(await wait(r))
+            except ray.exceptions.ObjectLostError:
+                got.append(on_lost(blobs_of(refs, r)))
+    return resolve(refs, dict(zip(fetch, got, strict=True)), {})
+
+
+def held_objects(refs: dict[int, Any], objs: dict[int, Any]) -> dict[int, Any]:
+    """The coalesced objects a take read (by id, from `objs` as `resolve` filled it), for the
+    reader to hold until its next take: that take's answer leaves their refs out (`PartRef`)."""
+    return {x.obj: objs[x.obj] for x in refs.values() if isinstance(x, PartRef) and not isinstance(objs[x.obj], LostBlob)}
 
 
 def blobs_of(refs: dict[int, Any], ref: Any) -> list[int]:

@@ -50,12 +50,11 @@ from asyncflow.transfer_queue.put_buffer import Part, PutBuffer
 from asyncflow.transfer_queue.ray_controller import GC_THRESHOLD, StoreController
 from asyncflow.transfer_queue.ray_data import (
     LostBlob,
-    PartRef,
-    blobs_of,
+    afetch_values,
     expand_views,
-    object_refs,
+    fetch_values,
+    held_objects,
     pack_rows,
-    resolve,
     slot_value,
     stack_columns,
     value_nbytes,
@@ -152,39 +151,12 @@ class RayTransferQueue:
             raise _unwrap(exc) from None
 
     def _fetch(self, refs: dict[int, Any], objs: dict[int, Any] | None = None) -> dict[int, Any]:
-        """Blob values: object-store refs fetched (zero-copy, each once), rows sent by the controller
-        as they are; a `PartRef` reads its put's entry of a coalesced object (`objs`: see `resolve`)."""
-        import ray
-
-        fetch = object_refs(refs)
-        try:
-            got = ray.get(fetch, timeout=self.rpc_grace_s) if fetch else []
-        except ray.exceptions.ObjectLostError:  # one of them died with its writer: see `_lost`
-            got = []
-            for r in fetch:
-                try:
-                    got.append(ray.get(r, timeout=self.rpc_grace_s))
-                except ray.exceptions.ObjectLostError:
-                    got.append(self._lost(blobs_of(refs, r)))
-        return resolve(refs, dict(zip(fetch, got, strict=True)), {} if objs is None else objs)
+        """A take's blob values (`ray_data.fetch_values`; an object lost with its writer: `_lost`)."""
+        return fetch_values(refs, {} if objs is None else objs, self.rpc_grace_s, self._lost)
 
     async def _afetch(self, refs: dict[int, Any]) -> dict[int, Any]:
         """`_fetch` on the caller's event loop (bounded by `rpc_grace_s` as well)."""
-        import ray
-
-        fetch = object_refs(refs)
-        if not fetch:
-            return dict(refs)
-        try:
-            got = list(await self._aget(asyncio.gather(*fetch), 0.0, "a take's data"))
-        except ray.exceptions.ObjectLostError:
-            got = []
-            for r in fetch:
-                try:
-                    got.append(await self._aget(r, 0.0, "a take's data"))
-                except ray.exceptions.ObjectLostError:
-                    got.append(self._lost(blobs_of(refs, r)))
-        return resolve(refs, dict(zip(fetch, got, strict=True)), {})
+        return await afetch_values(refs, lambda aw: self._aget(aw, 0.0, "a take's data"), self._lost)
 
     def _lost(self, blobs: list[int]) -> LostBlob:
         """Blobs that died with the process that put them (a rollout actor Ray restarted, before its
@@ -348,8 +320,7 @@ class RayTransferQueue:
         compact, refs = self._get(ref, timeout, what)
         objs = dict(held)
         values = self._fetch(refs, objs)
-        self._held = {x.obj: objs[x.obj] for x in refs.values()
-                      if isinstance(x, PartRef) and not isinstance(objs[x.obj], LostBlob)}
+        self._held = held_objects(refs, objs)
         return compact, values
 
     def _send_batches(self, stage: str, sizes: list[int], timeout: float | None, lease_s: float | None,
@@ -374,8 +345,7 @@ class RayTransferQueue:
         out, given, now_held = [], 0, {}
         for compact, refs in got:
             values = self._fetch(refs, objs)
-            now_held.update({x.obj: objs[x.obj] for x in refs.values()
-                             if isinstance(x, PartRef) and not isinstance(objs[x.obj], LostBlob)})
+            now_held.update(held_objects(refs, objs))
             taken = _columns(compact, values)
             given += len(taken.lease.samples)
             out.append(taken)
