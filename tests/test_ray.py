@@ -915,3 +915,25 @@ def test_a_reader_waits_for_batches_a_producer_puts_later(ray_session) -> None:
         assert store.size() == 0
     finally:
         store.kill()
+
+
+def test_a_reader_that_stops_while_its_read_ahead_waits_for_samples_cancels_it(ray_session) -> None:
+    """The call read ahead still waits for samples that are not there when the reader stops: it is
+    cancelled, so samples put afterwards are not leased to nobody."""
+    ray = ray_session
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=64, lease_timeout_s=600.0)
+    try:
+        store.register_stage("train", ["big"])
+        big = np.random.default_rng(10).random((8, 2048))
+        _put_rows(store, big, 0, 4)
+        store.flush()
+        reader = ray.remote(_Reader).options(num_cpus=0).remote()
+        got = ray.get(reader.read.remote(store, 4, 8, 1, 1), timeout=60)
+        assert got["idx"] == [0, 1, 2, 3] and got["calls"] == [[4], [4]]
+        _put_rows(store, big, 4, 4)
+        store.flush()
+        assert store.ready_count("train") == 4 and store.in_flight("train") == 0
+    finally:
+        store.kill()
