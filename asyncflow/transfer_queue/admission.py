@@ -55,7 +55,7 @@ class UidReservations:
 
 def check_new(samples: list[NewSample], capacity: int, groups: dict[int, GroupRecord],
               reserved: UidReservations) -> None:
-    """Everything the store's `_insert_many` relies on, checked before anything changes: a put that
+    """Everything `SampleBook._insert_many` relies on, checked before anything changes: a put that
     fails leaves the store as it was (it used to admit the samples before the bad one, unannounced)."""
     client_uids: set[int] = set()
     for ns in samples:

@@ -20,7 +20,7 @@ class SampleRecord:
     priority: float
     fields: dict[str, Any]
     version: int | None = None
-    # Stage marks are bit masks over the store's stage bits (`TransferQueue._bit`), not sets of
+    # Stage marks are bit masks over the store's stage bits (`SampleBook._bit`), not sets of
     # names: three sets cost ~650 bytes and three allocations per sample, and the store holds tens
     # of thousands of samples whose every visit is then a few more cache misses.
     ready: int = 0  # stages whose fields are all written
