@@ -60,6 +60,8 @@ def test_iter_columns_takes_batches_of_the_size_asked_the_last_one_what_is_left(
     assert list(q.iter_columns("s", 4, 0)) == []
     with pytest.raises(ValueError, match="batch >= 1"):
         next(q.iter_columns("s", 0, 10))
+    with pytest.raises(ValueError, match="readahead >= 0"):
+        next(q.iter_columns("s", 4, 10, readahead=-1))
 
 
 def test_a_columnar_put_counts_the_payload_bytes_its_rows_put_one_by_one_would() -> None:

@@ -243,6 +243,8 @@ class TransferQueue(SampleBook):
         left), each as `take_columns_blocking` with `min_samples` = its size; ack each one.
         `readahead` is for the Ray client's reader (`RayTransferQueue.iter_columns`); in process a
         take costs no round trip, so each batch is taken when the caller asks for it."""
+        if readahead < 0:
+            raise ValueError(f"iter_columns({stage!r}): need readahead >= 0, got {readahead}")
         return column_batches(self.take_columns_blocking, stage, batch, total, timeout=timeout, lease_s=lease_s,
                               fields_extra=fields_extra)
 
