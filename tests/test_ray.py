@@ -843,19 +843,26 @@ def _put_rows(store, big: np.ndarray, start: int, n: int) -> None:
                                list(range(start, start + n)), 1, timeout=30)
 
 
+def _filled_store(store_cls, rows: int, seed: int) -> tuple[Any, np.ndarray]:
+    """A new store (leases of 600 s: none ends by itself in a test) holding `rows` random rows of
+    `big`, put 8 at a time, all admitted."""
+    store = store_cls.create(capacity=64, lease_timeout_s=600.0)
+    store.register_stage("train", ["big"])
+    big = np.random.default_rng(seed).random((rows, 2048))
+    for start in range(0, rows, 8):
+        _put_rows(store, big, start, 8)
+    store.flush()
+    return store, big
+
+
 def test_a_reader_reads_ready_batches_ahead_in_few_calls_and_gets_each_sample_once(ray_session) -> None:
     """`iter_columns` asks for up to `readahead` batches a call (all ready here: every call is served
     whole), hands out leases of exactly `batch` samples (the last one what is left), in order."""
     ray = ray_session
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
 
-    store = RayTransferQueue.create(capacity=64)
+    store, big = _filled_store(RayTransferQueue, 40, seed=7)
     try:
-        store.register_stage("train", ["big"])
-        big = np.random.default_rng(7).random((40, 2048))
-        for start in range(0, 40, 8):
-            _put_rows(store, big, start, 8)
-        store.flush()
         reader = ray.remote(_Reader).options(num_cpus=0).remote()
         got = ray.get(reader.read.remote(store, 6, 40, 3), timeout=60)
         assert got["sizes"] == [6, 6, 6, 6, 6, 6, 4] and got["idx"] == list(range(40))
@@ -874,13 +881,8 @@ def test_a_reader_that_stops_early_gives_back_the_batches_it_read_ahead(ray_sess
     ray = ray_session
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
 
-    store = RayTransferQueue.create(capacity=64, lease_timeout_s=600.0)
+    store, _ = _filled_store(RayTransferQueue, 32, seed=8)
     try:
-        store.register_stage("train", ["big"])
-        big = np.random.default_rng(8).random((32, 2048))
-        for start in range(0, 32, 8):
-            _put_rows(store, big, start, 8)
-        store.flush()
         reader = ray.remote(_Reader).options(num_cpus=0).remote()
         got = ray.get(reader.read.remote(store, 4, 32, 2, 1), timeout=60)
         assert got["sizes"] == [4] and got["idx"] == [0, 1, 2, 3]
