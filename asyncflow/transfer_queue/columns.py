@@ -44,12 +44,18 @@ class ColumnLease:
         return [x for p in parts for x in p]
 
 
+def check_batches(stage: str, batch: int, total: int, readahead: int) -> None:
+    """`iter_columns`' arguments, the same for both placements."""
+    if batch < 1 or total < 0 or readahead < 0:
+        raise ValueError(f"iter_columns({stage!r}): need batch >= 1, total >= 0 and readahead >= 0, "
+                         f"got {batch}, {total} and {readahead}")
+
+
 def column_batches(take: Callable[..., ColumnLease], stage: str, batch: int, total: int,
                    **kwargs: Any) -> Iterator[ColumnLease]:
     """`total` samples of `stage` as columnar takes of `batch` samples (the last one what is left),
-    each waiting for its full size: `take(stage, want, min_samples=want, **kwargs)`."""
-    if batch < 1 or total < 0:
-        raise ValueError(f"iter_columns({stage!r}): need batch >= 1 and total >= 0, got {batch} and {total}")
+    each waiting for its full size: `take(stage, want, min_samples=want, **kwargs)` (arguments
+    checked by the caller: `check_batches`)."""
     left = total
     while left > 0:
         want = min(batch, left)

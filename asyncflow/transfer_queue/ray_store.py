@@ -43,7 +43,13 @@ import numpy as np
 
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView
-from asyncflow.transfer_queue.columns import ColumnLease, bare_views, blocks_from_slots, column_batches
+from asyncflow.transfer_queue.columns import (
+    ColumnLease,
+    bare_views,
+    blocks_from_slots,
+    check_batches,
+    column_batches,
+)
 from asyncflow.transfer_queue.op_queue import Op, OpQueue
 from asyncflow.transfer_queue.payload import rows_of
 from asyncflow.transfer_queue.put_buffer import Part, PutBuffer
@@ -293,6 +299,13 @@ class RayTransferQueue:
             await self.flush_async()
         return carried
 
+    def _ready_to_read_blocking(self) -> tuple[list[Op], list[Op]]:
+        """`_ready_to_read` for plain threads."""
+        carried = self._carried()
+        if self._before_take():
+            self.flush()
+        return carried
+
     async def _waiting(self, ref: Any, timeout: float | None, what: str) -> Any:
         """A take's answer; meanwhile queued updates go out after `coalesce_s`, not `ride_along_s`."""
         with self._updates.taking():
@@ -311,9 +324,7 @@ class RayTransferQueue:
                    what: str) -> tuple[Any, dict[int, Any]]:
         """A blocking take that leaves out the refs of coalesced objects this client read last time
         (`_held`); returns the compacted lease and its blob values."""
-        carried = self._carried()
-        if self._before_take():
-            self.flush()
+        carried = self._ready_to_read_blocking()
         held = self._held
         ref = self._take_call(stage, max_samples, min_samples, timeout, lease_s, min_version, fields_extra, carried,
                               held)
@@ -327,9 +338,7 @@ class RayTransferQueue:
                       fields_extra: Sequence[str]) -> tuple[Any, dict[int, Any], int]:
         """A `take_batches` call, sent: (its answer's ref, the held objects it named, kept until it is
         read: its answer leaves their refs out, how many samples it asked for)."""
-        first, after = self._carried()
-        if self._before_take():
-            self.flush()
+        first, after = self._ready_to_read_blocking()
         held = self._held
         ref = self.handle.take_batches.remote(stage, sizes, timeout, lease_s, list(fields_extra), self._get_owner(),
                                               first or None, after or None, list(held) if held else None)
@@ -419,9 +428,7 @@ class RayTransferQueue:
         controller answers (up to 2 x `readahead` at a time); acks ride on the next call. A caller
         that stops early gets every lease it was not handed released. `readahead=0`: one
         `take_columns_blocking` per batch, when the caller asks for it."""
-        if batch < 1 or total < 0 or readahead < 0:
-            raise ValueError(f"iter_columns({stage!r}): need batch >= 1, total >= 0 and readahead >= 0, "
-                             f"got {batch}, {total} and {readahead}")
+        check_batches(stage, batch, total, readahead)
         if readahead == 0:
             yield from column_batches(self.take_columns_blocking, stage, batch, total, timeout=timeout,
                                       lease_s=lease_s, fields_extra=fields_extra)

@@ -40,7 +40,7 @@ from typing import Any
 from asyncflow.transfer_queue.admission import check_new, check_take
 from asyncflow.transfer_queue.api import Lease, NewSample, QueueClosed, SampleView, StoreClient
 from asyncflow.transfer_queue.book import SampleBook
-from asyncflow.transfer_queue.columns import ColumnLease, column_batches
+from asyncflow.transfer_queue.columns import ColumnLease, check_batches, column_batches
 from asyncflow.transfer_queue.payload import column_rows, columns_bytes, samples_of
 from asyncflow.transfer_queue.records import StageRecord
 from asyncflow.transfer_queue.state import check_state, restore, snapshot
@@ -243,8 +243,7 @@ class TransferQueue(SampleBook):
         left), each as `take_columns_blocking` with `min_samples` = its size; ack each one.
         `readahead` is for the Ray client's reader (`RayTransferQueue.iter_columns`); in process a
         take costs no round trip, so each batch is taken when the caller asks for it."""
-        if readahead < 0:
-            raise ValueError(f"iter_columns({stage!r}): need readahead >= 0, got {readahead}")
+        check_batches(stage, batch, total, readahead)
         return column_batches(self.take_columns_blocking, stage, batch, total, timeout=timeout, lease_s=lease_s,
                               fields_extra=fields_extra)
 
