@@ -562,8 +562,9 @@ def test_colocated_hub_is_rollout_0_store_feeder_and_reward_in_one_process(ray_s
                                        "runtime.train_cpus=0.5", "rollout.max_batch=4"])
     pids = {(a["role"], a["index"]): a["pid"] for a in summary["actors"]}
     hub = pids[("rollout", 0)]
-    assert pids[("store", 0)] == pids[("feeder", 0)] == hub
-    assert pids[("rollout", 1)] not in (hub, None) and not any(role == "reward" for role, _ in pids)
+    assert sorted(pids) == [("rollout", 0), ("rollout", 1), ("trainer", 0)]  # one entry per actor
+    assert [a.get("hosts") for a in summary["actors"]] == [["store", "feeder", "reward/0"], None, None]
+    assert pids[("rollout", 1)] not in (hub, None)
     by_pid = {int(p.name): p.read_text().split() for p in calls.iterdir()}
     assert set(by_pid[hub]) == {"4"} and len(by_pid[hub]) >= 8  # every group scored in the hub
     assert set(by_pid) <= {hub, os.getpid()}  # (the driver's: its evaluation)

@@ -363,12 +363,14 @@ class RayWorkers:
         return out
 
     def actors(self) -> list[dict[str, Any]]:
-        """Where each actor runs now: role, index, node id, process id."""
+        """Where each actor runs now: role, index, node id, process id; one entry per actor. The
+        colocated hub is rollout 0's entry, whose `hosts` names the other roles its process plays."""
         import ray
 
         named = [("rollout", i, a) for i, a in enumerate(self.rollout_actors)]
         named += [("reward", j, a) for j, a in enumerate(self.reward_actors)]
-        named += [("feeder", 0, self.feeder_actor), ("store", 0, self.store.handle)]
+        if self.hub is None:
+            named += [("feeder", 0, self.feeder_actor), ("store", 0, self.store.handle)]
         out = []
         for role, index, actor in named:
             try:
@@ -376,8 +378,10 @@ class RayWorkers:
             except ray.exceptions.RayError as exc:
                 spot = {"node_id": None, "pid": None, "error": type(exc).__name__}
             out.append({"role": role, "index": index, **spot})
+            if actor is self.hub:
+                out[-1]["hosts"] = ["store", "feeder", *(f"reward/{j}" for j in range(self.hub_rewards))]
         try:  # (the trainer's ranks, with train.engine: fsdp)
-            out[len(named) - 2:len(named) - 2] = ray.get(self.trainer_actor.placement.remote(), timeout=STORE_CALL_TIMEOUT_S)
+            out += ray.get(self.trainer_actor.placement.remote(), timeout=STORE_CALL_TIMEOUT_S)
         except ray.exceptions.RayError as exc:
             out.append({"role": "trainer", "index": 0, "node_id": None, "pid": None, "error": type(exc).__name__})
         if self.servers is not None:  # (pid: the server process; its actor's is actor_pid)
