@@ -493,3 +493,40 @@ def test_flight_wakes_its_worker_once_enough_slots_are_free() -> None:
     assert asyncio.run(main()) == [("released", 1), ("released", 2), ("released", 3), ("free", 3),
                                    ("released", 4), ("all free", 8)]
 
+
+
+def test_the_trainer_takes_each_batch_in_one_lease(tmp_path) -> None:
+    """Groups finish one by one, yet the trainer leases each step's batch in one take, woken when the
+    last group it needs is scored (sync mode: nothing stale or left over, so one take a step)."""
+    from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
+    from asyncflow.config import load_config
+    from asyncflow.engines.sim import SimEngine, SimTrainer
+    from asyncflow.telemetry.runlog import RunLog, Tracer
+    from asyncflow.transfer_queue import TransferQueue
+    from asyncflow.virtual_loop import VirtualClock, run_virtual
+
+    leases: list[int] = []  # samples per trainer lease
+
+    class Recording(TransferQueue):
+        async def take(self, stage, max_samples, **kw):  # type: ignore[no-untyped-def]
+            lease = await super().take(stage, max_samples, **kw)
+            if stage == "train":
+                leases.append(len(lease.samples) + len(lease.expired))
+            return lease
+
+    async def main(clock: VirtualClock) -> None:
+        cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=32", "train.max_steps=3", "rollout.max_batch=8",
+                                    "rollout.max_new_tokens=50", "workflow.mode=sync"])
+        engines = [SimEngine(clock, lengths=lambda rng: rng.randint(1, 40), capacity=8, seed=0)]
+        store = Recording(capacity=4096, lease_timeout_s=1e5, clock=clock)
+        log = RunLog(tmp_path, metrics=False)
+        trainer = SimTrainer(clock, token_s=1e-3, devices=1)
+        pipeline = _make_sim_pipeline_class()(
+            cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=_reward, engines=engines,
+            trainer=trainer, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0), store=store)
+        pipeline.sim_trainer = trainer
+        await pipeline.run()
+        log.close()
+
+    run_virtual(main)
+    assert leases == [32, 32, 32]
