@@ -495,15 +495,35 @@ def test_flight_wakes_its_worker_once_enough_slots_are_free() -> None:
 
 
 
-def test_the_trainer_takes_each_batch_in_one_lease(tmp_path) -> None:
-    """Groups finish one by one, yet the trainer leases each step's batch in one take, woken when the
-    last group it needs is scored (sync mode: nothing stale or left over, so one take a step)."""
+def _sim_run(tmp_path, settings: list[str], store: Any = None, trainer: Any = None) -> None:
+    """The sim pipeline on a virtual clock: one engine of 8 slots, 64 prompts, `settings` on top."""
     from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimEngine, SimTrainer
     from asyncflow.telemetry.runlog import RunLog, Tracer
-    from asyncflow.transfer_queue import TransferQueue
     from asyncflow.virtual_loop import VirtualClock, run_virtual
+
+    async def main(clock: VirtualClock) -> None:
+        cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=32", "train.max_steps=3", "rollout.max_batch=8",
+                                    "rollout.max_new_tokens=50", *settings])
+        engines = [SimEngine(clock, lengths=lambda rng: rng.randint(1, 40), capacity=8, seed=0)]
+        log = RunLog(tmp_path, metrics=False)
+        sim = SimTrainer(clock, token_s=1e-3, devices=1) if trainer is None else trainer(clock)
+        pipeline = _make_sim_pipeline_class()(
+            cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=_reward, engines=engines,
+            trainer=sim, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0),
+            store=None if store is None else store(clock))
+        pipeline.sim_trainer = sim
+        await pipeline.run()
+        log.close()
+
+    run_virtual(main)
+
+
+def test_the_trainer_takes_each_batch_in_one_lease(tmp_path) -> None:
+    """Groups finish one by one, yet the trainer leases each step's batch in one take, woken when the
+    last group it needs is scored (sync mode: nothing stale or left over, so one take a step)."""
+    from asyncflow.transfer_queue import TransferQueue
 
     leases: list[int] = []  # samples per trainer lease
 
@@ -514,19 +534,27 @@ def test_the_trainer_takes_each_batch_in_one_lease(tmp_path) -> None:
                 leases.append(len(lease.samples) + len(lease.expired))
             return lease
 
-    async def main(clock: VirtualClock) -> None:
-        cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=32", "train.max_steps=3", "rollout.max_batch=8",
-                                    "rollout.max_new_tokens=50", "workflow.mode=sync"])
-        engines = [SimEngine(clock, lengths=lambda rng: rng.randint(1, 40), capacity=8, seed=0)]
-        store = Recording(capacity=4096, lease_timeout_s=1e5, clock=clock)
-        log = RunLog(tmp_path, metrics=False)
-        trainer = SimTrainer(clock, token_s=1e-3, devices=1)
-        pipeline = _make_sim_pipeline_class()(
-            cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=_reward, engines=engines,
-            trainer=trainer, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0), store=store)
-        pipeline.sim_trainer = trainer
-        await pipeline.run()
-        log.close()
-
-    run_virtual(main)
+    _sim_run(tmp_path, ["workflow.mode=sync"], store=lambda clock: Recording(capacity=4096, lease_timeout_s=1e5,
+                                                                             clock=clock))
     assert leases == [32, 32, 32]
+
+
+@pytest.mark.parametrize("blocks", [True, False])
+def test_a_blocking_export_runs_in_a_worker_thread_and_a_reference_inline(blocks: bool, tmp_path) -> None:
+    """`export_blocks`: an export that copies the weights runs off the event loop; one that only hands
+    out a reference (the Ray trainer's) runs on it, without a thread hop per step."""
+    import threading
+
+    from asyncflow.engines.sim import SimTrainer
+
+    threads: list[bool] = []  # per export: whether it ran on the event loop's thread
+
+    class Exporting(SimTrainer):
+        export_blocks = blocks
+
+        def export_weights(self) -> dict[str, Any]:
+            threads.append(threading.current_thread() is threading.main_thread())
+            return {}
+
+    _sim_run(tmp_path, [], trainer=lambda clock: Exporting(clock, token_s=1e-3, devices=1))
+    assert threads == [not blocks] * 3

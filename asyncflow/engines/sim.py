@@ -334,6 +334,8 @@ class SimTrainer:
     plus `overhead_s` per step (a colocated run's switch from generation to training). It has no
     weights: `export_weights` publishes an empty state and only the timing is modelled."""
 
+    export_blocks = True  # (as `TrainEngine`'s: PIPE runs the export as a real run does)
+
     def __init__(self, clock: Clock, *, token_s: float, devices: int, overhead_s: float = 0.0) -> None:
         self.clock = clock
         self.token_s = token_s

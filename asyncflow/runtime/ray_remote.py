@@ -300,6 +300,11 @@ class RemoteTrainEngine(TrainEngine):
         self.steps += 1
         return metrics  # type: ignore[no-any-return]
 
+    @property
+    def export_blocks(self) -> bool:  # type: ignore[override]
+        """Only a broadcast's publication may block (it rebuilds the weight group when members changed)."""
+        return self.channel is not None
+
     def export_weights(self) -> Any:
         """The new weights' publication (`asyncflow.runtime.ray_weights`): a broadcast over the
         channel (`runtime.weight_sync: collective`), else an object-store reference engines fetch."""

@@ -298,7 +298,8 @@ class TrainerStage(StageBase):
         # in a worker thread, as the train step is: a full copy of the weights (an FSDP gather) held the
         # event loop for it, stalling rollout callbacks, new requests and evaluation (0.7 s at 156M
         # parameters on CPU); the trainer is idle meanwhile (the step is done, the next waits for this)
-        state = await asyncio.to_thread(self.trainer.export_weights)
+        trainer = self.trainer
+        state = await asyncio.to_thread(trainer.export_weights) if trainer.export_blocks else trainer.export_weights()
         new_version = self.version + 1
         # requests that the new version's floor drops are cancelled before the load, not after it:
         # a `drain` load waits for what is running, and at max_staleness 0 (sync) everything running
