@@ -104,8 +104,8 @@ class TrainerStage(StageBase):
             try:
                 if left <= 0:
                     raise WaitTimeout("the batch's deadline passed")
-                # the rest of the batch in one lease: taken group by group, the trainer woke and leased
-                # once per group or two (PIPE: ~10% of a sample's scheduling CPU)
+                # the rest of the batch in one lease, woken once when all of it is ready: not a wake-up,
+                # a lease and an ack per group (PIPE: ~10% of a sample's scheduling CPU)
                 need = self.cfg.train.batch_size - have
                 lease = await self.store.take(
                     "train",
