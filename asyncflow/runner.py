@@ -256,7 +256,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         pipeline = Pipeline(
             cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
             loss_fn=make_loss_fn(loss_settings(cfg)), clock=clock, log=log, tracer=tracer,
-            ref_logprobs=ref_fn, on_step=hooks.on_step, store=runtime.store, gate=runtime.gate,
+            ref_logprobs=ref_fn, on_step=hooks.on_step, on_trained=hooks.on_trained, store=runtime.store, gate=runtime.gate,
         )
         pipeline.max_context = inputs.positions
         hooks.pipeline = pipeline

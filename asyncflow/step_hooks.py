@@ -52,6 +52,7 @@ class StepHooks:
         self.out, self.trainer, self.hf_tok = out, trainer, hf_tok
         self.fingerprint, self.protect = fingerprint, protect  # (protect: the checkpoint rotation keeps it)
         self.pending_eval: asyncio.Task[dict[str, float]] | None = None
+        self.store_read: asyncio.Future[dict[str, float]] | None = None  # the step's store metrics (`on_trained`)
         self.last_eval: dict[str, Any] = {}
         self.eval_skip_told = False
 
@@ -69,12 +70,23 @@ class StepHooks:
             due = redo_eval and resume.step < self.cfg.train.max_steps
             self.last_eval = await evaluator.run(step=resume.step) if due else evaluator.history[-1]
 
+    def on_trained(self) -> None:
+        """The step's samples are acked and its weights about to be published: read the store for the
+        step's row now. One read, not awaited here: a store in another process (Ray) answers it while
+        the engines load, not as a round trip of its own between the publication and the next batch."""
+        ask = getattr(self.pipeline.store, "metrics_async", None)
+        if ask is None:
+            self.store_read = asyncio.get_running_loop().create_future()
+            self.store_read.set_result(self.pipeline.store.metrics())
+        else:
+            self.store_read = asyncio.ensure_future(ask())
+            # (its error taken: a failed publication never awaits it)
+            self.store_read.add_done_callback(lambda f: f.cancelled() or f.exception())
+
     async def on_step(self, result: StepResult) -> None:
         cfg = self.cfg
-        # one read of the store per step, awaited: a store in another process (Ray) answered two
-        # blocking calls here (metrics, size), each a round trip with the event loop held
-        ask = getattr(self.pipeline.store, "metrics_async", None)
-        store = await ask() if ask is not None else self.pipeline.store.metrics()
+        read, self.store_read = self.store_read, None
+        store = await read if read is not None else self.pipeline.store.metrics()
         row = self.train_row(result, store)
         self.log.metric(row)
         if cfg.checkpoint.every > 0 and result.step % cfg.checkpoint.every == 0:

@@ -495,8 +495,9 @@ def test_flight_wakes_its_worker_once_enough_slots_are_free() -> None:
 
 
 
-def _sim_run(tmp_path, settings: list[str], store: Any = None, trainer: Any = None) -> None:
-    """The sim pipeline on a virtual clock: one engine of 8 slots, 64 prompts, `settings` on top."""
+def _sim_run(tmp_path, settings: list[str], store: Any = None, trainer: Any = None, on_trained: Any = None) -> None:
+    """The sim pipeline on a virtual clock: one engine of 8 slots, 64 prompts, `settings` on top
+    (`on_trained(pipeline)`: the pipeline's `on_trained` hook)."""
     from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimEngine, SimTrainer
@@ -514,6 +515,8 @@ def _sim_run(tmp_path, settings: list[str], store: Any = None, trainer: Any = No
             trainer=sim, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0),
             store=None if store is None else store(clock))
         pipeline.sim_trainer = sim
+        if on_trained is not None:
+            pipeline.on_trained = lambda: on_trained(pipeline)
         await pipeline.run()
         log.close()
 
@@ -537,6 +540,20 @@ def test_the_trainer_takes_each_batch_in_one_lease(tmp_path) -> None:
     _sim_run(tmp_path, ["workflow.mode=sync"], store=lambda clock: Recording(capacity=4096, lease_timeout_s=1e5,
                                                                              clock=clock))
     assert leases == [32, 32, 32]
+
+
+def test_a_step_s_samples_leave_the_store_before_its_weights_are_published(tmp_path) -> None:
+    """`on_trained` runs once a step, after the step's ack and before its publication: the store then
+    holds none of the step's samples (nothing leased to the trainer, all of them logged), and the
+    engine still has the weights the step trained."""
+    seen: list[tuple[float, int, int, int]] = []
+
+    def on_trained(pipeline: Any) -> None:
+        m = pipeline.store.metrics()
+        seen.append((m["leased/train"], pipeline.counters.trained, pipeline.version, pipeline.engines[0].version))
+
+    _sim_run(tmp_path, ["workflow.mode=sync"], on_trained=on_trained)
+    assert seen == [(0.0, 32, 0, 0), (0.0, 64, 1, 1), (0.0, 96, 2, 2)]
 
 
 @pytest.mark.parametrize("blocks", [True, False])

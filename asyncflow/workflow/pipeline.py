@@ -72,6 +72,7 @@ class Pipeline(FeederStage, RolloutStage, RewardStage, TrainerStage):
         tracer: Tracer,
         ref_logprobs: Callable[[TrainBatch], torch.Tensor] | None = None,
         on_step: Callable[[StepResult], Awaitable[None]] | None = None,
+        on_trained: Callable[[], None] | None = None,
         store: StoreClient | None = None,
         gate: Any = None,
         env_factory: Callable[[Clock], Any] | None = None,
@@ -83,6 +84,7 @@ class Pipeline(FeederStage, RolloutStage, RewardStage, TrainerStage):
         self.loss_fn = loss_fn
         self.ref_logprobs = ref_logprobs
         self.on_step = on_step
+        self.on_trained = on_trained
         super().__init__(cfg, rows=rows, tokenizer=tokenizer, engines=engines, clock=clock, log=log, tracer=tracer,
                          reward_fn=reward_fn, store=store, gate=gate, env_factory=env_factory)
         self.final_accounting: dict[str, int] = {}

@@ -85,6 +85,7 @@ class StageBase:
     tracer: Tracer
     ref_logprobs: Callable[[TrainBatch], torch.Tensor] | None
     on_step: Callable[[StepResult], Awaitable[None]] | None
+    on_trained: Callable[[], None] | None  # after a step's optimizer steps and ack, before its publication
     n: int  # samples per prompt
     groups_per_step: int
     k: int  # max staleness

@@ -77,11 +77,7 @@ class TrainerStage(StageBase):
         `train.max_steps`, or the step after `stop_early()` was called."""
         for step in range(self.first_step, self.cfg.train.max_steps + 1):
             groups, leases, filtered = await self._collect_batch()
-            result = await self._train_on(step, groups, filtered)
-            for lease in leases:
-                self.keeper.drop(lease)
-                if not self.store.ack(lease, remove=True):  # (kept alive by the keeper: should not happen)
-                    self.store.remove([s.uid for s in (*lease.samples, *lease.expired)])  # never train them again
+            result = await self._train_on(step, groups, leases, filtered)
             self.last_step = step
             if self.on_step is not None:
                 await self.on_step(result)
@@ -182,7 +178,15 @@ class TrainerStage(StageBase):
         self.store.remove([s.uid for s in samples])
         self.gate.drop(len({s.group_id for s in samples}))
 
-    async def _train_on(self, step: int, groups: list[list[SampleView]], filtered: int = 0) -> StepResult:
+    def _ack(self, leases: list[Lease]) -> None:
+        """The trained batch leaves the store."""
+        for lease in leases:
+            self.keeper.drop(lease)
+            if not self.store.ack(lease, remove=True):  # (kept alive by the keeper: should not happen)
+                self.store.remove([s.uid for s in (*lease.samples, *lease.expired)])  # never train them again
+
+    async def _train_on(self, step: int, groups: list[list[SampleView]], leases: list[Lease],
+                        filtered: int = 0) -> StepResult:
         samples = [s for g in groups for s in g]
         valid: list[bool] = []
         rewards: list[float] = []
@@ -200,25 +204,16 @@ class TrainerStage(StageBase):
         with self.tracer.timed("trainer", f"train step {step}", samples=len(samples)):
             metrics, tokens = await self._optimize(samples, valid, rewards)
         self.counters.train_busy_s += self.clock.now() - t0
-        sync_s, sync_bytes = await self._publish()
-        trained_version = self.version - 1
-        staleness: list[int] = []
-        logged: list[tuple[SampleView, int | None, str, str | None]] = []
-        length = 0
-        for s, ok in zip(samples, valid, strict=True):
-            f = s.fields
-            length += len(f["response_ids"])
-            if ok:
-                staleness.append(trained_version - f["behavior_version"])
-                logged.append((s, trained_version, "trained", None))
-            else:
-                logged.append((s, None, "reward_error", f["reward_error"]))
-        # (a reward_error sample trains with reward 0 masked out: it is logged with none)
-        self._log_samples(logged, rewards=[r if ok else None for r, ok in zip(rewards, valid, strict=True)])
-        n_valid = len(staleness)
-        self.counters.trained += n_valid
-        self.counters.reward_errors += len(samples) - n_valid
+        staleness, length = self._log_trained(samples, valid, rewards, self.version)
         self.counters.tokens += tokens
+        # logged and acked before the publication, not after it: the samples are trained, and a hook's
+        # store read (`on_trained`) then sees them gone and, with a store in another process, overlaps
+        # the engines' loads
+        self._ack(leases)
+        if self.on_trained is not None:
+            self.on_trained()
+        sync_s, sync_bytes = await self._publish()
+        n_valid = len(staleness)
         metrics.update(
             reward_mean=reward_sum / max(n_valid, 1),
             staleness_mean=sum(staleness) / max(n_valid, 1),
@@ -229,6 +224,27 @@ class TrainerStage(StageBase):
             **batch_metrics(groups, valid, rewards, filtered),
         )
         return StepResult(step, self.version, metrics)
+
+    def _log_trained(self, samples: list[SampleView], valid: list[bool], rewards: list[float],
+                     version: int) -> tuple[list[int], int]:
+        """Log the batch's samples as trained by `version` (a reward_error sample trains with reward 0
+        masked out: it is logged with none) and count them; returns the trained samples' staleness
+        and the batch's response tokens."""
+        staleness: list[int] = []
+        logged: list[tuple[SampleView, int | None, str, str | None]] = []
+        length = 0
+        for s, ok in zip(samples, valid, strict=True):
+            f = s.fields
+            length += len(f["response_ids"])
+            if ok:
+                staleness.append(version - f["behavior_version"])
+                logged.append((s, version, "trained", None))
+            else:
+                logged.append((s, None, "reward_error", f["reward_error"]))
+        self._log_samples(logged, rewards=[r if ok else None for r, ok in zip(rewards, valid, strict=True)])
+        self.counters.trained += len(staleness)
+        self.counters.reward_errors += len(samples) - len(staleness)
+        return staleness, length
 
     async def _optimize(self, samples: list[SampleView], valid: list[bool], rewards: list[float]) -> tuple[dict[str, Any], int]:
         """Advantages, the padded batch and the optimizer steps (in a worker thread); returns the
