@@ -74,19 +74,24 @@ class StepHooks:
         """The step's samples are acked and its weights about to be published: read the store for the
         step's row now. One read, not awaited here: a store in another process (Ray) answers it while
         the engines load, not as a round trip of its own between the publication and the next batch."""
+        self.store_read = self._read_store()
+        # (its error taken: a failed publication never awaits it)
+        self.store_read.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def _read_store(self) -> asyncio.Future[dict[str, float]]:
+        """The store's metrics: one awaitable call for a store in another process (a blocking one
+        would hold the event loop for a round trip), else read now."""
         ask = getattr(self.pipeline.store, "metrics_async", None)
-        if ask is None:
-            self.store_read = asyncio.get_running_loop().create_future()
-            self.store_read.set_result(self.pipeline.store.metrics())
-        else:
-            self.store_read = asyncio.ensure_future(ask())
-            # (its error taken: a failed publication never awaits it)
-            self.store_read.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if ask is not None:
+            return asyncio.ensure_future(ask())
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(self.pipeline.store.metrics())
+        return done
 
     async def on_step(self, result: StepResult) -> None:
         cfg = self.cfg
         read, self.store_read = self.store_read, None
-        store = await read if read is not None else self.pipeline.store.metrics()
+        store = await (read if read is not None else self._read_store())  # (None: no `on_trained` came)
         row = self.train_row(result, store)
         self.log.metric(row)
         if cfg.checkpoint.every > 0 and result.step % cfg.checkpoint.every == 0:

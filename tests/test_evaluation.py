@@ -275,3 +275,49 @@ def test_an_eval_generation_that_comes_back_cancelled_is_a_failed_prompt(tmp_pat
     row = _evaluate(tmp_path, lambda prompts, completions, **c: [1.0], [], engine_cls=Cancelling)
     assert row["eval_errors"] == 1 and "eval prompt 1: its generation was cancelled" in row["eval_error"]
     assert row["eval_accuracy"] == 5 / 6
+
+
+def test_step_hooks_read_the_store_once_a_step_without_blocking_on_a_remote_store(tmp_path: Path) -> None:
+    """`on_trained` starts the row's store read; a store in another process is asked with one
+    awaitable call (its blocking `metrics` would hold the event loop), an in-process one at once,
+    and `on_step` without an `on_trained` before it still reads the remote store the awaitable way."""
+    from types import SimpleNamespace
+
+    from asyncflow.config import load_config
+    from asyncflow.step_hooks import StepHooks
+
+    class Remote:
+        def __init__(self) -> None:
+            self.samples = 0.0
+
+        async def metrics_async(self) -> dict[str, float]:
+            return {"samples": self.samples}
+
+        def metrics(self) -> dict[str, float]:
+            raise AssertionError("a blocking store read on the event loop")
+
+    class InProcess:
+        def __init__(self) -> None:
+            self.samples = 0.0
+
+        def metrics(self) -> dict[str, float]:
+            return {"samples": self.samples}
+
+    cfg, _ = load_config(None, [])
+    hooks = StepHooks(cfg, None, engines=[], runtime=None, log=None, tracer=None, clock=None,
+                      progress=None, out=tmp_path, trainer=None, hf_tok=None, fingerprint="", protect=None)
+
+    async def main() -> list[float]:
+        seen = []
+        for store in (Remote(), InProcess()):
+            hooks.pipeline = SimpleNamespace(store=store)
+            store.samples = 5.0
+            hooks.on_trained()
+            store.samples = 9.0  # (what changes after the read started: a remote read answers it later)
+            assert hooks.store_read is not None
+            seen.append((await hooks.store_read)["samples"])
+        hooks.pipeline = SimpleNamespace(store=Remote())
+        seen.append((await hooks._read_store())["samples"])
+        return seen
+
+    assert asyncio.run(main()) == [9.0, 5.0, 0.0]
