@@ -138,7 +138,7 @@ def test_metric_rows_are_strict_json_with_non_finite_numbers_as_null(tmp_path: P
 
 
 def test_samples_lines_are_exactly_json_dumps_of_each_row() -> None:
-    from asyncflow.telemetry.runlog import _json_line
+    from asyncflow.telemetry.jsonl import json_line as _json_line
 
     rows = [
         {"uid": 1, "prompt": "Ünïcode \u2603 \"quoted\" \\ back", "reward": 0.1 + 0.2, "error": None},
@@ -149,6 +149,27 @@ def test_samples_lines_are_exactly_json_dumps_of_each_row() -> None:
         assert _json_line(row) == json.dumps(row) + "\n"
     with pytest.raises(TypeError):
         _json_line({"bad": object()})
+
+
+def test_a_sample_line_is_exactly_json_dumps_of_its_row() -> None:
+    import numpy as np
+
+    from asyncflow.telemetry.jsonl import json_value, sample_line
+
+    keys = ("uid", "group_id", "prompt", "response", "reward", "behavior_version", "trained_version", "status",
+            "error")
+    cases = [
+        ((1, 0, "Ünïcode \u2603 \"quoted\" \\ back", "ok\n", 0.1 + 0.2, 3, 4, "trained", None), None),
+        ((10**30, -2, [{"role": "user", "content": "hi"}], None, None, None, None, "reward_error", "boom \u00e9"), None),
+        ((5, 6, {"nested": [1, 2.5, None]}, "", True, 0, None, "filtered", None), {"turns": 3, "generated_tokens": 17}),
+        ((7, 8, 12, "", np.float64(0.5), 1, 2, "trained", None), {"agent_calls": [{"a": 1}], "agent_calls_dropped": 0}),
+        ((9, 9, -0.0, "", 1e300, 2, 2, "cancelled", "x"), {"turns": None}),
+    ]
+    for values, extra in cases:
+        row = {**dict(zip(keys, values, strict=True)), **(extra or {})}
+        assert sample_line(*values, extra) == json.dumps(row) + "\n", row
+    for v in (float("nan"), float("inf"), -float("inf"), False, 2**70, "\x00", [1, "a"], np.float64(0.25)):
+        assert json_value(v) == json.dumps(v)
 
 
 def test_a_run_cut_in_its_first_evaluation_closes_its_sinks_and_engines(

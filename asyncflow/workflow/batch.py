@@ -65,22 +65,38 @@ def batch_metrics(groups: list[list[SampleView]], valid: list[bool], rewards: li
     scored rewards are all equal (no GRPO signal; `filtered` such groups the dynamic-sampling filter
     dropped while this batch was collected count too), the fraction of responses cut by the length
     limit, the response lengths' min and max, and each reward function's mean (`reward/<name>`)."""
-    samples = [s for g in groups for s in g]
     scored = [r for r, ok in zip(rewards, valid, strict=True) if ok]
     mean = sum(scored) / max(len(scored), 1)
-    lengths = [len(s.fields["response_ids"]) for s in samples]
     zero_std = sum(1 for g in groups if all_equal(g)) + filtered
+    # one pass over the samples for the rest (a batch is up to hundreds of thousands of samples)
+    n = truncated = 0
+    lo, hi = math.inf, 0
+    parts: dict[str, list[float]] = {}
+    ok_of = iter(valid)
+    for g in groups:
+        for s in g:
+            f = s.fields
+            length = len(f["response_ids"])
+            if length < lo:
+                lo = length
+            if length > hi:
+                hi = length
+            if f.get("finish_reason") == "length":
+                truncated += 1
+            reward_parts = f.get("reward_parts")
+            if next(ok_of) and reward_parts:
+                for name, value in reward_parts.items():
+                    parts.setdefault(name, []).append(value)
+            n += 1
+    if n != len(valid):
+        raise ValueError(f"batch_metrics: {len(valid)} valid flags for {n} samples")
     out = {
         "reward_std": math.sqrt(sum((r - mean) ** 2 for r in scored) / max(len(scored), 1)),
         "zero_std_group_frac": zero_std / max(len(groups) + filtered, 1),
-        "truncated_frac": sum(1 for s in samples if s.fields.get("finish_reason") == "length") / max(len(samples), 1),
-        "response_len_min": float(min(lengths, default=0)),
-        "response_len_max": float(max(lengths, default=0)),
+        "truncated_frac": truncated / max(n, 1),
+        "response_len_min": float(lo if n else 0),
+        "response_len_max": float(hi),
     }
-    parts: dict[str, list[float]] = {}
-    for s, ok in zip(samples, valid, strict=True):
-        for name, value in (s.fields.get("reward_parts") or {}).items() if ok else ():
-            parts.setdefault(name, []).append(value)
     out.update({f"reward/{name}": sum(values) / len(values) for name, values in parts.items()})
     return out
 

@@ -22,6 +22,7 @@ from asyncflow.rewards import (
     RewardFn,
     is_async_reward_fn,
 )
+from asyncflow.telemetry.jsonl import sample_line
 from asyncflow.telemetry.runlog import RunLog, Tracer
 from asyncflow.tokenizer import Tokenizer
 from asyncflow.transfer_queue import SampleView, StoreClient, TransferQueue
@@ -204,7 +205,7 @@ class StageBase:
         key = self.cfg.dataset.prompt_key
         rows, decode = self.rows, self.tok.decode
         tokens_by, count_by = self.counters.response_tokens, self.counters.response_count
-        out = []
+        lines = []
         for i, (s, trained_version, status, error) in enumerate(items):
             f = s.fields
             resp = f.get("response_ids")
@@ -214,25 +215,17 @@ class StageBase:
                 count_by[status] = count_by.get(status, 0) + 1
             version = f.get("behavior_version")
             reward = f.get("reward") if rewards is None else rewards[i]
-            row = {
-                "uid": s.uid,
-                "group_id": s.group_id,
-                "prompt": rows[f["row"]].get(key) if "row" in f else None,
-                "response": None if resp is None else decode(resp),
-                "reward": None if reward is None or (isinstance(reward, float) and math.isnan(reward)) else reward,
-                "behavior_version": None if version is None or version < 0 else version,
-                "trained_version": trained_version,
-                "status": status,
-                "error": error,
-            }
+            extra = None
             if "loss_mask" in f:
-                row["turns"] = f.get("turns")
-                row["generated_tokens"] = generated_tokens(f["loss_mask"])
+                extra = {"turns": f.get("turns"), "generated_tokens": generated_tokens(f["loss_mask"])}
             if "agent_calls" in f:
-                row["agent_calls"] = f["agent_calls"]
-                row["agent_calls_dropped"] = f["agent_calls_dropped"]
-            out.append(row)
-        self.log.samples(out)
+                extra = {**(extra or {}), "agent_calls": f["agent_calls"], "agent_calls_dropped": f["agent_calls_dropped"]}
+            lines.append(sample_line(
+                s.uid, s.group_id, rows[f["row"]].get(key) if "row" in f else None,
+                None if resp is None else decode(resp),
+                None if reward is None or (isinstance(reward, float) and math.isnan(reward)) else reward,
+                None if version is None or version < 0 else version, trained_version, status, error, extra))
+        self.log.sample_lines(lines)
 
 
 def store_capacity(cfg: Config) -> int:
