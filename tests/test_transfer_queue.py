@@ -1080,6 +1080,39 @@ def test_a_lease_that_expires_wakes_a_waiter_that_started_waiting_before_it_exis
     assert got == [0, 1]
 
 
+def test_a_lease_of_the_default_term_leaves_a_waiter_that_began_with_no_lease_asleep() -> None:
+    """A waiter that began waiting with no lease in the store wakes by then + lease_timeout_s, the
+    soonest a lease of the default term taken later can expire: such a lease leaves it asleep. (Every
+    waiter used to be woken by the first lease taken after the store had none, to retry and fail:
+    each idle rollout worker, at each sync step's start.) A shorter lease still wakes it (above)."""
+
+    async def main() -> int:
+        q = TransferQueue(capacity=16, lease_timeout_s=600)
+        q.register_stage("a", ["x"])
+        q.register_stage("b", ["y"])
+        tries = 0
+        take = q._take_or_wait
+
+        def counted(*args: Any) -> Any:
+            nonlocal tries
+            tries += args[-1] is not None  # (a waiting take's try; `take_nowait` passes None)
+            return take(*args)
+
+        q._take_or_wait = counted  # type: ignore[method-assign]
+        waiter = asyncio.create_task(q.take("a", 1, timeout=None))
+        await asyncio.sleep(0.01)
+        assert tries == 1
+        await q.put([NewSample(0, 1, {"y": 0})])
+        assert q.take_nowait("b", 1) is not None  # a lease of the default term (600 s)
+        await asyncio.sleep(0.01)
+        waiting_tries = tries
+        await q.put([NewSample(1, 1, {"x": 1})])
+        assert uids_of(await asyncio.wait_for(waiter, 30)) == [1]
+        return waiting_tries
+
+    assert asyncio.run(main()) == 1
+
+
 def test_counters_count_an_expired_lease_as_expired_before_anything_else_calls_the_store() -> None:
     clock = FakeClock()
     q = TransferQueue(lease_timeout_s=10.0, clock=clock)

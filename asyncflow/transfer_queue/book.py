@@ -371,13 +371,17 @@ class SampleBook:
                 self._expired_leases += 1
                 self._release(rec)
 
-    def _wake_at(self) -> float | None:
+    def _wake_at(self) -> float:
         """When a waiter registered now should retry at the latest (the next lease expiry, which may
-        make samples available again); remembered so a lease that expires earlier wakes it."""
+        make samples available again); remembered so a lease that expires earlier wakes it. With no
+        lease live: the soonest a lease taken from now on with the default term can expire. (Not
+        never: then every waiter was woken, to retry and fail, by the first lease taken after the
+        store had none, a herd of every idle rollout worker at each sync step's start.)"""
         at = self._expiry.next_deadline(self._leases)
-        latest = math.inf if at is None else at
-        if latest > self._latest_wake:
-            self._latest_wake = latest
+        if at is None:
+            at = self._clock.now() + self.lease_timeout_s
+        if at > self._latest_wake:
+            self._latest_wake = at
         return at
 
     # ----------------------------------------------------------------------------- removal
