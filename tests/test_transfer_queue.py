@@ -1113,6 +1113,48 @@ def test_a_lease_of_the_default_term_leaves_a_waiter_that_began_with_no_lease_as
     assert asyncio.run(main()) == 1
 
 
+def test_a_put_wakes_only_the_takers_its_samples_serve_counting_their_room() -> None:
+    """A rollout worker waits for one slot's worth, and its other slots free up meanwhile; woken, it
+    takes that one, then at once fills the rest. A put woke a waiting worker per sample (each asked
+    for one), and all but the first then found nothing (at 1,024 rollout workers in PIPE, a third of
+    a failed retry per sample). With `room` (its free slots when woken) the put's samples wake the
+    first worker only; the others stay asleep, in order, until more samples come."""
+
+    async def main() -> tuple[list[int], list[int]]:
+        q = TransferQueue(capacity=16)
+        q.register_stage("s", ["x"])
+        tries = [0, 0, 0]
+        take = q._take_each_or_wait
+
+        def counted(*args: Any) -> Any:
+            task = asyncio.current_task()
+            if args[-1] is not None and task is not None:  # (a waiting take's try, by the worker's task)
+                tries[int(task.get_name())] += 1
+            return take(*args)
+
+        q._take_each_or_wait = counted  # type: ignore[method-assign]
+
+        async def worker() -> int:
+            leases = await q.take_each("s", 1, timeout=30, room=lambda: 4)
+            more = q.take_each_nowait("s", 3)  # its other free slots, filled at once
+            return len(leases) + len(more)
+
+        tasks = []
+        for i in range(3):
+            tasks.append(asyncio.create_task(worker(), name=str(i)))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        await q.put([NewSample(g, 1, {"x": g}) for g in range(4)])
+        await asyncio.sleep(0.01)
+        assert [t.done() for t in tasks] == [True, False, False]
+        await q.put([NewSample(g, 1, {"x": g}) for g in range(4, 12)])
+        return [await asyncio.wait_for(t, 30) for t in tasks], tries
+
+    served, tries = asyncio.run(main())
+    assert served == [4, 4, 4]
+    assert tries == [2, 2, 2]  # each: its first try, and the one its put woke
+
+
 def test_counters_count_an_expired_lease_as_expired_before_anything_else_calls_the_store() -> None:
     clock = FakeClock()
     q = TransferQueue(lease_timeout_s=10.0, clock=clock)

@@ -4,7 +4,7 @@ what a closed store raises (`QueueClosed`), and the `StoreClient` protocol the w
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -85,6 +85,7 @@ class StoreClient(Protocol):
         lease_s: float | None = None,
         min_version: int | None = None,
         fields_extra: Sequence[str] = (),
+        room: Callable[[], int] | None = None,
     ) -> list[Lease]: ...
 
     def write(self, uid: int, fields: dict[str, Any], *, version: int | None = None) -> None: ...

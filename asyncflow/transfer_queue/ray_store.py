@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -385,8 +385,9 @@ class RayTransferQueue:
 
     async def take_each(self, stage: str, max_samples: int, *, timeout: float | None = None,
                         lease_s: float | None = None, min_version: int | None = None,
-                        fields_extra: Sequence[str] = ()) -> list[Lease]:
-        """See `TransferQueue.take_each`: one call, one lease per sample (or group)."""
+                        fields_extra: Sequence[str] = (), room: Callable[[], int] | None = None) -> list[Lease]:
+        """See `TransferQueue.take_each`: one call, one lease per sample (or group). `room` stays
+        here (the controller cannot call back into this process): its waiter counts `max_samples`."""
         first, after = await self._ready_to_read()
         ref = self.handle.take_each.remote(stage, max_samples, timeout, lease_s, min_version, list(fields_extra),
                                            self._get_owner(), first + after or None)

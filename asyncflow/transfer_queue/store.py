@@ -158,11 +158,14 @@ class TransferQueue(SampleBook):
 
     async def take_each(self, stage: str, max_samples: int, *, timeout: float | None = None,
                         lease_s: float | None = None, min_version: int | None = None,
-                        fields_extra: Sequence[str] = ()) -> list[Lease]:
+                        fields_extra: Sequence[str] = (), room: Callable[[], int] | None = None) -> list[Lease]:
         """Up to `max_samples` samples (whole groups for group stages) as one lease each, so each can
         be completed on its own: waits for the first, then takes what is ready. One call instead of
-        one per free slot (a round trip each on Ray), and one pass under the lock for all of them."""
-        args = (stage, max_samples, lease_s, min_version, tuple(fields_extra))
+        one per free slot (a round trip each on Ray), and one pass under the lock for all of them.
+        `room`: how many the caller would take if woken now (a rollout worker's free slots, which
+        grow while it waits), read by a put that decides how many waiting takers its samples serve
+        (`wake_in_turn`); without it, `max_samples`."""
+        args = (stage, max_samples, lease_s, min_version, tuple(fields_extra), room)
         what = f"1 sample(s) ready for stage {stage!r}"
         start = self._clock.now()
         try:
@@ -176,10 +179,12 @@ class TransferQueue(SampleBook):
         """`take_each` without waiting: the leases of what is ready now (possibly none). For code on
         the store's own event loop that refills a slot the moment it frees (e.g. in a done callback),
         without a round through a waiting task."""
-        return self._take_each_or_wait(stage, max_samples, lease_s, min_version, tuple(fields_extra), None)[0] or []
+        return self._take_each_or_wait(stage, max_samples, lease_s, min_version, tuple(fields_extra), None,
+                                       None)[0] or []
 
     def _take_each_or_wait(self, stage: str, max_samples: int, lease_s: float | None, min_version: int | None,
-                           extra: tuple[str, ...], on: On | None) -> Tried[list[Lease]]:
+                           extra: tuple[str, ...], room: Callable[[], int] | None,
+                           on: On | None) -> Tried[list[Lease]]:
         """As many one-sample (one-group) leases as are ready, up to `max_samples` samples; or a
         waiter for the first. The same leases as one `take(stage, 1)` after another."""
         with self._lock:
@@ -206,7 +211,7 @@ class TransferQueue(SampleBook):
                 budget -= _count(lease)
             if out or on is None:
                 return out or None, None, None
-            w = Waiter(1, st.waiters, on, max_samples)
+            w = Waiter(1, st.waiters, on, max_samples, room)
             st.waiters.append(w)
             return None, w, self._wake_at()
 

@@ -27,11 +27,13 @@ class Waiter:
     `call_soon_threadsafe`, whose self-pipe write (a system call) and extra callback are then
     needed."""
 
-    __slots__ = ("event", "fut", "home", "loop", "need", "want", "woken")
+    __slots__ = ("event", "fut", "home", "loop", "need", "room", "want", "woken")
 
-    def __init__(self, need: int, home: list[Waiter], on: On, want: int = 0) -> None:
+    def __init__(self, need: int, home: list[Waiter], on: On, want: int = 0,
+                 room: Callable[[], int] | None = None) -> None:
         self.need = need  # wake once this many samples are available (or this much room, for producers)
         self.want = want or need  # at most this many it takes once woken (`wake_in_turn`'s budget)
+        self.room = room  # how many it would take if woken now, when that grows while it waits
         self.home = home
         self.woken = False
         self.event: threading.Event | None = None
@@ -88,7 +90,9 @@ def wake(waiters: list[Waiter], have: int) -> None:
 
 def wake_in_turn(waiters: list[Waiter], have: int, lock: threading.Lock, ready: Callable[[int], bool]) -> None:
     """`wake(waiters, have)` for a stage's takers, without a herd: the first met waiters are woken
-    while the `have` samples last (each takes up to its `want`); the other met waiters on this loop
+    while the `have` samples last (each takes up to its `want`, or its `room()` now when it has one
+    and that is more: a rollout worker woken for one slot fills every slot freed meanwhile, and
+    waking a worker per sample left all but the first without one); the other met waiters on this loop
     get one callback, queued where their woken tasks would have retried (one after another), which
     puts each back at the end of the list or, when `ready(need)` holds by then, wakes it. So the
     takes and the list's order are those of waking all of them, without a task switch and a failed
@@ -102,7 +106,7 @@ def wake_in_turn(waiters: list[Waiter], have: int, lock: threading.Lock, ready: 
             keep.append(w)
         elif left > 0 or w.loop is not loop or loop is None:
             w.wake()
-            left -= w.want
+            left -= _takes(w)
         else:
             later.append(w)
     waiters[:] = keep
@@ -113,15 +117,28 @@ def wake_in_turn(waiters: list[Waiter], have: int, lock: threading.Lock, ready: 
 
 def _retry_later(later: list[Waiter], lock: threading.Lock, ready: Callable[[int], bool]) -> None:
     """`wake_in_turn`'s deferred waiters, in order: gone if the wait ended meanwhile, woken if it
-    can go on, else back on its list."""
+    can go on with what the ones woken before it here leave (their `want` or `room()`), asked
+    again after those have taken theirs if only they stand in its way, else back on its list."""
+    claimed = 0  # what the waiters woken here take first (they retry after this callback)
+    again: list[Waiter] = []
     with lock:
         for w in later:
             if w.fut is None or w.fut.done():
                 continue
-            if ready(w.need):
+            if ready(w.need + claimed):
                 w.wake()
+                claimed += _takes(w)
+            elif claimed:
+                again.append(w)
             else:
                 w.home.append(w)
+    if again:
+        asyncio.get_running_loop().call_soon(_retry_later, again, lock, ready)
+
+
+def _takes(w: Waiter) -> int:
+    """How many a woken waiter takes at most before any other retries."""
+    return w.want if w.room is None else max(w.want, w.room())
 
 
 def drop(w: Waiter | None, lock: threading.Lock) -> None:

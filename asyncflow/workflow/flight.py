@@ -84,6 +84,10 @@ class Flight:
         if wake is not None and self.n <= self._below and not wake.done():
             wake.set_result(None)
 
+    def room(self) -> int:
+        """Slots free now."""
+        return self.limit - self.n
+
     async def free(self, at_least: int = 1) -> int:
         """Wait until `at_least` slots are free (at most `limit`); the number free."""
         self._below = self.limit - min(at_least, self.limit)  # wake when at most this many are in flight

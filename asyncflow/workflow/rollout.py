@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from asyncflow.clock import run_guarded
@@ -121,7 +122,7 @@ class RolloutStage(StageBase):
         try:
             while True:
                 free = await flight.free(refill)
-                leases = await self._take_rollouts(stage, free, extra)
+                leases = await self._take_rollouts(stage, free, extra, flight.room)
                 if leases is None:
                     return
                 refill = batch if len(leases) == free else 1
@@ -147,10 +148,13 @@ class RolloutStage(StageBase):
         await proxy.start()
         return proxy
 
-    async def _take_rollouts(self, stage: str, free: int, extra: tuple[str, ...]) -> list[Lease] | None:
-        """Up to `free` samples of `stage`, one lease each; [] after a quiet wait, None once the store closed."""
+    async def _take_rollouts(self, stage: str, free: int, extra: tuple[str, ...],
+                             room: Callable[[], int] | None = None) -> list[Lease] | None:
+        """Up to `free` samples of `stage`, one lease each; [] after a quiet wait, None once the store
+        closed. `room`: the worker's free slots when the store wakes it (they grow while it waits)."""
         try:
-            return await self.store.take_each(stage, free, timeout=self.cfg.workflow.step_timeout_s, fields_extra=extra)
+            return await self.store.take_each(stage, free, timeout=self.cfg.workflow.step_timeout_s, fields_extra=extra,
+                                              room=room)
         except WaitTimeout:
             return []  # nothing admitted for a while: normal while the trainer catches up
         except QueueClosed:
