@@ -19,8 +19,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from asyncflow.telemetry.jsonl import json_line
-
 
 class MetricSink:
     """Somewhere metric rows also go. A row's numeric values become scalars named `kind/key`
@@ -161,10 +159,6 @@ class RunLog:
             self._metrics.flush()
             for sink in self.sinks:
                 sink.write(row)
-
-    def samples(self, rows: list[dict[str, Any]]) -> None:
-        """Finished samples (`samples.jsonl`)."""
-        self.sample_lines([json_line(r) for r in rows])
 
     def sample_lines(self, lines: list[str]) -> None:
         """Finished samples (`samples.jsonl`), each already one JSON line (`jsonl.sample_line`)."""

@@ -149,7 +149,7 @@ class RolloutStage(StageBase):
         return proxy
 
     async def _take_rollouts(self, stage: str, free: int, extra: tuple[str, ...],
-                             room: Callable[[], int] | None = None) -> list[Lease] | None:
+                             room: Callable[[], int]) -> list[Lease] | None:
         """Up to `free` samples of `stage`, one lease each; [] after a quiet wait, None once the store
         closed. `room`: the worker's free slots when the store wakes it (they grow while it waits)."""
         try:
