@@ -6,6 +6,7 @@ It waits for enough rewarded groups; a publication frees the feeder's credit for
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,16 @@ from asyncflow.workflow.batch import (
     generated_count,
 )
 from asyncflow.workflow.stage_base import CANCELLED, Counters, StageBase, StepResult
+
+Batch = tuple[list[list[SampleView]], list[Lease], int]  # groups, their leases, groups filtered meanwhile
+
+
+@dataclass
+class BatchWait:
+    """When the trainer began to wait for a batch: its deadline counts from then. None while the
+    batch is collected ahead, during the step before."""
+
+    since: float | None = None
 
 
 def current_version_mask(samples: list[SampleView], version: int, response_mask: torch.Tensor) -> torch.Tensor:
@@ -74,29 +85,69 @@ class TrainerStage(StageBase):
 
     async def trainer_loop(self) -> None:
         """Assemble batches of whole groups within the staleness bound, train, publish; until
-        `train.max_steps`, or the step after `stop_early()` was called."""
-        for step in range(self.first_step, self.cfg.train.max_steps + 1):
-            groups, leases, filtered = await self._collect_batch()
-            result = await self._train_on(step, groups, leases, filtered)
-            self.last_step = step
-            if self.on_step is not None:
-                await self.on_step(result)
-            if self._stop_early:
-                break
+        `train.max_steps`, or the step after `stop_early()` was called. The next step's batch is
+        collected while this one trains, within the floor of the version this step publishes: a take
+        from a store in another process then costs the trainer nothing."""
+        ahead: tuple[asyncio.Task[Batch], BatchWait] | None = None
+        try:
+            for step in range(self.first_step, self.cfg.train.max_steps + 1):
+                start = self.clock.now()
+                if ahead is None:
+                    batch = await self._collect_batch(self.version, BatchWait(start))
+                else:
+                    ahead[1].since = start
+                    batch = await ahead[0]
+                    ahead = None
+                self.tracer.span("trainer", "wait for batch", start, self.clock.now())
+                if step < self.cfg.train.max_steps:
+                    wait = BatchWait()
+                    ahead = (asyncio.create_task(self._collect_batch(self.version + 1, wait), name="trainer: next batch"),
+                             wait)
+                result = await self._train_on(step, *batch)
+                self.last_step = step
+                if self.on_step is not None:
+                    await self.on_step(result)
+                if self._stop_early:
+                    break
+        finally:
+            if ahead is not None:
+                await self._give_back(ahead[0])
 
-    async def _collect_batch(self) -> tuple[list[list[SampleView]], list[Lease], int]:
-        """Whole groups for one step, their leases, and how many groups the filter dropped meanwhile."""
-        groups: list[list[SampleView]] = []
+    async def _give_back(self, collecting: asyncio.Task[Batch]) -> None:
+        """Return the batch collected for a step that will not run (an early stop, a failure): its
+        samples go back to the store for a resumed run, not held until their leases expire."""
+        collecting.cancel()  # (a collection cancelled midway gives back what it took itself)
+        await asyncio.wait([collecting])
+        if collecting.cancelled() or collecting.exception() is not None:
+            return
+        self._release(collecting.result()[1])
+
+    def _release(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            self.keeper.drop(lease)
+            self.store.release(lease)
+
+    async def _collect_batch(self, version: int, wait: BatchWait) -> Batch:
+        """Whole groups for the step that trains from `version`, their leases, and how many groups
+        the filter dropped meanwhile. The deadline counts from `wait.since`, when the trainer began
+        to wait for this batch (None while it still trains the step before)."""
         leases: list[Lease] = []
+        try:
+            return await self._collect_into(leases, version, wait)
+        except BaseException:  # (cancelled, or the run fails: what was taken goes back at once)
+            self._release(leases)
+            raise
+
+    async def _collect_into(self, leases: list[Lease], version: int, wait: BatchWait) -> Batch:
+        groups: list[list[SampleView]] = []
         have = 0
         filtered = 0
         failed = 0  # groups whose every reward call failed, in this batch's wait
-        start = self.clock.now()
         # one deadline for the whole batch, not per take: while every group fails (a verifier that went
         # down after the run's first calls) each take succeeds, and the batch never filled nor ended
         limit = self.cfg.workflow.step_timeout_s
         while len(groups) < self.groups_per_step:
-            left = start + limit - self.clock.now()
+            left = limit if wait.since is None else wait.since + limit - self.clock.now()
             try:
                 if left <= 0:
                     raise WaitTimeout("the batch's deadline passed")
@@ -108,16 +159,19 @@ class TrainerStage(StageBase):
                     max(self.n, need),
                     min_samples=max(1, need),
                     timeout=left,
-                    min_version=self.gate.min_version(self.version),
+                    min_version=self.gate.min_version(version),
                     fields_extra=TRAIN_FIELDS,
                 )
             except WaitTimeout:  # name the setting that bounds this wait, and what the wait saw
+                if wait.since is None or self.clock.now() < wait.since + limit:
+                    continue  # (a take begun before the trainer waited: its deadline is later)
                 raise WaitTimeout(
                     f"timed out after {limit:g} s waiting for a training batch from stage 'train': {len(groups)} of "
                     f"{self.groups_per_step} groups; meanwhile {failed} groups failed every reward call and "
                     f"{filtered} were filtered (workflow.step_timeout_s: the trainer's wait for a batch)") from None
             self.keeper.hold(lease)
-            self._drop_stale(lease)
+            leases.append(lease)
+            self._drop_stale(lease, version)
             for group in by_group(lease.samples):
                 if any(s.fields.get("finish_reason") == "cancelled" for s in group):
                     self._drop_groups(group, "dropped with its group: a sample of the group was cancelled")
@@ -145,16 +199,14 @@ class TrainerStage(StageBase):
                     self.counters.filter_overflow += 1
                 groups.append(group)
                 have += len(group)
-            leases.append(lease)
-        self.tracer.span("trainer", "wait for batch", start, self.clock.now())
         return groups, leases, filtered
 
-    def _drop_stale(self, lease: Lease) -> None:
+    def _drop_stale(self, lease: Lease, version: int) -> None:
         """Drop groups below the version floor, freeing their admission slots. A sample whose
         generation was cancelled is logged as `cancelled`, the rest of its group as `dropped_stale`."""
         if not lease.expired:
             return
-        self._drop_groups(lease.expired, f"older than max_staleness={self.k} at trainer version {self.version}")
+        self._drop_groups(lease.expired, f"older than max_staleness={self.k} at trainer version {version}")
 
     def _drop_groups(self, samples: list[SampleView], msg: str) -> None:
         """Log whole groups as never trained (`cancelled` samples as such, the rest `dropped_stale`)
