@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from asyncflow.bench.pipeline import _make_sim_pipeline_class, _SimTokenizer
 from asyncflow.config import load_config
 from asyncflow.engines.sim import SimEngine, SimTrainer
@@ -25,8 +27,10 @@ def _parity(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]
 def _sim_run(tmp_path: Path, settings: list[str], *, token_s: float = 1e-3,
              lengths: Callable[[random.Random], int] = lambda rng: rng.randint(5, 50),
              reward_fn: Callable[..., list[float]] = _parity,
-             env_factory: Callable[[VirtualClock], Env] | None = None) -> tuple[Any, list[dict[str, Any]]]:
-    """Run the sim pipeline to its end; returns it and its samples.jsonl rows."""
+             env_factory: Callable[[VirtualClock], Env] | None = None,
+             setup: Callable[[Any, VirtualClock], None] | None = None) -> tuple[Any, list[dict[str, Any]]]:
+    """Run the sim pipeline to its end (`setup(pipeline, clock)` first); returns it and its
+    samples.jsonl rows."""
 
     async def main(clock: VirtualClock) -> Any:
         cfg, _ = load_config(None, ["logging.progress=false", *settings])
@@ -38,6 +42,8 @@ def _sim_run(tmp_path: Path, settings: list[str], *, token_s: float = 1e-3,
             engines=engines, trainer=trainer, loss_fn=None, clock=clock, log=log,
             tracer=Tracer(now=clock.now, max_events=0), env_factory=env_factory)
         pipeline.sim_trainer = trainer
+        if setup is not None:
+            setup(pipeline, clock)
         try:
             await pipeline.run()
         finally:
@@ -65,6 +71,114 @@ def test_a_train_step_longer_than_the_lease_trains_every_sample_once(tmp_path: P
     assert pipeline.counters.trained == 64
     assert pipeline.store.metrics()["expired_leases"] == 0
     assert pipeline.final_accounting["lost"] == 0
+
+
+def _watch_train_takes(log: list[tuple[str, float, int, int]]) -> Callable[[Any, VirtualClock], None]:
+    """A `setup` that records each of the trainer's takes (`take`, time, the version then, its
+    min_version) and each publication's start (`publish`, time, the version then, -1) in `log`."""
+
+    def setup(pipeline: Any, clock: VirtualClock) -> None:
+        take, publish = pipeline.store.take, pipeline._publish
+
+        async def recorded_take(stage: str, *args: Any, **kwargs: Any) -> Any:
+            if stage == "train":
+                log.append(("take", clock.now(), pipeline.version, kwargs["min_version"]))
+            return await take(stage, *args, **kwargs)
+
+        async def recorded_publish(*args: Any) -> Any:
+            log.append(("publish", clock.now(), pipeline.version, -1))
+            return await publish(*args)
+
+        pipeline.store.take, pipeline._publish = recorded_take, recorded_publish
+
+    return setup
+
+
+def test_the_next_batch_is_taken_while_a_step_trains_within_the_floor_of_the_version_it_publishes(
+        tmp_path: Path) -> None:
+    """Step k+1's batch is asked for as step k's training begins, not after its publication; its
+    floor is that of version v+1, the version it trains from, so no trained sample is staler than
+    max_staleness."""
+    log: list[tuple[str, float, int, int]] = []
+    pipeline, rows = _sim_run(tmp_path, BASE, token_s=0.5, setup=_watch_train_takes(log))
+    events = [e[0] for e in log]
+    assert events == ["take", "take", "publish", "take", "publish", "take", "publish", "publish"]
+    for kind, _, version, min_version in log[1:]:
+        if kind == "take":  # (asked during the step that publishes version + 1)
+            assert min_version == version + 1 - 1
+    trained = [r for r in rows if r["status"] == "trained"]
+    assert len(trained) == 64 and max(r["trained_version"] - r["behavior_version"] for r in trained) <= 1
+    assert pipeline.final_accounting["lost"] == 0
+
+
+@pytest.mark.parametrize("settings", [[], ["checkpoint.every=2"], ["workflow.mode=sync", "workflow.max_staleness=0"]],
+                         ids=["async", "async-checkpoints", "sync"])
+def test_the_next_step_trains_while_the_engines_load_and_each_row_counts_its_own_step(
+        tmp_path: Path, settings: list[str]) -> None:
+    """In async mode step k+1's training begins before step k's weights are loaded (1 virtual s a
+    load) and its row written; a step whose checkpoint is due, and every sync step (its next batch
+    needs the new version), has its row before the next step trains. Each row counts its own samples."""
+    events: list[tuple[str, float, int]] = []
+
+    def setup(pipeline: Any, clock: VirtualClock) -> None:
+        optimize = pipeline._optimize
+
+        async def recorded_optimize(*args: Any) -> Any:
+            events.append(("train", clock.now(), pipeline.version))
+            return await optimize(*args)
+
+        async def on_step(result: Any) -> None:
+            events.append(("row", clock.now(), pipeline.counters.trained))
+            assert result.version == result.step and pipeline.gate.version == result.step
+
+        pipeline._optimize, pipeline.on_step = recorded_optimize, on_step
+
+    _sim_run(tmp_path, [*BASE, *settings], token_s=0.05, setup=setup)
+    trains = [e for e in events if e[0] == "train"]
+    rows = [e for e in events if e[0] == "row"]
+    assert [e[2] for e in trains] == [0, 1, 2, 3]  # (the trainer's version as each step begins)
+    assert [e[2] for e in rows] == [16, 32, 48, 64]
+    waits = [rows[k][1] <= trains[k + 1][1] for k in range(3)]
+    if settings == []:
+        assert waits == [False, False, False]
+    elif settings == ["checkpoint.every=2"]:
+        assert waits == [False, True, False]
+    else:
+        assert waits == [True, True, True]
+
+
+def test_a_batch_taken_during_a_step_longer_than_the_batch_timeout_does_not_time_out(tmp_path: Path) -> None:
+    """workflow.step_timeout_s bounds the trainer's own wait, not a train step: in sync mode the next
+    batch cannot exist before the ~40 s step publishes, and the take asked for at its start waits
+    through it (longer than the 20 s timeout) without failing the run."""
+    pipeline, rows = _sim_run(tmp_path, [*BASE, "workflow.mode=sync", "workflow.max_staleness=0",
+                                         "workflow.step_timeout_s=20", "rollout.request_timeout_s=100000"],
+                              token_s=0.5)
+    assert sum(r["status"] == "trained" for r in rows) == 64
+    assert pipeline.final_accounting["lost"] == 0
+
+
+def test_an_early_stop_gives_the_batch_taken_for_the_next_step_back(tmp_path: Path) -> None:
+    """A run stopped by step 2's hooks (eval.patience's early stop) ends after step 3, the step
+    training meanwhile, with step 4's batch in hand: its samples go back to the store, not held by a
+    lease until the end."""
+    log: list[tuple[str, float, int, int]] = []
+    watch = _watch_train_takes(log)
+
+    def setup(pipeline: Any, clock: VirtualClock) -> None:
+        watch(pipeline, clock)
+
+        async def on_step(result: Any) -> None:
+            if result.step == 2:
+                pipeline.stop_early()
+
+        pipeline.on_step = on_step
+
+    pipeline, rows = _sim_run(tmp_path, BASE, token_s=0.5, setup=setup)  # (a slow trainer: the batch is whole)
+    assert sum(r["status"] == "trained" for r in rows) == 48
+    assert [e[0] for e in log].count("take") == 4  # (step 4's batch was taken)
+    assert pipeline.store.in_flight("train") == 0
+    assert pipeline.final_accounting["in_store_at_end"] >= 16 and pipeline.final_accounting["lost"] == 0
 
 
 def test_an_episode_longer_than_the_lease_is_played_once(tmp_path: Path) -> None:

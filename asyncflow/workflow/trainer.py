@@ -85,10 +85,16 @@ class TrainerStage(StageBase):
 
     async def trainer_loop(self) -> None:
         """Assemble batches of whole groups within the staleness bound, train, publish; until
-        `train.max_steps`, or the step after `stop_early()` was called. The next step's batch is
-        collected while this one trains, within the floor of the version this step publishes: a take
-        from a store in another process then costs the trainer nothing."""
+        `train.max_steps`, or the step after `stop_early()` was called.
+
+        Two things overlap the train step: the next step's batch is collected during it (within the
+        floor of the version this step publishes), and the previous step's weights load into the
+        engines during it, its row and hooks (`on_step`) following the loads. A take from a store in
+        another process and a load into an engine in another process then cost the trainer nothing.
+        A step whose checkpoint is due, or the last, waits for its own publication and hooks: a
+        checkpoint is taken with the trainer idle and every engine on the saved version."""
         ahead: tuple[asyncio.Task[Batch], BatchWait] | None = None
+        publishing: asyncio.Task[None] | None = None
         try:
             for step in range(self.first_step, self.cfg.train.max_steps + 1):
                 start = self.clock.now()
@@ -96,22 +102,39 @@ class TrainerStage(StageBase):
                     batch = await self._collect_batch(self.version, BatchWait(start))
                 else:
                     ahead[1].since = start
-                    batch = await ahead[0]
+                    batch = await self._unless_failed(ahead[0], publishing)
                     ahead = None
                 self.tracer.span("trainer", "wait for batch", start, self.clock.now())
                 if step < self.cfg.train.max_steps:
                     wait = BatchWait()
                     ahead = (asyncio.create_task(self._collect_batch(self.version + 1, wait), name="trainer: next batch"),
                              wait)
-                result = await self._train_on(step, *batch)
+                publishing = await self._train_on(step, *batch, after=publishing)
                 self.last_step = step
-                if self.on_step is not None:
-                    await self.on_step(result)
+                every = self.cfg.checkpoint.every
+                if self._stop_early or step == self.cfg.train.max_steps or (every > 0 and step % every == 0):
+                    await publishing
+                    publishing = None
                 if self._stop_early:
                     break
+        except BaseException:
+            if publishing is not None:  # (a load that hangs must not hold the failure up)
+                publishing.cancel()
+                await asyncio.wait([publishing])
+            raise
         finally:
             if ahead is not None:
                 await self._give_back(ahead[0])
+
+    @staticmethod
+    async def _unless_failed(collecting: asyncio.Task[Batch], publishing: asyncio.Task[None] | None) -> Batch:
+        """The batch; a publication that fails meanwhile ends the wait with its error (in sync mode
+        the batch cannot come without it)."""
+        if publishing is not None and not publishing.done():
+            await asyncio.wait([collecting, publishing], return_when=asyncio.FIRST_COMPLETED)
+        if publishing is not None and publishing.done():
+            publishing.result()  # (raises its error)
+        return await collecting
 
     async def _give_back(self, collecting: asyncio.Task[Batch]) -> None:
         """Return the batch collected for a step that will not run (an early stop, a failure): its
@@ -237,8 +260,11 @@ class TrainerStage(StageBase):
             if not self.store.ack(lease, remove=True):  # (kept alive by the keeper: should not happen)
                 self.store.remove([s.uid for s in (*lease.samples, *lease.expired)])  # never train them again
 
-    async def _train_on(self, step: int, groups: list[list[SampleView]], leases: list[Lease],
-                        filtered: int = 0) -> StepResult:
+    async def _train_on(self, step: int, groups: list[list[SampleView]], leases: list[Lease], filtered: int = 0, *,
+                        after: asyncio.Task[None] | None = None) -> asyncio.Task[None]:
+        """Train the step, log and ack its samples and export its weights; returns its publication
+        (the engines' loads, then the step's row: `on_step`), running. `after`, the previous step's
+        publication, ends before this step's samples are logged: each row counts its own step."""
         samples = [s for g in groups for s in g]
         valid: list[bool] = []
         rewards: list[float] = []
@@ -255,7 +281,10 @@ class TrainerStage(StageBase):
         t0 = self.clock.now()
         with self.tracer.timed("trainer", f"train step {step}", samples=len(samples)):
             metrics, tokens = await self._optimize(samples, valid, rewards)
-        self.counters.train_busy_s += self.clock.now() - t0
+        busy = self.clock.now() - t0
+        if after is not None:
+            await after
+        self.counters.train_busy_s += busy
         staleness, length = self._log_trained(samples, valid, rewards, self.version)
         self.counters.tokens += tokens
         # logged and acked before the publication, not after it: the samples are trained, and a hook's
@@ -264,18 +293,17 @@ class TrainerStage(StageBase):
         self._ack(leases)
         if self.on_trained is not None:
             self.on_trained()
-        sync_s, sync_bytes = await self._publish()
+        start = self.clock.now()
+        state = await self._export()
         n_valid = len(staleness)
         metrics.update(
             reward_mean=reward_sum / max(n_valid, 1),
             staleness_mean=sum(staleness) / max(n_valid, 1),
             staleness_max=float(max(staleness, default=0)),
-            weight_sync_s=sync_s,
-            **({} if sync_bytes is None else {"weight_sync_bytes": float(sync_bytes)}),
-            response_len_mean=length / len(samples),
-            **batch_metrics(groups, valid, rewards, filtered),
         )
-        return StepResult(step, self.version, metrics)
+        after_sync = {"response_len_mean": length / len(samples), **batch_metrics(groups, valid, rewards, filtered)}
+        return asyncio.create_task(self._publish(step, state, self.version, start, metrics, after_sync),
+                                   name=f"trainer: publish v{self.version}")
 
     def _log_trained(self, samples: list[SampleView], valid: list[bool], rewards: list[float],
                      version: int) -> tuple[list[int], int]:
@@ -359,16 +387,21 @@ class TrainerStage(StageBase):
         metrics["mismatch_kl"] = None if current is None else mismatch_kl(current, batch.behavior_logprobs, same)
         return metrics
 
-    async def _publish(self) -> tuple[float, int | None]:
-        """Version v -> v+1: export weights and load them into every engine. Returns the seconds it
-        took and the bytes published (None where unknown: FSDP ranks broadcasting over Ray)."""
-        start = self.clock.now()
+    async def _export(self) -> Any:
+        """The trained weights, version v -> v+1 (the trainer's own version from now on)."""
         # in a worker thread, as the train step is: a full copy of the weights (an FSDP gather) held the
         # event loop for it, stalling rollout callbacks, new requests and evaluation (0.7 s at 156M
-        # parameters on CPU); the trainer is idle meanwhile (the step is done, the next waits for this)
+        # parameters on CPU); the trainer waits for it (the next step changes the weights it copies)
         trainer = self.trainer
         state = await asyncio.to_thread(trainer.export_weights) if trainer.export_blocks else trainer.export_weights()
-        new_version = self.version + 1
+        self.version += 1
+        return state
+
+    async def _publish(self, step: int, state: Any, new_version: int, start: float, metrics: dict[str, Any],
+                       after_sync: dict[str, Any]) -> None:
+        """Load `state`, the export of `new_version`, into every engine, then open that version to
+        the feeder and hand the step's metrics (`weight_sync_s` from `start`, the export's; then
+        `after_sync`) to `on_step`."""
         # requests that the new version's floor drops are cancelled before the load, not after it:
         # a `drain` load waits for what is running, and at max_staleness 0 (sync) everything running
         # is below the floor, so redundant stragglers were waited for, then dropped (none cancelled)
@@ -380,13 +413,17 @@ class TrainerStage(StageBase):
             self.cfg.workflow.step_timeout_s,
             f"weight sync of version {new_version}",
         )
-        self.version = new_version
         self.gate.publish(new_version)
         self.floor = floor
         for e in self.engines:  # (again: what started meanwhile from the old version, or an abort put back)
             e.cancel_older_than(floor)
         self.tracer.span("weight sync", f"v{new_version}", start, self.clock.now())
-        seconds, sent = self.clock.now() - start, state_bytes(state)
+        metrics["weight_sync_s"] = self.clock.now() - start
+        sent = state_bytes(state)
         if sent is None:  # (a Ray reference: the trainer actor knows the size; asked after the loads)
             sent = await asyncio.to_thread(self.trainer.export_bytes)
-        return seconds, sent
+        if sent is not None:
+            metrics["weight_sync_bytes"] = float(sent)
+        metrics.update(after_sync)
+        if self.on_step is not None:
+            await self.on_step(StepResult(step, new_version, metrics))
