@@ -98,7 +98,7 @@ class StepHooks:
             if self.pending_eval is not None:  # its row goes into this checkpoint's logs: a resume lost it
                 await self.pending_eval
             await self.save_checkpoint(result.step)
-        stopping = self._stop_if_flat(result.step)
+        stopping = self._stop_if_flat()
         due = (cfg.eval.every > 0 and result.step % cfg.eval.every == 0 and result.step < cfg.train.max_steps
                and not stopping)  # (the final evaluation follows this step)
         if due:
@@ -139,7 +139,7 @@ class StepHooks:
             **{f"store/{k}": v for k, v in store.items()},
         }
 
-    def _stop_if_flat(self, step: int) -> bool:
+    def _stop_if_flat(self) -> bool:
         """Take a finished evaluation's result; stop the run early when eval accuracy has flattened."""
         if self.pending_eval is None or not self.pending_eval.done():
             return False
@@ -148,9 +148,9 @@ class StepHooks:
         if not eval_flattened([h["eval_accuracy"] for h in self.evaluator.history], cfg.eval.patience,
                               cfg.eval.min_delta):
             return False
-        self.pipeline.stop_early()
+        last = self.pipeline.stop_early()  # (the step training while this row is written, if any)
         self.progress.message(f"[asyncflow] eval accuracy has not risen by more than {cfg.eval.min_delta:g} in "
-                              f"{cfg.eval.patience} evaluations (eval.patience): stopping after step {step}")
+                              f"{cfg.eval.patience} evaluations (eval.patience): stopping after step {last}")
         return True
 
     def _start_eval(self, step: int) -> None:

@@ -158,11 +158,16 @@ def test_a_batch_taken_during_a_step_longer_than_the_batch_timeout_does_not_time
     assert pipeline.final_accounting["lost"] == 0
 
 
-def test_an_early_stop_gives_the_batch_taken_for_the_next_step_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("settings", "last_step"), [([], 3), (["checkpoint.every=2"], 2)],
+                         ids=["mid-step", "checkpoint-step"])
+def test_an_early_stop_gives_the_batch_taken_for_the_next_step_back(tmp_path: Path, settings: list[str],
+                                                                     last_step: int) -> None:
     """A run stopped by step 2's hooks (eval.patience's early stop) ends after step 3, the step
-    training meanwhile, with step 4's batch in hand: its samples go back to the store, not held by a
-    lease until the end."""
+    training meanwhile (after step 2 itself where its checkpoint is due: the trainer waits for its
+    hooks), with the next step's batch in hand: its samples go back to the store, not held by a lease
+    until the end."""
     log: list[tuple[str, float, int, int]] = []
+    last: list[int] = []  # (what stop_early says the last step is)
     watch = _watch_train_takes(log)
 
     def setup(pipeline: Any, clock: VirtualClock) -> None:
@@ -170,13 +175,14 @@ def test_an_early_stop_gives_the_batch_taken_for_the_next_step_back(tmp_path: Pa
 
         async def on_step(result: Any) -> None:
             if result.step == 2:
-                pipeline.stop_early()
+                last.append(pipeline.stop_early())
 
         pipeline.on_step = on_step
 
-    pipeline, rows = _sim_run(tmp_path, BASE, token_s=0.5, setup=setup)  # (a slow trainer: the batch is whole)
-    assert sum(r["status"] == "trained" for r in rows) == 48
-    assert [e[0] for e in log].count("take") == 4  # (step 4's batch was taken)
+    pipeline, rows = _sim_run(tmp_path, [*BASE, *settings], token_s=0.5, setup=setup)  # (the next batch is whole)
+    assert sum(r["status"] == "trained" for r in rows) == 16 * last_step
+    assert last == [last_step] and pipeline.last_step == last_step
+    assert [e[0] for e in log].count("take") == last_step + 1  # (the next step's batch was taken)
     assert pipeline.store.in_flight("train") == 0
     assert pipeline.final_accounting["in_store_at_end"] >= 16 and pipeline.final_accounting["lost"] == 0
 

@@ -109,6 +109,7 @@ class StageBase:
     next_group: int
     first_step: int
     last_step: int
+    training_step: int
     _stop_early: bool
     max_context: int | None
     _filter_budget: int
@@ -182,6 +183,7 @@ class StageBase:
         self.next_group = 0  # the feeder's next group id: also how many prompts it has drawn
         self.first_step = 1
         self.last_step = 0  # the last step trained (train.max_steps, or earlier after `stop_early`)
+        self.training_step = 0  # the step the trainer is collecting or training (its last after `stop_early`)
         self._stop_early = False
         self.max_context: int | None = None  # the model's positions, for multi-turn episodes (set by the runner)
         self._filter_budget = cfg.algorithm.filter_max_groups_per_step or 4 * self.groups_per_step

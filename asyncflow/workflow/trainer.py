@@ -79,13 +79,15 @@ class TrainerStage(StageBase):
         self._last_row_time = self.clock.now()
         self._last_busy = (0.0, self.counters.train_busy_s)  # (engines are new: their busy time starts at 0)
 
-    def stop_early(self) -> None:
-        """End the run after the step being trained (`eval.patience`: the eval curve has flattened)."""
+    def stop_early(self) -> int:
+        """End the run after the step being collected or trained (`eval.patience`: the eval curve has
+        flattened); returns that step, the run's last."""
         self._stop_early = True
+        return self.training_step
 
     async def trainer_loop(self) -> None:
         """Assemble batches of whole groups within the staleness bound, train, publish; until
-        `train.max_steps`, or the step after `stop_early()` was called.
+        `train.max_steps`, or the step being collected or trained when `stop_early()` was called.
 
         Two things overlap the train step: the next step's batch is collected during it (within the
         floor of the version this step publishes), and the previous step's weights load into the
@@ -97,6 +99,7 @@ class TrainerStage(StageBase):
         publishing: asyncio.Task[None] | None = None
         try:
             for step in range(self.first_step, self.cfg.train.max_steps + 1):
+                self.training_step = step
                 start = self.clock.now()
                 if ahead is None:
                     batch = await self._collect_batch(self.version, BatchWait(start))
