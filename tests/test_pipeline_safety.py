@@ -73,11 +73,20 @@ def test_a_train_step_longer_than_the_lease_trains_every_sample_once(tmp_path: P
     assert pipeline.final_accounting["lost"] == 0
 
 
-def _watch_train_takes(log: list[tuple[str, float, int, int]]) -> Callable[[Any, VirtualClock], None]:
+def _as_remote(pipeline: Any, clock: VirtualClock) -> None:
+    """A `setup` under which the trainer treats the in-process store as one in another process, where
+    it collects the next batch during a train step."""
+    pipeline.store.in_process = False
+
+
+def _watch_train_takes(log: list[tuple[str, float, int, int]], *, remote: bool = True) -> Callable[[Any, VirtualClock], None]:
     """A `setup` that records each of the trainer's takes (`take`, time, the version then, its
-    min_version) and each publication's start (`publish`, time, the version then, -1) in `log`."""
+    min_version) and each publication's start (`publish`, time, the version then, -1) in `log`;
+    `remote`: as `_as_remote`."""
 
     def setup(pipeline: Any, clock: VirtualClock) -> None:
+        if remote:
+            _as_remote(pipeline, clock)
         take, publish = pipeline.store.take, pipeline._publish
 
         async def recorded_take(stage: str, *args: Any, **kwargs: Any) -> Any:
@@ -94,18 +103,25 @@ def _watch_train_takes(log: list[tuple[str, float, int, int]]) -> Callable[[Any,
     return setup
 
 
+@pytest.mark.parametrize("remote", [True, False], ids=["store-in-another-process", "store-in-process"])
 def test_the_next_batch_is_taken_while_a_step_trains_within_the_floor_of_the_version_it_publishes(
-        tmp_path: Path) -> None:
-    """Step k+1's batch is asked for as step k's training begins, not after its publication; its
-    floor is that of version v+1, the version it trains from, so no trained sample is staler than
-    max_staleness."""
+        tmp_path: Path, remote: bool) -> None:
+    """With the store in another process, step k+1's batch is asked for as step k's training begins,
+    not after it; its floor is that of version v+1, the version it trains from, so no trained sample
+    is staler than max_staleness. In process it is asked for once step k's weights are exported
+    (the trainer's version is then v+1)."""
     log: list[tuple[str, float, int, int]] = []
-    pipeline, rows = _sim_run(tmp_path, BASE, token_s=0.5, setup=_watch_train_takes(log))
+    pipeline, rows = _sim_run(tmp_path, BASE, token_s=0.5, setup=_watch_train_takes(log, remote=remote))
     events = [e[0] for e in log]
-    assert events == ["take", "take", "publish", "take", "publish", "take", "publish", "publish"]
-    for kind, _, version, min_version in log[1:]:
-        if kind == "take":  # (asked during the step that publishes version + 1)
-            assert min_version == version + 1 - 1
+    if remote:
+        assert events == ["take", "take", "publish", "take", "publish", "take", "publish", "publish"]
+    else:
+        assert events == ["take", "publish", "take", "publish", "take", "publish", "take", "publish"]
+    takes = [(version, floor) for kind, _, version, floor in log if kind == "take"]
+    # each step's floor is that of the version it trains from (0..3, less max_staleness 1), whenever
+    # it was asked for: during the step before (the trainer still at the version before) or after it
+    assert [floor for _, floor in takes] == [-1, 0, 1, 2]
+    assert [version for version, _ in takes] == ([0, 0, 1, 2] if remote else [0, 1, 2, 3])
     trained = [r for r in rows if r["status"] == "trained"]
     assert len(trained) == 64 and max(r["trained_version"] - r["behavior_version"] for r in trained) <= 1
     assert pipeline.final_accounting["lost"] == 0
@@ -149,11 +165,12 @@ def test_the_next_step_trains_while_the_engines_load_and_each_row_counts_its_own
 
 def test_a_batch_taken_during_a_step_longer_than_the_batch_timeout_does_not_time_out(tmp_path: Path) -> None:
     """workflow.step_timeout_s bounds the trainer's own wait, not a train step: in sync mode the next
-    batch cannot exist before the ~40 s step publishes, and the take asked for at its start waits
+    batch cannot exist before the ~40 s step publishes, and the take asked for at its start (the store
+    in another process) waits
     through it (longer than the 20 s timeout) without failing the run."""
     pipeline, rows = _sim_run(tmp_path, [*BASE, "workflow.mode=sync", "workflow.max_staleness=0",
                                          "workflow.step_timeout_s=20", "rollout.request_timeout_s=100000"],
-                              token_s=0.5)
+                              token_s=0.5, setup=_as_remote)
     assert sum(r["status"] == "trained" for r in rows) == 64
     assert pipeline.final_accounting["lost"] == 0
 

@@ -60,6 +60,9 @@ class StoreClient(Protocol):
     """What the workflow uses of a store: `TransferQueue` (in process) and `RayTransferQueue`
     (a controller actor shared by processes) both provide it."""
 
+    # whether a call is answered in the caller's process (no round trip for a caller to hide)
+    in_process: bool
+
     def register_stage(self, stage: str, fields: Sequence[str], *, groups: bool = False) -> None: ...
 
     async def put(self, samples: list[NewSample], timeout: float | None = None) -> list[int]: ...

@@ -75,6 +75,8 @@ class RayTransferQueue:
     Picklable: pass it to actors; each process's copy talks to the same controller.
     """
 
+    in_process = False
+
     def __init__(self, handle: Any, *, inline_max_bytes: int = 16 * 1024, rpc_grace_s: float = 60.0,
                  data_plane: str = "object_store", put_window: int = 2) -> None:
         if data_plane not in ("controller", "object_store"):

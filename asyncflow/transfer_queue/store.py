@@ -53,6 +53,8 @@ __all__ = ["Lease", "NewSample", "QueueClosed", "SampleView", "StoreClient", "Tr
 class TransferQueue(SampleBook):
     """Thread-safe streaming store with per-stage readiness, leases and backpressure."""
 
+    in_process = True
+
     # ----------------------------------------------------------------------------- stages
     def register_stage(self, stage: str, fields: Sequence[str], *, groups: bool = False) -> None:
         """Declare a consumer: a sample is ready for `stage` once all `fields` are written.

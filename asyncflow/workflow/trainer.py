@@ -89,26 +89,27 @@ class TrainerStage(StageBase):
         """Assemble batches of whole groups within the staleness bound, train, publish; until
         `train.max_steps`, or the step being collected or trained when `stop_early()` was called.
 
-        Two things overlap the train step: the next step's batch is collected during it (within the
-        floor of the version this step publishes), and the previous step's weights load into the
-        engines during it, its row and hooks (`on_step`) following the loads. A take from a store in
-        another process and a load into an engine in another process then cost the trainer nothing.
-        A step whose checkpoint is due, or the last, waits for its own publication and hooks: a
-        checkpoint is taken with the trainer idle and every engine on the saved version."""
+        The previous step's weights load into the engines during a train step, its row and hooks
+        (`on_step`) following the loads; a step whose checkpoint is due, or the last, waits for its
+        own publication and hooks (a checkpoint is taken with the trainer idle and every engine on the
+        saved version). With a store in another process, the next step's batch is also collected
+        during the step, within the floor of the version it publishes, hiding the take's round trip.
+        In process a take costs nothing to hide, and one made when the trainer is ready gets the
+        oldest groups ready then (one made early trains newer groups first: more old ones go stale)."""
         ahead: tuple[asyncio.Task[Batch], BatchWait] | None = None
         publishing: asyncio.Task[None] | None = None
         try:
             for step in range(self.first_step, self.cfg.train.max_steps + 1):
                 self.training_step = step
                 start = self.clock.now()
-                if ahead is None:
-                    batch = await self._collect_batch(self.version, BatchWait(start))
-                else:
-                    ahead[1].since = start
-                    batch = await self._unless_failed(ahead[0], publishing)
-                    ahead = None
+                if ahead is None:  # (asked for now: the store is in process, or this is the first step)
+                    wait = BatchWait()
+                    ahead = (asyncio.create_task(self._collect_batch(self.version, wait), name="trainer: batch"), wait)
+                ahead[1].since = start
+                batch = await self._unless_failed(ahead[0], publishing)
+                ahead = None
                 self.tracer.span("trainer", "wait for batch", start, self.clock.now())
-                if step < self.cfg.train.max_steps:
+                if step < self.cfg.train.max_steps and not self.store.in_process:
                     wait = BatchWait()
                     ahead = (asyncio.create_task(self._collect_batch(self.version + 1, wait), name="trainer: next batch"),
                              wait)
