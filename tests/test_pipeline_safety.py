@@ -127,16 +127,23 @@ def test_the_next_batch_is_taken_while_a_step_trains_within_the_floor_of_the_ver
     assert pipeline.final_accounting["lost"] == 0
 
 
-@pytest.mark.parametrize("settings", [[], ["checkpoint.every=2"], ["workflow.mode=sync", "workflow.max_staleness=0"]],
-                         ids=["async", "async-checkpoints", "sync"])
+@pytest.mark.parametrize(("settings", "remote", "row_first"), [
+    ([], True, [False, False, False]),
+    (["checkpoint.every=2"], True, [False, True, False]),
+    (["workflow.mode=sync", "workflow.max_staleness=0"], True, [True, True, True]),
+    ([], False, [True, True, True]),
+], ids=["async", "async-checkpoints", "sync", "async-store-in-process"])
 def test_the_next_step_trains_while_the_engines_load_and_each_row_counts_its_own_step(
-        tmp_path: Path, settings: list[str]) -> None:
-    """In async mode step k+1's training begins before step k's weights are loaded (1 virtual s a
-    load) and its row written; a step whose checkpoint is due, and every sync step (its next batch
-    needs the new version), has its row before the next step trains. Each row counts its own samples."""
+        tmp_path: Path, settings: list[str], remote: bool, row_first: list[bool]) -> None:
+    """With the store and engines in other processes, in async mode step k+1's training begins
+    before step k's weights are loaded (1 virtual s a load) and its row written; a step whose
+    checkpoint is due, every sync step (its next batch needs the new version) and every step with the
+    store in process have their row before the next step trains. Each row counts its own samples."""
     events: list[tuple[str, float, int]] = []
 
     def setup(pipeline: Any, clock: VirtualClock) -> None:
+        if remote:
+            _as_remote(pipeline, clock)
         optimize = pipeline._optimize
 
         async def recorded_optimize(*args: Any) -> Any:
@@ -154,13 +161,7 @@ def test_the_next_step_trains_while_the_engines_load_and_each_row_counts_its_own
     rows = [e for e in events if e[0] == "row"]
     assert [e[2] for e in trains] == [0, 1, 2, 3]  # (the trainer's version as each step begins)
     assert [e[2] for e in rows] == [16, 32, 48, 64]
-    waits = [rows[k][1] <= trains[k + 1][1] for k in range(3)]
-    if settings == []:
-        assert waits == [False, False, False]
-    elif settings == ["checkpoint.every=2"]:
-        assert waits == [False, True, False]
-    else:
-        assert waits == [True, True, True]
+    assert [rows[k][1] <= trains[k + 1][1] for k in range(3)] == row_first
 
 
 def test_a_batch_taken_during_a_step_longer_than_the_batch_timeout_does_not_time_out(tmp_path: Path) -> None:

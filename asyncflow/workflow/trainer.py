@@ -89,13 +89,14 @@ class TrainerStage(StageBase):
         """Assemble batches of whole groups within the staleness bound, train, publish; until
         `train.max_steps`, or the step being collected or trained when `stop_early()` was called.
 
-        The previous step's weights load into the engines during a train step, its row and hooks
-        (`on_step`) following the loads; a step whose checkpoint is due, or the last, waits for its
+        With the store and engines in other processes (Ray), two round trips overlap a train step:
+        the next step's batch is collected during it, within the floor of the version it publishes,
+        and the previous step's weights load into the engines during it, its row and hooks
+        (`on_step`) following the loads. A step whose checkpoint is due, or the last, waits for its
         own publication and hooks (a checkpoint is taken with the trainer idle and every engine on the
-        saved version). With a store in another process, the next step's batch is also collected
-        during the step, within the floor of the version it publishes, hiding the take's round trip.
-        In process a take costs nothing to hide, and one made when the trainer is ready gets the
-        oldest groups ready then (one made early trains newer groups first: more old ones go stale)."""
+        saved version). In process there is no round trip to hide: the trainer publishes, then asks
+        for its next batch, which is then the oldest groups ready once the new version is live (a
+        batch asked for earlier holds newer groups and leaves more old ones to go stale)."""
         ahead: tuple[asyncio.Task[Batch], BatchWait] | None = None
         publishing: asyncio.Task[None] | None = None
         try:
@@ -116,7 +117,8 @@ class TrainerStage(StageBase):
                 publishing = await self._train_on(step, *batch, after=publishing)
                 self.last_step = step
                 every = self.cfg.checkpoint.every
-                if self._stop_early or step == self.cfg.train.max_steps or (every > 0 and step % every == 0):
+                if self.store.in_process or self._stop_early or step == self.cfg.train.max_steps or (
+                        every > 0 and step % every == 0):
                     await publishing
                     publishing = None
                 if self._stop_early:
