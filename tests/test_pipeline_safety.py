@@ -164,6 +164,24 @@ def test_the_next_step_trains_while_the_engines_load_and_each_row_counts_its_own
     assert [rows[k][1] <= trains[k + 1][1] for k in range(3)] == row_first
 
 
+def test_a_load_that_fails_ends_the_wait_for_the_next_batch_with_its_error(tmp_path: Path) -> None:
+    """Sync mode, the store in another process: step 2's batch can only come after version 1 is
+    loaded. The load fails; the trainer's wait for the batch ends with the load's error, not the
+    batch timeout's."""
+
+    def setup(pipeline: Any, clock: VirtualClock) -> None:
+        _as_remote(pipeline, clock)
+
+        async def load_fails(state: Any, version: int, mode: str) -> None:
+            raise RuntimeError(f"the engine could not load version {version}")
+
+        pipeline.engines[0].load_weights = load_fails
+
+    with pytest.raises(RuntimeError, match="could not load version 1"):
+        _sim_run(tmp_path, [*BASE, "workflow.mode=sync", "workflow.max_staleness=0", "workflow.step_timeout_s=600"],
+                 setup=setup)
+
+
 def test_a_batch_taken_during_a_step_longer_than_the_batch_timeout_does_not_time_out(tmp_path: Path) -> None:
     """workflow.step_timeout_s bounds the trainer's own wait, not a train step: in sync mode the next
     batch cannot exist before the ~40 s step publishes, and the take asked for at its start (the store

@@ -127,6 +127,8 @@ class TrainerStage(StageBase):
             if publishing is not None:  # (a load that hangs must not hold the failure up)
                 publishing.cancel()
                 await asyncio.wait([publishing])
+                if not publishing.cancelled():  # (its own error, if any, is this one's consequence or beside it)
+                    publishing.exception()
             raise
         finally:
             if ahead is not None:
