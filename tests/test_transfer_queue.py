@@ -1155,6 +1155,46 @@ def test_a_put_wakes_only_the_takers_its_samples_serve_counting_their_room() -> 
     assert tries == [2, 2, 2]  # each: its first try, and the one its put woke
 
 
+def test_a_deferred_taker_is_asked_again_after_the_ones_woken_before_it_have_taken_theirs() -> None:
+    """Three workers wait for one slot each, with room for four. A put of four wakes the first; the
+    other two are deferred. A second put of four comes before the deferred ones are looked at: the
+    second worker is woken for its room (four), and the third, which those four would not leave
+    enough for, is asked again once the second has taken. The second takes only two (its room
+    shrank), so the third is woken then, from the same puts, not left asleep until a later one."""
+
+    async def main() -> tuple[list[int], list[int]]:
+        q = TransferQueue(capacity=16)
+        q.register_stage("s", ["x"])
+        tries = [0, 0, 0]
+        take = q._take_each_or_wait
+
+        def counted(*args: Any) -> Any:
+            task = asyncio.current_task()
+            if args[-1] is not None and task is not None:  # (a waiting take's try, by the worker's task)
+                tries[int(task.get_name())] += 1
+            return take(*args)
+
+        q._take_each_or_wait = counted  # type: ignore[method-assign]
+
+        async def worker(fills: int) -> int:
+            leases = await q.take_each("s", 1, timeout=30, room=lambda: 4)
+            more = q.take_each_nowait("s", fills)
+            return len(leases) + len(more)
+
+        tasks = []
+        for i, fills in enumerate([3, 1, 3]):
+            tasks.append(asyncio.create_task(worker(fills), name=str(i)))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        await q.put([NewSample(g, 1, {"x": g}) for g in range(4)])
+        await q.put([NewSample(g, 1, {"x": g}) for g in range(4, 8)])  # (before the deferred are looked at)
+        return [await asyncio.wait_for(t, 5) for t in tasks], tries
+
+    served, tries = asyncio.run(main())
+    assert served == [4, 2, 2]
+    assert tries == [2, 2, 2]
+
+
 def test_counters_count_an_expired_lease_as_expired_before_anything_else_calls_the_store() -> None:
     clock = FakeClock()
     q = TransferQueue(lease_timeout_s=10.0, clock=clock)
