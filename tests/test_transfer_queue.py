@@ -1113,6 +1113,24 @@ def test_a_lease_of_the_default_term_leaves_a_waiter_that_began_with_no_lease_as
     assert asyncio.run(main()) == 1
 
 
+def _store_counting_tries(workers: int) -> tuple[TransferQueue, list[int]]:
+    """A store with stage `s` (field `x`) that counts each waiting take's tries by the taking task's
+    name (`"0"`..): the count of worker i is `tries[i]`."""
+    q = TransferQueue(capacity=16)
+    q.register_stage("s", ["x"])
+    tries = [0] * workers
+    take = q._take_each_or_wait
+
+    def counted(*args: Any) -> Any:
+        task = asyncio.current_task()
+        if args[-1] is not None and task is not None:  # (a waiting take's try, by the worker's task)
+            tries[int(task.get_name())] += 1
+        return take(*args)
+
+    q._take_each_or_wait = counted  # type: ignore[method-assign]
+    return q, tries
+
+
 def test_a_put_wakes_only_the_takers_its_samples_serve_counting_their_room() -> None:
     """A rollout worker waits for one slot's worth, and its other slots free up meanwhile; woken, it
     takes that one, then at once fills the rest. A put woke a waiting worker per sample (each asked
@@ -1121,18 +1139,7 @@ def test_a_put_wakes_only_the_takers_its_samples_serve_counting_their_room() -> 
     first worker only; the others stay asleep, in order, until more samples come."""
 
     async def main() -> tuple[list[int], list[int]]:
-        q = TransferQueue(capacity=16)
-        q.register_stage("s", ["x"])
-        tries = [0, 0, 0]
-        take = q._take_each_or_wait
-
-        def counted(*args: Any) -> Any:
-            task = asyncio.current_task()
-            if args[-1] is not None and task is not None:  # (a waiting take's try, by the worker's task)
-                tries[int(task.get_name())] += 1
-            return take(*args)
-
-        q._take_each_or_wait = counted  # type: ignore[method-assign]
+        q, tries = _store_counting_tries(3)
 
         async def worker() -> int:
             leases = await q.take_each("s", 1, timeout=30, room=lambda: 4)
@@ -1163,18 +1170,7 @@ def test_a_deferred_taker_is_asked_again_after_the_ones_woken_before_it_have_tak
     shrank), so the third is woken then, from the same puts, not left asleep until a later one."""
 
     async def main() -> tuple[list[int], list[int]]:
-        q = TransferQueue(capacity=16)
-        q.register_stage("s", ["x"])
-        tries = [0, 0, 0]
-        take = q._take_each_or_wait
-
-        def counted(*args: Any) -> Any:
-            task = asyncio.current_task()
-            if args[-1] is not None and task is not None:  # (a waiting take's try, by the worker's task)
-                tries[int(task.get_name())] += 1
-            return take(*args)
-
-        q._take_each_or_wait = counted  # type: ignore[method-assign]
+        q, tries = _store_counting_tries(3)
 
         async def worker(fills: int) -> int:
             leases = await q.take_each("s", 1, timeout=30, room=lambda: 4)

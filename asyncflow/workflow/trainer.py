@@ -103,12 +103,12 @@ class TrainerStage(StageBase):
             for step in range(self.first_step, self.cfg.train.max_steps + 1):
                 self.training_step = step
                 start = self.clock.now()
-                if ahead is None:  # (asked for now: the store is in process, or this is the first step)
-                    wait = BatchWait()
-                    ahead = (asyncio.create_task(self._collect_batch(self.version, wait), name="trainer: batch"), wait)
-                ahead[1].since = start
-                batch = await self._unless_failed(ahead[0], publishing)
-                ahead = None
+                if ahead is None:  # (the store is in process, or this is the first step: no publication runs)
+                    batch = await self._collect_batch(self.version, BatchWait(start))
+                else:
+                    ahead[1].since = start
+                    batch = await self._unless_failed(ahead[0], publishing)
+                    ahead = None
                 self.tracer.span("trainer", "wait for batch", start, self.clock.now())
                 if step < self.cfg.train.max_steps and not self.store.in_process:
                     wait = BatchWait()
