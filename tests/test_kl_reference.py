@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncflow.algorithms.losses import kl_estimate
-from asyncflow.engines.torch_train import ReferenceModel, TorchTrainEngine
+from asyncflow.engines.torch_train import ReferenceModel, TorchTrainEngine, before_update
 from asyncflow.workflow.batch import build_train_batch
 from asyncflow.workflow.trainer import current_version_mask, mismatch_kl
 
@@ -33,15 +33,20 @@ def test_mismatch_kl_counts_only_responses_generated_wholly_by_the_current_versi
     current[0, 1] = -1.0 + math.log(2.0)  # the trainer gives one counted token twice the engine's probability
     current[1, 2] = -200.0  # a swapped response far apart: not counted
     want = (2.0 - math.log(2.0) - 1) / 2  # k3 of KL(mu || pi): pi/mu - log(pi/mu) - 1, over 2 tokens
-    assert mismatch_kl(current, batch.behavior_logprobs, same) == pytest.approx(want, rel=1e-5)
-    assert mismatch_kl(current, batch.behavior_logprobs, torch.zeros_like(same)) is None
+    batch.mismatch_mask = same
+    sums = before_update(current, batch, proximal=False)
+    assert sums["mismatch_tokens"] == 2.0 and batch.proximal_logprobs is None
+    assert mismatch_kl(sums) == pytest.approx(want, rel=1e-5) and sums == {}  # (the sums are taken out)
+    batch.mismatch_mask = None
+    assert mismatch_kl(before_update(current, batch, proximal=True)) is None
+    assert batch.proximal_logprobs is not None and torch.equal(batch.proximal_logprobs, current)
 
 
 def test_mismatch_kl_is_clamped_not_inf() -> None:
-    behavior = torch.tensor([[-100.0, -1.0]])
+    batch = build_train_batch([[5]], [[7, 8]], [[-100.0, -1.0]], torch.zeros(1), [True], 0)
     current = torch.tensor([[-0.01, -1.0]])  # the engine gave a token ~100 nats less: e^99.99 overflowed
-    same = torch.ones(1, 2)
-    assert mismatch_kl(current, behavior, same) == pytest.approx(10.0 / 2)
+    batch.mismatch_mask = torch.ones(1, 2)
+    assert mismatch_kl(before_update(current, batch, proximal=False)) == pytest.approx(10.0 / 2)
 
 
 def test_reference_kl_is_zero_at_step_0_in_bfloat16(tiny_model: torch.nn.Module, tmp_path: Path) -> None:

@@ -133,6 +133,9 @@ class TrainBatch:
     behavior_logprobs: torch.Tensor  # [B, L-1] aligned with response_mask (0 elsewhere)
     ref_logprobs: torch.Tensor | None = None  # [B, L-1] frozen reference policy (KL)
     proximal_logprobs: torch.Tensor | None = None  # [B, L-1] trainer before this step's first update
+    # [B, L-1] 1 on the trained tokens of responses the trainer's current weights generated wholly: the
+    # train/inference mismatch (`mismatch_kl`) is measured there, in the train pass before the first update
+    mismatch_mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -148,6 +151,7 @@ class TrainBatch:
             behavior_logprobs=self.behavior_logprobs[ix],
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[ix],
             proximal_logprobs=None if self.proximal_logprobs is None else self.proximal_logprobs[ix],
+            mismatch_mask=None if self.mismatch_mask is None else self.mismatch_mask[ix],
         )
 
     def to(self, device: torch.device | str) -> TrainBatch:
@@ -191,8 +195,13 @@ class TrainEngine(abc.ABC):
         """Per-token log-probs [B, L-1] of the batch's target tokens (logits / temperature), no grad."""
 
     @abc.abstractmethod
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        """`mini_batches` optimizer steps over the batch; returns averaged metrics."""
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, *,
+                   proximal: bool = False) -> dict[str, float]:
+        """`mini_batches` optimizer steps over the batch; returns averaged metrics. The first
+        mini-batch's passes run on the weights before any update, so they serve as its proximal
+        log-probs (`proximal`: the loss needs them; later mini-batches' rows get theirs from a
+        no-grad pass first) and measure `batch.mismatch_mask`'s tokens (`mismatch_kl_sum`,
+        `mismatch_tokens`): no separate forward pass over the batch."""
 
     @abc.abstractmethod
     def export_weights(self) -> dict[str, torch.Tensor]:

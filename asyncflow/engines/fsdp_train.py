@@ -55,12 +55,15 @@ from asyncflow.engines.base import LossFn, Norm, TrainBatch, TrainEngine, quiet_
 from asyncflow.engines.fsdp_parts import Share, decoder_layers, make_shares
 from asyncflow.engines.lr_schedule import LrSchedule, expect_keys_of, mark_steps, restored_steps, set_lr
 from asyncflow.engines.torch_train import (
+    before_update,
     combine_metrics,
     enable_gradient_checkpointing,
     eval_mode,
     finish_optimizer_step,
     keep_hyperparameters,
+    mini_batch_rows,
     nonfinite_weights_error,
+    proximal_ahead,
     token_logprobs,
 )
 from asyncflow.errors import WaitTimeout
@@ -186,22 +189,22 @@ class FSDPRank:
         return torch.cat(parts) if parts else None
 
     def train_step(self, shares: list[Share], dummy: TrainBatch, loss_bytes: bytes, temperature: float,
-                   rates: list[float], steps_done: int) -> list[tuple[dict[str, float], float]]:
+                   rates: list[float], steps_done: int, proximal: bool = False) -> list[tuple[dict[str, float], float]]:
         """`rates`: each optimizer step's lr, the same on every rank (the driver's schedule)."""
         loss_fn: LossFn = pickle.loads(loss_bytes)
         out = []
         lora_adapter.set_dropout(self.model, True)  # (no LoRA: no such modules)
         try:
-            for share, lr in zip(shares, rates, strict=True):
+            for k, (share, lr) in enumerate(zip(shares, rates, strict=True)):
                 set_lr(self.optimizer, lr)
-                out.append(self._optimizer_step(share, dummy, loss_fn, temperature))
+                out.append(self._optimizer_step(share, dummy, loss_fn, temperature, first=k == 0, proximal=proximal))
         finally:
             lora_adapter.set_dropout(self.model, False)
         mark_steps(self.optimizer, steps_done)  # (saved with the optimizer state: a resume continues from it)
         return out
 
     def _optimizer_step(
-        self, share: Share, dummy: TrainBatch, loss_fn: LossFn, temperature: float
+        self, share: Share, dummy: TrainBatch, loss_fn: LossFn, temperature: float, *, first: bool, proximal: bool
     ) -> tuple[dict[str, float], float]:
         import torch.distributed as dist
 
@@ -220,9 +223,10 @@ class FSDPRank:
             if not real:
                 (logp.sum() * 0.0).backward()  # same collectives as the other ranks, no contribution
                 continue
+            part = before_update(logp, mb, proximal) if first else {}
             loss, metrics = loss_fn(logp, mb, norm)
             loss.backward()
-            part = {k: float(v) for k, v in metrics.items()}
+            part.update({k: float(v) for k, v in metrics.items()})
             part["loss"] = float(loss.detach())
             part["entropy"] = float((entropy.detach() * mb.response_mask).sum()) / max(norm.tokens, 1.0)
             parts.append(part)
@@ -528,9 +532,12 @@ class FSDPTrainEngine(TrainEngine):
             self._loss_cache = (loss_fn, cloudpickle.dumps(loss_fn))
         return self._loss_cache[1]
 
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        order = list(range(len(batch)))
-        minis = [batch.select(p) for p in (order[i :: self.mini_batches] for i in range(self.mini_batches)) if p]
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, *,
+                   proximal: bool = False) -> dict[str, float]:
+        rows = mini_batch_rows(len(batch), self.mini_batches)
+        if proximal:
+            proximal_ahead(batch, rows, lambda part: self.logprobs(part, temperature))
+        minis = [batch.select(p) for p in rows]
         per_rank: list[list[Share]] = [[] for _ in range(self.world_size)]
         for mini in minis:
             for rank, share in enumerate(make_shares(mini, self.world_size, self.micro_batch_size)):
@@ -538,7 +545,7 @@ class FSDPTrainEngine(TrainEngine):
         dummy = batch.select([0])
         loss_bytes = self._loss_bytes(loss_fn)
         rates = self.schedule.rates(self.steps_done)[: len(minis)]
-        args = [(s, dummy, loss_bytes, temperature, rates, self.steps_done + 1) for s in per_rank]
+        args = [(s, dummy, loss_bytes, temperature, rates, self.steps_done + 1, proximal) for s in per_rank]
         replies = self._call("train_step", args, "train a step")
         self.steps_done += 1
         steps = []

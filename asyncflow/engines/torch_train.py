@@ -13,13 +13,15 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from asyncflow.algorithms.losses import kl_estimate
+from asyncflow.engines import head_logprobs
 from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine, state_bytes
 from asyncflow.engines.lr_schedule import LrSchedule, mark_steps, restored_steps, set_lr
@@ -38,17 +40,9 @@ def keep_hyperparameters(optimizer: torch.optim.Optimizer, keys: tuple[str, ...]
 
 
 def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs [B, L-1] of each next token under logits / temperature, and per-token entropy."""
-    pos = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=pos,
-                   use_cache=False).logits  # (no KV cache to build; gradient checkpointing refuses one)
-    logits = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
-    logp_all = torch.log_softmax(logits, dim=-1)
-    targets = batch.input_ids[:, 1:]
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():  # a metric: built with autograd it kept a [B, L-1, V] tensor alive until backward
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    """Log-probs [B, L-1] of each trained next token (`response_mask`; 0 elsewhere) under logits /
+    temperature, and their entropy: the output head runs on those positions only, a chunk at a time."""
+    return head_logprobs.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask, temperature)
 
 
 def compute_dtype_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
@@ -111,6 +105,37 @@ def micro_batches(batch: TrainBatch, size: int | None, device: torch.device) -> 
     """`batch` in parts of at most `size` rows (None: one part), each on `device`."""
     size = size or len(batch)
     return [batch.select(list(range(i, min(i + size, len(batch))))).to(device) for i in range(0, len(batch), size)]
+
+
+def mini_batch_rows(n: int, parts: int) -> list[list[int]]:
+    """The rows of each of a batch's `train.mini_batches` parts (interleaved; empty parts left out)."""
+    order = list(range(n))
+    return [p for p in (order[i::parts] for i in range(parts)) if p]
+
+
+def proximal_ahead(batch: TrainBatch, minis: list[list[int]], logprobs: Callable[[TrainBatch], torch.Tensor]) -> None:
+    """Decoupled PPO's proximal log-probs of the rows after the first mini-batch, from `logprobs` (a
+    no-grad pass) before any update; the first mini-batch's come from its own train passes."""
+    rest = [i for rows in minis[1:] for i in rows]
+    if not rest:
+        return
+    prox = torch.zeros_like(batch.behavior_logprobs)
+    prox[rest] = logprobs(batch.select(rest)).to(prox.device)
+    batch.proximal_logprobs = prox
+
+
+def before_update(logp: torch.Tensor, mb: TrainBatch, proximal: bool) -> dict[str, float]:
+    """What a pass on the weights before the step's first update also gives: decoupled PPO's proximal
+    log-probs (set on `mb` with `proximal`), and the sums of the train/inference mismatch over
+    `mb.mismatch_mask` (k3 of KL(behavior || trainer), clamped as the loss's KL term)."""
+    current = logp.detach()
+    if proximal:
+        mb.proximal_logprobs = current
+    same = mb.mismatch_mask
+    if same is None:
+        return {}
+    kl = kl_estimate(mb.behavior_logprobs * same, current * same, "k3") * same
+    return {"mismatch_kl_sum": float(kl.sum()), "mismatch_tokens": float(same.sum())}
 
 
 class ReferenceModel:
@@ -209,22 +234,25 @@ class TorchTrainEngine(TrainEngine):
         """The micro-batches, each on the model's device."""
         return micro_batches(batch, self.micro_batch_size, self.device)
 
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        order = list(range(len(batch)))
-        parts = [p for p in (order[i :: self.mini_batches] for i in range(self.mini_batches)) if p]
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, *,
+                   proximal: bool = False) -> dict[str, float]:
+        minis = mini_batch_rows(len(batch), self.mini_batches)
         rates = self.schedule.rates(self.steps_done)
         with self._passes:
+            if proximal:
+                proximal_ahead(batch, minis, lambda part: self.logprobs(part, temperature))
             lora_adapter.set_dropout(self.model, True)
             try:
-                steps = [self._optimizer_step(batch.select(p), loss_fn, temperature, lr)
-                         for p, lr in zip(parts, rates, strict=False)]  # (parts: the non-empty ones)
+                steps = [self._optimizer_step(batch.select(rows), loss_fn, temperature, lr, first=k == 0, proximal=proximal)
+                         for k, (rows, lr) in enumerate(zip(minis, rates, strict=False))]
             finally:
                 lora_adapter.set_dropout(self.model, False)
         self.steps_done += 1
         mark_steps(self.optimizer, self.steps_done)
         return combine_metrics(steps, mean=True)
 
-    def _optimizer_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, lr: float) -> dict[str, float]:
+    def _optimizer_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, lr: float, *, first: bool = True,
+                        proximal: bool = False) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         set_lr(self.optimizer, lr)
         norm = batch.norm()
@@ -234,9 +262,10 @@ class TorchTrainEngine(TrainEngine):
         for mb in self._micro(batch):
             with compute_dtype_context(self.device, self.dtype):
                 logp, entropy = token_logprobs(self.model, mb, temperature)
+            part = before_update(logp, mb, proximal) if first else {}
             loss, metrics = loss_fn(logp, mb, norm)
             loss.backward()
-            part = {k: float(v) for k, v in metrics.items()}
+            part.update({k: float(v) for k, v in metrics.items()})
             part["loss"] = float(loss.detach())
             part["entropy"] = float((entropy.detach() * mb.response_mask).sum()) / max(norm.tokens, 1.0)
             parts.append(part)

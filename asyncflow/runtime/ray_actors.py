@@ -324,8 +324,8 @@ class TrainerWorker:
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         return self.engine.logprobs(batch, temperature)
 
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        return self.engine.train_step(batch, loss_fn, temperature)
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, proximal: bool = False) -> dict[str, float]:
+        return self.engine.train_step(batch, loss_fn, temperature, proximal=proximal)
 
     def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         return self.engine.reference_logprobs(batch, temperature)

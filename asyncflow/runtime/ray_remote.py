@@ -288,8 +288,9 @@ class RemoteTrainEngine(TrainEngine):
     def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         return self._get(self.handle.reference_logprobs.remote(batch, temperature), "compute reference log-probs")  # type: ignore[no-any-return]
 
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        ref = self.handle.train_step.remote(batch, loss_fn, temperature)
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, *,
+                   proximal: bool = False) -> dict[str, float]:
+        ref = self.handle.train_step.remote(batch, loss_fn, temperature, proximal)
         if self.channel is None:
             # every step is published: its export, queued behind it now, runs as the step ends, not a
             # round trip to the driver later with the trainer idle (`export_ref` hands it out)

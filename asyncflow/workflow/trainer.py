@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from asyncflow.algorithms.advantages import overlong_penalty
-from asyncflow.algorithms.losses import kl_estimate
 from asyncflow.config import max_generated_tokens
 from asyncflow.engines.base import TrainBatch, state_bytes
 from asyncflow.errors import WaitTimeout
@@ -54,13 +53,13 @@ def current_version_mask(samples: list[SampleView], version: int, response_mask:
     return same * response_mask
 
 
-def mismatch_kl(current: torch.Tensor, behavior: torch.Tensor, same: torch.Tensor) -> float | None:
-    """k3 of KL(mu || pi_trainer) over the `same` tokens (None if none), clamped as the loss's KL
-    term is: one token far apart made it inf."""
-    n = float(same.sum())
-    if not n:
-        return None
-    return float(kl_estimate(behavior * same, current * same, "k3").mul(same).sum() / n)
+def mismatch_kl(metrics: dict[str, Any]) -> float | None:
+    """The train/inference mismatch from a train step's sums (`TrainEngine.train_step`), taken out of
+    `metrics`: the mean k3 of KL(behavior || trainer) over the tokens of responses the trainer's own
+    version generated wholly; None (null in metrics.jsonl) when the batch holds none."""
+    total = metrics.pop("mismatch_kl_sum", 0.0)
+    tokens = metrics.pop("mismatch_tokens", 0.0)
+    return total / tokens if tokens else None
 
 
 class TrainerStage(StageBase):
@@ -377,22 +376,15 @@ class TrainerStage(StageBase):
         return batch, extra
 
     def _compute_step(self, batch: TrainBatch, temperature: float, samples: list[SampleView]) -> dict[str, Any]:
-        """Runs in a worker thread: the optimizer steps, plus train/inference mismatch diagnostics.
-
-        `mismatch_kl` compares behavior log-probs with the trainer's, on the responses that the
-        trainer's own version generated wholly (elsewhere the two policies differ by design). It needs
-        one extra forward pass, so it is computed only when the batch holds such responses.
-        """
+        """Runs in a worker thread: the optimizer steps. Their first passes, on the weights before the
+        update, also give decoupled PPO's proximal log-probs and `mismatch_kl`: behavior log-probs
+        against the trainer's, on the responses that the trainer's own version generated wholly
+        (elsewhere the two policies differ by design)."""
         same = current_version_mask(samples, self.version, batch.response_mask)
-        n = float(same.sum())
-        # the trainer's log-probs before this step's first optimizer step: the proximal policy of
-        # decoupled PPO, and the trainer side of mismatch_kl
-        current = self.trainer.logprobs(batch, temperature) if n or self.needs_proximal else None
-        if self.needs_proximal:
-            batch.proximal_logprobs = current
-        metrics: dict[str, Any] = dict(self.trainer.train_step(batch, self.loss_fn, temperature))
-        # None (null in metrics.jsonl) when no token of the batch came from the trainer's own version
-        metrics["mismatch_kl"] = None if current is None else mismatch_kl(current, batch.behavior_logprobs, same)
+        batch.mismatch_mask = same if bool(same.any()) else None
+        metrics: dict[str, Any] = dict(self.trainer.train_step(batch, self.loss_fn, temperature,
+                                                               proximal=self.needs_proximal))
+        metrics["mismatch_kl"] = mismatch_kl(metrics)
         return metrics
 
     async def _export(self) -> Any:
