@@ -401,10 +401,16 @@ class EvalConfig:
     """Greedy evaluation on held-out prompts."""
 
     path: str | None = _f(None, "Eval prompts (a saved `datasets` folder: its `test`, else `validation`, else only "
-                                "split). null: the task's eval split, else a held-out slice of whole prompts, at most "
-                                "10% of the dataset and eval.size rows.")
+                                "split). null: the task's eval split, else a held-out slice of the dataset: distinct "
+                                "prompts drawn at random with every copy of each (none is trained on), up to eval.size "
+                                "of them and at most 10% of the distinct prompts, their copies at most 20% of the rows "
+                                "(a prompt with more copies than the room left stays in training). Under 10 distinct "
+                                "prompts: evaluation on the training prompts, with a note.")
     every: int = _f(10, "Evaluate every this many train steps (0: only before and after).", lo=0)
-    size: int = _f(1000, "Most eval prompts used.", lo=1)
+    size: int = _f(1000, "Most distinct eval prompts used (the first ones of the eval file or split, every copy of each). Copies "
+                         "of a prompt (the same text or message list) are generated once, greedily, and count as one "
+                         "prompt; copies whose other columns differ are each scored against that completion, and the "
+                         "prompt's reward is the mean over its copies.", lo=1)
     success_threshold: float = _f(1.0, "A prompt counts as solved when its greedy reward >= this.")
     patience: int = _f(0, "Stop training early once this many evaluations in a row have not raised eval accuracy "
                           "above the best before them by more than eval.min_delta (the eval curve has flattened); "

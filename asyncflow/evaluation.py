@@ -1,5 +1,9 @@
 """Greedy evaluation on held-out prompts, written as `kind: "eval"` rows.
 
+Each distinct prompt is evaluated once and counts once (`eval_set`): its copies would get the same
+greedy completion. Copies that differ in another column (a second reference answer) are each scored
+against that one completion, and the prompt's reward is the mean over its copies.
+
 Eval requests go through a rollout engine like any other request (they join its continuous batch),
 at temperature 0, so evaluating does not need a second copy of the model. With a multi-turn
 environment (`rollout.env`) or a black-box agent (`rollout.agent`) each eval prompt is a greedy
@@ -18,6 +22,7 @@ from asyncflow.config import Config
 from asyncflow.data import row_copy, tokenize_prompt
 from asyncflow.engines.base import GenRequest, InferenceEngine
 from asyncflow.errors import WaitTimeout
+from asyncflow.eval_set import EvalPrompt, distinct_prompts, fold_rewards, prompt_reward
 from asyncflow.rewards import (
     PLAIN_CALLS_PER_HOP,
     PlainCalls,
@@ -39,7 +44,7 @@ def eval_flattened(accuracies: Sequence[float], patience: int, min_delta: float)
 
 
 class Evaluator:
-    """Scores greedy completions of the eval prompts with the run's reward function."""
+    """Scores greedy completions of the distinct eval prompts with the run's reward function."""
 
     def __init__(
         self,
@@ -54,15 +59,15 @@ class Evaluator:
         clock: Any = None,
     ) -> None:
         """`env_factory`/`clock`: evaluate greedy episodes of this environment instead of single
-        completions scored by `reward_fn`."""
+        completions scored by `reward_fn`. `rows` may hold copies of a prompt: it is evaluated once."""
         self.cfg = cfg
-        self.rows = rows
+        self.prompts: list[EvalPrompt] = distinct_prompts(rows, cfg.dataset.prompt_key)
         self.tok = tokenizer
         self.reward_fn = reward_fn
         self.engine = engine
         self.log = log
         self.tracer = tracer
-        self.prompt_ids = [tokenize_prompt(tokenizer.hf, r[cfg.dataset.prompt_key]) for r in rows]
+        self.prompt_ids = [tokenize_prompt(tokenizer.hf, p.rows[0][cfg.dataset.prompt_key]) for p in self.prompts]
         self.history: list[dict[str, Any]] = []
         self.env_factory = env_factory
         self.clock = clock
@@ -109,9 +114,34 @@ class Evaluator:
         return row
 
     async def _completions(self, state: TrainerState) -> tuple[list[float | None], str | None, int | None]:
-        """Greedy completions, each prompt scored as a group of its own (the reward function's contract:
-        one call per group), so one bad value or one slow call costs that prompt (None: failed; the first
-        error is reported), not the whole evaluation."""
+        """Greedy completions, one per distinct prompt, each prompt scored as a group of its own (the
+        reward function's contract: one call per group; the group holds the prompt's distinct rows, all
+        with its one completion), so one bad value or one slow call costs that prompt (None: failed; the
+        first error is reported), not the whole evaluation."""
+        try:
+            results = await self._generate()
+        except WaitTimeout as exc:  # a stuck engine fails the evaluation, not the run (the run has its own bounds)
+            return [None] * len(self.prompts), str(exc), None
+        key = self.cfg.dataset.prompt_key
+        calls = []
+        cut = {i for i, r in enumerate(results) if r.finish_reason == "cancelled"}
+        for p, result in zip(self.prompts, results, strict=True):
+            ids, k, prompt = result.response_ids, len(p.rows), p.rows[0][key]
+            completion = self.tok.completions([ids], isinstance(prompt, list))
+            calls.append((self.reward_fn, [prompt] * k, completion * k, [list(ids) for _ in range(k)],
+                          {c: [r.get(c) for r in p.rows] for c in p.rows[0] if c != key}, state))
+        outcomes = await self._score(calls)
+        # (engines never cancel evaluation requests; one that comes back cancelled all the same is a
+        # failed prompt, not an answer: scored, its cut-short text counted as the model's)
+        outcomes = [RewardOutcome(None, "its generation was cancelled") if i in cut else o
+                    for i, o in enumerate(outcomes)]
+        rewards = [prompt_reward(o.rewards, p.copies) if o.rewards else None
+                   for p, o in zip(self.prompts, outcomes, strict=True)]
+        errors = [f"eval prompt {i}: {o.error}" for i, o in enumerate(outcomes) if o.error is not None]
+        return rewards, (errors[0] if errors else None), _newest(r.token_versions for r in results)
+
+    async def _generate(self) -> list[Any]:
+        """Each distinct prompt's greedy generation; WaitTimeout when the engine does not finish them."""
         requests = [
             GenRequest(-(i + 1), ids, self.cfg.rollout.max_new_tokens, temperature=0.0) for i, ids in enumerate(self.prompt_ids)
         ]
@@ -125,22 +155,14 @@ class Evaluator:
             async with gate:
                 return await self.engine.generate(request)
 
-        try:
-            results = await self.clock.wait_for(
-                asyncio.gather(*(generate(r) for r in requests)),
-                self.cfg.rollout.request_timeout_s * rounds,
-                f"greedy generation of the {len(requests)} eval prompts (rollout.request_timeout_s per round of "
-                "the engine's batch)")
-        except WaitTimeout as exc:  # a stuck engine fails the evaluation, not the run (the run has its own bounds)
-            return [None] * len(self.rows), str(exc), None
-        key = self.cfg.dataset.prompt_key
-        calls = []
-        cut = {i for i, r in enumerate(results) if r.finish_reason == "cancelled"}
-        for row, result in zip(self.rows, results, strict=True):
-            ids = result.response_ids
-            completion = self.tok.completions([ids], isinstance(row[key], list))
-            calls.append((self.reward_fn, [row[key]], completion, [ids], {c: [v] for c, v in row.items() if c != key},
-                          state))
+        return list(await self.clock.wait_for(
+            asyncio.gather(*(generate(r) for r in requests)),
+            self.cfg.rollout.request_timeout_s * rounds,
+            f"greedy generation of the {len(requests)} eval prompts (rollout.request_timeout_s per round of "
+            "the engine's batch)"))
+
+    async def _score(self, calls: list[tuple[Any, ...]]) -> list[RewardOutcome]:
+        """The reward calls' outcomes, one per eval prompt; a call that fails or times out is its error."""
         timeout = self.cfg.reward.timeout_s
         if is_async_reward_fn(self.reward_fn):
             limit = asyncio.Semaphore(self.cfg.reward.concurrency)  # (a rate-limited judge's setting holds here too)
@@ -153,25 +175,20 @@ class Evaluator:
                     except WaitTimeout as exc:
                         return RewardOutcome(None, str(exc))
 
-            outcomes = list(await asyncio.gather(*(one(i, c) for i, c in enumerate(calls))))
-        else:  # a thread hop per 8 prompts, as the reward stage's per 8 groups: a call that hangs
-            # (a thread cannot be stopped) costs the rest of its chunk, after reward.timeout_s per prompt of it
-            outcomes = []
-            for at in range(0, len(calls), PLAIN_CALLS_PER_HOP):
-                chunk = calls[at:at + PLAIN_CALLS_PER_HOP]
-                outcomes += await self._plain_calls.score(
-                    chunk, self.clock.wait_for, timeout,
-                    f"the reward function on eval prompts {at}-{at + len(chunk) - 1} (reward.timeout_s per prompt)")
-        # (engines never cancel evaluation requests; one that comes back cancelled all the same is a
-        # failed prompt, not an answer: scored, its cut-short text counted as the model's)
-        outcomes = [RewardOutcome(None, "its generation was cancelled") if i in cut else o
-                    for i, o in enumerate(outcomes)]
-        rewards = [o.rewards[0] if o.rewards else None for o in outcomes]
-        errors = [f"eval prompt {i}: {o.error}" for i, o in enumerate(outcomes) if o.error is not None]
-        return rewards, (errors[0] if errors else None), _newest(r.token_versions for r in results)
+            return list(await asyncio.gather(*(one(i, c) for i, c in enumerate(calls))))
+        # a thread hop per 8 prompts, as the reward stage's per 8 groups: a call that hangs (a thread
+        # cannot be stopped) costs the rest of its chunk, after reward.timeout_s per prompt of it
+        outcomes: list[RewardOutcome] = []
+        for at in range(0, len(calls), PLAIN_CALLS_PER_HOP):
+            chunk = calls[at:at + PLAIN_CALLS_PER_HOP]
+            outcomes += await self._plain_calls.score(
+                chunk, self.clock.wait_for, timeout,
+                f"the reward function on eval prompts {at}-{at + len(chunk) - 1} (reward.timeout_s per prompt)")
+        return outcomes
 
     async def _episodes(self) -> tuple[list[float | None], str | None, int | None]:
-        """Greedy episodes; an episode that failed is None and the first error is reported."""
+        """Greedy episodes, one per distinct row of each prompt (the environment gets the row); a
+        prompt whose episode failed is None and the first error is reported."""
         from asyncflow.clock import SweptClock, run_guarded
         from asyncflow.workflow.episode import EpisodeSettings, hung_episode, run_episode
 
@@ -189,16 +206,17 @@ class Evaluator:
                                                tok=self.tok, uid=-(i + 1), prompt_ids=ids, row=row_copy(row),
                                                seed=self.cfg.seed * 7_919 + i, settings=settings),
                             functools.partial(hung_episode, ids), ro.env_timeout_s + 1.0)
-                for i, (ids, row) in enumerate(zip(self.prompt_ids, self.rows, strict=True))
+                for i, (ids, row) in enumerate(self._episode_rows())
             ))
         finally:
             swept.close()
         errors = [r.fields["reward_error"] for r in results if r.fields["reward_error"] is not None]
-        return ([r.fields["reward"] for r in results], (errors[0] if errors else None),
+        return (fold_rewards(self.prompts, [r.fields["reward"] for r in results]), (errors[0] if errors else None),
                 _newest(r.fields["token_versions"] for r in results))
 
     async def _agent_episodes(self) -> tuple[list[float | None], str | None, int | None]:
-        """Greedy agent episodes through a recording endpoint of their own; failed episodes are None."""
+        """Greedy agent episodes through a recording endpoint of their own, one per distinct row of each
+        prompt; a prompt whose episode failed is None."""
         from asyncflow.clock import RealClock
         from asyncflow.workflow.agent import load_agent, run_agent_episode
         from asyncflow.workflow.agent_proxy import AgentProxy, recorder_settings
@@ -213,13 +231,17 @@ class Evaluator:
                 run_agent_episode(agent=agent, proxy=proxy, engine=self.engine, clock=clock, tok=self.tok,
                                   uid=-(i + 1), row=row_copy(row), seed=self.cfg.seed * 7_919 + i,
                                   settings=recorder_settings(self.cfg, 0.0, self.max_context), timeout_s=self.cfg.rollout.agent_timeout_s)
-                for i, row in enumerate(self.rows)
+                for i, (_, row) in enumerate(self._episode_rows())
             ))
         finally:
             await proxy.close()
         errors = [r.fields["reward_error"] for r in results if r.fields["reward_error"] is not None]
-        return ([r.fields["reward"] for r in results], (errors[0] if errors else None),
+        return (fold_rewards(self.prompts, [r.fields["reward"] for r in results]), (errors[0] if errors else None),
                 _newest(r.fields["token_versions"] for r in results))
+
+    def _episode_rows(self) -> list[tuple[list[int], dict[str, Any]]]:
+        """(prompt ids, row) of every distinct row of every prompt, in order (`fold_rewards` regroups)."""
+        return [(ids, row) for ids, p in zip(self.prompt_ids, self.prompts, strict=True) for row in p.rows]
 
 
 def _newest(versions: Iterable[Sequence[int]]) -> int | None:

@@ -3,9 +3,7 @@ and eval rows (a held-out slice of the dataset when no eval set is given) and th
 
 from __future__ import annotations
 
-import json
 import os
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncflow.config import Config, episodic
 from asyncflow.errors import UserError
+from asyncflow.eval_set import draw_held_out, first_prompts, rows_by_prompt
 from asyncflow.run_folder import check_folder_path
 
 if TYPE_CHECKING:
@@ -34,12 +33,15 @@ class Inputs:
     positions: int | None = None  # the model's positions (`data.model_positions`; None: unknown)
 
 
-def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
+def resolve_inputs(cfg: Config, log: Callable[[str], None], saved_rows: str | None = None) -> Inputs:
     """Model folder, train/eval rows and reward function: from the config, else from the task pack.
+    The eval rows are every copy of the first `eval.size` distinct prompts (`eval_set`).
 
     Given paths are checked without torch (a bad model folder or dataset costs milliseconds); only
-    preparing a task pack's own model imports it.
+    preparing a task pack's own model imports it. `saved_rows`: the training rows' fingerprint a
+    resumed checkpoint recorded (`checkpoint.check_rows` refuses a resume whose rows differ).
     """
+    from asyncflow.checkpoint import rows_fingerprint
     from asyncflow.data import REWARD_ARGUMENTS, check_columns, model_positions, read_rows, subset
     from asyncflow.rewards import absolute_reward_path
 
@@ -65,15 +67,16 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> Inputs:
         eval_path = cfg.eval.path if cfg.eval.path is not None else str(model_dir / "eval.jsonl")
         eval_rows = read_rows(eval_path, key="eval.path", config=cfg.dataset.config)
         chats.append(check_columns(eval_rows, eval_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved))
-    else:  # a held-out slice of the dataset: whole prompts (all their copies), at most 10% of it
+    else:  # a held-out slice of the dataset: whole prompts (all their copies), at most 10% of its prompts
         eval_path = data_path
-        rows, eval_rows = _hold_out(cfg, rows, data_path, log)
+        rows, eval_rows = _hold_out(cfg, rows, data_path, log, saved_rows)
     fn = cfg.reward.fn
     reward_path: str | list[str] = (task.reward_fn_path if task is not None else "") if not fn else \
         absolute_reward_path(fn) if isinstance(fn, str) else [absolute_reward_path(f) for f in fn]
     first_chat = next((c for c in chats if c is not None), None)
-    eval_rows = subset(eval_rows, range(min(len(eval_rows), cfg.eval.size)))
+    eval_rows = subset(eval_rows, first_prompts(rows_by_prompt(eval_rows, cfg.dataset.prompt_key), cfg.eval.size))
     return Inputs(model_dir, rows, eval_rows, reward_path, first_chat, data_path, eval_path,
+                  fingerprint=rows_fingerprint(rows, (cfg.dataset.prompt_key, cfg.dataset.label_key)),
                   positions=model_positions(model_dir))
 
 
@@ -98,32 +101,34 @@ def _model_dir(cfg: Config, task: TaskPack | None, log: Callable[[str], None]) -
     return task.prepare(cfg.model.cache_dir, seed=cfg.model.task_seed, log=log)
 
 
-def _hold_out(cfg: Config, rows: list[dict[str, Any]], data_path: str,
-              log: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The dataset split into training rows and a held-out eval slice: whole prompts (all their
-    copies), at most 10% of the rows."""
+def _hold_out(cfg: Config, rows: list[dict[str, Any]], data_path: str, log: Callable[[str], None],
+              saved_rows: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The dataset split into training rows and a held-out eval slice of whole prompts (every copy, so
+    an eval prompt is never trained on): up to eval.size distinct prompts, at most 10% of them, their
+    copies at most 20% of the rows (room for a random draw of 10% of the prompts to have more copies
+    than the average, not for a prompt that is a large part of the data)."""
+    from asyncflow.checkpoint import rows_fingerprint
     from asyncflow.data import subset
 
-    rng = random.Random(cfg.seed + 1)
-    copies: dict[str, list[int]] = {}  # rows by prompt: a prompt's copies are held out together, so an
-    for i, r in enumerate(rows):     # eval prompt is never also trained on (that inflated eval accuracy)
-        p = r[cfg.dataset.prompt_key]
-        copies.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str), []).append(i)
-    groups = list(copies.values())
-    rng.shuffle(groups)
-    n_eval = min(cfg.eval.size, len(rows) // 10)
-    held: set[int] = set()
-    for g in groups:  # whole prompts that fit: never above n_eval (one prompt copied 95 times of 100 was
-        if len(held) + len(g) <= n_eval:  # held out whole, and rows past eval.size were neither trained
-            held.update(g)                # nor evaluated)
-        if len(held) == n_eval:
-            break
-    if len(held) >= len(rows):  # one prompt repeated throughout: nothing left to train on
-        held = set()
-    eval_rows = subset(rows, sorted(held))
-    rows = subset(rows, [i for i in range(len(rows)) if i not in held])
-    if not eval_rows:  # under 10 rows: nothing to hold out; evaluate on the training prompts, and say so
-        eval_rows = rows
+    groups = rows_by_prompt(rows, cfg.dataset.prompt_key)
+    held = draw_held_out(groups, min(cfg.eval.size, len(groups) // 10), len(rows) // 5, cfg.seed + 1)
+
+    def training(held: list[int]) -> list[dict[str, Any]]:
+        out = set(held)
+        return subset(rows, [i for i in range(len(rows)) if i not in out])
+
+    keys = (cfg.dataset.prompt_key, cfg.dataset.label_key)
+    if saved_rows is not None and rows_fingerprint(training(held), keys) != saved_rows:
+        # a checkpoint saved while eval.size counted rows trained on the rows left by a slice of up to
+        # eval.size rows (10% of them at most): it resumes on that slice, its saved samples' prompts
+        by_rows = draw_held_out(groups, len(groups), min(cfg.eval.size, len(rows) // 10), cfg.seed + 1)
+        if rows_fingerprint(training(by_rows), keys) == saved_rows:
+            log(f"[asyncflow] note: the checkpoint's run held out {len(by_rows)} rows of {data_path} for eval "
+                "(eval.size counted rows then); resuming on that slice")
+            held = by_rows
+    train, eval_rows = training(held), subset(rows, held)
+    if not eval_rows:  # under 10 distinct prompts (or none fits in 20% of the rows): evaluate on the training prompts, and say so
+        eval_rows = train
         log(f"[asyncflow] note: {data_path} has {len(rows)} rows of {len(groups)} distinct prompt(s), too few to "
             "hold out an eval set; evaluating on the training prompts (give eval.path for a held-out set)")
-    return rows, eval_rows
+    return train, eval_rows

@@ -116,11 +116,10 @@ def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
     (bad input fails here): with `resume`, against the checkpoint too."""
     from asyncflow.rewards import is_async_reward_fn, load_run_reward
 
-    inputs = resolve_inputs(cfg, log)
-    from asyncflow.checkpoint import check_rows, rows_fingerprint
-
-    inputs.fingerprint = rows_fingerprint(inputs.train_rows, (cfg.dataset.prompt_key, cfg.dataset.label_key))
+    inputs = resolve_inputs(cfg, log, saved_rows=None if resume is None else resume.state.get("train_rows"))
     if resume is not None:
+        from asyncflow.checkpoint import check_rows
+
         check_rows(resume, inputs.fingerprint)
     # multi-turn episodes are scored by their environment: no reward function is loaded
     reward_fn = None if episodic(cfg) else load_run_reward(cfg, inputs.reward_fn_path, [str(inputs.model_dir)])

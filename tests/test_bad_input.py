@@ -548,25 +548,28 @@ def test_the_held_out_eval_slice_takes_every_copy_of_its_prompts(tmp_path: Path)
 
 def test_the_held_out_slice_never_exceeds_its_share_and_every_row_is_trained_or_evaluated(tmp_path: Path) -> None:
     """Whole prompts were held out until the share was reached, so one prompt copied 95 times of 100
-    took 95-98% of the data; and rows held out past eval.size were neither trained nor evaluated."""
+    took 95-98% of the data; and rows held out past eval.size were neither trained nor evaluated.
+    The slice is at most 10% of the distinct prompts, their copies at most 20% of the rows: a prompt
+    with more copies than that stays in training."""
     from asyncflow.config import load_config
     from asyncflow.inputs import resolve_inputs
 
     make_model_dir(tmp_path / "model")
     rows = ['{"prompt": "7+1=", "answer": "8"}\n'] * 95 + [f'{{"prompt": "{i}+2=", "answer": "{i + 2}"}}\n'
-                                                           for i in range(5)]
+                                                           for i in range(15)]
     (tmp_path / "skew.jsonl").write_text("".join(rows))
     for seed in range(4):
         cfg, _ = load_config(None, ["task=null", f"model.path={tmp_path / 'model'}", f"seed={seed}",
                                     f"dataset.path={tmp_path / 'skew.jsonl'}", "reward.fn=x:y"])
         inputs = resolve_inputs(cfg, print)
-        assert len(inputs.eval_rows) <= 10 and len(inputs.train_rows) + len(inputs.eval_rows) == 100, seed
+        assert len(inputs.eval_rows) == 1 and inputs.eval_rows[0]["prompt"] != "7+1=", seed  # 1 of 16 prompts
+        assert len(inputs.train_rows) + len(inputs.eval_rows) == 110, seed
     dups = "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(40)) * 8  # 40 prompts x 8
     (tmp_path / "dups.jsonl").write_text(dups)
     cfg, _ = load_config(None, ["task=null", f"model.path={tmp_path / 'model'}", "eval.size=10",
                                 f"dataset.path={tmp_path / 'dups.jsonl'}", "reward.fn=x:y"])
     inputs = resolve_inputs(cfg, print)
-    assert len(inputs.eval_rows) == 8 and len(inputs.train_rows) == 312  # one whole prompt; none lost
+    assert len(inputs.eval_rows) == 32 and len(inputs.train_rows) == 288  # 4 whole prompts (10%); none lost
 
 
 def test_a_datasets_folder_gives_plain_rows_and_the_split_each_key_reads(tmp_path: Path) -> None:
