@@ -112,12 +112,13 @@ def convert_gguf(gguf: Path, folder: Path, *, log: Log, key: str = "model.path",
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
         loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32, **_dequantized())
-    except (ValueError, NotImplementedError, KeyError) as exc:
+    except (ValueError, NotImplementedError, KeyError, IndexError) as exc:  # (the file's content: bad input)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise UserError(f"{key}: {gguf}: transformers cannot convert this GGUF ({type(exc).__name__}: {first}); "
                         "the architectures and quantizations it reads: docs/tasks.md") from None
     model = _plain_copy(loaded)
     del loaded
+    _align_special_tokens(tokenizer, model.generation_config)
     tokenizer.model_max_length = getattr(model.config, "max_position_embeddings", tokenizer.model_max_length)
     log(f"  read {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
         f"({model.config.model_type}) in {time.monotonic() - start:.0f} s; saving")
@@ -158,6 +159,16 @@ def _plain_copy(loaded: Any) -> Any:
     pad = config.pad_token_id if config.pad_token_id is not None else eos
     model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=pad)
     return model.eval()
+
+
+def _align_special_tokens(tokenizer: Any, generation: Any) -> None:
+    """The tokenizer's BOS, EOS and pad tokens set to the GGUF's ids (`tokenizer.ggml.*_token_id`, which
+    the model's config holds): transformers' GGUF tokenizer converter has named other tokens (5.10 gave
+    SmolLM2 `<|im_start|>` as EOS, where the file says `<|im_end|>`)."""
+    for attr, token_id in (("bos_token", generation.bos_token_id), ("eos_token", generation.eos_token_id),
+                           ("pad_token", generation.pad_token_id)):
+        if isinstance(token_id, int) and 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(token_id))
 
 
 def _versions() -> dict[str, str]:

@@ -28,14 +28,14 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> dict[str, Any]:
     import numpy as np
 
     rng, q = np.random.default_rng(seed), gguf.GGMLQuantizationType
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *"abcdefghij", "Ġ", "Ċ", "ab"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *"abcdefghij", "Ġ", "Ċ", "ab", "cd"]
     tokens += [f"<extra{i}>" for i in range(32 - len(tokens))]
     w = gguf.GGUFWriter(str(path), "llama")
     for add, value in ((w.add_block_count, 2), (w.add_context_length, 128), (w.add_embedding_length, 64),
                        (w.add_feed_forward_length, 128), (w.add_head_count, 4), (w.add_head_count_kv, 2),
                        (w.add_rope_dimension_count, 16), (w.add_layer_norm_rms_eps, 1e-5),
                        (w.add_vocab_size, len(tokens)), (w.add_tokenizer_model, "gpt2"), (w.add_token_list, tokens),
-                       (w.add_token_types, [3, 3, 3] + [1] * (len(tokens) - 3)), (w.add_token_merges, ["a b"]),
+                       (w.add_token_types, [3, 3, 3] + [1] * (len(tokens) - 3)), (w.add_token_merges, ["a b", "c d"]),
                        (w.add_bos_token_id, 1), (w.add_eos_token_id, 2), (w.add_add_bos_token, False),
                        (w.add_chat_template, CHATML)):
         add(value)  # type: ignore[operator]
