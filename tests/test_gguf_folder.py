@@ -177,3 +177,30 @@ def test_a_gguf_transformers_cannot_read_is_one_line_naming_model_path(tmp_path:
     (tmp_path / "out").mkdir()
     with pytest.raises(UserError, match=r"^model.path: .*header-only.gguf: transformers cannot convert this GGUF "):
         convert_gguf(bad, tmp_path / "out", log=lambda line: None)
+
+
+@pytest.mark.slow
+def test_a_run_with_a_gguf_model_path_trains_its_converted_folder_and_saves_final(
+        tiny_gguf: tuple[Path, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from asyncflow.config import load_config
+    from asyncflow.runner import train
+
+    path, _ = tiny_gguf
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": "ab" * (1 + i % 7), "solution": "c"}) + "\n"
+                                                 for i in range(70)))
+    (tmp_path / "gguf_rewards.py").write_text("def score(prompts, completions, solution, **kw):\n"
+                                              "    return [float(c.startswith(s)) for c, s in zip(completions, solution)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg, _ = load_config(None, ["task=null", f"model.path={path}", f"model.cache_dir={tmp_path / 'cache'}",
+                                f"dataset.path={tmp_path / 'data.jsonl'}", "dataset.label_key=solution",
+                                "reward.fn=gguf_rewards:score", "train.max_steps=2", "train.batch_size=8", "rollout.n=4",
+                                "rollout.max_new_tokens=4", "eval.size=4", "logging.progress=false"])
+    summary = train(cfg, tmp_path / "run", progress_enabled=False)
+    assert summary["samples"] == 16
+    [converted] = (tmp_path / "cache" / "gguf").iterdir()
+    assert json.loads((converted / "asyncflow_source.json").read_text())["gguf"] == path.name
+    final = tmp_path / "run" / "final"
+    assert "quantization_config" not in json.loads((final / "config.json").read_text())
+    AutoModelForCausalLM.from_pretrained(str(final))
