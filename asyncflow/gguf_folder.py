@@ -141,7 +141,9 @@ def _dequantized() -> dict[str, Any]:
 
 def _plain_copy(loaded: Any) -> Any:
     """A model built from `loaded`'s config without the GGUF's marks, holding `loaded`'s float32 tensors
-    (shared, not copied), tied weights tied again, and a generation config of the GGUF's special ids."""
+    (shared, not copied), tied weights tied again, and a generation config of the GGUF's special ids.
+    For saving only: built on the meta device, its non-persistent buffers (rotary frequencies) stay
+    there, and `from_pretrained` of the saved folder rebuilds them."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
