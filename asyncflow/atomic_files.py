@@ -1,12 +1,14 @@
-"""Files and folders of the run folder that are replaced whole: a crash (or a full disk) while one is
-written leaves the previous version, never a truncated one. Each is written beside its target
-(same file system), flushed to the disk, then renamed over it; the folder's entry is flushed too.
+"""Files and folders written whole (the run folder's files, prepared model folders): a crash (or a full
+disk) while one is written leaves the previous version, or none, never a truncated one. Each is written
+beside its target (same file system), flushed to the disk, then renamed over it; the folder's entry is
+flushed too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -64,3 +66,34 @@ def write_dir_atomic(path: Path, fill: Callable[[Path], None]) -> None:
     os.replace(tmp, path)
     fsync_path(path.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def create_dir_atomic(path: Path, fill: Callable[[Path], None]) -> bool:
+    """Create folder `path` whole: `fill(folder)` writes into a fresh temp folder beside it
+    (`.NAME.tmp-XXXXXXXX`, unique, so concurrent builders never share one), which is flushed and renamed
+    onto `path`. `path` is therefore absent, an empty folder, or complete; a failure in `fill` removes
+    the temp folder (a killed process leaves it, hidden, beside `path`). `path` must be absent or
+    empty; returns False, discarding this copy, when another process filled it meanwhile."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:  # (not tempfile.mkdtemp: its folder is private, 0700, and the renamed one must not be)
+        tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+        with contextlib.suppress(FileExistsError):
+            tmp.mkdir()
+            break
+    try:
+        fill(tmp)
+        for f in sorted(tmp.rglob("*"), reverse=True):  # (files before the folders holding them)
+            fsync_path(f)
+        fsync_path(tmp)
+        try:
+            os.replace(tmp, path)  # (a rename onto an empty folder replaces it; onto a full one fails)
+        except OSError:
+            if not (path.is_dir() and any(path.iterdir())):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_path(path.parent)
+    return True

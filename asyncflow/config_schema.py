@@ -40,10 +40,14 @@ class LoraConfig:
 class ModelConfig:
     """The policy model."""
 
-    path: str | None = _f(None, "Hugging Face causal-LM folder, or a Hub id (org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct: "
+    path: str | None = _f(None, "Hugging Face causal-LM folder; a Hub id (org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct: "
                                 "not a local path) fetched into the Hugging Face cache (HF_HOME, HF_HUB_CACHE; "
-                                "HF_HUB_OFFLINE=1: the cache only). null: the task pack prepares (and caches) its model.")
-    cache_dir: str | None = _f(None, "Where prepared task models are cached. null: $ASYNCFLOW_CACHE or ~/.cache/asyncflow.")
+                                "HF_HUB_OFFLINE=1: the cache only); or a .gguf file, converted once into a Hugging "
+                                "Face folder in model.cache_dir (needs pip install 'asyncflow[gguf]'; architectures "
+                                "and quantizations: docs/tasks.md). null: the task pack prepares (and caches) its "
+                                "model.")
+    cache_dir: str | None = _f(None, "Where prepared task models and folders converted from a .gguf model.path are "
+                                     "cached. null: $ASYNCFLOW_CACHE or ~/.cache/asyncflow.")
     task_seed: int = _f(0, "Seed of the task pack's base model and data (model.path null). 0: the base model shipped "
                            "inside the package (built by `asyncflow prepare TASK`, the same on every machine); another "
                            "seed is prepared once into model.cache_dir (minutes). `seed` seeds the run, not this.",

@@ -81,24 +81,36 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None], saved_rows: str | No
 
 
 def _model_dir(cfg: Config, task: TaskPack | None, log: Callable[[str], None]) -> Path:
-    """`model.path`, checked; else the task pack's model folder, prepared (its cache folder checked first)."""
+    """`model.path`, checked (a GGUF file: its converted folder, converted once into the cache); else
+    the task pack's model folder, prepared (its cache folder checked first)."""
+    from asyncflow.gguf_folder import is_gguf_path
     from asyncflow.hub import hub_id, snapshot
     from asyncflow.model_folder import check_model_dir
 
+    if cfg.model.path is not None and is_gguf_path(cfg.model.path):
+        from asyncflow.gguf_folder import cached_folder, check_gguf_file
+
+        gguf = check_gguf_file(cfg.model.path)
+        return check_model_dir(cached_folder(gguf, _cache_root(cfg), log))
     if cfg.model.path is not None:
         repo = hub_id(cfg.model.path)
         return check_model_dir(cfg.model.path if repo is None else snapshot(repo, "model.path"))
     assert task is not None
-    if task.shipped(cfg.model.task_seed) is not None:
-        pass  # the package holds it: no cache is read or written
-    elif cfg.model.cache_dir is not None:
-        check_folder_path(Path(cfg.model.cache_dir), "model.cache_dir")
-    else:  # (the default: $ASYNCFLOW_CACHE, else ~/.cache/asyncflow)
-        from asyncflow.tasks.tiny import default_cache_dir
-
-        env = "ASYNCFLOW_CACHE" if os.environ.get("ASYNCFLOW_CACHE") else "model.cache_dir (default)"
-        check_folder_path(default_cache_dir(), env)
+    if task.shipped(cfg.model.task_seed) is None:  # (a shipped one: no cache is read or written)
+        _cache_root(cfg)  # (checked before minutes of preparing)
     return task.prepare(cfg.model.cache_dir, seed=cfg.model.task_seed, log=log)
+
+
+def _cache_root(cfg: Config) -> Path:
+    """`model.cache_dir`, else $ASYNCFLOW_CACHE, else ~/.cache/asyncflow; checked to be a folder path."""
+    from asyncflow.tasks.tiny import default_cache_dir
+
+    if cfg.model.cache_dir is not None:
+        check_folder_path(Path(cfg.model.cache_dir), "model.cache_dir")
+        return Path(cfg.model.cache_dir).expanduser()
+    env = "ASYNCFLOW_CACHE" if os.environ.get("ASYNCFLOW_CACHE") else "model.cache_dir (default)"
+    check_folder_path(default_cache_dir(), env)
+    return default_cache_dir()
 
 
 def _hold_out(cfg: Config, rows: list[dict[str, Any]], data_path: str, log: Callable[[str], None],

@@ -1,5 +1,6 @@
-"""Shared fixtures: a tiny random Qwen2 (for engine tests), quickly prepared task folders, and one
-local Ray for the whole session (`ray_session`, shared by test_ray.py and test_ray_faults.py)."""
+"""Shared fixtures: a tiny random Qwen2 (for engine tests), quickly prepared task folders, the real
+SmolLM2-135M-Instruct folder that scripts/test.sh prepares once (`smollm2_dir`), and one local Ray for
+the whole session (`ray_session`, shared by test_ray.py and test_ray_faults.py)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,19 @@ def calc_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from asyncflow.tasks import calc
 
     return calc.cached_prepare(tmp_path_factory.mktemp("calc-cache"), seed=0, sft_steps=30)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct Hugging Face folder in $ASYNCFLOW_SMOLLM2_DIR, which scripts/test.sh
+    prepares once into a cache that outlives the run: tests never download. Unset or missing fails
+    the test (a slow test that silently skipped would hide that the suite did not run it)."""
+    value = os.environ.get("ASYNCFLOW_SMOLLM2_DIR", "")
+    if not value or not (Path(value) / "config.json").is_file():
+        pytest.fail(f"ASYNCFLOW_SMOLLM2_DIR is {'unset' if not value else repr(value) + ', which holds no model'}: "
+                    "run the tests with scripts/test.sh (it prepares the model once), or run "
+                    "`asyncflow prepare smollm2 --out DIR` and export ASYNCFLOW_SMOLLM2_DIR=DIR", pytrace=False)
+    return Path(value)
 
 
 @pytest.fixture(scope="module")
