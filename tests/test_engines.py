@@ -413,25 +413,32 @@ def _step_batch() -> TrainBatch:
 
 def test_bfloat16_training_keeps_float32_master_weights_so_small_updates_land(tiny_model, tmp_path: Path) -> None:
     """AdamW on bf16 weights rounded away most steps of ~lr (10 steps at lr 1e-6 changed 2% of the
-    weights); the master weights are float32 and only the passes and the exports are bf16."""
-    trainer = TorchTrainEngine(copy.deepcopy(tiny_model).to(torch.bfloat16), lr=1e-6, dtype=torch.bfloat16)
-    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    weights): the passes run on bf16 weights, the optimizer steps float32 masters of them, which a
+    checkpoint saves; the exports and the final folder are bf16."""
+    trainer = TorchTrainEngine(copy.deepcopy(tiny_model), lr=1e-6, dtype=torch.bfloat16)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.stepped} == {torch.float32}
+    masters = [m.detach().clone() for m in trainer.stepped]
+    assert all(torch.equal(m, p.float()) for m, p in zip(masters, tiny_model.parameters(), strict=True))
     trainer.train_step(_step_batch(), make_loss_fn(LossSettings()), 1.0)
-    changed = [not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items() if k.endswith("weight")]
-    assert sum(changed) == len(changed)
+    assert all(not torch.equal(a, b) for a, b in zip(masters, trainer.stepped, strict=True))  # every update landed
+    assert all(p.grad is None for p in trainer.model.parameters())  # (moved into the masters' float32 gradients)
     assert {v.dtype for v in trainer.export_weights().values()} == {torch.bfloat16}
     trainer.save(str(tmp_path / "ckpt"), with_optimizer=True)  # a checkpoint keeps the master weights
     trainer.save(str(tmp_path / "final"), with_optimizer=False)  # the final folder is in model.dtype
     ckpt = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=None)
     final = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"), dtype=None)
-    name, weight = next((k, v) for k, v in trainer.model.state_dict().items() if k.endswith("q_proj.weight"))
-    assert torch.equal(ckpt.state_dict()[name], weight) and final.state_dict()[name].dtype == torch.bfloat16
+    names = [k for k, _ in trainer.model.named_parameters()]
+    i = next(j for j, k in enumerate(names) if k.endswith("q_proj.weight"))
+    assert torch.equal(ckpt.state_dict()[names[i]], trainer.stepped[i].detach())
+    assert final.state_dict()[names[i]].dtype == torch.bfloat16
     # each folder's config.json names its tensors' dtype (the final one said float32: loaded by default,
     # or by vLLM's dtype auto, at twice the memory)
     saved = {d: json.loads((tmp_path / d / "config.json").read_text())["dtype"] for d in ("ckpt", "final")}
     assert saved == {"ckpt": "float32", "final": "bfloat16"}
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "final")).dtype == torch.bfloat16
+    resumed = TorchTrainEngine(str(tmp_path / "ckpt"), lr=1e-6, dtype=torch.bfloat16)  # exactly where it was
+    assert all(torch.equal(a, b) for a, b in zip(resumed.stepped, trainer.stepped, strict=True))
 
 
 def test_a_non_finite_gradient_skips_the_step_and_an_empty_mini_batch_takes_none(tiny_model) -> None:

@@ -146,3 +146,16 @@ def test_proximal_log_probs_from_the_train_pass_train_as_a_separate_pass_does(mi
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
     for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_micro_batches_take_rows_by_length_and_pad_only_to_their_own_longest_row() -> None:
+    batch = _batch(rows=8)
+    lengths = batch.attention_mask.sum(-1).tolist()
+    engine = TorchTrainEngine(_model(), lr=1e-3, micro_batch_size=2)
+    widths: list[tuple[int, int]] = []
+    engine.model.register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(tuple(kw["input_ids"].shape)), with_kwargs=True)  # type: ignore[arg-type,return-value]
+    logp = engine.logprobs(batch, 1.0)
+    want = sorted(lengths, reverse=True)
+    assert widths == [(2, int(want[i])) for i in range(0, 8, 2)]  # each part as wide as its longest row
+    assert torch.allclose(logp, TorchTrainEngine(_model(), lr=1e-3).logprobs(batch, 1.0), atol=1e-5)

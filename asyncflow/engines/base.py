@@ -154,6 +154,16 @@ class TrainBatch:
             mismatch_mask=None if self.mismatch_mask is None else self.mismatch_mask[ix],
         )
 
+    def trimmed(self) -> TrainBatch:
+        """The batch without the padding columns that every row has (rows are right-padded)."""
+        width = int(self.attention_mask.sum(-1).max()) if len(self) else 0
+        if width >= self.input_ids.shape[1]:
+            return self
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        cut = {k: v[:, : width if v.shape[1] == self.input_ids.shape[1] else width - 1]
+               for k, v in values.items() if isinstance(v, torch.Tensor) and v.dim() == 2}
+        return replace(self, **cut)
+
     def to(self, device: torch.device | str) -> TrainBatch:
         """The batch on `device` (itself when it is there already: on the CPU, where batches are built)."""
         device = torch.device(device)

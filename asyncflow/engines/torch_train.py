@@ -23,8 +23,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from asyncflow.algorithms.losses import kl_estimate
 from asyncflow.engines import head_logprobs
 from asyncflow.engines import lora as lora_adapter
+from asyncflow.engines.attention_choice import pick_attention
 from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine, state_bytes
 from asyncflow.engines.lr_schedule import LrSchedule, mark_steps, restored_steps, set_lr
+from asyncflow.engines.master_weights import MasterWeights
 from asyncflow.engines.weight_sync import aliases
 from asyncflow.errors import RunFailed, UserError
 
@@ -42,16 +44,9 @@ def keep_hyperparameters(optimizer: torch.optim.Optimizer, keys: tuple[str, ...]
 def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, L-1] of each trained next token (`response_mask`; 0 elsewhere) under logits /
     temperature, and their entropy: the output head runs on those positions only, a chunk at a time."""
+    length = batch.input_ids.shape[1]
+    pick_attention(model, batch.input_ids.device, length, length)
     return head_logprobs.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask, temperature)
-
-
-def compute_dtype_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
-    """Mixed precision: the trainer keeps float32 master weights (and AdamW states); with a lower
-    `model.dtype` the passes run under autocast in it. Training bf16 weights directly loses most
-    updates: an AdamW step of ~lr is far below half a bf16 rounding step of a typical weight."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
@@ -101,10 +96,25 @@ def nonfinite_weights_error(grad_norm: float, lr: float) -> RunFailed:
                      "lower train.max_grad_norm) and start again from the last checkpoint")
 
 
-def micro_batches(batch: TrainBatch, size: int | None, device: torch.device) -> list[TrainBatch]:
-    """`batch` in parts of at most `size` rows (None: one part), each on `device`."""
+def micro_batches(batch: TrainBatch, size: int | None, device: torch.device) -> list[tuple[list[int], TrainBatch]]:
+    """`batch` in parts of at most `size` rows (None: one part), each on `device` with the rows it
+    holds. The rows are taken in order of length, so each part pads to a length near its own rows'
+    and is trimmed to it (a part cut in batch order padded every row to the batch's longest); losses
+    are normalised by the whole mini-batch, so the order changes no sum."""
     size = size or len(batch)
-    return [batch.select(list(range(i, min(i + size, len(batch))))).to(device) for i in range(0, len(batch), size)]
+    lengths = batch.attention_mask.sum(-1).tolist()
+    order = sorted(range(len(batch)), key=lambda i: -lengths[i]) if size < len(batch) else list(range(len(batch)))
+    parts = [order[i : i + size] for i in range(0, len(order), size)]
+    return [(rows, batch.select(rows).trimmed().to(device)) for rows in parts]
+
+
+def gather_rows(parts: list[tuple[list[int], torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
+    """Per-row results [rows, width] of micro-batches (each trimmed) put back into a [B, L-1] tensor
+    shaped as `like`, at their rows, zero past each part's width."""
+    out = torch.zeros(like.shape, dtype=torch.float32)
+    for rows, values in parts:
+        out[rows, : values.shape[1]] = values.float().cpu()
+    return out
 
 
 def mini_batch_rows(n: int, parts: int) -> list[list[int]]:
@@ -142,14 +152,16 @@ class ReferenceModel:
     """The frozen reference policy of the KL term (`algorithm.kl_coef` > 0): the base model's weights
     on `device`, evaluated without gradients in micro-batches of `micro_batch_size` rows (as the
     trainer's passes are: a whole batch's logits at once would be batch x length x vocabulary floats).
-    Its passes are the trainer's: float32 weights under autocast in `dtype` (bf16 weights gave a
-    non-zero KL at step 0). Calling it with a CPU batch gives the [B, L-1] log-probs as a CPU tensor."""
+    Its passes are the trainer's: its weights in `dtype` (the trainer computes with its weights in the
+    same dtype), so the KL is 0 before the first update. Calling it with a CPU batch gives the [B, L-1]
+    log-probs as a CPU tensor."""
 
     def __init__(self, model: str | Path | PreTrainedModel, *, temperature: float, micro_batch_size: int | None = None,
                  device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         if isinstance(model, (str, Path)):
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-        self.model = model.to(device=device, dtype=torch.float32).eval()  # type: ignore[arg-type,call-arg]
+        # (loaded in float32, then cast: the trainer's weights are the same float32 values rounded once)
+        self.model = model.to(device=device, dtype=dtype).eval()  # type: ignore[arg-type,call-arg]
         self.model.requires_grad_(False)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -157,10 +169,10 @@ class ReferenceModel:
         self.micro_batch_size = micro_batch_size
 
     def __call__(self, batch: TrainBatch) -> torch.Tensor:
-        with torch.no_grad(), compute_dtype_context(self.device, self.dtype):
-            parts = [token_logprobs(self.model, mb, self.temperature)[0]
-                     for mb in micro_batches(batch, self.micro_batch_size, self.device)]
-        return torch.cat(parts).cpu()
+        with torch.no_grad():
+            parts = [(rows, token_logprobs(self.model, mb, self.temperature)[0])
+                     for rows, mb in micro_batches(batch, self.micro_batch_size, self.device)]
+        return gather_rows(parts, batch.response_mask)
 
 
 def combine_metrics(parts: list[dict[str, float]], *, mean: bool) -> dict[str, float]:
@@ -176,6 +188,20 @@ def combine_metrics(parts: list[dict[str, float]], *, mean: bool) -> dict[str, f
         else:
             out[key] = sum(values) / (len(values) if mean else 1)
     return out
+
+
+def name_dtype(path: str, dtype: torch.dtype) -> None:
+    """Make the folder's config.json name the dtype its weights are in (save_pretrained may write
+    another: from_pretrained, or vLLM's dtype auto, then loads it at another size)."""
+    config_file = os.path.join(path, "config.json")
+    with open(config_file, encoding="utf-8") as fh:
+        config = json.load(fh)
+    for key in ("dtype", "torch_dtype"):  # (transformers 5 writes `dtype`; 4.x read `torch_dtype`)
+        if key == "dtype" or key in config:
+            config[key] = str(dtype).removeprefix("torch.")
+    with open(config_file, "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2, sort_keys=True)
+        fh.write("\n")
 
 
 class TorchTrainEngine(TrainEngine):
@@ -201,17 +227,26 @@ class TorchTrainEngine(TrainEngine):
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.lora = lora  # the `model.lora` section (None: full fine-tuning)
-        policy: Any = model if lora is None else lora_adapter.wrap(model, lora)
-        # float32 master weights (see compute_dtype_context); eval mode: no dropout, as RL trainers run
-        # (with it the proximal log-probs and the ratio's first value would be noisy samples)
-        self.model = eval_mode(policy.to(device=device, dtype=torch.float32), gradient_checkpointing)
+        weights: Any = model.to(device=device, dtype=torch.float32)  # type: ignore[arg-type,call-arg]
+        self.masters: MasterWeights | None = None
+        if lora is None and dtype != torch.float32:  # (taken before the cast: float32 values, exactly)
+            self.masters = MasterWeights([p for p in weights.parameters() if p.requires_grad])
+        # the passes run on the weights in the compute dtype; a LoRA adapter is made after the cast and
+        # stays float32 (PEFT keeps adapters of a bf16 model in float32), its base frozen in that dtype.
+        # Eval mode: no dropout, as RL trainers run (the proximal log-probs would be noisy samples)
+        policy: Any = weights.to(dtype=dtype)
+        if lora is not None:
+            policy = lora_adapter.wrap(policy, lora)
+        self.model = eval_mode(policy, gradient_checkpointing)
         self.device = torch.device(device)
         self.dtype = dtype  # the compute dtype: passes, exported and final weights
         self.mini_batches = mini_batches
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # (LoRA: the adapter's)
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=lr, weight_decay=weight_decay)
+        # the optimizer steps float32 values: the masters, or the parameters themselves where they are float32
+        self.stepped = self.masters.masters if self.masters is not None else self.trainable
+        self.optimizer = torch.optim.AdamW(self.stepped, lr=lr, weight_decay=weight_decay)
         # LoRA: the reference pass turns the adapter off for the whole model, so no other pass may run meanwhile
         self._passes: contextlib.AbstractContextManager[Any] = threading.RLock() if lora else contextlib.nullcontext()
         self.schedule = schedule or LrSchedule(lr, mini_batches=mini_batches)
@@ -219,9 +254,9 @@ class TorchTrainEngine(TrainEngine):
         self._export_memory: dict[str, torch.Tensor] | None = None  # (`reuse_export_memory`)
 
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
-        with self._passes, torch.no_grad(), compute_dtype_context(self.device, self.dtype):
-            parts = [token_logprobs(self.model, mb, temperature)[0] for mb in self._micro(batch)]
-        return torch.cat(parts).cpu()  # (batches live on the CPU, where they are built)
+        with self._passes, torch.no_grad():
+            parts = [(rows, token_logprobs(self.model, mb, temperature)[0]) for rows, mb in self._micro(batch)]
+        return gather_rows(parts, batch.response_mask)  # (on the CPU, where batches are built)
 
     def reference_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         """LoRA: the KL reference is the base model, i.e. this model with its adapter off."""
@@ -230,8 +265,8 @@ class TorchTrainEngine(TrainEngine):
         with self._passes, self.model.disable_adapter():
             return self.logprobs(batch, temperature)
 
-    def _micro(self, batch: TrainBatch) -> list[TrainBatch]:
-        """The micro-batches, each on the model's device."""
+    def _micro(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
+        """The micro-batches, each on the model's device, with the rows of `batch` each holds."""
         return micro_batches(batch, self.micro_batch_size, self.device)
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, *,
@@ -259,9 +294,8 @@ class TorchTrainEngine(TrainEngine):
         if norm.tokens == 0:  # every row masked (e.g. reward errors): AdamW's momentum would still move the weights
             return {"grad_norm": 0.0, "skipped_nonfinite": 0.0, "lr": lr}
         parts: list[dict[str, float]] = []
-        for mb in self._micro(batch):
-            with compute_dtype_context(self.device, self.dtype):
-                logp, entropy = token_logprobs(self.model, mb, temperature)
+        for _, mb in self._micro(batch):
+            logp, entropy = token_logprobs(self.model, mb, temperature)
             part = before_update(logp, mb, proximal) if first else {}
             loss, metrics = loss_fn(logp, mb, norm)
             loss.backward()
@@ -271,9 +305,11 @@ class TorchTrainEngine(TrainEngine):
             parts.append(part)
         sums = combine_metrics(parts, mean=False)
         clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        if not finish_optimizer_step(self.optimizer, float(torch.nn.utils.clip_grad_norm_(self.trainable, clip)),
+        if not finish_optimizer_step(self.optimizer, float(torch.nn.utils.clip_grad_norm_(self.stepped, clip)),
                                      sums):
             raise nonfinite_weights_error(sums["grad_norm"], lr)
+        if self.masters is not None:
+            self.masters.write_back()
         sums["lr"] = lr
         return sums
 
@@ -306,33 +342,31 @@ class TorchTrainEngine(TrainEngine):
 
     def save(self, path: str, *, with_optimizer: bool) -> None:
         """A checkpoint (`with_optimizer`) keeps the float32 master weights, so a resume continues
-        exactly; the final folder is in the compute dtype (`model.dtype`), as the model came."""
+        exactly; the final folder is in the compute dtype (`model.dtype`), as the passes ran."""
         os.makedirs(path, exist_ok=True)
         if self.lora is not None:  # the adapter in PEFT layout (+ final/merged on request)
             merged = self.dtype if self.lora.save_merged and not with_optimizer else None
             with self._passes:
                 lora_adapter.save(self.model, path, merged_dtype=merged)
-        elif with_optimizer or self.dtype == torch.float32:
-            self.model.save_pretrained(path)
+        elif with_optimizer and self.masters is not None:
+            self.model.save_pretrained(path, state_dict=self._float32_state())
+            name_dtype(path, torch.float32)
         else:
-            memory, self._export_memory = self._export_memory, None  # (the last export stays as sent)
-            try:
-                self.model.save_pretrained(path, state_dict=self.export_weights())
-            finally:
-                self._export_memory = memory
-            # its config.json names that dtype: save_pretrained writes the (float32) parameters' dtype,
-            # and from_pretrained, or vLLM's dtype auto, loaded the folder at twice the memory
-            config_file = os.path.join(path, "config.json")
-            with open(config_file, encoding="utf-8") as fh:
-                config = json.load(fh)
-            for key in ("dtype", "torch_dtype"):  # (transformers 5 writes `dtype`; 4.x read `torch_dtype`)
-                if key == "dtype" or key in config:
-                    config[key] = str(self.dtype).removeprefix("torch.")
-            with open(config_file, "w", encoding="utf-8") as fh:
-                json.dump(config, fh, indent=2, sort_keys=True)
-                fh.write("\n")
+            self.model.save_pretrained(path)
+            name_dtype(path, self.dtype)
         if with_optimizer:
             torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+
+    def _float32_state(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with each trained weight's float32 master in its place (tied names
+        share one tensor, as in the model) and the rest in float32."""
+        assert self.masters is not None
+        master_of = {id(p): m for p, m in zip(self.masters.params, self.masters.masters, strict=True)}
+        state = {k: v.float() if v.is_floating_point() else v for k, v in self.model.state_dict().items()}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if id(param) in master_of:
+                state[name] = master_of[id(param)].detach()
+        return state
 
     def load_optimizer(self, path: str) -> None:
         """Restore the optimizer state written by `save(..., with_optimizer=True)`."""
