@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
+from asyncflow.malloc_arena import limit_malloc_arenas
 from asyncflow.serve_options import add_serve_arguments
 
 
@@ -146,6 +147,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    limit_malloc_arenas()  # (before any thread allocates: asyncflow.malloc_arena says why)
     try:
         args = make_parser().parse_args(argv)
         return _dispatch(args)

@@ -162,7 +162,10 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    torch.set_num_threads(torch_threads(cfg))
+    # this thread (the event loop, loading, the store) runs torch with one thread, so it never keeps an
+    # OpenMP pool: the engines' decode threads and the trainer's passes, each with runtime.torch_threads,
+    # are the only ones (asyncflow.compute_thread says why)
+    torch.set_num_threads(1)
     tok = Tokenizer.of(hf_tok, inputs.model_dir)
     # a resumed run's policy (trainer and engines) starts from the checkpoint's HF folder, at its version;
     # the reference model and the tokenizer stay the base model's

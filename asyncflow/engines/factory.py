@@ -58,13 +58,14 @@ def lr_schedule(cfg: Config) -> LrSchedule:
 
 def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int, version: int = 0,
                           device: str | None = None, *, run_dir: Path | None = None,
-                          session: str = "") -> InferenceEngine:
+                          session: str = "", threads: int | None = None) -> InferenceEngine:
     """Rollout engine number `index`, named by `rollout.engine`, holding the weights in `model_dir`
     as policy `version`. `tok`: the run's `asyncflow.tokenizer.Tokenizer` (its EOS and stop ids end
     a generation). `device`: where an hf engine runs (None: `model.device`, engines spread over this
     process's GPUs); vLLM always runs on a GPU of its own choosing. openai: the engine on
     `rollout.server_urls[index]`, writing weight folders under `rollout.sync_dir` (default
-    `run_dir/weight_sync`) once per version for all engines given the same `session`."""
+    `run_dir/weight_sync`) once per version for all engines given the same `session`. `threads`: an hf
+    engine's torch threads (its decode thread's own; None: the process default)."""
     if cfg.rollout.engine == "openai":
         from asyncflow.engines.openai_engine import make_openai_engine
 
@@ -83,7 +84,7 @@ def make_inference_engine(cfg: Config, model_dir: Path, tok: Any, index: int, ve
     return HFEngine(model_dir, eos_token_id=[tok.eos_token_id, *tok.stop_ids], pad_token_id=tok.pad_token_id,
                     max_batch=cfg.rollout.max_batch, device=device or pick_device(cfg.model.device, index),
                     dtype=getattr(torch, cfg.model.dtype), seed=cfg.seed + index, name=f"rollout-{index}",
-                    version=version)
+                    version=version, threads=threads)
 
 
 def loads_initial_weights(cfg: Config) -> bool:

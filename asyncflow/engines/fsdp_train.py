@@ -67,6 +67,7 @@ from asyncflow.engines.torch_train import (
     token_logprobs,
 )
 from asyncflow.errors import WaitTimeout
+from asyncflow.malloc_arena import limit_malloc_arenas
 
 POLL_S = 0.2  # how often a wait on a worker checks that every worker is still alive
 
@@ -278,6 +279,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
     """A rank's command loop: ("method", args) in, ("ok", result) or ("error", traceback) out."""
     try:
         quiet_transformers()
+        limit_malloc_arenas()  # (asyncflow.malloc_arena says why)
         worker = FSDPRank(rank, spec)
         conn.send(("ok", None))
     except Exception:

@@ -40,7 +40,7 @@ class LocalRuntime:
             # one writer session for all engines: each weight version is written once (openai)
             session = secrets.token_hex(8)
             engines = [make_inference_engine(cfg, setup.policy_dir, setup.tok, i, setup.version, run_dir=setup.out,
-                                             session=session) for i in range(cfg.rollout.workers)]
+                                             session=session, threads=setup.threads) for i in range(cfg.rollout.workers)]
             await asyncio.gather(*(e.connect() for e in engines))
             if loads_initial_weights(cfg):
                 state = trainer.export_weights()

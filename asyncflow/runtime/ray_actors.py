@@ -16,6 +16,7 @@ from asyncflow.config import Config
 from asyncflow.engines.base import GenRequest, GenResult, LossFn, TrainBatch, pick_device, quiet_transformers
 from asyncflow.engines.shared_state import SharedState
 from asyncflow.errors import WaitTimeout
+from asyncflow.malloc_arena import limit_malloc_arenas
 from asyncflow.runtime.ray_weights import WeightPort
 from asyncflow.workflow.feeder import FeederStage
 from asyncflow.workflow.reward import RewardStage
@@ -96,19 +97,22 @@ class RolloutWorker:
         from asyncflow.engines.factory import make_inference_engine
 
         quiet_transformers()
+        limit_malloc_arenas()  # (asyncflow.malloc_arena says why)
         importable(cwd)
 
         # The engine's decode thread releases the GIL at every torch op; with the default 5 ms switch
         # interval it then waits behind this actor's event loop (store calls, one task per sample);
         # 1 ms lets it back in sooner.
         sys.setswitchinterval(0.001)
-        torch.set_num_threads(threads)
+        # the engine's decode thread computes with `threads`; this one (the actor's calls) with one, so
+        # it never keeps an OpenMP pool beside the engine's (asyncflow.compute_thread says why)
+        torch.set_num_threads(1)
         torch.manual_seed(cfg.seed + index)
         tok = _tokenizer(Path(model_dir))
         self.index = index
         # `session`: one per run start, shared by the run's rollout actors, so a server engine's weight
         # folder is written once per version for all of them (`WeightFolderWriter`)
-        self.engine = make_inference_engine(cfg, Path(model_dir), tok, index, version,
+        self.engine = make_inference_engine(cfg, Path(model_dir), tok, index, version, threads=threads,
                                             device=actor_device(cfg.model.device, cfg.runtime.rollout_gpus),
                                             run_dir=Path(out), session=session)
         if cfg.rollout.launch_servers is not None:  # a server the run started: recovered when it dies
@@ -309,6 +313,7 @@ class TrainerWorker:
         from asyncflow.engines.factory import make_train_engine
 
         quiet_transformers()
+        limit_malloc_arenas()  # (asyncflow.malloc_arena says why)
 
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)

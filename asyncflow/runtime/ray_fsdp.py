@@ -33,6 +33,7 @@ from asyncflow.engines.base import quiet_transformers, state_bytes
 from asyncflow.engines.fsdp_train import FSDPRank, FSDPTrainEngine, RankMethod, WorkerSpec
 from asyncflow.engines.shared_state import SharedState
 from asyncflow.errors import WaitTimeout
+from asyncflow.malloc_arena import limit_malloc_arenas
 from asyncflow.runtime.ray_actors import TrainerWorker, weight_port
 from asyncflow.runtime.ray_errors import why_died
 from asyncflow.runtime.ray_weights import WeightPort
@@ -62,6 +63,7 @@ class FSDPRankActor:
     def build(self, spec: WorkerSpec) -> None:
         """Join the process group at `spec`'s rendezvous, load and shard the model."""
         quiet_transformers()
+        limit_malloc_arenas()  # (asyncflow.malloc_arena says why)
         self.worker = FSDPRank(self.rank, spec)
 
     def run(self, method: RankMethod, args: tuple[Any, ...]) -> Any:
@@ -287,6 +289,7 @@ class FSDPTrainerWorker(TrainerWorker):
         from asyncflow.engines.factory import make_train_engine
 
         quiet_transformers()
+        limit_malloc_arenas()  # (asyncflow.malloc_arena says why)
         self.cfg = cfg
         self.engine: FSDPTrainEngine = make_train_engine(  # type: ignore[assignment]
             cfg, Path(model_dir), threads=threads, links=lambda spec: RayRankLinks(spec, rank_options))

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from asyncflow.clock import wait_detached
+from asyncflow.compute_thread import in_own_thread
+from asyncflow.config_schema import torch_threads
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.rewards import (
     PLAIN_CALLS_PER_HOP,
@@ -163,7 +165,7 @@ class RewardStage(StageBase):
             start = self.clock.now()
             with self.keeper.holding(lease):
                 rows = await self.clock.wait_for(
-                    asyncio.to_thread(self._ref_rows, samples), self.cfg.workflow.step_timeout_s,
+                    in_own_thread(self._ref_rows, samples, threads=torch_threads(self.cfg)), self.cfg.workflow.step_timeout_s,
                     f"reference log-probs of {len(samples)} samples",
                 )
             self.tracer.span("reference", f"ref log-probs x{len(samples)}", start, self.clock.now())

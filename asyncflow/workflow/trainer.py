@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 from asyncflow.algorithms.advantages import overlong_penalty
+from asyncflow.compute_thread import in_own_thread
 from asyncflow.config import max_generated_tokens
+from asyncflow.config_schema import torch_threads
 from asyncflow.engines.base import TrainBatch, state_bytes
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue import Lease, SampleView
@@ -337,7 +339,8 @@ class TrainerStage(StageBase):
         """Advantages, the padded batch and the optimizer steps (in a worker thread); returns the
         train metrics and the number of trained tokens. PIPE's simulated trainer replaces this."""
         batch, extra = self._make_batch(samples, valid, rewards)
-        metrics = await asyncio.to_thread(self._compute_step, batch, self.cfg.rollout.temperature, samples)
+        metrics = await in_own_thread(self._compute_step, batch, self.cfg.rollout.temperature, samples,
+                                      threads=torch_threads(self.cfg))
         metrics.update(extra)
         return metrics, int(batch.response_mask.sum())
 
@@ -393,7 +396,8 @@ class TrainerStage(StageBase):
         # event loop for it, stalling rollout callbacks, new requests and evaluation (0.7 s at 156M
         # parameters on CPU); the trainer waits for it (the next step changes the weights it copies)
         trainer = self.trainer
-        state = await asyncio.to_thread(trainer.export_weights) if trainer.export_blocks else trainer.export_weights()
+        state = (await in_own_thread(trainer.export_weights, threads=torch_threads(self.cfg)) if trainer.export_blocks
+                 else trainer.export_weights())
         self.version += 1
         return state
 
