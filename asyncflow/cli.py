@@ -121,7 +121,7 @@ def make_parser() -> argparse.ArgumentParser:
                       help="task packs: seed of the base model and data (0 to 2^31-1, as the config's seed; default 0)")
 
     bench = sub.add_parser("bench", help="run a benchmark workload")
-    bench.add_argument("workload", choices=["store", "pipeline", "e2e", "serve", "weights"])
+    bench.add_argument("workload", choices=["store", "pipeline", "e2e", "serve", "weights", "model"])
     bench.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     bench.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
@@ -129,8 +129,9 @@ def make_parser() -> argparse.ArgumentParser:
              "pipeline: profiles, devices, modes, steps, warmup_steps, slots, step_s, n, prompts_per_device, "
              "train_token_s, switch_s, weight_sync_s, max_staleness, seed, reward (async|thread), trace, split (true|false); "
              "serve: url, token, pid, seconds, clients, idle, slow, big, max_tokens; "
-             "weights: shapes (0.5b,1.5b,tiny), engines, paths, modes, bucket_mb, repeats, timeout_s, sync_dir "
-             "(docs/performance.md)")
+             "weights: shapes (0.5b,1.5b,tiny), engines, paths, modes, bucket_mb, repeats, timeout_s, sync_dir; "
+             "model: model.path (required), dtypes, phases, prompts, n, max_new_tokens, batch_size, micro_batch_size, "
+             "repeats, threads (docs/performance.md)")
     report = sub.add_parser("report", help="draw report.png and summary.md for one or more run folders")
     report.add_argument("runs", nargs="+", type=_path, metavar="RUN_DIR", help="run folders (the first gets the files)")
 

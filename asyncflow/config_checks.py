@@ -110,6 +110,10 @@ def _validate_scoped_keys(cfg: Config, explicit: set[str]) -> None:
             if f"reward.{key}" in explicit:
                 raise UserError(f"reward.{key}: not used with rollout.env or rollout.agent (no reward function "
                                 "runs: an episode is scored by its environment or agent)")
+    if episodic(cfg) and cfg.eval.lenient_fn is not None:
+        raise UserError("eval.lenient_fn: single-turn runs only (an episode's reward comes from its environment or agent)")
+    if "eval.lenient_tokens" in explicit and not _has_lenient_check(cfg):
+        raise UserError("eval.lenient_tokens: only used with eval.lenient_fn (or a task pack's own looser check)")
     if not episodic(cfg) and "rollout.max_turns" in explicit:
         raise UserError("rollout.max_turns: only used with rollout.env or rollout.agent (multi-turn episodes)")
     if cfg.rollout.agent is None and "rollout.agent_timeout_s" in explicit:
@@ -124,6 +128,17 @@ def _validate_scoped_keys(cfg: Config, explicit: set[str]) -> None:
     if cfg.runtime.kind == "ray" and cfg.model.device == "cuda" and not (cfg.runtime.rollout_gpus and cfg.runtime.train_gpus):
         raise UserError("model.device: cuda with runtime.kind=ray needs runtime.rollout_gpus and runtime.train_gpus "
                         "above 0 (Ray shows an actor only the GPUs it was given)")
+
+
+def _has_lenient_check(cfg: Config) -> bool:
+    """Whether the evaluation takes a second, looser look (`eval.lenient_fn`, or the task pack's with its reward)."""
+    if cfg.eval.lenient_fn is not None:
+        return True
+    if cfg.task is None or cfg.reward.fn:
+        return False
+    from asyncflow.tasks import get_task
+
+    return bool(get_task(cfg.task).lenient_fn_path)
 
 
 def _check_ray_address(address: str) -> None:

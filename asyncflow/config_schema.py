@@ -421,6 +421,15 @@ class EvalConfig:
                           "the run then ends at the next step with its final evaluation. 0: train to train.max_steps.",
                        lo=0)
     min_delta: float = _f(0.01, "The rise in eval accuracy that counts as progress for eval.patience.", lo=0.0, hi=1.0)
+    lenient_fn: str | None = _f(
+        None,
+        "A second look at the same greedy answers: `module:function` (reward.fn's signature) scoring each answer "
+        "given eval.lenient_tokens tokens, e.g. the right answer anywhere in it, logged as eval_lenient_accuracy "
+        "beside eval_accuracy, so a gain in form (answering briefly, as asked) is told apart from one in "
+        "capability. One generation serves both: greedy decoding's first rollout.max_new_tokens tokens are the "
+        "strict answer. Single-turn runs only. null: the task pack's, where reward.fn is the task's too, else none.")
+    lenient_tokens: int | None = _f(None, "Tokens each answer gets for eval.lenient_fn. null: 4 x rollout.max_new_tokens.",
+                                    lo=1)
 
 
 @dataclass

@@ -57,13 +57,16 @@ class Evaluator:
         tracer: Tracer,
         env_factory: Callable[[Any], Any] | None = None,
         clock: Any = None,
+        lenient_fn: RewardFn | None = None,
     ) -> None:
         """`env_factory`/`clock`: evaluate greedy episodes of this environment instead of single
-        completions scored by `reward_fn`. `rows` may hold copies of a prompt: it is evaluated once."""
+        completions scored by `reward_fn`. `rows` may hold copies of a prompt: it is evaluated once.
+        `lenient_fn` (`eval.lenient_fn`): also score each answer given `eval.lenient_tokens` tokens."""
         self.cfg = cfg
         self.prompts: list[EvalPrompt] = distinct_prompts(rows, cfg.dataset.prompt_key)
         self.tok = tokenizer
         self.reward_fn = reward_fn
+        self.lenient_fn = lenient_fn
         self.engine = engine
         self.log = log
         self.tracer = tracer
@@ -84,12 +87,14 @@ class Evaluator:
         """Evaluate the engine's current weights; log and return the eval row."""
         start = self.tracer.now()
         version = self.engine.version
+        lenient: list[float | None] = []
         if self.cfg.rollout.agent is not None:
             rewards, error, newest = await self._agent_episodes()
         elif self.env_factory is not None:
             rewards, error, newest = await self._episodes()
         else:
-            rewards, error, newest = await self._completions(TrainerState(step, step, version, self.cfg.train.max_steps))
+            state = TrainerState(step, step, version, self.cfg.train.max_steps)
+            rewards, error, newest, lenient = await self._completions(state)
         threshold = self.cfg.eval.success_threshold
         n = max(len(rewards), 1)
         row = {
@@ -108,43 +113,60 @@ class Evaluator:
             "eval_error": error,
             "eval_seconds": self.tracer.now() - start,
         }
+        if self.lenient_fn is not None and self.env_factory is None and self.cfg.rollout.agent is None:
+            row["eval_lenient_reward"] = sum(r or 0.0 for r in lenient) / n
+            row["eval_lenient_accuracy"] = sum(r is not None and r >= threshold for r in lenient) / n
         self.tracer.span("eval", f"eval step {step}", start, self.tracer.now())
         self.log.metric(row)
         self.history.append(row)
         return row
 
-    async def _completions(self, state: TrainerState) -> tuple[list[float | None], str | None, int | None]:
+    async def _completions(self, state: TrainerState) -> tuple[list[float | None], str | None, int | None,
+                                                               list[float | None]]:
         """Greedy completions, one per distinct prompt, each prompt scored as a group of its own (the
         reward function's contract: one call per group; the group holds the prompt's distinct rows, all
         with its one completion), so one bad value or one slow call costs that prompt (None: failed; the
-        first error is reported), not the whole evaluation."""
+        first error is reported), not the whole evaluation. With `lenient_fn` the answers are generated
+        to `eval.lenient_tokens`: the reward function sees their first rollout.max_new_tokens tokens (what
+        greedy decoding gives at that limit), `lenient_fn` all of them (its rewards come last)."""
+        budget = self.cfg.rollout.max_new_tokens
+        lenient_tokens = self.cfg.eval.lenient_tokens or 4 * budget
         try:
-            results = await self._generate()
+            results = await self._generate(max(budget, lenient_tokens) if self.lenient_fn is not None else budget)
         except WaitTimeout as exc:  # a stuck engine fails the evaluation, not the run (the run has its own bounds)
-            return [None] * len(self.prompts), str(exc), None
+            failed: list[float | None] = [None] * len(self.prompts)
+            return failed, str(exc), None, failed
+        rewards, error = await self._scored(self.reward_fn, [r.response_ids[:budget] for r in results], results, state)
+        lenient: list[float | None] = []
+        if self.lenient_fn is not None:
+            lenient, _ = await self._scored(self.lenient_fn, [r.response_ids[:lenient_tokens] for r in results],
+                                            results, state)
+        return rewards, error, _newest(r.token_versions for r in results), lenient
+
+    async def _scored(self, fn: RewardFn, answers: list[list[int]], results: list[Any],
+                      state: TrainerState) -> tuple[list[float | None], str | None]:
+        """`fn`'s reward of each distinct prompt's answer (token ids), and the first error."""
         key = self.cfg.dataset.prompt_key
         calls = []
-        cut = {i for i, r in enumerate(results) if r.finish_reason == "cancelled"}
-        for p, result in zip(self.prompts, results, strict=True):
-            ids, k, prompt = result.response_ids, len(p.rows), p.rows[0][key]
+        for p, ids in zip(self.prompts, answers, strict=True):
+            k, prompt = len(p.rows), p.rows[0][key]
             completion = self.tok.completions([ids], isinstance(prompt, list))
-            calls.append((self.reward_fn, [prompt] * k, completion * k, [list(ids) for _ in range(k)],
+            calls.append((fn, [prompt] * k, completion * k, [list(ids) for _ in range(k)],
                           {c: [r.get(c) for r in p.rows] for c in p.rows[0] if c != key}, state))
-        outcomes = await self._score(calls)
+        outcomes = await self._score(fn, calls)
         # (engines never cancel evaluation requests; one that comes back cancelled all the same is a
         # failed prompt, not an answer: scored, its cut-short text counted as the model's)
-        outcomes = [RewardOutcome(None, "its generation was cancelled") if i in cut else o
-                    for i, o in enumerate(outcomes)]
+        outcomes = [RewardOutcome(None, "its generation was cancelled") if r.finish_reason == "cancelled" else o
+                    for r, o in zip(results, outcomes, strict=True)]
         rewards = [prompt_reward(o.rewards, p.copies) if o.rewards else None
                    for p, o in zip(self.prompts, outcomes, strict=True)]
         errors = [f"eval prompt {i}: {o.error}" for i, o in enumerate(outcomes) if o.error is not None]
-        return rewards, (errors[0] if errors else None), _newest(r.token_versions for r in results)
+        return rewards, (errors[0] if errors else None)
 
-    async def _generate(self) -> list[Any]:
-        """Each distinct prompt's greedy generation; WaitTimeout when the engine does not finish them."""
-        requests = [
-            GenRequest(-(i + 1), ids, self.cfg.rollout.max_new_tokens, temperature=0.0) for i, ids in enumerate(self.prompt_ids)
-        ]
+    async def _generate(self, tokens: int) -> list[Any]:
+        """Each distinct prompt's greedy generation of at most `tokens` tokens; WaitTimeout when the
+        engine does not finish them."""
+        requests = [GenRequest(-(i + 1), ids, tokens, temperature=0.0) for i, ids in enumerate(self.prompt_ids)]
         # at most the engine's capacity in flight (a server engine would otherwise get one connection per
         # eval prompt), so it decodes them in ceil(n / capacity) rounds, each within rollout.request_timeout_s
         capacity = max(1, self.engine.capacity)
@@ -161,10 +183,10 @@ class Evaluator:
             f"greedy generation of the {len(requests)} eval prompts (rollout.request_timeout_s per round of "
             "the engine's batch)"))
 
-    async def _score(self, calls: list[tuple[Any, ...]]) -> list[RewardOutcome]:
-        """The reward calls' outcomes, one per eval prompt; a call that fails or times out is its error."""
+    async def _score(self, fn: RewardFn, calls: list[tuple[Any, ...]]) -> list[RewardOutcome]:
+        """The calls' outcomes (`fn`'s), one per eval prompt; a call that fails or times out is its error."""
         timeout = self.cfg.reward.timeout_s
-        if is_async_reward_fn(self.reward_fn):
+        if is_async_reward_fn(fn):
             limit = asyncio.Semaphore(self.cfg.reward.concurrency)  # (a rate-limited judge's setting holds here too)
 
             async def one(i: int, call: tuple[Any, ...]) -> RewardOutcome:

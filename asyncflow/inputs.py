@@ -31,6 +31,7 @@ class Inputs:
     eval_path: str = ""
     fingerprint: str = ""  # of the training rows (`checkpoint.rows_fingerprint`), saved with each checkpoint
     positions: int | None = None  # the model's positions (`data.model_positions`; None: unknown)
+    lenient_fn_path: str | None = None  # `eval.lenient_fn`, resolved (None: no second look)
 
 
 def resolve_inputs(cfg: Config, log: Callable[[str], None], saved_rows: str | None = None) -> Inputs:
@@ -53,18 +54,12 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None], saved_rows: str | No
     model_dir = _model_dir(cfg, task, log)
     if cfg.rollout.sync_dir is not None:  # the openai engine writes weights there: a file would fail late
         check_folder_path(Path(cfg.rollout.sync_dir), "rollout.sync_dir")
-    if cfg.dataset.path is not None:
-        data_path = cfg.dataset.path
-    else:
-        data_path = str(model_dir / "train.jsonl")
-        if not Path(data_path).is_file():  # (the message named a dataset.path the user never set)
-            raise UserError(f"dataset.path: not set, and model.path ({model_dir}) has no train.jsonl to default to; "
-                            "set dataset.path")
+    data_path, task_eval = _data_paths(cfg, task, model_dir, log)
     rows = read_rows(data_path, config=cfg.dataset.config)
     reserved = frozenset() if episodic(cfg) else REWARD_ARGUMENTS  # (an environment gets the row as it is)
     chats = [check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved)]
-    if cfg.eval.path is not None or (cfg.dataset.path is None and (model_dir / "eval.jsonl").is_file()):
-        eval_path = cfg.eval.path if cfg.eval.path is not None else str(model_dir / "eval.jsonl")
+    if cfg.eval.path is not None or task_eval is not None:
+        eval_path = cfg.eval.path if cfg.eval.path is not None else str(task_eval)
         eval_rows = read_rows(eval_path, key="eval.path", config=cfg.dataset.config)
         chats.append(check_columns(eval_rows, eval_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved))
     else:  # a held-out slice of the dataset: whole prompts (all their copies), at most 10% of its prompts
@@ -73,11 +68,31 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None], saved_rows: str | No
     fn = cfg.reward.fn
     reward_path: str | list[str] = (task.reward_fn_path if task is not None else "") if not fn else \
         absolute_reward_path(fn) if isinstance(fn, str) else [absolute_reward_path(f) for f in fn]
+    # the task's looser check goes with the task's own reward only (it looks at the same answers)
+    lenient = cfg.eval.lenient_fn or (task.lenient_fn_path if task is not None and not fn else "")
     first_chat = next((c for c in chats if c is not None), None)
     eval_rows = subset(eval_rows, first_prompts(rows_by_prompt(eval_rows, cfg.dataset.prompt_key), cfg.eval.size))
     return Inputs(model_dir, rows, eval_rows, reward_path, first_chat, data_path, eval_path,
+                  lenient_fn_path=absolute_reward_path(lenient) if lenient else None,
                   fingerprint=rows_fingerprint(rows, (cfg.dataset.prompt_key, cfg.dataset.label_key)),
                   positions=model_positions(model_dir))
+
+
+def _data_paths(cfg: Config, task: TaskPack | None, model_dir: Path,
+                log: Callable[[str], None]) -> tuple[str, Path | None]:
+    """`dataset.path`, else the task's training prompts (its model folder's train.jsonl, or what its
+    `data` writes into the cache); and the task's eval prompts where `dataset.path` is not given."""
+    if cfg.dataset.path is not None:
+        return cfg.dataset.path, None
+    if (model_dir / "train.jsonl").is_file():
+        held = model_dir / "eval.jsonl"
+        return str(model_dir / "train.jsonl"), held if held.is_file() else None
+    if task is not None and task.data is not None:
+        train, held = task.data(_cache_root(cfg), seed=cfg.model.task_seed, log=log)
+        return str(train), held
+    # (the message named a dataset.path the user never set)
+    raise UserError(f"dataset.path: not set, and model.path ({model_dir}) has no train.jsonl to default to; "
+                    "set dataset.path")
 
 
 def _model_dir(cfg: Config, task: TaskPack | None, log: Callable[[str], None]) -> Path:

@@ -110,6 +110,15 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         progress.close()
 
 
+def lenient_fn(inputs: Inputs) -> Any:
+    """`eval.lenient_fn`'s function (None: none); its module is imported once, later calls find it."""
+    from asyncflow.rewards import load_reward_fn
+
+    if inputs.lenient_fn_path is None:
+        return None
+    return load_reward_fn(inputs.lenient_fn_path, [str(inputs.model_dir)], key="eval.lenient_fn")
+
+
 def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
                   log: Callable[[str], None]) -> tuple[Inputs, Any, Any, Any]:
     """The inputs, the reward function, the tokenizer and the environment factory, each checked
@@ -123,6 +132,7 @@ def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
         check_rows(resume, inputs.fingerprint)
     # multi-turn episodes are scored by their environment: no reward function is loaded
     reward_fn = None if episodic(cfg) else load_run_reward(cfg, inputs.reward_fn_path, [str(inputs.model_dir)])
+    lenient_fn(inputs)  # (a looser check that cannot be imported is bad input too, before the run starts)
     if reward_fn is not None and "reward.concurrency" in explicit and not is_async_reward_fn(reward_fn):
         raise UserError(f"reward.concurrency: applies to an async def reward function; {inputs.reward_fn_path} "
                         "is a plain function, called one batch at a time in a worker thread (remove the key)")
@@ -247,7 +257,8 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     try:  # whatever fails from here (the step-0 evaluation, a resume's, the run) closes what the run opened:
         # the metric sinks (a W&B run left "running", TensorBoard's last events unflushed), the engines'
         # connections and threads, the reward threads, and the trace of what ran
-        evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock)
+        evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock,
+                              lenient_fn=lenient_fn(inputs))
         evaluator.max_context = inputs.positions
         # Ray actors that restart are built from the folder the run started from: keep it while they may
         actors_from = resume.path if resume is not None and runtime.restarts_from_start else None

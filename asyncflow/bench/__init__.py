@@ -8,7 +8,8 @@ from typing import Any
 
 from asyncflow.errors import UserError
 
-_NAMES = {"store": "STORE-1", "pipeline": "PIPE", "e2e": "E2E", "serve": "SERVE-LOAD", "weights": "weights"}
+_NAMES = {"store": "STORE-1", "pipeline": "PIPE", "e2e": "E2E", "serve": "SERVE-LOAD", "weights": "weights",
+          "model": "model"}
 
 
 def _progress(row: dict[str, Any]) -> None:
@@ -38,8 +39,12 @@ def run_bench(workload: str, *, as_json: bool, overrides: list[str]) -> int:
         from asyncflow.bench.weights import run_weights
 
         rows = run_weights(overrides, report=_progress)
+    elif workload == "model":
+        from asyncflow.bench.model import run_model
+
+        rows = run_model(overrides, report=_progress)
     else:
-        raise UserError(f"bench {workload}: unknown workload; use store, pipeline, e2e, serve, weights")
+        raise UserError(f"bench {workload}: unknown workload; use store, pipeline, e2e, serve, weights, model")
     for row in rows:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     if as_json:

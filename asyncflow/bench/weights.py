@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from asyncflow.bench.options import names, positive, read_sets
 from asyncflow.errors import UserError
 
 PATHS = ("object_store", "broadcast", "folder")
@@ -208,22 +209,17 @@ class Bench:
 
 def parse(overrides: list[str]) -> dict[str, Any]:
     """`--set key=value` items; a bad one is a one-line `UserError` naming the key."""
-    raw: dict[str, str] = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or key not in _KNOWN:
-            raise UserError(f"bench weights --set: expected one of {', '.join(k + '=...' for k in _KNOWN)}, got {item!r}")
-        raw[key] = value
+    raw = read_sets("weights", overrides, _KNOWN)
     from asyncflow.bench.weights_actors import SHAPES
 
     return {
-        "shapes": _names(raw, "shapes", "0.5b", tuple(SHAPES)),
-        "paths": _names(raw, "paths", ",".join(PATHS), PATHS),
-        "modes": _names(raw, "modes", ",".join(MODES), MODES),
-        "engines": [_number(raw, "engines", v, int) for v in raw.get("engines", "1,2,4").split(",")],
-        "bucket_mb": _number(raw, "bucket_mb", raw.get("bucket_mb", "256"), float),
-        "repeats": _number(raw, "repeats", raw.get("repeats", "1"), int),
-        "timeout_s": _number(raw, "timeout_s", raw.get("timeout_s", "600"), float),
+        "shapes": names("weights", raw, "shapes", "0.5b", tuple(SHAPES)),
+        "paths": names("weights", raw, "paths", ",".join(PATHS), PATHS),
+        "modes": names("weights", raw, "modes", ",".join(MODES), MODES),
+        "engines": [positive("weights", "engines", v, int) for v in raw.get("engines", "1,2,4").split(",")],
+        "bucket_mb": positive("weights", "bucket_mb", raw.get("bucket_mb", "256"), float),
+        "repeats": positive("weights", "repeats", raw.get("repeats", "1"), int),
+        "timeout_s": positive("weights", "timeout_s", raw.get("timeout_s", "600"), float),
         "sync_dir": _folder(raw.get("sync_dir")),
     }
 
@@ -237,21 +233,3 @@ def _folder(value: str | None) -> str:
         return value
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
-
-
-def _names(raw: dict[str, str], key: str, default: str, known: tuple[str, ...]) -> list[str]:
-    names = [v.strip() for v in raw.get(key, default).split(",") if v.strip()]
-    bad = [v for v in names if v not in known]
-    if bad or not names:
-        raise UserError(f"bench weights --set {key}: unknown {bad or names}; use {', '.join(known)}")
-    return names
-
-
-def _number(raw: dict[str, str], key: str, value: str, kind: type) -> Any:
-    try:
-        number = kind(value)
-    except ValueError:
-        raise UserError(f"bench weights --set {key}: expected a number, got {value!r}") from None
-    if number <= 0:
-        raise UserError(f"bench weights --set {key}: must be > 0, got {value}")
-    return number

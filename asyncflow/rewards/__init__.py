@@ -37,18 +37,19 @@ __all__ = ["RewardFns", "TrainerState", "VerlScore", "load_reward", "verl_comput
 RewardFn = Callable[..., Sequence[Any]]
 
 
-def load_reward_fn(path: str, search_dirs: Sequence[str | Path] = ()) -> RewardFn:
+def load_reward_fn(path: str, search_dirs: Sequence[str | Path] = (), *, key: str = "reward.fn") -> RewardFn:
     """Import `module:function`, or load `path/to/file.py:function` from a file. The current
-    directory and `search_dirs` are importable, and a relative file is looked for in them."""
+    directory and `search_dirs` are importable, and a relative file is looked for in them. `key`:
+    the config key that named it, for the one-line errors."""
     module_name, _, attr = path.rpartition(":")
     if not module_name or not attr:
-        raise UserError(f"reward.fn: {path!r} must be 'module:function' or 'path/to/file.py:function'")
+        raise UserError(f"{key}: {path!r} must be 'module:function' or 'path/to/file.py:function'")
     dirs = [Path.cwd(), *map(Path, search_dirs)]
     for d in dirs:
         if str(d) not in sys.path:
             sys.path.insert(0, str(d))
     if module_name.endswith(".py"):
-        module = _load_file(module_name, dirs)
+        module = _load_file(module_name, dirs, key)
     else:
         try:
             module = importlib.import_module(module_name)
@@ -57,21 +58,21 @@ def load_reward_fn(path: str, search_dirs: Sequence[str | Path] = ()) -> RewardF
             if isinstance(exc, KeyboardInterrupt):
                 raise
             hint = " (a file is given as 'path/to/file.py:function')" if "/" in module_name else ""
-            raise UserError(f"reward.fn: cannot import module {module_name!r}: {type(exc).__name__}: {exc}{hint}") from None
+            raise UserError(f"{key}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}{hint}") from None
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         kind = "file" if module_name.endswith(".py") else "module"
-        raise UserError(f"reward.fn: {kind} {module_name!r} has no function {attr!r}")
+        raise UserError(f"{key}: {kind} {module_name!r} has no function {attr!r}")
     return fn
 
 
-def _load_file(name: str, dirs: Sequence[Path]) -> Any:
+def _load_file(name: str, dirs: Sequence[Path], key: str) -> Any:
     """The module of a `.py` file (a relative name is found in `dirs`); its folder becomes importable."""
     given = Path(name).expanduser()
     file = next((f for f in ([given] if given.is_absolute() else [d / given for d in dirs]) if f.is_file()), None)
     if file is None:
         where = "" if given.is_absolute() else " in " + ", ".join(str(d) for d in dirs)
-        raise UserError(f"reward.fn: no file {name!r}{where}")
+        raise UserError(f"{key}: no file {name!r}{where}")
     file = file.resolve()
     key = f"asyncflow_reward_file_{abs(hash(str(file))):x}"
     module = sys.modules.get(key)
@@ -89,7 +90,7 @@ def _load_file(name: str, dirs: Sequence[Path]) -> Any:
         del sys.modules[key]
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise UserError(f"reward.fn: cannot load {str(file)!r}: {type(exc).__name__}: {exc}") from None
+        raise UserError(f"{key}: cannot load {str(file)!r}: {type(exc).__name__}: {exc}") from None
     return module
 
 

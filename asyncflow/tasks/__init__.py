@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TASK_NAMES: tuple[str, ...] = ("arith", "calc")
+TASK_NAMES: tuple[str, ...] = ("arith", "calc", "chat_arith")
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,12 @@ class TaskPack:
     """Nested config overrides suited to this task's model (below the YAML file in precedence)."""
     reward_fn_path: str = ""
     """`module:function` of the TRL-signature reward."""
+    lenient_fn_path: str = ""
+    """`module:function` of `eval.lenient_fn`'s default (a looser check of the same answers; "": none)."""
+    data: Callable[..., tuple[Path, Path]] | None = None
+    """`data(cache_dir, *, seed, log) -> (train.jsonl, eval.jsonl)`: the task's prompts, written into the
+    cache, for a task whose model is a pretrained one (`model.path` may name any folder of it); None:
+    they lie in the task's model folder."""
     description: str = ""
     """One line for `--help` and error messages."""
 
