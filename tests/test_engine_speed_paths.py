@@ -14,7 +14,8 @@ import torch
 
 from asyncflow.compute_thread import in_own_thread
 from asyncflow.engines.base import GenRequest
-from asyncflow.engines.hf import IDLE_EXIT_S, HFEngine, sample_tokens
+from asyncflow.engines.hf import IDLE_EXIT_S, HFEngine
+from asyncflow.engines.sampling import sample_tokens
 
 
 def test_sampling_draws_each_token_with_its_probability_and_never_a_zero_one() -> None:

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from asyncflow.algorithms.losses import LossSettings, make_loss_fn
 from asyncflow.engines.base import GenRequest, TrainBatch
-from asyncflow.engines.hf import HFEngine, truncate_logits
+from asyncflow.engines.hf import HFEngine
+from asyncflow.engines.sampling import truncate_logits
 from asyncflow.engines.torch_train import ReferenceModel, TorchTrainEngine
 from asyncflow.workflow.pipeline import build_train_batch
 
@@ -132,7 +133,9 @@ def test_weight_update_modes_keep_per_token_versions_right(tiny_model, mode: str
     engine = _slow_engine(tiny_model)
     try:
         futures = [engine.submit(r) for r in _requests(4, max_new=30)]
-        time.sleep(0.1)  # a few tokens in
+        deadline = time.monotonic() + 30
+        while engine.steps < 2 and time.monotonic() < deadline:  # a few tokens in (on a loaded machine too)
+            time.sleep(0.01)
         loaded = engine.request_weights(_perturbed(tiny_model), 1, mode)  # type: ignore[arg-type]
         late = engine.submit(GenRequest(99, [3, 4, 5], 5, 1.0))
         results = [f.result(timeout=60) for f in futures]
