@@ -34,17 +34,18 @@ def test_a_seeded_row_draws_the_same_token_whatever_batch_it_is_in() -> None:
     assert together[2] == alone[0]
 
 
-def _prefill_widths(engine: HFEngine) -> list[tuple[int, int]]:
-    shapes: list[tuple[int, int]] = []
-    engine.model.register_forward_pre_hook(
-        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)  # type: ignore[arg-type,return-value]
-    return shapes
+def _record_widths(model, shapes: list[tuple[int, int]]):
+    """Record the input width of every forward of `model` until the returned handle is removed."""
+    return model.register_forward_pre_hook(
+        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)) if "input_ids" in kw else None,
+        with_kwargs=True)  # type: ignore[arg-type,return-value]
 
 
 def test_a_groups_requests_share_one_prefill_and_each_samples_on_its_own(tiny_model) -> None:
     engine = HFEngine(tiny_model, eos_token_id=1, pad_token_id=0, max_batch=16)
+    shapes: list[tuple[int, int]] = []
+    hook = _record_widths(engine.model, shapes)  # (the session's model: the hook goes when the test ends)
     try:
-        shapes = _prefill_widths(engine)
         prompts = [[5, 6, 7], [8, 9]]
         futures = [engine.submit(GenRequest(i, prompts[i % 2], 6, temperature=1.0, seed=i)) for i in range(8)]
         results = [f.result(timeout=60) for f in futures]
@@ -61,6 +62,7 @@ def test_a_groups_requests_share_one_prefill_and_each_samples_on_its_own(tiny_mo
             alone.shutdown()
         assert len({tuple(r.response_ids) for r in results}) > 2  # (the copies did not all sample alike)
     finally:
+        hook.remove()
         engine.shutdown()
 
 

@@ -46,7 +46,7 @@ def test_the_smollm2_entry_names_one_gguf_in_one_pinned_wheel() -> None:
 
 @pytest.mark.parametrize(("argv", "expected"), [
     (["prepare", "nope", "--out", "{tmp}/x"],
-     "prepare: unknown name 'nope'; task packs: arith, calc; pretrained models: smollm2"),
+     "prepare: unknown name 'nope'; task packs: arith, calc, chat_arith; pretrained models: smollm2"),
     (["prepare", "smollm2", "--seed", "1", "--out", "{tmp}/x"], "--seed: not used with smollm2 (a pretrained model"),
     (["prepare", "smollm2", "--out", "{tmp}/full"], "--out: {tmp}/full exists and is not empty"),
     (["prepare", "smollm2", "--out", "{tmp}/file/x"], "--out: {tmp}/file/x lies under {tmp}/file, which is a file"),

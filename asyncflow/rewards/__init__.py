@@ -74,20 +74,20 @@ def _load_file(name: str, dirs: Sequence[Path], key: str) -> Any:
         where = "" if given.is_absolute() else " in " + ", ".join(str(d) for d in dirs)
         raise UserError(f"{key}: no file {name!r}{where}")
     file = file.resolve()
-    key = f"asyncflow_reward_file_{abs(hash(str(file))):x}"
-    module = sys.modules.get(key)
+    mod_name = f"asyncflow_reward_file_{abs(hash(str(file))):x}"
+    module = sys.modules.get(mod_name)
     if module is not None:
         return module
     if str(file.parent) not in sys.path:
         sys.path.insert(0, str(file.parent))  # its own helper modules import as from a script
-    spec = importlib.util.spec_from_file_location(key, file)
+    spec = importlib.util.spec_from_file_location(mod_name, file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[key] = module  # before running it: dataclasses and pickle look their module up by name
+    sys.modules[mod_name] = module  # before running it: dataclasses and pickle look their module up by name
     try:
         spec.loader.exec_module(module)
     except BaseException as exc:  # (SystemExit included, as above)
-        del sys.modules[key]
+        del sys.modules[mod_name]
         if isinstance(exc, KeyboardInterrupt):
             raise
         raise UserError(f"{key}: cannot load {str(file)!r}: {type(exc).__name__}: {exc}") from None
