@@ -75,12 +75,13 @@ class Evaluation:
 
     def __call__(self, model: Any, step: int, samples: int) -> None:
         start = time.monotonic()
+        train_s = start - START - self.seconds  # (before this evaluation, which is not training)
         was_training = model.training
         model.eval()
         budget = 4 * self.max_new_tokens if self.lenient is not None else self.max_new_tokens
         answers = _greedy(model, self.tok, [r["prompt"] for r in self.rows], budget)
         text = [self.tok.decode(a[: self.max_new_tokens], skip_special_tokens=True) for a in answers]
-        row = {"step": step, "samples": samples, "train_s": time.monotonic() - START - self.seconds,
+        row = {"step": step, "samples": samples, "train_s": train_s,
                "accuracy": self.score(self.reward, text)}
         if self.lenient is not None:
             row["lenient_accuracy"] = self.score(self.lenient, [self.tok.decode(a, skip_special_tokens=True)
@@ -124,7 +125,7 @@ def main() -> int:
     config = GRPOConfig(
         output_dir=str(Path(args.out).with_suffix("")) + "-trl", per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=1, num_generations=args.n, max_completion_length=args.max_new_tokens,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         max_steps=args.steps, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, epsilon_high=0.28,
         loss_type="dapo", scale_rewards="group", num_iterations=1, bf16=True, use_cpu=True,
         gradient_checkpointing=args.gradient_checkpointing == "true", logging_steps=1, save_strategy="no",

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncflow.bench.options import read_sets
 from asyncflow.bench.store1 import FIELDS, Store1Spec, expected_checksums, make_batches, row, verify
 from asyncflow.errors import UserError
 
@@ -143,7 +144,7 @@ def _ray_rows(spec: Store1Spec, repeats: int) -> list[dict[str, Any]]:
 
 def run_store(overrides: list[str]) -> list[dict[str, Any]]:
     """STORE-1: local and Ray placements x sequential and streaming modes (best of `repeats`)."""
-    opts = _parse(overrides)
+    opts = read_sets("store", overrides, _KNOWN)
     spec = Store1Spec(samples=_count(opts, "samples", 4096), readahead=_count(opts, "readahead", 4, least=0))
     repeats = _count(opts, "repeats", 3)
     placements = str(opts.get("placements", "local,ray")).split(",")
@@ -182,16 +183,6 @@ def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 _KNOWN = ("samples", "repeats", "placements", "transferqueue", "readahead")
-
-
-def _parse(overrides: list[str]) -> dict[str, str]:
-    out = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or key not in _KNOWN:
-            raise UserError(f"bench store --set: expected one of {', '.join(k + '=...' for k in _KNOWN)}, got {item!r}")
-        out[key] = value
-    return out
 
 
 def _count(opts: dict[str, str], key: str, default: int, least: int = 1) -> int:
