@@ -183,6 +183,7 @@ def task_defaults(task: str | None) -> dict[str, Any]:
 
 
 MAX_YAML_VALUES = 1_000_000  # values a config may hold once its aliases are expanded
+MAX_YAML_DEPTH = 64  # nesting levels a config may have (it needs a handful)
 
 
 def _load_yaml(p: Path, text: str) -> Any:
@@ -191,14 +192,57 @@ def _load_yaml(p: Path, text: str) -> Any:
     repr (an error message) costs gigabytes."""
     loader = _UniqueKeyLoader(text)
     try:
-        node = loader.get_single_node()
+        try:
+            node = loader.get_single_node()
+        except RecursionError:  # (PyYAML composes nested collections recursively)
+            raise UserError(f"{p}: nested over {MAX_YAML_DEPTH} levels deep; a config is a few levels deep") from None
         if node is None:
             return None
+        _check_nesting(p, node)
         if _expanded_size(node, {}) > MAX_YAML_VALUES:
             raise UserError(f"{p}: its YAML aliases expand to over {MAX_YAML_VALUES:,} values; write the values out")
-        return loader.construct_document(node)
+        try:
+            return loader.construct_document(node)
+        except ValueError as exc:  # e.g. an integer past Python's digit limit for int(str)
+            raise UserError(f"{p}: a value YAML cannot read: {str(exc).split(';')[0]}") from None
     finally:
         loader.dispose()
+
+
+def _check_nesting(p: Path, root: yaml.Node) -> None:
+    """Refuse a document nested over `MAX_YAML_DEPTH` levels, or whose alias points at a collection
+    that holds it (`a: &x {b: *x}`): every walk of such a value recurses without end. Each node is
+    walked once (`height`: levels from a finished node down), so an alias bomb costs its size."""
+    height: dict[int, int] = {}
+    open_nodes: set[int] = set()  # (the collections on the current path)
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    while stack:
+        node, depth, finished = stack.pop()
+        children = _children(node)
+        if finished:
+            open_nodes.discard(id(node))
+            height[id(node)] = 1 + max((height[id(c)] for c in children), default=0)
+            continue
+        if id(node) in open_nodes:
+            raise UserError(f"{p}: line {node.start_mark.line + 1}: a YAML alias refers to a section that holds "
+                            "it; the value would never end")
+        if depth + height.get(id(node), 1) - 1 > MAX_YAML_DEPTH:
+            raise UserError(f"{p}: line {node.start_mark.line + 1}: nested over {MAX_YAML_DEPTH} levels deep; "
+                            "a config is a few levels deep")
+        if id(node) in height or not children:
+            height.setdefault(id(node), 1)
+            continue
+        open_nodes.add(id(node))
+        stack.append((node, depth, True))
+        stack.extend((child, depth + 1, False) for child in children)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
 
 
 def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
@@ -208,13 +252,8 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
     if known is not None:
         return known
     sizes[id(node)] = 1  # (an alias to a node being counted, a cycle, is one value)
-    children: list[Any] = []
-    if isinstance(node, yaml.SequenceNode):
-        children = node.value
-    elif isinstance(node, yaml.MappingNode):
-        children = [n for pair in node.value for n in pair]
     total = 1
-    for child in children:
+    for child in _children(node):
         total += _expanded_size(child, sizes)
         if total > MAX_YAML_VALUES:
             break

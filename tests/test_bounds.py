@@ -52,6 +52,33 @@ def test_the_cli_prints_the_alias_bomb_error_as_one_short_line_and_exits_2(tmp_p
     assert "aliases expand to over" in done.stderr
 
 
+@pytest.mark.parametrize("text, message", [
+    ("train: " + "[" * 3000 + "]" * 3000 + "\n", "nested over 64 levels deep"),  # (past Python's recursion limit)
+    ("train: " + "[" * 70 + "]" * 70 + "\n", "line 1: nested over 64 levels deep"),
+    ("train: {batch_size: " + "9" * 5001 + "}\n", "a value YAML cannot read: Exceeds the limit"),
+    ("train: &x {extra: *x}\n", "line 1: a YAML alias refers to a section that holds it"),
+    ("a: &x [1, [2, *x]]\n", "a YAML alias refers to a section that holds it"),
+])
+def test_a_config_nested_without_end_or_holding_a_huge_number_is_one_line_and_exit_2(
+        tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=message) as err:
+        load_config(path)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 300
+    done = subprocess.run([sys.executable, "-m", "asyncflow", "config", str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-500:]
+
+
+def test_an_alias_used_twice_is_not_a_cycle(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("x-common: &c {lr: 1.0e-5}\ntrain: {<<: *c, batch_size: 16}\n")
+    with pytest.raises(UserError, match="x-common") as err:  # (the unknown top-level key, not the alias)
+        load_config(path)
+    assert "alias" not in str(err.value)
+
+
 def test_a_nested_value_in_a_message_is_shown_short(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("model: [&b [" + ", ".join(["'x'"] * 50) + "], *b, *b, *b, *b, *b, *b, *b]\n")
