@@ -100,3 +100,13 @@ def test_module_imports(name: str) -> None:
 def test_optional_modules_are_real_modules() -> None:
     """The exceptions above name modules that exist (a rename would silently widen them)."""
     assert set(OPTIONAL_MODULES) <= set(_modules())
+
+
+def test_torch_floor_is_one_whose_weights_only_load_holds() -> None:
+    """Below torch 2.6 `torch.load(weights_only=True)` can be made to run code (CVE-2025-32434), and
+    checkpoints are loaded with it: the declared floor must exclude those versions."""
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    torch_req = next(r for r in project["dependencies"] if re.match(r"torch\b", r))
+    floor = re.search(r">=\s*([0-9.]+)", torch_req)
+    assert floor is not None, torch_req
+    assert tuple(int(x) for x in floor.group(1).split(".")[:2]) >= (2, 6), torch_req

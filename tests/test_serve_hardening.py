@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -310,3 +311,24 @@ def test_authorised_requests_are_answered_while_hostile_clients_run(make_server:
     assert attack["slow_closed_by_server"] == 20 and attack["idle_closed_by_server"] == 60
     # this process's threads: the test's own clients (2 + 2 attackers) and at most max_connections
     assert attack["server_threads_max"] <= threads_before + 4 + 120
+
+
+def test_the_serve_load_bench_passes_its_server_token_by_environment_not_argv() -> None:
+    """A token on a command line is visible to every local user in `ps`: the server the bench starts
+    gets it from ASYNCFLOW_SERVE_TOKEN, and still requires it."""
+    import urllib.error
+    import urllib.request
+
+    from asyncflow.bench.serve_load import start_local_server
+
+    proc, url, folder = start_local_server("not-in-argv-7f3a", 0)
+    try:
+        assert "not-in-argv-7f3a" not in Path(f"/proc/{proc.pid}/cmdline").read_text(errors="replace")
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30)
+        req = urllib.request.Request(url.rstrip("/") + "/v1/models", headers={"Authorization": "Bearer not-in-argv-7f3a"})
+        assert urllib.request.urlopen(req, timeout=30).status == 200
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        shutil.rmtree(folder.parent, ignore_errors=True)

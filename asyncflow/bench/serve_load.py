@@ -198,17 +198,18 @@ def _big_bodies(target: _Target, count: int, stop: float, out: dict[str, Any]) -
     out["big_sent"], out["big_statuses"], out["big_mib_accepted"] = len(statuses), sorted(set(statuses)), accepted >> 20
 
 
-def _start_server(token: str, read_timeout: int) -> tuple[subprocess.Popen[str], str, Path]:
+def start_local_server(token: str, read_timeout: int) -> tuple[subprocess.Popen[str], str, Path]:
+    """`asyncflow serve` on a tiny model in a temporary folder, on a free loopback port, requiring
+    `token` (given through the environment): the process, its URL and the folder."""
     from asyncflow.tasks.arith import make_model, make_tokenizer
 
     folder = Path(tempfile.mkdtemp(prefix="asyncflow-serve-load-")) / "tiny"
     tok = make_tokenizer()
     make_model(tok, seed=0, hidden=64).save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
-    env = {**os.environ, "ASYNCFLOW_SERVE_TOKEN": token}
+    env = {**os.environ, "ASYNCFLOW_SERVE_TOKEN": token}  # (never on the command line, where `ps` shows it)
     extra = ["--read-timeout", str(read_timeout)] if read_timeout else []  # (0: the server's default)
-    proc = subprocess.Popen([sys.executable, "-m", "asyncflow", "serve", str(folder), "--port", "0", "--token", token,
-                             *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "asyncflow", "serve", str(folder), "--port", "0", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     line = ""
     deadline = time.monotonic() + 180
@@ -226,7 +227,7 @@ def run_serve_load(overrides: list[str]) -> list[dict[str, Any]]:
     proc = None
     url, token, pid = opts["url"], opts["token"] or "bench-token", opts["pid"]
     if not url:
-        proc, url, _ = _start_server(token, opts["read_timeout"])
+        proc, url, _ = start_local_server(token, opts["read_timeout"])
         pid = proc.pid
     try:
         target = _Target(url, token, pid)
