@@ -10,6 +10,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +44,23 @@ def write_text_atomic(path: Path, text: str) -> None:
             tmp.unlink()
         raise
     fsync_path(path.parent)
+
+
+def replace_file(path: Path, write: Callable[[Path], object]) -> None:
+    """Replace `path` with what `write(tmp)` writes into a new file beside it, created exclusively
+    under a fresh name: a symlink planted at `path` or at a temp name is replaced, never followed.
+    The temp name ends in `path`'s suffix, for writers that read the format from it."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=f".tmp{path.suffix}")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        os.chmod(tmp, 0o644)  # (mkstemp's 0600 would hide a report from the run folder's other readers)
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def write_dir_atomic(path: Path, fill: Callable[[Path], None]) -> None:

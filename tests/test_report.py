@@ -219,3 +219,41 @@ def test_the_report_audits_summary_accounting_against_samples_jsonl(tmp_path: Pa
     assert main(["report", str(run_dir)]) == 0
     assert "accounting" not in capsys.readouterr().out
     assert "run: not audited (no summary.json" in (run_dir / "summary.md").read_text()
+
+
+def test_the_report_replaces_planted_symlinks_instead_of_writing_through_them(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path / "run", rate=2.0)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    for name in ("summary.md", "report.png"):
+        (run_dir / name).symlink_to(victim)
+    write_report([run_dir])
+    assert victim.read_text() == "keep me"
+    assert not (run_dir / "summary.md").is_symlink() and not (run_dir / "report.png").is_symlink()
+    assert (run_dir / "summary.md").read_text().startswith("# asyncflow report")
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".")) == []  # (no temp file left)
+
+
+def test_control_characters_from_run_files_are_escaped_in_the_summary_and_the_notes(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path / "run", rate=2.0)
+    doc = json.loads((run_dir / "trace.json").read_text())
+    doc["traceEvents"][0]["args"]["name"] = "trainer\x1b[2J\x1b]0;pwned\x07"
+    (run_dir / "trace.json").write_text(json.dumps(doc))
+    with (run_dir / "metrics.jsonl").open("a") as fh:
+        fh.write('{"kind": "train", "step": 5, "samples": 50, "note": "\x1b[31m')  # (cut short: a note names it)
+    notes: list[str] = []
+    _png, md = write_report([run_dir], log=notes.append)
+    text = md.read_text()
+    assert "\x1b" not in text and "\x07" not in text and "trainer\\x1b[2J\\x1b]0;pwned\\x07" in text
+    assert notes and all("\x1b" not in n for n in notes)
+
+
+def test_a_trace_nested_past_the_recursion_limit_is_a_note_not_a_traceback(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path / "run", rate=2.0)
+    (run_dir / "trace.json").write_text("[" * 100_000 + "]" * 100_000)
+    notes: list[str] = []
+    write_report([run_dir], log=notes.append)
+    assert any("trace.json" in n for n in notes)
+    (run_dir / "metrics.jsonl").write_text('{"a": ' * 100_000 + "1" + "}" * 100_000 + "\n")
+    with pytest.raises(UserError, match=r"metrics.jsonl: line 1 is JSON nested too deep to read$"):
+        load_run(run_dir)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncflow.atomic_files import replace_file
 from asyncflow.errors import UserError
 from asyncflow.telemetry.audit import audit_run
 from asyncflow.telemetry.runlog import DROPPED, parse_trace
@@ -75,6 +77,8 @@ def _numbered_rows(path: Path, notes: list[str] | None = None) -> Iterator[tuple
                 continue
             try:
                 row = json.loads(line)
+            except RecursionError:
+                raise UserError(f"{path}: line {i} is JSON nested too deep to read") from None
             except json.JSONDecodeError:
                 if not raw.endswith(b"\n") and fh.read(1) == b"":
                     if notes is not None:
@@ -85,6 +89,15 @@ def _numbered_rows(path: Path, notes: list[str] | None = None) -> Iterator[tuple
             if not isinstance(row, dict):
                 raise UserError(f"{path}: line {i} is not a JSON object")
             yield i, row
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with control characters (terminal escapes among them) shown as `\\xNN`: run files are
+    written by models and plugins, and what they hold must not drive the reader's terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -189,7 +202,7 @@ def _add_trace(run: RunData, path: Path) -> None:
             args = e.get("args")
             if not isinstance(args, dict) or "name" not in args:
                 raise UserError(f"{where}: a thread_name event needs args.name")
-            names[tid] = str(args["name"])
+            names[tid] = printable(str(args["name"]))  # (shown in the picture and summary.md)
         else:
             start = _number(e, "ts", where) / 1e6
             spans.append((tid, start, start + _number(e, "dur", where) / 1e6))
@@ -441,17 +454,19 @@ def write_report(run_dirs: list[str | Path], log: Callable[[str], None] | None =
     runs = [load_run(d, label) for d, label in zip(run_dirs, labels, strict=True)]
     if log is not None:
         for note in (n for r in runs for n in r.notes):
-            log(f"[asyncflow] note: {note}")
+            log(printable(f"[asyncflow] note: {note}"))
     for r in runs:
         if not r.train:
             raise UserError(f"{r.path}: metrics.jsonl has no train rows yet")
     if say is not None:
         for r in runs:
             if r.audit is not None:
-                say(f"[asyncflow] accounting: {audit_line(r)[2:]}")
+                say(printable(f"[asyncflow] accounting: {audit_line(r)[2:]}"))
     out = runs[0].path
     png, md = out / "report.png", out / "summary.md"
-    for target, write in ((png, lambda: plot_report(runs, png)), (md, lambda: md.write_text(summary_markdown(runs)))):
+    text = printable(summary_markdown(runs))
+    for target, write in ((png, lambda: replace_file(png, lambda tmp: plot_report(runs, tmp))),
+                          (md, lambda: replace_file(md, lambda tmp: tmp.write_text(text)))):
         try:
             write()
         except OSError as exc:  # a read-only mount, another user's run, a full disk: one line, not a traceback

@@ -338,14 +338,22 @@ def parse_trace(text: str) -> tuple[Any, bool]:
     without its `]` (a run killed mid-way) is read as Perfetto reads it, up to its last whole event.
     ValueError when it is neither."""
     try:
-        return json.loads(text), False
+        return _json(text), False
     except ValueError:
         if not text.lstrip().startswith("["):
             raise
     body = text.rstrip()
     for candidate in (body, body[:body.rfind("\n")].rstrip()):  # (the last line may be cut mid-event)
         try:
-            return json.loads(candidate.rstrip(",") + "]"), True
+            return _json(candidate.rstrip(",") + "]"), True
         except ValueError:
             continue
     raise ValueError("a Chrome trace array cut short inside its first event")
+
+
+def _json(text: str) -> Any:
+    """`json.loads`, a document nested past Python's recursion limit being a ValueError too."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deep to read") from None
