@@ -16,8 +16,10 @@ from asyncflow.errors import UserError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".py", ".yaml")  # a missing file, not an id
-# weight formats asyncflow never reads (a repository can hold the same weights in several)
-_IGNORED = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.gguf", "*.tflite", "original/*", "onnx/*"]
+# weight formats asyncflow never reads (a repository can hold the same weights in several), and code:
+# asyncflow never runs a repository's own code (no trust_remote_code), so a snapshot holds none
+_IGNORED = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.gguf", "*.tflite", "original/*", "onnx/*",
+            "*.py", "*.pyc", "*.so"]
 
 
 def hub_id(value: str) -> str | None:

@@ -146,3 +146,27 @@ def test_dataset_config_needs_a_hub_id(tmp_path: Path) -> None:
     data.write_text(json.dumps({"prompt": "x", "answer": "y"}) + "\n")
     with pytest.raises(UserError, match=r"^dataset.config: only used with a Hugging Face Hub dataset id"):
         load_config(None, ["task=arith", f"dataset.path={data}", "dataset.config=main"])
+
+
+def test_a_model_snapshot_never_downloads_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """asyncflow never runs a repository's code, so a Python file in a model snapshot could only be
+    imported by mistake (a `csv.py` beside the weights): none is fetched."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from asyncflow.hub import snapshot
+
+    asked: dict[str, object] = {}
+
+    def fake_download(repo_id: str, **kwargs: object) -> str:
+        asked.update(kwargs)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    assert snapshot("org/x", "model.path") == tmp_path
+    patterns = asked["ignore_patterns"]
+    assert isinstance(patterns, list)
+    for name in ("csv.py", "modeling_x.py", "sub/tokenizer.py", "ext.so"):
+        assert any(fnmatch.fnmatch(name, p) for p in patterns), name
+    assert not any(fnmatch.fnmatch("model.safetensors", p) or fnmatch.fnmatch("tokenizer.json", p) for p in patterns)
