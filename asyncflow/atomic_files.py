@@ -31,18 +31,15 @@ def fsync_path(path: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text`: temp file, fsync, rename, fsync of the folder."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
+    """Replace `path` with `text`: a new temp file (`replace_file`), fsync, rename, fsync of the folder."""
+
+    def write(tmp: Path) -> None:
         with tmp.open("w") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+
+    replace_file(path, write)
     fsync_path(path.parent)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncflow.atomic_files import replace_file
+from asyncflow.atomic_files import replace_file, write_text_atomic
 from asyncflow.errors import UserError
 from asyncflow.telemetry.audit import audit_run
 from asyncflow.telemetry.runlog import DROPPED, parse_trace
@@ -466,7 +466,7 @@ def write_report(run_dirs: list[str | Path], log: Callable[[str], None] | None =
     png, md = out / "report.png", out / "summary.md"
     text = printable(summary_markdown(runs))
     for target, write in ((png, lambda: replace_file(png, lambda tmp: plot_report(runs, tmp))),
-                          (md, lambda: replace_file(md, lambda tmp: tmp.write_text(text)))):
+                          (md, lambda: write_text_atomic(md, text))):
         try:
             write()
         except OSError as exc:  # a read-only mount, another user's run, a full disk: one line, not a traceback
