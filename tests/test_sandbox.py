@@ -108,40 +108,56 @@ def test_output_is_truncated_at_the_cap() -> None:
     assert res.stdout == "x" * 1000 and res.stderr == "e" * 1000
 
 
-def _writer(path: Path, setsid: bool) -> str:
-    """Code that leaves a process behind (its own session with `setsid`) appending to `path` every
-    50 ms; it returns once the first write landed."""
+def _leaver(tag: str, setsid: bool) -> str:
+    """Code that leaves a process behind (in its own session with `setsid`), named `tag`; it returns
+    once that process runs. The host sees nothing else of it: the code cannot write the host's files."""
     child = "    os.setsid()\n" if setsid else ""
-    return (f"import os, time\nif os.fork() == 0:\n{child}    while True:\n"
-            f"        with open({str(path)!r}, 'a') as f:\n            f.write('x')\n        time.sleep(0.05)\n"
-            f"while not os.path.exists({str(path)!r}):\n    time.sleep(0.01)\n")
+    return (f"import ctypes, os, time\nr, w = os.pipe()\nif os.fork() == 0:\n{child}"
+            f"    ctypes.CDLL(None).prctl(15, {tag.encode()!r}, 0, 0, 0)\n    os.write(w, b'x')\n"
+            "    while True:\n        time.sleep(0.05)\nos.read(r, 1)\n")
 
 
-def _assert_stopped_writing(path: Path) -> None:
-    size = path.stat().st_size
-    time.sleep(0.5)  # ten writes' worth
-    assert path.stat().st_size == size, "a process left behind is still writing after run_code returned"
+def _named(tag: str) -> list[int]:
+    """Live (not zombie) processes on the host named `tag`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+        if name == tag and state != "Z":
+            found.append(int(pid))
+    return found
 
 
-def test_processes_left_behind_are_killed(tmp_path: Path) -> None:
-    res = run_code(_writer(tmp_path / "out", setsid=False), limits=SandboxLimits(timeout_s=30))
+def _assert_gone(tag: str) -> None:
+    """Every process named `tag` ends within a few seconds (one left behind would live forever)."""
+    deadline = time.monotonic() + 5
+    while _named(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _named(tag) == [], f"a process left behind ({tag}) still runs after run_code returned"
+
+
+def test_processes_left_behind_are_killed() -> None:
+    res = run_code(_leaver("af-left", setsid=False), limits=SandboxLimits(timeout_s=30))
     assert res.status == "ok", res.stderr
-    _assert_stopped_writing(tmp_path / "out")
+    _assert_gone("af-left")
 
 
 @pytest.mark.parametrize("processes", ["auto", "fallback"])
-def test_a_setsid_grandchild_is_gone_when_run_code_returns(tmp_path: Path, processes: str) -> None:
-    res = run_code(_writer(tmp_path / "out", setsid=True), limits=SandboxLimits(timeout_s=30), processes=processes)
+def test_a_setsid_grandchild_is_gone_when_run_code_returns(processes: str) -> None:
+    res = run_code(_leaver("af-setsid", setsid=True), limits=SandboxLimits(timeout_s=30), processes=processes)
     assert res.status == "ok", res.stderr
-    _assert_stopped_writing(tmp_path / "out")
+    _assert_gone("af-setsid")
     if processes == "fallback":
         assert "pidns_unavailable: fallback requested" in res.isolation and "subreaper" in res.isolation
 
 
-def test_a_setsid_grandchild_is_gone_after_a_timeout_too(tmp_path: Path) -> None:
-    res = run_code(_writer(tmp_path / "out", setsid=True) + "time.sleep(60)\n", limits=SandboxLimits(timeout_s=1))
+def test_a_setsid_grandchild_is_gone_after_a_timeout_too() -> None:
+    res = run_code(_leaver("af-setsid-t", setsid=True) + "time.sleep(60)\n", limits=SandboxLimits(timeout_s=1))
     assert res.status == "timeout" and res.seconds < 30
-    _assert_stopped_writing(tmp_path / "out")
+    _assert_gone("af-setsid-t")
 
 
 def _require_pid_namespace() -> list[str]:
@@ -154,16 +170,17 @@ def _require_pid_namespace() -> list[str]:
 def test_the_code_cannot_read_the_trainers_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     isolation = _require_pid_namespace()
     at = isolation.index("pidns")
-    assert isolation[at:at + 5] == ["pidns", "mountns", "proc", "netns", "ipcns"]  # in the order they hold
+    assert isolation[at:at + 6] == ["pidns", "mountns", "proc", "tmp_private", "netns", "ipcns"]  # in order
     monkeypatch.setenv("ASYNCFLOW_TEST_SECRET", "hunter2")
     code = (f"import os\ntry:\n    print(open('/proc/{os.getpid()}/environ').read())\n"
             "except OSError as exc:\n    print('refused', type(exc).__name__)\n"
-            "for pid in filter(str.isdigit, os.listdir('/proc')):\n    try:\n"
-            "        print(pid, open(f'/proc/{pid}/environ').read())\n    except OSError:\n        pass\n")
+            "pids = sorted(map(int, filter(str.isdigit, os.listdir('/proc'))))\nprint(pids)\nfor pid in pids:\n"
+            "    try:\n        print(pid, open(f'/proc/{pid}/environ').read())\n    except OSError:\n        pass\n")
     res = run_code(code)
     assert res.status == "ok", res.stderr
     assert res.stdout.startswith("refused FileNotFoundError") and "hunter2" not in res.stdout
-    assert sorted(int(line.split()[0]) for line in res.stdout.splitlines()[1:]) == [1, 2]  # its init and itself
+    assert res.stdout.splitlines()[1] == "[1, 2]"  # it sees its init and itself
+    assert [line.split()[0] for line in res.stdout.splitlines()[2:]] == ["2"]  # and reads only its own environment
 
 
 def test_the_code_cannot_signal_the_trainer() -> None:
@@ -183,16 +200,15 @@ def test_the_process_count_is_bounded() -> None:
     assert res.status == "ok" and int(res.stdout) <= 8, (res.stdout, res.stderr)
 
 
-def test_a_fork_bomb_ends_at_the_limits_and_leaves_nothing(tmp_path: Path) -> None:
+def test_a_fork_bomb_ends_at_the_limits_and_leaves_nothing() -> None:
     isolation = run_code("pass").isolation
     if not {"pids_cgroup", "nproc_rlimit"} & set(isolation):
         pytest.skip(f"no process limit holds here: a fork bomb would hit the host: {isolation}")
-    marker = tmp_path / "bomb"
-    code = (f"import os\nopen({str(marker)!r}, 'w').close()\nwhile True:\n    try:\n        os.fork()\n"
-            f"    except OSError:\n        pass\n    with open({str(marker)!r}, 'a') as f:\n        f.write('x')\n")
+    code = ("import ctypes, os\nctypes.CDLL(None).prctl(15, b'af-bomb', 0, 0, 0)\nwhile True:\n    try:\n"
+            "        os.fork()\n    except OSError:\n        pass\n")
     res = run_code(code, limits=SandboxLimits(timeout_s=2, max_processes=16))
     assert res.status == "timeout" and res.seconds < 30
-    _assert_stopped_writing(marker)
+    _assert_gone("af-bomb")
     assert subprocess.run(["true"], timeout=30).returncode == 0  # the host can still start processes
 
 
@@ -285,12 +301,12 @@ def test_statuses_are_not_taken_from_the_codes_own_exit() -> None:
     assert (message.status, message.exit_code, message.stderr) == ("error", 1, "usage: solve N\n")
 
 
-def test_a_process_that_escapes_the_group_does_not_hold_run_code(tmp_path: Path) -> None:
+def test_a_process_that_escapes_the_group_does_not_hold_run_code() -> None:
     threads = threading.active_count()
-    res = run_code(_writer(tmp_path / "out", setsid=True), limits=SandboxLimits(timeout_s=30))
+    res = run_code(_leaver("af-escape", setsid=True), limits=SandboxLimits(timeout_s=30))
     assert res.status == "ok", res.stderr
     assert threading.active_count() == threads  # no reader thread left blocked on the escapee's pipes
-    _assert_stopped_writing(tmp_path / "out")
+    _assert_gone("af-escape")
 
 
 def test_a_locked_folder_is_removed_without_root_permissions(tmp_path: Path) -> None:

@@ -42,9 +42,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal, cast
+
+from asyncflow.rewards.sandbox_verify import annotate, missing, verified
 
 Status = Literal["ok", "timeout", "cpu_limit", "memory_limit", "error", "network_blocked"]
 Processes = Literal["auto", "require", "fallback"]
@@ -97,6 +100,12 @@ class SandboxResult:
 # The child's first code: isolation, limits and guards, then the user's code (sandbox_boot.py, a
 # stdlib-only script run with `python -I -c`; its module docstring says how the processes are laid out).
 _BOOTSTRAP = Path(__file__).with_name("sandbox_boot.py").read_text()
+_CONFINE = Path(__file__).with_name("sandbox_confine.py").read_text()
+_MOUNTS = Path(__file__).with_name("sandbox_mounts.py").read_text()
+_RUNNER = Path(__file__).with_name("sandbox_runner.py").read_text()
+# As root, each call runs as its own user id from this range (2**31 - 2**26 ... 2**31): far above
+# any account's and any user namespace's usual subordinate ids.
+_UID_BASE, _UID_SLOTS = 2**31 - 2**26, 2**25
 
 
 def run_code(
@@ -107,20 +116,41 @@ def run_code(
     tests: list[str] | None = None,
     python: str = sys.executable,
     processes: Processes | None = None,
+    require: Sequence[str] | None = None,
 ) -> SandboxResult:
     """Run `code` (a Python program, as `__main__`) in a limited child process and say what happened.
 
     With `tests`, the code is executed as a module and then each test source (e.g. an `assert`)
-    runs in its namespace; `tests_passed` holds the outcome of each. `processes` (default: the
-    environment variable ASYNCFLOW_SANDBOX_PROCESSES, else "auto"): "auto" uses a PID namespace
-    where the kernel permits and the subreaper fallback elsewhere; "require" refuses to run the code
-    without one (status `error`, `exit_code` None); "fallback" never tries.
+    runs against it in a separate process; `tests_passed` holds the outcome of each. `processes`
+    (default: the environment variable ASYNCFLOW_SANDBOX_PROCESSES, else "auto"): "auto" uses a PID
+    namespace where the kernel permits and the subreaper fallback elsewhere; "require" refuses to
+    run the code without one (status `error`, `exit_code` None); "fallback" never tries.
+    `require` (default: ASYNCFLOW_SANDBOX_REQUIRE, comma-separated): isolation layers that must
+    hold (as verified from inside the sandbox, once per process), else the code is refused the same way.
     """
     lim = limits or SandboxLimits()
     mode = processes or os.environ.get("ASYNCFLOW_SANDBOX_PROCESSES") or "auto"
     if mode not in ("auto", "require", "fallback"):
         raise ValueError(f"run_code: processes must be auto, require or fallback, got {mode!r}")
     mode = cast(Processes, mode)
+    if require is None:
+        require = [x.strip() for x in os.environ.get("ASYNCFLOW_SANDBOX_REQUIRE", "").split(",") if x.strip()]
+
+    def probe(probe_code: str, probe_stdin: str) -> tuple[list[str], str, str]:
+        res = _run(probe_code, probe_stdin, SandboxLimits(), None, python, mode)
+        return res.isolation, res.stdout, res.stderr
+
+    proven = verified((python, mode), probe)
+    why = missing(tuple(require), proven)
+    if why is not None:
+        return SandboxResult("error", "", f"sandbox: refused to run the code: {why}", None, 0.0)
+    result = _run(code, stdin, lim, tests, python, mode)
+    result.isolation = annotate(result.isolation, proven)
+    return result
+
+
+def _run(code: str, stdin: str, lim: SandboxLimits, tests: list[str] | None, python: str,
+         mode: Processes) -> SandboxResult:
     workdir = Path(tempfile.mkdtemp(prefix="asyncflow-sandbox-"))
     cgroup, cgroup_note = _make_pids_cgroup(lim.max_processes)
     try:
@@ -158,27 +188,38 @@ def _run_in(workdir: Path, code: str, stdin: str, lim: SandboxLimits, tests: lis
             python: str, mode: Processes, cgroup: Path | None, cgroup_note: str) -> SandboxResult:
     cpu = max(1, math.ceil(lim.cpu_s if lim.cpu_s is not None else lim.timeout_s))
     nonce = secrets.token_hex(16)
-    cfg_file = _write_config(workdir, code, tests, lim, cpu, nonce, mode, cgroup)
+    cfg_file = _write_config(workdir, code, tests, lim, cpu, nonce, mode, cgroup, python)
+    try:
+        return _start(workdir, cfg_file, stdin, lim, tests, python, nonce, cpu, cgroup, cgroup_note)
+    finally:
+        with contextlib.suppress(OSError):
+            cfg_file.unlink()  # the child deletes it before the code runs; this if it never started
+
+
+def _start(workdir: Path, cfg_file: Path, stdin: str, lim: SandboxLimits, tests: list[str] | None, python: str,
+           nonce: str, cpu: int, cgroup: Path | None, cgroup_note: str) -> SandboxResult:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
            "LANG": "C.UTF-8"}
     report_r, report_w = os.pipe()
+    notes_r, notes_w = os.pipe()
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            # -B, -X utf8: no .pyc written, UTF-8 stdio (as options: -I ignores the PYTHON* variables
-            # that were set for these, so they had no effect)
-            [python, "-I", "-B", "-X", "utf8", "-c", _BOOTSTRAP, str(report_w), str(cfg_file)], bufsize=0,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
-            pass_fds=(report_w,), start_new_session=True, close_fds=True,
+            # -B, -X utf8: no .pyc written, UTF-8 stdio (as options: -I ignores the PYTHON* variables)
+            [python, "-I", "-B", "-X", "utf8", "-c", _BOOTSTRAP, str(report_w), str(notes_w), str(cfg_file)],
+            bufsize=0, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
+            pass_fds=(report_w, notes_w), start_new_session=True, close_fds=True,
         )
     except OSError as exc:
-        os.close(report_r)
-        os.close(report_w)
+        for fd in (report_r, report_w, notes_r, notes_w):
+            os.close(fd)
         return SandboxResult("error", "", f"sandbox: cannot start {python}: {exc}", None, 0.0)
     os.close(report_w)
+    os.close(notes_w)
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    out, err, rep = _Capped(lim.max_output_bytes), _Capped(lim.max_output_bytes), _Capped(1_000_000)
-    sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, report_r: rep}
+    out, err = _Capped(lim.max_output_bytes), _Capped(lim.max_output_bytes)
+    rep, notes = _Capped(1_000_000), _Capped(4096)
+    sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, report_r: rep, notes_r: notes}
     try:
         # the child enforces timeout_s itself (it must outlive the code to sweep what the code left);
         # this later deadline is the backstop if it cannot
@@ -190,37 +231,80 @@ def _run_in(workdir: Path, code: str, stdin: str, lim: SandboxLimits, tests: lis
         for f in (proc.stdin, proc.stdout, proc.stderr):
             f.close()
         os.close(report_r)
+        os.close(notes_r)
         _, wait_status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(wait_status)
     report = _parse_report(rep.text(), nonce)
     refused = next((r["refused"] for r in report if "refused" in r), None)
     if refused is not None:
         return SandboxResult("error", "", f"sandbox: refused to run the code: {refused}", None, seconds)
+    own = _parse_notes(notes.text())
     killed = backstop or any(r.get("timeout") is True for r in report)
-    status = _status(proc.returncode, killed, report, usage.ru_utime + usage.ru_stime >= cpu - _CPU_SLACK_S)
-    tests_passed = None
-    if tests is not None:
-        ran: dict[int, bool] = {}
-        for r in report:
-            if "test" in r:
-                ran.setdefault(int(r["test"]), r["passed"] is True)
-        tests_passed = [ran.get(i, False) for i in range(len(tests))]
-    isolation = next((list(r["isolation"]) for r in report if "isolation" in r), [])
-    notes = [cgroup_note] if cgroup is None else []  # the child reports `pids_cgroup` once it joined it
+    status = _status(proc.returncode, killed, own, usage.ru_utime + usage.ru_stime >= cpu - _CPU_SLACK_S)
     return SandboxResult(status, out.text(), err.text(), proc.returncode, seconds, out.truncated or err.truncated,
-                         [*isolation, *notes, "tmpdir", "clean_env"], tests_passed)
+                         _isolation(report, cgroup, cgroup_note, tests is not None), _tests_passed(report, tests))
+
+
+def _isolation(report: list[dict[str, Any]], cgroup: Path | None, cgroup_note: str, with_tests: bool) -> list[str]:
+    """The layers the child reported (the supervisor's, then the code process's), then the parent's."""
+    applied = next((list(r["isolation"]) for r in report if "isolation" in r), [])
+    confined = next((list(r["confined"]) for r in report if "confined" in r), [])
+    notes = [cgroup_note] if cgroup is None else []  # the child reports `pids_cgroup` once it joined it
+    return [*applied, *confined, "socket_guard", *(["tests_process"] if with_tests else []), *notes,
+            "tmpdir", "clean_env"]
+
+
+def _tests_passed(report: list[dict[str, Any]], tests: list[str] | None) -> list[bool] | None:
+    if tests is None:
+        return None
+    ran: dict[int, bool] = {}
+    for r in report:
+        if "test" in r:
+            ran.setdefault(int(r["test"]), r["passed"] is True)
+    return [ran.get(i, False) for i in range(len(tests))]
+
+
+def _sandbox_uid() -> int | None:
+    """A user id of this call's own (and the next one, for its tests) when running as root: no
+    process or file of any other user has it. None when not root (the sandbox then uses a user
+    namespace)."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        return None
+    return _UID_BASE + 2 * secrets.randbelow(_UID_SLOTS)
+
+
+def _kept_folders(python: str) -> list[str]:
+    """The interpreter's folders, which must stay visible to the code's user in its mount namespace."""
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    else:
+        prefixes = {os.path.dirname(os.path.dirname(python))}
+    prefixes |= {os.path.dirname(os.path.dirname(os.path.realpath(python)))}
+    return sorted({os.path.realpath(p) for p in prefixes})
 
 
 def _write_config(workdir: Path, code: str, tests: list[str] | None, lim: SandboxLimits, cpu: int, nonce: str,
-                  mode: Processes, cgroup: Path | None) -> Path:
-    """The code's file and the child's config (read and deleted by the child before the code runs)."""
+                  mode: Processes, cgroup: Path | None, python: str) -> Path:
+    """The code's file and the child's config (read and deleted by the child before the code runs).
+    Under a user id of its own the code owns its working folder and nothing else."""
     code_file = workdir / "solution.py"
     code_file.write_text(code)
-    cfg_file = workdir / ".asyncflow-sandbox.json"
-    cfg_file.write_text(json.dumps({
-        "code_file": str(code_file), "tests": tests, "cpu_s": cpu, "nonce": nonce, "timeout_s": lim.timeout_s,
-        "memory": lim.memory_mb * 2**20, "fsize": lim.max_file_mb * 2**20, "max_processes": lim.max_processes,
-        "processes": mode, "cgroup": None if cgroup is None else str(cgroup)}))
+    uid = _sandbox_uid()
+    try:
+        for path, perms in ((code_file, 0o600), (workdir, 0o711)) if uid is not None else ():
+            os.chown(path, cast(int, uid), cast(int, uid))
+            os.chmod(path, perms)  # root without CAP_DAC_OVERRIDE can still enter (not list) the folder
+    except OSError:  # root without CAP_CHOWN: the code runs as this user (the report says so)
+        uid = None
+    fd, name = tempfile.mkstemp(prefix="asyncflow-sandbox-", suffix=".json")  # outside the code's folder
+    with os.fdopen(fd, "w") as f:
+        json.dump({
+            "code_file": str(code_file), "tests": tests, "cpu_s": cpu, "nonce": nonce, "timeout_s": lim.timeout_s,
+            "memory": lim.memory_mb * 2**20, "fsize": lim.max_file_mb * 2**20, "max_processes": lim.max_processes,
+            "processes": mode, "cgroup": None if cgroup is None else str(cgroup), "uid": uid,
+            "python": python, "keep": _kept_folders(python), "private_tmp_mb": lim.max_file_mb,
+            "confine_text": _CONFINE, "mounts_text": _MOUNTS, "runner_text": _RUNNER}, f)
+    cfg_file = Path(name)
     return cfg_file
 
 
@@ -350,19 +434,19 @@ def _wait_unreaped(pid: int, timeout_s: float) -> bool:
         pause = min(pause * 2, 0.05)
 
 
-def _status(returncode: int, killed: bool, report: list[dict[str, Any]], used_cpu_limit: bool) -> Status:
+def _status(returncode: int, killed: bool, notes: list[dict[str, Any]], used_cpu_limit: bool) -> Status:
     if killed:
         return "timeout"
     if returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL and used_cpu_limit):
         return "cpu_limit"  # the soft CPU limit, or the hard one (SIGKILL) if SIGXCPU was ignored
-    limit = next((r["limit"] for r in report if "limit" in r), None)
+    limit = next((r["limit"] for r in notes if r.get("limit")), None)
     if limit == "memory":
         return "memory_limit"
     if limit == "network":
         return "network_blocked"
     if returncode == 0:
         return "ok"
-    if any(r.get("network_attempts") for r in report):
+    if any(r.get("network_attempts") for r in notes):
         return "network_blocked"  # the code failed after a blocked socket (e.g. caught it and exited 1)
     return "error"
 
@@ -377,6 +461,18 @@ def _parse_report(text: str, nonce: str) -> list[dict[str, Any]]:
             continue
         if isinstance(row, dict) and row.get("nonce") == nonce:
             rows.append(row)
+    return rows
+
+
+def _parse_notes(text: str) -> list[dict[str, Any]]:
+    """The code's own notes (a limit it hit, sockets it tried): they only choose between statuses of a
+    failed run, so the code gains nothing by writing them itself."""
+    rows = []
+    for line in text.splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            row = json.loads(line)
+            if isinstance(row, dict):
+                rows.append(row)
     return rows
 
 
@@ -405,10 +501,15 @@ def _kill_group(pgid: int) -> None:
 
 def _remove_tree(path: Path) -> None:
     """Remove the working directory even if the code took permissions away from its folders: every
-    folder is made accessible first (top-down: a folder's own mode must allow listing it), then removed."""
+    folder is made accessible first (top-down: a folder's own mode must allow listing it; as root, it
+    is also taken back from the code's user id), then removed."""
+
+    root = os.geteuid() == 0
 
     def unlock(folder: str) -> None:
         with contextlib.suppress(OSError):
+            if root:  # the code's own user id owned it: root may lack the capability to enter it
+                os.chown(folder, 0, 0)
             os.chmod(folder, 0o700)
         try:
             entries = list(os.scandir(folder))
