@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -156,6 +158,30 @@ def test_launched_server_commands_carry_the_flags_asyncflow_needs(arith_dir: Pat
         assert " ".join(want) in joined or all(w in cmd for w in want), joined
         assert "--host 127.0.0.1 --port 8123" in joined
         assert env == ({"VLLM_SERVER_DEV_MODE": "1"} if kind == "vllm" else {})
+
+
+def test_secret_flag_hands_an_environment_value_to_a_module_as_a_flag_never_on_the_command_line(
+        tmp_path: Path) -> None:
+    """The launcher of a server that takes its key only as a flag (SGLang): the module sees the flag in
+    its `sys.argv` and runs as `__main__`; the process's command line and environment do not hold it."""
+    (tmp_path / "fake_server.py").write_text(
+        "import json, os, sys\n"
+        "if __name__ == '__main__':\n"
+        "    cmdline = open('/proc/self/cmdline', 'rb').read().decode()\n"
+        "    json.dump({'argv': sys.argv[1:], 'cmdline': cmdline, 'env': 'KEY_VAR' in os.environ},\n"
+        "              open(sys.argv[1], 'w'))\n")
+    token, out = "ab12" * 16, tmp_path / "seen.json"
+    env = {**os.environ, "KEY_VAR": token,
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parent.parent)])}
+    launch = [sys.executable, "-m", "asyncflow.runtime.secret_flag", "KEY_VAR", "--api-key", "fake_server"]
+    done = subprocess.run([*launch, str(out), "--port", "1"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(out.read_text())
+    assert seen["argv"] == [str(out), "--port", "1", "--api-key", token]
+    assert token not in seen["cmdline"] and "fake_server" in seen["cmdline"] and seen["env"] is False
+    del env["KEY_VAR"]
+    done = subprocess.run([*launch, str(out)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "KEY_VAR is not set" in done.stderr
 
 
 @pytest.mark.parametrize("sets, key", [
