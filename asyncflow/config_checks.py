@@ -226,6 +226,9 @@ def _validate_launch(cfg: Config, explicit: set[str]) -> None:
     if ro.server_urls:
         raise UserError("rollout.server_urls: not used with rollout.launch_servers (the run starts its own servers "
                         "and finds their URLs); remove one of them")
+    if "rollout.server_token_env" in explicit:
+        raise UserError("rollout.server_token_env: not used with rollout.launch_servers (the run gives each server "
+                        "it starts a random token of its own); remove it")
     if "rollout.server_type" in explicit and ro.server_type != kind:
         raise UserError(f"rollout.server_type: {ro.server_type} contradicts rollout.launch_servers={kind}; "
                         "remove rollout.server_type")

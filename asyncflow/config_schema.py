@@ -182,8 +182,8 @@ class RolloutConfig:
         "rollout.engine=openai with runtime.kind=ray: start one server per rollout worker as a Ray actor instead of "
         "using rollout.server_urls: asyncflow (asyncflow serve), vllm (vllm serve rollout.sync_dir) or sglang. Each "
         "server shares its rollout actor's placement-group bundle (its GPUs are the server's), listens on that node's "
-        "loopback, is health checked and restarted when it dies (runtime.max_restarts). null: rollout.server_urls. "
-        "docs/ray.md.",
+        "loopback, requires a random token of its own (given through its environment, never its command line), is "
+        "health checked and restarted when it dies (runtime.max_restarts). null: rollout.server_urls. docs/ray.md.",
     )
     server_start_timeout_s: float = _f(
         600.0, "rollout.launch_servers: longest a started (or restarted) server may take to answer GET /v1/models.",
@@ -199,7 +199,8 @@ class RolloutConfig:
     server_token_env: str = _f(
         "ASYNCFLOW_SERVER_TOKEN",
         "rollout.engine=openai: environment variable holding the servers' bearer token (unset: none is sent). "
-        "The token itself never goes into config.yaml.",
+        "The token itself never goes into config.yaml. Not with rollout.launch_servers (each server the run starts "
+        "has a token of its own).",
     )
     sync_dir: str | None = _f(
         None,

@@ -7,7 +7,10 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -60,7 +63,7 @@ def test_ray_run_starts_its_own_servers_and_stops_them(ray_session, arith_dir: P
     assert all(s["url"].startswith("http://127.0.0.1:") for s in servers) and servers[0]["url"] != servers[1]["url"]
     for s in servers:  # each server's command and pid are in its output file, and the process is gone
         log = (out / "servers" / f"server-{s['index']}.log").read_text()
-        assert f"pid {s['pid']}: " in log and " serve " in log
+        assert f"pid {s['pid']}: " in log and " serve " in log and f"--weights-root {(out / 'weight_sync').resolve()}" in log
         assert not _alive(s["pid"]), f"server process {s['pid']} outlived the run"
 
 
@@ -92,13 +95,15 @@ def test_a_killed_server_is_restarted_and_the_run_completes(ray_session, arith_d
 
 
 def _actor(arith_dir: Path, tmp_path: Path, model_dir: Path, restarts: int = 1) -> Any:
+    """A `ServerActor` used in process (no Ray); its weights root is tmp_path/weight_sync, the folder
+    a run in tmp_path writes its weight versions to."""
     from asyncflow.config import load_config
     from asyncflow.runtime.ray_servers import ServerActor
 
     cfg, _ = load_config(None, [f"model.path={arith_dir}", "runtime.kind=ray", "rollout.engine=openai",
                                 "rollout.launch_servers=asyncflow", "rollout.server_start_timeout_s=60",
                                 f"runtime.max_restarts={restarts}"])
-    return ServerActor(0, cfg, str(model_dir), str(tmp_path / "server-0.log"))
+    return ServerActor(0, cfg, str(model_dir), str(tmp_path / "server-0.log"), str(tmp_path / "weight_sync"))
 
 
 def test_server_start_failure_is_one_line_naming_the_command_and_its_output(arith_dir: Path, tmp_path: Path) -> None:
@@ -120,15 +125,17 @@ def test_server_actor_restarts_its_dead_child_with_the_last_weights(arith_dir: P
     from asyncflow.runtime.ray_servers import ServerFailed
 
     actor = _actor(arith_dir, tmp_path, arith_dir, restarts=1)
+    v7 = tmp_path / "weight_sync" / "v000007"  # (a copy of the model folder as the version-7 weights)
+    shutil.copytree(arith_dir, v7)
 
     async def scenario() -> None:
         url = await actor.start()
-        actor.loaded(str(arith_dir), 7)  # (the model folder itself as the version-7 weights)
+        actor.loaded(str(v7), 7)
         first = actor.proc.pid
         os.kill(first, signal.SIGKILL)
         assert await asyncio.wait_for(actor.wait_up(), 90) == url
         assert actor.restarts == 1 and actor.proc.pid != first and not _alive(first)
-        assert (await request_json("GET", f"{url}/admin/version", timeout=30))["version"] == 7
+        assert (await request_json("GET", f"{url}/admin/version", token=actor.token, timeout=30))["version"] == 7
         said = [line for line in capsys.readouterr().out.splitlines() if "[asyncflow] ray: server 0" in line]
         assert len(said) == 1 and "exited with code -9; restarted (1 of 1)" in said[0], said
         os.kill(actor.proc.pid, signal.SIGKILL)  # no restart left: a clear error, not a hang
@@ -142,20 +149,115 @@ def test_server_actor_restarts_its_dead_child_with_the_last_weights(arith_dir: P
         asyncio.run(actor.stop())
 
 
-def test_launched_server_commands_carry_the_flags_asyncflow_needs(arith_dir: Path) -> None:
+def test_launched_server_commands_carry_the_flags_asyncflow_needs_and_their_token_only_in_the_environment(
+        arith_dir: Path) -> None:
     from asyncflow.config import load_config
     from asyncflow.runtime.ray_servers import server_command
 
     cfg, _ = load_config(None, [f"model.path={arith_dir}", "runtime.kind=ray", "rollout.engine=openai",
                                 "rollout.launch_servers=asyncflow"])
-    for kind, sync_dir, want in [("vllm", "/shared/sync", ["serve", "/shared/sync", "--logprobs-mode", "processed_logprobs"]),
-                                 ("sglang", None, ["-m", "sglang.launch_server", "--model-path", "/m"])]:
-        cfg.rollout.launch_servers, cfg.rollout.sync_dir = kind, sync_dir
-        cmd, env = server_command(cfg, 1, "/m", 8123)
+    token = "5eC7e7" * 8
+    for kind, want, var in [
+        ("asyncflow", ["-m asyncflow serve /m", "--weights-root /run/weight_sync"], "ASYNCFLOW_SERVE_TOKEN"),
+        ("vllm", ["serve /run/weight_sync", "--logprobs-mode processed_logprobs"], "VLLM_API_KEY"),
+        ("sglang", ["-m asyncflow.runtime.secret_flag ASYNCFLOW_SGLANG_API_KEY --api-key sglang.launch_server "
+                    "--model-path /m"], "ASYNCFLOW_SGLANG_API_KEY"),
+    ]:
+        cfg.rollout.launch_servers = kind
+        cmd, env = server_command(cfg, 1, "/m", 8123, "/run/weight_sync", token)
         joined = " ".join(cmd)
-        assert " ".join(want) in joined or all(w in cmd for w in want), joined
+        assert all(w in joined for w in want), joined
         assert "--host 127.0.0.1 --port 8123" in joined
-        assert env == ({"VLLM_SERVER_DEV_MODE": "1"} if kind == "vllm" else {})
+        assert env == {var: token, **({"VLLM_SERVER_DEV_MODE": "1"} if kind == "vllm" else {})}
+        assert not any(token in arg for arg in cmd), f"{kind}: the token is on the command line: {joined}"
+
+
+def test_a_launched_asyncflow_serve_takes_admin_calls_only_with_its_token_and_loads_only_from_the_sync_folder(
+        serve_dir: Path, tmp_path: Path) -> None:
+    """Without Ray: a `ServerActor`'s `asyncflow serve` has the token in its environment (not its
+    command line); without it /admin/load_weights, /admin/pause and /v1/models are 401; the run's
+    engine, given the token by its server link, loads weights written to the run's weight-sync
+    folder, and a folder outside it is a 403 even with the token."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from asyncflow.config import load_config
+    from asyncflow.engines.http_client import HTTPError, request_json
+    from asyncflow.engines.openai_engine import make_openai_engine
+    from asyncflow.errors import UserError
+
+    cfg, _ = load_config(None, [f"model.path={serve_dir}", "runtime.kind=ray", "rollout.engine=openai",
+                                "rollout.launch_servers=asyncflow", "rollout.sync_timeout_s=60"])
+    actor = _actor(serve_dir, tmp_path, serve_dir, restarts=0)
+    state = AutoModelForCausalLM.from_pretrained(str(serve_dir)).state_dict()
+
+    class Link:  # what `ServerLink` asks of the actor over Ray, in process
+        async def token(self) -> str:
+            return actor.client_token()
+
+        def loaded(self, folder: Path, version: int) -> None:
+            actor.loaded(str(folder), version)
+
+    async def status(path: str, body: Any = None, token: str | None = None) -> int:
+        try:
+            await request_json("POST" if body is not None else "GET", f"{actor.url}{path}", body, token=token,
+                               timeout=30)
+            return 200
+        except HTTPError as exc:
+            return exc.status
+
+    async def scenario() -> None:
+        url = await actor.start()
+        cmdline = Path(f"/proc/{actor.proc.pid}/cmdline").read_bytes().decode()
+        environ = Path(f"/proc/{actor.proc.pid}/environ").read_bytes().decode().split("\0")
+        assert actor.token not in cmdline and f"ASYNCFLOW_SERVE_TOKEN={actor.token}" in environ
+        assert f"--weights-root\0{tmp_path / 'weight_sync'}" in cmdline
+        # the rollout actor's engine in a run folder tmp_path: it writes weights to tmp_path/weight_sync
+        engine = make_openai_engine(replace(cfg.rollout, server_urls=[url]), 0, serve_dir, tmp_path, session="s")
+        with pytest.raises(UserError, match="HTTP 401"):  # the user's server path: no token to send
+            await engine.connect()
+        engine.server = Link()
+        await engine.connect(state)  # version 0, written to the sync folder and loaded through the admin route
+        assert (tmp_path / "weight_sync" / "v000000" / "model.safetensors").is_file()
+        v0 = str(tmp_path / "weight_sync" / "v000000")
+        assert await status("/admin/load_weights", {"path": v0, "version": 666}) == 401
+        assert await status("/admin/pause", {}) == 401 and await status("/v1/models") == 401
+        assert (await request_json("GET", f"{url}/admin/version", token=actor.token, timeout=30))["version"] == 0
+        assert await status("/admin/pause", {}, actor.token) == 200
+        assert await status("/admin/resume", {}, actor.token) == 200
+        assert await status("/admin/load_weights", {"path": str(serve_dir), "version": 666}, actor.token) == 403
+        assert await status("/admin/load_weights", {"path": v0, "version": 5}, actor.token) == 200
+        await engine.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        asyncio.run(actor.stop())
+
+
+def test_secret_flag_hands_an_environment_value_to_a_module_as_a_flag_never_on_the_command_line(
+        tmp_path: Path) -> None:
+    """The launcher of a server that takes its key only as a flag (SGLang): the module sees the flag in
+    its `sys.argv` and runs as `__main__`; the process's command line and environment do not hold it."""
+    (tmp_path / "fake_server.py").write_text(
+        "import json, os, sys\n"
+        "if __name__ == '__main__':\n"
+        "    cmdline = open('/proc/self/cmdline', 'rb').read().decode()\n"
+        "    json.dump({'argv': sys.argv[1:], 'cmdline': cmdline, 'env': 'KEY_VAR' in os.environ},\n"
+        "              open(sys.argv[1], 'w'))\n")
+    token, out = "ab12" * 16, tmp_path / "seen.json"
+    env = {**os.environ, "KEY_VAR": token,
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parent.parent)])}
+    launch = [sys.executable, "-m", "asyncflow.runtime.secret_flag", "KEY_VAR", "--api-key", "fake_server"]
+    done = subprocess.run([*launch, str(out), "--port", "1"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(out.read_text())
+    assert seen["argv"] == [str(out), "--port", "1", "--api-key", token]
+    assert token not in seen["cmdline"] and "fake_server" in seen["cmdline"] and seen["env"] is False
+    del env["KEY_VAR"]
+    done = subprocess.run([*launch, str(out)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "KEY_VAR is not set" in done.stderr
 
 
 @pytest.mark.parametrize("sets, key", [
@@ -163,6 +265,7 @@ def test_launched_server_commands_carry_the_flags_asyncflow_needs(arith_dir: Pat
     (["rollout.launch_servers=asyncflow", "rollout.server_urls=[http://127.0.0.1:8000]"], "rollout.server_urls"),
     (["rollout.launch_servers=asyncflow", "rollout.server_type=sglang"], "rollout.server_type"),
     (["rollout.launch_servers=tgi"], "rollout.launch_servers"),
+    (["rollout.launch_servers=asyncflow", "rollout.server_token_env=MY_TOKEN"], "rollout.server_token_env"),
     (["rollout.server_urls=[http://127.0.0.1:8000]", "rollout.server_start_timeout_s=5"], "rollout.server_start_timeout_s"),
 ])
 def test_launch_servers_config_errors_are_one_line_naming_the_key(sets: list[str], key: str) -> None:

@@ -26,7 +26,7 @@ import torch
 from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
 from asyncflow.engines.http_client import HTTPError, close_pool, request_json
-from asyncflow.engines.server_sync import WeightFolderWriter, WeightSync, make_weight_sync
+from asyncflow.engines.server_sync import WeightFolderWriter, WeightSync, make_weight_sync, sync_root
 from asyncflow.errors import UserError, WaitTimeout
 
 
@@ -51,9 +51,11 @@ class OpenAIEngine(InferenceEngine):
         self._cancel_floor = 0  # replies whose oldest token is older than this end as cancelled
         # a server the run started and restarts (`runtime.ray_servers.ServerLink`; None: the user's server):
         # `await server.recover()` waits, bounded, until a dead server answers again or raises why it cannot;
-        # `server.loaded(folder, version)` records the weights a restarted server must load first
+        # `server.loaded(folder, version)` records the weights a restarted server must load first;
+        # `await server.token()` is its bearer token, which then replaces `token`
         self.server: Any = None
         self._recovery: Any = None  # the one recovery all requests that met the dead server wait for
+        self._server_token = False  # `token` is the started server's (asked of `server`)
 
     @property
     def capacity(self) -> int:
@@ -62,8 +64,9 @@ class OpenAIEngine(InferenceEngine):
     async def connect(self, initial_state: dict[str, torch.Tensor] | None = None) -> None:
         """Check the server answers (and learn its model name when none is configured); with
         `initial_state`, load it as version 0 so the server starts from the trainer's weights."""
+        token = await self._token()
         try:
-            models = await request_json("GET", f"{self.base_url}/v1/models", token=self.token,
+            models = await request_json("GET", f"{self.base_url}/v1/models", token=token,
                                         timeout=self.sync_timeout_s)
         except (HTTPError, OSError, WaitTimeout) as exc:
             raise UserError(f"rollout.server_urls: {self.base_url} is not an OpenAI-compatible server "
@@ -108,13 +111,14 @@ class OpenAIEngine(InferenceEngine):
     async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
         start = time.monotonic()
         folder = await self.writer.folder_for(state, version)
+        token = await self._token()
         for attempt in range(2):
             try:
                 if lora_adapter.is_adapter(state):  # a LoRA publication: the server's LoRA route (server_sync)
-                    self.adapter = await self.sync.load_adapter(self.base_url, folder, version, mode, token=self.token,
+                    self.adapter = await self.sync.load_adapter(self.base_url, folder, version, mode, token=token,
                                                                 timeout=self.sync_timeout_s)
                 else:
-                    await self.sync.load(self.base_url, folder, version, mode, token=self.token, timeout=self.sync_timeout_s)
+                    await self.sync.load(self.base_url, folder, version, mode, token=token, timeout=self.sync_timeout_s)
                 break
             except HTTPError as exc:
                 if attempt or not self._recoverable(exc):
@@ -131,15 +135,24 @@ class OpenAIEngine(InferenceEngine):
         reply never arrived, so the sample is drawn once as far as the run sees)."""
         if self._recovery is not None:  # (a restart under way: not to the fresh process before its weights)
             await self._recover()
+        token = await self._token()
         try:
-            return await request_json(method, f"{self.base_url}{path}", body, token=self.token, timeout=timeout,
+            return await request_json(method, f"{self.base_url}{path}", body, token=token, timeout=timeout,
                                       retry_safe=retry_safe)
         except HTTPError as exc:
             if not self._recoverable(exc):
                 raise
         await self._recover()
-        return await request_json(method, f"{self.base_url}{path}", body, token=self.token, timeout=timeout,
+        return await request_json(method, f"{self.base_url}{path}", body, token=token, timeout=timeout,
                                   retry_safe=retry_safe)
+
+    async def _token(self) -> str | None:
+        """The bearer token to send: a started server's own (asked of its link once, before the first
+        request, which may be a weight load into a restarted rollout actor), else `token`."""
+        if self.server is not None and not self._server_token:
+            self.token = await self.server.token()
+            self._server_token = True
+        return self.token
 
     async def close(self) -> None:
         """Close this event loop's kept connections (shared by the loop's engines: a later call reopens)."""
@@ -213,8 +226,7 @@ def make_openai_engine(rollout: Any, index: int, model_dir: Path, run_dir: Path,
     writer writes each version once for all the run's engines that share `session`, in this
     process or another (`WeightFolderWriter`); `model_dir` gives the served folder's config files."""
     sync = make_weight_sync(rollout.server_type)
-    root = Path(rollout.sync_dir) if rollout.sync_dir is not None else run_dir / "weight_sync"
-    writer = WeightFolderWriter(root, model_dir, in_place=sync.in_place, session=session,
+    writer = WeightFolderWriter(sync_root(rollout, run_dir), model_dir, in_place=sync.in_place, session=session,
                                 lock_timeout_s=rollout.sync_timeout_s, reuse_files=sync.locks_reads)
     token = os.environ.get(rollout.server_token_env) or None
     return OpenAIEngine(rollout.server_urls[index], sync=sync, writer=writer, server_type=rollout.server_type,

@@ -175,6 +175,12 @@ def on_memory_fs(path: Path) -> bool:
     return kind in ("tmpfs", "ramfs")
 
 
+def sync_root(rollout: Any, run_dir: Path) -> Path:
+    """The folder a run writes its weight versions to for its servers (`rollout.sync_dir`, else
+    `run_dir/weight_sync`); a server the run starts loads weights from nowhere else."""
+    return Path(rollout.sync_dir) if rollout.sync_dir is not None else run_dir / "weight_sync"
+
+
 def make_weight_sync(server_type: str) -> WeightSync:
     """The backend for `rollout.server_type`."""
     backends: dict[str, type[WeightSync]] = {"asyncflow": AsyncflowSync, "vllm": VLLMSync, "sglang": SGLangSync}

@@ -7,10 +7,14 @@
 ```
 
 A server's only client is its rollout actor, which shares its bundle and so its node: the server
-listens on that node's loopback (no token, nothing exposed beyond the machine), on a port picked once
-and kept across restarts, so the rollout actor's URL never changes. The driver starts every server
-and waits (bounded by `rollout.server_start_timeout_s`) until each answers `GET /v1/models` before it
-builds the rollout actors with those URLs.
+listens on that node's loopback (nothing exposed beyond the machine), on a port picked once and kept
+across restarts, so the rollout actor's URL never changes. Loopback is open to every local user, so
+each server requires a random token of its own, which its actor holds and hands to its environment
+(never to a command line, which `ps` shows to everyone) and the rollout actor's engine asks for
+(`ServerLink.token`); an `asyncflow serve` also loads weights only from the run's weight-sync folder
+(`--weights-root`). The driver starts every server and waits (bounded by
+`rollout.server_start_timeout_s`) until each answers `GET /v1/models` before it builds the rollout
+actors with those URLs.
 
 The actor watches its child: an exit, or `HEALTH_FAILURES` health checks in a row that get no answer,
 restarts it (at most `runtime.max_restarts` times, one log line each); a restarted server loads the
@@ -27,6 +31,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -38,8 +43,10 @@ from typing import Any
 
 from asyncflow.config import Config
 from asyncflow.engines.http_client import HTTPError, request_json
-from asyncflow.engines.server_sync import make_weight_sync
+from asyncflow.engines.server_sync import make_weight_sync, sync_root
 from asyncflow.errors import RunFailed, WaitTimeout
+from asyncflow.runtime.secret_flag import SECRET_FLAG_MODULE
+from asyncflow.serve_options import ADMIN_TOKEN_ENV, TOKEN_ENV
 
 HOST = "127.0.0.1"  # the server's one client (its rollout actor) is on the same node
 POLL_S = 0.5  # how often the actor looks at its child, and a wait for a server looks again
@@ -48,28 +55,37 @@ HEALTH_TIMEOUT_S = 30.0  # one health check's answer (a loaded CPU server answer
 HEALTH_FAILURES = 3  # checks in a row without an answer: the server hangs, and is restarted
 STOP_GRACE_S = 10.0  # SIGTERM to SIGKILL of a server's process group
 TAIL_LINES = 5  # of a failed server's output, in its error
+TOKEN_TIMEOUT_S = 60.0  # a rollout actor's engine asking the server actor for the token
+SGLANG_KEY_ENV = "ASYNCFLOW_SGLANG_API_KEY"  # `secret_flag` hands it to SGLang as --api-key (SGLang reads no variable)
+# where each kind of server reads its token (never a flag: `ps` shows every command line to every user)
+TOKEN_VARS = {"asyncflow": TOKEN_ENV, "vllm": "VLLM_API_KEY", "sglang": SGLANG_KEY_ENV}
+# not inherited by a server: an admin token would be the only one its /admin/* routes accept, not the run's
+DROPPED_ENV = (ADMIN_TOKEN_ENV,)
 
 
-def server_command(cfg: Config, index: int, model_dir: str, port: int) -> tuple[list[str], dict[str, str]]:
+def server_command(cfg: Config, index: int, model_dir: str, port: int, weights_root: str,
+                   token: str) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment of server `index` (`rollout.launch_servers`), with the
-    flags asyncflow needs from it (generated token ids and log-probs; docs/engines.md)."""
+    flags asyncflow needs from it (generated token ids and log-probs; docs/engines.md). `token` goes
+    into the environment only; `weights_root` is the run's weight-sync folder (`sync_root`)."""
     ro, name = cfg.rollout, cfg.rollout.server_model
-    common = ["--host", HOST, "--port", str(port)]
-    if ro.launch_servers == "asyncflow":
-        cmd = [sys.executable, "-m", "asyncflow", "serve", model_dir, *common, "--max-batch", str(ro.max_batch)]
-        return cmd + (["--served-model-name", name] if name else []), {}
+    if ro.launch_servers not in TOKEN_VARS:
+        raise ValueError(f"rollout.launch_servers: {ro.launch_servers!r}")
+    common = ["--host", HOST, "--port", str(port), *(["--served-model-name", name] if name else [])]
+    env = {TOKEN_VARS[ro.launch_servers]: token}
+    if ro.launch_servers == "asyncflow":  # /admin/load_weights reads only folders under weights_root
+        return [sys.executable, "-m", "asyncflow", "serve", model_dir, *common, "--max-batch", str(ro.max_batch),
+                "--weights-root", weights_root], env
     if ro.launch_servers == "vllm":  # serves sync_dir: weight versions replace its model.safetensors in place
         exe = Path(sys.executable).with_name("vllm")
-        cmd = [str(exe) if exe.exists() else "vllm", "serve", str(ro.sync_dir), *common, "--dtype", cfg.model.dtype,
+        cmd = [str(exe) if exe.exists() else "vllm", "serve", weights_root, *common, "--dtype", cfg.model.dtype,
                "--seed", str(cfg.seed + index), "--max-num-seqs", str(ro.max_batch),
                "--logprobs-mode", "processed_logprobs"]
         # the /pause, /collective_rpc and /resume routes the vllm weight sync calls exist only in dev mode
-        return cmd + (["--served-model-name", name] if name else []), {"VLLM_SERVER_DEV_MODE": "1"}
-    if ro.launch_servers == "sglang":
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, *common, "--dtype",
-               cfg.model.dtype, "--random-seed", str(cfg.seed + index), "--max-running-requests", str(ro.max_batch)]
-        return cmd + (["--served-model-name", name] if name else []), {}
-    raise ValueError(f"rollout.launch_servers: {ro.launch_servers!r}")
+        return cmd, {**env, "VLLM_SERVER_DEV_MODE": "1"}
+    return [sys.executable, "-m", SECRET_FLAG_MODULE, SGLANG_KEY_ENV, "--api-key", "sglang.launch_server",
+            "--model-path", model_dir, *common, "--dtype", cfg.model.dtype, "--random-seed", str(cfg.seed + index),
+            "--max-running-requests", str(ro.max_batch)], env
 
 
 def free_port() -> int:
@@ -101,13 +117,15 @@ class ServerFailed(RuntimeError):
 class ServerActor:
     """Actor: one server process (a child process group), its health and its restarts."""
 
-    def __init__(self, index: int, cfg: Config, model_dir: str, log_path: str) -> None:
+    def __init__(self, index: int, cfg: Config, model_dir: str, log_path: str, weights_root: str) -> None:
         self.index = index
         self.kind = cfg.rollout.launch_servers
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
-        self.cmd, env = server_command(cfg, index, model_dir, self.port)
-        self.env = {**os.environ, **env}
+        self.token = secrets.token_hex(32)  # (hex: never taken for a flag by a server's argument parser)
+        self.weights_root = Path(weights_root)
+        self.cmd, env = server_command(cfg, index, model_dir, self.port, weights_root, self.token)
+        self.env = {**{k: v for k, v in os.environ.items() if k not in DROPPED_ENV}, **env}
         self.log_path = Path(log_path)
         self.start_timeout_s = cfg.rollout.server_start_timeout_s
         self.sync_timeout_s = cfg.rollout.sync_timeout_s
@@ -128,6 +146,7 @@ class ServerActor:
 
     def _spawn(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.weights_root.mkdir(parents=True, exist_ok=True)  # (`asyncflow serve --weights-root` needs it)
         with open(self.log_path, "ab") as out:  # (the child keeps its own descriptor)
             # own session: stopping kills the server's whole process group (vLLM's engine processes too)
             self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -152,12 +171,12 @@ class ServerActor:
             await asyncio.sleep(POLL_S)
         if self.weights is not None and not self.sync.in_place:  # (vLLM serves the folder the weights replace)
             folder, version = self.weights
-            await self.sync.load(self.url, Path(folder), version, "drain", token=None, timeout=self.sync_timeout_s)
+            await self.sync.load(self.url, Path(folder), version, "drain", token=self.token, timeout=self.sync_timeout_s)
         self.up = True
 
     async def _probe(self, timeout: float) -> bool:
         try:
-            await request_json("GET", f"{self.url}/v1/models", timeout=timeout)
+            await request_json("GET", f"{self.url}/v1/models", token=self.token, timeout=timeout)
             return True
         except (HTTPError, WaitTimeout, OSError):
             return False
@@ -223,6 +242,10 @@ class ServerActor:
         if self.weights is None or version >= self.weights[1]:
             self.weights = (folder, version)
 
+    def client_token(self) -> str:
+        """The server's bearer token, for its rollout actor's engine (`ServerLink.token`)."""
+        return self.token
+
     def info(self) -> dict[str, Any]:
         import ray
 
@@ -272,13 +295,20 @@ class ServerLink:
 
     async def recover(self) -> None:
         """Wait until the server answers again, or raise one line saying why it will not."""
+        await self._ask("wait_up", self.timeout_s, "to answer again")
+
+    async def token(self) -> str:
+        """The server's bearer token (held by its actor only: never in a config, a file or a command line)."""
+        return str(await self._ask("client_token", TOKEN_TIMEOUT_S, "to give its token"))
+
+    async def _ask(self, method: str, timeout: float, what: str) -> Any:
+        """Call the server actor's `method`, bounded; its failure or death is one line."""
         import ray
 
         try:
-            await asyncio.wait_for(self._actor().wait_up.remote(), self.timeout_s)
+            return await asyncio.wait_for(getattr(self._actor(), method).remote(), timeout)
         except asyncio.TimeoutError:
-            raise WaitTimeout(f"timed out after {self.timeout_s:g} s waiting for the server of {self.name} to answer "
-                              "again") from None
+            raise WaitTimeout(f"timed out after {timeout:g} s waiting for the server of {self.name} {what}") from None
         except ray.exceptions.RayTaskError as exc:
             raise RunFailed(str(exc.cause).strip().splitlines()[-1]) from None
         except ray.exceptions.RayActorError:
@@ -345,6 +375,7 @@ def start_servers(cfg: Config, place: Any, model_dir: str, out: Path, log: Any =
     t0 = time.monotonic()
     w = cfg.rollout.workers
     cls: Any = ray.remote(ServerActor)
+    root = str(sync_root(cfg.rollout, out).resolve())  # (as the rollout actors' engines write it)
     actors: list[Any] = []
     for i in range(w):
         o = place.options(i, f"server-{i}")  # the bundle of rollout actor i, all its CPUs and GPUs
@@ -352,7 +383,7 @@ def start_servers(cfg: Config, place: Any, model_dir: str, out: Path, log: Any =
             o.pop(key, None)
         o.setdefault("scheduling_strategy", rollout_options({})["scheduling_strategy"])
         actors.append(cls.options(**{**o, "max_concurrency": 1000}).remote(
-            i, cfg, model_dir, str(out / "servers" / f"server-{i}.log")))
+            i, cfg, model_dir, str(out / "servers" / f"server-{i}.log"), root))
     servers = Servers(actors, [])
     refs = [a.start.remote() for a in actors]
     try:
