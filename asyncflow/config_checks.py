@@ -12,6 +12,7 @@ import urllib.parse
 from asyncflow.config_schema import Config, clip_defaults, episodic, max_generated_tokens
 from asyncflow.errors import UserError
 from asyncflow.hub import hub_id
+from asyncflow.rewards.sandbox_verify import PROBED as SANDBOX_LAYERS
 
 
 def validate(cfg: Config, explicit: set[str]) -> None:
@@ -60,7 +61,11 @@ def _validate_sources(cfg: Config, explicit: set[str]) -> None:
 
 
 def _validate_reward_fns(cfg: Config) -> None:
-    """`reward.fn` (one or a list) names functions; `reward.weights` has one weight per function."""
+    """`reward.fn` (one or a list) names functions; `reward.weights` has one weight per function;
+    `reward.sandbox_require` names sandbox layers."""
+    unknown = [x for x in cfg.reward.sandbox_require or () if x not in SANDBOX_LAYERS]
+    if unknown:
+        raise UserError(f"reward.sandbox_require: unknown layer {unknown[0]!r}; the layers are: {', '.join(SANDBOX_LAYERS)}")
     fns = [cfg.reward.fn] if isinstance(cfg.reward.fn, str) else cfg.reward.fn
     if fns is not None and not fns:
         raise UserError("reward.fn: an empty list (give at least one 'module:function', or null for the task's)")

@@ -105,6 +105,12 @@ class RewardConfig:
         "A plain function runs one batch at a time in a worker thread (setting this key for one is refused).",
         lo=1,
     )
+    sandbox_require: list[str] | None = _f(
+        None,
+        "Isolation layers the code sandbox (asyncflow.rewards.sandbox: run_code, run_tests) must see hold before it "
+        "runs model-written code, e.g. [seccomp, pidns, uid_switch]; without one, each call is refused and the group "
+        "is a reward_error. Sets ASYNCFLOW_SANDBOX_REQUIRE in every process that scores. docs/rewards.md lists the "
+        "layers and where each holds. null: none required.")
 
 
 @dataclass

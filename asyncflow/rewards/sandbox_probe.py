@@ -39,7 +39,7 @@ def _proc(libc, out):
 
 
 def _privileges(libc, status, out):
-    caps = [k for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb") if int(status.get(k, "1"), 16)]
+    caps = [k for k in ("CapInh", "CapPrm", "CapEff", "CapAmb") if int(status.get(k, "1"), 16)]
     out["caps_dropped"] = "" if not caps else "not empty: " + ", ".join(caps)
     out["no_new_privs"] = "" if status.get("NoNewPrivs") == "1" else "NoNewPrivs is not set"
     fd = libc.socket(AF_UNIX, SOCK_STREAM, 0)
