@@ -88,7 +88,9 @@ class RewardConfig:
 
     fn: str | list[str] | None = _f(
         None,
-        "`module:function` (or `path/to/file.py:function`) with TRL's signature fn(prompts, completions, **columns) "
+        "`module:function` (imported from sys.path as Python set it up: installed, or on PYTHONPATH) or "
+        "`path/to/file.py:function` (loaded by its path, a relative one from the working directory; docs/rewards.md) "
+        "with TRL's signature fn(prompts, completions, **columns) "
         "-> list[float] (a None fails the group's call); a function taking `trainer_state` gets the step and version. "
         "A list: several functions, the reward their weighted sum (reward.weights), each one's mean logged as "
         "`reward/<name>`. A `verl:` prefix (`verl:file.py:compute_score`) takes a verl compute_score(data_source, "
@@ -423,7 +425,8 @@ class EvalConfig:
     min_delta: float = _f(0.01, "The rise in eval accuracy that counts as progress for eval.patience.", lo=0.0, hi=1.0)
     lenient_fn: str | None = _f(
         None,
-        "A second look at the same greedy answers: `module:function` (reward.fn's signature) scoring each answer "
+        "A second look at the same greedy answers: `module:function` or `file.py:function` (found as reward.fn is; "
+        "its signature) scoring each answer "
         "given eval.lenient_tokens tokens, e.g. the right answer anywhere in it, logged as eval_lenient_accuracy "
         "beside eval_accuracy, so a gain in form (answering briefly, as asked) is told apart from one in "
         "capability. One generation serves both: greedy decoding's first rollout.max_new_tokens tokens are the "
