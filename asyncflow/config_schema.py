@@ -40,9 +40,12 @@ class LoraConfig:
 class ModelConfig:
     """The policy model."""
 
-    path: str | None = _f(None, "Hugging Face causal-LM folder; a Hub id (org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct: "
-                                "not a local path) fetched into the Hugging Face cache (HF_HOME, HF_HUB_CACHE; "
-                                "HF_HUB_OFFLINE=1: the cache only); or a .gguf file, converted once into a Hugging "
+    path: str | None = _f(None, "Hugging Face causal-LM folder; a Hub id (exactly org/name, e.g. "
+                                "Qwen/Qwen2.5-0.5B-Instruct, with no local folder of that name) fetched into the "
+                                "Hugging Face cache without its code files (HF_HOME, HF_HUB_CACHE; HF_HUB_OFFLINE=1: "
+                                "the cache only; the run logs that it read the Hub); a path that does not exist and "
+                                "is not org/name (./org/name, ../x, /abs, a/b/c) is an error naming the absolute "
+                                "path looked for, never a download; or a .gguf file, converted once into a Hugging "
                                 "Face folder in model.cache_dir (needs pip install 'asyncflow[gguf]'; architectures "
                                 "and quantizations: docs/tasks.md). null: the task pack prepares (and caches) its "
                                 "model.")
@@ -73,8 +76,8 @@ class DatasetConfig:
     """Training prompts."""
 
     path: str | None = _f(None, "jsonl, parquet, a saved `datasets` folder (its `train` split, or its only one), or a "
-                                "Hub dataset id (org/name, e.g. openai/gsm8k; read with `datasets`, cached and offline "
-                                "as model.path). null: the task pack's train split.")
+                                "Hub dataset id (org/name, e.g. openai/gsm8k; read with `datasets`; told from a local path, "
+                                "cached and offline as model.path). null: the task pack's train split.")
     config: str | None = _f(None, "Configuration (subset) of a Hub dataset id in dataset.path or eval.path, e.g. "
                                   "main for openai/gsm8k (TRL's dataset_config). null: its only or default one.")
     prompt_key: str = _f("prompt", "Column holding the prompt (text, or a list of chat messages).")
