@@ -40,9 +40,12 @@ class LoraConfig:
 class ModelConfig:
     """The policy model."""
 
-    path: str | None = _f(None, "Hugging Face causal-LM folder; a Hub id (org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct: "
-                                "not a local path) fetched into the Hugging Face cache (HF_HOME, HF_HUB_CACHE; "
-                                "HF_HUB_OFFLINE=1: the cache only); or a .gguf file, converted once into a Hugging "
+    path: str | None = _f(None, "Hugging Face causal-LM folder; a Hub id (exactly org/name, e.g. "
+                                "Qwen/Qwen2.5-0.5B-Instruct, with no local folder of that name) fetched into the "
+                                "Hugging Face cache without its code files (HF_HOME, HF_HUB_CACHE; HF_HUB_OFFLINE=1: "
+                                "the cache only; the run logs that it read the Hub); a path that does not exist and "
+                                "is not org/name (./org/name, ../x, /abs, a/b/c) is an error naming the absolute "
+                                "path looked for, never a download; or a .gguf file, converted once into a Hugging "
                                 "Face folder in model.cache_dir (needs pip install 'asyncflow[gguf]'; architectures "
                                 "and quantizations: docs/tasks.md). null: the task pack prepares (and caches) its "
                                 "model.")
@@ -73,8 +76,8 @@ class DatasetConfig:
     """Training prompts."""
 
     path: str | None = _f(None, "jsonl, parquet, a saved `datasets` folder (its `train` split, or its only one), or a "
-                                "Hub dataset id (org/name, e.g. openai/gsm8k; read with `datasets`, cached and offline "
-                                "as model.path). null: the task pack's train split.")
+                                "Hub dataset id (org/name, e.g. openai/gsm8k; read with `datasets`; told from a local path, "
+                                "cached and offline as model.path). null: the task pack's train split.")
     config: str | None = _f(None, "Configuration (subset) of a Hub dataset id in dataset.path or eval.path, e.g. "
                                   "main for openai/gsm8k (TRL's dataset_config). null: its only or default one.")
     prompt_key: str = _f("prompt", "Column holding the prompt (text, or a list of chat messages).")
@@ -88,7 +91,9 @@ class RewardConfig:
 
     fn: str | list[str] | None = _f(
         None,
-        "`module:function` (or `path/to/file.py:function`) with TRL's signature fn(prompts, completions, **columns) "
+        "`module:function` (imported from sys.path as Python set it up: installed, or on PYTHONPATH) or "
+        "`path/to/file.py:function` (loaded by its path, a relative one from the working directory; docs/rewards.md) "
+        "with TRL's signature fn(prompts, completions, **columns) "
         "-> list[float] (a None fails the group's call); a function taking `trainer_state` gets the step and version. "
         "A list: several functions, the reward their weighted sum (reward.weights), each one's mean logged as "
         "`reward/<name>`. A `verl:` prefix (`verl:file.py:compute_score`) takes a verl compute_score(data_source, "
@@ -430,7 +435,8 @@ class EvalConfig:
     min_delta: float = _f(0.01, "The rise in eval accuracy that counts as progress for eval.patience.", lo=0.0, hi=1.0)
     lenient_fn: str | None = _f(
         None,
-        "A second look at the same greedy answers: `module:function` (reward.fn's signature) scoring each answer "
+        "A second look at the same greedy answers: `module:function` or `file.py:function` (found as reward.fn is; "
+        "its signature) scoring each answer "
         "given eval.lenient_tokens tokens, e.g. the right answer anywhere in it, logged as eval_lenient_accuracy "
         "beside eval_accuracy, so a gain in form (answering briefly, as asked) is told apart from one in "
         "capability. One generation serves both: greedy decoding's first rollout.max_new_tokens tokens are the "

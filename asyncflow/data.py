@@ -68,7 +68,7 @@ def where(rows: Sequence[Any], path: str | Path, i: int) -> str:
 def read_rows(path: str | Path, *, key: str = "dataset.path", config: str | None = None) -> list[dict[str, Any]]:
     """All rows of a jsonl / parquet file, a `datasets.save_to_disk` folder (JSON lines as `Rows`) or a
     Hub dataset id (`asyncflow.hub`; `config`: its configuration, dataset.config)."""
-    from asyncflow.hub import hub_id
+    from asyncflow.hub import hub_id, local_path
 
     repo = hub_id(str(path))
     if repo is not None:
@@ -76,9 +76,7 @@ def read_rows(path: str | Path, *, key: str = "dataset.path", config: str | None
         if not rows:
             raise UserError(f"{key}: {repo}: the dataset is empty")
         return rows
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"{key}: {p} does not exist")
+    p = local_path(str(path), key)
     if p.is_dir():
         rows = _read_datasets_dir(p, key)
     elif p.suffix.lower() in (".jsonl", ".json"):

@@ -56,11 +56,13 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None], saved_rows: str | No
         check_folder_path(Path(cfg.rollout.sync_dir), "rollout.sync_dir")
     data_path, task_eval = _data_paths(cfg, task, model_dir, log)
     rows = read_rows(data_path, config=cfg.dataset.config)
+    _note_hub(log, "dataset.path", data_path)
     reserved = frozenset() if episodic(cfg) else REWARD_ARGUMENTS  # (an environment gets the row as it is)
     chats = [check_columns(rows, data_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved)]
     if cfg.eval.path is not None or task_eval is not None:
         eval_path = cfg.eval.path if cfg.eval.path is not None else str(task_eval)
         eval_rows = read_rows(eval_path, key="eval.path", config=cfg.dataset.config)
+        _note_hub(log, "eval.path", eval_path)
         chats.append(check_columns(eval_rows, eval_path, cfg.dataset.prompt_key, cfg.dataset.label_key, reserved))
     else:  # a held-out slice of the dataset: whole prompts (all their copies), at most 10% of its prompts
         eval_path = data_path
@@ -76,6 +78,15 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None], saved_rows: str | No
                   lenient_fn_path=absolute_reward_path(lenient) if lenient else None,
                   fingerprint=rows_fingerprint(rows, (cfg.dataset.prompt_key, cfg.dataset.label_key)),
                   positions=model_positions(model_dir))
+
+
+def _note_hub(log: Callable[[str], None], key: str, path: str) -> None:
+    """Say so where `key`'s rows were read from the Hugging Face Hub."""
+    from asyncflow.hub import hub_id, hub_note
+
+    repo = hub_id(path)
+    if repo is not None:
+        log(hub_note(key, repo))
 
 
 def _data_paths(cfg: Config, task: TaskPack | None, model_dir: Path,
@@ -99,7 +110,7 @@ def _model_dir(cfg: Config, task: TaskPack | None, log: Callable[[str], None]) -
     """`model.path`, checked (a GGUF file: its converted folder, converted once into the cache); else
     the task pack's model folder, prepared (its cache folder checked first)."""
     from asyncflow.gguf_folder import is_gguf_path
-    from asyncflow.hub import hub_id, snapshot
+    from asyncflow.hub import hub_id, hub_note, local_path, snapshot
     from asyncflow.model_folder import check_model_dir
 
     if cfg.model.path is not None and is_gguf_path(cfg.model.path):
@@ -109,7 +120,11 @@ def _model_dir(cfg: Config, task: TaskPack | None, log: Callable[[str], None]) -
         return check_model_dir(cached_folder(gguf, _cache_root(cfg), log))
     if cfg.model.path is not None:
         repo = hub_id(cfg.model.path)
-        return check_model_dir(cfg.model.path if repo is None else snapshot(repo, "model.path"))
+        if repo is None:
+            return check_model_dir(local_path(cfg.model.path, "model.path"))
+        folder = snapshot(repo, "model.path")
+        log(hub_note("model.path", repo, folder))
+        return check_model_dir(folder)
     assert task is not None
     if task.shipped(cfg.model.task_seed) is None:  # (a shipped one: no cache is read or written)
         _cache_root(cfg)  # (checked before minutes of preparing)

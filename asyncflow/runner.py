@@ -116,7 +116,7 @@ def lenient_fn(inputs: Inputs) -> Any:
 
     if inputs.lenient_fn_path is None:
         return None
-    return load_reward_fn(inputs.lenient_fn_path, [str(inputs.model_dir)], key="eval.lenient_fn")
+    return load_reward_fn(inputs.lenient_fn_path, key="eval.lenient_fn")
 
 
 def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
@@ -131,7 +131,7 @@ def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
 
         check_rows(resume, inputs.fingerprint)
     # multi-turn episodes are scored by their environment: no reward function is loaded
-    reward_fn = None if episodic(cfg) else load_run_reward(cfg, inputs.reward_fn_path, [str(inputs.model_dir)])
+    reward_fn = None if episodic(cfg) else load_run_reward(cfg, inputs.reward_fn_path)
     lenient_fn(inputs)  # (a looser check that cannot be imported is bad input too, before the run starts)
     if reward_fn is not None and "reward.concurrency" in explicit and not is_async_reward_fn(reward_fn):
         raise UserError(f"reward.concurrency: applies to an async def reward function; {inputs.reward_fn_path} "

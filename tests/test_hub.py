@@ -109,7 +109,7 @@ def test_an_uncached_dataset_id_and_a_missing_config_are_one_line(offline_cache:
     from asyncflow.data import read_rows
     from asyncflow.errors import UserError
 
-    with pytest.raises(UserError, match=r"^dataset.path: openai/gsm8k is not a local path; as a Hugging Face Hub "
+    with pytest.raises(UserError, match=r"^dataset.path: openai/gsm8k is not a local path \(no /.*/openai/gsm8k\); as a Hugging Face Hub "
                                         r"dataset id it is not cached in .*HF_HUB_OFFLINE is set"):
         read_rows("openai/gsm8k")
     _gsm8k_like(offline_cache)
@@ -133,7 +133,7 @@ def test_without_network_an_uncached_id_says_the_hub_is_not_reachable(
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
-    with pytest.raises(UserError, match=r"^model.path: org/x is not a local path; .*not cached in .*the Hub is not "
+    with pytest.raises(UserError, match=r"^model.path: org/x is not a local path \(no /.*/org/x\); .*not cached in .*the Hub is not "
                                         r"reachable \(no network\?\)"):
         snapshot("org/x", "model.path")
 
@@ -170,3 +170,77 @@ def test_a_model_snapshot_never_downloads_code(tmp_path: Path, monkeypatch: pyte
     for name in ("csv.py", "modeling_x.py", "sub/tokenizer.py", "ext.so"):
         assert any(fnmatch.fnmatch(name, p) for p in patterns), name
     assert not any(fnmatch.fnmatch("model.safetensors", p) or fnmatch.fnmatch("tokenizer.json", p) for p in patterns)
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("./missing/model", "it starts with './', a local path"),
+    ("missing/dir/model", "it has 3 parts"),
+    ("./a/b", "it starts with './', a local path"),
+    ("../a/b", "it starts with '../', a local path"),
+])
+def test_a_missing_local_model_path_is_one_line_naming_it_never_a_download(
+    value: str, why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+
+    from asyncflow.config import load_config
+    from asyncflow.errors import UserError
+    from asyncflow.inputs import resolve_inputs
+
+    downloads: list[str] = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: downloads.append(repo_id))
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    cfg, _ = load_config(None, ["task=null", f"model.path={value}", "dataset.path=d.jsonl", "reward.fn=x:y"])
+    looked_for = (tmp_path / "work" / value).resolve()
+    with pytest.raises(UserError) as info:
+        resolve_inputs(cfg, print)
+    assert str(info.value) == (f"model.path: {value} does not exist (looked for {looked_for}); not taken as a Hugging "
+                               f"Face Hub id: {why} (a Hub id is org/name, with no local folder of that name)")
+    assert downloads == []
+
+
+def test_a_missing_local_path_from_the_cli_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  one_line_error) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text("task: null\nmodel: {path: ./org/model}\ndataset: {path: ./data/train}\n"
+                                     "reward: {fn: 'examples.byo.reward:score'}\n")
+    err = one_line_error(["train", "c.yaml", "--out", str(tmp_path / "run")])
+    assert err.startswith(f"asyncflow: error: model.path: ./org/model does not exist (looked for "
+                          f"{tmp_path.resolve() / 'org' / 'model'}); not taken as a Hugging Face Hub id")
+    (tmp_path / "org" / "model").mkdir(parents=True)
+    from asyncflow.data import read_rows
+    from asyncflow.errors import UserError
+
+    with pytest.raises(UserError, match=r"^dataset.path: \./data/train does not exist \(looked for .*/data/train\); "
+                                        r"not taken as a Hugging Face Hub id: it starts with '\./'"):
+        read_rows("./data/train")
+
+
+def test_org_name_with_no_local_match_is_read_from_the_hub_and_the_run_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+
+    from asyncflow.config import load_config
+    from asyncflow.inputs import resolve_inputs
+
+    snapshot_folder = tmp_path / "hub-snapshot"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "asyncflow/tasks/base_models/arith-v3-seed0",
+                    snapshot_folder)
+    downloads: list[str] = []
+
+    def fake_download(repo_id: str, **kwargs: object) -> str:
+        downloads.append(repo_id)
+        return str(snapshot_folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    cfg, _ = load_config(None, ["task=null", "model.path=a/b", f"dataset.path={snapshot_folder / 'train.jsonl'}",
+                                "reward.fn=x:y"])
+    notes: list[str] = []
+    assert resolve_inputs(cfg, notes.append).model_dir == snapshot_folder
+    assert downloads == ["a/b"]
+    assert (f"[asyncflow] model.path: a/b is read from the Hugging Face Hub into {snapshot_folder} "
+            f"(no local path {tmp_path.resolve() / 'work' / 'a' / 'b'})") in notes

@@ -494,17 +494,13 @@ def test_workers_a_local_ray_can_never_hold_are_refused_at_once(ray_session, ari
     check_placeable([{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}], "SPREAD", {"CPU": 2.0, "GPU": 1.0}, nodes=2)
 
 
-def _judging_model(arith_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
-    """A copy of the arith model folder with `async_arith:judge`, an `async def` reward function
-    that records each call's group size in a file named after the calling process; and that folder
-    of files."""
-    import shutil
-
-    model = tmp_path / "model"
-    shutil.copytree(arith_dir, model)  # the module must be importable in the actor: put it in the model folder
+def _judge_file(tmp_path: Path) -> tuple[Path, Path]:
+    """`async_arith.py:judge`, an `async def` reward function that records each call's group size in
+    a file named after the calling process; and that folder of files."""
     calls = tmp_path / "calls"
     calls.mkdir()
-    (model / "async_arith.py").write_text(
+    judge = tmp_path / "async_arith.py"  # named by its absolute path: loaded as it is in every actor
+    judge.write_text(
         "import asyncio, os\n"
         "from asyncflow.tasks.arith import reward_fn\n"
         f"CALLS = {str(calls)!r}\n"
@@ -514,16 +510,16 @@ def _judging_model(arith_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
         "        f.write(f'{len(completions)}\\n')\n"
         "    return reward_fn(prompts, completions, answer)\n"
     )
-    return model, calls
+    return judge, calls
 
 
-def _judged_run(model: Path, out: Path, extra: list[str]) -> dict[str, Any]:
+def _judged_run(model: Path, judge: Path, out: Path, extra: list[str]) -> dict[str, Any]:
     from asyncflow.config import load_config
     from asyncflow.runner import train
 
     cfg, _ = load_config(None, [f"model.path={model}", "runtime.kind=ray", "train.max_steps=2", "train.batch_size=16",
                                 "rollout.n=4", "rollout.max_new_tokens=4", "eval.every=0", "eval.size=8",
-                                "logging.progress=false", "reward.fn=async_arith:judge", *extra])
+                                "logging.progress=false", f"reward.fn={judge}:judge", *extra])
     summary = train(cfg, out, progress_enabled=False)
     assert summary["samples"] == 2 * 16
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
@@ -538,8 +534,8 @@ def test_async_reward_function_runs_in_the_reward_actor(ray_session, arith_dir: 
     (another process), with the driver's evaluation using it too."""
     import os
 
-    model, calls = _judging_model(arith_dir, tmp_path)
-    _judged_run(model, tmp_path / "run", ["runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5"])
+    judge, calls = _judge_file(tmp_path)
+    _judged_run(arith_dir, judge, tmp_path / "run", ["runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5"])
     by_pid = {int(p.name): p.read_text().split() for p in calls.iterdir()}
     actor = [pid for pid in by_pid if pid != os.getpid()]
     assert len(actor) == 1 and set(by_pid[actor[0]]) == {"4"}  # groups of 4, scored in the reward actor
@@ -556,9 +552,9 @@ def test_colocated_hub_is_rollout_0_store_feeder_and_reward_in_one_process(ray_s
     prompts from the hub's store; both engines generate what trains."""
     import os
 
-    model, calls = _judging_model(arith_dir, tmp_path)
+    judge, calls = _judge_file(tmp_path)
     out = tmp_path / "run"
-    summary = _judged_run(model, out, ["runtime.colocate=true", "rollout.workers=2", "runtime.rollout_cpus=0.5",
+    summary = _judged_run(arith_dir, judge, out, ["runtime.colocate=true", "rollout.workers=2", "runtime.rollout_cpus=0.5",
                                        "runtime.train_cpus=0.5", "rollout.max_batch=4"])
     pids = {(a["role"], a["index"]): a["pid"] for a in summary["actors"]}
     hub = pids[("rollout", 0)]

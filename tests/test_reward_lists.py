@@ -115,7 +115,7 @@ def test_load_reward_reads_lists_weights_and_verl_files(tmp_path: Path) -> None:
         "    return float(solution_str == ground_truth)\n")
     single = load_reward("tests.test_reward_lists:correct")
     assert not isinstance(single, RewardFns) and single.__name__ == "correct"  # one, unweighted: as it is
-    fns = load_reward(["tests.test_reward_lists:correct", "verl:my_verl.py:compute_score"], [1.0, 3.0], [tmp_path])
+    fns = load_reward(["tests.test_reward_lists:correct", f"verl:{tmp_path / 'my_verl.py'}:compute_score"], [1.0, 3.0])
     assert isinstance(fns, RewardFns) and fns.names == ["correct", "compute_score"]
     out = call_reward_fn(fns, ["q"], ["5"], [[1]], {"answer": ["5"]})
     assert out.rewards == [4.0]

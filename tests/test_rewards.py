@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,19 +131,32 @@ def test_sys_exit_or_a_stray_cancellation_in_a_reward_function_marks_its_samples
     asyncio.run(cancelled_from_outside())
 
 
-def test_loading_names_the_module_or_function_at_fault(tmp_path: Path) -> None:
+def test_loading_names_the_module_or_function_at_fault(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "plug_ok.py").write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     (tmp_path / "plug_broken.py").write_text("import does_not_exist\n")
-    try:
-        assert load_reward_fn("plug_ok:score", [tmp_path])(["p"], ["c"]) == [0.0]
-        with pytest.raises(UserError, match="module 'plug_ok' has no function 'nope'"):
-            load_reward_fn("plug_ok:nope", [tmp_path])
-        with pytest.raises(UserError, match="cannot import module 'plug_broken': ModuleNotFoundError"):
-            load_reward_fn("plug_broken:score", [tmp_path])
-        with pytest.raises(UserError, match="must be 'module:function'"):
-            load_reward_fn("plug_ok", [tmp_path])
-    finally:
-        sys.path.remove(str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))  # (as PYTHONPATH would)
+    assert load_reward_fn("plug_ok:score")(["p"], ["c"]) == [0.0]
+    with pytest.raises(UserError, match="module 'plug_ok' has no function 'nope'"):
+        load_reward_fn("plug_ok:nope")
+    with pytest.raises(UserError, match="cannot import module 'plug_broken': ModuleNotFoundError: No module named "
+                                        "'does_not_exist'$"):
+        load_reward_fn("plug_broken:score")
+    with pytest.raises(UserError, match="must be 'module:function'"):
+        load_reward_fn("plug_ok")
+
+
+def test_a_module_in_the_working_directory_is_not_imported_by_name(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`module:function` is looked up on sys.path as Python set it up; the working directory is not
+    added, and the error says how to name the file instead."""
+    (tmp_path / "cwd_only_rewards.py").write_text("def score(prompts, completions, **kw):\n    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    with pytest.raises(UserError, match=r"^reward.fn: cannot import module 'cwd_only_rewards': ModuleNotFoundError: "
+                                        r".*\(the working directory is not searched for modules: name the file, "
+                                        r"'cwd_only_rewards.py:score', or add the working directory to PYTHONPATH\)$"):
+        load_reward_fn("cwd_only_rewards:score")
+    assert load_reward_fn("cwd_only_rewards.py:score")(["p"], ["c"]) == [1.0]
 
 
 def test_a_reward_function_loads_from_a_python_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,10 +165,11 @@ def test_a_reward_function_loads_from_a_python_file(tmp_path: Path, monkeypatch:
     (tmp_path / "graders").mkdir()
     (tmp_path / "graders" / "helpers.py").write_text("def norm(s):\n    return s.strip()\n")
     (tmp_path / "graders" / "score.py").write_text(
-        "import dataclasses\nfrom helpers import norm\n@dataclasses.dataclass\nclass R:\n    v: float\n"
+        "import dataclasses\nfrom .helpers import norm\n@dataclasses.dataclass\nclass R:\n    v: float\n"
         "def exact(prompts, completions, answer, **kw):\n"
         "    return [R(float(norm(c) == a)).v for c, a in zip(completions, answer)]\n")
     (tmp_path / "graders" / "broken.py").write_text("raise RuntimeError('no key')\n")
+    (tmp_path / "graders" / "as_script.py").write_text("import helpers\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     fn = load_reward_fn("graders/score.py:exact")
@@ -170,6 +185,37 @@ def test_a_reward_function_loads_from_a_python_file(tmp_path: Path, monkeypatch:
         load_reward_fn("graders/score.py:nope")
     with pytest.raises(UserError, match=r"a file is given as 'path/to/file.py:function'"):
         load_reward_fn("graders/score:exact")
+    # the file's folder is not on sys.path: a helper beside it imports relatively
+    with pytest.raises(UserError, match=r"cannot load '.*as_script.py': ModuleNotFoundError: No module named 'helpers' "
+                                        r"\(its folder is not on sys.path: import the helper beside it as "
+                                        r"`from \. import helpers`\)$"):
+        load_reward_fn("graders/as_script.py:exact")
+
+
+def test_loading_a_reward_puts_no_folder_on_sys_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `csv.py` in the working directory (a model folder run from) or beside a reward file would run in
+    place of the standard library's at the next `import csv` (the tokenizer's, the data reader's) had
+    either folder gone on sys.path."""
+    ran = tmp_path / "planted_ran"
+    plant = f"open({str(ran)!r}, 'w').close()\n"
+    (tmp_path / "csv.py").write_text(plant)
+    (tmp_path / "graders").mkdir()
+    (tmp_path / "graders" / "csv.py").write_text(plant)
+    (tmp_path / "graders" / "score.py").write_text("def exact(prompts, completions, **kw):\n    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = list(sys.path)
+    load_reward_fn("graders/score.py:exact")
+    load_reward_fn("tests.test_rewards:constant_reward")
+    assert sys.path == before
+    monkeypatch.delitem(sys.modules, "csv")
+    import csv
+
+    assert not ran.exists() and csv.__file__ != str(tmp_path / "csv.py")
+
+
+def constant_reward(prompts: list, completions: list, **kw: object) -> list[float]:
+    return [1.0] * len(completions)
 
 
 def test_async_functions_are_recognised_and_validated_like_plain_ones() -> None:
@@ -287,3 +333,32 @@ def test_for_evaluation_hung_calls_holding_every_thread_fail_the_rest_at_once_in
     assert len(later) == 3
     assert all(str(o.error).startswith("reward.fn: 1 reward calls are still running after reward.timeout_s=10 s and "
                                        "hold every reward thread") for o in later)
+
+
+def test_a_run_puts_neither_its_model_folder_nor_the_working_directory_on_sys_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_line_error: Any
+) -> None:
+    """The CLI's `train` loads `reward.fn` and `eval.lenient_fn` before the tokenizer: a `csv.py` in the
+    model folder or in the working directory ran at the tokenizer's `import csv` when either folder went
+    first on sys.path. (`reward.concurrency` with a plain function stops the run right after the loads.)"""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "asyncflow/tasks/base_models/arith-v3-seed0", model)
+    ran = tmp_path / "planted_ran"
+    for folder in (tmp_path, model):
+        (folder / "csv.py").write_text(f"open({str(ran)!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = list(sys.path)
+    (tmp_path / "run.yaml").write_text(
+        f"task: null\nmodel: {{path: {model}}}\ndataset: {{path: {model / 'train.jsonl'}}}\n"
+        "reward: {fn: 'tests.test_rewards:constant_reward', concurrency: 8}\n"
+        "eval: {lenient_fn: 'tests.test_rewards:constant_reward'}\nlogging: {progress: false}\n")
+    err = one_line_error(["train", "run.yaml", "--out", str(tmp_path / "run")])
+    assert "reward.concurrency: applies to an async def reward function" in err
+    assert sys.path == before
+    monkeypatch.delitem(sys.modules, "csv")
+    import csv
+
+    assert not ran.exists() and csv.__file__ != str(model / "csv.py")

@@ -141,7 +141,7 @@ def test_failing_reward_calls_mark_their_samples_and_are_kept_out_of_the_loss(
         "        raise ValueError('flaky verifier')\n"
         "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n",
     )
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
     summary = _run(arith_dir, out, ["reward.fn=flaky_rewards:score", "eval.every=0"])
     samples = _rows(out, "samples.jsonl")
@@ -179,7 +179,7 @@ def test_async_reward_function_is_awaited_concurrently_and_a_hung_call_is_cancel
         "    finally:\n"
         "        active -= 1\n",
     )
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
     summary = _run(arith_dir, out, ["reward.fn=async_judge:judge", "reward.timeout_s=1", "reward.concurrency=3"])
     judge = sys.modules["async_judge"]
@@ -227,7 +227,7 @@ def test_bring_your_own_model_dataset_and_reward(arith_dir: Path, tmp_path: Path
         "    assert len(completion_ids) == len(completions) == len(solution) == len(level)\n"
         "    return [1.0 if c.strip() == s else 0.0 for c, s in zip(completions, solution)]\n",
     )
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
     summary = _run(
         arith_dir, out,
@@ -246,7 +246,7 @@ def test_kl_to_the_frozen_reference_is_logged_when_enabled(
     _write_reward_module(
         tmp_path, "digit_rewards", "def score(prompts, completions, **kw):\n    return [float(c[:1] in '13579') for c in completions]\n"
     )
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "kl"
     _run(arith_dir, out, ["algorithm.kl_coef=0.05", "train.lr=0.01", "eval.every=0", "reward.fn=digit_rewards:score"])
     train_rows = [r for r in _rows(out, "metrics.jsonl") if r["kind"] == "train"]

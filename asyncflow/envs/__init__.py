@@ -26,7 +26,7 @@ def make_env_factory(spec: str, *, latency_s: float = 0.0, max_turns: int = 4) -
     if spec == "guess_number":
         return lambda clock: GuessNumberEnv(clock, latency_s=latency_s, max_turns=max_turns)
     module_name, _, attr = spec.partition(":")
-    if str(Path.cwd()) not in sys.path:  # a plugin next to the config, as for reward.fn and rollout.agent
+    if str(Path.cwd()) not in sys.path:  # a plugin next to the config, as for rollout.agent
         sys.path.insert(0, str(Path.cwd()))
     try:
         factory = getattr(importlib.import_module(module_name), attr)

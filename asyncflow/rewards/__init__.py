@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import queue
-import sys
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from asyncflow.data import private_copy
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.rewards.verl import VERL_PREFIX, VerlScore, verl_compute_score
+from asyncflow.user_code import import_named, load_file
 
 if TYPE_CHECKING:
     from asyncflow.config_schema import Config
@@ -37,61 +35,19 @@ __all__ = ["RewardFns", "TrainerState", "VerlScore", "load_reward", "verl_comput
 RewardFn = Callable[..., Sequence[Any]]
 
 
-def load_reward_fn(path: str, search_dirs: Sequence[str | Path] = (), *, key: str = "reward.fn") -> RewardFn:
-    """Import `module:function`, or load `path/to/file.py:function` from a file. The current
-    directory and `search_dirs` are importable, and a relative file is looked for in them. `key`:
-    the config key that named it, for the one-line errors."""
+def load_reward_fn(path: str, *, key: str = "reward.fn") -> RewardFn:
+    """Import `module:function` from `sys.path` as Python set it up, or load `path/to/file.py:function`
+    by its path (a relative one from the working directory); no folder is put on `sys.path`
+    (`asyncflow.user_code`). `key`: the config key that named it, for the one-line errors."""
     module_name, _, attr = path.rpartition(":")
     if not module_name or not attr:
         raise UserError(f"{key}: {path!r} must be 'module:function' or 'path/to/file.py:function'")
-    dirs = [Path.cwd(), *map(Path, search_dirs)]
-    for d in dirs:
-        if str(d) not in sys.path:
-            sys.path.insert(0, str(d))
-    if module_name.endswith(".py"):
-        module = _load_file(module_name, dirs, key)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except BaseException as exc:  # any import failure is the user's plugin: name it, one line (`sys.exit()`
-            # or a module-level argparse in it ended asyncflow with the plugin's exit code, 0 included)
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            hint = " (a file is given as 'path/to/file.py:function')" if "/" in module_name else ""
-            raise UserError(f"{key}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}{hint}") from None
+    is_file = module_name.endswith(".py")
+    module = load_file(module_name, key) if is_file else import_named(module_name, attr, key)
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
-        kind = "file" if module_name.endswith(".py") else "module"
-        raise UserError(f"{key}: {kind} {module_name!r} has no function {attr!r}")
+        raise UserError(f"{key}: {'file' if is_file else 'module'} {module_name!r} has no function {attr!r}")
     return fn
-
-
-def _load_file(name: str, dirs: Sequence[Path], key: str) -> Any:
-    """The module of a `.py` file (a relative name is found in `dirs`); its folder becomes importable."""
-    given = Path(name).expanduser()
-    file = next((f for f in ([given] if given.is_absolute() else [d / given for d in dirs]) if f.is_file()), None)
-    if file is None:
-        where = "" if given.is_absolute() else " in " + ", ".join(str(d) for d in dirs)
-        raise UserError(f"{key}: no file {name!r}{where}")
-    file = file.resolve()
-    mod_name = f"asyncflow_reward_file_{abs(hash(str(file))):x}"
-    module = sys.modules.get(mod_name)
-    if module is not None:
-        return module
-    if str(file.parent) not in sys.path:
-        sys.path.insert(0, str(file.parent))  # its own helper modules import as from a script
-    spec = importlib.util.spec_from_file_location(mod_name, file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module  # before running it: dataclasses and pickle look their module up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as exc:  # (SystemExit included, as above)
-        del sys.modules[mod_name]
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        raise UserError(f"{key}: cannot load {str(file)!r}: {type(exc).__name__}: {exc}") from None
-    return module
 
 
 def absolute_reward_path(path: str) -> str:
@@ -176,9 +132,8 @@ def unique_names(names: list[str]) -> list[str]:
     return out
 
 
-def load_reward(fn: str | Sequence[str], weights: Sequence[float] | None = None,
-                search_dirs: Sequence[str | Path] = (), *, label_key: str | None = "answer",
-                dataset_name: str | None = None) -> RewardFn:
+def load_reward(fn: str | Sequence[str], weights: Sequence[float] | None = None, *,
+                label_key: str | None = "answer", dataset_name: str | None = None) -> RewardFn:
     """The run's reward function: `reward.fn` (one path or a list) with `reward.weights`. One
     function without weights is returned as it is; else a `RewardFns`. A `verl:` prefixed path is a
     verl `compute_score`, wrapped (`asyncflow.rewards.verl`)."""
@@ -189,20 +144,20 @@ def load_reward(fn: str | Sequence[str], weights: Sequence[float] | None = None,
     fns: list[RewardFn] = []
     for path in paths:
         if path.startswith(VERL_PREFIX):
-            fns.append(VerlScore(load_reward_fn(path[len(VERL_PREFIX):], search_dirs), label_key=label_key,
+            fns.append(VerlScore(load_reward_fn(path[len(VERL_PREFIX):]), label_key=label_key,
                                  data_source=dataset_name))
         else:
-            fns.append(load_reward_fn(path, search_dirs))
+            fns.append(load_reward_fn(path))
     if len(fns) == 1 and weights is None and not isinstance(fn, list):
         return fns[0]
     return RewardFns(fns, weights if weights is not None else [1.0] * len(fns))
 
 
-def load_run_reward(cfg: Config, fn: str | Sequence[str], search_dirs: Sequence[str | Path] = ()) -> RewardFn:
+def load_run_reward(cfg: Config, fn: str | Sequence[str]) -> RewardFn:
     """`load_reward` with the run's settings: `reward.weights`; for a verl function the label column
     and the dataset's name (its file's stem, else the task's name) as the default `data_source`."""
     name = Path(cfg.dataset.path).stem if cfg.dataset.path else cfg.task
-    return load_reward(fn, cfg.reward.weights, search_dirs, label_key=cfg.dataset.label_key, dataset_name=name)
+    return load_reward(fn, cfg.reward.weights, label_key=cfg.dataset.label_key, dataset_name=name)
 
 
 _PARAMS: dict[int, tuple[Any, frozenset[str] | None]] = {}  # id(fn) -> (fn, the names it accepts; None: any)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from asyncflow.config import Config
+from asyncflow.config import Config, episodic
 from asyncflow.engines.base import GenRequest, GenResult, LossFn, TrainBatch, pick_device, quiet_transformers
 from asyncflow.engines.shared_state import SharedState
 from asyncflow.errors import WaitTimeout
@@ -240,13 +240,12 @@ class RewardWorker:
     """Actor: the reward loop (one reward-function call per complete group)."""
 
     def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
-                 store: Any, reward_fn_path: str | list[str], cwd: str | None = None) -> None:
+                 store: Any, reward_fn_path: str | list[str]) -> None:
         from asyncflow.rewards import load_run_reward
 
         torch.set_num_threads(1)
-        importable(cwd)
         self.index = index
-        reward_fn = load_run_reward(cfg, reward_fn_path, [model_dir])
+        reward_fn = load_run_reward(cfg, reward_fn_path)  # (as in the driver: no folder joins sys.path)
         self.pipeline = _stage(RewardStage, cfg, rows, Path(model_dir), Path(out), store, [], reward_fn)
         self.rows_from = rows
         self.fetched: asyncio.Future[None] | None = None
@@ -291,10 +290,17 @@ def weight_port(cfg: Config) -> WeightPort:
     return WeightPort(int(cfg.runtime.weight_bucket_mb * 2**20), cfg.workflow.step_timeout_s)
 
 
+def plugin_cwd(cfg: Config) -> str | None:
+    """The driver's working directory for `importable`: in a run of `rollout.agent` or `rollout.env`
+    only (no reward function is loaded there; `reward.fn` is imported from sys.path as it is)."""
+    return os.getcwd() if episodic(cfg) else None
+
+
 def importable(cwd: str | None) -> None:
     """Make the driver's working directory importable in this actor, as it is in the driver, for the
-    plugins a config names as `module:function` (`rollout.agent`, `rollout.env`); Ray adds only the
-    directory the driver was in when it started Ray. Skipped where this node has no such folder."""
+    plugins a config names as `module:function` (`rollout.agent`, `rollout.env`; `cwd` is None in a
+    run without them); Ray adds only the directory the driver was in when it started Ray. Skipped
+    where this node has no such folder."""
     if cwd is not None and cwd not in sys.path and os.path.isdir(cwd):
         sys.path.insert(0, cwd)
 

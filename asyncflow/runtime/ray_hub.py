@@ -19,7 +19,7 @@ import torch
 
 from asyncflow.config import Config
 from asyncflow.engines.base import GenRequest, GenResult
-from asyncflow.runtime.ray_actors import FeederWorker, RewardWorker, RolloutWorker
+from asyncflow.runtime.ray_actors import FeederWorker, RewardWorker, RolloutWorker, plugin_cwd
 from asyncflow.runtime.ray_placement import Placement
 from asyncflow.transfer_queue.ray_controller import GC_THRESHOLD, OWNER_CHECK_S, StoreController
 from asyncflow.transfer_queue.ray_store import RayTransferQueue
@@ -35,7 +35,7 @@ class HubWorker(StoreController):
         # the stages take the in-process store (`self.q`): the rollout stage then writes a response
         # and refills its slot in one call (`complete_and_take`)
         self.feeder = FeederWorker(cfg, model_dir, rows, out, self.q, cwd=cwd)
-        self.rewards = [RewardWorker(j, cfg, model_dir, rows, out, self.q, reward_fn_path, cwd=cwd)
+        self.rewards = [RewardWorker(j, cfg, model_dir, rows, out, self.q, reward_fn_path)
                         for j in range(rewards)]
         # last: the feeder and reward workers set one torch thread; the engine's setting is `threads`
         self.rollout = RolloutWorker(0, cfg, model_dir, rows, out, self.q, threads, version, session=session, cwd=cwd)
@@ -124,7 +124,7 @@ def start_hub(cfg: Config, place: Placement, n_reward: int, model_dir: str, rows
     store = (store_capacity(cfg), cfg.workflow.lease_timeout_s, OWNER_CHECK_S, GC_THRESHOLD)
     return ray.remote(HubWorker).options(**opts).remote(
         store, cfg, model_dir, ray.put(rows), out, reward_fn_path, n_reward, threads, version,
-        session=place.prefix, cwd=os.getcwd())
+        session=place.prefix, cwd=plugin_cwd(cfg))
 
 
 def hub_client(hub: Any) -> RayTransferQueue:

@@ -69,6 +69,7 @@ from asyncflow.runtime.ray_actors import (
     RolloutWorker,
     TrainerWorker,
     actor_device,
+    plugin_cwd,
 )
 from asyncflow.runtime.ray_errors import (
     actor_death,
@@ -465,7 +466,7 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
     reward_cls: Any = ray.remote(RewardWorker)
     trainer_cls: Any = ray.remote(TrainerWorker)
     feeder_cls: Any = ray.remote(FeederWorker)
-    cwd = os.getcwd()  # importable in every actor, for plugins named module:function
+    cwd = plugin_cwd(cfg)
     cfg = _absolute_sync_dir(cfg)
     feeder_actor = hub if hub is not None else feeder_cls.options(
         num_cpus=0, max_concurrency=1000, name=f"{prefix}-feeder", scheduling_strategy=driver_node()).remote(
@@ -499,7 +500,7 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
         trainer_actor = trainer_cls.options(**opts(w, "trainer")).remote(cfg, model_dir, threads)
     reward_actors = [
         reward_cls.options(**opts(w + train_ranks(cfg) + j, f"reward-{j}")).remote(
-            j, cfg, model_dir, feeder_by_name, out, store_by_name, reward_fn_path, cwd=cwd)
+            j, cfg, model_dir, feeder_by_name, out, store_by_name, reward_fn_path)
         for j in range(n_reward)
     ]
     return _Actors(rollout_actors, reward_actors, trainer_actor, feeder_actor)
