@@ -147,7 +147,8 @@ class RolloutConfig:
     env: str | None = _f(
         None,
         "Multi-turn environment: null (single-turn, scored by reward.fn), calculator, guess_number, or "
-        "`module:factory` with factory(clock[, max_turns=, latency_s=]) -> asyncflow.envs.Env (docs/tasks.md). Each sample is an episode (LLM turn, "
+        "`module:factory` or `path/to/file.py:factory` (found as reward.fn is) with factory(clock[, max_turns=, "
+        "latency_s=]) -> asyncflow.envs.Env (docs/tasks.md). Each sample is an episode (LLM turn, "
         "env step, next turn); its reward is the sum of the env's step rewards; env tokens are masked "
         "out of the loss.",
     )
@@ -174,10 +175,12 @@ class RolloutConfig:
     env_timeout_s: float = _f(60.0, "Longest one environment call may take; a hung env ends its episode with an error.", lo=0.001)
     agent: str | None = _f(
         None,
-        "Black-box agent: `module:function` with async function(base_url, row, seed) -> reward (a float, or a dict "
+        "Black-box agent: `module:function` or `path/to/file.py:function` (found as reward.fn is) with async "
+        "function(base_url, row, seed) -> reward (a float, or a dict "
         "with `reward`). Each sample is one agent episode that talks to its own OpenAI-compatible base_url; its "
         "calls, with exact token ids, become the sample (docs/tasks.md); on Ray the agent and its endpoint run in the "
-        "rollout actors (the driver's working directory is importable there). Not with rollout.env or reward.fn.",
+        "rollout actors (a file by the driver's absolute path; the driver's working directory is searched last for a "
+        "module). Not with rollout.env or reward.fn.",
     )
     agent_timeout_s: float = _f(
         600.0, "rollout.agent: longest one agent episode may take; an agent that hangs or raises ends its episode "

@@ -22,10 +22,26 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from asyncflow.errors import UserError
 
 FILE_PACKAGE_PREFIX = "asyncflow_user_files_"  # + a digest of the folder: the package a loaded file belongs to
+
+
+def load_attr(spec: str, key: str, what: str = "function") -> Any:
+    """What `spec` names: `module:attr` imported from `sys.path` as Python set it up, or
+    `path/to/file.py:attr` loaded by its path (a relative one from the working directory). Any
+    failure is one line naming `key`; `what` says what the attribute should be."""
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise UserError(f"{key}: {spec!r} must be 'module:{what}' or 'path/to/file.py:{what}'")
+    is_file = module_name.endswith(".py")
+    module = load_file(module_name, key) if is_file else import_named(module_name, attr, key)
+    found = getattr(module, attr, None)
+    if found is None:
+        raise UserError(f"{key}: {'file' if is_file else 'module'} {module_name!r} has no {what} {attr!r}")
+    return found
 
 
 def import_named(name: str, attr: str, key: str) -> ModuleType:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import pytest
@@ -303,5 +304,10 @@ def test_module_factory_envs_get_the_run_settings_or_are_refused(
     # (a factory that fails on every episode: one line naming it, where it was a traceback mid-run)
     with pytest.raises(UserError, match=r"^rollout.env: 'fac_envs:no_clock' failed to make an environment: TypeError"):
         make_env_factory("fac_envs:no_clock")(clock)
-    with pytest.raises(UserError, match="cannot import"):
+    with pytest.raises(UserError, match="rollout.env: module 'fac_envs' has no factory 'missing'"):
         make_env_factory("fac_envs:missing")
+    with pytest.raises(UserError, match="rollout.env: cannot import module 'no_such_envs'"):
+        make_env_factory("no_such_envs:make")
+    before = list(sys.path)
+    assert make_env_factory(f"{tmp_path}/fac_envs.py:plain", max_turns=2)(clock).max_turns == 2  # a file by path
+    assert sys.path == before  # (its folder, like the working directory, never joins sys.path)

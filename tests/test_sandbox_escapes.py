@@ -182,3 +182,26 @@ def test_as_an_unprivileged_user_the_same_attacks_fail() -> None:
     assert status == "ok" and {"userns", "caps_dropped", "no_new_privs", "seccomp", "proc"} <= set(isolation)
     assert out["umount_proc"] == out["unshare_user"] == out["setns"] == -1 and out["uid"] == 65534
     assert out["caps"] == ["0000000000000000"] * 3
+
+
+def test_reward_sandbox_require_is_checked_and_reaches_every_scoring_process(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from asyncflow.config import load_config
+    from asyncflow.errors import UserError
+    from asyncflow.rewards import load_run_reward
+    from asyncflow.rewards.sandbox import REQUIRE_ENV
+
+    with pytest.raises(UserError, match="reward.sandbox_require: unknown layer 'seccom'"):
+        load_config(None, ["reward.sandbox_require=[seccomp, seccom]"])
+    monkeypatch.delenv(REQUIRE_ENV, raising=False)
+    absent = "userns" if os.geteuid() == 0 else "uid_switch"
+    reward = tmp_path / "reward.py"
+    reward.write_text("from asyncflow.rewards.sandbox import run_code\n"
+                      "def score(prompts, completions, **kw):\n"
+                      "    return [1.0 if run_code('print(1)').stdout == '1\\n' else 0.0 for _ in completions]\n")
+    cfg, _ = load_config(None, [f"reward.sandbox_require=[{absent}]"])
+    fn = load_run_reward(cfg, f"{reward}:score")
+    assert os.environ[REQUIRE_ENV] == absent
+    assert fn(["p"], ["c"]) == [0.0]  # refused: the required layer does not hold here
+    monkeypatch.setenv(REQUIRE_ENV, "seccomp")
+    assert fn(["p"], ["c"]) == [1.0]

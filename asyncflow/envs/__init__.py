@@ -1,15 +1,13 @@
 """Multi-turn environments: the `Env` API and built-in environments (see `base`)."""
 
-import importlib
 import inspect
-import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 from asyncflow.clock import Clock
 from asyncflow.envs.base import Env, EnvError, EnvStep, env_call
 from asyncflow.envs.builtin import CalculatorEnv, GuessNumberEnv, safe_arith
 from asyncflow.errors import UserError
+from asyncflow.user_code import load_attr
 
 
 def make_env_factory(spec: str, *, latency_s: float = 0.0, max_turns: int = 4) -> Callable[[Clock], Env]:
@@ -25,13 +23,7 @@ def make_env_factory(spec: str, *, latency_s: float = 0.0, max_turns: int = 4) -
         return lambda clock: CalculatorEnv(clock, latency_s=latency_s, max_turns=max_turns)
     if spec == "guess_number":
         return lambda clock: GuessNumberEnv(clock, latency_s=latency_s, max_turns=max_turns)
-    module_name, _, attr = spec.partition(":")
-    if str(Path.cwd()) not in sys.path:  # a plugin next to the config, as for rollout.agent
-        sys.path.insert(0, str(Path.cwd()))
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except Exception as exc:  # any import failure (a SyntaxError in the module too) is the plugin's: one line
-        raise UserError(f"rollout.env: cannot import {spec!r}: {type(exc).__name__}: {exc}") from None
+    factory = load_attr(spec, "rollout.env", "factory")  # as reward.fn: no folder joins sys.path
     if not callable(factory):
         raise UserError(f"rollout.env: {spec!r} is not callable")
     params: Mapping[str, inspect.Parameter]

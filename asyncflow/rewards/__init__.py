@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from asyncflow.data import private_copy
 from asyncflow.errors import UserError, WaitTimeout
+from asyncflow.rewards.sandbox import require_layers
 from asyncflow.rewards.verl import VERL_PREFIX, VerlScore, verl_compute_score
-from asyncflow.user_code import import_named, load_file
+from asyncflow.user_code import load_attr
 
 if TYPE_CHECKING:
     from asyncflow.config_schema import Config
@@ -39,15 +40,10 @@ def load_reward_fn(path: str, *, key: str = "reward.fn") -> RewardFn:
     """Import `module:function` from `sys.path` as Python set it up, or load `path/to/file.py:function`
     by its path (a relative one from the working directory); no folder is put on `sys.path`
     (`asyncflow.user_code`). `key`: the config key that named it, for the one-line errors."""
-    module_name, _, attr = path.rpartition(":")
-    if not module_name or not attr:
-        raise UserError(f"{key}: {path!r} must be 'module:function' or 'path/to/file.py:function'")
-    is_file = module_name.endswith(".py")
-    module = load_file(module_name, key) if is_file else import_named(module_name, attr, key)
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise UserError(f"{key}: {'file' if is_file else 'module'} {module_name!r} has no function {attr!r}")
-    return fn
+    fn = load_attr(path, key)
+    if not callable(fn):
+        raise UserError(f"{key}: {path!r} is not a function")
+    return fn  # type: ignore[no-any-return]
 
 
 def absolute_reward_path(path: str) -> str:
@@ -157,6 +153,7 @@ def load_run_reward(cfg: Config, fn: str | Sequence[str]) -> RewardFn:
     """`load_reward` with the run's settings: `reward.weights`; for a verl function the label column
     and the dataset's name (its file's stem, else the task's name) as the default `data_source`."""
     name = Path(cfg.dataset.path).stem if cfg.dataset.path else cfg.task
+    require_layers(cfg.reward.sandbox_require)  # for the code sandbox the function may call
     return load_reward(fn, cfg.reward.weights, label_key=cfg.dataset.label_key, dataset_name=name)
 
 

@@ -51,6 +51,7 @@ from asyncflow.rewards.sandbox_verify import annotate, missing, verified
 
 Status = Literal["ok", "timeout", "cpu_limit", "memory_limit", "error", "network_blocked"]
 Processes = Literal["auto", "require", "fallback"]
+REQUIRE_ENV = "ASYNCFLOW_SANDBOX_REQUIRE"  # comma-separated layers every run_code must see hold
 
 _DRAIN_S = 0.2  # once the code's group is killed, its pipes are read this long more (a process that
 # called setsid escaped the kill and may hold them open)
@@ -134,7 +135,7 @@ def run_code(
         raise ValueError(f"run_code: processes must be auto, require or fallback, got {mode!r}")
     mode = cast(Processes, mode)
     if require is None:
-        require = [x.strip() for x in os.environ.get("ASYNCFLOW_SANDBOX_REQUIRE", "").split(",") if x.strip()]
+        require = [x.strip() for x in os.environ.get(REQUIRE_ENV, "").split(",") if x.strip()]
 
     def probe(probe_code: str, probe_stdin: str) -> tuple[list[str], str, str]:
         res = _run(probe_code, probe_stdin, SandboxLimits(), None, python, mode)
@@ -159,6 +160,13 @@ def _run(code: str, stdin: str, lim: SandboxLimits, tests: list[str] | None, pyt
         if cgroup is not None:
             _remove_cgroup(cgroup)
         _remove_tree(workdir)
+
+
+def require_layers(layers: Sequence[str] | None) -> None:
+    """Make every later `run_code` of this process and of the processes it starts require `layers`
+    (`reward.sandbox_require`; unknown names are refused when the config loads)."""
+    if layers:
+        os.environ[REQUIRE_ENV] = ",".join(layers)
 
 
 def run_tests(code: str, tests: list[str], *, timeout_s: float | None = None,

@@ -299,10 +299,11 @@ def plugin_cwd(cfg: Config) -> str | None:
 def importable(cwd: str | None) -> None:
     """Make the driver's working directory importable in this actor, as it is in the driver, for the
     plugins a config names as `module:function` (`rollout.agent`, `rollout.env`; `cwd` is None in a
-    run without them); Ray adds only the directory the driver was in when it started Ray. Skipped
-    where this node has no such folder."""
+    run without them); Ray adds only the directory the driver was in when it started Ray. Searched
+    last, so a file there never shadows an installed or standard module. Skipped where this node
+    has no such folder."""
     if cwd is not None and cwd not in sys.path and os.path.isdir(cwd):
-        sys.path.insert(0, cwd)
+        sys.path.append(cwd)
 
 
 def actor_device(setting: str, gpus: float) -> str:

@@ -59,6 +59,7 @@ from asyncflow.config import Config, episodic
 from asyncflow.config_schema import colocated
 from asyncflow.engines.factory import loads_initial_weights
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
+from asyncflow.rewards import absolute_reward_path
 from asyncflow.runtime.base import RuntimeSetup
 from asyncflow.runtime.ray_actors import (
     POLL_S,
@@ -160,7 +161,7 @@ class RayWorkers:
             cfg = replace(cfg, rollout=replace(cfg.rollout, server_urls=servers.urls))
         try:
             setup = (str(model_dir), rows, str(out), reward_fn_path, threads, version)
-            hub = start_hub(_absolute_sync_dir(cfg), place, n_reward, *setup) if colocate else None
+            hub = start_hub(_absolute_paths(cfg), place, n_reward, *setup) if colocate else None
             store = _start_store(cfg, place) if hub is None else hub_client(hub)
             actors = _start_actors(cfg, place, store, reward_actors, *setup, hub=hub)
             timeout = cfg.workflow.step_timeout_s
@@ -437,11 +438,13 @@ def _start_store(cfg: Config, place: Placement) -> Any:
         raise WaitTimeout("timed out after 120 s waiting for the store controller actor to start") from None
 
 
-def _absolute_sync_dir(cfg: Config) -> Config:
-    """`rollout.sync_dir` made absolute: the actors write it, relative to the driver, not to them."""
-    if cfg.rollout.sync_dir is None:
-        return cfg
-    return replace(cfg, rollout=replace(cfg.rollout, sync_dir=str(Path(cfg.rollout.sync_dir).resolve())))
+def _absolute_paths(cfg: Config) -> Config:
+    """`rollout.sync_dir` and the files `rollout.env` / `rollout.agent` name made absolute: the actors
+    use them relative to the driver, not to their own working directory."""
+    r = cfg.rollout
+    sync_dir = None if r.sync_dir is None else str(Path(r.sync_dir).resolve())
+    env, agent = (None if spec is None else absolute_reward_path(spec) for spec in (r.env, r.agent))
+    return replace(cfg, rollout=replace(r, sync_dir=sync_dir, env=env, agent=agent))
 
 
 def _distinct(actors: list[Any], but: Any = None) -> list[Any]:
@@ -467,7 +470,7 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
     trainer_cls: Any = ray.remote(TrainerWorker)
     feeder_cls: Any = ray.remote(FeederWorker)
     cwd = plugin_cwd(cfg)
-    cfg = _absolute_sync_dir(cfg)
+    cfg = _absolute_paths(cfg)
     feeder_actor = hub if hub is not None else feeder_cls.options(
         num_cpus=0, max_concurrency=1000, name=f"{prefix}-feeder", scheduling_strategy=driver_node()).remote(
         cfg, model_dir, ray.put(rows), out, store, cwd=cwd)

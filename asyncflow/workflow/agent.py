@@ -19,18 +19,16 @@ reward or makes no model call ends its episode with `reward_error` (kept out of 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import numbers
-import sys
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from asyncflow.clock import Clock
 from asyncflow.engines.base import InferenceEngine
 from asyncflow.errors import UserError, WaitTimeout
+from asyncflow.user_code import load_attr
 from asyncflow.workflow.agent_proxy import AgentProxy, Call, EpisodeRecorder, RecorderSettings
 from asyncflow.workflow.agent_thread import AgentBlocked, AgentCancelled, run_agent_thread
 from asyncflow.workflow.episode import EpisodeResult, Trajectory
@@ -39,18 +37,9 @@ AgentFn = Callable[[str, dict[str, Any], int], Awaitable[Any]]
 
 
 def load_agent(spec: str) -> AgentFn:
-    """`rollout.agent` (`module:function`) -> the async agent function; bad specs are a UserError.
-    The current directory is importable (as for `reward.fn`)."""
-    module_name, _, attr = spec.partition(":")
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import failure is the user's plugin: name it, one line
-        raise UserError(f"rollout.agent: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise UserError(f"rollout.agent: module {module_name!r} has no function {attr!r}")
+    """`rollout.agent` (`module:function` or `path/to/file.py:function`, found as `reward.fn` is:
+    no folder joins sys.path) -> the async agent function; bad specs are a UserError."""
+    fn = load_attr(spec, "rollout.agent")
     if not inspect.iscoroutinefunction(fn):
         raise UserError(f"rollout.agent: {spec!r} must be an async function (base_url, row, seed) -> reward")
     return fn  # type: ignore[no-any-return]

@@ -22,6 +22,7 @@ from asyncflow.rewards import (
     RewardFn,
     is_async_reward_fn,
 )
+from asyncflow.rewards.sandbox import require_layers
 from asyncflow.telemetry.jsonl import sample_line
 from asyncflow.telemetry.runlog import RunLog, Tracer
 from asyncflow.tokenizer import Tokenizer
@@ -162,6 +163,7 @@ class StageBase:
         # it end before their next turn
         self.floor: float = -math.inf
         self.env_factory: Callable[[Clock], Any] | None = env_factory
+        require_layers(cfg.reward.sandbox_require)  # an environment or agent may run code in the sandbox
         if env_factory is None and cfg.rollout.env is not None:
             from asyncflow.envs import make_env_factory
 
