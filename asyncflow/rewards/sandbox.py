@@ -334,6 +334,8 @@ def _make_pids_cgroup(max_processes: int) -> tuple[Path | None, str]:
             bases.append(Path("/sys/fs/cgroup") / path.lstrip("/"))
     why = "no pids controller"
     for base in bases:
+        if not (base / "cgroup.procs").is_file():  # not a cgroup (a tmpfs where one is mounted, say)
+            continue
         group = base / f"asyncflow-sandbox-{secrets.token_hex(6)}"
         try:
             group.mkdir()
@@ -341,6 +343,8 @@ def _make_pids_cgroup(max_processes: int) -> tuple[Path | None, str]:
             why = exc.strerror or type(exc).__name__
             continue
         try:
+            if not (group / "pids.max").is_file():  # a hierarchy without the pids controller
+                raise OSError(0, "no pids controller")
             (group / "pids.max").write_text(str(max_processes + 2))  # + the supervisor and the init
             return group, "pids_cgroup"
         except OSError as exc:
