@@ -113,15 +113,16 @@ async def solve(base_url, row, seed):
 
 def test_black_box_agent_episodes_run_in_the_ray_rollout_actor(ray_session, arith_dir: Path, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """The agent module lies in the driver's working directory (not Ray's): it is importable in the
-    actors, and each episode's endpoint is on loopback in the rollout actor's process."""
+    """The agent file lies in the driver's working directory (not Ray's) and is named relative to it:
+    the actors load it by the path the driver resolved, and each episode's endpoint is on loopback
+    in the rollout actor's process."""
     import os
 
     pids = tmp_path / "pids.txt"
     (tmp_path / "ray_http_agent.py").write_text(AGENT_MODULE.replace("{pids!r}", repr(str(pids))))
     monkeypatch.chdir(tmp_path)
     summary, steps, samples = _run(arith_dir, tmp_path / "run", [
-        "rollout.agent=ray_http_agent:solve", "eval.size=4"])
+        "rollout.agent=ray_http_agent.py:solve", "eval.size=4"])
     assert [r["policy_version"] for r in steps] == [1, 2, 3]
     assert summary["samples"] == 48 and summary["accounting"]["lost"] == 0
     trained = [s for s in samples if s["status"] == "trained"]
