@@ -552,7 +552,8 @@ def test_the_agent_endpoint_bounds_request_headers_in_count_and_size() -> None:
         get = f"GET /episodes/{key}/v1/models HTTP/1.1\r\nHost: x\r\n"
         for extra, message in (("".join(f"X-{i}: 1\r\n" for i in range(100)), "more than 100 header lines"),
                                ("".join(f"X-{i}: {'a' * 2000}\r\n" for i in range(40)),
-                                "more than 65536 bytes of header lines")):
+                                "more than 65536 bytes of header lines"),
+                               (f"X-Big: {'a' * 70_000}\r\n", "a line longer than the 65536 bytes allowed")):
             status, _, reply = await _raw(proxy.port, (get + extra + "\r\n").encode())
             assert status == 431 and reply["error"]["message"] == f"request headers: {message}", reply
         extra = "".join(f"X-{i}: {'a' * 1000}\r\n" for i in range(40))  # 40 KiB in 41 lines: within the bounds

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncflow.errors import WaitTimeout
-from asyncflow.http_limits import HeaderBudget, HeaderLimitError
+from asyncflow.http_limits import MAX_HEADER_BYTES, HeaderBudget, HeaderLimitError
 
 MAX_CONNECTIONS = 512  # open per (scheme, host, port), in use or idle (asyncflow serve's own cap)
 MAX_IDLE = 64  # idle connections kept per key
@@ -288,7 +288,10 @@ async def read_headers(reader: asyncio.StreamReader) -> dict[str, str]:
     headers: dict[str, str] = {}
     budget = HeaderBudget()
     while True:
-        line = await reader.readline()
+        try:
+            line = await reader.readline()
+        except ValueError:  # one line past the stream's limit (64 KiB unless its opener chose another)
+            raise HeaderLimitError(f"headers: a line longer than the {MAX_HEADER_BYTES} bytes allowed") from None
         budget.take(line)
         if line in (b"\r\n", b"\n", b""):
             break
