@@ -246,7 +246,7 @@ class Evaluator:
         assert self.cfg.rollout.agent is not None
         agent = load_agent(self.cfg.rollout.agent)
         clock = self.clock or RealClock()
-        proxy = AgentProxy()
+        proxy = AgentProxy(wait_s=self.cfg.rollout.request_timeout_s)  # (a queued connection waits behind calls)
         await proxy.start()
         try:
             results = await asyncio.gather(*(

@@ -13,7 +13,8 @@ text: `token_ids` (EOS included when generation ended on it), `logprobs.token_lo
 log-probs the engine sampled with) and `token_versions` (the weight version of each token).
 
 The HTTP transport and its bounds against hostile clients are in `serve_http`; this module holds
-the routes, which bound the work a request may cause: choices per request and in flight (429 past
+the routes, which bound the work a request may cause: choices per request (counted, with each
+prompt's length, before any prompt is tokenized: `openai_prompts`) and in flight (429 past
 `max_queued_choices`), a pause that expires, weight loads one at a time and only from `weights_root`.
 """
 
@@ -31,13 +32,13 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncflow.openai_prompts import chat_ids, chat_messages, fits, longest_token_chars, prompt_list
 from asyncflow.openai_text import TokenFeed, finish_choice
 from asyncflow.openai_wire import (
     MAX_BODY_BYTES,
     UNSUPPORTED,
     RequestError,
     completion_tokens_key,
-    flatten_content,
     is_token_ids,
     openai_logprobs,
     parse_body,
@@ -94,6 +95,7 @@ class OpenAIServer:
         self._paused_until: float | None = None  # monotonic end of the pause (None: not paused)
         self.request_timeout_s = request_timeout_s
         self.max_context = max_context
+        self.chars_per_token = longest_token_chars(tokenizer)  # (texts longer than the context takes: refused unread)
         self.vocab_size = int(engine.model.get_input_embeddings().weight.shape[0])
         self._gate = threading.Condition()
         self._uid = 0
@@ -197,29 +199,48 @@ class OpenAIServer:
                                             "owned_by": "asyncflow"}]}
 
     def _completions(self, req: dict[str, Any]) -> Reply:
-        prompts = self._prompts(req.get("prompt"))
+        prompts = prompt_list(req.get("prompt"))
         params = sampling_params(req, {**UNSUPPORTED, "suffix": None, "echo": False})
-        return self._answer(prompts, params, chat=False)
+        self._check_size(prompts, params)
+        return self._answer(self._prompts(prompts), params, chat=False)
+
+    def _check_size(self, prompts: list[Any], params: dict[str, Any]) -> None:
+        """Refuse a request by its counts before any prompt is converted (the body limit admits
+        millions of prompts, each costing a tokenizer call and its ids' memory): its choices, and each
+        prompt's length against the context it may use."""
+        self._check_choices(len(prompts), params["n"])
+        if self.max_context is None:
+            return
+        room = self.max_context - params["max_tokens"]
+        for p in prompts:
+            if isinstance(p, (str, list)) and not fits(p, room, self.chars_per_token):
+                what = f"{len(p)} characters" if isinstance(p, str) else f"{len(p)} tokens"
+                per = f" (a token here is at most {self.chars_per_token} characters)" if isinstance(p, str) else ""
+                raise RequestError(f"prompt ({what}) + max_tokens ({params['max_tokens']}) exceeds the model's context "
+                                   f"of {self.max_context} tokens{per}", param="max_tokens")
+
+    def _check_choices(self, prompts: int, n: int) -> None:
+        limit = min(MAX_CHOICES, self.max_queued_choices)
+        if prompts * n > limit:
+            raise RequestError(f"{prompts} prompts x n={n} is more than {limit} choices in one request; split it",
+                               param="prompt")
 
     def _chat(self, req: dict[str, Any]) -> Reply:
-        messages = req.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages")
+        req = completion_tokens_key(req)
+        params = sampling_params(req, UNSUPPORTED, chat=True)  # (checked, and its choices counted, before rendering)
+        self._check_choices(1, params["n"])
+        room = None if self.max_context is None else \
+            self.max_context - (params["max_tokens"] if req.get("max_tokens") is not None else 1)
+        if room is not None and room < 1:
+            raise RequestError(f"max_tokens ({params['max_tokens']}) leaves no room for the messages in the model's "
+                               f"context of {self.max_context} tokens", param="max_tokens")
+        messages = chat_messages(req.get("messages"), room)
         if getattr(self.tok, "chat_template", None) is None:
             raise RequestError(f"model {self.model_name!r} has no chat template (its tokenizer defines none); "
                                "use /v1/completions with a text or token-id prompt", param="messages")
-        messages = [flatten_content(m, i) for i, m in enumerate(messages)]
-        try:
-            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:
-            raise RequestError(f"messages: the chat template failed: {exc}", param="messages") from None
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        prompt = [int(t) for t in ids]
+        prompt = chat_ids(self.tok, messages, generation_prompt=True, room=room, chars_per_token=self.chars_per_token)
         if not prompt:
             raise RequestError("messages: empty after the chat template", param="messages")
-        req = completion_tokens_key(req)
         if req.get("max_tokens") is None and self.max_context is not None:  # (as OpenAI and vLLM: the rest of
             req = {**req, "max_tokens": max(1, self.max_context - len(prompt))}  # the context, not 16)
         return self._answer([prompt], sampling_params(req, UNSUPPORTED, chat=True), chat=True)
@@ -245,13 +266,8 @@ class OpenAIServer:
         return {"id": f"{rid}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage(prompts, params["n"], results)}
 
-    def _prompts(self, prompt: Any) -> list[list[int]]:
-        """Token ids of each prompt: text (tokenized as it is), a token-id list, or a list of either."""
-        if isinstance(prompt, str) or is_token_ids(prompt):
-            prompt = [prompt]
-        if not isinstance(prompt, list) or not prompt:
-            raise RequestError("prompt: expected text, a list of token ids, or a non-empty list of those",
-                               param="prompt")
+    def _prompts(self, prompt: list[Any]) -> list[list[int]]:
+        """Token ids of each prompt (`prompt_list`'s): text (tokenized as it is) or a token-id list."""
         out = []
         for p in prompt:
             if isinstance(p, str):
@@ -272,10 +288,7 @@ class OpenAIServer:
     def _admit(self, prompts: list[list[int]], params: dict[str, Any]) -> int:
         """Admit the request's choices (within `max_queued_choices`); the count, for `_release`."""
         choices = len(prompts) * params["n"]
-        if choices > min(MAX_CHOICES, self.max_queued_choices):
-            raise RequestError(f"{len(prompts)} prompts x n={params['n']} is more than "
-                               f"{min(MAX_CHOICES, self.max_queued_choices)} choices in one request; split it",
-                               param="prompt")
+        self._check_choices(len(prompts), params["n"])
         for ids in prompts:
             if self.max_context is not None and len(ids) + params["max_tokens"] > self.max_context:
                 raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params['max_tokens']}) exceeds the "

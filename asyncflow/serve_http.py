@@ -4,7 +4,7 @@
          │
          ▼  connection thread (one request per connection; every read shares one deadline)
     headers ──► app.precheck (token, origin, body limit per route) ──refused──► 401/403/413, body unread
-         │
+         │  (more than 100 header lines, or 64 KiB of them: 431 as they come in)
          ▼
     body (Content-Length) ──► app.handle ──► JSON reply (or server-sent events) ──► closed
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import http.client
 import http.server
 import io
 import ipaddress
@@ -32,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from asyncflow.errors import UserError
+from asyncflow.http_limits import HeaderBudget, HeaderLimitError
 from asyncflow.openai_wire import MAX_BODY_BYTES, READ_TIMEOUT_S
 
 MAX_CONNECTIONS = 512  # connection threads at once (idle and slow clients included)
@@ -72,6 +74,24 @@ class _DeadlineSocketReader(io.RawIOBase):
         return self.sock.recv_into(buffer)
 
 
+class _BudgetedLines:
+    """The request's reader while its headers are parsed: each line goes through a `HeaderBudget`,
+    whose refusal the parser answers with 431 (as its own "too many headers")."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader, self.budget = reader, HeaderBudget()
+        self.refusal: str | None = None
+
+    def readline(self, limit: int = -1) -> bytes:
+        line: bytes = self.reader.readline(limit)
+        try:
+            self.budget.take(line)
+        except HeaderLimitError as exc:
+            self.refusal = f"request {exc}"
+            raise http.client.HTTPException(self.refusal) from None
+        return line
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: ServeHTTPServer
     protocol_version = "HTTP/1.1"
@@ -81,6 +101,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         super().setup()
         deadline = time.monotonic() + self.server.read_timeout_s
         self.rfile = io.BufferedReader(_DeadlineSocketReader(self.connection, deadline))
+
+    def parse_request(self) -> bool:
+        """The standard library's parse (its own bounds: 100 lines of 64 KiB each), the header lines
+        counted against `http_limits`' bounds as they are read; past them: 431, the rest unread."""
+        reader = self.rfile
+        self.rfile = _BudgetedLines(reader)  # type: ignore[assignment]
+        try:
+            return super().parse_request()
+        finally:
+            self.rfile = reader
 
     def do_GET(self) -> None:
         self._answer("GET")
@@ -109,6 +139,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.request_version == "HTTP/0.9":  # (a request line it could not parse: no status line was written)
             self.request_version = "HTTP/1.0"
         phrase = message or http.server.BaseHTTPRequestHandler.responses.get(code, ("error",))[0]
+        phrase = getattr(self.rfile, "refusal", None) or phrase  # (a header budget's: it names its limit)
         self._reply(self.command or "GET", code, error_body(phrase))
 
     def _answer(self, method: str) -> None:

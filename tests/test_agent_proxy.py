@@ -21,7 +21,7 @@ from asyncflow.engines.http_client import HTTPError, request_json
 from asyncflow.errors import UserError
 from asyncflow.telemetry.audit import audit
 from asyncflow.workflow.agent import run_agent_episode
-from asyncflow.workflow.agent_proxy import AgentProxy, RecorderSettings
+from asyncflow.workflow.agent_proxy import AgentProxy, EpisodeRecorder, RecorderSettings
 
 SETTINGS = RecorderSettings(max_new_tokens=4, temperature=1.0, train_temperature=1.0, request_timeout_s=30.0,
                             max_calls=4)
@@ -432,6 +432,167 @@ def test_an_agent_may_return_a_numpy_number_as_its_reward() -> None:
 
     f = _episode(_Scripted([[9]]), _FakeTok(), agent)
     assert f["reward"] == 0.5 and f["reward_error"] is None
+
+
+class _CountingHF(_FakeHF):
+    """A tokenizer whose tokens stand for 2 characters at most, counting the calls that convert a prompt."""
+
+    chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+    def __init__(self) -> None:
+        self.converted = 0
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"a": 0, "bb": 1}
+
+    def __call__(self, text: str, **kwargs: Any) -> dict[str, list[int]]:
+        self.converted += 1
+        return {"input_ids": [5] * len(text)}
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, tokenize: bool, **kwargs: Any) -> Any:
+        text = "".join(m["content"] for m in messages)
+        if tokenize:
+            self.converted += 1
+            return [5] * len(text)
+        return text
+
+
+def test_a_call_past_its_limits_is_refused_before_its_prompt_is_converted() -> None:
+    """A call's prompt was tokenized (its chat rendered) before n, the run's sampling or the model's
+    positions were checked: any text the body limit allowed was converted first."""
+    import dataclasses
+
+    hf = _CountingHF()
+    tok = _FakeTok()
+    tok.hf = hf  # type: ignore[assignment]
+    seen: list[str] = []
+
+    async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
+        for route, body in (("/completions", {"prompt": "a" * 11}), ("/completions", {"prompt": "a", "n": 2}),
+                            ("/completions", {"prompt": "a", "temperature": 0.5}),
+                            ("/chat/completions", {"messages": [{"role": "user", "content": "a"}] * 6}),
+                            ("/chat/completions", {"messages": [{"role": "user", "content": "a" * 11}]})):
+            with pytest.raises(HTTPError) as err:
+                await _post(base_url, route, body)
+            seen.append(str(err.value))
+        assert hf.converted == 0
+        await _post(base_url, "/completions", {"prompt": "aaa"})
+        return 1.0
+
+    f = _episode(_Scripted([[9]]), tok, agent, settings=dataclasses.replace(SETTINGS, max_context=6))
+    assert f["reward"] == 1.0 and f["turns"] == 1 and hf.converted == 1, f
+    assert all("HTTP 400" in e for e in seen), seen
+    assert "11 characters fill the model's 6 positions (a token here is at most 2 characters)" in seen[0]
+    assert "n:" in seen[1] and "rollout.temperature" in seen[2]
+    assert "6 messages cannot fit the 5 tokens" in seen[3]
+    assert "the conversation (11 characters) cannot fit the 5 tokens" in seen[4]
+
+
+async def _raw(port: int, request: bytes, timeout: float = 10) -> tuple[int, dict[str, str], Any]:
+    """(status, lower-case headers, JSON body) of one request written as it is to the agent endpoint."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        data = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    head, _, payload = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split(" ", 2)[1]), headers, json.loads(payload) if payload else None
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"not within 10 s: {what}")
+
+
+def _proxy_test(body: Callable[[AgentProxy, str], Awaitable[None]], **limits: Any) -> None:
+    """Run `body(proxy, key)` with an agent endpoint (`limits`) and one registered episode, `key`."""
+    async def main() -> None:
+        proxy = AgentProxy(**limits)
+        await proxy.start()
+        try:
+            url = proxy.register(EpisodeRecorder(_Scripted([[9]]), _FakeTok(), 3, SETTINGS, RealClock()))
+            await body(proxy, url.split("/")[-2])
+        finally:
+            await proxy.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_for_an_unknown_episode_is_answered_404_from_its_headers_before_its_body() -> None:
+    """The endpoint read a body of up to 64 MiB, as slowly as the client sent it, before it looked
+    the episode key up (the request below never sends its body: it waited 60 s for it)."""
+    async def body(proxy: AgentProxy, key: str) -> None:
+        announce = "POST {} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n"
+        status, headers, reply = await _raw(proxy.port, announce.format("/episodes/0-gone/v1/completions",
+                                                                        64 << 20).encode())
+        assert status == 404 and "'0-gone' is not running" in reply["error"]["message"]
+        assert headers["x-should-retry"] == "false"
+        assert (await _raw(proxy.port, announce.format("/elsewhere", 64 << 20).encode()))[0] == 404
+        status, _, reply = await _raw(proxy.port, announce.format(f"/episodes/{key}/v1/completions",
+                                                                  (64 << 20) + 1).encode())
+        assert status == 413 and f"larger than the {64 << 20} bytes allowed" in reply["error"]["message"]
+        data = json.dumps({"prompt": [5]}).encode()  # (a small body is read: its client sees the 404, not a reset)
+        for path, expected in (("/episodes/0-gone/v1/completions", 404), (f"/episodes/{key}/v1/completions", 200)):
+            status, _, reply = await _raw(proxy.port, announce.format(path, len(data)).encode() + data)
+            assert status == expected, reply
+        assert reply["choices"][0]["token_ids"] == [9]
+
+    _proxy_test(body)
+
+
+def test_the_agent_endpoint_bounds_request_headers_in_count_and_size() -> None:
+    """It kept every header line of a request, however many."""
+    async def body(proxy: AgentProxy, key: str) -> None:
+        get = f"GET /episodes/{key}/v1/models HTTP/1.1\r\nHost: x\r\n"
+        for extra, message in (("".join(f"X-{i}: 1\r\n" for i in range(100)), "more than 100 header lines"),
+                               ("".join(f"X-{i}: {'a' * 2000}\r\n" for i in range(40)),
+                                "more than 65536 bytes of header lines"),
+                               (f"X-Big: {'a' * 70_000}\r\n", "a line longer than the 65536 bytes allowed")):
+            status, _, reply = await _raw(proxy.port, (get + extra + "\r\n").encode())
+            assert status == 431 and reply["error"]["message"] == f"request headers: {message}", reply
+        extra = "".join(f"X-{i}: {'a' * 1000}\r\n" for i in range(40))  # 40 KiB in 41 lines: within the bounds
+        status, _, reply = await _raw(proxy.port, (get + extra + "\r\n").encode())
+        assert status == 200 and reply["data"][0]["id"] == "asyncflow-policy"
+
+    _proxy_test(body)
+
+
+def test_connections_past_the_cap_wait_their_turn_and_past_the_queue_get_503(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """There was no cap: every connection was taken and read at once."""
+    async def body(proxy: AgentProxy, key: str) -> None:
+        models = f"GET /episodes/{key}/v1/models HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        idle = [await asyncio.open_connection("127.0.0.1", proxy.port) for _ in range(2)]
+        await _until(lambda: proxy.gate.active == 2, "two connections answered at once")
+        queued = asyncio.ensure_future(_raw(proxy.port, models, timeout=30))
+        await _until(lambda: proxy.gate.waiting == 1, "a third connection queued")
+        status, headers, reply = await _raw(proxy.port, models)
+        assert status == 503 and headers["retry-after"] == "1" and "x-should-retry" not in headers
+        assert "2 connections open and 1 waiting" in reply["error"]["message"] and not queued.done()
+        idle[0][1].close()  # a turn frees up: the queued request is answered
+        status, _, reply = await queued
+        assert status == 200 and reply["data"][0]["id"] == "asyncflow-policy"
+        assert (proxy.gate.waited, proxy.gate.refused) == (1, 1)
+        idle[1][1].close()
+
+    _proxy_test(body, max_connections=2, max_waiting=1, wait_s=30.0)
+    err = capsys.readouterr().err
+    assert "agent proxy: 2 connections are open; later ones wait" in err and "agent proxy: refused a connection" in err
+
+    async def waits_too_long(proxy: AgentProxy, key: str) -> None:
+        _, idle = await asyncio.open_connection("127.0.0.1", proxy.port)
+        await _until(lambda: proxy.gate.active == 1, "one connection answered")
+        status, _, reply = await _raw(proxy.port, f"GET /episodes/{key}/v1/models HTTP/1.1\r\n\r\n".encode())
+        assert status == 503 and "waited 0.2 s for one of the agent endpoint's 1 connections" in reply["error"]["message"]
+        idle.close()
+
+    _proxy_test(waits_too_long, max_connections=1, max_waiting=4, wait_s=0.2)
 
 
 # ---- an `async def` agent that blocks (a synchronous HTTP call to its endpoint, a `time.sleep`) cannot

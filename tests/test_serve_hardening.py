@@ -121,6 +121,78 @@ def test_choices_over_the_queue_cap_get_429_with_retry_after(make_server: Any) -
     assert got[0][0] == 200 and len(got[0][2]["choices"]) == 6 and s.app._queued == 0
 
 
+class _CountingTokenizer:
+    """The server's tokenizer, counting the calls that convert a prompt (tokenizing, a chat render
+    that tokenizes); everything else passes through."""
+
+    def __init__(self, tok: Any) -> None:
+        self.__dict__["tok"], self.__dict__["converted"] = tok, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__["converted"] += 1
+        return self.tok(*args, **kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("tokenize", True):
+            self.__dict__["converted"] += 1
+        return self.tok.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tok, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.tok, name, value)
+
+
+def test_requests_past_the_choice_or_length_limits_are_refused_before_any_prompt_is_converted(
+        make_server: Any) -> None:
+    """Every prompt was tokenized before the request's choices were counted: 4M one-character
+    prompts (16 MiB) took 8.5 s of CPU and ~900 MiB to be refused, and a 48 MiB text prompt ~19 GiB.
+    The counts (prompts x n, token-id lengths, text characters, messages) now come first."""
+    s = make_server()
+    tok = _CountingTokenizer(s.app.tok)
+    s.app.tok = tok
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        refused = [
+            ("/v1/completions", {"prompt": ["1+2="] * 5000, "max_tokens": 1}, "5000 prompts x n=1 is more than 4096"),
+            ("/v1/completions", {"prompt": ["1+2="] * 100, "n": 50}, "100 prompts x n=50 is more than 4096"),
+            # the tiny model has 32 positions; no token of its tokenizer stands for more than 5 characters
+            ("/v1/completions", {"prompt": "1+2=" * 5000, "max_tokens": 1}, "prompt (20000 characters) + max_tokens (1)"),
+            ("/v1/completions", {"prompt": [[5] * 40, "1"], "max_tokens": 1}, "prompt (40 tokens) + max_tokens (1)"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}] * 40},
+             "messages: 40 messages cannot fit the 31 tokens"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1+2=" * 5000}]},
+             "messages: the conversation (20000 characters) cannot fit the 31 tokens"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}], "n": 129}, "n: expected"),
+        ]
+        for route, body, needle in refused:
+            status, _, reply = raw(s.port, post(route, body))
+            assert tok.converted == 0, needle  # not one prompt was tokenized for it
+            assert status == 400 and needle in reply["error"]["message"], (needle, reply)
+            assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["param"] is not None
+        status, _, reply = raw(s.port, post("/v1/completions", {"prompt": ["1+2=", "3+4="], "n": 2, "max_tokens": 1}))
+        assert status == 200 and len(reply["choices"]) == 4 and tok.converted == 2
+        status, _, reply = raw(s.port, post("/v1/chat/completions", {"messages": [{"role": "user", "content": "1+"}],
+                                                                     "max_tokens": 1}))
+        assert status == 200 and tok.converted == 3
+    finally:
+        s.app.tok = tok.tok
+        tok.tok.chat_template = None
+
+
+def test_request_headers_are_bounded_in_count_and_total_size(make_server: Any) -> None:
+    """Each header line could be 64 KiB, 100 of them: 6.4 MiB of headers per connection were taken in."""
+    s = make_server()
+    body = b'{"prompt": [5], "max_tokens": 1}'
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n"
+    many = "".join(f"X-Filler-{i}: {'a' * 2000}\r\n" for i in range(40))  # 80 KiB in 40 lines
+    status, _, reply = raw(s.port, (head + many + "\r\n").encode() + body)
+    assert status == 431 and reply["error"]["message"] == "request headers: more than 65536 bytes of header lines"
+    few = "".join(f"X-Filler-{i}: {'a' * 1000}\r\n" for i in range(40))  # 40 KiB: within the bound
+    assert raw(s.port, (head + few + "\r\n").encode() + body)[0] == 200
+
+
 def test_out_of_memory_fails_only_the_affected_requests_and_the_server_goes_on(make_server: Any) -> None:
     """An exception in the decode thread stopped the engine: every later request failed."""
     s = make_server()

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncflow.errors import WaitTimeout
+from asyncflow.http_limits import MAX_HEADER_BYTES, HeaderBudget, HeaderLimitError
 
 MAX_CONNECTIONS = 512  # open per (scheme, host, port), in use or idle (asyncflow serve's own cap)
 MAX_IDLE = 64  # idle connections kept per key
@@ -242,6 +243,8 @@ async def _exchange(conn: _Conn, request: bytes, method: str, url: str) -> tuple
         if conn.uses and not started:
             raise _NoReply from None
         raise HTTPError(exc.status, f"{method} {url}: {exc}") from None
+    except HeaderLimitError as exc:
+        raise HTTPError(0, f"{method} {url}: the reply's {exc}") from None
     except (OSError, EOFError, ValueError) as exc:  # reset, cut-short body (IncompleteReadError), bad length
         if conn.uses and not started:
             raise _NoReply from None
@@ -280,10 +283,16 @@ async def _read_head(status_line: bytes, reader: asyncio.StreamReader) -> tuple[
 
 
 async def read_headers(reader: asyncio.StreamReader) -> dict[str, str]:
-    """The header lines up to the blank line, by lower-case name (requests and replies alike)."""
+    """The header lines up to the blank line, by lower-case name (requests and replies alike);
+    `HeaderLimitError` past `http_limits`' bounds, raised as the line that passes them is read."""
     headers: dict[str, str] = {}
+    budget = HeaderBudget()
     while True:
-        line = await reader.readline()
+        try:
+            line = await reader.readline()
+        except ValueError:  # one line past the stream's limit (64 KiB unless its opener chose another)
+            raise HeaderLimitError(f"headers: a line longer than the {MAX_HEADER_BYTES} bytes allowed") from None
+        budget.take(line)
         if line in (b"\r\n", b"\n", b""):
             break
         name, _, value = line.decode("latin-1").partition(":")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import secrets
 import time
@@ -44,15 +43,14 @@ from typing import Any
 from asyncflow.clock import Clock
 from asyncflow.config import Config
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
-from asyncflow.engines.http_client import read_headers
+from asyncflow.http_limits import HeaderLimitError
+from asyncflow.openai_prompts import chat_ids, chat_messages, fits, longest_token_chars, prompt_list
 from asyncflow.openai_stream import DONE, StreamState, sse
 from asyncflow.openai_text import TokenFeed, finish_choice
 from asyncflow.openai_wire import (
-    MAX_BODY_BYTES,
     READ_TIMEOUT_S,
     RequestError,
     completion_tokens_key,
-    flatten_content,
     is_token_ids,
     openai_logprobs,
     parse_body,
@@ -62,6 +60,17 @@ from asyncflow.openai_wire import (
 )
 from asyncflow.openai_wire import UNSUPPORTED as SERVE_UNSUPPORTED
 from asyncflow.tool_calls import ToolParser, tool_parser
+from asyncflow.workflow.agent_http import (
+    MAX_CONNECTIONS,
+    MAX_WAITING,
+    ConnectionGate,
+    body_length,
+    drain_small_body,
+    error_reply,
+    read_head,
+    write_events,
+    write_json,
+)
 from asyncflow.workflow.episode import end_ids
 
 # (`tools` are rendered by the chat template and the calls parsed back: `tool_calls`)
@@ -134,21 +143,9 @@ class EpisodeRecorder:
         self._oldest: float = math.inf  # the oldest policy version among the tokens generated so far
 
     async def completions(self, req: dict[str, Any]) -> Reply:
-        prompt = req.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or is_token_ids(prompt[0])):
-            prompt = prompt[0]
-        if is_token_ids(prompt):
-            ids = [int(t) for t in prompt or ()]
-            vocab = len(self.tok.hf)  # or an id the engine generated (a model's vocabulary may be padded past it)
-            if any(not 0 <= t < vocab and t not in self._generated for t in ids):
-                raise RequestError(f"prompt: a token id is outside the vocabulary (0..{vocab - 1})", param="prompt")
-            text = None
-        elif isinstance(prompt, str) and prompt:
-            ids, text = self._text_ids(prompt), prompt
-        else:
-            raise RequestError("prompt: expected one text or one list of token ids (n=1, one prompt per call)",
-                               param="prompt")
-        request, params = self._prepare(ids, req, chat=False)
+        params = self._params(req, chat=False)
+        ids, text = self._prompt_ids(req.get("prompt"))
+        request = self._request(ids, params, req)
         rid = f"cmpl-{uuid.uuid4().hex}"
 
         def remember(call: Call, reply: str) -> None:
@@ -163,18 +160,16 @@ class EpisodeRecorder:
                 "usage": usage([ids], 1, [(0, _result(call))])}
 
     async def chat(self, req: dict[str, Any]) -> Reply:
-        messages = req.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise RequestError("messages: expected a non-empty list of {role, content} objects", param="messages")
+        req = completion_tokens_key(req)
+        params = self._params(req, chat=True)
+        # content parts as one text, as `asyncflow serve` reads them (their repr went into the prompt);
+        # the flattened messages are what the next call's history is compared with
+        messages = chat_messages(req.get("messages"), self._room())
         if getattr(self.tok.hf, "chat_template", None) is None:
             raise RequestError("the policy's tokenizer has no chat template; use /v1/completions", param="messages")
         tools, parser = self._tools(req)
-        # content parts as one text, as `asyncflow serve` reads them (their repr went into the prompt);
-        # the flattened messages are what the next call's history is compared with
-        messages = [flatten_content(m, i) for i, m in enumerate(messages)]
         ids, skeleton = self._chat_ids(messages, tools)
-        request, params = self._prepare(ids, completion_tokens_key(req), chat=True)
+        request = self._request(ids, params, req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
 
         def remember(call: Call, reply: str) -> None:
@@ -219,6 +214,35 @@ class EpisodeRecorder:
 
     # ------------------------------------------------------------------ prompt ids
 
+    def _room(self) -> int | None:
+        """The most prompt tokens a call may have (one position left to generate); None: unknown."""
+        return None if self.settings.max_context is None else self.settings.max_context - 1
+
+    def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
+        """(ids, the text they came from) of a completion's one prompt; one too long for the model's
+        positions is refused by its length, before it is converted."""
+        prompts = prompt_list(prompt)
+        prompt, room = prompts[0], self._room()
+        if len(prompts) != 1 or not prompt:
+            raise RequestError("prompt: expected one text or one list of token ids (n=1, one prompt per call)",
+                               param="prompt")
+        per = longest_token_chars(self.tok.hf)
+        if room is not None and not fits(prompt, room, per):
+            size, per_token = (f"{len(prompt)} characters", f" (a token here is at most {per} characters)") \
+                if isinstance(prompt, str) else (f"{len(prompt)} tokens", "")
+            raise RequestError(f"prompt: {size} fill the model's {room + 1} positions{per_token}; no room to generate "
+                               "(end the episode)", param="prompt", kind="context_length_exceeded")
+        if isinstance(prompt, str):
+            return self._text_ids(prompt), prompt
+        if not is_token_ids(prompt):
+            raise RequestError("prompt: expected one text or one list of token ids (n=1, one prompt per call)",
+                               param="prompt")
+        ids = [int(t) for t in prompt]
+        vocab = len(self.tok.hf)  # or an id the engine generated (a model's vocabulary may be padded past it)
+        if any(not 0 <= t < vocab and t not in self._generated for t in ids):
+            raise RequestError(f"prompt: a token id is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        return ids, None
+
     def _text_ids(self, text: str) -> list[int]:
         last = self._last
         # (from the text of all generated ids: after a stop string, the agent's text goes on with it)
@@ -258,19 +282,13 @@ class EpisodeRecorder:
 
     def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None) -> list[int]:
-        try:
-            ids = self.tok.hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                                  **({"tools": tools} if tools else {}))
-        except Exception as exc:
-            raise RequestError(f"messages: the chat template failed: {exc}", param="messages") from None
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return chat_ids(self.tok.hf, messages, generation_prompt=generation_prompt, tools=tools, room=self._room(),
+                        chars_per_token=longest_token_chars(self.tok.hf))
 
     # ------------------------------------------------------------------ generation
 
-    def _prepare(self, prompt_ids: list[int], req: dict[str, Any], chat: bool) -> tuple[GenRequest, dict[str, Any]]:
-        """The call's engine request, or its refusal (before any reply is begun)."""
+    def _params(self, req: dict[str, Any], chat: bool) -> dict[str, Any]:
+        """The call's sampling parameters, or its refusal: checked before its prompt is converted."""
         s = self.settings
         params = sampling_params(req, UNSUPPORTED, "the agent endpoint (each call is recorded as one turn)", chat=chat)
         if params["n"] != 1:
@@ -288,6 +306,11 @@ class EpisodeRecorder:
             raise RequestError("this episode's oldest generated token is older than workflow.max_staleness allows: "
                                "the episode is cancelled (its sample will not be trained)", status=409,
                                kind="episode_cancelled")
+        return params
+
+    def _request(self, prompt_ids: list[int], params: dict[str, Any], req: dict[str, Any]) -> GenRequest:
+        """The call's engine request, or its refusal (before any reply is begun)."""
+        s = self.settings
         if not prompt_ids:
             raise RequestError("prompt: empty after tokenization", param="prompt")
         max_tokens = min(params["max_tokens"], s.max_new_tokens) if req.get("max_tokens") is not None \
@@ -302,7 +325,7 @@ class EpisodeRecorder:
         # same way after the fact for an engine without token callbacks)
         feed = TokenFeed(0, self.tok.decode, params["stop"]) if params["stop"] else None
         return GenRequest(self.uid, prompt_ids, max_tokens, s.temperature, s.top_p, s.top_k, seed=params["seed"],
-                          top_logprobs=params["top_logprobs"], on_token=feed), params
+                          top_logprobs=params["top_logprobs"], on_token=feed)
 
     async def _sample(self, request: GenRequest, params: dict[str, Any]) -> tuple[Call, str, GenResult]:
         """Generate and record the call: (the call, its text, the result), cut at its first stop
@@ -381,11 +404,16 @@ def _result(call: Call) -> GenResult:
 class AgentProxy:
     """A loopback asyncio HTTP server in the rollout worker's loop: `/episodes/<key>/v1/...` routes to
     the `EpisodeRecorder` registered under `key` (a fresh random key per episode, so a late call from
-    a finished episode can never land in another)."""
+    a finished episode can never land in another). Its transport and bounds are `agent_http`'s: a
+    request for an unknown key is answered 404 from its headers, before its body is read; connections
+    past `max_connections` wait their turn (`wait_s`: the run's rollout.request_timeout_s, as long as
+    a call they wait behind may take), and past `max_waiting` are refused 503."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", *, max_connections: int = MAX_CONNECTIONS,
+                 max_waiting: int = MAX_WAITING, wait_s: float = 600.0) -> None:
         self.host = host
         self.port = 0
+        self.gate = ConnectionGate(max_connections, max_waiting, wait_s)
         self._server: asyncio.Server | None = None
         self._episodes: dict[str, EpisodeRecorder] = {}
 
@@ -416,18 +444,21 @@ class AgentProxy:
             for t in list(rec.tasks):
                 t.cancel()
 
-    async def handle(self, method: str, path: str, body: bytes) -> tuple[int, Reply]:
-        """Answer one request: (status, JSON object or, streamed, server-sent events)."""
-        rec: EpisodeRecorder | None = None
+    def route(self, method: str, path: str) -> tuple[EpisodeRecorder, str]:
+        """(the episode's recorder, the route under its /v1) from the request line alone; an unknown
+        route or episode key is a 404."""
+        parts = path.split("?", 1)[0].strip("/").split("/")
+        if len(parts) < 3 or parts[0] != "episodes" or parts[2] != "v1":
+            raise RequestError(f"no route {method} {path[:200]}", status=404, kind="not_found_error")
+        rec = self._episodes.get(parts[1])
+        if rec is None:
+            raise RequestError(f"episode {parts[1][:100]!r} is not running (it ended, or never existed)", status=404,
+                               kind="not_found_error")
+        return rec, "/" + "/".join(parts[3:])
+
+    async def answer(self, rec: EpisodeRecorder, method: str, route: str, body: bytes) -> tuple[int, Reply]:
+        """Answer one request of `rec`'s episode: (status, JSON object or, streamed, server-sent events)."""
         try:
-            parts = path.split("?", 1)[0].strip("/").split("/")
-            if len(parts) < 3 or parts[0] != "episodes" or parts[2] != "v1":
-                raise RequestError(f"no route {method} {path}", status=404, kind="not_found_error")
-            rec = self._episodes.get(parts[1])
-            if rec is None:
-                raise RequestError(f"episode {parts[1]!r} is not running (it ended, or never existed)", status=404,
-                                   kind="not_found_error")
-            route = "/" + "/".join(parts[3:])
             if method == "GET" and route == "/models":
                 return 200, {"object": "list", "data": [{"id": "asyncflow-policy", "object": "model",
                                                          "owned_by": "asyncflow"}]}
@@ -443,61 +474,47 @@ class AgentProxy:
                         rec.tasks.discard(task)
             raise RequestError(f"no route {method} {route}", status=404, kind="not_found_error")
         except RequestError as exc:
-            return exc.status, {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": None}}
+            return exc.status, error_reply(exc)
         except Exception as exc:  # a generation failure (kept on the recorder and raised by the episode)
             return 500, {"error": {"message": f"internal error: {exc!r}", "type": "server_error", "param": None,
                                    "code": None}}
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        reply: Reply
         try:
-            try:
-                method, path, body = await asyncio.wait_for(_read_request(reader), READ_TIMEOUT_S)
-            except (asyncio.TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
-                status, reply = 400, {"error": {"message": f"bad request: {exc!r}", "type": "invalid_request_error",
-                                                "param": None, "code": None}}
-            else:
-                status, reply = await self.handle(method, path, body)
-            if not isinstance(reply, dict):
-                await _write_events(writer, reply)
+            refused = await self.gate.enter(writer.transport)
+            if refused is not None:
+                await write_json(writer, 503, error_reply(RequestError(refused, status=503, kind="server_busy")))
                 return
-            data = json.dumps(reply).encode()
-            # a refusal (4xx: max turns, staleness, bad request) is final: the OpenAI SDK retried 409
-            # and 429 twice with back-off unless told not to
-            final = "x-should-retry: false\r\n" if 400 <= status < 500 else ""
-            writer.write(f"HTTP/1.1 {status} {'OK' if status < 400 else 'Error'}\r\nContent-Type: application/json\r\n"
-                         f"{final}Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
-            with contextlib.suppress(OSError, asyncio.TimeoutError):
-                await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
+            try:
+                await self._exchange(reader, writer)
+            finally:
+                self.gate.leave()
         finally:
             writer.close()
 
-
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
-    line = (await reader.readline()).decode("latin-1").split()
-    if len(line) != 3 or not line[2].startswith("HTTP/"):
-        raise ValueError(f"malformed request line {' '.join(line)[:100]!r}")
-    headers = await read_headers(reader)
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        raise ValueError("send the body with a Content-Length (chunked transfer encoding is not supported)")
-    length = int(headers.get("content-length") or 0)
-    if not 0 <= length <= MAX_BODY_BYTES:
-        raise ValueError("bad or too large Content-Length")
-    return line[0].upper(), line[1], await reader.readexactly(length) if length else b""
-
-
-
-async def _write_events(writer: asyncio.StreamWriter, events: AsyncIterator[bytes]) -> None:
-    """A `text/event-stream` reply ended by the connection's close; each write bounded."""
-    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                 b"Connection: close\r\n\r\n")
-    try:
-        async for data in events:
-            writer.write(data)
-            await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
-    except (OSError, asyncio.TimeoutError):
-        pass  # the agent left: the stream is closed below, which abandons its call
-    finally:
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Read one request (its episode key checked before its body is read), answer it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + READ_TIMEOUT_S
+        headers: dict[str, str] = {}
+        try:
+            method, path, headers = await asyncio.wait_for(read_head(reader), READ_TIMEOUT_S)
+            rec, route = self.route(method, path)
+            length = body_length(headers)
+            body = await asyncio.wait_for(reader.readexactly(length), max(0.0, deadline - loop.time())) \
+                if length else b""
+        except RequestError as exc:
+            await drain_small_body(reader, headers)
+            await write_json(writer, exc.status, error_reply(exc))
+            return
+        except HeaderLimitError as exc:
+            await write_json(writer, 431, error_reply(RequestError(f"request {exc}", status=431)))
+            return
+        except (asyncio.TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
+            await write_json(writer, 400, error_reply(RequestError(f"bad request: {exc!r}")))
+            return
+        status, reply = await self.answer(rec, method, route, body)
+        if isinstance(reply, dict):
+            await write_json(writer, status, reply)
+        else:
+            await write_events(writer, reply)

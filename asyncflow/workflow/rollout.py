@@ -144,7 +144,7 @@ class RolloutStage(StageBase):
         """This worker's recording endpoint for its agent episodes (None without `rollout.agent`)."""
         if self.agent is None:
             return None
-        proxy = AgentProxy()
+        proxy = AgentProxy(wait_s=self.cfg.rollout.request_timeout_s)  # (a queued connection waits behind calls)
         await proxy.start()
         return proxy
 
