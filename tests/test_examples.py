@@ -40,7 +40,7 @@ def test_example_runs(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     # quickly prepared task folders
     fixture = "smollm2_dir" if name.startswith("smollm2") else "calc_dir" if name.startswith("calc") else "arith_dir"
     model = request.getfixturevalue(fixture)
-    extra = ["train.max_steps=3", "train.mini_batches=1"] if name == "arith_offpolicy.yaml" else []
+    extra = ["train.max_steps=3"] if name == "arith_offpolicy.yaml" else []
     if name.startswith("byo/"):
         extra = ["train.batch_size=16"]
     if name.startswith("smollm2"):  # (the task's prompts into this test's cache)
@@ -61,3 +61,16 @@ def test_the_gsm8k_example_reads_hub_ids_and_its_reward_scores_the_last_number()
     assert (cfg.train.lr_schedule, cfg.train.gradient_checkpointing) == ("cosine", True)
     answers = ["Half of 48 is 24.\n#### 72", "#### 1,000", "#### 5"]
     assert score(["q"] * 3, ["So 48 + 24 = 72.", "It is 1000 in all", "no number"], answers) == [1.0, 1.0, 0.0]
+
+
+def test_examples_at_deep_staleness_use_a_loss_the_algorithms_page_recommends_for_it() -> None:
+    """docs/algorithms.md opens with a loss-per-staleness table; an example must not contradict it."""
+    page = (EXAMPLES.parent / "docs" / "algorithms.md").read_text(encoding="utf-8")
+    row = next(line for line in page.splitlines() if line.startswith("| 8 to 16 | `"))
+    recommended = set(row.split("|")[2].split("`")[1::2])
+    assert recommended == {"ppo", "icepop"}, row
+    deep = [name for name in ALL if name not in NOT_RUN_HERE and not name.startswith("byo/")
+            and load_config(EXAMPLES / name)[0].staleness >= 8]
+    assert "arith_offpolicy.yaml" in deep
+    for name in deep:
+        assert load_config(EXAMPLES / name)[0].algorithm.loss in recommended, name
