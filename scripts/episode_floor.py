@@ -9,7 +9,7 @@ flight, as PIPE agentic at 16 devices), 12 turns each.
 
     python scripts/episode_floor.py [EPISODES]
 
-Prints microseconds of CPU per episode and per turn for each variant. See docs/performance.md.
+Prints microseconds of CPU per episode and per turn for each variant.
 """
 
 from __future__ import annotations

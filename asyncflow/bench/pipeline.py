@@ -225,7 +225,7 @@ def _sim_config(spec: PipeSpec, profile: Profile, mode: str, batch: int) -> Any:
         f"workflow.mode={mode}", f"workflow.weight_update={'drain' if sync else 'swap'}", f"seed={spec.seed}",
         "workflow.step_timeout_s=100000", "rollout.request_timeout_s=100000", "workflow.lease_timeout_s=100000",
         "reward.timeout_s=1000",
-        # a step's worth of tracked objects (~25 per sample) between young collections: see docs/performance.md
+        # a step's worth of tracked objects (~25 per sample) between young collections
         f"workflow.gc_threshold={32 * batch}",
     ]
     if not sync:

@@ -13,8 +13,8 @@ inside it (measured on 400 eval prompts: step 750 greedy 10% / pass@8 at T=1 54%
 74%; step 1,050 48% / 85%): greedy accuracy is still low while sampling often finds the answer —
 the headroom GRPO turns into greedy accuracy within the demo. Where the transition falls depends
 on the data order: a variant that drew its batches differently reached it only at ~1,700 steps, and
-a model stopped before it (8% greedy) does not improve under RL in the demo's budget (both measured;
-docs/performance.md). So other seeds may need more warm-start steps. Prepare: ~1.5 min on 2 cores.
+a model stopped before it (8% greedy) does not improve under RL in the demo's budget (both measured).
+So other seeds may need more warm-start steps. Prepare: ~1.5 min on 2 cores.
 
 The warm start can also write a share of answers with a trailing "." (`SFT_TRAILING_DOT`), which
 the exact-match verifier rejects; it is off, because measured it only lowered the base model's
@@ -217,7 +217,7 @@ def eval_accuracy(model: Any, tokenizer: Any, rows: list[Row]) -> float:
 # ---------------------------------------------------------------------------------------------------
 
 SFT_STEPS = 900
-SFT_TRAILING_DOT = 0.0  # off: measured to hurt RL headroom (docs/performance.md); kept as a knob
+SFT_TRAILING_DOT = 0.0  # off: measured to hurt RL headroom; kept as a knob
 
 
 def prepare(
@@ -273,7 +273,7 @@ def cached_prepare(
 
 DEFAULTS: dict[str, Any] = {
     "rollout": {"n": 8, "max_new_tokens": 6, "temperature": 1.0},
-    # Measured (docs/performance.md): lr 2e-4 x 600 steps of 16 prompts x 8 gave +30 points; 4e-4 was
+    # Measured: lr 2e-4 x 600 steps of 16 prompts x 8 gave +30 points; 4e-4 was
     # unstable (+24) and 1e-3 collapses this model.
     "train": {"batch_size": 128, "mini_batches": 1, "lr": 2e-4, "max_steps": 600, "max_grad_norm": 1.0},
     "eval": {"every": 50, "size": 1000, "success_threshold": 1.0},
