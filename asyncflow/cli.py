@@ -92,7 +92,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action=_Version, help="print asyncflow's version and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    demo = sub.add_parser("demo", help="train the built-in arith task with async GRPO on this machine",
+    demo = sub.add_parser("demo", help="train the built-in calc task (tool use) with async GRPO on this machine",
                           epilog=CONFIG_HELP)
     demo.add_argument("--out", type=_path, default=None, help="run folder (default runs/demo-TIMESTAMP)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
