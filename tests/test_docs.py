@@ -195,10 +195,21 @@ def check_keys(doc: Markdown, found: Findings) -> None:
     """A backticked `section.key` is a config key (or a TRL or verl name the loader answers with
     its asyncflow key); `section.key: value` and `section.key=value` give a value the key takes."""
     for m in SPAN.finditer(doc.prose):
-        for part in re.split(r", (?=[a-z_.]+(?:=|: ))", m.group(2).strip()):  # `a.b: 1, c.d: 2`
+        for part in split_settings(m.group(2).strip()):  # `a.b: 1, c.d: 2`
             problem = key_problem(part)
             if problem is not None:
                 found.problems.append(f"{doc.where(m.start())}: `{part}`: {problem}")
+
+
+def split_settings(span: str) -> list[str]:
+    """`a.b: 1, c=2` -> its settings; a ", " inside braces or brackets (`{r: 16, alpha: 32}`) stays."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(span):
+        depth += (ch in "{[(") - (ch in "}])")
+        if depth == 0 and span.startswith(", ", i) and re.match(r"[a-z_.]+(?:=|: )", span[i + 2:]):
+            parts.append(span[start:i])
+            start = i + 2
+    return [*parts, span[start:]]
 
 
 def key_problem(span: str) -> str | None:
