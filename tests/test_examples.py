@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncflow.config import load_config
+from asyncflow.config import load_config, read_yaml
 from asyncflow.runner import train
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -27,6 +27,7 @@ def test_every_example_loads(monkeypatch: pytest.MonkeyPatch) -> None:
             "calc_agent.yaml", "calc_turn_barrier.yaml", "byo/config.yaml", *NOT_RUN_HERE} <= set(ALL)
     for name in ALL:
         extra = ["model.path=/nonexistent"] if name.startswith("byo/") else []
+        assert "task" in read_yaml(EXAMPLES / name), f"{name}: name its task (a pack, or null)"
         cfg, _ = load_config(EXAMPLES / name, extra)
         assert cfg.task in ("arith", "calc", "chat_arith", None), name
 
