@@ -104,9 +104,10 @@ def make_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser(
         "config", help="print the resolved config as YAML (validated as train does, without running)",
-        epilog="No CONFIG: the built-in defaults. Effective values replace null placeholders; keys the run would "
-               "not read are left out. Model, data and reward function are checked when a run starts. "
-               "Every key: docs/configuration.md.")
+        epilog="No CONFIG: the built-in defaults and the --set keys (with no task pack, model.path, dataset.path and "
+               "reward.fn are required: e.g. --set task=arith). Effective values replace null placeholders; keys the "
+               "run would not read are left out; a value a task pack supplied ends with `# from task NAME`. Model, "
+               "data and reward function are checked when a run starts. Every key: docs/configuration.md.")
     config.add_argument("config", type=_path, nargs="?", default=None, help="YAML config file")
     config.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
 
@@ -192,9 +193,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return _demo(args)
     if args.command == "config":
-        from asyncflow.config import dump_yaml
+        from asyncflow.config import dump_yaml, value_notes
 
-        sys.stdout.write(dump_yaml(load_config(args.config, args.set)[0]))
+        cfg, explicit = load_config(args.config, args.set)
+        sys.stdout.write(dump_yaml(cfg, value_notes(cfg, explicit)))
         return 0
     if args.command == "train":
         cfg, explicit = load_config(args.config, args.set)

@@ -26,6 +26,7 @@ from asyncflow.config_effective import effective_dict, effective_yaml
 from asyncflow.config_hints import alias_hint
 from asyncflow.config_reference import field_docs, reference_markdown
 from asyncflow.config_schema import (
+    LORA_LR,
     MAX_TIMEOUT_S,
     AlgorithmConfig,
     CheckpointConfig,
@@ -77,6 +78,7 @@ __all__ = [
     "task_defaults",
     "to_dict",
     "validate",
+    "value_notes",
 ]
 
 
@@ -168,6 +170,23 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{p}: expected a mapping of config sections at the top level")
     return data
+
+
+def value_notes(cfg: Config, explicit: set[str]) -> dict[str, str]:
+    """The dotted keys whose value came neither from the schema's default nor from the user (the task
+    pack's defaults; train.lr with model.lora), each with the note `asyncflow config` prints beside it."""
+    notes = {key: f"from task {cfg.task}" for key in _leaves(task_defaults(cfg.task)) if key not in explicit}
+    if cfg.model.lora is not None and "train.lr" not in explicit and "train.lr" not in notes:
+        notes["train.lr"] = "the default with model.lora"
+    return notes
+
+
+def _leaves(d: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys of the values in nested dicts `d` (sections are not keys of their own)."""
+    out: list[str] = []
+    for key, value in d.items():
+        out += _leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return out
 
 
 def task_defaults(task: str | None) -> dict[str, Any]:
@@ -284,10 +303,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise UserError(f"task: expected a task name or null, got {_shown(task)}")
     train = explicit.get("train")
     if isinstance(train, dict) and "lr" in train and train["lr"] is None:
-        # `lr: null` (DESIGN.md's contract config): the task pack's rate, else the default, as if not given
+        # `lr: null`: as if not given (the task pack's rate, else the default)
         explicit = {**explicit, "train": {k: v for k, v in train.items() if k != "lr"}}
     raw = merge(task_defaults(task), explicit)
     cfg = from_dict(raw)
+    if cfg.model.lora is not None and "lr" not in raw.get("train", {}):
+        cfg.train.lr = LORA_LR  # (train.lr's doc: an adapter wants a larger rate than full fine-tuning)
     for section, key in _PATH_KEYS:  # `~/data.jsonl` means the home folder, as in a shell
         holder = getattr(cfg, section)
         value = getattr(holder, key)
@@ -461,7 +482,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def dump_yaml(cfg: Config) -> str:
+def dump_yaml(cfg: Config, notes: dict[str, str] | None = None) -> str:
     """The resolved config as YAML (config.yaml, `asyncflow config`): effective values, no key the run
-    does not read, loadable back (config_effective.py)."""
-    return effective_yaml(cfg)
+    does not read, loadable back (config_effective.py); `notes` (dotted key: text) become trailing
+    comments on their keys' lines."""
+    return effective_yaml(cfg, notes)

@@ -13,6 +13,7 @@ from asyncflow.config_schema import Config, clip_defaults, episodic, max_generat
 from asyncflow.errors import UserError
 from asyncflow.hub import hub_id
 from asyncflow.rewards.sandbox_verify import PROBED as SANDBOX_LAYERS
+from asyncflow.tasks import TASK_NAMES
 
 
 def validate(cfg: Config, explicit: set[str]) -> None:
@@ -49,7 +50,8 @@ def _validate_sources(cfg: Config, explicit: set[str]) -> None:
         for key in ("model.path", "dataset.path", *(() if episodic(cfg) else ("reward.fn",))):
             section, name = key.split(".")
             if getattr(getattr(cfg, section), name) is None:
-                raise UserError(f"{key}: required when task is null (no task pack to supply it)")
+                raise UserError(f"{key}: required when task is null (no task pack to supply it; a pack is named with "
+                                f"task: {' / '.join(TASK_NAMES)})")
     if "model.task_seed" in explicit and (cfg.task is None or cfg.model.path is not None):
         raise UserError("model.task_seed: not used with " + ("task null" if cfg.task is None else "model.path set")
                         + " (it seeds the task pack's own base model)")

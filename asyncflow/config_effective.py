@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from typing import Any
 
 import yaml
@@ -66,6 +67,30 @@ def effective_dict(cfg: Config) -> dict[str, Any]:
     return data
 
 
-def effective_yaml(cfg: Config) -> str:
-    """`effective_dict` as YAML, in the schema's key order."""
-    return yaml.safe_dump(effective_dict(cfg), sort_keys=False)
+def effective_yaml(cfg: Config, notes: dict[str, str] | None = None) -> str:
+    """`effective_dict` as YAML, in the schema's key order; each `notes` entry (dotted key: text)
+    a trailing comment on its key's line."""
+    text = yaml.safe_dump(effective_dict(cfg), sort_keys=False)
+    return annotated(text, notes) if notes else text
+
+
+_KEY_LINE = re.compile(r"( *)([A-Za-z_][A-Za-z0-9_]*):(?: |$)")
+
+
+def annotated(text: str, notes: dict[str, str]) -> str:
+    """Block-style YAML `text` with `# note` after each line whose dotted key `notes` names; the path
+    of a line is read from the indentation of the key lines above it."""
+    path: list[tuple[int, str]] = []  # (indent, key) of the sections holding the current line
+    lines = []
+    for line in text.splitlines():
+        match = _KEY_LINE.match(line)
+        if match:
+            indent = len(match.group(1))
+            while path and path[-1][0] >= indent:
+                path.pop()
+            path.append((indent, match.group(2)))
+            note = notes.get(".".join(key for _, key in path))
+            if note:
+                line = f"{line}  # {note}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"

@@ -1,4 +1,5 @@
-"""The configuration reference (docs/configuration.md), generated from the typed tree's field docs."""
+"""The configuration reference (docs/configuration.md), generated from the typed tree's field docs and
+the task packs' defaults."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `asyncflow/config_schema.py` (`python -c \"from asyncflow.config import reference_markdown as r; print(r(), end='')\" > docs/configuration.md`).",
+        "Generated from `asyncflow/config_schema.py` and the task packs in `asyncflow/tasks/` (`python -c \"from asyncflow.config import reference_markdown as r; print(r(), end='')\" > docs/configuration.md`).",
         "Precedence: built-in defaults < the task pack's defaults < the YAML file < `--set key.path=value`.",
         "Unknown keys, wrong types, out-of-range values and contradictory settings are refused (exit 2).",
         "",
@@ -41,6 +42,41 @@ def reference_markdown() -> str:
         if head != section:
             section = head
             lines += ["", f"## {head}", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        shown = "null" if default is None else repr(default) if isinstance(default, str) else str(default).lower() if isinstance(default, bool) else str(default)
-        lines.append(f"| `{key}` | {type_text} | `{shown}` | {doc} |")
-    return "\n".join(lines) + "\n"
+        lines.append(f"| `{key}` | {type_text} | `{_shown(default)}` | {doc} |")
+    return "\n".join(lines + task_pack_lines()) + "\n"
+
+
+def task_pack_lines() -> list[str]:
+    """The reference's last section: what each task pack sets, generated from the packs themselves."""
+    from asyncflow.tasks import TASK_NAMES, get_task
+
+    lines = [
+        "",
+        "## Task packs",
+        "",
+        "`task: NAME` names a built-in task pack (docs/tasks.md). With `model.path`, `dataset.path` and `reward.fn` "
+        "null it supplies its own model, prompts and verifier; and each key below that the YAML file and `--set` do "
+        "not give takes the pack's value instead of the default in the tables above. `asyncflow config` marks those "
+        "values `# from task NAME`. With `task: null` (the default) no pack applies.",
+    ]
+    for name in TASK_NAMES:
+        pack = get_task(name)
+        lines += ["", f"### {name}", "", pack.description, "", "| key | value |", "| --- | --- |"]
+        lines += [f"| `{key}` | `{_shown(value)}` |" for key, value in _leaf_items(pack.defaults)]
+    return lines
+
+
+def _leaf_items(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in d.items():
+        out += _leaf_items(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+    return out
+
+
+def _shown(value: Any) -> str:
+    """A value as the reference's tables write it (YAML's spelling)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else str(value)

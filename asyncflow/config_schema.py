@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # every `*timeout*` key's maximum (config.py): a week is "never" for a run
+LORA_LR = 1e-5  # train.lr when model.lora is set and neither the config nor its task pack gives one (its doc)
 
 
 def _f(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None) -> Any:
@@ -131,7 +132,8 @@ class RolloutConfig:
     )
     workers: int = _f(1, "Number of rollout workers (one engine each).", lo=1, hi=4096)
     n: int = _f(8, "Samples per prompt (a GRPO group). Each is its own request (prompt replication).", lo=1)
-    max_new_tokens: int = _f(16, "Longest response, in tokens.", lo=1)
+    max_new_tokens: int = _f(256, "Longest response, in tokens (per turn with rollout.env or rollout.agent). 256: TRL's "
+                                  "max_completion_length default.", lo=1)
     temperature: float = _f(1.0, "Sampling temperature. The trainer divides logits by it too.", lo=1e-3)
     top_p: float = _f(
         1.0,
@@ -256,8 +258,10 @@ class TrainConfig:
         "mini-batch (with fsdp: the rank's share of it).",
         lo=1,
     )
-    lr: float = _f(1e-6, "AdamW learning rate (task packs set one that suits their model). null: the task pack's, "
-                   "else this default.", lo=0.0, hi=10.0)
+    lr: float = _f(1e-6, "AdamW learning rate. 1e-6: the default of TRL's GRPOConfig and verl's actor optimizer, for "
+                         "full fine-tuning; with model.lora set, 1e-5: LoRA wants about ten times full "
+                         "fine-tuning's rate (TRL's LoRA Without Regret guide). A task pack sets its own. null: as if "
+                         "not given.", lo=0.0, hi=10.0)
     weight_decay: float = _f(0.0, "AdamW weight decay.", lo=0.0, hi=10.0)
     max_steps: int = _f(100, "Train steps (weight publications) in the run.", lo=1)
     max_grad_norm: float = _f(1.0, "Gradient-norm clip per optimizer step (0: no clipping).", lo=0.0)
@@ -562,7 +566,9 @@ class CheckpointConfig:
 class Config:
     """The whole run."""
 
-    task: str | None = _f("arith", "Built-in task pack supplying what is not given (model, data, reward, defaults).")
+    task: str | None = _f(None, "Built-in task pack (arith, calc, chat_arith) supplying what is not given: its model, "
+                                "data, reward and the defaults listed under Task packs below. null: none; model.path, "
+                                "dataset.path and reward.fn are required and the defaults are the ones in this table.")
     seed: int = _f(0, "Seed for data order, sampling and initialisation (0 to 2^31-1: seeds derived from it must fit "
                    "the 64-bit seeds of torch and the engines).", lo=0, hi=2**31 - 1)
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": ModelConfig.__doc__})

@@ -344,17 +344,17 @@ def test_an_agent_call_gets_at_most_the_positions_its_prompt_leaves() -> None:
 
 def test_rollout_agent_is_refused_with_env_or_reward_fn(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="rollout.agent: not used with rollout.env"):
-        load_config(None, ["rollout.agent=m:f", "rollout.env=calculator"])
+        load_config(None, ["task=arith", "rollout.agent=m:f", "rollout.env=calculator"])
     with pytest.raises(UserError, match="reward.fn: not used with rollout.agent"):
-        load_config(None, ["rollout.agent=m:f", "reward.fn=m:g"])
+        load_config(None, ["task=arith", "rollout.agent=m:f", "reward.fn=m:g"])
     with pytest.raises(UserError, match="must be 'module:function'"):
-        load_config(None, ["rollout.agent=nocolon"])
-    cfg, _ = load_config(None, ["rollout.agent=m:f"])
+        load_config(None, ["task=arith", "rollout.agent=nocolon"])
+    cfg, _ = load_config(None, ["task=arith", "rollout.agent=m:f"])
     assert cfg.rollout.agent == "m:f"
-    assert load_config(None, ["rollout.agent=m:f", "runtime.kind=ray"])[0].runtime.kind == "ray"
+    assert load_config(None, ["task=arith", "rollout.agent=m:f", "runtime.kind=ray"])[0].runtime.kind == "ray"
     # a base config's reward.fn set back to null on the command line is not "set": an agent or env is taken
     base = tmp_path / "base.yaml"
-    base.write_text("reward: {fn: m:g}\n")
+    base.write_text("task: arith\nreward: {fn: m:g}\n")
     assert load_config(base, ["reward.fn=null", "rollout.agent=m:f"])[0].rollout.agent == "m:f"
     assert load_config(base, ["reward.fn=null", "rollout.env=calculator"])[0].rollout.env == "calculator"
     with pytest.raises(UserError, match="reward.fn: not used with rollout.env"):
@@ -386,7 +386,7 @@ def test_a_short_train_run_trains_black_box_agent_episodes(arith_dir: Path, tmp_
     (tmp_path / "http_agent.py").write_text(AGENT_MODULE)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    cfg, _ = load_config(None, [f"model.path={arith_dir}", "rollout.agent=http_agent:solve", "train.max_steps=3",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "rollout.agent=http_agent:solve", "train.max_steps=3",
                                 "train.batch_size=16", "rollout.n=4", "eval.size=8", "eval.every=0",
                                 "logging.progress=false"])
     summary = train(cfg, out, progress_enabled=False)
@@ -677,7 +677,7 @@ def test_a_run_with_blocking_agents_goes_on_and_accounts_every_sample(arith_dir:
     (tmp_path / "blocking_agent.py").write_text(BLOCKING_AGENT)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    cfg, _ = load_config(None, [f"model.path={arith_dir}", "rollout.agent=blocking_agent:solve", "train.max_steps=2",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "rollout.agent=blocking_agent:solve", "train.max_steps=2",
                                 "train.batch_size=16", "rollout.n=4", "rollout.agent_timeout_s=1.0", "eval.size=4",
                                 "eval.every=0", "logging.progress=false"])
     summary = _bounded(lambda: train(cfg, out, progress_enabled=False), 240.0)

@@ -381,7 +381,7 @@ def test_bad_input_found_after_the_folder_is_written_leaves_no_half_made_run(ari
     from asyncflow.run_folder import check_out_dir
     from asyncflow.runner import train
 
-    cfg, _ = load_config(None, [f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=8",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=8",
                                 "train.max_steps=1", "logging.progress=false"])
 
     async def bad_eval(self: Any, step: int) -> Any:
@@ -413,7 +413,7 @@ def test_a_run_that_fails_to_start_for_any_reason_leaves_no_half_made_run(arith_
         raise RuntimeError("When connecting to an existing cluster, num_cpus must not be provided")
 
     monkeypatch.setattr("asyncflow.runtime.ray_runtime.RayWorkers.start", cannot_start)
-    cfg, _ = load_config(None, [f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=8",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=8",
                                 "train.max_steps=1", "logging.progress=false", "runtime.kind=ray"])
     out = tmp_path / "run"
     with pytest.raises(RuntimeError, match="existing cluster"):
@@ -461,7 +461,7 @@ def test_two_runs_cannot_claim_one_folder(tmp_path: Path, monkeypatch: pytest.Mo
 def test_a_timed_out_wait_ends_the_cli_with_one_line_and_exit_1(arith_dir: Path, tmp_path: Path) -> None:
     """A bounded wait that runs out is not bad input (exit 1), but still one line: what was awaited,
     the key that bounds it, and where the run can go on from."""
-    (tmp_path / "run.yaml").write_text("seed: 0\n")
+    (tmp_path / "run.yaml").write_text("task: arith\n")
     proc = subprocess.run(
         [sys.executable, "-m", "asyncflow", "train", "--out", str(tmp_path / "run"), str(tmp_path / "run.yaml"),
          "--set", f"model.path={arith_dir}", "--set", "train.batch_size=8", "--set", "rollout.n=4",
@@ -604,6 +604,6 @@ def test_no_dataset_path_and_no_train_jsonl_in_the_model_folder_names_what_to_se
     from asyncflow.inputs import resolve_inputs
 
     make_model_dir(tmp_path / "model")
-    cfg, _ = load_config(None, [f"model.path={tmp_path / 'model'}"])
+    cfg, _ = load_config(None, ["task=arith", f"model.path={tmp_path / 'model'}"])
     with pytest.raises(UserError, match=r"dataset.path: not set, and model.path \(.*model\) has no train.jsonl"):
         resolve_inputs(cfg, print)

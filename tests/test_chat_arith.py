@@ -97,7 +97,7 @@ def test_the_lenient_check_is_refused_for_episodes_and_its_tokens_without_it() -
     from asyncflow.errors import UserError
 
     with pytest.raises(UserError, match="eval.lenient_fn: single-turn runs only"):
-        load_config(None, ["rollout.env=calculator", "eval.lenient_fn=a:b"])
+        load_config(None, ["task=arith", "rollout.env=calculator", "eval.lenient_fn=a:b"])
     with pytest.raises(UserError, match="eval.lenient_tokens: only used with eval.lenient_fn"):
         load_config(None, ["task=null", "model.path=m", "dataset.path=d.jsonl", "reward.fn=a:b",
                            "eval.lenient_tokens=100"])

@@ -25,7 +25,7 @@ SMALL = ["train.batch_size=32", "rollout.n=4", "rollout.max_new_tokens=4", "eval
 
 
 def _train(arith_dir: Path, out: Path, extra: list[str]) -> dict[str, Any]:
-    cfg, _ = load_config(None, [*SMALL, f"model.path={arith_dir}", *extra])
+    cfg, _ = load_config(None, ["task=arith", *SMALL, f"model.path={arith_dir}", *extra])
     return train(cfg, out, progress_enabled=False)
 
 
@@ -110,7 +110,7 @@ def test_a_crash_mid_run_resumes_without_losing_or_repeating_anything(arith_dir:
     samples in flight; `checkpoint.resume=auto` finishes the run: steps 1..6 logged once, 6 x 32
     samples trained, no sample logged twice, and exactly the groups (and prompts) of an uninterrupted run."""
     (tmp_path / "crash_reward.py").write_text(CRASHING_REWARD)
-    (tmp_path / "c.yaml").write_text("seed: 0\n")
+    (tmp_path / "c.yaml").write_text("task: arith\n")
     out, full = tmp_path / "run", tmp_path / "full"
     base = [*SMALL, f"model.path={arith_dir}", "workflow.mode=async", "workflow.max_staleness=1",
             "train.max_steps=6", "checkpoint.every=3", "reward.fn=crash_reward:reward_fn"]

@@ -15,23 +15,25 @@ import yaml
 import asyncflow
 from asyncflow import checkpoint
 from asyncflow.cli import main
-from asyncflow.config import dump_yaml, load_config, to_dict
-from asyncflow.config_schema import torch_threads
+from asyncflow.config import dump_yaml, field_docs, load_config, to_dict, value_notes
+from asyncflow.config_schema import LORA_LR, torch_threads
 from asyncflow.run_folder import RunFolder
+from asyncflow.tasks import get_task
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = [
     (ROOT / "asyncflow" / "demo.yaml", []),
-    (None, []),
-    (None, ["workflow.mode=sync"]),
-    (None, ["algorithm.agg=dr_grpo", "algorithm.advantage=dr_grpo"]),
-    (None, ["algorithm.loss=gspo", "algorithm.agg=token_mean"]),
-    (None, ["algorithm.loss=tis", "algorithm.kl_coef=0.01", "runtime.kind=ray", "runtime.rollout_gpus=0.5"]),
-    (None, ["rollout.engine=openai", "rollout.server_urls=[http://127.0.0.1:8000, http://127.0.0.1:8001]"]),
-    (None, ["train.engine=fsdp", "train.world_size=2", "train.micro_batch_size=8"]),
-    (None, ["model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"]),
+    (None, ["task=arith"]),
+    (None, ["task=arith", "workflow.mode=sync"]),
+    (None, ["task=arith", "algorithm.agg=dr_grpo", "algorithm.advantage=dr_grpo"]),
+    (None, ["task=arith", "algorithm.loss=gspo", "algorithm.agg=token_mean"]),
+    (None, ["task=arith", "algorithm.loss=tis", "algorithm.kl_coef=0.01", "runtime.kind=ray", "runtime.rollout_gpus=0.5"]),
+    (None, ["task=arith", "rollout.engine=openai", "rollout.server_urls=[http://127.0.0.1:8000, http://127.0.0.1:8001]"]),
+    (None, ["task=arith", "train.engine=fsdp", "train.world_size=2", "train.micro_batch_size=8"]),
+    (None, ["task=arith", "model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"]),
     *[(p, []) for p in sorted((ROOT / "examples").glob("arith*.yaml"))],
     (ROOT / "examples" / "byo" / "config.yaml", ["model.path=/nonexistent"]),
+    (ROOT / "examples" / "byo" / "config.yaml", ["model.path=/nonexistent", "model.lora.r=8", "train.lr=null"]),
     (ROOT / "examples" / "calc_agent.yaml", []),
 ]
 
@@ -53,17 +55,17 @@ def test_the_resolved_config_loads_back_as_the_same_config(path: Path | None, ov
 
 
 def test_effective_values_replace_null_and_unread_keys_are_left_out() -> None:
-    data = yaml.safe_load(dump_yaml(load_config(None, [])[0]))
+    data = yaml.safe_load(dump_yaml(load_config(None, ["task=arith"])[0]))
     assert data["workflow"]["max_staleness"] == 1  # async: null meant 1
     assert data["runtime"]["torch_threads"] >= 1
     assert "rollout_gpus" not in data["runtime"] and "server_urls" not in data["rollout"]  # local, hf
     assert "is_level" not in data["algorithm"] and "world_size" not in data["train"]  # ppo, torch
-    data = yaml.safe_load(dump_yaml(load_config(None, ["workflow.mode=sync", "runtime.kind=ray"])[0]))
+    data = yaml.safe_load(dump_yaml(load_config(None, ["task=arith", "workflow.mode=sync", "runtime.kind=ray"])[0]))
     assert data["workflow"]["max_staleness"] == 0 and data["runtime"]["rollout_gpus"] == 0.0
 
 
 def test_a_run_folder_records_the_effective_config(tmp_path: Path) -> None:
-    cfg, _ = load_config(None, [])
+    cfg, _ = load_config(None, ["task=arith"])
     folder = RunFolder(tmp_path / "run", cfg, None)
     try:
         folder.open()
@@ -76,19 +78,67 @@ def test_a_run_folder_records_the_effective_config(tmp_path: Path) -> None:
 def test_a_run_recorded_with_nulls_and_every_key_resumes_unchanged(tmp_path: Path) -> None:
     """Runs written before config.yaml held effective values recorded nulls and unread keys; a
     resume compares them as this version writes them, so none reads as a changed setting."""
-    cfg, _ = load_config(None, [])  # (rollout.max_turns, a key a resume must keep, is not read here)
+    cfg, _ = load_config(None, ["task=arith"])  # (rollout.max_turns, a key a resume must keep, is not read here)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     assert checkpoint._changed_settings(tmp_path, cfg) == []
 
 
 def test_config_command_prints_the_resolved_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
-    f.write_text("rollout: {n: 4}\ntrain: {batch_size: 16}\n")
+    f.write_text("task: arith\nrollout: {n: 4}\ntrain: {batch_size: 16}\n")
     assert main(["config", str(f), "--set", "workflow.mode=sync"]) == 0
     out = capsys.readouterr().out
-    assert out == dump_yaml(load_config(f, ["workflow.mode=sync"])[0])
+    cfg, explicit = load_config(f, ["workflow.mode=sync"])
+    assert out == dump_yaml(cfg, value_notes(cfg, explicit))
+    assert yaml.safe_load(out) == yaml.safe_load(dump_yaml(cfg))  # the notes are comments only
     assert yaml.safe_load(out)["train"]["batch_size"] == 16
-    assert main(["config"]) == 0 and yaml.safe_load(capsys.readouterr().out)["task"] == "arith"
+    assert main(["config", "--set", "task=calc"]) == 0 and yaml.safe_load(capsys.readouterr().out)["task"] == "calc"
+
+
+BYO = "model: {path: my-model}\ndataset: {path: data.jsonl}\nreward: {fn: 'rewards.py:score'}\n"
+
+
+def test_a_config_without_a_task_gets_no_pack_and_the_documented_defaults(capsys: pytest.CaptureFixture[str],
+                                                                          tmp_path: Path) -> None:
+    f = tmp_path / "byo.yaml"
+    f.write_text(BYO)
+    assert main(["config", str(f)]) == 0
+    out = capsys.readouterr().out
+    data = yaml.safe_load(out)
+    assert data["task"] is None and "# from task" not in out
+    documented = {key: default for key, _, default, _ in field_docs()}
+    for key in ("rollout.n", "rollout.max_new_tokens", "rollout.temperature", "train.batch_size", "train.lr",
+                "train.max_steps", "eval.every", "eval.size"):
+        section, name = key.split(".")
+        assert data[section][name] == documented[key], key
+    # defaults that suit a real pretrained model: TRL's completion length, TRL's and verl's learning rate
+    assert (data["rollout"]["max_new_tokens"], data["train"]["lr"]) == (256, 1e-6)
+
+
+def test_lora_without_a_rate_gets_its_own_default_and_says_so(capsys: pytest.CaptureFixture[str],
+                                                               tmp_path: Path) -> None:
+    f = tmp_path / "byo.yaml"
+    f.write_text(BYO)
+    assert main(["config", str(f), "--set", "model.lora.r=8"]) == 0
+    out = capsys.readouterr().out
+    assert "  lr: 1.0e-05  # the default with model.lora\n" in out and yaml.safe_load(out)["train"]["lr"] == LORA_LR
+    assert load_config(f, ["model.lora.r=8", "train.lr=3e-6"])[0].train.lr == 3e-6  # given: kept
+    assert load_config(f, ["model.lora.r=8", "train.lr=null"])[0].train.lr == LORA_LR  # null: as if not given
+    task_lr = get_task("arith").defaults["train"]["lr"]
+    assert load_config(None, ["task=arith", "model.lora.r=8"])[0].train.lr == task_lr  # the pack's rate wins
+
+
+def test_a_config_naming_a_pack_marks_each_value_the_pack_set(capsys: pytest.CaptureFixture[str],
+                                                              tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("task: arith\ntrain: {max_steps: 7}\n")
+    assert main(["config", str(f), "--set", "rollout.n=4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "  max_new_tokens: 6  # from task arith" in lines and "  lr: 0.0002  # from task arith" in lines
+    assert "  max_steps: 7" in lines and "  n: 4" in lines  # given by the file and --set: not the pack's
+    marked = [line for line in lines if line.endswith("  # from task arith")]
+    pack = get_task("arith").defaults
+    assert len(marked) == sum(len(section) for section in pack.values()) - 2
 
 
 @pytest.mark.parametrize(
@@ -135,7 +185,7 @@ def test_train_help_points_to_the_config_reference(capsys: pytest.CaptureFixture
 
 
 def test_the_config_command_loads_nothing_heavy() -> None:
-    code = ("import sys; from asyncflow.cli import main; main(['config']); "
+    code = ("import sys; from asyncflow.cli import main; main(['config', '--set', 'task=arith']); "
             "assert not {'torch', 'transformers', 'ray'} & set(sys.modules), sorted(sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

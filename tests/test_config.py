@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from asyncflow.config import field_docs, load_config, parse_set
 from asyncflow.errors import UserError
@@ -17,12 +20,12 @@ def test_precedence_defaults_task_file_then_set(tmp_path: Path) -> None:
     from asyncflow.config import Config
     from asyncflow.tasks import get_task
 
-    cfg, _ = load_config()
+    cfg, _ = load_config(None, ["task=arith"])
     task_lr = get_task("arith").defaults["train"]["lr"]
     assert task_lr != Config().train.lr
     assert cfg.train.lr == pytest.approx(task_lr)  # the task pack's lr beats the built-in default
     f = tmp_path / "c.yaml"
-    f.write_text("train:\n  lr: 0.5\n  max_steps: 7\nrollout: {n: 4}\n")
+    f.write_text("task: arith\ntrain:\n  lr: 0.5\n  max_steps: 7\nrollout: {n: 4}\n")
     cfg, explicit = load_config(f, ["train.lr=0.25"])
     assert cfg.train.lr == 0.25 and cfg.train.max_steps == 7 and cfg.rollout.n == 4
     assert "train.lr" in explicit and "rollout.n" in explicit and "eval.every" not in explicit
@@ -134,7 +137,7 @@ def test_set_values_are_parsed_as_yaml_scalars() -> None:
 )
 def test_bad_values_name_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(UserError) as info:
-        load_config(None, overrides)
+        load_config(None, ["task=arith", *overrides])
     assert message in str(info.value)
     assert "\n" not in str(info.value)
 
@@ -146,10 +149,10 @@ def test_vllm_on_ray_is_taken_with_a_gpu_per_rollout_actor_where_vllm_is_install
     sets = ["rollout.engine=vllm", "runtime.kind=ray", "runtime.rollout_gpus=1"]
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(UserError, match=r"^rollout.engine: vllm is not installed"):
-            load_config(None, sets)
+            load_config(None, ["task=arith", *sets])
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
-    cfg, _ = load_config(None, sets)
+    cfg, _ = load_config(None, ["task=arith", *sets])
     assert (cfg.rollout.engine, cfg.runtime.kind, cfg.runtime.rollout_gpus) == ("vllm", "ray", 1)
 
 
@@ -161,10 +164,10 @@ def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:
 
 
 def test_algorithm_settings_that_are_used_load() -> None:
-    cfg, _ = load_config(None, ["algorithm.loss=decoupled_ppo", "algorithm.is_cap=3", "algorithm.is_level=sequence",
+    cfg, _ = load_config(None, ["task=arith", "algorithm.loss=decoupled_ppo", "algorithm.is_cap=3", "algorithm.is_level=sequence",
                                 "algorithm.dual_clip=3", "algorithm.agg=dr_grpo", "algorithm.norm_length=8"])
     assert (cfg.algorithm.is_cap, cfg.algorithm.is_level, cfg.algorithm.norm_length) == (3.0, "sequence", 8)
-    cfg, _ = load_config(None, ["algorithm.loss=reinforce", "workflow.max_staleness=0", "rollout.top_p=0.9", "rollout.top_k=5",
+    cfg, _ = load_config(None, ["task=arith", "algorithm.loss=reinforce", "workflow.max_staleness=0", "rollout.top_p=0.9", "rollout.top_k=5",
                                 "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2", "algorithm.overlong_buffer=2",
                                 "algorithm.overlong_penalty=0.5", "rollout.n=1", "train.batch_size=8",
                                 "algorithm.advantage=reinforce_pp"])
@@ -174,31 +177,31 @@ def test_algorithm_settings_that_are_used_load() -> None:
 def test_clip_defaults_are_per_loss_and_config_yaml_shows_them_resolved() -> None:
     from asyncflow.config import effective_dict
 
-    cfg, _ = load_config(None, ["algorithm.loss=gspo"])  # GSPO's sequence ratio: its paper's ~3e-4 / 4e-4
+    cfg, _ = load_config(None, ["task=arith", "algorithm.loss=gspo"])  # GSPO's sequence ratio: its paper's ~3e-4 / 4e-4
     assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (3e-4, 4e-4)
     assert (effective_dict(cfg)["algorithm"]["clip_low"], effective_dict(cfg)["algorithm"]["clip_high"]) == (3e-4, 4e-4)
-    cfg, _ = load_config(None, ["algorithm.loss=ppo"])
+    cfg, _ = load_config(None, ["task=arith", "algorithm.loss=ppo"])
     assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (0.2, 0.28)
-    cfg, _ = load_config(None, ["algorithm.loss=gspo", "algorithm.clip_high=0.001"])
+    cfg, _ = load_config(None, ["task=arith", "algorithm.loss=gspo", "algorithm.clip_high=0.001"])
     assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (3e-4, 0.001)
-    assert "clip_low" not in effective_dict(load_config(None, ["algorithm.loss=tis"])[0])["algorithm"]
+    assert "clip_low" not in effective_dict(load_config(None, ["task=arith", "algorithm.loss=tis"])[0])["algorithm"]
 
 
 def test_topr_reads_is_level_and_reinforce_loads_on_policy() -> None:
-    assert load_config(None, ["algorithm.loss=topr", "algorithm.is_level=sequence"])[0].algorithm.is_level == "sequence"
-    cfg, _ = load_config(None, ["algorithm.loss=reinforce", "workflow.mode=sync"])
+    assert load_config(None, ["task=arith", "algorithm.loss=topr", "algorithm.is_level=sequence"])[0].algorithm.is_level == "sequence"
+    cfg, _ = load_config(None, ["task=arith", "algorithm.loss=reinforce", "workflow.mode=sync"])
     assert cfg.algorithm.loss == "reinforce"
 
 
 def test_gspo_aggregates_over_sequences_unless_told_otherwise() -> None:
-    assert load_config(None, ["algorithm.loss=gspo"])[0].algorithm.agg == "seq_mean_token_mean"
-    assert load_config(None, ["algorithm.loss=gspo", "algorithm.agg=token_mean"])[0].algorithm.agg == "token_mean"
-    assert load_config(None, ["algorithm.loss=ppo"])[0].algorithm.agg == "token_mean"
+    assert load_config(None, ["task=arith", "algorithm.loss=gspo"])[0].algorithm.agg == "seq_mean_token_mean"
+    assert load_config(None, ["task=arith", "algorithm.loss=gspo", "algorithm.agg=token_mean"])[0].algorithm.agg == "token_mean"
+    assert load_config(None, ["task=arith", "algorithm.loss=ppo"])[0].algorithm.agg == "token_mean"
 
 
 def test_sync_mode_means_staleness_zero() -> None:
-    assert load_config(None, ["workflow.mode=sync"])[0].staleness == 0
-    assert load_config(None, [])[0].staleness == 1
+    assert load_config(None, ["task=arith", "workflow.mode=sync"])[0].staleness == 0
+    assert load_config(None, ["task=arith"])[0].staleness == 1
 
 
 def test_every_field_has_a_docstring() -> None:
@@ -226,6 +229,29 @@ def test_configuration_reference_in_docs_is_up_to_date() -> None:
     assert doc.read_text() == reference_markdown(), "regenerate docs/configuration.md (command at its top)"
 
 
+def test_the_reference_lists_every_task_packs_defaults() -> None:
+    from asyncflow.tasks import TASK_NAMES, get_task
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    packs = doc.split("\n## Task packs\n", 1)[1].split("\n### ")[1:]
+    assert [part.split("\n", 1)[0] for part in packs] == list(TASK_NAMES)
+    for name, part in zip(TASK_NAMES, packs, strict=True):
+        rows = dict(re.findall(r"^\| `([\w.]+)` \| `(.*)` \|$", part, flags=re.M))
+        flat = {f"{section}.{key}": value for section, keys in get_task(name).defaults.items()
+                for key, value in keys.items()}
+        assert rows.keys() == flat.keys(), name
+        for key, value in flat.items():
+            assert _table_value(rows[key]) == value, (name, key)
+
+
+def _table_value(text: str) -> object:
+    """A value as the reference's tables write it: a Python literal, or YAML's true / false / null."""
+    try:
+        return ast.literal_eval(text)
+    except ValueError:
+        return yaml.safe_load(text)
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
@@ -243,7 +269,7 @@ def test_bench_arguments_fail_with_one_line_and_exit_2(args: list[str], needle: 
 
 
 def test_fsdp_settings_that_fit_load() -> None:
-    cfg, _ = load_config(None, ["train.engine=fsdp", "train.world_size=2", "train.batch_size=16", "rollout.n=4",
+    cfg, _ = load_config(None, ["task=arith", "train.engine=fsdp", "train.world_size=2", "train.batch_size=16", "rollout.n=4",
                                 "train.mini_batches=2", "train.worker_timeout_s=30"])
     assert (cfg.train.engine, cfg.train.world_size, cfg.train.worker_timeout_s) == ("fsdp", 2, 30.0)
 
@@ -251,13 +277,13 @@ def test_fsdp_settings_that_fit_load() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_vllm_rollout_engine_is_refused_when_vllm_is_not_installed() -> None:
     with pytest.raises(UserError, match="rollout.engine: vllm is not installed") as info:
-        load_config(None, ["rollout.engine=vllm"])
+        load_config(None, ["task=arith", "rollout.engine=vllm"])
     assert "\n" not in str(info.value)
 
 
 def test_yaml_merge_keys_load_and_a_home_path_is_expanded(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
-    f.write_text("train: {<<: {batch_size: 16, max_steps: 3}, max_steps: 1}\ndataset: {path: ~/data.jsonl}\n")
+    f.write_text("task: arith\ntrain: {<<: {batch_size: 16, max_steps: 3}, max_steps: 1}\ndataset: {path: ~/data.jsonl}\n")
     cfg, _ = load_config(f)
     assert (cfg.train.batch_size, cfg.train.max_steps) == (16, 1)  # a merged key may be overridden beside it
     assert cfg.dataset.path == str(Path.home() / "data.jsonl")
@@ -270,7 +296,7 @@ def test_colocation_defaults_to_a_ray_the_run_starts_with_cpu_engines() -> None:
     from asyncflow.config_schema import colocated
 
     def cfg(*extra: str):
-        return load_config(None, ["runtime.kind=ray", *extra])[0]
+        return load_config(None, ["task=arith", "runtime.kind=ray", *extra])[0]
 
     assert colocated(cfg()) is True
     assert colocated(cfg("runtime.address=auto")) is False  # a joined cluster: restartable actors
@@ -278,4 +304,4 @@ def test_colocation_defaults_to_a_ray_the_run_starts_with_cpu_engines() -> None:
     assert colocated(cfg("runtime.address=auto", "runtime.colocate=true")) is True
     assert colocated(cfg("runtime.colocate=false")) is False
     assert resolve_defaults(cfg()).runtime.colocate is True
-    assert resolve_defaults(load_config(None, [])[0]).runtime.colocate is None  # (local: no Ray actors)
+    assert resolve_defaults(load_config(None, ["task=arith"])[0]).runtime.colocate is None  # (local: no Ray actors)

@@ -13,7 +13,7 @@ from asyncflow.errors import UserError
 
 def _error(overrides: list[str]) -> str:
     with pytest.raises(UserError) as exc:
-        load_config(None, overrides)
+        load_config(None, ["task=arith", *overrides])
     return str(exc.value)
 
 

@@ -157,5 +157,5 @@ def test_generation_config_stop_ids_end_a_response_as_the_eos_does(tmp_path: Pat
     tok = Tokenizer(hf, hf.eos_token_id, hf.pad_token_id, generation_stop_ids(tmp_path, hf.eos_token_id))
     five = hf("5")["input_ids"]
     assert tok.completions([five + [7], five + [hf.eos_token_id], five], False) == ["5", "5", "5"]
-    cfg, _ = load_config(None, [f"model.path={tmp_path}"])
+    cfg, _ = load_config(None, ["task=arith", f"model.path={tmp_path}"])
     assert make_inference_engine(cfg, tmp_path, tok, 0).eos == {hf.eos_token_id, 7}

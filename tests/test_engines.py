@@ -381,8 +381,8 @@ def test_model_device_picks_a_gpu_only_where_the_process_sees_one(monkeypatch: p
     assert pick_device("cuda") == "cuda:0" and pick_device("cpu") == "cpu"
     # on Ray an actor sees only the GPUs it was given: cuda without any is refused up front
     with pytest.raises(UserError, match=r"^model.device: cuda with runtime.kind=ray needs runtime.rollout_gpus"):
-        load_config(None, ["runtime.kind=ray", "model.device=cuda", "runtime.rollout_gpus=1"])
-    assert load_config(None, ["runtime.kind=ray", "model.device=cuda", "runtime.rollout_gpus=1",
+        load_config(None, ["task=arith", "runtime.kind=ray", "model.device=cuda", "runtime.rollout_gpus=1"])
+    assert load_config(None, ["task=arith", "runtime.kind=ray", "model.device=cuda", "runtime.rollout_gpus=1",
                               "runtime.train_gpus=1"])[0].model.device == "cuda"
 
 

@@ -89,7 +89,7 @@ def evaluate_products(tmp_path: Path, rows: list[dict[str, Any]], reward_fn: Any
     asked: list[str] = []
 
     async def main(clock: Any) -> dict[str, Any]:
-        cfg, _ = load_config(None, list(overrides))
+        cfg, _ = load_config(None, ["task=arith", *list(overrides)])
         engine = _Multiplier(clock)
         log = RunLog(tmp_path)
         try:
@@ -176,7 +176,7 @@ def test_environment_episodes_run_once_per_distinct_row_and_count_per_prompt(tmp
     rows = [{"prompt": "a", "answer": "1"}] * 3 + [{"prompt": "b", "answer": "1"}, {"prompt": "b", "answer": "2"}]
 
     async def main(clock: Any) -> dict[str, Any]:
-        cfg, _ = load_config(None, ["rollout.env=calculator", "rollout.max_turns=1"])
+        cfg, _ = load_config(None, ["task=arith", "rollout.env=calculator", "rollout.max_turns=1"])
         log = RunLog(tmp_path)
         try:
             return await Evaluator(cfg, rows, Tok(), None,  # type: ignore[arg-type]

@@ -42,7 +42,7 @@ def _evaluate(tmp_path: Path, reward_fn: Any, overrides: list[str], prompts: int
     from asyncflow.virtual_loop import run_virtual
 
     async def main(clock: Any) -> dict[str, Any]:
-        cfg, _ = load_config(None, overrides)
+        cfg, _ = load_config(None, ["task=arith", *overrides])
         engine = engine_cls(clock, lengths=lambda rng: 3, capacity=2, seed=0, step_s=0.001)
         log = RunLog(tmp_path)
         try:
@@ -137,7 +137,7 @@ def test_an_evaluation_due_while_the_previous_one_runs_is_skipped_with_a_note(ar
         return await run(self, step)
 
     monkeypatch.setattr(Evaluator, "run", slow)
-    cfg, _ = load_config(None, [f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=4",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=4",
                                 "train.max_steps=3", "eval.every=1", "rollout.max_new_tokens=4"])
     train(cfg, tmp_path / "run", progress_enabled=True)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -173,7 +173,7 @@ def test_the_progress_line_shows_an_evaluation_as_soon_as_it_is_done(arith_dir: 
     monkeypatch.setattr(Evaluator, "run", marked)
     monkeypatch.setattr(Progress, "update", lambda self, step, figures: shown.__setitem__(step, figures["eval"]))
     monkeypatch.setattr(Progress, "message", lambda self, text: messages.append(text))
-    cfg, _ = load_config(None, [f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=4",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=4",
                                 "train.max_steps=5", "eval.every=2", "rollout.max_new_tokens=4"])
     train(cfg, tmp_path / "run", progress_enabled=True)
     assert shown[1] == shown[2] == 0.0
@@ -191,7 +191,7 @@ def test_an_eval_row_names_the_newest_weights_its_tokens_came_from(tmp_path: Pat
     from asyncflow.virtual_loop import run_virtual
 
     async def main(clock: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        cfg, _ = load_config(None, ["rollout.max_new_tokens=64"])
+        cfg, _ = load_config(None, ["task=arith", "rollout.max_new_tokens=64"])
         engine = SimEngine(clock, lengths=lambda rng: 50, capacity=2, seed=0, step_s=0.01)
         log = RunLog(tmp_path)
         try:
@@ -233,7 +233,7 @@ def test_an_evaluation_beside_training_is_not_cut_short_by_staleness_cancels(tmp
             return res
 
     async def main(clock: Any) -> list[dict[str, Any]]:
-        cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=16", "train.max_steps=6", "rollout.max_batch=8",
+        cfg, _ = load_config(None, ["task=arith", "rollout.n=4", "train.batch_size=16", "train.max_steps=6", "rollout.max_batch=8",
                                     "rollout.max_new_tokens=200", "workflow.mode=sync", "eval.every=1"])
         engine = Recording(clock, lengths=lambda rng: 200, capacity=8, seed=0, step_s=0.01)
         trainer = SimTrainer(clock, token_s=1e-5, devices=1)
@@ -303,7 +303,7 @@ def test_step_hooks_read_the_store_once_a_step_without_blocking_on_a_remote_stor
         def metrics(self) -> dict[str, float]:
             return {"samples": self.samples}
 
-    cfg, _ = load_config(None, [])
+    cfg, _ = load_config(None, ["task=arith"])
     hooks = StepHooks(cfg, None, engines=[], runtime=None, log=None, tracer=None, clock=None,
                       progress=None, out=tmp_path, trainer=None, hf_tok=None, fingerprint="", protect=None)
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from asyncflow.cli import main
-from asyncflow.config import load_config
+from asyncflow.config import load_config, read_yaml
 from asyncflow.runner import train
 from asyncflow.user_code import load_attr
 
@@ -34,6 +34,7 @@ def test_every_example_loads(monkeypatch: pytest.MonkeyPatch) -> None:
             "calc_agent.yaml", "calc_turn_barrier.yaml", "byo/config.yaml", "agent/config.yaml", *NOT_RUN_HERE} <= set(ALL)
     for name in ALL:
         extra = ["model.path=/nonexistent"] if name.startswith("byo/") else []
+        assert "task" in read_yaml(EXAMPLES / name), f"{name}: name its task (a pack, or null)"
         cfg, _ = load_config(EXAMPLES / name, extra)
         assert cfg.task in ("arith", "calc", "chat_arith", None), name
 

@@ -142,7 +142,7 @@ def test_short_training_run_with_the_fsdp_engine(arith_dir: Path, tmp_path: Path
     from asyncflow.config import load_config
     from asyncflow.runner import train
 
-    cfg, _ = load_config(None, [
+    cfg, _ = load_config(None, ["task=arith",
         f"model.path={arith_dir}", "train.engine=fsdp", "train.world_size=2", "train.max_steps=2",
         "train.batch_size=16", "rollout.n=4", "rollout.max_new_tokens=4", "train.mini_batches=2",
         "eval.size=16", "eval.every=0", "logging.progress=false",

@@ -145,7 +145,7 @@ def test_a_bad_gguf_model_path_is_one_line_before_torch_is_imported(tmp_path: Pa
         p.mkdir()
     elif content is not None:
         p.write_bytes(content)
-    (tmp_path / "run.yaml").write_text(f"model: {{path: {json.dumps(str(p))}}}\n")
+    (tmp_path / "run.yaml").write_text(f"task: arith\nmodel: {{path: {json.dumps(str(p))}}}\n")
     probe = ("import sys; from asyncflow.cli import main; rc = main(['train', sys.argv[1], '--out', sys.argv[2]]); "
              "print(rc, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "run.yaml"), str(tmp_path / "run")],
@@ -160,7 +160,7 @@ def test_a_gguf_without_the_gguf_package_names_the_extra(tmp_path: Path, monkeyp
                                                           one_line_error: Any) -> None:
     monkeypatch.setitem(sys.modules, "gguf", None)  # (find_spec answers None, as when it is not installed)
     (tmp_path / "m.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
-    (tmp_path / "run.yaml").write_text(f"model: {{path: {json.dumps(str(tmp_path / 'm.gguf'))}}}\n")
+    (tmp_path / "run.yaml").write_text(f"task: arith\nmodel: {{path: {json.dumps(str(tmp_path / 'm.gguf'))}}}\n")
     line = one_line_error(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run")])
     assert line == "asyncflow: error: model.path: reading a GGUF file needs the gguf package: " \
                    "pip install 'asyncflow[gguf]'\n"

@@ -116,9 +116,9 @@ def test_backends_whose_package_is_missing_are_refused_at_load(monkeypatch: pyte
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard") else real(name, *a))
     with pytest.raises(UserError, match="logging.wandb: the wandb package is not installed"):
-        load_config(None, ["logging.wandb=true"])
+        load_config(None, ["task=arith", "logging.wandb=true"])
     with pytest.raises(UserError, match="logging.tensorboard: the tensorboard package is not installed"):
-        load_config(None, ["logging.tensorboard=true"])
+        load_config(None, ["task=arith", "logging.tensorboard=true"])
 
 
 def test_metric_rows_are_strict_json_with_non_finite_numbers_as_null(tmp_path: Path) -> None:
@@ -203,7 +203,7 @@ def test_a_run_cut_in_its_first_evaluation_closes_its_sinks_and_engines(
     monkeypatch.setattr(runlog, "make_sinks", lambda *a, **kw: [Sink()])
     monkeypatch.setattr(Evaluator, "run", interrupted)
     monkeypatch.setattr(HFEngine, "close", engine_close)
-    cfg, _ = load_config(None, [f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=8",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "train.batch_size=8", "rollout.n=4", "eval.size=8",
                                 "logging.progress=false"])
     with pytest.raises(KeyboardInterrupt):
         train(cfg, tmp_path / "run", progress_enabled=False)

@@ -46,18 +46,18 @@ def _trained(tiny_model: Any, steps: int = 3) -> TorchTrainEngine:
 
 
 def test_config_section_is_null_by_default_and_refused_without_peft(monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg, _ = load_config(None, [])
+    cfg, _ = load_config(None, ["task=arith"])
     assert cfg.model.lora is None
-    cfg, _ = load_config(None, ["model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"])
+    cfg, _ = load_config(None, ["task=arith", "model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"])
     assert cfg.model.lora == LoraConfig(r=8, target_modules=["q_proj", "v_proj"])
     with pytest.raises(UserError, match=r"model\.lora\.rank: unknown key"):
-        load_config(None, ["model.lora.rank=8"])
+        load_config(None, ["task=arith", "model.lora.rank=8"])
     with pytest.raises(UserError, match=r"model\.lora\.r: 0 is below"):
-        load_config(None, ["model.lora.r=0"])
+        load_config(None, ["task=arith", "model.lora.r=0"])
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
     with pytest.raises(UserError, match=r"^model\.lora: the peft package is not installed"):
-        load_config(None, ["model.lora.r=8"])
+        load_config(None, ["task=arith", "model.lora.r=8"])
 
 
 def test_only_the_adapter_trains_and_is_published(tiny_model: Any) -> None:
@@ -245,7 +245,7 @@ def test_lora_run_publishes_adapter_bytes_and_resumes(arith_dir: Path, tmp_path:
              f"model.path={arith_dir}", "model.lora.r=4", "train.lr=1e-3", "algorithm.kl_coef=0.05",
              "checkpoint.every=1"]
     out = tmp_path / "run"
-    cfg, _ = load_config(None, [*small, "train.max_steps=2"])
+    cfg, _ = load_config(None, ["task=arith", *small, "train.max_steps=2"])
     train(cfg, out, progress_enabled=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r["kind"] == "train"]
@@ -256,7 +256,7 @@ def test_lora_run_publishes_adapter_bytes_and_resumes(arith_dir: Path, tmp_path:
         assert adapter * 0.9 < r["weight_sync_bytes"] < adapter * 1.1 < full / 10
         assert r["weight_sync_s"] >= 0 and r["kl"] >= 0  # (the reference: the base model, adapter off)
     assert (out / "final" / lora.CONFIG_FILE).is_file() and (out / "checkpoints" / "step_2" / lora.WEIGHTS_FILE).is_file()
-    cfg, _ = load_config(None, [*small, "train.max_steps=3", "checkpoint.resume=auto"])
+    cfg, _ = load_config(None, ["task=arith", *small, "train.max_steps=3", "checkpoint.resume=auto"])
     summary = train(cfg, out, progress_enabled=False)
     assert summary["samples"] == 48
 
@@ -272,7 +272,7 @@ def test_lora_run_on_ray(ray_session: Any, arith_dir: Path, tmp_path: Path, engi
     from asyncflow.runner import train
 
     fsdp = ["train.engine=fsdp", "train.world_size=2"] if engine == "fsdp" else []
-    cfg, _ = load_config(None, [
+    cfg, _ = load_config(None, ["task=arith",
         f"model.path={arith_dir}", "runtime.kind=ray", "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5",
         "train.max_steps=2", "train.batch_size=16", "rollout.n=4", "rollout.max_new_tokens=4", "eval.size=16",
         "logging.progress=false", "model.lora.r=4", "train.lr=1e-3", "algorithm.kl_coef=0.05", "checkpoint.every=1",

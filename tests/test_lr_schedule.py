@@ -162,7 +162,7 @@ def test_train_rows_log_the_scheduled_lr(arith_dir: Path, tmp_path: Path) -> Non
     from asyncflow.config import load_config
     from asyncflow.runner import train
 
-    cfg, _ = load_config(None, [
+    cfg, _ = load_config(None, ["task=arith",
         f"model.path={arith_dir}", "train.max_steps=3", "train.batch_size=8", "rollout.n=4",
         "rollout.max_new_tokens=4", "eval.size=8", "eval.every=0", "logging.progress=false",
         "train.lr=0.001", "train.lr_schedule=linear", "train.gradient_checkpointing=true",

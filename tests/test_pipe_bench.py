@@ -119,7 +119,7 @@ def test_affinity_routes_a_prompts_samples_to_one_least_loaded_worker(affinity: 
             return super().start_generate(request)
 
     async def main(clock: VirtualClock) -> None:
-        cfg, _ = load_config(None, ["rollout.n=8", "train.batch_size=64", "train.max_steps=4", "rollout.workers=3",
+        cfg, _ = load_config(None, ["task=arith", "rollout.n=8", "train.batch_size=64", "train.max_steps=4", "rollout.workers=3",
                                     "rollout.max_batch=4", "rollout.max_new_tokens=50", f"rollout.affinity={affinity}"])
         engines = []
         for i in range(3):
@@ -163,7 +163,7 @@ def test_gc_threshold_holds_for_the_run_and_is_restored(tmp_path) -> None:
     pipelines: list[Any] = []
 
     async def main(clock: VirtualClock, fail: bool) -> None:
-        cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=16", "train.max_steps=2", "rollout.max_batch=4",
+        cfg, _ = load_config(None, ["task=arith", "rollout.n=4", "train.batch_size=16", "train.max_steps=2", "rollout.max_batch=4",
                                     "rollout.max_new_tokens=20", "workflow.gc_threshold=123457"])
         trainer = SimTrainer(clock, token_s=1e-3, devices=1)
         log = RunLog(tmp_path, metrics=False)
@@ -296,7 +296,7 @@ def test_an_episode_whose_generation_fails_ends_the_run_with_that_error(tmp_path
             return super().start_generate(request)
 
     async def main(clock: VirtualClock) -> None:
-        cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=16", "train.max_steps=2", "rollout.max_batch=4",
+        cfg, _ = load_config(None, ["task=arith", "rollout.n=4", "train.batch_size=16", "train.max_steps=2", "rollout.max_batch=4",
                                     "rollout.max_new_tokens=300"])
         trainer = SimTrainer(clock, token_s=1e-4, devices=1)
         log = RunLog(tmp_path, metrics=False)
@@ -343,7 +343,7 @@ def test_the_feeder_admits_what_the_credit_allows_in_one_put(affinity: bool, tmp
             return await super().put(samples, timeout)
 
     async def main(clock: VirtualClock) -> None:
-        cfg, _ = load_config(None, ["rollout.n=8", "train.batch_size=400", "train.max_steps=3", "rollout.workers=2",
+        cfg, _ = load_config(None, ["task=arith", "rollout.n=8", "train.batch_size=400", "train.max_steps=3", "rollout.workers=2",
                                     "rollout.max_batch=16", "rollout.max_new_tokens=50", f"rollout.affinity={affinity}",
                                     "workflow.max_staleness=1"])
         engines = [SimEngine(clock, lengths=lambda rng: rng.randint(1, 40), capacity=16, seed=i) for i in range(2)]
@@ -505,7 +505,7 @@ def _sim_run(tmp_path, settings: list[str], store: Any = None, trainer: Any = No
     from asyncflow.virtual_loop import VirtualClock, run_virtual
 
     async def main(clock: VirtualClock) -> None:
-        cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=32", "train.max_steps=3", "rollout.max_batch=8",
+        cfg, _ = load_config(None, ["task=arith", "rollout.n=4", "train.batch_size=32", "train.max_steps=3", "rollout.max_batch=8",
                                     "rollout.max_new_tokens=50", *settings])
         engines = [SimEngine(clock, lengths=lambda rng: rng.randint(1, 40), capacity=8, seed=0)]
         log = RunLog(tmp_path, metrics=False)

@@ -33,7 +33,7 @@ def _sim_run(tmp_path: Path, settings: list[str], *, token_s: float = 1e-3,
     samples.jsonl rows."""
 
     async def main(clock: VirtualClock) -> Any:
-        cfg, _ = load_config(None, ["logging.progress=false", *settings])
+        cfg, _ = load_config(None, ["task=arith", "logging.progress=false", *settings])
         engines = [SimEngine(clock, lengths=lengths, capacity=8, step_s=0.03, load_s=1.0, seed=0)]
         trainer = SimTrainer(clock, token_s=token_s, devices=1)
         log = RunLog(tmp_path, metrics=False)
@@ -413,7 +413,7 @@ def test_a_plain_reward_function_that_keeps_hanging_stops_the_run_instead_of_fre
 
     async def main() -> None:
         clock = RealClock()
-        cfg, _ = load_config(None, ["logging.progress=false", "rollout.n=2", "train.batch_size=4", "train.max_steps=1000",
+        cfg, _ = load_config(None, ["task=arith", "logging.progress=false", "rollout.n=2", "train.batch_size=4", "train.max_steps=1000",
                                     "reward.timeout_s=0.2", "rollout.max_new_tokens=8"])
         engine = SimEngine(clock, lengths=lambda rng: 4, capacity=8, step_s=0.001)
         log = RunLog(tmp_path, metrics=False)

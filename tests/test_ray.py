@@ -479,7 +479,7 @@ def test_workers_a_local_ray_can_never_hold_are_refused_at_once(ray_session, ari
     from asyncflow.runtime.ray_placement import check_placeable
 
     assert ray_session.cluster_resources().get("GPU", 0) == 0
-    cfg, _ = load_config(None, [f"model.path={arith_dir}", "runtime.kind=ray", "runtime.rollout_gpus=1",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "runtime.kind=ray", "runtime.rollout_gpus=1",
                                 "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5", "logging.progress=false"])
     with pytest.raises(UserError, match=r"^runtime.rollout_gpus / runtime.train_gpus: the workers need 1 GPU\(s\) in "
                                         r"all; this Ray has 0 "):
@@ -517,7 +517,7 @@ def _judged_run(model: Path, judge: Path, out: Path, extra: list[str]) -> dict[s
     from asyncflow.config import load_config
     from asyncflow.runner import train
 
-    cfg, _ = load_config(None, [f"model.path={model}", "runtime.kind=ray", "train.max_steps=2", "train.batch_size=16",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={model}", "runtime.kind=ray", "train.max_steps=2", "train.batch_size=16",
                                 "rollout.n=4", "rollout.max_new_tokens=4", "eval.every=0", "eval.size=8",
                                 "logging.progress=false", f"reward.fn={judge}:judge", *extra])
     summary = train(cfg, out, progress_enabled=False)
@@ -655,9 +655,9 @@ def test_a_web_server_given_as_the_cluster_address_is_one_line_not_minutes_of_re
                             ("host:99999", "got 'host:99999'"),
                             ("http://127.0.0.1:8265", "is a web address")]:
         with pytest.raises(UserError, match=f"^runtime.address: .*{re.escape(needle)}"):
-            load_config(None, ["runtime.kind=ray", f"runtime.address={address}"])
+            load_config(None, ["task=arith", "runtime.kind=ray", f"runtime.address={address}"])
     for good in ("auto", "10.0.0.1:6379", "ray://head:10001", "[::1]:6379"):
-        load_config(None, ["runtime.kind=ray", f"runtime.address={good}"])
+        load_config(None, ["task=arith", "runtime.kind=ray", f"runtime.address={good}"])
 
 
 class _BigWriter:

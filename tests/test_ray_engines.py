@@ -60,7 +60,7 @@ def _run(arith_dir: Path, out: Path, sets: list[str]) -> tuple[dict[str, Any], l
     from asyncflow.config import load_config
     from asyncflow.runner import train
 
-    cfg, _ = load_config(None, [f"model.path={arith_dir}", "runtime.kind=ray", "runtime.rollout_cpus=0",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "runtime.kind=ray", "runtime.rollout_cpus=0",
                                 "runtime.train_cpus=0.5", "runtime.reward_cpus=0", "logging.progress=false",
                                 "train.max_steps=3", "train.batch_size=16", "rollout.n=4", "eval.every=0", *sets])
     summary = train(cfg, out, progress_enabled=False)

@@ -33,7 +33,7 @@ def _run(arith_dir: Path, out: Path, sets: list[str]) -> tuple[dict[str, Any], l
     from asyncflow.config import load_config
     from asyncflow.runner import train
 
-    cfg, _ = load_config(None, [f"model.path={arith_dir}", "runtime.kind=ray", "runtime.rollout_cpus=0.5",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "runtime.kind=ray", "runtime.rollout_cpus=0.5",
                                 "runtime.train_cpus=0.5", "runtime.reward_cpus=0", "logging.progress=false",
                                 "train.batch_size=16", "rollout.n=4", "eval.every=0", "eval.size=4",
                                 "rollout.engine=openai", "rollout.launch_servers=asyncflow", "rollout.max_new_tokens=4",
@@ -100,7 +100,7 @@ def _actor(arith_dir: Path, tmp_path: Path, model_dir: Path, restarts: int = 1) 
     from asyncflow.config import load_config
     from asyncflow.runtime.ray_servers import ServerActor
 
-    cfg, _ = load_config(None, [f"model.path={arith_dir}", "runtime.kind=ray", "rollout.engine=openai",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "runtime.kind=ray", "rollout.engine=openai",
                                 "rollout.launch_servers=asyncflow", "rollout.server_start_timeout_s=60",
                                 f"runtime.max_restarts={restarts}"])
     return ServerActor(0, cfg, str(model_dir), str(tmp_path / "server-0.log"), str(tmp_path / "weight_sync"))
@@ -154,7 +154,7 @@ def test_launched_server_commands_carry_the_flags_asyncflow_needs_and_their_toke
     from asyncflow.config import load_config
     from asyncflow.runtime.ray_servers import server_command
 
-    cfg, _ = load_config(None, [f"model.path={arith_dir}", "runtime.kind=ray", "rollout.engine=openai",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "runtime.kind=ray", "rollout.engine=openai",
                                 "rollout.launch_servers=asyncflow"])
     token = "5eC7e7" * 8
     for kind, want, var in [
@@ -187,7 +187,7 @@ def test_a_launched_asyncflow_serve_takes_admin_calls_only_with_its_token_and_lo
     from asyncflow.engines.openai_engine import make_openai_engine
     from asyncflow.errors import UserError
 
-    cfg, _ = load_config(None, [f"model.path={serve_dir}", "runtime.kind=ray", "rollout.engine=openai",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={serve_dir}", "runtime.kind=ray", "rollout.engine=openai",
                                 "rollout.launch_servers=asyncflow", "rollout.sync_timeout_s=60"])
     actor = _actor(serve_dir, tmp_path, serve_dir, restarts=0)
     state = AutoModelForCausalLM.from_pretrained(str(serve_dir)).state_dict()
@@ -273,5 +273,5 @@ def test_launch_servers_config_errors_are_one_line_naming_the_key(sets: list[str
     from asyncflow.errors import UserError
 
     with pytest.raises(UserError) as err:
-        load_config(None, ["runtime.kind=ray", "rollout.engine=openai", *sets])
+        load_config(None, ["task=arith", "runtime.kind=ray", "rollout.engine=openai", *sets])
     assert str(err.value).startswith(f"{key}: ") and "\n" not in str(err.value)

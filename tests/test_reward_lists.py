@@ -131,7 +131,7 @@ def test_load_reward_reads_lists_weights_and_verl_files(tmp_path: Path) -> None:
 ])
 def test_bad_lists_are_one_line_errors_naming_the_key(sets: list[str], message: str) -> None:
     with pytest.raises(UserError) as err:
-        load_config(None, sets)
+        load_config(None, ["task=arith", *sets])
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
@@ -185,7 +185,7 @@ def test_a_run_with_two_weighted_functions_logs_each_and_their_sum(
         "        f.write(f'{trainer_state.global_step} {trainer_state.version} {trainer_state.max_steps}\\n')\n"
         "    return [float(len(c) % 2) for c in completions]\n")
     monkeypatch.chdir(tmp_path)
-    cfg, _ = load_config(None, [
+    cfg, _ = load_config(None, ["task=arith",
         "train.max_steps=3", "train.batch_size=16", "rollout.n=4", "rollout.max_new_tokens=4", "eval.size=8",
         "eval.every=0", "logging.progress=false", f"model.path={arith_dir}", "workflow.mode=sync",
         "reward.fn=[rewards_a.py:score, rewards_b.py:score]", "reward.weights=[2.0, 0.5]"])

@@ -24,7 +24,7 @@ def _run(tmp_path: Path, rows: list[dict[str, Any]], reward_fn: Any, env_factory
     """The sim pipeline over `rows` for 4 steps of 4 groups: 16 groups, each of 8 rows twice."""
 
     async def main(clock: VirtualClock) -> None:
-        cfg, _ = load_config(None, ["logging.progress=false", "rollout.n=4", "train.batch_size=16",
+        cfg, _ = load_config(None, ["task=arith", "logging.progress=false", "rollout.n=4", "train.batch_size=16",
                                     "train.max_steps=4", "workflow.max_staleness=1"])
         engines = [SimEngine(clock, lengths=lambda rng: 8, capacity=8, step_s=0.03, load_s=1.0, seed=0)]
         trainer = SimTrainer(clock, token_s=1e-3, devices=1)
@@ -115,7 +115,7 @@ def test_a_reward_function_that_mutates_its_arguments_at_evaluation_leaves_the_r
     seen: list[Any] = []
 
     async def main(clock: VirtualClock) -> None:
-        cfg, _ = load_config(None, [])
+        cfg, _ = load_config(None, ["task=arith"])
         engine = SimEngine(clock, lengths=lambda rng: 3, capacity=2, seed=0, step_s=0.001)
         log = RunLog(tmp_path)
         try:

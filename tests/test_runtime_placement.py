@@ -14,14 +14,14 @@ from asyncflow.telemetry.progress import Progress
 
 def test_async_splits_the_cores_and_sync_uses_them_all(monkeypatch: pytest.MonkeyPatch) -> None:
     cores = len(os.sched_getaffinity(0))
-    assert torch_threads(load_config(None, ["workflow.mode=sync"])[0]) == cores
-    assert torch_threads(load_config(None, ["workflow.mode=async"])[0]) == max(1, cores // 2)
-    assert torch_threads(load_config(None, ["runtime.torch_threads=3"])[0]) == 3
+    assert torch_threads(load_config(None, ["task=arith", "workflow.mode=sync"])[0]) == cores
+    assert torch_threads(load_config(None, ["task=arith", "workflow.mode=async"])[0]) == max(1, cores // 2)
+    assert torch_threads(load_config(None, ["task=arith", "runtime.torch_threads=3"])[0]) == 3
     # the cores the process may use (taskset, a container's cpuset), not the machine's
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
-    assert torch_threads(load_config(None, ["workflow.mode=sync"])[0]) == 3
-    assert torch_threads(load_config(None, ["workflow.mode=async"])[0]) == 1
+    assert torch_threads(load_config(None, ["task=arith", "workflow.mode=sync"])[0]) == 3
+    assert torch_threads(load_config(None, ["task=arith", "workflow.mode=async"])[0]) == 1
 
 
 def test_progress_prints_plain_lines_with_eta_when_not_a_terminal() -> None:

@@ -196,14 +196,14 @@ def test_reward_sandbox_require_is_checked_and_reaches_every_scoring_process(
     from asyncflow.rewards.sandbox import REQUIRE_ENV
 
     with pytest.raises(UserError, match="reward.sandbox_require: unknown layer 'seccom'"):
-        load_config(None, ["reward.sandbox_require=[seccomp, seccom]"])
+        load_config(None, ["task=arith", "reward.sandbox_require=[seccomp, seccom]"])
     monkeypatch.setenv(REQUIRE_ENV, "")  # (recorded, so the value the run sets is undone after the test)
     absent = "userns" if os.geteuid() == 0 else "uid_switch"
     reward = tmp_path / "reward.py"
     reward.write_text("from asyncflow.rewards.sandbox import run_code\n"
                       "def score(prompts, completions, **kw):\n"
                       "    return [1.0 if run_code('print(1)').stdout == '1\\n' else 0.0 for _ in completions]\n")
-    cfg, _ = load_config(None, [f"reward.sandbox_require=[{absent}]"])
+    cfg, _ = load_config(None, ["task=arith", f"reward.sandbox_require=[{absent}]"])
     fn = load_run_reward(cfg, f"{reward}:score")
     assert os.environ[REQUIRE_ENV] == absent
     assert fn(["p"], ["c"]) == [0.0]  # refused: the required layer does not hold here

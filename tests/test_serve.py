@@ -402,7 +402,7 @@ def test_train_with_the_openai_engine_against_a_real_asyncflow_serve(
         assert "listening on http://127.0.0.1:" in line, line
         url = line.split("listening on ")[1].split()[0]
         out = tmp_path / "run"
-        cfg, _ = load_config(None, [
+        cfg, _ = load_config(None, ["task=arith",
             "train.max_steps=3", "train.batch_size=16", "rollout.n=4", "rollout.max_new_tokens=4", "eval.size=16",
             "eval.every=0", "logging.progress=false", f"model.path={arith_dir}", "rollout.engine=openai",
             f"rollout.server_urls=[{url}]", "rollout.request_timeout_s=120", "rollout.sync_timeout_s=120",

@@ -255,12 +255,12 @@ def test_in_place_writer_refuses_a_sharded_folder(tmp_path: Path) -> None:
 )
 def test_invalid_openai_engine_settings_are_refused_at_load(sets: list[str], needle: str) -> None:
     with pytest.raises(UserError, match=None) as info:
-        load_config(None, sets)
+        load_config(None, ["task=arith", *sets])
     assert needle in str(info.value)
 
 
 def test_openai_engine_resolves_one_worker_per_server() -> None:
-    cfg, _ = load_config(None, ["rollout.engine=openai", "rollout.server_urls=[http://a:1, http://b:2]"])
+    cfg, _ = load_config(None, ["task=arith", "rollout.engine=openai", "rollout.server_urls=[http://a:1, http://b:2]"])
     assert cfg.rollout.workers == 2 and cfg.rollout.server_type == "asyncflow"
 
 

@@ -108,7 +108,7 @@ def test_soak_on_ray_with_workers_killed_three_times(ray_session, arith_dir: Pat
     errors: list[str] = []
     thread = threading.Thread(target=_killer, args=(ray, out, killed, errors), daemon=True)
     thread.start()
-    cfg, _ = load_config(None, [*SETTINGS, f"model.path={arith_dir}", f"train.max_steps={STEPS}"])
+    cfg, _ = load_config(None, ["task=arith", *SETTINGS, f"model.path={arith_dir}", f"train.max_steps={STEPS}"])
     summary = train(cfg, out, progress_enabled=False)
     thread.join(timeout=30)
     assert not errors, errors
@@ -119,7 +119,7 @@ def test_soak_on_ray_with_workers_killed_three_times(ray_session, arith_dir: Pat
     print(f"\nsoak: {STEPS} steps, kills {killed}, accounting {acc}")
 
     # resume the finished run on Ray from its newest checkpoint (the last step's) for 4 more steps
-    cfg, _ = load_config(None, [*SETTINGS, f"model.path={arith_dir}", f"train.max_steps={STEPS + 4}",
+    cfg, _ = load_config(None, ["task=arith", *SETTINGS, f"model.path={arith_dir}", f"train.max_steps={STEPS + 4}",
                                 "checkpoint.resume=auto"])
     train(cfg, out, progress_enabled=False)
     acc2 = _reconcile(out, STEPS + 4)

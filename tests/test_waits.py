@@ -33,7 +33,7 @@ def _run(tmp_path: Path, overrides: list[str], *, engine_cls: Any = None, reward
     cls = engine_cls or SimEngine
 
     async def main(clock: Any) -> None:
-        cfg, _ = load_config(None, ["rollout.n=4", "train.batch_size=16", "train.max_steps=3", "rollout.workers=2",
+        cfg, _ = load_config(None, ["task=arith", "rollout.n=4", "train.batch_size=16", "train.max_steps=3", "rollout.workers=2",
                                     "rollout.max_batch=8", "rollout.max_new_tokens=20", *overrides])
         engines = [cls(clock, lengths=lambda rng: rng.randint(1, 20), capacity=8, seed=i) for i in range(2)]
         log = RunLog(tmp_path)
@@ -298,7 +298,7 @@ def test_an_eval_whose_generation_never_returns_records_the_timeout(tmp_path: Pa
     hangs = _never_on_uid(-3)  # eval requests have negative uids; the third never ends
 
     async def main(clock: Any) -> dict[str, Any]:
-        cfg, _ = load_config(None, ["rollout.request_timeout_s=7"])
+        cfg, _ = load_config(None, ["task=arith", "rollout.request_timeout_s=7"])
         engine = hangs(clock, lengths=lambda rng: 3, capacity=2, seed=0)
         log = RunLog(tmp_path)
         try:
@@ -334,7 +334,7 @@ def test_an_eval_episode_whose_environment_swallows_its_cancellation_is_abandone
             return "x" * len(ids)
 
     async def main(clock: Any) -> dict[str, Any]:
-        cfg, _ = load_config(None, ["rollout.env=calculator", "rollout.env_timeout_s=2", "rollout.max_turns=2"])
+        cfg, _ = load_config(None, ["task=arith", "rollout.env=calculator", "rollout.env_timeout_s=2", "rollout.max_turns=2"])
         log = RunLog(tmp_path)
         try:
             evaluator = Evaluator(cfg, [{"prompt": str(i), "answer": "1"} for i in range(4)], Tok(), None,  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ SMALL = [
 
 
 def _run(arith_dir: Path, out: Path, extra: list[str]) -> dict[str, Any]:
-    cfg, _ = load_config(None, [*SMALL, f"model.path={arith_dir}", *extra])
+    cfg, _ = load_config(None, ["task=arith", *SMALL, f"model.path={arith_dir}", *extra])
     return train(cfg, out, progress_enabled=False)
 
 

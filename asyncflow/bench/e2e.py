@@ -57,7 +57,7 @@ def run_e2e(overrides: list[str]) -> list[dict[str, Any]]:
         if item.partition("=")[0].strip() == "workflow.mode":
             raise UserError(f"bench e2e --set {item}: e2e runs both modes, sync then async; workflow.mode is its own")
     # both configs are checked before either run starts (a bad --set fails in seconds, not after the sync run)
-    configs = {mode: load_config(None, [*E2E_SETTINGS, *overrides, f"workflow.mode={mode}"])[0]
+    configs = {mode: load_config(None, ["task=arith", *E2E_SETTINGS, *overrides, f"workflow.mode={mode}"])[0]
                for mode in ("sync", "async")}
     rows = []
     with tempfile.TemporaryDirectory(prefix="asyncflow-e2e-") as tmp:

@@ -126,7 +126,7 @@ def _run_one(spec: PipeSpec, profile: Profile, devices: int, mode: str) -> dict[
     from asyncflow.engines.sim import meter_overhead_s
     from asyncflow.virtual_loop import run_virtual
 
-    load_config(None, [])
+    load_config(None, ["task=arith"])
     overhead = meter_overhead_s()
 
     gen_s = profile.mean_tokens * spec.step_s / spec.slots  # device-seconds per sample, slots full
@@ -230,7 +230,7 @@ def _sim_config(spec: PipeSpec, profile: Profile, mode: str, batch: int) -> Any:
     ]
     if not sync:
         settings.append(f"workflow.max_staleness={spec.max_staleness}")
-    cfg, _ = load_config(None, settings)
+    cfg, _ = load_config(None, ["task=arith", *settings])
     if profile.turns is not None:  # its environments come from _env_factory, not rollout.env (20 turns at most)
         cfg.rollout.env_timeout_s = 1000.0
     return cfg
