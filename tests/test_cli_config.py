@@ -91,6 +91,37 @@ def test_config_command_prints_the_resolved_config(capsys: pytest.CaptureFixture
     assert main(["config"]) == 0 and yaml.safe_load(capsys.readouterr().out)["task"] == "arith"
 
 
+def test_config_checks_a_config_whose_optional_packages_are_missing_and_warns(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A GPU config looked at on a laptop: every other check runs, each missing package is one warning
+    naming its key, and the config is printed as it would be with them; `train` still refuses it."""
+    f = tmp_path / "gpu.yaml"
+    f.write_text("rollout: {engine: vllm}\nmodel: {device: cuda, lora: {r: 8}}\nlogging: {tensorboard: true}\n")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in ("vllm", "peft") else real(name, *a))
+    assert main(["config", str(f)]) == 0
+    with_packages = capsys.readouterr().out
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("vllm", "peft", "tensorboard")
+                        else real(name, *a))
+    assert main(["config", str(f)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == with_packages  # (the keys a vllm run does not read are left out alike)
+    assert captured.err.splitlines() == [
+        "asyncflow: warning: model.lora: the peft package is not installed (pip install 'asyncflow[lora]') "
+        "(asyncflow train refuses this config until it is installed)",
+        "asyncflow: warning: rollout.engine: vllm is not installed (pip install 'asyncflow[vllm]', needs a GPU); "
+        "use hf (asyncflow train refuses this config until it is installed)",
+        "asyncflow: warning: logging.tensorboard: the tensorboard package is not installed (pip install "
+        "tensorboard) (asyncflow train refuses this config until it is installed)",
+    ]
+    assert main(["config", str(f), "--set", "train.lr=-1"]) == 2  # everything else is still checked
+    assert capsys.readouterr().err == "asyncflow: error: train.lr: -1.0 is below the minimum 0.0\n"
+    assert main(["train", str(f), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == ("asyncflow: error: model.lora: the peft package is not installed "
+                                       "(pip install 'asyncflow[lora]')\n")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
