@@ -8,6 +8,7 @@ that fails for another reason a user can act on (a Ray actor died) ends with one
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -198,7 +199,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         cfg, explicit = load_config(args.config, args.set)
         from asyncflow.runner import train
 
-        train(cfg, args.out or _default_out("train"), explicit=explicit)
+        out = args.out or _default_out("train")
+        train(cfg, out, explicit=explicit)
+        print(look_at_run(out))
         return 0
     if args.command == "prepare":
         return _prepare(args)
@@ -236,6 +239,13 @@ def _config(args: argparse.Namespace) -> int:
               file=sys.stderr)
     sys.stdout.write(dump_yaml(cfg))
     return 0
+
+
+def look_at_run(out: Path) -> str:
+    """The lines that end `train`: the commands that show the run in `out`."""
+    folder = shlex.quote(str(out))
+    return (f"[asyncflow] charts and summary: asyncflow report {folder}\n"
+            f"[asyncflow] stages and workers over time: asyncflow trace {folder}")
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -165,6 +165,27 @@ def test_train_help_points_to_the_config_reference(capsys: pytest.CaptureFixture
     assert "docs/configuration.md" in text and "asyncflow config CONFIG" in text
 
 
+def test_train_ends_with_the_commands_that_show_its_run(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import shlex
+
+    import asyncflow.runner
+    from asyncflow.cli import make_parser
+
+    ran: list[Path] = []
+    monkeypatch.setattr(asyncflow.runner, "train", lambda cfg, out, explicit: ran.append(out))  # (the run: elsewhere)
+    out = tmp_path / "my run"
+    assert main(["train", str(ROOT / "examples" / "arith_async.yaml"), "--out", str(out)]) == 0
+    assert ran == [out]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"[asyncflow] charts and summary: asyncflow report '{out}'",
+                     f"[asyncflow] stages and workers over time: asyncflow trace '{out}'"]
+    for line in lines:  # each is a command asyncflow takes, naming this run's folder
+        argv = shlex.split(line.split(": ", 1)[1])[1:]
+        args = make_parser().parse_args(argv)
+        assert (args.command, getattr(args, "runs", [getattr(args, "run", None)])) in [("report", [out]), ("trace", [out])]
+
+
 def test_the_config_command_loads_nothing_heavy() -> None:
     code = ("import sys; from asyncflow.cli import main; main(['config']); "
             "assert not {'torch', 'transformers', 'ray'} & set(sys.modules), sorted(sys.modules)")
