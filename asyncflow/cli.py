@@ -50,6 +50,16 @@ def _path(text: str) -> Path:
 
 CONFIG_HELP = ("Every config key, its default and bounds: docs/configuration.md. `asyncflow config CONFIG "
                "[--set ...]` prints the resolved config (the run folder's config.yaml) without running.")
+# (printed as written: one field a line)
+PROGRESS_HELP = """\
+The progress line (a bar on a terminal, else a line at most every 2 s; logging.progress: false: none):
+  step N/M    train steps done, of train.max_steps
+  samples/s   samples trained per second since the run started
+  reward      the step's mean reward
+  stale       the step's mean staleness: policy versions its samples lag the one that trains them
+  eval        the newest greedy eval accuracy (every eval.every steps)
+  in_store    samples in the store: admitted, not yet trained or dropped
+  eta         time left at the rate so far"""
 
 
 def package_version() -> str:
@@ -88,17 +98,25 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+def _run_help() -> str:
+    """`train`'s and `demo`'s epilog, laid out by hand (it is printed as written)."""
+    import textwrap
+
+    return f"{textwrap.fill(CONFIG_HELP, 100)}\n\n{PROGRESS_HELP}"
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="asyncflow", description="Asynchronous, streaming RL post-training for LLMs.")
     p.add_argument("--version", action=_Version, help="print asyncflow's version and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="train the built-in arith task with async GRPO on this machine",
-                          epilog=CONFIG_HELP)
+                          epilog=_run_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_argument("--out", type=_path, default=None, help="run folder (default runs/demo-TIMESTAMP)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
 
-    train = sub.add_parser("train", help="train from a YAML config", epilog=CONFIG_HELP)
+    train = sub.add_parser("train", help="train from a YAML config", epilog=_run_help(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", type=_path, help="YAML config file (keys: docs/configuration.md)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     train.add_argument("--out", type=_path, default=None, help="run folder (default runs/train-TIMESTAMP)")

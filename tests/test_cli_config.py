@@ -165,6 +165,16 @@ def test_train_help_points_to_the_config_reference(capsys: pytest.CaptureFixture
     assert "docs/configuration.md" in text and "asyncflow config CONFIG" in text
 
 
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_run_help_explains_each_field_of_the_progress_line_in_a_line(command: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    for field in ("samples/s", "reward", "stale", "eval", "in_store", "eta"):  # (what the line prints: test_workflow)
+        assert len(lines[field].split()) > 3, field
+
+
 def test_train_ends_with_the_commands_that_show_its_run(capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import shlex
