@@ -72,6 +72,8 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         # bad input fails here, before torch loads (except for the tokenizer) and before the run
         # folder is written, so a mistake never leaves a half-made "run" that a retry would refuse
         inputs, reward_fn, hf_tok, env_factory = _load_checked(cfg, resume, explicit, progress.message)
+        if resume is None and cfg.checkpoint.every == 0:  # (said before any work a crash would lose)
+            progress.message("[asyncflow] no checkpoints (checkpoint.every: 0): this run cannot be resumed")
         if resume is not None:
             changed = resume.changed
             progress.message(f"[asyncflow] resuming from {resume.path} (step {resume.step}, policy version "

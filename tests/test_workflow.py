@@ -221,6 +221,34 @@ def test_reward_function_that_always_fails_stops_the_run_with_exit_2(arith_dir: 
     assert len(samples) % 4 == 0 and not any(r["kind"] == "train" for r in _rows(run, "metrics.jsonl"))
 
 
+def test_train_says_up_front_that_it_cannot_be_resumed_and_ends_naming_its_report(arith_dir: Path, tmp_path: Path) -> None:
+    """A run without checkpoints says so before it starts; every field of its progress line is
+    explained in `train --help`; its last lines are the commands that show it."""
+    import contextlib
+    import io
+    import re
+
+    from asyncflow.cli import main
+
+    sets = [*SMALL, "train.max_steps=2", "eval.every=0", "logging.progress=true", f"model.path={arith_dir}"]
+    proc = subprocess.run([sys.executable, "-m", "asyncflow", "train", str(ARITH_YAML), "--out", "run",
+                           *sum((["--set", s] for s in sets), [])],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    err = proc.stderr.splitlines()
+    assert err[0] == "[asyncflow] no checkpoints (checkpoint.every: 0): this run cannot be resumed"
+    steps = [line for line in err if line.startswith("[asyncflow] step ")]
+    fields = {name for line in steps for name in re.findall(r" ([a-z_/]+)=", line)}
+    assert steps and {"samples/s", "reward", "stale", "eval", "in_store", "eta"} <= fields
+    usage = io.StringIO()
+    with contextlib.redirect_stdout(usage), pytest.raises(SystemExit):
+        main(["train", "--help"])
+    explained = {line.split()[0] for line in usage.getvalue().splitlines() if line.startswith("  ")}
+    assert fields <= explained, fields - explained
+    assert proc.stdout.splitlines()[-2:] == ["[asyncflow] charts and summary: asyncflow report run",
+                                             "[asyncflow] stages and workers over time: asyncflow trace run"]
+
+
 def test_bring_your_own_model_dataset_and_reward(arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
