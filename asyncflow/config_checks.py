@@ -277,10 +277,9 @@ def _validate_engines(cfg: Config, explicit: set[str]) -> None:
         raise UserError(f"train.min_lr_ratio: only used with train.lr_schedule=cosine (it is {t.lr_schedule})")
     if cfg.model.lora is not None:
         _validate_lora(cfg)
-    if cfg.rollout.engine == "vllm":
-        if cfg.runtime.kind == "ray" and cfg.runtime.rollout_gpus < 1:
-            raise UserError(f"runtime.rollout_gpus: {cfg.runtime.rollout_gpus:g} with rollout.engine=vllm on Ray; "
-                            "each rollout actor's vLLM needs a GPU of its own (set runtime.rollout_gpus=1)")
+    if cfg.rollout.engine == "vllm" and cfg.runtime.kind == "ray" and cfg.runtime.rollout_gpus < 1:
+        raise UserError(f"runtime.rollout_gpus: {cfg.runtime.rollout_gpus:g} with rollout.engine=vllm on Ray; "
+                        "each rollout actor's vLLM needs a GPU of its own (set runtime.rollout_gpus=1)")
 
 
 def _validate_lora(cfg: Config) -> None:

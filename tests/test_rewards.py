@@ -15,7 +15,14 @@ import pytest
 
 from asyncflow.clock import RealClock
 from asyncflow.errors import UserError
-from asyncflow.rewards import PlainCalls, RewardFns, RewardOutcome, call_reward_fn, load_reward_fn, validate_rewards
+from asyncflow.rewards import (
+    PlainCalls,
+    RewardFns,
+    RewardOutcome,
+    call_reward_fn,
+    load_reward_fn,
+    validate_rewards,
+)
 
 
 def test_trl_style_function_gets_prompts_completions_ids_and_columns() -> None:
