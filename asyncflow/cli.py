@@ -8,6 +8,7 @@ that fails for another reason a user can act on (a Ray actor died) ends with one
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,16 @@ def _path(text: str) -> Path:
 
 CONFIG_HELP = ("Every config key, its default and bounds: docs/configuration.md. `asyncflow config CONFIG "
                "[--set ...]` prints the resolved config (the run folder's config.yaml) without running.")
+# (printed as written: one field a line)
+PROGRESS_HELP = """\
+The progress line (a bar on a terminal, else a line at most every 2 s; logging.progress: false: none):
+  step N/M    train steps done, of train.max_steps
+  samples/s   samples trained per second since the run started
+  reward      the step's mean reward
+  stale       the step's mean staleness: policy versions its samples lag the one that trains them
+  eval        the newest greedy eval accuracy (every eval.every steps)
+  in_store    samples in the store: admitted, not yet trained or dropped
+  eta         time left at the rate so far"""
 
 
 def package_version() -> str:
@@ -87,17 +98,25 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+def _run_help() -> str:
+    """`train`'s and `demo`'s epilog, laid out by hand (it is printed as written)."""
+    import textwrap
+
+    return f"{textwrap.fill(CONFIG_HELP, 100)}\n\n{PROGRESS_HELP}"
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="asyncflow", description="Asynchronous, streaming RL post-training for LLMs.")
     p.add_argument("--version", action=_Version, help="print asyncflow's version and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="train the built-in calc task (tool use) with async GRPO on this machine",
-                          epilog=CONFIG_HELP)
+                          epilog=_run_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_argument("--out", type=_path, default=None, help="run folder (default runs/demo-TIMESTAMP)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
 
-    train = sub.add_parser("train", help="train from a YAML config", epilog=CONFIG_HELP)
+    train = sub.add_parser("train", help="train from a YAML config", epilog=_run_help(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", type=_path, help="YAML config file (keys: docs/configuration.md)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     train.add_argument("--out", type=_path, default=None, help="run folder (default runs/train-TIMESTAMP)")
@@ -107,7 +126,9 @@ def make_parser() -> argparse.ArgumentParser:
         epilog="No CONFIG: the built-in defaults and the --set keys (with no task pack, model.path, dataset.path and "
                "reward.fn are required: e.g. --set task=arith). Effective values replace null placeholders; keys the "
                "run would not read are left out; a value a task pack supplied ends with `# from task NAME`. Model, "
-               "data and reward function are checked when a run starts. Every key: docs/configuration.md.")
+               "data and reward function are checked when a run starts. An optional package the config needs and "
+               "this Python lacks (vllm, peft, ...) is a warning on stderr naming the key (train refuses it). Every "
+               "key: docs/configuration.md.")
     config.add_argument("config", type=_path, nargs="?", default=None, help="YAML config file")
     config.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
 
@@ -193,16 +214,14 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return _demo(args)
     if args.command == "config":
-        from asyncflow.config import dump_yaml, value_notes
-
-        cfg, explicit = load_config(args.config, args.set)
-        sys.stdout.write(dump_yaml(cfg, value_notes(cfg, explicit)))
-        return 0
+        return _config(args)
     if args.command == "train":
         cfg, explicit = load_config(args.config, args.set)
         from asyncflow.runner import train
 
-        train(cfg, args.out or _default_out("train"), explicit=explicit)
+        out = args.out or _default_out("train")
+        train(cfg, out, explicit=explicit)
+        print(look_at_run(out))
         return 0
     if args.command == "prepare":
         return _prepare(args)
@@ -227,6 +246,26 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return _serve(args)
     raise UserError(f"unknown command {args.command!r}")
+
+
+def _config(args: argparse.Namespace) -> int:
+    """The resolved config on stdout; an optional package it needs that is missing here (vllm on a
+    laptop) is a warning on stderr, one line each naming the key, not a refusal: the rest is checked."""
+    from asyncflow.config import dump_yaml, load_config, missing_packages, value_notes
+
+    cfg, explicit = load_config(args.config, args.set, require_packages=False)
+    for line in missing_packages(cfg):
+        print(f"asyncflow: warning: {line} (asyncflow train refuses this config until it is installed)",
+              file=sys.stderr)
+    sys.stdout.write(dump_yaml(cfg, value_notes(cfg, explicit)))
+    return 0
+
+
+def look_at_run(out: Path) -> str:
+    """The lines that end `train`: the commands that show the run in `out`."""
+    folder = shlex.quote(str(out))
+    return (f"[asyncflow] charts and summary: asyncflow report {folder}\n"
+            f"[asyncflow] stages and workers over time: asyncflow trace {folder}")
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
-from asyncflow.config_checks import ENV_NAMES, validate
+from asyncflow.config_checks import ENV_NAMES, missing_packages, validate
 from asyncflow.config_effective import effective_dict, effective_yaml
 from asyncflow.config_hints import alias_hint
 from asyncflow.config_reference import field_docs, reference_markdown
@@ -72,6 +72,7 @@ __all__ = [
     "load_config",
     "max_generated_tokens",
     "merge",
+    "missing_packages",
     "parse_set",
     "read_yaml",
     "reference_markdown",
@@ -292,8 +293,11 @@ _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxtuple, _REPR.maxset = 3, 
 _REPR.maxstring, _REPR.maxother = 200, 200
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> tuple[Config, set[str]]:
-    """Build the resolved config. Returns it with the set of dotted keys the user set explicitly."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
+                require_packages: bool = True) -> tuple[Config, set[str]]:
+    """Build the resolved config. Returns it with the set of dotted keys the user set explicitly.
+    `require_packages=False`: an optional package the config needs may be missing (`missing_packages`
+    lists them); everything else is checked as for a run."""
     user = read_yaml(path) if path is not None else {}
     cli = parse_set(overrides or [])
     _check_sections(user, cli)
@@ -314,7 +318,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         value = getattr(holder, key)
         if isinstance(value, str) and value.startswith("~"):
             setattr(holder, key, os.path.expanduser(value))
-    validate(cfg, _flatten(explicit))
+    validate(cfg, _flatten(explicit), require_packages=require_packages)
     return cfg, _flatten(explicit)
 
 

@@ -16,8 +16,10 @@ from asyncflow.rewards.sandbox_verify import PROBED as SANDBOX_LAYERS
 from asyncflow.tasks import TASK_NAMES
 
 
-def validate(cfg: Config, explicit: set[str]) -> None:
-    """Cross-field checks: settings that cannot be honoured together are refused, never ignored."""
+def validate(cfg: Config, explicit: set[str], *, require_packages: bool = True) -> None:
+    """Cross-field checks: settings that cannot be honoured together are refused, never ignored.
+    `require_packages`: an optional package the config needs and this Python lacks is refused too
+    (last: every other check runs first; `missing_packages` lists them without refusing)."""
     if cfg.train.batch_size % cfg.rollout.n:
         raise UserError(
             f"train.batch_size: {cfg.train.batch_size} is not divisible by rollout.n={cfg.rollout.n} (a batch is whole groups)"
@@ -35,6 +37,26 @@ def validate(cfg: Config, explicit: set[str]) -> None:
     _validate_engines(cfg, explicit)
     _validate_outputs(cfg, explicit)
     _validate_scoped_keys(cfg, explicit)
+    missing = missing_packages(cfg) if require_packages else []
+    if missing:
+        raise UserError(missing[0])
+
+
+def missing_packages(cfg: Config) -> list[str]:
+    """One line per optional package the (otherwise valid) config needs and this Python lacks,
+    naming the key that needs it."""
+    kind = cfg.rollout.launch_servers
+    wanted = [
+        (kind in LAUNCHABLE and kind != "asyncflow", LAUNCHABLE.get(kind or "", ""),
+         f"rollout.launch_servers: {kind} is not installed in this Python (asyncflow works here)"),
+        (cfg.model.lora is not None, "peft", "model.lora: the peft package is not installed (pip install 'asyncflow[lora]')"),
+        (cfg.rollout.engine == "vllm", "vllm",
+         "rollout.engine: vllm is not installed (pip install 'asyncflow[vllm]', needs a GPU); use hf"),
+        (cfg.logging.tensorboard, "tensorboard",
+         "logging.tensorboard: the tensorboard package is not installed (pip install tensorboard)"),
+        (cfg.logging.wandb, "wandb", "logging.wandb: the wandb package is not installed (pip install wandb)"),
+    ]
+    return [line for needed, module, line in wanted if needed and importlib.util.find_spec(module) is None]
 
 
 def _validate_sources(cfg: Config, explicit: set[str]) -> None:
@@ -82,11 +104,6 @@ def _validate_reward_fns(cfg: Config) -> None:
 
 def _validate_outputs(cfg: Config, explicit: set[str]) -> None:
     """Logging backends, early stopping and periodic checkpoints."""
-    # Accepted keys whose feature is not built yet are refused, never silently ignored.
-    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise UserError("logging.tensorboard: the tensorboard package is not installed (pip install tensorboard)")
-    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
-        raise UserError("logging.wandb: the wandb package is not installed (pip install wandb)")
     if "logging.wandb_project" in explicit and not cfg.logging.wandb:
         raise UserError("logging.wandb_project: not used while logging.wandb is false")
     if cfg.eval.patience > 0 and cfg.eval.every == 0:
@@ -240,8 +257,6 @@ def _validate_launch(cfg: Config, explicit: set[str]) -> None:
         raise UserError(f"rollout.server_type: {ro.server_type} contradicts rollout.launch_servers={kind}; "
                         "remove rollout.server_type")
     ro.server_type = kind  # type: ignore[assignment]  # resolved: the servers the run starts are of this type
-    if kind != "asyncflow" and importlib.util.find_spec(LAUNCHABLE[kind]) is None:
-        raise UserError(f"rollout.launch_servers: {kind} is not installed in this Python (asyncflow works here)")
     if kind == "vllm" and ro.sync_dir is None:
         raise UserError("rollout.sync_dir: required with rollout.launch_servers=vllm (a single-file copy of the model "
                         "folder: vllm serve starts from it and reloads model.safetensors there in place)")
@@ -264,19 +279,14 @@ def _validate_engines(cfg: Config, explicit: set[str]) -> None:
         raise UserError(f"train.min_lr_ratio: only used with train.lr_schedule=cosine (it is {t.lr_schedule})")
     if cfg.model.lora is not None:
         _validate_lora(cfg)
-    if cfg.rollout.engine == "vllm":
-        if cfg.runtime.kind == "ray" and cfg.runtime.rollout_gpus < 1:
-            raise UserError(f"runtime.rollout_gpus: {cfg.runtime.rollout_gpus:g} with rollout.engine=vllm on Ray; "
-                            "each rollout actor's vLLM needs a GPU of its own (set runtime.rollout_gpus=1)")
-        if importlib.util.find_spec("vllm") is None:
-            raise UserError("rollout.engine: vllm is not installed (pip install 'asyncflow[vllm]', needs a GPU); use hf")
+    if cfg.rollout.engine == "vllm" and cfg.runtime.kind == "ray" and cfg.runtime.rollout_gpus < 1:
+        raise UserError(f"runtime.rollout_gpus: {cfg.runtime.rollout_gpus:g} with rollout.engine=vllm on Ray; "
+                        "each rollout actor's vLLM needs a GPU of its own (set runtime.rollout_gpus=1)")
 
 
 def _validate_lora(cfg: Config) -> None:
-    """`model.lora`: the peft package, and target modules named."""
+    """`model.lora`: target modules named."""
     assert cfg.model.lora is not None
-    if importlib.util.find_spec("peft") is None:
-        raise UserError("model.lora: the peft package is not installed (pip install 'asyncflow[lora]')")
     targets = cfg.model.lora.target_modules
     if not targets or (isinstance(targets, list) and not all(targets)):
         raise UserError("model.lora.target_modules: empty (name modules, e.g. [q_proj, v_proj], or all-linear)")

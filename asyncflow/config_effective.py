@@ -42,13 +42,14 @@ def resolve_defaults(cfg: Config) -> Config:
 def unused_keys(cfg: Config) -> set[str]:
     """The keys `validate` refuses when given with this config: keys of a feature that is off."""
     try:
-        validate(copy.deepcopy(cfg), set())
+        validate(copy.deepcopy(cfg), set(), require_packages=False)
     except UserError:  # (a config no longer valid as a whole: nothing can be told apart, keep every key)
         return set()
     out = set()
     for key in schema_keys():
         try:
-            validate(copy.deepcopy(cfg), {key})  # (validate resolves some fields in place: a copy each time)
+            # (validate resolves some fields in place: a copy each time)
+            validate(copy.deepcopy(cfg), {key}, require_packages=False)
         except UserError:
             out.add(key)
     return out

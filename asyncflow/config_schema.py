@@ -551,7 +551,7 @@ class CheckpointConfig:
         0,
         "Save a checkpoint every this many train steps to RUN_DIR/checkpoints/step_N/: the policy as a Hugging Face "
         "folder plus optimizer, RNG, data position, policy version, counters and the store's in-flight samples "
-        "(0: never; final/ is always written).",
+        "(0: never, so the run cannot be resumed, which its first line says; final/ is always written).",
         lo=0,
     )
     keep: int = _f(2, "Newest checkpoints kept (older ones are deleted once a newer one is complete).", lo=1)

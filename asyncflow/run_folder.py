@@ -1,10 +1,11 @@
 """The run folder (`--out`): refusing one that already holds a run or cannot become a folder, claiming
-and locking it once the run is built, removing what a run that never trained made, and saying where
-a failed run can go on from."""
+and locking it once the run is built, removing what a run that recorded nothing made, marking a
+failed run's folder, and saying where a failed run can go on from."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ from asyncflow.config import Config, dump_yaml
 from asyncflow.errors import UserError
 
 RUN_MARKERS = ("config.yaml", "metrics.jsonl")
+FAILED_FILE = "failed.json"  # a run that ended without finishing and kept its folder: {"status", "error"}
 
 
 def check_folder_path(path: Path, key: str) -> None:
@@ -55,9 +57,10 @@ class RunFolder:
 
     `open()` (idempotent) cuts a resumed run's logs back to its checkpoint and writes `config.yaml`;
     a fresh run claims the folder by creating `config.yaml` exclusively, so two runs started at once
-    into one folder cannot both write there. `abandon()`: a fresh run that ends with bad input before
-    its first train step removes the files it made (there is nothing in them to keep). The folder is
-    locked for the run (`_lock`); `close()` releases it."""
+    into one folder cannot both write there. `abandon()`: a fresh run that ends before it recorded
+    anything (bad input found late) removes the files it made (there is nothing in them to keep);
+    any other run that ends without finishing is kept and marked failed. The folder is locked for
+    the run (`_lock`); `close()` releases it."""
 
     def __init__(self, out: Path, cfg: Config, resume: Any) -> None:
         self.out, self.cfg, self.resume = out, cfg, resume
@@ -74,8 +77,10 @@ class RunFolder:
 
             self._lock()
             cut_logs(out, self.resume.state["logs"])
-            # an earlier segment's totals (and its mark of a finished run) no longer describe the folder
+            # an earlier segment's totals (and its mark of a finished run), or its failure, no longer
+            # describe the folder
             (out / "summary.json").unlink(missing_ok=True)
+            (out / FAILED_FILE).unlink(missing_ok=True)
             write_text_atomic(out / "config.yaml", dump_yaml(self.cfg))  # (cut short, the next resume is refused)
         else:
             self._created_dir = not out.exists()
@@ -119,13 +124,30 @@ class RunFolder:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def abandon(self) -> None:
-        if not self.opened or self.resume is not None:
-            return
-        metrics = self.out / "metrics.jsonl"
+    def abandon(self, error: str) -> bool:
+        """The run ended without finishing (`error`: why, one line). A fresh run that recorded nothing
+        (no train step, no sample) removes the files it made and returns False; any other keeps its
+        folder, marked failed (`failed.json` holds the error), and returns True."""
+        if not self.opened:
+            return False
+        if self.resume is not None or self._recorded():
+            with contextlib.suppress(OSError):  # (best effort: the error being raised is the one to show)
+                write_text_atomic(self.out / FAILED_FILE, json.dumps({"status": "failed", "error": error}, indent=1))
+            return True
+        self._remove_made()
+        return False
+
+    def _recorded(self) -> bool:
+        """Whether the run logged a train step or a sample (a reward error, a dropped sample)."""
+        metrics, samples = self.out / "metrics.jsonl", self.out / "samples.jsonl"
         try:
-            if metrics.is_file() and '"kind": "train"' in metrics.read_text():
-                return  # it trained: what it logged is kept
+            return (metrics.is_file() and '"kind": "train"' in metrics.read_text()) or (
+                samples.is_file() and samples.stat().st_size > 0)
+        except OSError:
+            return True  # (unreadable: not known to be empty, so not removed)
+
+    def _remove_made(self) -> None:
+        try:
             for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", "wandb_id", ".lock"):
                 (self.out / name).unlink(missing_ok=True)
             for name in ("tensorboard", "wandb"):  # the sinks' folders (they kept the folder, and a retry

@@ -26,7 +26,7 @@ from asyncflow.config_schema import clip_defaults, torch_threads
 from asyncflow.engines.http_client import HTTPError
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
 from asyncflow.inputs import Inputs, resolve_inputs
-from asyncflow.run_folder import RunFolder, check_out_dir, resume_hint
+from asyncflow.run_folder import FAILED_FILE, RunFolder, check_out_dir, resume_hint
 from asyncflow.runtime.base import RuntimeSetup, runtime_class
 from asyncflow.tokenizer import load_tokenizer
 
@@ -72,6 +72,8 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         # bad input fails here, before torch loads (except for the tokenizer) and before the run
         # folder is written, so a mistake never leaves a half-made "run" that a retry would refuse
         inputs, reward_fn, hf_tok, env_factory = _load_checked(cfg, resume, explicit, progress.message)
+        if resume is None and cfg.checkpoint.every == 0:  # (said before any work a crash would lose)
+            progress.message("[asyncflow] no checkpoints (checkpoint.every: 0): this run cannot be resumed")
         if resume is not None:
             changed = resume.changed
             progress.message(f"[asyncflow] resuming from {resume.path} (step {resume.step}, policy version "
@@ -79,35 +81,49 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         # Ray: the folder's absolute path, which actors are given (those of a joined cluster start in its
         # raylet's directory: a relative folder put the trainer's weights and checkpoints there)
         folder = RunFolder(out.resolve() if runtime_class(cfg.runtime.kind).absolute_folder else out, cfg, resume)
-        ended = False
         try:
             with _sigterm_as_interrupt():
-                summary = asyncio.run(_train(cfg, folder, progress, inputs, reward_fn, hf_tok, resume, env_factory))
-            ended = True
-            return summary
-        except UserError:
-            raise  # one line, no hint
-        except WaitTimeout as exc:  # a bounded wait ran out: one line with the key that bounds it
-            raise RunFailed(f"{exc}; {resume_hint(out)}") from exc
-        except HTTPError as exc:  # an inference server refused or failed a call (rollout.engine: openai)
-            raise RunFailed(f"inference server error: {exc}; {resume_hint(out)}") from exc
-        except RunFailed as exc:  # a worker the run needs died: say where it can go on from
-            raise type(exc)(f"{exc}; {resume_hint(out)}") from exc
-        except Exception:
-            print(f"[asyncflow] the run failed; {resume_hint(out)}", file=sys.stderr)
-            raise
-        except KeyboardInterrupt:  # (Ctrl-C: the CLI then says "interrupted", exit 130)
-            print(f"[asyncflow] the run was interrupted; {resume_hint(out)}", file=sys.stderr)
+                return asyncio.run(_train(cfg, folder, progress, inputs, reward_fn, hf_tok, resume, env_factory))
+        except BaseException as exc:
+            # a fresh run that ends (bad input, a cluster that cannot start, Ctrl-C) before it recorded
+            # anything leaves nothing to keep: its files go, so the same command, retried, is not
+            # refused as "already holds a run"; any other is kept, marked failed
+            kept = folder.abandon(_error_line(exc))
+            _raise_failed(exc, out, kept)
             raise
         finally:
-            # a fresh run that ends (bad input, a cluster that cannot start, Ctrl-C) before its first
-            # train step leaves nothing to keep: its files go, so the same command, retried, is not
-            # refused as "already holds a run"
-            if not ended:
-                folder.abandon()
             folder.close()
     finally:
         progress.close()
+
+
+def _error_line(exc: BaseException) -> str:
+    """What a kept run folder's `failed.json` says of why the run ended."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (Ctrl-C or SIGTERM)"
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text if isinstance(exc, (UserError, RunFailed, WaitTimeout)) else f"{type(exc).__name__}: {text}"
+
+
+def _raise_failed(exc: BaseException, out: Path, kept: bool) -> None:
+    """The error a failed run ends with: bad input in one line (naming the kept folder, when the run
+    recorded samples before it showed: a reward function that always raises); a run that failed
+    otherwise says where it can go on from. Returns for an error raised as it is."""
+    if isinstance(exc, UserError):
+        if kept:
+            raise UserError(f"{exc}; the run folder {out} is kept, marked failed ({FAILED_FILE}), with each "
+                            "recorded sample's error in samples.jsonl") from None
+        return  # one line, no hint
+    if isinstance(exc, WaitTimeout):  # a bounded wait ran out: one line with the key that bounds it
+        raise RunFailed(f"{exc}; {resume_hint(out)}") from exc
+    if isinstance(exc, HTTPError):  # an inference server refused or failed a call (rollout.engine: openai)
+        raise RunFailed(f"inference server error: {exc}; {resume_hint(out)}") from exc
+    if isinstance(exc, RunFailed):  # a worker the run needs died: say where it can go on from
+        raise type(exc)(f"{exc}; {resume_hint(out)}") from exc
+    if isinstance(exc, KeyboardInterrupt):  # (Ctrl-C: the CLI then says "interrupted", exit 130)
+        print(f"[asyncflow] the run was interrupted; {resume_hint(out)}", file=sys.stderr)
+    elif isinstance(exc, Exception):
+        print(f"[asyncflow] the run failed; {resume_hint(out)}", file=sys.stderr)
 
 
 def lenient_fn(inputs: Inputs) -> Any:

@@ -106,7 +106,7 @@ class StepHooks:
         self.progress.update(
             result.step,
             {"samples/s": row["samples_per_s"], "reward": row["reward_mean"], "stale": row["staleness_mean"],
-             "eval": self.last_eval["eval_accuracy"], "depth": int(store["samples"])},
+             "eval": self.last_eval["eval_accuracy"], "in_store": int(store["samples"])},
         )
 
     def train_row(self, result: StepResult, store: dict[str, float]) -> dict[str, Any]:

@@ -374,9 +374,9 @@ def test_a_moe_checkpoint_whose_names_transformers_converts_on_load_is_accepted(
 
 def test_bad_input_found_after_the_folder_is_written_leaves_no_half_made_run(arith_dir: Path, tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fresh run that ends with bad input before its first train step (found only once running:
-    an environment factory that returns no Env, a reward function that always fails) removes the
-    files it wrote, so the same command, fixed, is not refused as "already holds a run"."""
+    """A fresh run that ends with bad input before it recorded anything (found only once running: an
+    environment factory that returns no Env) removes the files it wrote, so the same command, fixed,
+    is not refused as "already holds a run"."""
     from asyncflow.config import load_config
     from asyncflow.run_folder import check_out_dir
     from asyncflow.runner import train

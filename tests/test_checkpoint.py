@@ -326,10 +326,12 @@ def test_a_damaged_or_changed_resume_is_refused_before_anything_is_written(
 
     (tmp_path / "failing_reward.py").write_text(ALWAYS_FAILS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(UserError, match=r"^reward.fn: the first 4 reward calls all failed"):
+    with pytest.raises(UserError, match=r"^reward.fn: the first 4 reward calls all failed.*the run folder .* is kept"):
         _train(arith_dir, out, [*resume, "reward.fn=failing_reward:reward_fn", "reward.fail_fast_calls=4"])
+    assert json.loads((out / "failed.json").read_text())["status"] == "failed"
 
     _train(arith_dir, out, [*resume, "train.lr=0.5"])
+    assert not (out / "failed.json").exists()  # (the resume that finished it is not marked failed)
     opt = torch.load(out / "checkpoints" / "step_4" / "optimizer.pt", weights_only=True)
     assert {g["lr"] for g in opt["param_groups"]} == {0.5}
 

@@ -141,6 +141,37 @@ def test_a_config_naming_a_pack_marks_each_value_the_pack_set(capsys: pytest.Cap
     assert len(marked) == sum(len(section) for section in pack.values()) - 2
 
 
+def test_config_checks_a_config_whose_optional_packages_are_missing_and_warns(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A GPU config looked at on a laptop: every other check runs, each missing package is one warning
+    naming its key, and the config is printed as it would be with them; `train` still refuses it."""
+    f = tmp_path / "gpu.yaml"
+    f.write_text("rollout: {engine: vllm}\nmodel: {device: cuda, lora: {r: 8}}\nlogging: {tensorboard: true}\n")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in ("vllm", "peft") else real(name, *a))
+    assert main(["config", str(f)]) == 0
+    with_packages = capsys.readouterr().out
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("vllm", "peft", "tensorboard")
+                        else real(name, *a))
+    assert main(["config", str(f)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == with_packages  # (the keys a vllm run does not read are left out alike)
+    assert captured.err.splitlines() == [
+        "asyncflow: warning: model.lora: the peft package is not installed (pip install 'asyncflow[lora]') "
+        "(asyncflow train refuses this config until it is installed)",
+        "asyncflow: warning: rollout.engine: vllm is not installed (pip install 'asyncflow[vllm]', needs a GPU); "
+        "use hf (asyncflow train refuses this config until it is installed)",
+        "asyncflow: warning: logging.tensorboard: the tensorboard package is not installed (pip install "
+        "tensorboard) (asyncflow train refuses this config until it is installed)",
+    ]
+    assert main(["config", str(f), "--set", "train.lr=-1"]) == 2  # everything else is still checked
+    assert capsys.readouterr().err == "asyncflow: error: train.lr: -1.0 is below the minimum 0.0\n"
+    assert main(["train", str(f), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == ("asyncflow: error: model.lora: the peft package is not installed "
+                                       "(pip install 'asyncflow[lora]')\n")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
@@ -182,6 +213,37 @@ def test_train_help_points_to_the_config_reference(capsys: pytest.CaptureFixture
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "docs/configuration.md" in text and "asyncflow config CONFIG" in text
+
+
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_run_help_explains_each_field_of_the_progress_line_in_a_line(command: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    for field in ("samples/s", "reward", "stale", "eval", "in_store", "eta"):  # (what the line prints: test_workflow)
+        assert len(lines[field].split()) > 3, field
+
+
+def test_train_ends_with_the_commands_that_show_its_run(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import shlex
+
+    import asyncflow.runner
+    from asyncflow.cli import make_parser
+
+    ran: list[Path] = []
+    monkeypatch.setattr(asyncflow.runner, "train", lambda cfg, out, explicit: ran.append(out))  # (the run: elsewhere)
+    out = tmp_path / "my run"
+    assert main(["train", str(ROOT / "examples" / "arith_async.yaml"), "--out", str(out)]) == 0
+    assert ran == [out]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"[asyncflow] charts and summary: asyncflow report '{out}'",
+                     f"[asyncflow] stages and workers over time: asyncflow trace '{out}'"]
+    for line in lines:  # each is a command asyncflow takes, naming this run's folder
+        argv = shlex.split(line.split(": ", 1)[1])[1:]
+        args = make_parser().parse_args(argv)
+        assert (args.command, getattr(args, "runs", [getattr(args, "run", None)])) in [("report", [out]), ("trace", [out])]
 
 
 def test_the_config_command_loads_nothing_heavy() -> None:

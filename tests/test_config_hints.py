@@ -85,3 +85,77 @@ def test_every_target_is_a_real_key() -> None:
         if alias.target is not None:
             assert alias.target in keys, alias
         assert alias.name.rsplit(".", 1)[-1] in alias.text, alias  # the hint names their key
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # checkpoints and resume: each got a spelling guess of another key ('max_steps', 'gradient_checkpointing')
+        (["train.save_steps=50"],
+         "train.save_steps: unknown key; TRL's save_steps is checkpoint.every (train steps; 0, the default, "
+         "writes no checkpoint)"),
+        (["save_strategy=steps"],
+         "save_strategy: unknown key; TRL's save_strategy: steps (with save_steps) is checkpoint.every (train "
+         "steps; 0, the default, writes none)"),
+        (["train.resume_from_checkpoint=true"],
+         "train.resume_from_checkpoint: unknown key; TRL's resume_from_checkpoint is checkpoint.resume: auto "
+         "(the newest complete checkpoint in --out)"),
+        (["save_total_limit=3"],
+         "save_total_limit: unknown key; TRL's save_total_limit is checkpoint.keep (newest checkpoints kept)"),
+        # LoRA: PEFT's mapping answers for itself, whatever it holds
+        (["peft_config.r=16", "peft_config.lora_alpha=32"],
+         "peft_config: unknown key; PEFT's peft_config (a LoraConfig) is model.lora: its r, lora_alpha, "
+         "lora_dropout and target_modules are model.lora.r, alpha, dropout and target_modules"),
+        (["target_modules=[q_proj]"], "target_modules: unknown key; PEFT's target_modules is model.lora.target_modules"),
+        (["model.target_modules=[q_proj]"],  # (verl's actor_rollout_ref.model.target_modules)
+         "model.target_modules: unknown key; verl's target_modules is model.lora.target_modules"),
+        (["model.lora_rank=8"], "model.lora_rank: unknown key; verl's lora_rank is model.lora.r (0 there is model.lora: null)"),
+        # TRL names that got a misleading spelling guess
+        (["train.logging_steps=10"],
+         "train.logging_steps: unknown key; TRL's logging_steps has no key: every train step writes its metrics "
+         "row (metrics.jsonl; TensorBoard and W&B with logging.tensorboard / logging.wandb)"),
+        (["train.eval_steps=10"],
+         "train.eval_steps: unknown key; TRL's eval_steps is eval.every (train steps; 0: only before and after)"),
+        (["train.max_length=512"],
+         "train.max_length: unknown key; max_length has no key here: rollout.max_new_tokens bounds a response "
+         "(prompts are used whole)"),
+        (["train.generation_batch_size=64"],
+         "train.generation_batch_size: unknown key; TRL's generation_batch_size is closest to train.batch_size "
+         "(samples per train step, split into train.mini_batches optimizer steps)"),
+        (["train.lr_scheduler_kwargs.min_lr_rate=0.1"],
+         "train.lr_scheduler_kwargs: unknown key; TRL's lr_scheduler_kwargs: {min_lr_rate: r} is "
+         "train.min_lr_ratio: r (with train.lr_schedule: cosine)"),
+        (["run_name=x"], "run_name: unknown key; TRL's run_name has no key: a run is named by its folder (--out), "
+                         "as is its W&B run"),
+        (["dataset_name=org/data"],
+         "dataset_name: unknown key; TRL's dataset_name is dataset.path (a Hub id, or a local file or folder)"),
+        (["rollout.vllm_mode=colocate"],
+         "rollout.vllm_mode: unknown key; TRL's vllm_mode: colocate is rollout.engine: vllm; server is "
+         "rollout.engine: openai with rollout.server_urls"),
+        (["rollout.mode=async"],
+         "rollout.mode: unknown key; verl's rollout.mode (sync or async: the inference engine's API) has no key "
+         "here; workflow.mode is something else: sync or async (off-policy) training"),
+        (["trainer.resume_from_path=x"],
+         "trainer: unknown key; verl's trainer.resume_from_path has no key: checkpoint.resume: auto goes on from "
+         "the newest checkpoint in --out"),
+        # a verl section named like a TRL name keeps its verl hint; a bare asyncflow key its right section
+        (["train.optim.lr=1e-6"], "train.optim: unknown key; verl's actor_rollout_ref.actor.optim.lr is train.lr"),
+        (["mode=async"], "mode: unknown key (did you mean 'workflow.mode'?)"),
+    ],
+)
+def test_checkpoint_lora_and_logging_names_get_their_key(overrides: list[str], message: str) -> None:
+    assert _error(overrides) == message
+
+
+def test_no_common_trl_or_verl_name_gets_another_keys_spelling() -> None:
+    """A GRPOConfig / PEFT / verl name given under any section gets its own hint, never a spelling
+    guess of an unrelated key ('did you mean max_steps?' for save_steps)."""
+    names = ["save_steps", "save_strategy", "resume_from_checkpoint", "peft_config", "lora_r", "lora_alpha",
+             "lora_dropout", "target_modules", "logging_steps", "report_to", "num_generations",
+             "max_completion_length", "beta", "per_device_train_batch_size", "gradient_accumulation_steps", "bf16",
+             "fp16", "eval_steps", "per_device_eval_batch_size", "generation_batch_size", "max_length", "run_name",
+             "logging_dir", "optim", "hub_model_id", "save_only_model", "sync_ref_model", "shuffle_dataset"]
+    for name in names:
+        for section in ("", "train.", "model."):
+            message = _error([f"{section}{name}=1"])
+            assert "did you mean" not in message and name in message.partition("; ")[2], message

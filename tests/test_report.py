@@ -61,8 +61,14 @@ def test_bad_run_folders_are_one_line_errors(tmp_path: Path, capsys: pytest.Capt
     assert "not a run folder" in err and err.count("\n") == 1
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
-    with pytest.raises(UserError, match="no train rows"):
+    with pytest.raises(UserError, match="no train rows yet$"):
         write_report([tmp_path / "empty"])
+    (tmp_path / "empty" / "failed.json").write_text('{"status": "failed", "error": "reward.fn: the first 4 calls failed"}')
+    with pytest.raises(UserError) as info:  # a run kept after it failed says why it has none
+        write_report([tmp_path / "empty"])
+    assert str(info.value) == (f"{tmp_path / 'empty'}: metrics.jsonl has no train rows (the run failed before its first "
+                               "train step: reward.fn: the first 4 calls failed; samples.jsonl holds each recorded "
+                               "sample's error)")
 
 
 def test_a_run_cut_short_mid_line_is_reported_up_to_its_last_whole_row(

@@ -49,7 +49,10 @@ def test_one_failing_function_fails_the_group_naming_it() -> None:
         raise ValueError("verifier down")
 
     out = call_reward_fn(RewardFns([correct, broken], [1.0, 1.0]), ["p"], ["2"], [[5]], {"answer": ["2"]})
-    assert out.rewards is None and out.error == "broken: reward function raised ValueError: verifier down"
+    line = broken.__code__.co_firstlineno + 1
+    assert out.rewards is None and out.error is not None
+    assert out.error.startswith("broken: reward function raised ValueError at ")
+    assert out.error.endswith(f"test_reward_lists.py:{line}: verifier down")
 
 
 def test_functions_sharing_a_name_get_unique_metric_names() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import sys
 import threading
 import time
@@ -14,7 +15,14 @@ import pytest
 
 from asyncflow.clock import RealClock
 from asyncflow.errors import UserError
-from asyncflow.rewards import PlainCalls, RewardOutcome, call_reward_fn, load_reward_fn, validate_rewards
+from asyncflow.rewards import (
+    PlainCalls,
+    RewardFns,
+    RewardOutcome,
+    call_reward_fn,
+    load_reward_fn,
+    validate_rewards,
+)
 
 
 def test_trl_style_function_gets_prompts_completions_ids_and_columns() -> None:
@@ -81,12 +89,37 @@ def test_good_return_values_become_floats_whatever_their_number_type() -> None:
     assert validate_rewards([3, -2.5], 2).rewards == [3.0, -2.5]
 
 
+def _line(fn: Any, below: int) -> str:
+    """`file:line` of the line `below` lines under `fn`'s `def`, as an error names it (from the working directory)."""
+    path = Path(fn.__code__.co_filename).resolve()
+    shown = os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
+    return f"{shown}:{fn.__code__.co_firstlineno + below}"
+
+
 def test_a_raising_function_marks_its_samples_instead_of_crashing() -> None:
     def boom(prompts, completions, **kw):
         raise KeyError("missing")
 
     out = call_reward_fn(boom, ["p"], ["c"], [[1]], {})
-    assert out.rewards is None and out.error == "reward function raised KeyError: 'missing'"
+    assert out.rewards is None and out.error == f"reward function raised KeyError at {_line(boom, 1)}: 'missing'"
+
+
+def test_a_raising_function_is_named_at_its_own_innermost_line() -> None:
+    """The error names the user's file:line: the innermost frame in their code, not asyncflow's (which
+    called it) nor the standard library's (which raised for it)."""
+    import json
+
+    def parse(text):
+        return json.loads(text)  # raises inside the json module
+
+    def score(prompts, completions, **kw):
+        return [parse(c) for c in completions]
+
+    out = call_reward_fn(score, ["p"], ["not json"], [[1]], {})
+    assert out.error is not None and out.error.startswith(f"reward function raised JSONDecodeError at {_line(parse, 1)}: ")
+    wrapped = RewardFns([score], [1.0])  # (called through asyncflow's own list of functions)
+    assert call_reward_fn(wrapped, ["p"], ["x"], [[1]], {}).error.startswith(
+        f"score: reward function raised JSONDecodeError at {_line(parse, 1)}: ")
 
 
 def test_sys_exit_or_a_stray_cancellation_in_a_reward_function_marks_its_samples() -> None:
@@ -103,7 +136,8 @@ def test_sys_exit_or_a_stray_cancellation_in_a_reward_function_marks_its_samples
                 raise NotImplementedError("meta tensor")
         return Rewards([1.0])
 
-    assert call_reward_fn(exits, ["p"], ["c"], [[1]], {}).error == "reward function raised SystemExit: usage: grader [-h]"
+    assert call_reward_fn(exits, ["p"], ["c"], [[1]], {}).error == (
+        f"reward function raised SystemExit at {_line(exits, 1)}: usage: grader [-h]")
     assert call_reward_fn(bad_tolist, ["p"], ["c"], [[1]], {}).error.startswith("reward function raised NotImplementedError")
 
     async def inner_cancelled(prompts, completions, **kw):
@@ -115,7 +149,7 @@ def test_sys_exit_or_a_stray_cancellation_in_a_reward_function_marks_its_samples
     out = asyncio.run(call_reward_fn_async(inner_cancelled, ["p"], ["c"], [[1]], {}))
     assert out.rewards is None and out.error.startswith("reward function raised CancelledError")
     assert asyncio.run(call_reward_fn_async(interrupted, ["p"], ["c"], [[1]], {})).error == (
-        "reward function raised KeyboardInterrupt: ")
+        f"reward function raised KeyboardInterrupt at {_line(interrupted, 1)}: ")
 
     async def cancelled_from_outside() -> None:
         async def slow(prompts, completions, **kw):
@@ -248,7 +282,8 @@ def test_async_functions_are_recognised_and_validated_like_plain_ones() -> None:
         raise KeyError("judge down")
 
     assert asyncio.run(call_reward_fn_async(wrong, ["p"], ["x"], [[1]], {})).error == "reward function returned None for completion 0"
-    assert asyncio.run(call_reward_fn_async(raises, ["p"], ["x"], [[1]], {})).error == "reward function raised KeyError: 'judge down'"
+    assert asyncio.run(call_reward_fn_async(raises, ["p"], ["x"], [[1]], {})).error == (
+        f"reward function raised KeyError at {_line(raises, 1)}: 'judge down'")
 
 
 def _hanging_after(release: threading.Event, good: int):

@@ -197,17 +197,56 @@ def test_async_reward_function_is_awaited_concurrently_and_a_hung_call_is_cancel
 
 
 def test_reward_function_that_always_fails_stops_the_run_with_exit_2(arith_dir: Path, tmp_path: Path) -> None:
+    """The error names the line that raised in the user's file; the run folder is kept, marked failed,
+    with the failed samples' errors in samples.jsonl (it was deleted: no train step had run)."""
     _write_reward_module(tmp_path, "broken_rewards", "def score(prompts, completions, **kw):\n    raise RuntimeError('boom')\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "asyncflow", "train", str(ARITH_YAML), "--out", str(tmp_path / "run"), "--set", f"model.path={arith_dir}",
+        [sys.executable, "-m", "asyncflow", "train", str(ARITH_YAML), "--out", "run", "--set", f"model.path={arith_dir}",
          "--set", "reward.fn=broken_rewards:score", "--set", "reward.fail_fast_calls=4", *sum((["--set", s] for s in SMALL), [])],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("asyncflow: error: reward.fn: the first 4 reward calls all failed") and "boom" in last
+    error = "reward function raised RuntimeError at broken_rewards.py:2: boom"
+    assert last == (f"asyncflow: error: reward.fn: the first 4 reward calls all failed; last error: {error}; the "
+                    "run folder run is kept, marked failed (failed.json), with each recorded sample's error in "
+                    "samples.jsonl")
     assert "Traceback" not in proc.stderr
     assert "the run failed" not in proc.stderr  # bad input is not something to resume from
+    run = tmp_path / "run"
+    assert json.loads((run / "failed.json").read_text()) == {
+        "status": "failed", "error": f"reward.fn: the first 4 reward calls all failed; last error: {error}"}
+    samples = _rows(run, "samples.jsonl")
+    assert samples and {(s["status"], s["error"]) for s in samples} == {("reward_error", error)}
+    assert len(samples) % 4 == 0 and not any(r["kind"] == "train" for r in _rows(run, "metrics.jsonl"))
+
+
+def test_train_says_up_front_that_it_cannot_be_resumed_and_ends_naming_its_report(arith_dir: Path, tmp_path: Path) -> None:
+    """A run without checkpoints says so before it starts; every field of its progress line is
+    explained in `train --help`; its last lines are the commands that show it."""
+    import contextlib
+    import io
+    import re
+
+    from asyncflow.cli import main
+
+    sets = [*SMALL, "train.max_steps=2", "eval.every=0", "logging.progress=true", f"model.path={arith_dir}"]
+    proc = subprocess.run([sys.executable, "-m", "asyncflow", "train", str(ARITH_YAML), "--out", "run",
+                           *sum((["--set", s] for s in sets), [])],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    err = proc.stderr.splitlines()
+    assert err[0] == "[asyncflow] no checkpoints (checkpoint.every: 0): this run cannot be resumed"
+    steps = [line for line in err if line.startswith("[asyncflow] step ")]
+    fields = {name for line in steps for name in re.findall(r" ([a-z_/]+)=", line)}
+    assert steps and {"samples/s", "reward", "stale", "eval", "in_store", "eta"} <= fields
+    usage = io.StringIO()
+    with contextlib.redirect_stdout(usage), pytest.raises(SystemExit):
+        main(["train", "--help"])
+    explained = {line.split()[0] for line in usage.getvalue().splitlines() if line.startswith("  ")}
+    assert fields <= explained, fields - explained
+    assert proc.stdout.splitlines()[-2:] == ["[asyncflow] charts and summary: asyncflow report run",
+                                             "[asyncflow] stages and workers over time: asyncflow trace run"]
 
 
 def test_bring_your_own_model_dataset_and_reward(arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

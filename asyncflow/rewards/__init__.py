@@ -27,6 +27,7 @@ from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.rewards.sandbox import require_layers
 from asyncflow.rewards.verl import VERL_PREFIX, VerlScore, verl_compute_score
 from asyncflow.user_code import load_attr
+from asyncflow.user_frames import raised_at
 
 if TYPE_CHECKING:
     from asyncflow.config_schema import Config
@@ -218,7 +219,9 @@ def call_reward_fn(
 
 
 def _raised(exc: BaseException) -> RewardOutcome:
-    return RewardOutcome(None, f"reward function raised {type(exc).__name__}: {exc}")
+    """The error of a call that raised, naming where in the user's code (`file:line`) it raised."""
+    where = raised_at(exc)
+    return RewardOutcome(None, f"reward function raised {type(exc).__name__}{f' at {where}' if where else ''}: {exc}")
 
 
 async def call_reward_fn_async(

@@ -441,6 +441,17 @@ def _plot_timeline(ax: Any, run: RunData, color: str) -> None:
     ax.grid(alpha=0.3)
 
 
+def _why_none(run_dir: Path) -> str:
+    """Why a run folder has no train step: the failure its `failed.json` records, or it has not run one yet."""
+    from asyncflow.run_folder import FAILED_FILE
+
+    try:
+        error = json.loads((run_dir / FAILED_FILE).read_text())["error"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "yet"
+    return f"(the run failed before its first train step: {error}; samples.jsonl holds each recorded sample's error)"
+
+
 def write_report(run_dirs: list[str | Path], log: Callable[[str], None] | None = None,
                  say: Callable[[str], None] | None = None) -> tuple[Path, Path]:
     """Write `report.png` and `summary.md` into the first run folder; returns their paths. `log`
@@ -457,7 +468,7 @@ def write_report(run_dirs: list[str | Path], log: Callable[[str], None] | None =
             log(printable(f"[asyncflow] note: {note}"))
     for r in runs:
         if not r.train:
-            raise UserError(f"{r.path}: metrics.jsonl has no train rows yet")
+            raise UserError(f"{r.path}: metrics.jsonl has no train rows {_why_none(r.path)}")
     if say is not None:
         for r in runs:
             if r.audit is not None:

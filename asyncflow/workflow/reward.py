@@ -146,6 +146,9 @@ class RewardStage(StageBase):
             if outcome.error is not None:
                 self.counters.reward_call_failures += 1
                 if self.counters.reward_calls == limit and self.counters.reward_call_failures == limit:
+                    # this take's samples are never completed: their errors are recorded here, once
+                    self._log_samples([(s, None, "reward_error", o.error) for g, o in zip(groups, outcomes, strict=True)
+                                       if o.error is not None for s in g])
                     raise UserError(f"reward.fn: the first {limit} reward calls all failed; last error: {outcome.error}")
         return outcomes
 
