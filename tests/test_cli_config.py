@@ -146,7 +146,7 @@ def test_config_checks_a_config_whose_optional_packages_are_missing_and_warns(
     """A GPU config looked at on a laptop: every other check runs, each missing package is one warning
     naming its key, and the config is printed as it would be with them; `train` still refuses it."""
     f = tmp_path / "gpu.yaml"
-    f.write_text("rollout: {engine: vllm}\nmodel: {device: cuda, lora: {r: 8}}\nlogging: {tensorboard: true}\n")
+    f.write_text("task: arith\nrollout: {engine: vllm}\nmodel: {device: cuda, lora: {r: 8}}\nlogging: {tensorboard: true}\n")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in ("vllm", "peft") else real(name, *a))
     assert main(["config", str(f)]) == 0
