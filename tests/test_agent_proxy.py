@@ -386,7 +386,7 @@ def test_a_short_train_run_trains_black_box_agent_episodes(arith_dir: Path, tmp_
     (tmp_path / "http_agent.py").write_text(AGENT_MODULE)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "rollout.agent=http_agent:solve", "train.max_steps=3",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "rollout.agent=http_agent.py:solve", "train.max_steps=3",
                                 "train.batch_size=16", "rollout.n=4", "eval.size=8", "eval.every=0",
                                 "logging.progress=false"])
     summary = train(cfg, out, progress_enabled=False)
@@ -677,7 +677,7 @@ def test_a_run_with_blocking_agents_goes_on_and_accounts_every_sample(arith_dir:
     (tmp_path / "blocking_agent.py").write_text(BLOCKING_AGENT)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "rollout.agent=blocking_agent:solve", "train.max_steps=2",
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "rollout.agent=blocking_agent.py:solve", "train.max_steps=2",
                                 "train.batch_size=16", "rollout.n=4", "rollout.agent_timeout_s=1.0", "eval.size=4",
                                 "eval.every=0", "logging.progress=false"])
     summary = _bounded(lambda: train(cfg, out, progress_enabled=False), 240.0)
@@ -796,7 +796,7 @@ def test_a_tool_using_agent_with_stop_strings_trains_through_the_proxy(tmp_path:
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
     cfg, _ = load_config(None, ["task=null", f"model.path={model}", f"dataset.path={model / 'train.jsonl'}",
-                                "dataset.label_key=answer", "rollout.agent=tools_agent:solve", "train.max_steps=3",
+                                "dataset.label_key=answer", "rollout.agent=tools_agent.py:solve", "train.max_steps=3",
                                 "train.batch_size=16", "rollout.n=4", "eval.size=8", "eval.every=0",
                                 "logging.progress=false"])
     summary = train(cfg, out, progress_enabled=False)
