@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 from pathlib import Path
@@ -153,9 +154,21 @@ def test_a_required_layer_that_is_missing_refuses_to_run_the_code(monkeypatch: p
     assert run_code("print(1)", require=held).status == "ok"
 
 
-def _python_for(uid: int) -> str | None:
-    """An interpreter user `uid` can run with asyncflow importable, or None."""
-    root = str(Path(__file__).parents[1])
+def _readable_package() -> str:
+    """A copy of the package's Python files in a folder every user may read (the checkout itself may
+    sit under a folder closed to other users, as a CI clone under a private temporary folder does)."""
+    root = tempfile.mkdtemp(prefix="asyncflow-unpriv-")
+    os.chmod(root, 0o755)
+    shutil.copytree(Path(__file__).parents[1] / "asyncflow", Path(root) / "asyncflow",
+                    ignore=lambda folder, names: [n for n in names if not n.endswith(".py")
+                                                  and not (Path(folder) / n).is_dir()])
+    for folder, _, _ in os.walk(root):
+        os.chmod(folder, 0o755)
+    return root
+
+
+def _python_for(uid: int, root: str) -> str | None:
+    """An interpreter user `uid` can run (and start again) with `root`'s asyncflow importable, or None."""
     for python in (sys.executable, "/usr/bin/python3"):
         probe = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", python, "-c",
                  f"import subprocess, sys; sys.path.insert(0, {root!r}); import asyncflow.rewards.sandbox; "
@@ -168,15 +181,18 @@ def _python_for(uid: int) -> str | None:
 def test_as_an_unprivileged_user_the_same_attacks_fail() -> None:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to become an unprivileged user")
-    python = _python_for(65534)
-    if python is None:
-        pytest.skip("no interpreter that user 65534 can run with asyncflow importable")
-    root = str(Path(__file__).parents[1])
-    script = (f"import sys; sys.path.insert(0, {root!r})\nfrom asyncflow.rewards.sandbox import run_code\n"
-              f"res = run_code({_ATTACKS!r}, python=sys.executable)\nprint(repr((res.status, res.isolation)))\n"
-              "print(res.stdout)\n")
-    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", script],
-                          capture_output=True, text=True, timeout=120, cwd="/")
+    root = _readable_package()
+    try:
+        python = _python_for(65534, root)
+        if python is None:
+            pytest.skip("no interpreter that user 65534 can run here")
+        script = (f"import sys; sys.path.insert(0, {root!r})\nfrom asyncflow.rewards.sandbox import run_code\n"
+                  f"res = run_code({_ATTACKS!r}, python=sys.executable)\nprint(repr((res.status, res.isolation)))\n"
+                  "print(res.stdout)\n")
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", script],
+                              capture_output=True, text=True, timeout=120, cwd="/")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     assert done.returncode == 0, done.stderr
     status, isolation = ast.literal_eval(done.stdout.splitlines()[0])
     if any(x.startswith("pidns_unavailable") for x in isolation):
