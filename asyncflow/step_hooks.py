@@ -79,14 +79,9 @@ class StepHooks:
         self.store_read.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _read_store(self) -> asyncio.Future[dict[str, float]]:
-        """The store's metrics: one awaitable call for a store in another process (a blocking one
-        would hold the event loop for a round trip), else read now."""
-        ask = getattr(self.pipeline.store, "metrics_async", None)
-        if ask is not None:
-            return asyncio.ensure_future(ask())
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(self.pipeline.store.metrics())
-        return done
+        """The store's metrics: one awaitable call (a blocking one would hold the event loop for a
+        store's round trip); the in-process store reads them now."""
+        return asyncio.ensure_future(self.pipeline.store.metrics_async())
 
     async def on_step(self, result: StepResult) -> None:
         cfg = self.cfg

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.engines.sim import SimEngine
+from asyncflow.transfer_queue import NewSample, TransferQueue
 
 
 class _Tok:
@@ -296,12 +297,11 @@ def test_step_hooks_read_the_store_once_a_step_without_blocking_on_a_remote_stor
         def metrics(self) -> dict[str, float]:
             raise AssertionError("a blocking store read on the event loop")
 
-    class InProcess:
-        def __init__(self) -> None:
-            self.samples = 0.0
-
-        def metrics(self) -> dict[str, float]:
-            return {"samples": self.samples}
+    async def hold(store: Any, n: float) -> None:
+        if isinstance(store, Remote):
+            store.samples = n
+        else:  # (the in-process store: its samples are counted as they are put)
+            await store.put([NewSample(g, 1, {}) for g in range(store.size(), int(n))])
 
     cfg, _ = load_config(None, ["task=arith"])
     hooks = StepHooks(cfg, None, engines=[], runtime=None, log=None, tracer=None, clock=None,
@@ -309,11 +309,11 @@ def test_step_hooks_read_the_store_once_a_step_without_blocking_on_a_remote_stor
 
     async def main() -> list[float]:
         seen = []
-        for store in (Remote(), InProcess()):
+        for store in (Remote(), TransferQueue()):
             hooks.pipeline = SimpleNamespace(store=store)
-            store.samples = 5.0
+            await hold(store, 5.0)
             hooks.on_trained()
-            store.samples = 9.0  # (what changes after the read started: a remote read answers it later)
+            await hold(store, 9.0)  # (what changes after the read started: a remote read answers it later)
             assert hooks.store_read is not None
             seen.append((await hooks.store_read)["samples"])
         hooks.pipeline = SimpleNamespace(store=Remote())

@@ -4,7 +4,7 @@ what a closed store raises (`QueueClosed`), and the `StoreClient` protocol the w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -98,6 +98,9 @@ class StoreClient(Protocol):
         remove: bool = False,
     ) -> bool: ...
 
+    def complete_and_take(self, lease: Lease, fields: dict[str, Any], *, version: int | None, stage: str,
+                          fields_extra: Sequence[str] = ()) -> tuple[bool, Lease | None]: ...
+
     def ack(self, lease: Lease, *, remove: bool = False) -> bool: ...
 
     def release(self, lease: Lease) -> bool: ...
@@ -111,6 +114,8 @@ class StoreClient(Protocol):
     def size(self) -> int: ...
 
     def metrics(self) -> dict[str, float]: ...
+
+    def metrics_async(self) -> Awaitable[dict[str, float]]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 

@@ -497,6 +497,18 @@ class RayTransferQueue:
         self._updates.add("complete", (lease.id, lease.stage, uids, payload, names, nbytes, ref, versions, remove))
         return True
 
+    def complete_and_take(self, lease: Lease, fields: dict[str, Any], *, version: int | None, stage: str,
+                          fields_extra: Sequence[str] = ()) -> tuple[bool, Lease | None]:
+        """`complete` of a one-sample lease, then `take_nowait(stage, 1)`: the in-process store's fused
+        call, here two calls and a blocking round trip (so the rollout stage batches its refills instead).
+        None for the next lease when none is ready or the store is closed, as in process."""
+        written = self.complete(lease, {s.uid: fields for s in lease.samples},
+                                versions=None if version is None else {s.uid: version for s in lease.samples})
+        try:
+            return written, self.take_nowait(stage, 1, fields_extra=fields_extra)
+        except QueueClosed:
+            return written, None
+
     def ack(self, lease: Lease, *, remove: bool = False) -> bool:
         """Sent without waiting (returns True). An ack of an ended lease acks nothing, as in process;
         with `remove` its samples are removed anyway (in process the caller sees False and does it)."""

@@ -34,6 +34,7 @@ ready queue), `admission` (checks before a put or take), `expiry` (lease deadlin
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -469,6 +470,13 @@ class TransferQueue(SampleBook):
             out["bytes_put"] = float(self._bytes_put)
             out["expired_leases"] = float(self._expired_leases)
             return out
+
+    def metrics_async(self) -> asyncio.Future[dict[str, float]]:
+        """`metrics`, read now, as an awaitable that is already done (awaiting it does not yield):
+        the same call as the Ray client's, which answers later."""
+        done: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
+        done.set_result(self.metrics())
+        return done
 
     # ----------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

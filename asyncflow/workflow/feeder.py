@@ -57,7 +57,6 @@ class FeederStage(StageBase):
     async def _least_loaded_worker(self) -> int:
         """The rollout worker with the fewest samples queued for it or in flight (affinity routing);
         a store in another process is asked without blocking the event loop (`metrics_async`)."""
-        ask = getattr(self.store, "metrics_async", None)
-        m = await ask() if ask is not None else self.store.metrics()
+        m = await self.store.metrics_async()
         return min(range(len(self.rollout_stages)),
                    key=lambda i: m.get(f"depth/rollout/{i}", 0.0) + m.get(f"leased/rollout/{i}", 0.0))

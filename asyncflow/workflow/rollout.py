@@ -74,7 +74,7 @@ class RolloutStage(StageBase):
         expired: dict[asyncio.Future[Any], str] = {}
         ro = self.cfg.rollout
         # in process: a finished request's write and its slot's next sample in one store call
-        fused = getattr(self.store, "complete_and_take", None) if not self.episodic else None
+        fused = self.store.complete_and_take if self.store.in_process and not self.episodic else None
         # otherwise (a store in another process) freed slots are refilled in batches of half the
         # engine's slots, one store call each (the other half of the flight still waits in the
         # engine's queue meanwhile, so the engine stays full), while the store has more ready; once a
