@@ -286,6 +286,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
             loss_fn=make_loss_fn(loss_settings(cfg)), clock=clock, log=log, tracer=tracer,
             ref_logprobs=ref_fn, on_step=hooks.on_step, on_trained=hooks.on_trained, store=runtime.store, gate=runtime.gate,
+            collect_ahead=runtime.collect_ahead,
         )
         pipeline.max_context = inputs.positions
         hooks.pipeline = pipeline

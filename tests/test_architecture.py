@@ -4,6 +4,7 @@ module imports another module's private (`_`-prefixed) name. Read from the sourc
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import asyncflow
@@ -101,3 +102,42 @@ def test_the_checks_see_a_cycle_and_a_private_import(tmp_path: Path) -> None:
     graph = {m: _imports(m, p, modules)[0] for m, p in modules.items()}
     assert "asyncflow.tokenizer" in graph["asyncflow.runner"]  # a top-level import
     assert "asyncflow.evaluation" in graph["asyncflow.runner"]  # a function-level one
+
+
+# (spelled in parts, so that this file is no match of its own)
+EXTENSION_PRIVATES = re.compile(r"\._(optimize|publish)\b|in_process" + " = False")
+
+
+def _private_seams(roots: list[Path]) -> list[str]:
+    """Lines that replace the trainer's private steps or fake the store's placement."""
+    return [f"{path}:{i}: {line.strip()}" for root in roots for path in sorted(root.rglob("*.py"))
+            for i, line in enumerate(path.read_text().splitlines(), 1) if EXTENSION_PRIVATES.search(line)]
+
+
+def _store_probes(path: Path) -> list[str]:
+    """`getattr(<...store...>, name, default)` calls: probing a store for an operation it may lack."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) == 3 and "store" in ast.unparse(node.args[0])):
+            out.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_the_bench_and_tests_extend_the_trainer_through_public_seams() -> None:
+    """The PIPE bench and the tests give the trainer a `Learner`, replace `publish` and set
+    `collect_ahead`; none overrides a private step or pretends the store is elsewhere."""
+    root = PACKAGE.parent
+    assert _private_seams([root / "tests", PACKAGE / "bench"]) == []
+
+
+def test_the_stages_call_the_store_protocol_without_probing_it() -> None:
+    assert [p for path in sorted(PACKAGE.rglob("*.py")) for p in _store_probes(path)] == []
+
+
+def test_the_seam_checks_see_what_they_look_for(tmp_path: Path) -> None:
+    private = ["pipeline._" + "optimize = f", "x = pipeline._" + "publish", "store.in_process" + " = False"]
+    (tmp_path / "t.py").write_text("\n".join([*private, "pipeline.learner = f", "pipeline.publish = f"]))
+    assert [line.split(": ", 1)[1] for line in _private_seams([tmp_path])] == private
+    (tmp_path / "p.py").write_text("ask = getattr(self.store, 'metrics_async', None)\nm = getattr(store.handle, name)\n")
+    assert len(_store_probes(tmp_path / "p.py")) == 1

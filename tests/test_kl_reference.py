@@ -15,7 +15,7 @@ import torch
 from asyncflow.algorithms.losses import kl_estimate
 from asyncflow.engines.torch_train import ReferenceModel, TorchTrainEngine, before_update
 from asyncflow.workflow.batch import build_train_batch
-from asyncflow.workflow.trainer import current_version_mask, mismatch_kl
+from asyncflow.workflow.learner import current_version_mask, mismatch_kl
 
 
 def _sample(prompt: list[int], versions: list[int]) -> Any:

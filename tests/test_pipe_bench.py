@@ -168,19 +168,23 @@ def test_gc_threshold_holds_for_the_run_and_is_restored(tmp_path) -> None:
         trainer = SimTrainer(clock, token_s=1e-3, devices=1)
         log = RunLog(tmp_path, metrics=False)
 
-        class Watching(_make_sim_pipeline_class()):  # type: ignore[misc]
-            async def _optimize(self, samples, valid, rewards):  # type: ignore[no-untyped-def]
+        class Watching:
+            def __init__(self, inner: Any) -> None:
+                self.inner = inner
+
+            async def step(self, *args: Any) -> Any:
                 seen.append(gc.get_threshold()[0])
                 if fail:
                     raise RuntimeError("train step failed")
-                return await super()._optimize(samples, valid, rewards)
+                return await self.inner.step(*args)
 
-        pipeline = Watching(
+        pipeline = _make_sim_pipeline_class()(
             cfg, rows=[{"prompt": i} for i in range(16)], tokenizer=_SimTokenizer(), reward_fn=_reward,
             engines=[SimEngine(clock, lengths=lambda rng: rng.randint(1, 20), capacity=4)], trainer=trainer,
             loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0),
             gate=StalenessGate(4, cfg.staleness, 5, clock))  # admits past the last step: leftovers
         pipeline.sim_trainer = trainer
+        pipeline.learner = Watching(pipeline.learner)
         pipelines.append(pipeline)
         try:
             await pipeline.run()

@@ -73,21 +73,21 @@ def test_a_train_step_longer_than_the_lease_trains_every_sample_once(tmp_path: P
     assert pipeline.final_accounting["lost"] == 0
 
 
-def _as_remote(pipeline: Any, clock: VirtualClock) -> None:
-    """A `setup` under which the trainer treats the in-process store as one in another process, where
-    it collects the next batch during a train step."""
-    pipeline.store.in_process = False
+def _collecting_ahead(pipeline: Any, clock: VirtualClock) -> None:
+    """A `setup` under which the trainer, with the store in process, collects the next batch during a
+    train step, as it does with the store in another process."""
+    pipeline.collect_ahead = True
 
 
 def _watch_train_takes(log: list[tuple[str, float, int, int]], *, remote: bool = True) -> Callable[[Any, VirtualClock], None]:
     """A `setup` that records each of the trainer's takes (`take`, time, the version then, its
     min_version) and each publication's start (`publish`, time, the version then, -1) in `log`;
-    `remote`: as `_as_remote`."""
+    `remote`: with `_collecting_ahead`."""
 
     def setup(pipeline: Any, clock: VirtualClock) -> None:
         if remote:
-            _as_remote(pipeline, clock)
-        take, publish = pipeline.store.take, pipeline._publish
+            _collecting_ahead(pipeline, clock)
+        take, publish = pipeline.store.take, pipeline.publish
 
         async def recorded_take(stage: str, *args: Any, **kwargs: Any) -> Any:
             if stage == "train":
@@ -98,7 +98,7 @@ def _watch_train_takes(log: list[tuple[str, float, int, int]], *, remote: bool =
             log.append(("publish", clock.now(), pipeline.version, -1))
             return await publish(*args)
 
-        pipeline.store.take, pipeline._publish = recorded_take, recorded_publish
+        pipeline.store.take, pipeline.publish = recorded_take, recorded_publish
 
     return setup
 
@@ -143,18 +143,19 @@ def test_the_next_step_trains_while_the_engines_load_and_each_row_counts_its_own
 
     def setup(pipeline: Any, clock: VirtualClock) -> None:
         if remote:
-            _as_remote(pipeline, clock)
-        optimize = pipeline._optimize
+            _collecting_ahead(pipeline, clock)
+        learner = pipeline.learner
 
-        async def recorded_optimize(*args: Any) -> Any:
-            events.append(("train", clock.now(), pipeline.version))
-            return await optimize(*args)
+        class Recorded:
+            async def step(self, *args: Any) -> Any:
+                events.append(("train", clock.now(), pipeline.version))
+                return await learner.step(*args)
 
         async def on_step(result: Any) -> None:
             events.append(("row", clock.now(), pipeline.counters.trained))
             assert result.version == result.step and pipeline.gate.version == result.step
 
-        pipeline._optimize, pipeline.on_step = recorded_optimize, on_step
+        pipeline.learner, pipeline.on_step = Recorded(), on_step
 
     _sim_run(tmp_path, [*BASE, *settings], token_s=0.05, setup=setup)
     trains = [e for e in events if e[0] == "train"]
@@ -170,7 +171,7 @@ def test_a_load_that_fails_ends_the_wait_for_the_next_batch_with_its_error(tmp_p
     batch timeout's."""
 
     def setup(pipeline: Any, clock: VirtualClock) -> None:
-        _as_remote(pipeline, clock)
+        _collecting_ahead(pipeline, clock)
 
         async def load_fails(state: Any, version: int, mode: str) -> None:
             raise RuntimeError(f"the engine could not load version {version}")
@@ -189,7 +190,7 @@ def test_a_batch_taken_during_a_step_longer_than_the_batch_timeout_does_not_time
     through it (longer than the 20 s timeout) without failing the run."""
     pipeline, rows = _sim_run(tmp_path, [*BASE, "workflow.mode=sync", "workflow.max_staleness=0",
                                          "workflow.step_timeout_s=20", "rollout.request_timeout_s=100000"],
-                              token_s=0.5, setup=_as_remote)
+                              token_s=0.5, setup=_collecting_ahead)
     assert sum(r["status"] == "trained" for r in rows) == 64
     assert pipeline.final_accounting["lost"] == 0
 
@@ -406,8 +407,9 @@ def test_a_plain_reward_function_that_keeps_hanging_stops_the_run_instead_of_fre
             release.wait(60)
         return [float(i % 2) for i in range(len(prompts))]
 
-    class ThreadedStep(Pipeline):  # the optimizer step in a worker thread, as the real one
-        async def _optimize(self, samples: list[Any], valid: list[bool], rewards: list[float]) -> tuple[dict[str, Any], int]:
+    class ThreadedStep:  # the optimizer step in a worker thread, as the real one
+        async def step(self, samples: list[Any], valid: list[bool], rewards: list[float],
+                       version: int) -> tuple[dict[str, Any], int]:
             await asyncio.to_thread(lambda: None)
             return {"loss": 0.0}, 1
 
@@ -417,9 +419,10 @@ def test_a_plain_reward_function_that_keeps_hanging_stops_the_run_instead_of_fre
                                     "reward.timeout_s=0.2", "rollout.max_new_tokens=8"])
         engine = SimEngine(clock, lengths=lambda rng: 4, capacity=8, step_s=0.001)
         log = RunLog(tmp_path, metrics=False)
-        pipeline = ThreadedStep(cfg, rows=[{"prompt": i} for i in range(1000)], tokenizer=_SimTokenizer(),
-                                reward_fn=reward, engines=[engine], trainer=SimTrainer(clock, token_s=0, devices=1),
-                                loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0))
+        pipeline = Pipeline(cfg, rows=[{"prompt": i} for i in range(1000)], tokenizer=_SimTokenizer(),
+                            reward_fn=reward, engines=[engine], trainer=SimTrainer(clock, token_s=0, devices=1),
+                            loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0),
+                            learner=ThreadedStep())
         try:
             await asyncio.wait_for(pipeline.run(), 60)
         finally:

@@ -443,16 +443,41 @@ def _env_factory(profile: Profile, meter: Any) -> Callable[[Any], Any]:
     return SimEnv
 
 
+class SimLearner:
+    """PIPE's optimizer step (a `Learner`): the simulated trainer's time for the batch's trained
+    tokens, on the pipeline's `sim_trainer`; records the largest staleness trained (`staleness_max`)."""
+
+    def __init__(self, pipeline: Any) -> None:
+        self.pipeline = pipeline
+
+    async def step(self, samples: list[Any], valid: list[bool], rewards: list[float],
+                   version: int) -> tuple[dict[str, Any], int]:
+        from asyncflow.workflow.episode import generated_tokens
+
+        p = self.pipeline
+        with p.meter:  # the stand-in for the real step's batch building: simulation, not scheduling
+            tokens = sum(
+                generated_tokens(s.fields["loss_mask"]) if "loss_mask" in s.fields else len(s.fields["response_ids"])
+                for s, ok in zip(samples, valid, strict=True) if ok
+            )
+            stale = max((version - s.fields["behavior_version"] for s in samples), default=0)
+            p.staleness_max = max(p.staleness_max, stale)
+        await p.sim_trainer.train(tokens)
+        return {"loss": 0.0, "entropy": 0.0, "grad_norm": 0.0}, tokens
+
+
 def _make_sim_pipeline_class() -> type:
-    from asyncflow.workflow.episode import generated_tokens
     from asyncflow.workflow.pipeline import Pipeline
 
     class SimPipeline(Pipeline):
-        """The real pipeline; only the optimizer step is the simulated trainer's time."""
+        """The real pipeline; only the optimizer step is the simulated trainer's time (`SimLearner`)."""
 
         sim_trainer: Any = None
         meter: Any = contextlib.nullcontext()  # `_simulate` sets the run's CpuMeter
         staleness_max = 0
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, learner=SimLearner(self), **kwargs)
 
         async def rollout_worker(self, index: int, engine: Any) -> None:
             _WORKER.set(True)  # (this task's own context: see SplitMeter)
@@ -461,17 +486,6 @@ def _make_sim_pipeline_class() -> type:
         async def reward_worker(self) -> None:
             _WORKER.set(True)
             await super().reward_worker()
-
-        async def _optimize(self, samples: list[Any], valid: list[bool], rewards: list[float]) -> tuple[dict[str, Any], int]:
-            with self.meter:  # the stand-in for the real step's batch building: simulation, not scheduling
-                tokens = sum(
-                    generated_tokens(s.fields["loss_mask"]) if "loss_mask" in s.fields else len(s.fields["response_ids"])
-                    for s, ok in zip(samples, valid, strict=True) if ok
-                )
-                stale = max((self.version - s.fields["behavior_version"] for s in samples), default=0)
-                self.staleness_max = max(self.staleness_max, stale)
-            await self.sim_trainer.train(tokens)
-            return {"loss": 0.0, "entropy": 0.0, "grad_norm": 0.0}, tokens
 
     return SimPipeline
 

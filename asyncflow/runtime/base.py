@@ -45,6 +45,7 @@ class Runtime(Protocol):
     store: Any  # the store the stages share (None: the pipeline holds its own, in this process)
     gate: Any  # the staleness gate (None: the pipeline's own)
     restarts: dict[str, int]  # actor restarts by stage ("rollout/0"), for the summary
+    collect_ahead: bool  # the trainer collects its next batch during a train step (`Pipeline`)
 
     def stages(self) -> dict[str, Awaitable[None]] | None:
         """The stage loops that run elsewhere, by name, for `Pipeline.run(remote=...)`; None: all here."""

@@ -24,6 +24,7 @@ class LocalRuntime:
     opens_folder_first = False  # the folder is written once the run is built
     trainer_here = True  # the trainer's device is this process's (the KL reference may share it)
     restarts_from_start: bool = False  # no actor is ever rebuilt from the folder the run started from
+    collect_ahead = False  # the store answers in this process: the trainer asks for a batch once it published
     store = None
     gate = None
 

@@ -108,6 +108,8 @@ class RayWorkers:
     trainer_here: ClassVar[bool] = False  # the trainer is an actor: the driver keeps no device for it
     # a restarted actor is rebuilt from the folder the run started from: keep a resumed run's checkpoint
     restarts_from_start: ClassVar[bool] = True
+    # the trainer collects its next batch during a train step: a store round trip to hide
+    collect_ahead: ClassVar[bool] = True
 
     store: Any
     engines: list[RemoteEngine]

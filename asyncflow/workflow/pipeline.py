@@ -44,6 +44,7 @@ from asyncflow.tokenizer import Tokenizer
 from asyncflow.transfer_queue import StoreClient
 from asyncflow.workflow.batch import build_train_batch
 from asyncflow.workflow.feeder import FEED_BURST, FeederStage
+from asyncflow.workflow.learner import EngineLearner, Learner
 from asyncflow.workflow.reward import RewardStage
 from asyncflow.workflow.rollout import RolloutStage
 from asyncflow.workflow.stage_base import CANCELLED, Counters, StepResult, store_capacity
@@ -76,17 +77,23 @@ class Pipeline(FeederStage, RolloutStage, RewardStage, TrainerStage):
         store: StoreClient | None = None,
         gate: Any = None,
         env_factory: Callable[[Clock], Any] | None = None,
+        learner: Learner | None = None,
+        collect_ahead: bool | None = None,
     ) -> None:
-        """The stages' shared state (`StageBase`), the trainer's engine, loss and reference, and each
-        stage's readiness rule registered with the store. A Ray actor that hosts one stage builds only
-        that stage's class (`StageBase` holds what it needs)."""
+        """The stages' shared state (`StageBase`), the trainer's engine, learner and reference, and
+        each stage's readiness rule registered with the store. A Ray actor that hosts one stage builds
+        only that stage's class (`StageBase` holds what it needs). `learner`: the optimizer step;
+        default: `trainer`'s with `loss_fn` (`EngineLearner`). `collect_ahead`: the trainer collects
+        the next step's batch during a train step; default: when the store is in another process."""
         self.trainer = trainer
-        self.loss_fn = loss_fn
         self.ref_logprobs = ref_logprobs
         self.on_step = on_step
         self.on_trained = on_trained
         super().__init__(cfg, rows=rows, tokenizer=tokenizer, engines=engines, clock=clock, log=log, tracer=tracer,
                          reward_fn=reward_fn, store=store, gate=gate, env_factory=env_factory)
+        self.learner = learner if learner is not None else EngineLearner(
+            cfg, trainer, loss_fn, pad_token_id=tokenizer.pad_token_id, with_reference=ref_logprobs is not None)
+        self.collect_ahead = not self.store.in_process if collect_ahead is None else collect_ahead
         self.final_accounting: dict[str, int] = {}
         self._register_stages()
 

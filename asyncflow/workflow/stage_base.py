@@ -12,11 +12,9 @@ from typing import Any
 
 import torch
 
-from asyncflow.algorithms.advantages import make_advantage_fn
-from asyncflow.algorithms.losses import NEEDS_PROXIMAL
 from asyncflow.clock import Clock, SweptClock
 from asyncflow.config import Config
-from asyncflow.engines.base import InferenceEngine, LossFn, TrainBatch, TrainEngine
+from asyncflow.engines.base import InferenceEngine, TrainBatch, TrainEngine
 from asyncflow.rewards import (
     PlainCalls,
     RewardFn,
@@ -80,7 +78,6 @@ class StageBase:
     _plain_calls: PlainCalls
     engines: list[InferenceEngine]
     trainer: TrainEngine
-    loss_fn: LossFn
     clock: Clock
     _swept: SweptClock
     log: RunLog
@@ -99,8 +96,6 @@ class StageBase:
     env_factory: Callable[[Clock], Any] | None
     agent: AgentFn | None
     episodic: bool
-    advantage_fn: Any
-    needs_proximal: bool
     counters: Counters
     version: int  # the trainer's policy version
     t_start: float
@@ -174,8 +169,6 @@ class StageBase:
         # queue scheduling: one "rollout" stage every worker pulls from, or with affinity a stage per
         # worker, whose samples carry that worker's routing field (per-field readiness does the routing)
         self.rollout_stages = [f"rollout/{i}" for i in range(cfg.rollout.workers)] if cfg.rollout.affinity else ["rollout"]
-        self.advantage_fn = make_advantage_fn(cfg.algorithm.advantage)
-        self.needs_proximal = cfg.algorithm.loss in NEEDS_PROXIMAL
         self.counters = Counters()
         self.version = 0
         self.t_start = clock.now()

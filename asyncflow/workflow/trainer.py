@@ -9,24 +9,18 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
-from asyncflow.algorithms.advantages import overlong_penalty
 from asyncflow.compute_thread import in_own_thread
-from asyncflow.config import max_generated_tokens
 from asyncflow.config_schema import torch_threads
-from asyncflow.engines.base import TrainBatch, state_bytes
+from asyncflow.engines.base import state_bytes
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue import Lease, SampleView
 from asyncflow.workflow.batch import (
     TRAIN_FIELDS,
     all_equal,
     batch_metrics,
-    build_train_batch,
     by_group,
-    generated_count,
 )
+from asyncflow.workflow.learner import Learner
 from asyncflow.workflow.stage_base import CANCELLED, Counters, StageBase, StepResult
 
 Batch = tuple[list[list[SampleView]], list[Lease], int]  # groups, their leases, groups filtered meanwhile
@@ -40,32 +34,11 @@ class BatchWait:
     since: float | None = None
 
 
-def current_version_mask(samples: list[SampleView], version: int, response_mask: torch.Tensor) -> torch.Tensor:
-    """The trained tokens of the responses whose every token `version` generated: after a `swap`
-    mid-response the later tokens are the new version's, but their prefix's KV cache was computed
-    under the old weights, so their log-probs are not the trainer's either."""
-    same = torch.zeros_like(response_mask)
-    for i, s in enumerate(samples):
-        versions = s.fields["token_versions"]
-        # (one array comparison: a Python loop per token held the GIL ~0.4 us a token, every step)
-        ids = np.fromiter(versions, dtype=np.int64, count=len(versions))
-        if len(ids) and bool((ids == version).all()):
-            p = len(s.fields["prompt_ids"])
-            same[i, p - 1 : p - 1 + len(ids)] = 1.0
-    return same * response_mask
-
-
-def mismatch_kl(metrics: dict[str, Any]) -> float | None:
-    """The train/inference mismatch from a train step's sums (`TrainEngine.train_step`), taken out of
-    `metrics`: the mean k3 of KL(behavior || trainer) over the tokens of responses the trainer's own
-    version generated wholly; None (null in metrics.jsonl) when the batch holds none."""
-    total = metrics.pop("mismatch_kl_sum", 0.0)
-    tokens = metrics.pop("mismatch_tokens", 0.0)
-    return total / tokens if tokens else None
-
-
 class TrainerStage(StageBase):
-    """The trainer loop: batches, steps, publications."""
+    """The trainer loop: batches, steps (`learner`), publications (`publish`)."""
+
+    learner: Learner  # the optimizer step
+    collect_ahead: bool  # collect the next step's batch during a train step (see `trainer_loop`)
 
     def restore_trainer(self, step: int, version: int, counters: dict[str, Any], elapsed_s: float) -> None:
         """Resume the trainer loop after `step` (weights at `version` are loaded by the caller)."""
@@ -90,12 +63,12 @@ class TrainerStage(StageBase):
         """Assemble batches of whole groups within the staleness bound, train, publish; until
         `train.max_steps`, or the step being collected or trained when `stop_early()` was called.
 
-        With the store and engines in other processes (Ray), two round trips overlap a train step:
-        the next step's batch is collected during it, within the floor of the version it publishes,
+        With `collect_ahead` (the store and engines in other processes: Ray), two round trips overlap
+        a train step: the next step's batch is collected during it, within the floor of the version it publishes,
         and the previous step's weights load into the engines during it, its row and hooks
         (`on_step`) following the loads. A step whose checkpoint is due, or the last, waits for its
         own publication and hooks (a checkpoint is taken with the trainer idle and every engine on the
-        saved version). In process there is no round trip to hide: the trainer publishes, then asks
+        saved version). Without it (in process: no round trip to hide) the trainer publishes, then asks
         for its next batch, which is then the oldest groups ready once the new version is live (a
         batch asked for earlier holds newer groups and leaves more old ones to go stale)."""
         ahead: tuple[asyncio.Task[Batch], BatchWait] | None = None
@@ -104,21 +77,21 @@ class TrainerStage(StageBase):
             for step in range(self.first_step, self.cfg.train.max_steps + 1):
                 self.training_step = step
                 start = self.clock.now()
-                if ahead is None:  # (the store is in process, or this is the first step: no publication runs)
+                if ahead is None:  # (no collecting ahead, or this is the first step: no publication runs)
                     batch = await self._collect_batch(self.version, BatchWait(start))
                 else:
                     ahead[1].since = start
                     batch = await self._unless_failed(ahead[0], publishing)
                     ahead = None
                 self.tracer.span("trainer", "wait for batch", start, self.clock.now())
-                if step < self.cfg.train.max_steps and not self.store.in_process:
+                if step < self.cfg.train.max_steps and self.collect_ahead:
                     wait = BatchWait()
                     ahead = (asyncio.create_task(self._collect_batch(self.version + 1, wait), name="trainer: next batch"),
                              wait)
                 publishing = await self._train_on(step, *batch, after=publishing)
                 self.last_step = step
                 every = self.cfg.checkpoint.every
-                if self.store.in_process or self._stop_early or step == self.cfg.train.max_steps or (
+                if not self.collect_ahead or self._stop_early or step == self.cfg.train.max_steps or (
                         every > 0 and step % every == 0):
                     await publishing
                     publishing = None
@@ -289,7 +262,7 @@ class TrainerStage(StageBase):
             reward_sum += r
         t0 = self.clock.now()
         with self.tracer.timed("trainer", f"train step {step}", samples=len(samples)):
-            metrics, tokens = await self._optimize(samples, valid, rewards)
+            metrics, tokens = await self.learner.step(samples, valid, rewards, self.version)
         busy = self.clock.now() - t0
         if after is not None:
             await after
@@ -311,7 +284,7 @@ class TrainerStage(StageBase):
             staleness_max=float(max(staleness, default=0)),
         )
         after_sync = {"response_len_mean": length / len(samples), **batch_metrics(groups, valid, rewards, filtered)}
-        return asyncio.create_task(self._publish(step, state, self.version, start, metrics, after_sync),
+        return asyncio.create_task(self.publish(step, state, self.version, start, metrics, after_sync),
                                    name=f"trainer: publish v{self.version}")
 
     def _log_trained(self, samples: list[SampleView], valid: list[bool], rewards: list[float],
@@ -335,61 +308,6 @@ class TrainerStage(StageBase):
         self.counters.reward_errors += len(samples) - len(staleness)
         return staleness, length
 
-    async def _optimize(self, samples: list[SampleView], valid: list[bool], rewards: list[float]) -> tuple[dict[str, Any], int]:
-        """Advantages, the padded batch and the optimizer steps (in a worker thread); returns the
-        train metrics and the number of trained tokens. PIPE's simulated trainer replaces this."""
-        batch, extra = self._make_batch(samples, valid, rewards)
-        metrics = await in_own_thread(self._compute_step, batch, self.cfg.rollout.temperature, samples,
-                                      threads=torch_threads(self.cfg))
-        metrics.update(extra)
-        return metrics, int(batch.response_mask.sum())
-
-    def _make_batch(
-        self, samples: list[SampleView], valid: list[bool], rewards: list[float]
-    ) -> tuple[TrainBatch, dict[str, Any]]:
-        """The padded batch: rewards (plus the over-long penalty, if on) -> advantages over the whole
-        batch; reference log-probs from the samples' `ref_logprobs` field (the reference stage)."""
-        valid_t = torch.tensor(valid)
-        reward_t = torch.tensor(rewards, dtype=torch.float32)
-        algo = self.cfg.algorithm
-        extra: dict[str, Any] = {}
-        if algo.overlong_buffer > 0:
-            lengths = torch.tensor([generated_count(s) for s in samples])
-            penalty = overlong_penalty(lengths, max_generated_tokens(self.cfg), algo.overlong_buffer,
-                                       algo.overlong_penalty)
-            reward_t = reward_t + torch.where(valid_t, penalty, torch.zeros_like(penalty))
-            extra["overlong_penalty_mean"] = float(penalty[valid_t].mean()) if any(valid) else 0.0
-        adv = self.advantage_fn(reward_t, torch.tensor([s.group_id for s in samples]), valid_t)
-        batch = build_train_batch(
-            [s.fields["prompt_ids"] for s in samples],
-            [s.fields["response_ids"] for s in samples],
-            [s.fields["behavior_logprobs"] for s in samples],
-            adv,
-            valid,
-            self.tok.pad_token_id,
-            [s.fields.get("loss_mask") for s in samples],
-        )
-        if self.ref_logprobs is not None:
-            ref = torch.zeros_like(batch.behavior_logprobs)
-            for i, s in enumerate(samples):
-                start = len(s.fields["prompt_ids"]) - 1
-                values = s.fields["ref_logprobs"]
-                ref[i, start : start + len(values)] = torch.tensor(values, dtype=ref.dtype)
-            batch.ref_logprobs = ref
-        return batch, extra
-
-    def _compute_step(self, batch: TrainBatch, temperature: float, samples: list[SampleView]) -> dict[str, Any]:
-        """Runs in a worker thread: the optimizer steps. Their first passes, on the weights before the
-        update, also give decoupled PPO's proximal log-probs and `mismatch_kl`: behavior log-probs
-        against the trainer's, on the responses that the trainer's own version generated wholly
-        (elsewhere the two policies differ by design)."""
-        same = current_version_mask(samples, self.version, batch.response_mask)
-        batch.mismatch_mask = same if bool(same.any()) else None
-        metrics: dict[str, Any] = dict(self.trainer.train_step(batch, self.loss_fn, temperature,
-                                                               proximal=self.needs_proximal))
-        metrics["mismatch_kl"] = mismatch_kl(metrics)
-        return metrics
-
     async def _export(self) -> Any:
         """The trained weights, version v -> v+1 (the trainer's own version from now on)."""
         # in a worker thread, as the train step is: a full copy of the weights (an FSDP gather) held the
@@ -401,11 +319,11 @@ class TrainerStage(StageBase):
         self.version += 1
         return state
 
-    async def _publish(self, step: int, state: Any, new_version: int, start: float, metrics: dict[str, Any],
+    async def publish(self, step: int, state: Any, new_version: int, start: float, metrics: dict[str, Any],
                        after_sync: dict[str, Any]) -> None:
-        """Load `state`, the export of `new_version`, into every engine, then open that version to
-        the feeder and hand the step's metrics (`weight_sync_s` from `start`, the export's; then
-        `after_sync`) to `on_step`."""
+        """The publication of a trained step (a task the trainer starts): load `state`, the export of
+        `new_version`, into every engine, then open that version to the feeder and hand the step's
+        metrics (`weight_sync_s` from `start`, the export's; then `after_sync`) to `on_step`."""
         # requests that the new version's floor drops are cancelled before the load, not after it:
         # a `drain` load waits for what is running, and at max_staleness 0 (sync) everything running
         # is below the floor, so redundant stragglers were waited for, then dropped (none cancelled)
