@@ -152,6 +152,33 @@ def test_updates_ride_with_the_client_s_next_take(ray_session) -> None:
         store.kill()
 
 
+def test_complete_and_take_writes_the_sample_and_leases_the_next_as_in_process(ray_session) -> None:
+    """The store protocol's fused call on the Ray client: the one-sample lease's write lands (the
+    next stage sees it), the next ready sample is leased, and none is once nothing is ready or the
+    store is closed."""
+    from asyncflow.transfer_queue.ray_store import RayTransferQueue
+
+    store = RayTransferQueue.create(capacity=8)
+    try:
+        store.register_stage("rollout", ["prompt"])
+        store.register_stage("reward", ["response"])
+        store.put_blocking([NewSample(g, 1, {"prompt": g}) for g in range(2)], timeout=10)
+        first = store.take_blocking("rollout", 1, timeout=10)
+        written, second = store.complete_and_take(first, {"response": "a"}, version=3, stage="rollout")
+        assert written and second is not None and second.samples[0].group_id == 1
+        written, none = store.complete_and_take(second, {"response": "b"}, version=None, stage="rollout")
+        assert written and none is None
+        got = store.take_blocking("reward", 2, min_samples=2, timeout=10)
+        assert sorted((s.fields["response"], s.version) for s in got.samples) == [("a", 3), ("b", None)]
+        store.put_blocking([NewSample(2, 1, {"prompt": 2})], timeout=10)
+        third = store.take_blocking("rollout", 1, timeout=10)
+        store.put_blocking([NewSample(3, 1, {"prompt": 3})], timeout=10)
+        store.close()
+        assert store.complete_and_take(third, {"response": "c"}, version=None, stage="rollout")[1] is None
+    finally:
+        store.kill()
+
+
 def test_errors_come_out_as_the_store_s_own(ray_session) -> None:
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
 
