@@ -1,5 +1,5 @@
-"""The trainer stage: takes `batch_size / n` whole groups within the staleness bound, computes
-advantages, log-probs and the loss, steps the optimizer and publishes the new weights to every engine.
+"""The trainer stage: takes `batch_size / n` whole groups within the staleness bound, has its `Learner`
+(workflow/learner.py) step the optimizer on them and publishes the new weights to every engine.
 It waits for enough rewarded groups; a publication frees the feeder's credit for the next step.
 """
 
