@@ -10,21 +10,25 @@ all of it and still return a number. Each run gets:
   descendant, setsid'd or not (as root directly, else inside a new user namespace); where the kernel
   refuses, the fallback: a child subreaper that kills whatever the code left behind before it
   returns, while the code can still see and signal the user's other processes (`processes=`);
-- a process-count limit: a pids cgroup where one can be made (root), else RLIMIT_NPROC inside the
-  user namespace; none otherwise;
+- a process-count limit: a pids cgroup where one can be made (root), and RLIMIT_NPROC under the
+  call's own user id or user namespace;
 - resource limits set in the child before the code runs: RLIMIT_CPU (CPU seconds), RLIMIT_AS
   (address space), RLIMIT_FSIZE (largest file written) and RLIMIT_CORE = 0;
-- no network: a network namespace (only a loopback device that is down) where permitted, and in
-  every case `socket.socket` and `_socket.socket` replaced by a class that raises;
+- privileges given up before the code runs (sandbox_confine.py): as root a user id of the call's
+  own, no capabilities, no_new_privs, and a seccomp filter that refuses every new socket and the
+  calls that would undo the namespaces; private /tmp and /dev/shm (sandbox_mounts.py);
+- no network: a network namespace (only a loopback device that is down) where permitted, the filter,
+  and every Python name of the socket constructors replaced by a class that raises;
+- a fresh interpreter of the code's own (sandbox_runner.py) and, with tests, a separate process for
+  them that the code cannot reach;
 - a fresh temporary working directory (also HOME and TMPDIR), removed afterwards;
 - a minimal environment (PATH, HOME, TMPDIR, LANG): no inherited secrets;
 - stdout and stderr capped at `max_output_bytes` each (the rest is read and discarded).
 
-`SandboxResult.isolation` says what was actually applied. This is NOT a security boundary against a
-determined attacker: the code runs as the same user and can read and write every file that user can
-(no filesystem isolation, no seccomp), and the socket guard alone (where namespaces are
-unavailable) is bypassable from C extensions such as ctypes. For hostile code, run the reward
-workers in a container or VM (docs/rewards.md).
+`SandboxResult.isolation` lists the layers a probe saw hold from inside (sandbox_verify.py). This is
+not a virtual machine: the kernel is shared, and as an unprivileged user the code keeps that user's
+id and can read the user's files. For hostile code at scale, run the reward workers in a container
+or VM as well (docs/rewards.md says what holds where).
 """
 
 from __future__ import annotations
