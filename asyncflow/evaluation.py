@@ -241,7 +241,8 @@ class Evaluator:
         prompt; a prompt whose episode failed is None."""
         from asyncflow.clock import RealClock
         from asyncflow.workflow.agent import load_agent, run_agent_episode
-        from asyncflow.workflow.agent_proxy import AgentProxy, recorder_settings
+        from asyncflow.workflow.agent_proxy import AgentProxy
+        from asyncflow.workflow.settings import recorder_settings
 
         assert self.cfg.rollout.agent is not None
         agent = load_agent(self.cfg.rollout.agent)

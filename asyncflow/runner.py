@@ -71,7 +71,7 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
     try:
         # bad input fails here, before torch loads (except for the tokenizer) and before the run
         # folder is written, so a mistake never leaves a half-made "run" that a retry would refuse
-        inputs, reward_fn, hf_tok, env_factory = _load_checked(cfg, resume, explicit, progress.message)
+        inputs, reward_fn, hf_tok, episodes = _load_checked(cfg, resume, explicit, progress.message)
         if resume is None and cfg.checkpoint.every == 0:  # (said before any work a crash would lose)
             progress.message("[asyncflow] no checkpoints (checkpoint.every: 0): this run cannot be resumed")
         if resume is not None:
@@ -83,7 +83,7 @@ def train(cfg: Config, out: Path, *, progress_enabled: bool | None = None,
         folder = RunFolder(out.resolve() if runtime_class(cfg.runtime.kind).absolute_folder else out, cfg, resume)
         try:
             with _sigterm_as_interrupt():
-                return asyncio.run(_train(cfg, folder, progress, inputs, reward_fn, hf_tok, resume, env_factory))
+                return asyncio.run(_train(cfg, folder, progress, inputs, reward_fn, hf_tok, resume, episodes))
         except BaseException as exc:
             # a fresh run that ends (bad input, a cluster that cannot start, Ctrl-C) before it recorded
             # anything leaves nothing to keep: its files go, so the same command, retried, is not
@@ -152,10 +152,6 @@ def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
     if reward_fn is not None and "reward.concurrency" in explicit and not is_async_reward_fn(reward_fn):
         raise UserError(f"reward.concurrency: applies to an async def reward function; {inputs.reward_fn_path} "
                         "is a plain function, called one batch at a time in a worker thread (remove the key)")
-    if cfg.rollout.agent is not None:  # an agent that cannot be imported is bad input, before the run starts
-        from asyncflow.workflow.agent import load_agent
-
-        load_agent(cfg.rollout.agent)
     hf_tok = load_tokenizer(inputs.model_dir, log=log)
     from asyncflow.engines.base import quiet_transformers
 
@@ -167,21 +163,19 @@ def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
         check_prompts_fit([(inputs.train_rows, inputs.train_path), (inputs.eval_rows, inputs.eval_path)],
                           cfg.dataset.prompt_key, hf_tok, cfg.rollout.max_new_tokens, inputs.positions,
                           model_vocab_size(inputs.model_dir))
-    env_factory = None
-    if cfg.rollout.env is not None:  # an environment plugin that cannot be imported is bad input too
-        from asyncflow.envs import make_env_factory
+    from asyncflow.workflow.build import episode_components
 
-        env_factory = make_env_factory(cfg.rollout.env, latency_s=cfg.rollout.env_latency_s,
-                                       max_turns=cfg.rollout.max_turns)
+    # (an environment or agent plugin that cannot be imported is bad input, before the run starts)
+    episodes = episode_components(cfg)
     from asyncflow.model_folder import check_weights_match_config
 
     # (a LoRA checkpoint holds the adapter alone: the policy's weights are the base model's)
     check_weights_match_config(inputs.model_dir if resume is None or cfg.model.lora is not None else resume.path)
-    return inputs, reward_fn, hf_tok, env_factory
+    return inputs, reward_fn, hf_tok, episodes
 
 
 async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any,
-                 resume: Any = None, env_factory: Any = None) -> dict[str, Any]:
+                 resume: Any = None, episodes: Any = (None, None)) -> dict[str, Any]:
     import torch
 
     from asyncflow.tokenizer import Tokenizer
@@ -220,7 +214,7 @@ async def _train(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, 
                                 f"{damaged_hint(resume.path)}") from None
         if resume is not None and cfg.model.lora is not None:
             await _publish_adapter(runtime, version)
-        return await _run(cfg, folder, progress, inputs, reward_fn, hf_tok, tok, runtime, resume, env_factory)
+        return await _run(cfg, folder, progress, inputs, reward_fn, hf_tok, tok, runtime, resume, episodes)
     finally:
         runtime.shutdown()
 
@@ -251,14 +245,14 @@ def loss_settings(cfg: Config) -> Any:
 
 
 async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, reward_fn: Any, hf_tok: Any, tok: Any,
-               runtime: Any, resume: Any = None, env_factory: Any = None) -> dict[str, Any]:
+               runtime: Any, resume: Any = None, episodes: Any = (None, None)) -> dict[str, Any]:
     """The run on a started runtime: the first evaluation, the pipeline, the final one, `final/`."""
     from asyncflow.algorithms.losses import make_loss_fn
     from asyncflow.clock import RealClock
     from asyncflow.evaluation import Evaluator
     from asyncflow.step_hooks import StepHooks, evaluates_again
     from asyncflow.telemetry.runlog import Tracer
-    from asyncflow.workflow.pipeline import Pipeline
+    from asyncflow.workflow.build import build_pipeline
 
     engines, trainer = list(runtime.engines), runtime.trainer
     await _probe_logprobs(cfg, engines, trainer, inputs, tok)  # (before the run folder is written)
@@ -273,7 +267,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     try:  # whatever fails from here (the step-0 evaluation, a resume's, the run) closes what the run opened:
         # the metric sinks (a W&B run left "running", TensorBoard's last events unflushed), the engines'
         # connections and threads, the reward threads, and the trace of what ran
-        evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, env_factory, clock,
+        evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, episodes[0], clock,
                               lenient_fn=lenient_fn(inputs))
         evaluator.max_context = inputs.positions
         # Ray actors that restart are built from the folder the run started from: keep it while they may
@@ -282,13 +276,13 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
                           progress=progress, out=out, trainer=trainer, hf_tok=hf_tok, fingerprint=inputs.fingerprint,
                           protect=actors_from)
         await hooks.first_eval(resume, redo_eval)
-        pipeline = Pipeline(
-            cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, trainer=trainer,
+        pipeline = build_pipeline(
+            cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, train_engine=trainer,
             loss_fn=make_loss_fn(loss_settings(cfg)), clock=clock, log=log, tracer=tracer,
             ref_logprobs=ref_fn, on_step=hooks.on_step, on_trained=hooks.on_trained, store=runtime.store, gate=runtime.gate,
-            collect_ahead=runtime.collect_ahead,
+            env_factory=episodes[0], agent=episodes[1], collect_ahead=runtime.collect_ahead,
+            stages_elsewhere=runtime.stages_elsewhere, max_context=inputs.positions,
         )
-        pipeline.max_context = inputs.positions
         hooks.pipeline = pipeline
         if resume is not None:
             assert saved_store is not None
@@ -379,8 +373,8 @@ def _restore(pipeline: Any, runtime: Any, resume: Any, store_state: Any) -> None
     st = resume.state
     live_groups = len({d["group_id"] for d in store_state["samples"]})
     pipeline.store.load_state_dict(store_state)
-    pipeline.restore_trainer(resume.step, resume.version, st["counters"], st["elapsed_s"])
-    admitted = resume.step * pipeline.groups_per_step + live_groups
+    pipeline.restore(resume.step, resume.version, st["counters"], st["elapsed_s"])
+    admitted = resume.step * pipeline.trainer.settings.groups_per_step + live_groups
     runtime.restore_feeder(pipeline, st["next_group_id"], resume.version, admitted)
 
 

@@ -13,7 +13,8 @@ from asyncflow.config import Config
 from asyncflow.evaluation import Evaluator, eval_flattened
 
 if TYPE_CHECKING:
-    from asyncflow.workflow.pipeline import Pipeline, StepResult
+    from asyncflow.workflow.pipeline import Pipeline
+    from asyncflow.workflow.trainer import StepResult
 
 
 def engine_batching(engines: list[Any]) -> dict[str, float]:

@@ -110,7 +110,7 @@ def train_batch() -> Callable[..., Any]:
     """train_batch(n, seed): a toy train batch of n rows (ids < 32, lengths 1-7) for engine tests."""
     import torch
 
-    from asyncflow.workflow.pipeline import build_train_batch
+    from asyncflow.workflow.batch import build_train_batch
 
     def make(n: int = 6, seed: int = 0) -> Any:
         g = torch.Generator().manual_seed(seed)

@@ -141,3 +141,103 @@ def test_the_seam_checks_see_what_they_look_for(tmp_path: Path) -> None:
     assert [line.split(": ", 1)[1] for line in _private_seams([tmp_path])] == private
     (tmp_path / "p.py").write_text("ask = getattr(self.store, 'metrics_async', None)\nm = getattr(store.handle, name)\n")
     assert len(_store_probes(tmp_path / "p.py")) == 1
+
+
+WORKFLOW = PACKAGE / "workflow"
+WIRING = {"settings.py", "build.py"}  # the config is read in settings.py; build.py hands it to `from_config`
+
+
+def _workflow_classes() -> dict[str, tuple[Path, ast.ClassDef]]:
+    return {node.name: (path, node) for path in sorted(WORKFLOW.glob("*.py"))
+            for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
+
+
+def _own_names(cls: ast.ClassDef) -> set[str]:
+    """What a class defines for itself: its methods and properties, class-level fields, and every
+    `self.X = ...` (or `self.X += ...`) in its body."""
+    names: set[str] = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for sub in ast.walk(t):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                    names.add(sub.attr)
+    return names
+
+
+def _foreign_reads(path: Path, cls: ast.ClassDef) -> list[str]:
+    """`self.X` reads in `cls` of what `cls` does not define itself."""
+    own = _own_names(cls)
+    return [f"{path.name}:{node.lineno}: {cls.name} reads self.{node.attr}" for node in ast.walk(cls)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+            and node.attr not in own and not node.attr.startswith("__")]
+
+
+def _private_reach(path: Path) -> list[str]:
+    """`X._name` where X is not `self`/`cls` nor an imported module (`sys._getframe`) and `_name` is not
+    defined in this module: another module's private state."""
+    tree = ast.parse(path.read_text())
+    modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        defined |= _own_names(cls)
+    return [f"{path.name}:{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", *modules))
+            and node.attr not in defined]
+
+
+def _config_uses(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    out = [f"{path.name}:{n.lineno}: imports {n.module}" for n in ast.walk(tree)
+           if isinstance(n, ast.ImportFrom) and n.module in ("asyncflow.config", "asyncflow.config_schema")]
+    out += [f"{path.name}:{n.lineno}: imports {a.name}" for n in ast.walk(tree) if isinstance(n, ast.Import)
+            for a in n.names if a.name in ("asyncflow.config", "asyncflow.config_schema")]
+    out += [f"{path.name}:{n.lineno}: names cfg" for n in ast.walk(tree)
+            if (isinstance(n, ast.Name) and n.id == "cfg") or (isinstance(n, ast.arg) and n.arg == "cfg")
+            or (isinstance(n, ast.Attribute) and n.attr == "cfg")]
+    return out
+
+
+def test_no_workflow_class_extends_another_workflow_class() -> None:
+    """Stages are plain classes built from their parts, not mixins over a shared base."""
+    classes = _workflow_classes()
+    assert not (WORKFLOW / "stage_base.py").exists()
+    bases = [f"{name} extends {ast.unparse(b)}" for name, (_, node) in classes.items() for b in node.bases
+             if ast.unparse(b) in classes]
+    assert bases == []
+
+
+def test_a_workflow_class_reads_only_what_it_defines_and_no_module_reaches_into_private_state() -> None:
+    """Every `self.X` a workflow class reads it assigns itself (or is its method or property): what
+    a class reads is visible in its own body; and no `other._X` of another module's class."""
+    assert [r for path, node in _workflow_classes().values() for r in _foreign_reads(path, node)] == []
+    assert [r for path in sorted(WORKFLOW.glob("*.py")) for r in _private_reach(path)] == []
+
+
+def test_the_stage_modules_neither_import_the_config_nor_name_it() -> None:
+    uses = [u for path in sorted(WORKFLOW.glob("*.py")) if path.name not in WIRING for u in _config_uses(path)]
+    assert uses == []
+
+
+def test_the_shape_checks_see_what_they_look_for(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("from asyncflow.config import Config\n"
+                   "class A:\n"
+                   "    x: int\n"
+                   "    def __init__(self, cfg):\n        self.a = cfg.n\n        self.b = 0\n"
+                   "    def f(self, other):\n        self.b += 1\n        other._hidden = self.c\n"
+                   "        return self.a + self.x + self.f(other) + self._own()\n"
+                   "    def _own(self):\n        return 0\n")
+    cls = next(n for n in ast.parse(src.read_text()).body if isinstance(n, ast.ClassDef))
+    assert [r.split(": ", 1)[1] for r in _foreign_reads(src, cls)] == ["A reads self.c"]
+    assert [r.split(": ", 1)[1] for r in _private_reach(src)] == ["other._hidden"]
+    assert [u.split(": ", 1)[1] for u in _config_uses(src)] == ["imports asyncflow.config", "names cfg", "names cfg"]

@@ -17,7 +17,7 @@ from asyncflow.engines.base import GenRequest, TrainBatch
 from asyncflow.engines.hf import HFEngine
 from asyncflow.engines.sampling import truncate_logits
 from asyncflow.engines.torch_train import ReferenceModel, TorchTrainEngine
-from asyncflow.workflow.pipeline import build_train_batch
+from asyncflow.workflow.batch import build_train_batch
 
 
 def _requests(n: int, max_new: int = 10, temperature: float = 1.0, seed: int = 0) -> list[GenRequest]:

@@ -217,7 +217,7 @@ def test_an_evaluation_beside_training_is_not_cut_short_by_staleness_cancels(tmp
     publication's `cancel_older_than(floor)` cancelled its requests too (sync mode: at the next
     publication), and the cut-short responses were scored as the model's answers (40 of 48 here,
     at 4 of 200 tokens, with eval_errors 0)."""
-    from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
+    from asyncflow.bench.pipeline import _reward, _SimTokenizer, sim_pipeline
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimTrainer
     from asyncflow.evaluation import Evaluator
@@ -246,11 +246,10 @@ def test_an_evaluation_beside_training_is_not_cut_short_by_staleness_cancels(tmp
         async def on_step(result: Any) -> None:
             evals.append(asyncio.create_task(evaluator.run(step=result.step)))
 
-        pipeline = _make_sim_pipeline_class()(
+        pipeline = sim_pipeline(
             cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=_reward,
             engines=[engine], trainer=trainer, loss_fn=None, clock=clock, log=log,
             tracer=Tracer(now=clock.now, max_events=0), on_step=on_step)
-        pipeline.sim_trainer = trainer
         try:
             await pipeline.run()
             return [await t for t in evals]

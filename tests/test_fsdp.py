@@ -16,7 +16,7 @@ import torch
 from asyncflow.algorithms.losses import LossSettings, make_loss_fn
 from asyncflow.engines.fsdp_train import FSDPTrainEngine, make_shares
 from asyncflow.engines.torch_train import TorchTrainEngine
-from asyncflow.workflow.pipeline import build_train_batch
+from asyncflow.workflow.batch import build_train_batch
 
 
 def test_rows_split_evenly_and_every_rank_runs_the_same_number_of_passes(train_batch) -> None:

@@ -14,7 +14,7 @@ from asyncflow.algorithms.losses import LossSettings, make_loss_fn
 from asyncflow.engines.lr_schedule import SCHEDULE_KEY, LrSchedule
 from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.errors import UserError
-from asyncflow.workflow.pipeline import build_train_batch
+from asyncflow.workflow.batch import build_train_batch
 
 
 def _batch(n: int = 4):

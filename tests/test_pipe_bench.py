@@ -103,7 +103,7 @@ def test_bench_pipeline_json_is_the_last_line() -> None:
 def test_affinity_routes_a_prompts_samples_to_one_least_loaded_worker(affinity: bool, tmp_path) -> None:
     """Queue scheduling spreads a prompt's n samples over the workers; `rollout.affinity` keeps them on
     one (the least loaded at admission), while every worker still gets work."""
-    from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
+    from asyncflow.bench.pipeline import _reward, _SimTokenizer, sim_pipeline
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimEngine, SimTrainer
     from asyncflow.telemetry.runlog import RunLog, Tracer
@@ -128,10 +128,9 @@ def test_affinity_routes_a_prompts_samples_to_one_least_loaded_worker(affinity: 
             engines.append(e)
         log = RunLog(tmp_path, metrics=False)
         trainer = SimTrainer(clock, token_s=1e-3, devices=1)
-        pipeline = _make_sim_pipeline_class()(
+        pipeline = sim_pipeline(
             cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=_reward, engines=engines,
             trainer=trainer, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0))
-        pipeline.sim_trainer = trainer
         await pipeline.run()
         log.close()
 
@@ -152,7 +151,7 @@ def test_gc_threshold_holds_for_the_run_and_is_restored(tmp_path) -> None:
     failed one leaves them in place."""
     import gc
 
-    from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
+    from asyncflow.bench.pipeline import _reward, _SimTokenizer, sim_pipeline
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimEngine, SimTrainer
     from asyncflow.telemetry.runlog import RunLog, Tracer
@@ -178,13 +177,12 @@ def test_gc_threshold_holds_for_the_run_and_is_restored(tmp_path) -> None:
                     raise RuntimeError("train step failed")
                 return await self.inner.step(*args)
 
-        pipeline = _make_sim_pipeline_class()(
+        pipeline = sim_pipeline(
             cfg, rows=[{"prompt": i} for i in range(16)], tokenizer=_SimTokenizer(), reward_fn=_reward,
             engines=[SimEngine(clock, lengths=lambda rng: rng.randint(1, 20), capacity=4)], trainer=trainer,
             loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0),
             gate=StalenessGate(4, cfg.staleness, 5, clock))  # admits past the last step: leftovers
-        pipeline.sim_trainer = trainer
-        pipeline.learner = Watching(pipeline.learner)
+        pipeline.trainer.learner = Watching(pipeline.trainer.learner)
         pipelines.append(pipeline)
         try:
             await pipeline.run()
@@ -283,10 +281,10 @@ def test_an_episode_whose_generation_fails_ends_the_run_with_that_error(tmp_path
     its episode) stops the rollout worker and the run with the engine's message."""
     from asyncflow.bench.pipeline import (
         _env_factory,
-        _make_sim_pipeline_class,
         _reward,
         _SimTokenizer,
         make_profile,
+        sim_pipeline,
     )
     from asyncflow.config import load_config
     from asyncflow.engines.sim import CpuMeter, SimEngine, SimTrainer
@@ -304,12 +302,11 @@ def test_an_episode_whose_generation_fails_ends_the_run_with_that_error(tmp_path
                                     "rollout.max_new_tokens=300"])
         trainer = SimTrainer(clock, token_s=1e-4, devices=1)
         log = RunLog(tmp_path, metrics=False)
-        pipeline = _make_sim_pipeline_class()(
+        pipeline = sim_pipeline(
             cfg, rows=[{"prompt": i} for i in range(16)], tokenizer=_SimTokenizer(), reward_fn=_reward,
             engines=[Failing(clock, lengths=lambda rng: rng.randint(100, 300), capacity=4)], trainer=trainer,
             loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0),
             env_factory=_env_factory(make_profile("agentic"), CpuMeter()))
-        pipeline.sim_trainer = trainer
         try:
             await pipeline.run()
         finally:
@@ -324,13 +321,13 @@ def test_the_feeder_admits_what_the_credit_allows_in_one_put(affinity: bool, tmp
     """A publication frees a step's credit at once: the feeder puts those prompts together (at most
     FEED_BURST per put, never past the credit), in draw order; with affinity routing one prompt a
     put, so each is routed after the previous one was counted. Every group is admitted once."""
-    from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
+    from asyncflow.bench.pipeline import _reward, _SimTokenizer, sim_pipeline
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimEngine, SimTrainer
     from asyncflow.telemetry.runlog import RunLog, Tracer
     from asyncflow.transfer_queue import TransferQueue
     from asyncflow.virtual_loop import VirtualClock, run_virtual
-    from asyncflow.workflow.pipeline import FEED_BURST
+    from asyncflow.workflow.feeder import FEED_BURST
 
     puts: list[list[int]] = []  # the group ids of each put, in order
     over_credit: list[int] = []
@@ -354,11 +351,10 @@ def test_the_feeder_admits_what_the_credit_allows_in_one_put(affinity: bool, tmp
         store = Recording(capacity=4096, lease_timeout_s=1e5, clock=clock)
         log = RunLog(tmp_path, metrics=False)
         trainer = SimTrainer(clock, token_s=1e-3, devices=1)
-        pipeline = _make_sim_pipeline_class()(
+        pipeline = sim_pipeline(
             cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=_reward, engines=engines,
             trainer=trainer, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0), store=store)
         store.gate = pipeline.gate
-        pipeline.sim_trainer = trainer
         await pipeline.run()
         log.close()
 
@@ -502,7 +498,7 @@ def test_flight_wakes_its_worker_once_enough_slots_are_free() -> None:
 def _sim_run(tmp_path, settings: list[str], store: Any = None, trainer: Any = None, on_trained: Any = None) -> None:
     """The sim pipeline on a virtual clock: one engine of 8 slots, 64 prompts, `settings` on top
     (`on_trained(pipeline)`: the pipeline's `on_trained` hook)."""
-    from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
+    from asyncflow.bench.pipeline import _reward, _SimTokenizer, sim_pipeline
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimEngine, SimTrainer
     from asyncflow.telemetry.runlog import RunLog, Tracer
@@ -514,13 +510,12 @@ def _sim_run(tmp_path, settings: list[str], store: Any = None, trainer: Any = No
         engines = [SimEngine(clock, lengths=lambda rng: rng.randint(1, 40), capacity=8, seed=0)]
         log = RunLog(tmp_path, metrics=False)
         sim = SimTrainer(clock, token_s=1e-3, devices=1) if trainer is None else trainer(clock)
-        pipeline = _make_sim_pipeline_class()(
+        pipeline = sim_pipeline(
             cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=_reward, engines=engines,
             trainer=sim, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0),
             store=None if store is None else store(clock))
-        pipeline.sim_trainer = sim
         if on_trained is not None:
-            pipeline.on_trained = lambda: on_trained(pipeline)
+            pipeline.trainer.on_trained = lambda: on_trained(pipeline)
         await pipeline.run()
         log.close()
 

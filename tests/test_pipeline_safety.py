@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from asyncflow.bench.pipeline import _make_sim_pipeline_class, _SimTokenizer
+from asyncflow.bench.pipeline import _SimTokenizer, sim_pipeline
 from asyncflow.config import load_config
 from asyncflow.engines.sim import SimEngine, SimTrainer
 from asyncflow.envs.base import Env, EnvStep
@@ -37,11 +37,10 @@ def _sim_run(tmp_path: Path, settings: list[str], *, token_s: float = 1e-3,
         engines = [SimEngine(clock, lengths=lengths, capacity=8, step_s=0.03, load_s=1.0, seed=0)]
         trainer = SimTrainer(clock, token_s=token_s, devices=1)
         log = RunLog(tmp_path, metrics=False)
-        pipeline = _make_sim_pipeline_class()(
+        pipeline = sim_pipeline(
             cfg, rows=[{"prompt": i} for i in range(512)], tokenizer=_SimTokenizer(), reward_fn=reward_fn,
             engines=engines, trainer=trainer, loss_fn=None, clock=clock, log=log,
             tracer=Tracer(now=clock.now, max_events=0), env_factory=env_factory)
-        pipeline.sim_trainer = trainer
         if setup is not None:
             setup(pipeline, clock)
         try:
@@ -76,7 +75,7 @@ def test_a_train_step_longer_than_the_lease_trains_every_sample_once(tmp_path: P
 def _collecting_ahead(pipeline: Any, clock: VirtualClock) -> None:
     """A `setup` under which the trainer, with the store in process, collects the next batch during a
     train step, as it does with the store in another process."""
-    pipeline.collect_ahead = True
+    pipeline.trainer.collect_ahead = True
 
 
 def _watch_train_takes(log: list[tuple[str, float, int, int]], *, remote: bool = True) -> Callable[[Any, VirtualClock], None]:
@@ -87,7 +86,7 @@ def _watch_train_takes(log: list[tuple[str, float, int, int]], *, remote: bool =
     def setup(pipeline: Any, clock: VirtualClock) -> None:
         if remote:
             _collecting_ahead(pipeline, clock)
-        take, publish = pipeline.store.take, pipeline.publish
+        take, publish = pipeline.store.take, pipeline.trainer.publish
 
         async def recorded_take(stage: str, *args: Any, **kwargs: Any) -> Any:
             if stage == "train":
@@ -98,7 +97,7 @@ def _watch_train_takes(log: list[tuple[str, float, int, int]], *, remote: bool =
             log.append(("publish", clock.now(), pipeline.version, -1))
             return await publish(*args)
 
-        pipeline.store.take, pipeline.publish = recorded_take, recorded_publish
+        pipeline.store.take, pipeline.trainer.publish = recorded_take, recorded_publish
 
     return setup
 
@@ -144,7 +143,7 @@ def test_the_next_step_trains_while_the_engines_load_and_each_row_counts_its_own
     def setup(pipeline: Any, clock: VirtualClock) -> None:
         if remote:
             _collecting_ahead(pipeline, clock)
-        learner = pipeline.learner
+        learner = pipeline.trainer.learner
 
         class Recorded:
             async def step(self, *args: Any) -> Any:
@@ -155,7 +154,7 @@ def test_the_next_step_trains_while_the_engines_load_and_each_row_counts_its_own
             events.append(("row", clock.now(), pipeline.counters.trained))
             assert result.version == result.step and pipeline.gate.version == result.step
 
-        pipeline.learner, pipeline.on_step = Recorded(), on_step
+        pipeline.trainer.learner, pipeline.trainer.on_step = Recorded(), on_step
 
     _sim_run(tmp_path, [*BASE, *settings], token_s=0.05, setup=setup)
     trains = [e for e in events if e[0] == "train"]
@@ -214,7 +213,7 @@ def test_an_early_stop_gives_the_batch_taken_for_the_next_step_back(tmp_path: Pa
             if result.step == 2:
                 last.append(pipeline.stop_early())
 
-        pipeline.on_step = on_step
+        pipeline.trainer.on_step = on_step
 
     pipeline, rows = _sim_run(tmp_path, [*BASE, *settings], token_s=0.5, setup=setup)  # (the next batch is whole)
     assert sum(r["status"] == "trained" for r in rows) == 16 * last_step
@@ -345,7 +344,7 @@ def test_sync_drain_cancels_the_requests_the_next_version_drops_before_it_waits(
     plain, _ = _sim_run(tmp_path / "plain", base, lengths=long_tail)
     redundant, rows = _sim_run(tmp_path / "redundant", [*base, "workflow.redundancy=1.0"], lengths=long_tail)
     assert redundant.counters.cancelled > 0 and redundant.counters.trained == plain.counters.trained == 96
-    assert redundant.clock.now() - redundant.t_start < 0.5 * (plain.clock.now() - plain.t_start)
+    assert redundant.ctx.clock.now() - redundant.t_start < 0.5 * (plain.ctx.clock.now() - plain.t_start)
     assert redundant.final_accounting["lost"] == 0 and len({r["uid"] for r in rows}) == len(rows)
 
 
@@ -396,7 +395,7 @@ def test_a_plain_reward_function_that_keeps_hanging_stops_the_run_instead_of_fre
 
     from asyncflow.clock import RealClock
     from asyncflow.errors import UserError
-    from asyncflow.workflow.pipeline import Pipeline
+    from asyncflow.workflow.build import build_pipeline
 
     release = threading.Event()
     calls = {"n": 0}
@@ -419,10 +418,10 @@ def test_a_plain_reward_function_that_keeps_hanging_stops_the_run_instead_of_fre
                                     "reward.timeout_s=0.2", "rollout.max_new_tokens=8"])
         engine = SimEngine(clock, lengths=lambda rng: 4, capacity=8, step_s=0.001)
         log = RunLog(tmp_path, metrics=False)
-        pipeline = Pipeline(cfg, rows=[{"prompt": i} for i in range(1000)], tokenizer=_SimTokenizer(),
-                            reward_fn=reward, engines=[engine], trainer=SimTrainer(clock, token_s=0, devices=1),
-                            loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0),
-                            learner=ThreadedStep())
+        pipeline = build_pipeline(cfg, rows=[{"prompt": i} for i in range(1000)], tokenizer=_SimTokenizer(),
+                                  reward_fn=reward, engines=[engine], train_engine=SimTrainer(clock, token_s=0, devices=1),
+                                  clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0),
+                                  learner=ThreadedStep())
         try:
             await asyncio.wait_for(pipeline.run(), 60)
         finally:

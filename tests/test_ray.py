@@ -300,14 +300,14 @@ def _perturbed_state(model) -> dict[str, torch.Tensor]:
 
 
 def _slow_rollout_worker(model):
-    """The real `RolloutWorker` methods over an engine whose decode steps take 10 ms (so a load
+    """The real `RolloutActor` methods over an engine whose decode steps take 10 ms (so a load
     lands mid-request) and that never stops at EOS."""
     from asyncflow.engines.hf import HFEngine
-    from asyncflow.runtime.ray_runtime import RolloutWorker
+    from asyncflow.runtime.ray_runtime import RolloutActor
     from asyncflow.runtime.ray_weights import WeightPort
-    from asyncflow.workflow.pipeline import Counters
+    from asyncflow.workflow.context import VersionBoard
 
-    class SlowRolloutWorker(RolloutWorker):
+    class SlowRolloutActor(RolloutActor):
         def __init__(self, model) -> None:  # noqa: D107 - bypasses the model-folder set-up
             self.index = 0
             self.engine = HFEngine(copy.deepcopy(model), eos_token_id=[], max_batch=16)
@@ -318,12 +318,12 @@ def _slow_rollout_worker(model):
                 original()
 
             self.engine._decode_step = slow  # type: ignore[method-assign]
-            self.pipeline = types.SimpleNamespace(counters=Counters(), rows=[])
-            self.rows_from = []  # (rows given as such: nothing to fetch from the feeder)
+            # (rows given as such: nothing to fetch from the feeder)
+            self.parts = types.SimpleNamespace(rows=[], rows_from=[], ctx=types.SimpleNamespace(board=VersionBoard()))
             self.connected = None
             self.port = WeightPort(2**16, 60.0)  # small buckets: a version spans several broadcasts
 
-    return SlowRolloutWorker
+    return SlowRolloutActor
 
 
 def test_a_cancelled_remote_request_is_cancelled_in_the_actor_too(ray_session, tiny_model) -> None:

@@ -7,7 +7,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from asyncflow.bench.pipeline import _make_sim_pipeline_class, _SimTokenizer
+from asyncflow.bench.pipeline import _SimTokenizer, sim_pipeline
 from asyncflow.config import load_config
 from asyncflow.engines.sim import SimEngine, SimTrainer
 from asyncflow.envs.base import Env, EnvStep
@@ -29,10 +29,9 @@ def _run(tmp_path: Path, rows: list[dict[str, Any]], reward_fn: Any, env_factory
         engines = [SimEngine(clock, lengths=lambda rng: 8, capacity=8, step_s=0.03, load_s=1.0, seed=0)]
         trainer = SimTrainer(clock, token_s=1e-3, devices=1)
         log = RunLog(tmp_path, metrics=False)
-        pipeline = _make_sim_pipeline_class()(
+        pipeline = sim_pipeline(
             cfg, rows=rows, tokenizer=_SimTokenizer(), reward_fn=reward_fn, engines=engines, trainer=trainer,
             loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now, max_events=0), env_factory=env_factory)
-        pipeline.sim_trainer = trainer
         try:
             await pipeline.run()
         finally:

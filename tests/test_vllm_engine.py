@@ -113,7 +113,7 @@ def test_an_abort_load_survives_requests_ending_while_it_aborts(fake_vllm: Any) 
 
 def test_requests_parked_by_an_abort_load_and_then_cancelled_are_not_resubmitted(fake_vllm: Any) -> None:
     """The publication cancels what the new version's floor drops right after an abort-mode load
-    (`Pipeline.publish`): requests the load had parked were resubmitted anyway and decoded to their
+    (`Trainer.publish`): requests the load had parked were resubmitted anyway and decoded to their
     max_new_tokens for nobody (the hf engine ends them)."""
     from asyncflow.engines.base import GenRequest
 

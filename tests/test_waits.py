@@ -24,7 +24,7 @@ def _run(tmp_path: Path, overrides: list[str], *, engine_cls: Any = None, reward
          env_factory: Any = None) -> None:
     """`real`: on the wall clock (a wait on a real thread cannot time out in virtual time, which
     stands still while the loop waits for the thread)."""
-    from asyncflow.bench.pipeline import _make_sim_pipeline_class, _reward, _SimTokenizer
+    from asyncflow.bench.pipeline import _reward, _SimTokenizer, sim_pipeline
     from asyncflow.config import load_config
     from asyncflow.engines.sim import SimEngine, SimTrainer
     from asyncflow.telemetry.runlog import RunLog, Tracer
@@ -38,11 +38,10 @@ def _run(tmp_path: Path, overrides: list[str], *, engine_cls: Any = None, reward
         engines = [cls(clock, lengths=lambda rng: rng.randint(1, 20), capacity=8, seed=i) for i in range(2)]
         log = RunLog(tmp_path)
         trainer = SimTrainer(clock, token_s=1e-3, devices=1)
-        pipeline = _make_sim_pipeline_class()(
+        pipeline = sim_pipeline(
             cfg, rows=[{"prompt": i} for i in range(64)], tokenizer=_SimTokenizer(), reward_fn=reward or _reward,
             engines=engines, trainer=trainer, loss_fn=None, clock=clock, log=log, tracer=Tracer(now=clock.now),
             env_factory=env_factory)
-        pipeline.sim_trainer = trainer
         try:
             await pipeline.run()
         finally:

@@ -168,7 +168,7 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
     from asyncflow.engines.sim import CpuMeter, SimEngine, SimTrainer
     from asyncflow.telemetry.runlog import RunLog, Tracer
     from asyncflow.workflow.gate import StalenessGate
-    from asyncflow.workflow.pipeline import StepResult
+    from asyncflow.workflow.trainer import StepResult
 
     batch = devices * spec.prompts_per_device * spec.n
     sync = mode == "sync"
@@ -194,13 +194,11 @@ async def _simulate(spec: PipeSpec, profile: Profile, devices: int, mode: str, r
     gps = batch // spec.n
     k = cfg.staleness
     gate = StalenessGate(gps, k, spec.steps + k + 2, clock)
-    pipeline = _make_sim_pipeline_class()(
-        cfg, rows=rows, tokenizer=_SimTokenizer(), reward_fn=_reward_async(meter) if spec.reward == "async" else _reward, engines=engines, trainer=trainer,  # type: ignore[arg-type]
-        loss_fn=None, clock=clock, log=log, tracer=tracer, on_step=on_step, env_factory=env_factory,  # type: ignore[arg-type]
-        gate=gate,
+    pipeline = sim_pipeline(
+        cfg, rows=rows, tokenizer=_SimTokenizer(), reward_fn=_reward_async(meter) if spec.reward == "async" else _reward,
+        engines=engines, trainer=trainer, meter=meter, clock=clock, log=log, tracer=tracer, on_step=on_step,
+        env_factory=env_factory, gate=gate,
     )
-    pipeline.sim_trainer = trainer
-    pipeline.meter = meter
     split = SplitMeter(meter) if spec.split == "true" else None
     try:
         await _run_pipeline(pipeline, split, clock)
@@ -245,7 +243,7 @@ async def _run_pipeline(pipeline: Any, split: SplitMeter | None, clock: Any) -> 
     try:
         split.meter_store(pipeline.store)
         clock.loop.run_handle = split.run_handle
-        await pipeline.run()
+        await pipeline.run(worker_context=worker_context())
     finally:
         clock.loop.run_handle = None
         split.stop()
@@ -269,7 +267,7 @@ def _totals(pipeline: Any, engines: Sequence[Any], meter: Any) -> dict[str, Any]
     return {
         "samples": c.trained, "dropped": c.dropped_stale + c.cancelled + c.filtered,
         "samples_seen": c.produced, "requests": sum(e.requests for e in engines),
-        "staleness_max": pipeline.staleness_max, "sim_cpu_s": meter.seconds, "meter_entries": meter.entries,
+        "staleness_max": pipeline.trainer.learner.staleness_max, "sim_cpu_s": meter.seconds, "meter_entries": meter.entries,
         "mean_tokens": c.tokens / max(c.trained, 1),
     }
 
@@ -445,49 +443,44 @@ def _env_factory(profile: Profile, meter: Any) -> Callable[[Any], Any]:
 
 class SimLearner:
     """PIPE's optimizer step (a `Learner`): the simulated trainer's time for the batch's trained
-    tokens, on the pipeline's `sim_trainer`; records the largest staleness trained (`staleness_max`)."""
+    tokens; records the largest staleness trained (`staleness_max`)."""
 
-    def __init__(self, pipeline: Any) -> None:
-        self.pipeline = pipeline
+    def __init__(self, sim_trainer: Any, meter: Any = None) -> None:
+        """`meter`: the run's CpuMeter (the batch's token count is simulation, not scheduling)."""
+        self.sim_trainer = sim_trainer
+        self.meter = contextlib.nullcontext() if meter is None else meter
+        self.staleness_max = 0
 
     async def step(self, samples: list[Any], valid: list[bool], rewards: list[float],
                    version: int) -> tuple[dict[str, Any], int]:
         from asyncflow.workflow.episode import generated_tokens
 
-        p = self.pipeline
-        with p.meter:  # the stand-in for the real step's batch building: simulation, not scheduling
+        with self.meter:
             tokens = sum(
                 generated_tokens(s.fields["loss_mask"]) if "loss_mask" in s.fields else len(s.fields["response_ids"])
                 for s, ok in zip(samples, valid, strict=True) if ok
             )
             stale = max((version - s.fields["behavior_version"] for s in samples), default=0)
-            p.staleness_max = max(p.staleness_max, stale)
-        await p.sim_trainer.train(tokens)
+            self.staleness_max = max(self.staleness_max, stale)
+        await self.sim_trainer.train(tokens)
         return {"loss": 0.0, "entropy": 0.0, "grad_norm": 0.0}, tokens
 
 
-def _make_sim_pipeline_class() -> type:
-    from asyncflow.workflow.pipeline import Pipeline
+def sim_pipeline(cfg: Any, *, trainer: Any, meter: Any = None, **parts: Any) -> Any:
+    """The real pipeline (`build_pipeline`) with PIPE's simulated trainer (`trainer`, a SimTrainer)
+    as its train engine and optimizer step (`SimLearner`); `parts`: the rest of build_pipeline's
+    arguments (rows, tokenizer, engines, clock, log, tracer, reward_fn, ...)."""
+    from asyncflow.workflow.build import build_pipeline
 
-    class SimPipeline(Pipeline):
-        """The real pipeline; only the optimizer step is the simulated trainer's time (`SimLearner`)."""
+    parts.pop("loss_fn", None)  # (the simulated step has no loss)
+    return build_pipeline(cfg, train_engine=trainer, learner=SimLearner(trainer, meter), **parts)
 
-        sim_trainer: Any = None
-        meter: Any = contextlib.nullcontext()  # `_simulate` sets the run's CpuMeter
-        staleness_max = 0
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, learner=SimLearner(self), **kwargs)
-
-        async def rollout_worker(self, index: int, engine: Any) -> None:
-            _WORKER.set(True)  # (this task's own context: see SplitMeter)
-            await super().rollout_worker(index, engine)
-
-        async def reward_worker(self) -> None:
-            _WORKER.set(True)
-            await super().reward_worker()
-
-    return SimPipeline
+def worker_context() -> contextvars.Context:
+    """The context PIPE runs the rollout and reward loops in: their callbacks carry `_WORKER`."""
+    ctx = contextvars.copy_context()
+    ctx.run(_WORKER.set, True)
+    return ctx
 
 
 # Bounds on the numeric `--set` keys, checked before anything runs: (key, lowest, whether the lowest

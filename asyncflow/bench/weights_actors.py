@@ -1,6 +1,6 @@
 """The processes of `asyncflow bench weights`: a trainer and rollout engines as Ray actors.
 
-They are the runtime's own actor classes (`TrainerWorker`, `RolloutWorker`) built around a model
+They are the runtime's own actor classes (`TrainerActor`, `RolloutActor`) built around a model
 made from a config in memory instead of a run's config and model folder, so every publication takes
 the runtime's code path: `export_weights` / `send_weights` on the trainer, `load_weights` /
 `receive_weights` on a rollout actor, `WeightPort` for the broadcast group. The folder path for
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from asyncflow.runtime.ray_actors import RolloutWorker, TrainerWorker
+from asyncflow.runtime.ray_actors import RolloutActor, TrainerActor
 from asyncflow.runtime.ray_weights import WeightPort
 
 SHAPES: dict[str, dict[str, Any]] = {  # Qwen2.5's published configs (tie_word_embeddings as they ship)
@@ -69,7 +69,7 @@ def digest(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> 
     return total
 
 
-class BenchTrainer(TrainerWorker):
+class BenchTrainer(TrainerActor):
     """The trainer: a `TorchTrainEngine` (float32 master weights, `dtype` exports) around a fresh model."""
 
     def __init__(self, shape: str, dtype: str, bucket_bytes: int, timeout_s: float, threads: int) -> None:
@@ -80,7 +80,7 @@ class BenchTrainer(TrainerWorker):
         model = build_model(shape, torch.float32, initialise=True)
         self.torch_engine = TorchTrainEngine(model, lr=1e-5, dtype=getattr(torch, dtype))
         self.engine = self.torch_engine
-        self.engine.reuse_export_memory()  # (as `TrainerWorker.__init__`: the runtime's trainer does)
+        self.engine.reuse_export_memory()  # (as `TrainerActor.__init__`: the runtime's trainer does)
         self.port = WeightPort(bucket_bytes, timeout_s)
 
     def params(self) -> tuple[int, int]:
@@ -105,13 +105,13 @@ class BenchTrainer(TrainerWorker):
         return str(asyncio.run(writer.folder_for(self.engine.export_weights(), version)))
 
 
-class BenchRollout(RolloutWorker):
+class BenchRollout(RolloutActor):
     """A rollout actor holding an `HFEngine` of the same shape (no rollout loop: it only loads)."""
 
     def __init__(self, index: int, shape: str, dtype: str, bucket_bytes: int, timeout_s: float, threads: int) -> None:
         from asyncflow.engines.hf import HFEngine
 
-        sys.setswitchinterval(0.001)  # (as `RolloutWorker`: the decode thread gets the GIL back sooner)
+        sys.setswitchinterval(0.001)  # (as `RolloutActor`: the decode thread gets the GIL back sooner)
         torch.set_num_threads(threads)
         self.index = index
         self.hf = HFEngine(build_model(shape, getattr(torch, dtype), initialise=False), eos_token_id=0,

@@ -2,7 +2,7 @@
 
 Two implementations behind one small sender/receiver interface:
 
-- `LocalWeightSync`: in-process hand-off of the exported state dict (what `Pipeline.publish` does
+- `LocalWeightSync`: in-process hand-off of the exported state dict (what `Trainer.publish` does
   today: `trainer.export_weights()` then `engine.load_weights(state, version, mode)`; the Ray runtime
   does the same with an object-store reference in place of the dict).
 - `BroadcastWeightSender` / `BroadcastWeightReceiver`: a `torch.distributed` broadcast from the

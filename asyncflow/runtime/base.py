@@ -45,13 +45,14 @@ class Runtime(Protocol):
     store: Any  # the store the stages share (None: the pipeline holds its own, in this process)
     gate: Any  # the staleness gate (None: the pipeline's own)
     restarts: dict[str, int]  # actor restarts by stage ("rollout/0"), for the summary
-    collect_ahead: bool  # the trainer collects its next batch during a train step (`Pipeline`)
+    collect_ahead: bool  # the trainer collects its next batch during a train step (`Trainer`)
+    stages_elsewhere: bool  # the feeder, rollout and reward stages run in actors (`build_pipeline`)
 
     def stages(self) -> dict[str, Awaitable[None]] | None:
         """The stage loops that run elsewhere, by name, for `Pipeline.run(remote=...)`; None: all here."""
 
     def restore_feeder(self, pipeline: Any, next_group: int, version: int, admitted: int) -> None:
-        """Resume the feeder at draw `next_group` with the gate at `version` (`Pipeline.restore_feeder`)."""
+        """Resume the feeder at draw `next_group` with the gate at `version` (`Feeder.restore`)."""
 
     def row_fields(self) -> dict[str, float]:
         """What each train row adds about the runtime (Ray: actor restarts so far)."""

@@ -25,6 +25,7 @@ class LocalRuntime:
     trainer_here = True  # the trainer's device is this process's (the KL reference may share it)
     restarts_from_start: bool = False  # no actor is ever rebuilt from the folder the run started from
     collect_ahead = False  # the store answers in this process: the trainer asks for a batch once it published
+    stages_elsewhere = False
     store = None
     gate = None
 
@@ -55,7 +56,7 @@ class LocalRuntime:
         return None
 
     def restore_feeder(self, pipeline: Any, next_group: int, version: int, admitted: int) -> None:
-        pipeline.restore_feeder(next_group, version, admitted)
+        pipeline.feeder.restore(next_group, version, admitted)
 
     def row_fields(self) -> dict[str, float]:
         return {}

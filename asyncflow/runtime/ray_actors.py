@@ -1,5 +1,6 @@
 """The Ray actors' classes (run in their own processes): the rollout, feeder, reward and trainer
-workers, each building the `Pipeline` of its one stage, and what they find by Ray name."""
+actors, each building its one stage and the stage's context (`ActorParts`), and what they find by
+Ray name."""
 
 from __future__ import annotations
 
@@ -17,10 +18,20 @@ from asyncflow.engines.base import GenRequest, GenResult, LossFn, TrainBatch, pi
 from asyncflow.engines.shared_state import SharedState
 from asyncflow.errors import WaitTimeout
 from asyncflow.malloc_arena import limit_malloc_arenas
+from asyncflow.rewards.sandbox import require_layers
 from asyncflow.runtime.ray_weights import WeightPort
-from asyncflow.workflow.feeder import FeederStage
-from asyncflow.workflow.reward import RewardStage
-from asyncflow.workflow.rollout import RolloutStage
+from asyncflow.workflow.build import episode_components, make_gate
+from asyncflow.workflow.context import StageContext
+from asyncflow.workflow.feeder import Feeder
+from asyncflow.workflow.reward import RewardWorker
+from asyncflow.workflow.rollout import RolloutWorker
+from asyncflow.workflow.settings import (
+    ContextSettings,
+    FeederSettings,
+    GateSettings,
+    RewardSettings,
+    RolloutSettings,
+)
 
 READY_TIMEOUT_S = 300.0  # an actor starting (or restarting: a new process loads the model again)
 POLL_S = 0.1  # how often a wait for a restarting actor looks again
@@ -73,27 +84,37 @@ async def fetch_rows(rows: Any, into: list[dict[str, Any]]) -> None:
                           "to hand over the prompt rows") from None
 
 
-def _stage(kind: type, cfg: Config, rows: Any, model_dir: Path, out: Path, store: Any,
-           engines: list[Any], reward_fn: Any = None) -> Any:
-    """The one workflow stage an actor runs (`FeederStage`, `RolloutStage` or `RewardStage`), built
-    with only what that stage uses; the driver's `Pipeline` registers the stages with the store."""
+@dataclass
+class ActorParts:
+    """What the stages of one actor process share, built once per process (the colocated hub hosts
+    several stages): the context, the tokenizer and the prompt rows."""
+
+    ctx: StageContext
+    tok: Any
+    rows: list[dict[str, Any]]  # filled on the event loop where they come from the feeder (`fetch_rows`)
+    rows_from: Any  # the rows as given: a list, or the feeder actor by name (`Named`)
+
+
+def actor_parts(cfg: Config, model_dir: Path, rows: Any, out: Path, store: Any) -> ActorParts:
+    """An actor's `ActorParts`; the driver's pipeline registers the stages with the store."""
     from asyncflow.clock import RealClock
-    from asyncflow.data import model_positions
     from asyncflow.telemetry.runlog import RUN_TRACE_EVENTS, RunLog, Tracer
 
+    require_layers(cfg.reward.sandbox_require)  # (this process may score: a reward, an environment, an agent)
     clock = RealClock()
-    stage = kind(cfg, rows=_rows(rows), tokenizer=_tokenizer(model_dir), engines=engines, clock=clock,
-                 log=RunLog(out, metrics=False), tracer=Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS),
-                 reward_fn=reward_fn, store=_store(store))
-    stage.max_context = model_positions(model_dir)
-    return stage
+    tok, row_list = _tokenizer(model_dir), _rows(rows)
+    ctx = StageContext(_store(store), clock, Tracer(now=clock.now, max_events=RUN_TRACE_EVENTS),
+                       RunLog(out, metrics=False), ContextSettings.from_config(cfg), rows=row_list, tok=tok)
+    return ActorParts(ctx, tok, row_list, rows)
 
 
-class RolloutWorker:
+class RolloutActor:
     """Actor: one inference engine and the rollout loop that feeds it from the store."""
 
-    def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
-                 store: Any, threads: int, version: int = 0, session: str = "", cwd: str | None = None) -> None:
+    def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str, store: Any, threads: int,
+                 version: int = 0, session: str = "", cwd: str | None = None, parts: ActorParts | None = None) -> None:
+        """`parts`: the process's shared parts where another stage of it built them (the hub)."""
+        from asyncflow.data import model_positions
         from asyncflow.engines.factory import make_inference_engine
 
         quiet_transformers()
@@ -108,7 +129,8 @@ class RolloutWorker:
         # it never keeps an OpenMP pool beside the engine's (asyncflow.compute_thread says why)
         torch.set_num_threads(1)
         torch.manual_seed(cfg.seed + index)
-        tok = _tokenizer(Path(model_dir))
+        self.parts = parts if parts is not None else actor_parts(cfg, Path(model_dir), rows, Path(out), store)
+        tok = self.parts.tok
         self.index = index
         # `session`: one per run start, shared by the run's rollout actors, so a server engine's weight
         # folder is written once per version for all of them (`WeightFolderWriter`)
@@ -120,8 +142,10 @@ class RolloutWorker:
 
             self.engine.server = server_link(cfg, session, index)  # type: ignore[attr-defined]
         self.connected: asyncio.Task[None] | None = None
-        self.pipeline = _stage(RolloutStage, cfg, rows, Path(model_dir), Path(out), store, [self.engine])
-        self.rows_from = rows
+        env_factory, agent = episode_components(cfg)
+        self.worker = RolloutWorker(self.parts.ctx, RolloutSettings.from_config(cfg, model_positions(Path(model_dir))),
+                                    index=index, engine=self.engine, rows=self.parts.rows, tok=tok,
+                                    env_factory=env_factory, agent=agent)
         self.port = weight_port(cfg)
 
     async def _connect(self) -> None:
@@ -133,7 +157,7 @@ class RolloutWorker:
 
     async def _setup(self) -> None:
         await self.engine.connect()
-        await fetch_rows(self.rows_from, self.pipeline.rows)
+        await fetch_rows(self.parts.rows_from, self.parts.rows)
 
     async def ready(self) -> int:
         await self._connect()
@@ -147,7 +171,7 @@ class RolloutWorker:
         # driver loaded into it first)
         self.run_versions = [*getattr(self, "run_versions", []), self.engine.version]
         await self._connect()
-        await self.pipeline.rollout_worker(self.index, self.engine)
+        await self.worker.run()
 
     async def generate(self, request: GenRequest) -> GenResult:
         await self._connect()
@@ -187,27 +211,31 @@ class RolloutWorker:
         return where()
 
     def cancel_older_than(self, min_version: int) -> int:
-        self.pipeline.floor = max(self.pipeline.floor, min_version)  # (this actor's episodes check it per turn)
+        self.parts.ctx.board.raise_floor(min_version)  # (this actor's episodes check it per turn)
         return self.engine.cancel_older_than(min_version)
 
     def stats(self) -> dict[str, float]:
         return {"busy_s": self.engine.busy_seconds(), "load": float(self.engine.load()), **self.engine.stats()}
 
     def spans(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
-        return self.pipeline.tracer.raw()
+        return self.parts.ctx.tracer.raw()
 
     async def close_engine(self) -> None:
         await self.engine.close()
 
 
-class FeederWorker:
+class FeederActor:
     """Actor: the feeder and the staleness gate it admits against (the trainer loop in the driver
     publishes versions and drops to it through `RemoteGate`)."""
 
-    def __init__(self, cfg: Config, model_dir: str, rows: Any, out: str, store: Any, cwd: str | None = None) -> None:
+    def __init__(self, cfg: Config, model_dir: str, rows: Any, out: str, store: Any, cwd: str | None = None,
+                 parts: ActorParts | None = None) -> None:
         torch.set_num_threads(1)
         importable(cwd)
-        self.pipeline = _stage(FeederStage, cfg, rows, Path(model_dir), Path(out), store, [])
+        self.parts = parts if parts is not None else actor_parts(cfg, Path(model_dir), rows, Path(out), store)
+        self.gate = make_gate(GateSettings.from_config(cfg), self.parts.ctx.clock)
+        self.feeder = Feeder(self.parts.ctx, FeederSettings.from_config(cfg), rows=self.parts.rows,
+                             tok=self.parts.tok, gate=self.gate)
 
     def ready(self) -> bool:
         return True
@@ -217,37 +245,38 @@ class FeederWorker:
 
     def rows(self) -> list[dict[str, Any]]:
         """The prompt rows, for the rollout and reward actors (again after a restart)."""
-        return list(self.pipeline.rows)
+        return list(self.parts.rows)
 
     async def feed(self) -> None:
-        await self.pipeline.feeder()
+        await self.feeder.run()
 
     def restore(self, next_group: int, version: int, admitted: int) -> None:
-        """Resume from a checkpoint (before `run`): see `Pipeline.restore_feeder`."""
-        self.pipeline.restore_feeder(next_group, version, admitted)
+        """Resume from a checkpoint (before `run`): see `Feeder.restore`."""
+        self.feeder.restore(next_group, version, admitted)
 
     def publish(self, version: int) -> None:
-        self.pipeline.gate.publish(version)
+        self.gate.publish(version)
 
     def drop(self, groups: int) -> None:
-        self.pipeline.gate.drop(groups)
+        self.gate.drop(groups)
 
     def close_gate(self) -> None:
-        self.pipeline.gate.close()
+        self.gate.close()
 
 
-class RewardWorker:
+class RewardActor:
     """Actor: the reward loop (one reward-function call per complete group)."""
 
     def __init__(self, index: int, cfg: Config, model_dir: str, rows: Any, out: str,
-                 store: Any, reward_fn_path: str | list[str]) -> None:
+                 store: Any, reward_fn_path: str | list[str], parts: ActorParts | None = None) -> None:
         from asyncflow.rewards import load_run_reward
 
         torch.set_num_threads(1)
         self.index = index
         reward_fn = load_run_reward(cfg, reward_fn_path)  # (as in the driver: no folder joins sys.path)
-        self.pipeline = _stage(RewardStage, cfg, rows, Path(model_dir), Path(out), store, [], reward_fn)
-        self.rows_from = rows
+        self.parts = parts if parts is not None else actor_parts(cfg, Path(model_dir), rows, Path(out), store)
+        self.worker = RewardWorker(self.parts.ctx, RewardSettings.from_config(cfg), reward_fn=reward_fn,
+                                   rows=self.parts.rows, tok=self.parts.tok, track=f"reward/{index}")
         self.fetched: asyncio.Future[None] | None = None
 
     async def ready(self) -> bool:
@@ -257,7 +286,7 @@ class RewardWorker:
     async def _with_rows(self) -> None:
         """The rows' fetch, once per process (`ready` and `run` may both be waiting for it)."""
         if self.fetched is None:
-            self.fetched = asyncio.ensure_future(fetch_rows(self.rows_from, self.pipeline.rows))
+            self.fetched = asyncio.ensure_future(fetch_rows(self.parts.rows_from, self.parts.rows))
         await self.fetched
 
     def pid(self) -> int:
@@ -265,17 +294,18 @@ class RewardWorker:
 
     async def run(self) -> None:
         await self._with_rows()  # (a restarted process: its first call)
-        await self.pipeline.reward_worker()
+        await self.worker.run()
 
     def where(self) -> dict[str, Any]:
         return where()
 
     def stats(self) -> dict[str, float]:
-        c = self.pipeline.counters
+        """This process's reward call counts (all its reward loops')."""
+        c = self.parts.ctx.counters
         return {"reward_calls": float(c.reward_calls), "reward_call_failures": float(c.reward_call_failures)}
 
     def spans(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
-        return [(f"{t}/{self.index}" if t == "reward" else t, *rest) for t, *rest in self.pipeline.tracer.raw()]
+        return self.parts.ctx.tracer.raw()
 
 
 def where() -> dict[str, Any]:
@@ -313,7 +343,7 @@ def actor_device(setting: str, gpus: float) -> str:
     return pick_device(setting) if gpus > 0 else "cpu"
 
 
-class TrainerWorker:
+class TrainerActor:
     """Actor: the policy's optimizer state and weights."""
 
     def __init__(self, cfg: Config, model_dir: str, threads: int) -> None:

@@ -34,7 +34,7 @@ from asyncflow.engines.fsdp_train import FSDPRank, FSDPTrainEngine, RankMethod, 
 from asyncflow.engines.shared_state import SharedState
 from asyncflow.errors import WaitTimeout
 from asyncflow.malloc_arena import limit_malloc_arenas
-from asyncflow.runtime.ray_actors import TrainerWorker, weight_port
+from asyncflow.runtime.ray_actors import TrainerActor, weight_port
 from asyncflow.runtime.ray_errors import why_died
 from asyncflow.runtime.ray_weights import WeightPort
 
@@ -279,7 +279,7 @@ def rank_published(rank: FSDPRank, version: int) -> Any:
     return None if state is None else [ray.put(SharedState(state))]
 
 
-class FSDPTrainerWorker(TrainerWorker):
+class FSDPTrainerActor(TrainerActor):
     """Actor: the trainer with `train.engine: fsdp` on Ray. It holds no weights itself: it splits each
     batch among the rank actors (one placement-group bundle each, `rank_options`) and combines their
     replies, as `FSDPTrainEngine` does for local ranks; weights go from rank 0 straight to the rollout

@@ -13,19 +13,20 @@ reward loops `run_reward(j)`. Its death ends the run, as the store controller's 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncflow.config import Config
 from asyncflow.engines.base import GenRequest, GenResult
-from asyncflow.runtime.ray_actors import FeederWorker, RewardWorker, RolloutWorker, plugin_cwd
+from asyncflow.runtime.ray_actors import FeederActor, RewardActor, RolloutActor, actor_parts, plugin_cwd
 from asyncflow.runtime.ray_placement import Placement
 from asyncflow.transfer_queue.ray_controller import GC_THRESHOLD, OWNER_CHECK_S, StoreController
 from asyncflow.transfer_queue.ray_store import RayTransferQueue
 
 
-class HubWorker(StoreController):
+class HubActor(StoreController):
     """Actor: the store controller with rollout worker 0, the feeder and the reward workers inside."""
 
     def __init__(self, store: tuple[int, float, float, int], cfg: Config, model_dir: str, rows: Any, out: str,
@@ -33,12 +34,15 @@ class HubWorker(StoreController):
                  session: str = "", cwd: str | None = None) -> None:
         super().__init__(*store)
         # the stages take the in-process store (`self.q`): the rollout stage then writes a response
-        # and refills its slot in one call (`complete_and_take`)
-        self.feeder = FeederWorker(cfg, model_dir, rows, out, self.q, cwd=cwd)
-        self.rewards = [RewardWorker(j, cfg, model_dir, rows, out, self.q, reward_fn_path)
+        # and refills its slot in one call (`complete_and_take`); one context for all of them
+        parts = actor_parts(cfg, Path(model_dir), rows, Path(out), self.q)
+        self.feeder = FeederActor(cfg, model_dir, rows, out, self.q, cwd=cwd, parts=parts)
+        self.rewards = [RewardActor(j, cfg, model_dir, rows, out, self.q, reward_fn_path, parts=parts)
                         for j in range(rewards)]
         # last: the feeder and reward workers set one torch thread; the engine's setting is `threads`
-        self.rollout = RolloutWorker(0, cfg, model_dir, rows, out, self.q, threads, version, session=session, cwd=cwd)
+        self.rollout = RolloutActor(0, cfg, model_dir, rows, out, self.q, threads, version, session=session, cwd=cwd,
+                                    parts=parts)
+        self.parts = parts
 
     # ------------------------------------------------------------------ rollout worker 0
     async def ready(self) -> int:
@@ -69,8 +73,8 @@ class HubWorker(StoreController):
         return self.rollout.stats()
 
     def spans(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
-        """The rollout worker's trace spans and the reward workers'."""
-        return [*self.rollout.spans(), *(s for r in self.rewards for s in r.spans())]
+        """The trace spans of every stage in this process (rollout worker 0's, the reward workers')."""
+        return self.parts.ctx.tracer.raw()
 
     async def close_engine(self) -> None:
         await self.rollout.close_engine()
@@ -99,12 +103,9 @@ class HubWorker(StoreController):
         await self.rewards[index].run()
 
     def reward_stats(self) -> dict[str, float]:
-        """The reward workers' call counts, summed (as `RewardWorker.stats` of one)."""
-        out = {"reward_calls": 0.0, "reward_call_failures": 0.0}
-        for r in self.rewards:
-            for k, v in r.stats().items():
-                out[k] += v
-        return out
+        """The reward workers' call counts (they share this process's counters)."""
+        c = self.parts.ctx.counters
+        return {"reward_calls": float(c.reward_calls), "reward_call_failures": float(c.reward_call_failures)}
 
 
 def start_hub(cfg: Config, place: Placement, n_reward: int, model_dir: str, rows: list[dict[str, Any]], out: str,
@@ -113,7 +114,7 @@ def start_hub(cfg: Config, place: Placement, n_reward: int, model_dir: str, rows
     (the other actors find the store by that name), never restarted."""
     import ray
 
-    from asyncflow.workflow.pipeline import store_capacity
+    from asyncflow.workflow.settings import store_capacity
 
     opts = {**place.options(0, "rollout-0"), "name": f"{place.prefix}-store", "max_concurrency": 10_000,
             "max_restarts": 0}
@@ -122,7 +123,7 @@ def start_hub(cfg: Config, place: Placement, n_reward: int, model_dir: str, rows
 
         opts = rollout_options(opts)
     store = (store_capacity(cfg), cfg.workflow.lease_timeout_s, OWNER_CHECK_S, GC_THRESHOLD)
-    return ray.remote(HubWorker).options(**opts).remote(
+    return ray.remote(HubActor).options(**opts).remote(
         store, cfg, model_dir, ray.put(rows), out, reward_fn_path, n_reward, threads, version,
         session=place.prefix, cwd=plugin_cwd(cfg))
 

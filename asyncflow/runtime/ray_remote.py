@@ -22,7 +22,7 @@ from asyncflow.runtime.ray_weights import StoredWeights, WeightChannel
 
 
 class RemoteEngine(InferenceEngine):
-    """The driver's handle on a `RolloutWorker`: the `InferenceEngine` interface over Ray calls.
+    """The driver's handle on a `RolloutActor`: the `InferenceEngine` interface over Ray calls.
 
     Survives a restart of its actor (see `RayWorkers`): every publication is remembered (`latest`),
     also one the actor could not take; while the actor is down (`mark_down`) loads are skipped and
@@ -232,7 +232,7 @@ def _forget(ref: Any) -> None:
 
 
 class RemoteTrainEngine(TrainEngine):
-    """The driver's handle on the `TrainerWorker`.
+    """The driver's handle on the `TrainerActor`.
 
     `steps` (train steps done) and `exported` (weight exports = policy versions) count from this
     engine's start, for the message of `TrainerDied`; a resumed run may set them to where it resumed.

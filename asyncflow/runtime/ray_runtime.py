@@ -1,26 +1,26 @@
 """The Ray runtime: every rollout worker, reward worker and the trainer is an actor in its own process.
 
 ```
- FeederWorker (feeder + staleness gate) ── put prompts ─┐    placement group (PACK by default)
+ FeederActor (feeder + staleness gate) ── put prompts ──┐    placement group (PACK by default)
  driver (trainer loop, eval) ── publish/drop ─► gate    ▼
-   │                             StoreController actor ◄──── take/complete ──── RolloutWorker i
-   │ take batches ◄───────────  (metadata; data in        ◄─ take/write ───── RewardWorker j
+   │                             StoreController actor ◄──── take/complete ──── RolloutActor i
+   │ take batches ◄───────────  (metadata; data in        ◄─ take/write ───── RewardActor j
    │                             Ray's object store)
-   │ train_step(batch) ───────► TrainerWorker ── export_weights() ─► object store (once per version)
-   └ load_weights(ref, v, mode) ─► every RolloutWorker (fetches the ref itself; drain | swap | abort)
+   │ train_step(batch) ───────► TrainerActor ── export_weights() ─► object store (once per version)
+   └ load_weights(ref, v, mode) ─► every RolloutActor (fetches the ref itself; drain | swap | abort)
 ```
 
-The workflow code is the same as in process: the feeder actor runs `Pipeline.feeder` with the
-staleness gate, the driver runs `Pipeline.trainer_loop` (talking to that gate through `RemoteGate`);
-each rollout actor runs `Pipeline.rollout_worker` on its own engine and each
-reward actor runs `Pipeline.reward_worker`, all against one `RayTransferQueue`. Per-sample traffic
+The workflow code is the same as in process: the feeder actor runs a `Feeder` with the
+staleness gate, the driver runs the `Trainer` (talking to that gate through `RemoteGate`);
+each rollout actor runs a `RolloutWorker` on its own engine and each
+reward actor a `RewardWorker`, all against one `RayTransferQueue`. Per-sample traffic
 (take a prompt, write a response, score a group) goes between the actors and the store controller,
 never through the driver. The trainer's weights go into the object store once per version as the
 return value of `export_weights`; the driver only passes the reference on, and each rollout actor
 fetches it (on GPUs the same interface leaves room for an NCCL broadcast).
 
 With `runtime.colocate`, rollout actor 0 is also the store controller, the feeder and the reward
-workers (`ray_hub.HubWorker`, named as the store): its engine's per-sample traffic stays in its
+workers (`ray_hub.HubActor`, named as the store): its engine's per-sample traffic stays in its
 process; it is never restarted (it holds the store).
 
 When an actor dies. Every actor of a run has a Ray name `asyncflow-<8 hex>-<role>` (`RayWorkers.prefix`;
@@ -64,11 +64,11 @@ from asyncflow.runtime.base import RuntimeSetup
 from asyncflow.runtime.ray_actors import (
     POLL_S,
     READY_TIMEOUT_S,
-    FeederWorker,
+    FeederActor,
     Named,
-    RewardWorker,
-    RolloutWorker,
-    TrainerWorker,
+    RewardActor,
+    RolloutActor,
+    TrainerActor,
     actor_device,
     plugin_cwd,
 )
@@ -90,8 +90,8 @@ from asyncflow.runtime.ray_weights import WeightChannel
 
 # importable from here as before the split (the actor classes, proxies and helpers live in ray_*.py)
 __all__ = [
-    "READY_TIMEOUT_S", "STORE_CALL_TIMEOUT_S", "FeederWorker", "RayWorkers", "RemoteEngine", "RemoteGate",
-    "RemoteTrainEngine", "RewardWorker", "RolloutWorker", "TrainerWorker", "actor_death", "actor_device",
+    "READY_TIMEOUT_S", "STORE_CALL_TIMEOUT_S", "FeederActor", "RayWorkers", "RemoteEngine", "RemoteGate",
+    "RemoteTrainEngine", "RewardActor", "RolloutActor", "TrainerActor", "actor_death", "actor_device",
 ]
 
 STORE_CALL_TIMEOUT_S = 60.0  # one supervision call to the store controller
@@ -110,6 +110,7 @@ class RayWorkers:
     restarts_from_start: ClassVar[bool] = True
     # the trainer collects its next batch during a train step: a store round trip to hide
     collect_ahead: ClassVar[bool] = True
+    stages_elsewhere: ClassVar[bool] = True
 
     store: Any
     engines: list[RemoteEngine]
@@ -430,7 +431,7 @@ def _start_store(cfg: Config, place: Placement) -> Any:
     import ray
 
     from asyncflow.transfer_queue.ray_store import RayTransferQueue
-    from asyncflow.workflow.pipeline import store_capacity
+    from asyncflow.workflow.settings import store_capacity
 
     try:
         return RayTransferQueue.create(store_capacity(cfg), cfg.workflow.lease_timeout_s,
@@ -467,10 +468,10 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
 
     prefix, opts = place.prefix, place.options
     w = cfg.rollout.workers
-    rollout_cls: Any = ray.remote(RolloutWorker)
-    reward_cls: Any = ray.remote(RewardWorker)
-    trainer_cls: Any = ray.remote(TrainerWorker)
-    feeder_cls: Any = ray.remote(FeederWorker)
+    rollout_cls: Any = ray.remote(RolloutActor)
+    reward_cls: Any = ray.remote(RewardActor)
+    trainer_cls: Any = ray.remote(TrainerActor)
+    feeder_cls: Any = ray.remote(FeederActor)
     cwd = plugin_cwd(cfg)
     cfg = _absolute_paths(cfg)
     feeder_actor = hub if hub is not None else feeder_cls.options(
@@ -495,10 +496,10 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
         for i in range(len(rollout_actors), w)
     ]
     if cfg.train.engine == "fsdp":  # a coordinator on the driver's node; the ranks hold the bundles
-        from asyncflow.runtime.ray_fsdp import FSDPTrainerWorker
+        from asyncflow.runtime.ray_fsdp import FSDPTrainerActor
 
         ranks = [opts(w + r, f"trainer-rank-{r}") for r in range(cfg.train.world_size)]
-        trainer_actor = ray.remote(FSDPTrainerWorker).options(
+        trainer_actor = ray.remote(FSDPTrainerActor).options(
             num_cpus=0, max_concurrency=1, name=f"{prefix}-trainer", scheduling_strategy=driver_node(),
         ).remote(cfg, model_dir, max(1, round(cfg.runtime.train_cpus)), ranks)
     else:

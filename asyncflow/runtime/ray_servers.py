@@ -3,7 +3,7 @@
 ```
  placement-group bundle i (one node; its CPUs and GPUs are the server's)
    ServerActor i ── child process group ──► asyncflow serve | vllm serve | sglang  on 127.0.0.1:PORT
-   RolloutWorker i ── OpenAIEngine(http://127.0.0.1:PORT) ── on a lost connection: ServerLink.recover()
+   RolloutActor i ── OpenAIEngine(http://127.0.0.1:PORT) ── on a lost connection: ServerLink.recover()
 ```
 
 A server's only client is its rollout actor, which shares its bundle and so its node: the server

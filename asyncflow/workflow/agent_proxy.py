@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncflow.clock import Clock
-from asyncflow.config import Config
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
 from asyncflow.http_limits import HeaderLimitError
 from asyncflow.openai_prompts import chat_ids, chat_messages, fits, longest_token_chars, prompt_list
@@ -100,14 +99,6 @@ class RecorderSettings:
     top_p: float = 1.0
     top_k: int = 0
     max_context: int | None = None  # the model's positions: a call gets at most what its prompt leaves
-
-
-def recorder_settings(cfg: Config, temperature: float, max_context: int | None = None) -> RecorderSettings:
-    """How an agent episode's calls are sampled (`temperature`: the run's, or 0 for evaluation;
-    `max_context`: the model's positions, when known)."""
-    ro = cfg.rollout
-    return RecorderSettings(ro.max_new_tokens, temperature, ro.temperature, ro.request_timeout_s, ro.max_turns,
-                            ro.top_p, ro.top_k, max_context)
 
 
 @dataclass

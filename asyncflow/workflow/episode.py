@@ -1,6 +1,6 @@
 """One multi-turn episode: LLM turn, environment step, next turn — with exact token bookkeeping.
 
-Each episode is its own asyncio task (see `Pipeline.rollout_worker`), so a slow environment holds
+Each episode is its own asyncio task (see `RolloutWorker.run`), so a slow environment holds
 only its own episode while the engine decodes other episodes' turns (ROLL Flash's environment-level
 asynchrony; no barrier across environments).
 

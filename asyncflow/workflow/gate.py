@@ -11,9 +11,23 @@ prompts are admitted only once the current step's weights are loaded.
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 from asyncflow.clock import Clock
 from asyncflow.errors import WaitTimeout
+
+
+class GateControl(Protocol):
+    """The trainer's side of the gate: the `StalenessGate` itself in process, a `RemoteGate` to the
+    feeder actor's under Ray."""
+
+    def drop(self, groups: int = 1) -> None: ...
+
+    def publish(self, version: int) -> None: ...
+
+    def min_version(self, trainer_version: int) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class StalenessGate:

@@ -12,11 +12,10 @@ import torch
 from asyncflow.algorithms.advantages import make_advantage_fn, overlong_penalty
 from asyncflow.algorithms.losses import NEEDS_PROXIMAL
 from asyncflow.compute_thread import in_own_thread
-from asyncflow.config import Config, max_generated_tokens
-from asyncflow.config_schema import torch_threads
 from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine
 from asyncflow.transfer_queue import SampleView
 from asyncflow.workflow.batch import build_train_batch, generated_count
+from asyncflow.workflow.settings import LearnerSettings
 
 
 class Learner(Protocol):
@@ -58,22 +57,22 @@ class EngineLearner:
     """The train engine's step: advantages over the batch, the padded batch, then the engine's
     optimizer steps in a worker thread."""
 
-    def __init__(self, cfg: Config, trainer: TrainEngine, loss_fn: LossFn, *, pad_token_id: int,
+    def __init__(self, settings: LearnerSettings, trainer: TrainEngine, loss_fn: LossFn, *, pad_token_id: int,
                  with_reference: bool) -> None:
         """`with_reference`: the samples carry `ref_logprobs` (the reference stage's), for the KL term."""
-        self.cfg = cfg
+        self.settings = settings
         self.trainer = trainer
         self.loss_fn = loss_fn
         self.pad_token_id = pad_token_id
         self.with_reference = with_reference
-        self.advantage_fn = make_advantage_fn(cfg.algorithm.advantage)
-        self.needs_proximal = cfg.algorithm.loss in NEEDS_PROXIMAL
+        self.advantage_fn = make_advantage_fn(settings.advantage)
+        self.needs_proximal = settings.loss in NEEDS_PROXIMAL
 
     async def step(self, samples: list[SampleView], valid: list[bool], rewards: list[float],
                    version: int) -> tuple[dict[str, Any], int]:
         batch, extra = self.make_batch(samples, valid, rewards)
-        metrics = await in_own_thread(self.compute_step, batch, self.cfg.rollout.temperature, samples, version,
-                                      threads=torch_threads(self.cfg))
+        metrics = await in_own_thread(self.compute_step, batch, self.settings.temperature, samples, version,
+                                      threads=self.settings.threads)
         metrics.update(extra)
         return metrics, int(batch.response_mask.sum())
 
@@ -83,12 +82,11 @@ class EngineLearner:
         batch; reference log-probs from the samples' `ref_logprobs` field (the reference stage)."""
         valid_t = torch.tensor(valid)
         reward_t = torch.tensor(rewards, dtype=torch.float32)
-        algo = self.cfg.algorithm
+        algo = self.settings
         extra: dict[str, Any] = {}
         if algo.overlong_buffer > 0:
             lengths = torch.tensor([generated_count(s) for s in samples])
-            penalty = overlong_penalty(lengths, max_generated_tokens(self.cfg), algo.overlong_buffer,
-                                       algo.overlong_penalty)
+            penalty = overlong_penalty(lengths, algo.max_generated_tokens, algo.overlong_buffer, algo.overlong_penalty)
             reward_t = reward_t + torch.where(valid_t, penalty, torch.zeros_like(penalty))
             extra["overlong_penalty_mean"] = float(penalty[valid_t].mean()) if any(valid) else 0.0
         adv = self.advantage_fn(reward_t, torch.tensor([s.group_id for s in samples]), valid_t)

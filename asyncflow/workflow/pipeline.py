@@ -27,97 +27,102 @@ and says what it waited for. All time and waiting goes through the injected `Clo
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any
 
-import torch
-
-from asyncflow.clock import Clock
-from asyncflow.config import Config
-from asyncflow.engines.base import InferenceEngine, LossFn, TrainBatch, TrainEngine
-from asyncflow.rewards import (
-    RewardFn,
-)
-from asyncflow.telemetry.runlog import RunLog, Tracer
-from asyncflow.tokenizer import Tokenizer
-from asyncflow.transfer_queue import StoreClient
-from asyncflow.workflow.batch import build_train_batch
-from asyncflow.workflow.feeder import FEED_BURST, FeederStage
-from asyncflow.workflow.learner import EngineLearner, Learner
-from asyncflow.workflow.reward import RewardStage
-from asyncflow.workflow.rollout import RolloutStage
-from asyncflow.workflow.stage_base import CANCELLED, Counters, StepResult, store_capacity
-from asyncflow.workflow.trainer import TrainerStage
-
-__all__ = ["CANCELLED", "FEED_BURST", "Counters", "Pipeline", "StepResult", "build_train_batch", "store_capacity"]
+from asyncflow.engines.base import InferenceEngine
+from asyncflow.transfer_queue import StoreClient, TransferQueue
+from asyncflow.workflow.context import Counters, StageContext
+from asyncflow.workflow.feeder import Feeder
+from asyncflow.workflow.gate import GateControl
+from asyncflow.workflow.reference import ReferenceWorker
+from asyncflow.workflow.reward import RewardWorker
+from asyncflow.workflow.rollout import RolloutWorker
+from asyncflow.workflow.settings import PipelineSettings
+from asyncflow.workflow.trainer import Trainer
 
 
-class Pipeline(FeederStage, RolloutStage, RewardStage, TrainerStage):
-    """The wiring: builds the store, gate, lease keeper and counters the stages share, then runs
-    feeder, rollout workers, reward worker and trainer (each in its own module) until
-    `train.max_steps` steps, or supervises the stages that run elsewhere."""
+class Pipeline:
+    """The composition: the stages that run in this process (built by `build_pipeline`), each stage's
+    readiness rule registered with the store, and the run of them all until the trainer finishes,
+    supervising the stages that run elsewhere (Ray actors) the same way."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        *,
-        rows: list[dict[str, Any]],
-        tokenizer: Tokenizer,
-        reward_fn: RewardFn,
-        engines: Sequence[InferenceEngine],
-        trainer: TrainEngine,
-        loss_fn: LossFn,
-        clock: Clock,
-        log: RunLog,
-        tracer: Tracer,
-        ref_logprobs: Callable[[TrainBatch], torch.Tensor] | None = None,
-        on_step: Callable[[StepResult], Awaitable[None]] | None = None,
-        on_trained: Callable[[], None] | None = None,
-        store: StoreClient | None = None,
-        gate: Any = None,
-        env_factory: Callable[[Clock], Any] | None = None,
-        learner: Learner | None = None,
-        collect_ahead: bool | None = None,
-    ) -> None:
-        """The stages' shared state (`StageBase`), the trainer's engine, learner and reference, and
-        each stage's readiness rule registered with the store. A Ray actor that hosts one stage builds
-        only that stage's class (`StageBase` holds what it needs). `learner`: the optimizer step;
-        default: `trainer`'s with `loss_fn` (`EngineLearner`). `collect_ahead`: the trainer collects
-        the next step's batch during a train step; default: when the store is in another process."""
+    def __init__(self, ctx: StageContext, settings: PipelineSettings, *, trainer: Trainer, gate: GateControl,
+                 engines: Sequence[InferenceEngine], episodic: bool, feeder: Feeder | None = None,
+                 rollout: Sequence[RolloutWorker] = (), rewards: Sequence[RewardWorker] = (),
+                 reference: ReferenceWorker | None = None, own_store: TransferQueue | None = None) -> None:
+        """`episodic`: samples are multi-turn episodes carrying their own reward (no reward stage).
+        `feeder`, `rollout`, `rewards`: none where those stages run elsewhere. `own_store`: the store
+        when this pipeline made it (it ends with the run)."""
+        self.ctx = ctx
+        self.settings = settings
         self.trainer = trainer
-        self.ref_logprobs = ref_logprobs
-        self.on_step = on_step
-        self.on_trained = on_trained
-        super().__init__(cfg, rows=rows, tokenizer=tokenizer, engines=engines, clock=clock, log=log, tracer=tracer,
-                         reward_fn=reward_fn, store=store, gate=gate, env_factory=env_factory)
-        self.learner = learner if learner is not None else EngineLearner(
-            cfg, trainer, loss_fn, pad_token_id=tokenizer.pad_token_id, with_reference=ref_logprobs is not None)
-        self.collect_ahead = not self.store.in_process if collect_ahead is None else collect_ahead
+        self.gate = gate
+        self.engines = list(engines)
+        self.episodic = episodic
+        self.feeder = feeder
+        self.rollout = list(rollout)
+        self.rewards = list(rewards)
+        self.reference = reference
+        self.own_store = own_store
+        self.t_start = ctx.clock.now()
+        self._last_row_time = self.t_start
+        self._last_busy = (0.0, 0.0)
         self.final_accounting: dict[str, int] = {}
-        self._register_stages()
+        self.register_stages()
 
-    def _register_stages(self) -> None:
+    @property
+    def store(self) -> StoreClient:
+        return self.ctx.store
+
+    @property
+    def counters(self) -> Counters:
+        return self.ctx.counters
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    @property
+    def last_step(self) -> int:
+        return self.trainer.last_step
+
+    def stop_early(self) -> int:
+        return self.trainer.stop_early()
+
+    def register_stages(self) -> None:
         """Each stage's readiness rule: the fields a sample needs before that stage may take it."""
-        cfg, store = self.cfg, self.store
-        for i, stage in enumerate(self.rollout_stages):
-            store.register_stage(stage, ["prompt_ids", f"to/{i}"] if cfg.rollout.affinity else ["prompt_ids"])
+        store, s = self.ctx.store, self.settings
+        for i, stage in enumerate(s.rollout_stages):
+            store.register_stage(stage, ["prompt_ids", f"to/{i}"] if s.affinity else ["prompt_ids"])
         if not self.episodic:  # multi-turn episodes carry their environment's (or agent's) reward: no reward stage
             store.register_stage("reward", ["response_ids"], groups=True)
         # reference log-probs (KL to the frozen initial policy) are a stage of their own: computed as
         # responses arrive, off the trainer's critical path; the trainer then needs that field too
-        if self.ref_logprobs is not None:
+        with_reference = self.reference is not None
+        if with_reference:
             store.register_stage("reference", ["response_ids"])
-        store.register_stage("train", ["reward", "ref_logprobs"] if self.ref_logprobs is not None else ["reward"],
-                             groups=True)
+        store.register_stage("train", ["reward", "ref_logprobs"] if with_reference else ["reward"], groups=True)
+
+    def restore(self, step: int, version: int, counters: dict[str, Any], elapsed_s: float) -> None:
+        """Resume after `step` of a checkpoint: the trainer at `version` (its weights are loaded by the
+        caller), the counters, and the run's clock `elapsed_s` in."""
+        self.trainer.restore(step, version)
+        self.ctx.counters.restore(counters)
+        now = self.ctx.clock.now()
+        self.t_start = now - elapsed_s
+        self._last_row_time = now
+        self._last_busy = (0.0, self.ctx.counters.train_busy_s)  # (engines are new: their busy time starts at 0)
 
     def accounting(self) -> dict[str, int]:
         """Where every admitted sample went: logged to samples.jsonl (trained, or why not) or still in
         the store; `lost` is what is neither and must be 0. One store call, so the admitted count and
         the live count are of the same moment. Cumulative across a resume (counters are restored)."""
-        m = self.store.metrics()
-        c = self.counters
-        admitted = int(m["groups_put"]) * self.n
+        m = self.ctx.store.metrics()
+        c = self.ctx.counters
+        admitted = int(m["groups_put"]) * self.settings.n
         logged = {"trained": c.trained, "reward_error": c.reward_errors, "filtered": c.filtered,
                   "dropped_stale": c.dropped_stale, "cancelled": c.cancelled}
         live = int(m["samples"])
@@ -126,73 +131,89 @@ class Pipeline(FeederStage, RolloutStage, RewardStage, TrainerStage):
 
     def busy_fractions(self) -> tuple[float, float]:
         """Fractions of wall time since the last call that rollout engines / the trainer computed."""
-        now = self.clock.now()
+        now = self.ctx.clock.now()
         wall = max(now - self._last_row_time, 1e-9)
         rollout_busy = sum(e.busy_seconds() for e in self.engines)
-        train_busy = self.counters.train_busy_s
+        train_busy = self.ctx.counters.train_busy_s
         r = (rollout_busy - self._last_busy[0]) / (wall * len(self.engines))
         t = (train_busy - self._last_busy[1]) / wall
         self._last_row_time, self._last_busy = now, (rollout_busy, train_busy)
         return min(r, 1.0), min(t, 1.0)
 
-    async def run(self, remote: dict[str, Awaitable[None]] | None = None) -> None:
+    async def run(self, remote: dict[str, Awaitable[None]] | None = None, *,
+                  worker_context: contextvars.Context | None = None) -> None:
         """Run every stage until the trainer finishes; the first failing stage stops them all.
 
         `remote`: stages that run elsewhere (Ray actors), by name, as awaitables that end when the
-        stage ends; they replace the local rollout and reward loops and are supervised the same way.
+        stage ends; they are supervised as the local ones are. `worker_context`: the context the
+        rollout and reward loops run in (PIPE tells their callbacks apart by it).
         """
         gc_before = gc.get_threshold()
-        if self.cfg.workflow.gc_threshold:
-            gc.set_threshold(self.cfg.workflow.gc_threshold, *gc_before[1:])
+        if self.settings.gc_threshold:
+            gc.set_threshold(self.settings.gc_threshold, *gc_before[1:])
         try:
-            await self._run(remote)
-            if self._own_store is not None and self.cfg.workflow.gc_threshold:
+            await self._run(remote or {}, worker_context)
+            if self.own_store is not None and self.settings.gc_threshold:
                 # the run is over: its leftovers (admitted, never trained; up to a store's worth,
                 # counted in `final_accounting`) are freed now rather than scanned by the young
                 # collection that lowering the threshold again triggers at once
-                self._own_store.drop_all()
+                self.own_store.drop_all()
         finally:
             gc.set_threshold(*gc_before)
 
-    async def _run(self, remote: dict[str, Awaitable[None]] | None) -> None:
-        if remote is None:
-            stages = [asyncio.create_task(self.rollout_worker(i, e), name=f"rollout/{i}") for i, e in enumerate(self.engines)]
-            if not self.episodic:
-                stages.append(asyncio.create_task(self.reward_worker(), name="reward"))
-        else:
-            stages = [asyncio.ensure_future(aw) for aw in remote.values()]
-            for name, t in zip(remote, stages, strict=True):
-                t.set_name(name)
-        if remote is None or "feeder" not in remote:
-            stages.append(asyncio.create_task(self.feeder(), name="feeder"))
-        if self.ref_logprobs is not None:  # runs where the trainer runs (its reference model lives there)
-            stages.append(asyncio.create_task(self.ref_worker(), name="reference"))
-        tasks = stages
-        trainer = asyncio.create_task(self.trainer_loop(), name="trainer")
+    def _start(self, remote: dict[str, Awaitable[None]],
+               worker_context: contextvars.Context | None) -> list[asyncio.Future[None]]:
+        """The stage tasks besides the trainer: remote stages' awaitables and this process's loops."""
+        def worker(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+            if worker_context is None:
+                return asyncio.create_task(coro, name=name)
+            return worker_context.run(asyncio.create_task, coro, name=name)  # (the task copies that context)
+
+        stages: list[asyncio.Future[None]] = []
+        for name, aw in remote.items():
+            t = asyncio.ensure_future(aw)
+            t.set_name(name)  # type: ignore[attr-defined]
+            stages.append(t)
+        stages += [worker(w.run(), f"rollout/{w.index}") for w in self.rollout]
+        stages += [worker(r.run(), "reward" if len(self.rewards) == 1 else f"reward/{j}")
+                   for j, r in enumerate(self.rewards)]
+        if self.feeder is not None:
+            stages.append(asyncio.create_task(self.feeder.run(), name="feeder"))
+        if self.reference is not None:  # runs where the trainer runs (its reference model lives there)
+            stages.append(asyncio.create_task(self.reference.run(), name="reference"))
+        return stages
+
+    async def _run(self, remote: dict[str, Awaitable[None]], worker_context: contextvars.Context | None) -> None:
+        tasks = self._start(remote, worker_context)
+        trainer = asyncio.create_task(self.trainer.run(), name="trainer")
         try:
             done, _ = await asyncio.wait([trainer, *tasks], return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 if t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
             if trainer not in done:
-                raise RuntimeError(f"stage {next(iter(done)).get_name()} stopped before the trainer finished")
+                raise RuntimeError(f"stage {next(iter(done)).get_name()} stopped before the trainer finished")  # type: ignore[attr-defined]
             self.gate.close()  # no more admissions: the accounting below is final
             self.final_accounting = self.accounting()
         finally:
-            # Close first, then cancel: a loop whose cancellation was swallowed by a wait that completed
-            # at the same moment still sees the closed gate/store and exits.
-            self.gate.close()
-            self.store.close()
-            for t in [*tasks, trainer]:
-                t.cancel()
-            # (60 s, plus an episode's grace to close its environment: `run_guarded`)
-            bound = 60.0 + (self.cfg.rollout.env_timeout_s + 1.0 if self.env_factory is not None else 0.0)
-            stopped, stuck = await asyncio.wait([*tasks, trainer], timeout=bound)
-            self._swept.close()  # the episodes' and reward calls' deadline sweeper (a task of its own)
-            self.keeper.close()
-            self._plain_calls.close()
-            for t in stopped:  # retrieve shutdown errors (QueueClosed, ...) so asyncio does not log them
-                if not t.cancelled():
-                    t.exception()
-            if stuck:
-                raise RuntimeError(f"stages did not stop within {bound:g} s: {sorted(t.get_name() for t in stuck)}")
+            await self._stop(tasks, trainer)
+
+    async def _stop(self, tasks: list[asyncio.Future[None]], trainer: asyncio.Task[None]) -> None:
+        # Close first, then cancel: a loop whose cancellation was swallowed by a wait that completed
+        # at the same moment still sees the closed gate/store and exits.
+        self.gate.close()
+        self.ctx.store.close()
+        for t in [*tasks, trainer]:
+            t.cancel()
+        # (60 s, plus an episode's grace to close its environment: `run_guarded`)
+        bound = 60.0 + (self.settings.env_timeout_s + 1.0 if self.episodic else 0.0)
+        stopped, stuck = await asyncio.wait([*tasks, trainer], timeout=bound)
+        self.ctx.close()  # the episodes' and reward calls' deadline sweeper, the lease keeper
+        for r in self.rewards:
+            r.close()
+        for t in stopped:  # retrieve shutdown errors (QueueClosed, ...) so asyncio does not log them
+            if not t.cancelled():
+                t.exception()
+        if stuck:
+            raise RuntimeError(f"stages did not stop within {bound:g} s: "
+                               f"{sorted(t.get_name() for t in stuck)}")  # type: ignore[attr-defined]

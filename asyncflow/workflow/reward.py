@@ -1,6 +1,5 @@
-"""The reward stage (one reward-function call per complete group) and the reference stage (KL
-reference log-probs as responses arrive). The reward stage waits for a group whose responses are all
-written; the reference stage for any written response.
+"""The reward stage: one reward-function call per complete group. It waits for a group whose
+responses are all written.
 """
 
 from __future__ import annotations
@@ -10,46 +9,62 @@ import contextlib
 import functools
 from typing import Any
 
-import torch
-
 from asyncflow.clock import wait_detached
-from asyncflow.compute_thread import in_own_thread
-from asyncflow.config_schema import torch_threads
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.rewards import (
     PLAIN_CALLS_PER_HOP,
+    PlainCalls,
+    RewardFn,
     RewardOutcome,
     TrainerState,
     call_reward_fn_async,
+    is_async_reward_fn,
 )
+from asyncflow.tokenizer import Tokenizer
 from asyncflow.transfer_queue import Lease, QueueClosed, SampleView
-from asyncflow.workflow.batch import build_train_batch, by_group
+from asyncflow.workflow.batch import by_group
+from asyncflow.workflow.context import CANCELLED, StageContext
 from asyncflow.workflow.flight import Children, Flight
-from asyncflow.workflow.stage_base import CANCELLED, StageBase
+from asyncflow.workflow.settings import RewardSettings
 
 _CANCELLED_OUTCOME = RewardOutcome(None, CANCELLED)  # a group not scored: one of its generations was cancelled
 
 
-class RewardStage(StageBase):
-    """The reward and reference loops."""
+class RewardWorker:
+    """The reward loop: scores each complete group with the reward function."""
 
-    async def reward_worker(self) -> None:
+    def __init__(self, ctx: StageContext, settings: RewardSettings, *, reward_fn: RewardFn,
+                 rows: list[dict[str, Any]], tok: Tokenizer, track: str = "reward") -> None:
+        """`track`: the trace's row for its calls."""
+        self.ctx = ctx
+        self.track = track
+        self.settings = settings
+        self.reward_fn = reward_fn
+        self.is_async = is_async_reward_fn(reward_fn)
+        self.plain_calls = PlainCalls()  # a plain function's threads (started on first use)
+        self.rows = rows
+        self.tok = tok
+
+    def close(self) -> None:
+        self.plain_calls.close()
+
+    async def run(self) -> None:
         """Score each group as soon as all its responses are written: one reward call per group.
         A plain function: the groups of one take share one hop to a worker thread (a hop costs ~135
         us on a 2-core VM, more than the rest of a sample's way through the store). An `async def`
         function is awaited on this loop, each take in its own task (up to `reward.concurrency`
         groups at once), so a slow judge does not hold the groups behind it."""
-        if not self._reward_async:
+        if not self.is_async:
             while True:
                 try:
-                    lease = await self._take_reward(self.n * PLAIN_CALLS_PER_HOP)
+                    lease = await self._take_reward(self.settings.n * PLAIN_CALLS_PER_HOP)
                 except WaitTimeout:
                     continue
                 except QueueClosed:
                     return
                 await self._reward_take(lease)
             return
-        flight = Flight(self.cfg.reward.concurrency, lambda start: None, self.clock)
+        flight = Flight(self.settings.concurrency, lambda start: None, self.ctx.clock)
         takes = Children()  # one task per take; the first that fails stops this worker with its error
 
         def done(groups: int, task: asyncio.Task[None]) -> None:
@@ -60,7 +75,7 @@ class RewardStage(StageBase):
             while True:
                 free = await flight.free()
                 try:
-                    lease = await self._take_reward(self.n * min(8, free))
+                    lease = await self._take_reward(self.settings.n * min(8, free))
                 except WaitTimeout:
                     continue
                 except QueueClosed:
@@ -76,7 +91,7 @@ class RewardStage(StageBase):
             takes.cancel_all()
 
     async def _take_reward(self, max_samples: int) -> Lease:
-        return await self.store.take("reward", max_samples, timeout=self.cfg.workflow.step_timeout_s,
+        return await self.ctx.store.take("reward", max_samples, timeout=self.settings.step_timeout_s,
                                      fields_extra=["row", "finish_reason", "token_versions"])
 
     async def _reward_take(self, lease: Lease) -> None:
@@ -84,7 +99,7 @@ class RewardStage(StageBase):
         groups = by_group(lease.samples)
         # a group with a cancelled sample is never trained: do not spend a reward call on it
         live = [g for g in groups if "cancelled" not in [s.fields.get("finish_reason") for s in g]]
-        with self.keeper.holding(lease):
+        with self.ctx.keeper.holding(lease):
             scored = dict(zip((g[0].group_id for g in live), await self._score_groups(live), strict=True))
         writes = {}
         for group in groups:
@@ -96,12 +111,12 @@ class RewardStage(StageBase):
                     write["reward_parts"] = {name: values[i] for name, values in parts.items()}
                 writes[s.uid] = write
         with contextlib.suppress(QueueClosed):  # (closed: the run is ending)
-            self.store.complete(lease, writes)  # samples removed meanwhile are skipped
+            self.ctx.store.complete(lease, writes)  # samples removed meanwhile are skipped
 
     def _reward_call(self, group: list[SampleView]) -> tuple[Any, ...]:
         """The arguments of `call_reward_fn` for one group."""
         row = self.rows[group[0].fields["row"]]
-        key = self.cfg.dataset.prompt_key
+        key = self.settings.prompt_key
         # lists are copied, so a reward function cannot change what is stored; other (immutable)
         # sequences, such as a simulated engine's run-length ids, are passed as they are
         completions_ids = [r.copy() if isinstance(r, list) else r for r in (s.fields["response_ids"] for s in group)]
@@ -115,19 +130,19 @@ class RewardStage(StageBase):
         response, so its last token's version is its newest."""
         oldest = min((s.version for s in group if s.version is not None), default=0)
         newest = max((s.fields["token_versions"][-1] for s in group if s.fields.get("token_versions")), default=oldest)
-        return TrainerState(global_step=newest, step=newest, version=oldest, max_steps=self.cfg.train.max_steps)
+        return TrainerState(global_step=newest, step=newest, version=oldest, max_steps=self.settings.max_steps)
 
     async def _score_groups(self, groups: list[list[SampleView]]) -> list[RewardOutcome]:
         if not groups:
             return []
         calls = [self._reward_call(g) for g in groups]
-        start = self.clock.now()
+        start = self.ctx.clock.now()
         ids = [g[0].group_id for g in groups]
-        timeout = self.cfg.reward.timeout_s
-        if self._reward_async:
+        timeout = self.settings.timeout_s
+        if self.is_async:
             async def one(call: tuple[Any, ...], gid: int) -> RewardOutcome:
                 try:
-                    return await wait_detached(self._swept, call_reward_fn_async(*call), timeout,
+                    return await wait_detached(self.ctx.swept, call_reward_fn_async(*call), timeout,
                                                f"reward function on group(s) [{gid}]")
                 except WaitTimeout as exc:
                     return RewardOutcome(None, str(exc))
@@ -137,49 +152,18 @@ class RewardStage(StageBase):
             else:
                 outcomes = list(await asyncio.gather(*(one(c, g) for c, g in zip(calls, ids, strict=True))))
         else:
-            outcomes = await self._plain_calls.score(calls, self.clock.wait_for, timeout,
+            outcomes = await self.plain_calls.score(calls, self.ctx.clock.wait_for, timeout,
                                                      f"reward function on group(s) {ids}")
-        self.tracer.span("reward", "reward", start, self.clock.now(), groups=ids)
-        limit = self.cfg.reward.fail_fast_calls
+        self.ctx.tracer.span(self.track, "reward", start, self.ctx.clock.now(), groups=ids)
+        limit = self.settings.fail_fast_calls
+        counters = self.ctx.counters
         for outcome in outcomes:
-            self.counters.reward_calls += 1
+            counters.reward_calls += 1
             if outcome.error is not None:
-                self.counters.reward_call_failures += 1
-                if self.counters.reward_calls == limit and self.counters.reward_call_failures == limit:
+                counters.reward_call_failures += 1
+                if counters.reward_calls == limit and counters.reward_call_failures == limit:
                     # this take's samples are never completed: their errors are recorded here, once
-                    self._log_samples([(s, None, "reward_error", o.error) for g, o in zip(groups, outcomes, strict=True)
+                    self.ctx.samples.write([(s, None, "reward_error", o.error) for g, o in zip(groups, outcomes, strict=True)
                                        if o.error is not None for s in g])
                     raise UserError(f"reward.fn: the first {limit} reward calls all failed; last error: {outcome.error}")
         return outcomes
-
-    async def ref_worker(self) -> None:
-        """Reference log-probs of each response as soon as it is written (up to a batch per forward
-        pass, in a worker thread), stored as the sample's `ref_logprobs` field."""
-        assert self.ref_logprobs is not None
-        while True:
-            try:
-                lease = await self.store.take("reference", self.cfg.train.batch_size,
-                                              timeout=self.cfg.workflow.step_timeout_s, fields_extra=["prompt_ids"])
-            except WaitTimeout:
-                continue
-            except QueueClosed:
-                return
-            samples = lease.samples
-            start = self.clock.now()
-            with self.keeper.holding(lease):
-                rows = await self.clock.wait_for(
-                    in_own_thread(self._ref_rows, samples, threads=torch_threads(self.cfg)), self.cfg.workflow.step_timeout_s,
-                    f"reference log-probs of {len(samples)} samples",
-                )
-            self.tracer.span("reference", f"ref log-probs x{len(samples)}", start, self.clock.now())
-            self.store.complete(lease, {s.uid: {"ref_logprobs": r} for s, r in zip(samples, rows, strict=True)})
-
-    def _ref_rows(self, samples: list[SampleView]) -> list[list[float]]:
-        assert self.ref_logprobs is not None
-        prompts = [s.fields["prompt_ids"] for s in samples]
-        responses = [s.fields["response_ids"] for s in samples]
-        batch = build_train_batch(prompts, responses, [[0.0] * len(r) for r in responses],
-                                  torch.zeros(len(samples)), [True] * len(samples), self.tok.pad_token_id)
-        lp = self.ref_logprobs(batch)
-        return [lp[i, len(p) - 1 : len(p) - 1 + len(r)].tolist() for i, (p, r) in enumerate(zip(prompts, responses,
-                                                                                                 strict=True))]

@@ -16,18 +16,21 @@ from asyncflow.data import row_copy
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.runs import oldest
+from asyncflow.tokenizer import Tokenizer
 from asyncflow.transfer_queue import Lease, QueueClosed
-from asyncflow.workflow.agent import run_agent_episode
-from asyncflow.workflow.agent_proxy import AgentProxy, recorder_settings
+from asyncflow.workflow.agent import AgentFn, run_agent_episode
+from asyncflow.workflow.agent_proxy import AgentProxy
+from asyncflow.workflow.context import StageContext
 from asyncflow.workflow.episode import (
     EpisodeResult,
-    EpisodeSettings,
     TurnBarrier,
     hung_episode,
     run_episode,
 )
 from asyncflow.workflow.flight import Children, Flight
-from asyncflow.workflow.stage_base import StageBase
+from asyncflow.workflow.settings import RolloutSettings
+
+EnvFactory = Callable[[Any], Any]  # a clock -> a fresh environment (`asyncflow.envs`)
 
 
 def response_fields(res: GenResult) -> tuple[dict[str, Any], int]:
@@ -48,10 +51,25 @@ def _held(deadlines: dict[asyncio.Future[Any], tuple[float, int, Lease]]) -> lis
     return [entry[2] for entry in deadlines.values()]
 
 
-class RolloutStage(StageBase):
-    """The rollout worker loop (single requests, episodes, turn barriers)."""
+class RolloutWorker:
+    """One engine's rollout loop (single requests, episodes, turn barriers). With `env_factory` or
+    `agent`, each sample is a multi-turn episode that carries its own reward."""
 
-    async def rollout_worker(self, index: int, engine: InferenceEngine) -> None:
+    def __init__(self, ctx: StageContext, settings: RolloutSettings, *, index: int, engine: InferenceEngine,
+                 rows: list[dict[str, Any]], tok: Tokenizer, env_factory: EnvFactory | None = None,
+                 agent: AgentFn | None = None) -> None:
+        self.ctx = ctx
+        self.settings = settings
+        self.index = index
+        self.engine = engine
+        self.rows = rows
+        self.tok = tok
+        self.env_factory = env_factory
+        self.agent = agent
+        self.episodic = env_factory is not None or agent is not None
+        self.stage = f"rollout/{index}" if settings.affinity else "rollout"  # (the store's stage it takes from)
+
+    async def run(self) -> None:
         """Keep up to twice the engine's batch slots in flight, taking all free slots' worth in one
         store call (one lease each); the extra half waits in the engine's queue, so a freed slot is
         refilled at the next decode step, not after a store round trip. A single-turn request is no
@@ -59,22 +77,23 @@ class RolloutStage(StageBase):
         result future, which with the in-process store also refills the slot (`complete_and_take`)
         and wakes this worker only when nothing is ready. With an environment or an agent, each
         taken sample is a whole episode (its own task)."""
+        index, engine, ctx = self.index, self.engine, self.ctx
         track = f"rollout/{index}"
-        if self.cfg.rollout.turn_barrier:
+        if self.settings.turn_barrier:
             await self._barrier_batches(index, engine, track)
             return
-        flight = Flight(engine.capacity * 2, lambda start: self.tracer.span(track, "generating", start, self.clock.now()),
-                         self.clock)
+        flight = Flight(engine.capacity * 2, lambda start: ctx.tracer.span(track, "generating", start, ctx.clock.now()),
+                        ctx.clock)
         episodes = Children()  # episode tasks; also where a failed request stops this worker
         extra = ("row",) if self.episodic else ()
-        stage = self._rollout_stage(index)
+        stage = self.stage
         # single-turn requests in flight: (deadline, uid, lease); see _watch. (The lease rides here, not
         # in a functools.partial per request: request_done is the future's callback as it is.)
         deadlines: dict[asyncio.Future[Any], tuple[float, int, Lease]] = {}
         expired: dict[asyncio.Future[Any], str] = {}
-        ro = self.cfg.rollout
+        ro = self.settings
         # in process: a finished request's write and its slot's next sample in one store call
-        fused = self.store.complete_and_take if self.store.in_process and not self.episodic else None
+        fused = ctx.store.complete_and_take if ctx.store.in_process and not self.episodic else None
         # otherwise (a store in another process) freed slots are refilled in batches of half the
         # engine's slots, one store call each (the other half of the flight still waits in the
         # engine's queue meanwhile, so the engine stays full), while the store has more ready; once a
@@ -84,7 +103,7 @@ class RolloutStage(StageBase):
         refill = 1
         fail = episodes.fail  # a request failed or timed out: stop this worker with its error
         sampling = (ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k)
-        now, timeout_s = self.clock.now, ro.request_timeout_s
+        now, timeout_s = self.ctx.clock.now, ro.request_timeout_s
 
         def start(lease: Lease) -> None:
             sample = lease.samples[0]
@@ -105,7 +124,7 @@ class RolloutStage(StageBase):
                         fields, version = response_fields(fut.result())
                         written, new = fused(lease, fields, version=version, stage=stage)
                         if written:
-                            self.counters.produced += 1
+                            self.ctx.counters.produced += 1
                         if new is not None:
                             start(new)
             except QueueClosed:
@@ -118,7 +137,7 @@ class RolloutStage(StageBase):
         proxy = await self._agent_proxy()
         watchdog = asyncio.create_task(self._watch(deadlines, expired))
         in_flight = functools.partial(_held, deadlines)  # renewed too: request_timeout_s may exceed lease_timeout_s
-        self.keeper.watch(in_flight)
+        self.ctx.keeper.watch(in_flight)
         try:
             while True:
                 free = await flight.free(refill)
@@ -137,14 +156,14 @@ class RolloutStage(StageBase):
             raise
         finally:
             watchdog.cancel()
-            self.keeper.unwatch(in_flight)
+            self.ctx.keeper.unwatch(in_flight)
             await self._stop_requests(episodes, deadlines, proxy)
 
     async def _agent_proxy(self) -> AgentProxy | None:
         """This worker's recording endpoint for its agent episodes (None without `rollout.agent`)."""
         if self.agent is None:
             return None
-        proxy = AgentProxy(wait_s=self.cfg.rollout.request_timeout_s)  # (a queued connection waits behind calls)
+        proxy = AgentProxy(wait_s=self.settings.request_timeout_s)  # (a queued connection waits behind calls)
         await proxy.start()
         return proxy
 
@@ -153,7 +172,7 @@ class RolloutStage(StageBase):
         """Up to `free` samples of `stage`, one lease each; [] after a quiet wait, None once the store
         closed. `room`: the worker's free slots when the store wakes it (they grow while it waits)."""
         try:
-            return await self.store.take_each(stage, free, timeout=self.cfg.workflow.step_timeout_s, fields_extra=extra,
+            return await self.ctx.store.take_each(stage, free, timeout=self.settings.step_timeout_s, fields_extra=extra,
                                               room=room)
         except WaitTimeout:
             return []  # nothing admitted for a while: normal while the trainer catches up
@@ -170,12 +189,9 @@ class RolloutStage(StageBase):
             # each cancelled episode closes its environment (`run_guarded` gives it env_timeout_s):
             # waited for here, within the stages' stop bound, or asyncio.run's teardown cut it
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait(list(episodes.tasks), timeout=self.cfg.rollout.env_timeout_s + 1.0)
+                await asyncio.wait(list(episodes.tasks), timeout=self.settings.env_timeout_s + 1.0)
         if proxy is not None:
             await proxy.close()
-
-    def _rollout_stage(self, index: int) -> str:
-        return self.rollout_stages[index] if self.cfg.rollout.affinity else "rollout"
 
     async def _barrier_batches(self, index: int, engine: InferenceEngine, track: str) -> None:
         """`rollout.turn_barrier`: take a batch of episodes (the engine's capacity), run them turn by
@@ -183,20 +199,20 @@ class RolloutStage(StageBase):
         baseline for environment-level asynchrony."""
         while True:
             try:
-                leases = await self.store.take_each(self._rollout_stage(index), engine.capacity,
-                                                    timeout=self.cfg.workflow.step_timeout_s, fields_extra=("row",))
+                leases = await self.ctx.store.take_each(self.stage, engine.capacity,
+                                                    timeout=self.settings.step_timeout_s, fields_extra=("row",))
             except WaitTimeout:
                 continue
             except QueueClosed:
                 return
             # each other episode's phase ends within its generation or environment timeout, or it is
             # abandoned and leaves: waiting longer than both means the barrier itself is stuck
-            ro = self.cfg.rollout
+            ro = self.settings
             barrier = TurnBarrier(len(leases), ro.request_timeout_s + ro.env_timeout_s + 1.0)
             slots = asyncio.Semaphore(len(leases))
-            start = self.clock.now()
+            start = self.ctx.clock.now()
             await asyncio.gather(*(self._episode(index, engine, lease, slots, barrier) for lease in leases))
-            self.tracer.span(track, "generating", start, self.clock.now())
+            self.ctx.tracer.span(track, "generating", start, self.ctx.clock.now())
 
     async def _watch(self, deadlines: dict[asyncio.Future[Any], tuple[float, int, Lease]],
                      expired: dict[asyncio.Future[Any], str]) -> None:
@@ -204,10 +220,10 @@ class RolloutStage(StageBase):
         one timer per worker instead of one per request, which keeps the event loop's timer heap
         small (measured: per-request timers cost ~40 us per sample at 1,500 requests in flight).
         A request therefore fails between 1 and 1.125 times its timeout after it started."""
-        timeout = self.cfg.rollout.request_timeout_s
+        timeout = self.settings.request_timeout_s
         while True:
-            await self.clock.sleep(timeout / 8)
-            now = self.clock.now()
+            await self.ctx.clock.sleep(timeout / 8)
+            now = self.ctx.clock.now()
             for fut, (deadline, uid, _) in list(deadlines.items()):
                 if now >= deadline and not fut.done():
                     expired[fut] = f"timed out after {timeout:g} s waiting for generation of sample {uid}"
@@ -221,13 +237,13 @@ class RolloutStage(StageBase):
         uid = lease.samples[0].uid
         fields, version = response_fields(res)
         try:
-            if self.store.complete(lease, {uid: fields}, versions={uid: version}):
-                self.counters.produced += 1
+            if self.ctx.store.complete(lease, {uid: fields}, versions={uid: version}):
+                self.ctx.counters.produced += 1
         except (QueueClosed, KeyError):
             return  # the run is ending, or the sample was removed meanwhile
 
     def _floor(self) -> float:
-        return self.floor
+        return self.ctx.board.floor
 
     async def _episode(self, index: int, engine: InferenceEngine, lease: Lease, slots: Flight | asyncio.Semaphore,
                        barrier: TurnBarrier | None = None, proxy: AgentProxy | None = None) -> None:
@@ -235,24 +251,24 @@ class RolloutStage(StageBase):
         written to the store with its reward: episodes carry their environment's (or agent's)
         reward, so they skip the reward stage."""
         sample = lease.samples[0]
-        ro = self.cfg.rollout
+        ro = self.settings
         track = f"env/{index}"
-        self.keeper.hold(lease)  # an episode of many turns may outlast workflow.lease_timeout_s
+        self.ctx.keeper.hold(lease)  # an episode of many turns may outlast workflow.lease_timeout_s
 
         def on_env_step(turn: int, start: float, end: float) -> None:
-            self.tracer.span(track, f"episode {sample.uid} step {turn}", start, end)
+            self.ctx.tracer.span(track, f"episode {sample.uid} step {turn}", start, end)
 
         try:
             if proxy is not None:
                 assert self.agent is not None
-                start = self.clock.now()
+                start = self.ctx.clock.now()
                 result = await run_agent_episode(
-                    agent=self.agent, proxy=proxy, engine=engine, clock=self.clock, tok=self.tok, uid=sample.uid,
-                    row=row_copy(self.rows[sample.fields["row"]]), seed=self.cfg.seed * 1_000_003 + sample.uid,
-                    settings=recorder_settings(self.cfg, ro.temperature, self.max_context), timeout_s=ro.agent_timeout_s,
+                    agent=self.agent, proxy=proxy, engine=engine, clock=self.ctx.clock, tok=self.tok, uid=sample.uid,
+                    row=row_copy(self.rows[sample.fields["row"]]), seed=self.settings.seed * 1_000_003 + sample.uid,
+                    settings=ro.recorder, timeout_s=ro.agent_timeout_s,
                     floor=self._floor,
                 )
-                self.tracer.span(track, f"agent episode {sample.uid}", start, self.clock.now())
+                self.ctx.tracer.span(track, f"agent episode {sample.uid}", start, self.ctx.clock.now())
             else:
                 assert self.env_factory is not None
                 prompt_ids = sample.fields["prompt_ids"]
@@ -265,15 +281,14 @@ class RolloutStage(StageBase):
 
                 # in a task of its own, abandoned if the environment ignores the cancellation of a
                 # timed-out call (awaited in place, the episode, its lease and its group hung for good)
-                result = await run_guarded(self._swept, run_episode(
-                    env=self.env_factory(self.clock), engine=engine, clock=self._swept, tok=self.tok, uid=sample.uid,
+                result = await run_guarded(self.ctx.swept, run_episode(
+                    env=self.env_factory(self.ctx.clock), engine=engine, clock=self.ctx.swept, tok=self.tok, uid=sample.uid,
                     # (a copy sharing no mutable value: an env that pops a column, or appends to one,
                     # changed the row for its group's other episodes and every later epoch)
                     prompt_ids=prompt_ids, row=row_copy(self.rows[sample.fields["row"]]),
-                    seed=self.cfg.seed * 1_000_003 + sample.uid,
-                    settings=EpisodeSettings(ro.max_new_tokens, ro.temperature, ro.request_timeout_s, ro.env_timeout_s,
-                                             ro.top_p, ro.top_k, self.max_context),
-                    on_env_step=None if self.tracer.off else on_env_step, barrier=party, floor=self._floor,
+                    seed=self.settings.seed * 1_000_003 + sample.uid,
+                    settings=ro.episode,
+                    on_env_step=None if self.ctx.tracer.off else on_env_step, barrier=party, floor=self._floor,
                 ), abandoned, ro.env_timeout_s + 1.0)
             cancelled = result.fields["finish_reason"] == "cancelled"  # (not a failure of the env or agent)
             self._count_episode(None if cancelled else result.fields["reward_error"],
@@ -284,24 +299,24 @@ class RolloutStage(StageBase):
                 # version, rather than one older than any floor that would drop its whole group as
                 # stale; its reward_error keeps it out of the loss and its siblings train
                 version = None
-            if self.store.complete(lease, {sample.uid: result.fields},
+            if self.ctx.store.complete(lease, {sample.uid: result.fields},
                                    versions=None if version is None else {sample.uid: version}):
-                self.counters.produced += 1
+                self.ctx.counters.produced += 1
         except (QueueClosed, KeyError):
             return  # the run is ending, or the sample was removed meanwhile
         finally:
-            self.keeper.drop(lease)
+            self.ctx.keeper.drop(lease)
             slots.release()
 
     def _count_episode(self, error: str | None, key: str) -> None:
         """Episodes share the reward function's fail-fast rule: if the first `reward.fail_fast_calls`
         episodes all failed (an environment or agent that never works), stop the run with the last
         error instead of logging failed samples until a timeout."""
-        c = self.counters
+        c = self.ctx.counters
         c.episodes += 1
         if error is not None:
             c.episode_failures += 1
-            limit = self.cfg.reward.fail_fast_calls
+            limit = self.settings.fail_fast_calls
             if c.episodes == limit and c.episode_failures == limit:
                 raise UserError(f"{key}: the first {limit} episodes all failed (reward.fail_fast_calls); "
                                 f"last error: {error}")

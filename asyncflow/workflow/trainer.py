@@ -6,12 +6,12 @@ It waits for enough rewarded groups; a publication frees the feeder's credit for
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncflow.compute_thread import in_own_thread
-from asyncflow.config_schema import torch_threads
-from asyncflow.engines.base import state_bytes
+from asyncflow.engines.base import InferenceEngine, TrainEngine, state_bytes
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue import Lease, SampleView
 from asyncflow.workflow.batch import (
@@ -20,10 +20,21 @@ from asyncflow.workflow.batch import (
     batch_metrics,
     by_group,
 )
+from asyncflow.workflow.context import CANCELLED, LoggedSample, StageContext
+from asyncflow.workflow.gate import GateControl
 from asyncflow.workflow.learner import Learner
-from asyncflow.workflow.stage_base import CANCELLED, Counters, StageBase, StepResult
+from asyncflow.workflow.settings import TrainerSettings
 
 Batch = tuple[list[list[SampleView]], list[Lease], int]  # groups, their leases, groups filtered meanwhile
+
+
+@dataclass
+class StepResult:
+    """What the trainer hands to its `on_step` hook (the run's logger) after a step's publication."""
+
+    step: int
+    version: int
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -34,32 +45,49 @@ class BatchWait:
     since: float | None = None
 
 
-class TrainerStage(StageBase):
+class Trainer:
     """The trainer loop: batches, steps (`learner`), publications (`publish`)."""
 
-    learner: Learner  # the optimizer step
-    collect_ahead: bool  # collect the next step's batch during a train step (see `trainer_loop`)
+    def __init__(self, ctx: StageContext, settings: TrainerSettings, *, learner: Learner, engine: TrainEngine,
+                 engines: Sequence[InferenceEngine], gate: GateControl, collect_ahead: bool,
+                 on_step: Callable[[StepResult], Awaitable[None]] | None = None,
+                 on_trained: Callable[[], None] | None = None) -> None:
+        """`engine`: the train engine the weights are exported from; `engines`: the inference engines
+        they are published to. `collect_ahead`: collect the next step's batch during a train step (the
+        runtime's choice: see `run`). `on_trained`: after a step's optimizer steps and ack, before its
+        publication; `on_step`: after its publication."""
+        self.ctx = ctx
+        self.settings = settings
+        self.learner = learner
+        self.engine = engine
+        self.engines = list(engines)
+        self.gate = gate
+        self.collect_ahead = collect_ahead
+        self.on_step = on_step
+        self.on_trained = on_trained
+        self.first_step = 1
+        self.last_step = 0  # the last step trained (max_steps, or earlier after `stop_early`)
+        self.training_step = 0  # the step being collected or trained (the last after `stop_early`)
+        self.stopping = False
 
-    def restore_trainer(self, step: int, version: int, counters: dict[str, Any], elapsed_s: float) -> None:
-        """Resume the trainer loop after `step` (weights at `version` are loaded by the caller)."""
+    @property
+    def version(self) -> int:
+        """The trainer's policy version (the version board's)."""
+        return self.ctx.board.version
+
+    def restore(self, step: int, version: int) -> None:
+        """Resume the loop after `step` (weights at `version` are loaded by the caller)."""
         self.first_step = step + 1
         self.last_step = step
-        self.version = version
-        # the fail-fast rule is about this process's first calls: restored counts (all past the limit)
-        # turned it off, and a resumed run whose reward function always fails ran on, logging errors
-        self.counters = Counters(**{**counters, "reward_calls": 0, "reward_call_failures": 0, "episodes": 0,
-                                    "episode_failures": 0})
-        self.t_start = self.clock.now() - elapsed_s
-        self._last_row_time = self.clock.now()
-        self._last_busy = (0.0, self.counters.train_busy_s)  # (engines are new: their busy time starts at 0)
+        self.ctx.board.version = version
 
     def stop_early(self) -> int:
         """End the run after the step being collected or trained (`eval.patience`: the eval curve has
         flattened); returns that step, the run's last."""
-        self._stop_early = True
+        self.stopping = True
         return self.training_step
 
-    async def trainer_loop(self) -> None:
+    async def run(self) -> None:
         """Assemble batches of whole groups within the staleness bound, train, publish; until
         `train.max_steps`, or the step being collected or trained when `stop_early()` was called.
 
@@ -74,28 +102,28 @@ class TrainerStage(StageBase):
         ahead: tuple[asyncio.Task[Batch], BatchWait] | None = None
         publishing: asyncio.Task[None] | None = None
         try:
-            for step in range(self.first_step, self.cfg.train.max_steps + 1):
+            for step in range(self.first_step, self.settings.max_steps + 1):
                 self.training_step = step
-                start = self.clock.now()
+                start = self.ctx.clock.now()
                 if ahead is None:  # (no collecting ahead, or this is the first step: no publication runs)
                     batch = await self._collect_batch(self.version, BatchWait(start))
                 else:
                     ahead[1].since = start
                     batch = await self._unless_failed(ahead[0], publishing)
                     ahead = None
-                self.tracer.span("trainer", "wait for batch", start, self.clock.now())
-                if step < self.cfg.train.max_steps and self.collect_ahead:
+                self.ctx.tracer.span("trainer", "wait for batch", start, self.ctx.clock.now())
+                if step < self.settings.max_steps and self.collect_ahead:
                     wait = BatchWait()
                     ahead = (asyncio.create_task(self._collect_batch(self.version + 1, wait), name="trainer: next batch"),
                              wait)
                 publishing = await self._train_on(step, *batch, after=publishing)
                 self.last_step = step
-                every = self.cfg.checkpoint.every
-                if not self.collect_ahead or self._stop_early or step == self.cfg.train.max_steps or (
+                every = self.settings.checkpoint_every
+                if not self.collect_ahead or self.stopping or step == self.settings.max_steps or (
                         every > 0 and step % every == 0):
                     await publishing
                     publishing = None
-                if self._stop_early:
+                if self.stopping:
                     break
         except BaseException:
             if publishing is not None:  # (a load that hangs must not hold the failure up)
@@ -129,8 +157,8 @@ class TrainerStage(StageBase):
 
     def _release(self, leases: list[Lease]) -> None:
         for lease in leases:
-            self.keeper.drop(lease)
-            self.store.release(lease)
+            self.ctx.keeper.drop(lease)
+            self.ctx.store.release(lease)
 
     async def _collect_batch(self, version: int, wait: BatchWait) -> Batch:
         """Whole groups for the step that trains from `version`, their leases, and how many groups
@@ -150,31 +178,31 @@ class TrainerStage(StageBase):
         failed = 0  # groups whose every reward call failed, in this batch's wait
         # one deadline for the whole batch, not per take: while every group fails (a verifier that went
         # down after the run's first calls) each take succeeds, and the batch never filled nor ended
-        limit = self.cfg.workflow.step_timeout_s
-        while len(groups) < self.groups_per_step:
-            left = limit if wait.since is None else wait.since + limit - self.clock.now()
+        limit = self.settings.step_timeout_s
+        while len(groups) < self.settings.groups_per_step:
+            left = limit if wait.since is None else wait.since + limit - self.ctx.clock.now()
             try:
                 if left <= 0:
                     raise WaitTimeout("the batch's deadline passed")
                 # the rest of the batch in one lease, woken once when all of it is ready: not a wake-up,
                 # a lease and an ack per group (PIPE: ~10% of a sample's scheduling CPU)
-                need = self.cfg.train.batch_size - have
-                lease = await self.store.take(
+                need = self.settings.batch_size - have
+                lease = await self.ctx.store.take(
                     "train",
-                    max(self.n, need),
+                    max(self.settings.n, need),
                     min_samples=max(1, need),
                     timeout=left,
                     min_version=self.gate.min_version(version),
                     fields_extra=TRAIN_FIELDS,
                 )
             except WaitTimeout:  # name the setting that bounds this wait, and what the wait saw
-                if wait.since is None or self.clock.now() < wait.since + limit:
+                if wait.since is None or self.ctx.clock.now() < wait.since + limit:
                     continue  # (a take begun before the trainer waited: its deadline is later)
                 raise WaitTimeout(
                     f"timed out after {limit:g} s waiting for a training batch from stage 'train': {len(groups)} of "
-                    f"{self.groups_per_step} groups; meanwhile {failed} groups failed every reward call and "
+                    f"{self.settings.groups_per_step} groups; meanwhile {failed} groups failed every reward call and "
                     f"{filtered} were filtered (workflow.step_timeout_s: the trainer's wait for a batch)") from None
-            self.keeper.hold(lease)
+            self.ctx.keeper.hold(lease)
             leases.append(lease)
             self._drop_stale(lease, version)
             for group in by_group(lease.samples):
@@ -183,25 +211,25 @@ class TrainerStage(StageBase):
                     continue
                 if all(s.fields["reward_error"] is not None for s in group):
                     failed += 1
-                    self.counters.reward_errors += len(group)
-                    self._log_samples([(s, None, "reward_error", s.fields["reward_error"]) for s in group])
+                    self.ctx.counters.reward_errors += len(group)
+                    self.ctx.samples.write([(s, None, "reward_error", s.fields["reward_error"]) for s in group])
                     self._discard(group)
                     continue
-                if self.cfg.algorithm.filter_groups and all_equal(group):
-                    if filtered < self._filter_budget:
+                if self.settings.filter_groups and all_equal(group):
+                    if filtered < self.settings.filter_budget:
                         filtered += 1
                         msg = "filtered: all rewards in the group are equal (DAPO dynamic sampling, before over-long shaping)"
                         # a sample whose reward failed (an episode's environment) keeps its own status and error
-                        logged: list[tuple[SampleView, int | None, str, str | None]] = [
+                        logged: list[LoggedSample] = [
                             (s, None, "filtered", msg) if s.fields["reward_error"] is None
                             else (s, None, "reward_error", s.fields["reward_error"]) for s in group]
                         failures = sum(1 for item in logged if item[2] == "reward_error")
-                        self.counters.filtered += len(group) - failures
-                        self.counters.reward_errors += failures
-                        self._log_samples(logged)
+                        self.ctx.counters.filtered += len(group) - failures
+                        self.ctx.counters.reward_errors += failures
+                        self.ctx.samples.write(logged)
                         self._discard(group)
                         continue
-                    self.counters.filter_overflow += 1
+                    self.ctx.counters.filter_overflow += 1
                 groups.append(group)
                 have += len(group)
         return groups, leases, filtered
@@ -211,20 +239,20 @@ class TrainerStage(StageBase):
         generation was cancelled is logged as `cancelled`, the rest of its group as `dropped_stale`."""
         if not lease.expired:
             return
-        self._drop_groups(lease.expired, f"older than max_staleness={self.k} at trainer version {version}")
+        self._drop_groups(lease.expired, f"older than max_staleness={self.settings.max_staleness} at trainer version {version}")
 
     def _drop_groups(self, samples: list[SampleView], msg: str) -> None:
         """Log whole groups as never trained (`cancelled` samples as such, the rest `dropped_stale`)
         and free their admission slots."""
-        logged: list[tuple[SampleView, int | None, str, str | None]] = []
+        logged: list[LoggedSample] = []
         for s in samples:
             if s.fields.get("finish_reason") == "cancelled":
-                self.counters.cancelled += 1
+                self.ctx.counters.cancelled += 1
                 logged.append((s, None, "cancelled", CANCELLED))
             else:
-                self.counters.dropped_stale += 1
+                self.ctx.counters.dropped_stale += 1
                 logged.append((s, None, "dropped_stale", msg))
-        self._log_samples(logged)
+        self.ctx.samples.write(logged)
         self._discard(samples)
 
     def _discard(self, samples: list[SampleView]) -> None:
@@ -232,15 +260,15 @@ class TrainerStage(StageBase):
         them) and free their admission slots. Freeing the slot while the group still took store room
         until the step's ack let a dynamic-sampling filter fill the store with groups it had dropped:
         the feeder then blocked on a full store and the trainer waited for groups never admitted."""
-        self.store.remove([s.uid for s in samples])
+        self.ctx.store.remove([s.uid for s in samples])
         self.gate.drop(len({s.group_id for s in samples}))
 
     def _ack(self, leases: list[Lease]) -> None:
         """The trained batch leaves the store."""
         for lease in leases:
-            self.keeper.drop(lease)
-            if not self.store.ack(lease, remove=True):  # (kept alive by the keeper: should not happen)
-                self.store.remove([s.uid for s in (*lease.samples, *lease.expired)])  # never train them again
+            self.ctx.keeper.drop(lease)
+            if not self.ctx.store.ack(lease, remove=True):  # (kept alive by the keeper: should not happen)
+                self.ctx.store.remove([s.uid for s in (*lease.samples, *lease.expired)])  # never train them again
 
     async def _train_on(self, step: int, groups: list[list[SampleView]], leases: list[Lease], filtered: int = 0, *,
                         after: asyncio.Task[None] | None = None) -> asyncio.Task[None]:
@@ -260,22 +288,22 @@ class TrainerStage(StageBase):
             valid.append(ok)
             rewards.append(r)
             reward_sum += r
-        t0 = self.clock.now()
-        with self.tracer.timed("trainer", f"train step {step}", samples=len(samples)):
+        t0 = self.ctx.clock.now()
+        with self.ctx.tracer.timed("trainer", f"train step {step}", samples=len(samples)):
             metrics, tokens = await self.learner.step(samples, valid, rewards, self.version)
-        busy = self.clock.now() - t0
+        busy = self.ctx.clock.now() - t0
         if after is not None:
             await after
-        self.counters.train_busy_s += busy
+        self.ctx.counters.train_busy_s += busy
         staleness, length = self._log_trained(samples, valid, rewards, self.version)
-        self.counters.tokens += tokens
+        self.ctx.counters.tokens += tokens
         # logged and acked before the publication, not after it: the samples are trained, and a hook's
         # store read (`on_trained`) then sees them gone and, with a store in another process, overlaps
         # the engines' loads
         self._ack(leases)
         if self.on_trained is not None:
             self.on_trained()
-        start = self.clock.now()
+        start = self.ctx.clock.now()
         state = await self._export()
         n_valid = len(staleness)
         metrics.update(
@@ -293,7 +321,7 @@ class TrainerStage(StageBase):
         masked out: it is logged with none) and count them; returns the trained samples' staleness
         and the batch's response tokens."""
         staleness: list[int] = []
-        logged: list[tuple[SampleView, int | None, str, str | None]] = []
+        logged: list[LoggedSample] = []
         length = 0
         for s, ok in zip(samples, valid, strict=True):
             f = s.fields
@@ -303,9 +331,9 @@ class TrainerStage(StageBase):
                 logged.append((s, version, "trained", None))
             else:
                 logged.append((s, None, "reward_error", f["reward_error"]))
-        self._log_samples(logged, rewards=[r if ok else None for r, ok in zip(rewards, valid, strict=True)])
-        self.counters.trained += len(staleness)
-        self.counters.reward_errors += len(samples) - len(staleness)
+        self.ctx.samples.write(logged, rewards=[r if ok else None for r, ok in zip(rewards, valid, strict=True)])
+        self.ctx.counters.trained += len(staleness)
+        self.ctx.counters.reward_errors += len(samples) - len(staleness)
         return staleness, length
 
     async def _export(self) -> Any:
@@ -313,10 +341,10 @@ class TrainerStage(StageBase):
         # in a worker thread, as the train step is: a full copy of the weights (an FSDP gather) held the
         # event loop for it, stalling rollout callbacks, new requests and evaluation (0.7 s at 156M
         # parameters on CPU); the trainer waits for it (the next step changes the weights it copies)
-        trainer = self.trainer
-        state = (await in_own_thread(trainer.export_weights, threads=torch_threads(self.cfg)) if trainer.export_blocks
-                 else trainer.export_weights())
-        self.version += 1
+        engine = self.engine
+        state = (await in_own_thread(engine.export_weights, threads=self.settings.threads) if engine.export_blocks
+                 else engine.export_weights())
+        self.ctx.board.advance()
         return state
 
     async def publish(self, step: int, state: Any, new_version: int, start: float, metrics: dict[str, Any],
@@ -330,20 +358,20 @@ class TrainerStage(StageBase):
         floor = self.gate.min_version(new_version)
         for e in self.engines:
             e.cancel_older_than(floor)
-        await self.clock.wait_for(
-            asyncio.gather(*(e.load_weights(state, new_version, self.cfg.workflow.weight_update) for e in self.engines)),
-            self.cfg.workflow.step_timeout_s,
+        await self.ctx.clock.wait_for(
+            asyncio.gather(*(e.load_weights(state, new_version, self.settings.weight_update) for e in self.engines)),
+            self.settings.step_timeout_s,
             f"weight sync of version {new_version}",
         )
         self.gate.publish(new_version)
-        self.floor = floor
+        self.ctx.board.raise_floor(floor)
         for e in self.engines:  # (again: what started meanwhile from the old version, or an abort put back)
             e.cancel_older_than(floor)
-        self.tracer.span("weight sync", f"v{new_version}", start, self.clock.now())
-        metrics["weight_sync_s"] = self.clock.now() - start
+        self.ctx.tracer.span("weight sync", f"v{new_version}", start, self.ctx.clock.now())
+        metrics["weight_sync_s"] = self.ctx.clock.now() - start
         sent = state_bytes(state)
         if sent is None:  # (a Ray reference: the trainer actor knows the size; asked after the loads)
-            sent = await asyncio.to_thread(self.trainer.export_bytes)
+            sent = await asyncio.to_thread(self.engine.export_bytes)
         if sent is not None:
             metrics["weight_sync_bytes"] = float(sent)
         metrics.update(after_sync)
