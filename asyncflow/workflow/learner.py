@@ -1,6 +1,6 @@
 """The optimizer step the trainer stage runs on each batch: the `Learner` protocol, and `EngineLearner`,
 the one a run uses (advantages, the padded batch and the train engine's optimizer steps). A stand-in
-(PIPE's simulated trainer) implements `Learner` and is given to the `Pipeline`."""
+(PIPE's simulated trainer) implements `Learner` and is given to `build_pipeline`."""
 
 from __future__ import annotations
 
