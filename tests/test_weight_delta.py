@@ -21,7 +21,6 @@ from asyncflow.engines.torch_train import TorchTrainEngine
 from asyncflow.engines.weight_delta import (
     DeltaEncoder,
     HeldWeights,
-    Publication,
     ResyncNeeded,
     bits,
     state_checksum,
@@ -141,8 +140,8 @@ def test_a_delta_that_crossed_processes_asks_for_the_full_weights(tiny_model: An
             _load(engine, sent, 1)
         assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
         full = trainer.published_full(pub.seq)
-        assert full is not None and trainer.published_full(pub.seq - 1) is None
-        _load(engine, Publication(pub.seq, None, pub.checksum, tensors=full, same=pub.same, dtypes=pub.dtypes), 1)
+        assert full is not None and not full.is_delta and trainer.published_full(pub.seq - 1) is None
+        _load(engine, pickle.loads(pickle.dumps(full)), 1)
         assert _same_bits(engine, trainer) and engine.held.checksum == pub.checksum
     finally:
         engine.shutdown()

@@ -42,11 +42,11 @@ class DeltaTrainEngine(TrainEngine):
         self.last_export_bytes = self.last.nbytes
         return self.last
 
-    def published_full(self, seq: int) -> dict[str, torch.Tensor] | None:
-        """The complete weights of publication `seq` while it is the last one (None: a newer one was
-        encoded since, and the caller loads that one)."""
+    def published_full(self, seq: int | None) -> Publication | None:
+        """Publication `seq` (None: the last) as a full one, while it is the last one (None: a newer
+        one was encoded since, which the caller then loads)."""
         last = self.last
-        return last.full_state() if last is not None and last.seq == seq else None
+        return last.as_full() if last is not None and seq in (None, last.seq) else None
 
     def reuse_export_memory(self) -> None:
         self.inner.reuse_export_memory()  # (the encoder copies each export into its own memory)

@@ -427,7 +427,7 @@ class HFEngine(InferenceEngine):
             if pub.full is None:
                 self._torn = not adapter  # (an adapter's mirror was written, the model not yet)
                 return ResyncNeeded(f"engine {self.name}: version {version}: the checksum after the delta differs "
-                                    "from the trainer's; the full weights of this version are needed")
+                                    "from the trainer's; the full weights of this version are needed", pub.seq)
         try:
             full = pub.full_state()
         except ResyncNeeded as exc:

@@ -27,8 +27,9 @@ copy when it needs one (`ResyncNeeded`).
 
 from __future__ import annotations
 
+import json
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -39,13 +40,22 @@ MASK64 = 2**64 - 1
 _MUL = 0x2545F4914F6CDD1D  # odd multipliers of the element hash (any odd constants that fit in int64)
 _ADD = 0x1B873593
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+PUBLICATION_FILE = "publication.json"  # a weight folder's skeleton (`skeleton_json`)
+DELTA_FILE = "delta.safetensors"  # a delta folder's tensors (`split`)
 CHUNK = 1 << 22  # elements hashed per pass (bounds the int64 temporaries: 32 MiB each)
 
 
 class ResyncNeeded(WeightsRefused):
     """A delta that does not apply to what the engine holds (a missed version, an unknown start), or
     one whose result failed its checksum, with no full copy at hand: the caller delivers the full
-    weights of the same version (`Publication.full` where it is in process)."""
+    weights of publication `seq` (`Publication.full` where it is in process)."""
+
+    def __init__(self, message: str, seq: int = 0) -> None:
+        super().__init__(message)
+        self.seq = seq
+
+    def __reduce__(self) -> tuple[Any, tuple[str, int]]:  # (crosses processes with its seq)
+        return type(self), (str(self), self.seq)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -146,11 +156,65 @@ class Publication:
             return self.tensors
         if self.full is None:
             raise ResyncNeeded(f"weight publication {self.seq}: the delta does not apply to the weights held and "
-                               "no full copy came with it; the full weights of this version are needed")
+                               "no full copy came with it; the full weights of this version are needed", self.seq)
         return self.full
+
+    def as_full(self) -> Publication:
+        """This version as a full publication (same seq and checksum): what an engine that cannot
+        apply the delta loads."""
+        if not self.is_delta:
+            return self
+        return replace(self, base=None, tensors=self.full_state(), changes={}, full=None)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "full": None}  # (never crosses processes: only the delta does)
+
+
+_VALUES, _INDICES = "#delta.values", "#delta.indices"  # (suffixes no state-dict name holds)
+
+
+def split(pub: Publication) -> tuple[dict[str, torch.Tensor], Publication]:
+    """A publication as a flat dict of its tensors (what a byte transport moves: a tied weight
+    once) and its skeleton (everything else); `join` puts them back together."""
+    skeleton = replace(pub, tensors={}, changes={}, full=None)
+    if not pub.is_delta:
+        return {k: v for k, v in pub.tensors.items() if k not in pub.same}, skeleton
+    flat: dict[str, torch.Tensor] = {}
+    for k, c in pub.changes.items():
+        flat[k + _VALUES] = c.values
+        if c.indices is not None:
+            flat[k + _INDICES] = c.indices
+    return flat, skeleton
+
+
+def join(skeleton: Publication, flat: dict[str, torch.Tensor]) -> Publication:
+    """The publication `split` took apart."""
+    if not skeleton.is_delta:
+        tensors = dict(flat)
+        tensors.update({alias: tensors[target] for alias, target in skeleton.same.items() if target in tensors})
+        return replace(skeleton, tensors=tensors)
+    changes = {k.removesuffix(_VALUES): Change(v, flat.get(k.removesuffix(_VALUES) + _INDICES))
+               for k, v in flat.items() if k.endswith(_VALUES)}
+    return replace(skeleton, changes=changes)
+
+
+def skeleton_json(pub: Publication) -> str:
+    """A publication's skeleton as JSON (a weight folder's `publication.json`)."""
+    return json.dumps({"seq": pub.seq, "base": pub.base, "checksum": pub.checksum, "same": pub.same,
+                       "dtypes": {k: str(v).removeprefix("torch.") for k, v in pub.dtypes.items()},
+                       "changed_elements": pub.changed_elements, "total_elements": pub.total_elements})
+
+
+def skeleton_from_json(text: str) -> Publication:
+    """The skeleton `skeleton_json` wrote; ValueError where it is not one."""
+    try:
+        d = json.loads(text)
+        return Publication(int(d["seq"]), None if d["base"] is None else int(d["base"]), int(d["checksum"]),
+                           same={str(k): str(v) for k, v in d["same"].items()},
+                           dtypes={str(k): getattr(torch, v) for k, v in d["dtypes"].items()},
+                           changed_elements=int(d["changed_elements"]), total_elements=int(d["total_elements"]))
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a weight publication's skeleton ({type(exc).__name__}: {exc})") from None
 
 
 class DeltaEncoder:

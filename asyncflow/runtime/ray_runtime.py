@@ -168,6 +168,7 @@ class RayWorkers:
             actors = _start_actors(cfg, place, store, reward_actors, *setup, hub=hub)
             timeout = cfg.workflow.step_timeout_s
             trainer = RemoteTrainEngine(actors.trainer, timeout, name=f"{prefix}-trainer")
+            trainer.delta = cfg.runtime.weight_sync_delta
             _remember(actors, store, trainer, prefix)
             capacities, pids = _wait_ready(actors, store, place)
         except BaseException:
@@ -470,6 +471,10 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
     rollout_cls: Any = ray.remote(RolloutWorker)
     reward_cls: Any = ray.remote(RewardWorker)
     trainer_cls: Any = ray.remote(TrainerWorker)
+    if cfg.runtime.weight_sync_delta:  # (the trainer also hands out a delta's full weights)
+        from asyncflow.runtime.ray_delta import DeltaTrainerWorker
+
+        trainer_cls = ray.remote(DeltaTrainerWorker)
     feeder_cls: Any = ray.remote(FeederWorker)
     cwd = plugin_cwd(cfg)
     cfg = _absolute_paths(cfg)
