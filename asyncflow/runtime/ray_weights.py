@@ -86,7 +86,8 @@ class WeightPort:
         extra = None
         if isinstance(state, Publication):
             self.last = (state.as_full(), version)
-            state, extra = split(state)
+            flat, extra = split(state)
+            state = flat if state.is_delta else state.tensors  # (whole: the sender sends a tied weight once)
         else:
             self.last = (state, version)
         sender = BroadcastWeightSender(src=0, group=group, bucket_bytes=self.bucket_bytes, device=group.device,
