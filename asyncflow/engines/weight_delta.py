@@ -37,12 +37,12 @@ import torch
 from asyncflow.engines.weight_sync import WeightsRefused, aliases
 
 MASK64 = 2**64 - 1
-_MUL = 0x2545F4914F6CDD1D  # odd multipliers of the element hash (any odd constants that fit in int64)
-_ADD = 0x1B873593
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 PUBLICATION_FILE = "publication.json"  # a weight folder's skeleton (`skeleton_json`)
 DELTA_FILE = "delta.safetensors"  # a delta folder's tensors (`split`)
-CHUNK = 1 << 22  # elements hashed per pass (bounds the int64 temporaries: 32 MiB each)
+SPAN_BITS = 16
+SPAN = 1 << SPAN_BITS  # positions per table weight cycle (`weights_table`: 256 KiB, stays in cache)
+BLOCK = 64  # spans hashed per pass (bounds the temporaries: 16 MiB of int32)
 
 
 class ResyncNeeded(WeightsRefused):
@@ -67,41 +67,57 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def salt(name: str) -> int:
-    return zlib.crc32(name.encode()) * 0x9E3779B1 + 1
+    """A tensor's odd multiplier in the checksum (its name's CRC, spread)."""
+    return (zlib.crc32(name.encode()) * 0x9E3779B97F4A7C15 | 1) & MASK64
 
 
-def element_hash(name: str, positions: torch.Tensor, values: torch.Tensor) -> int:
-    """Sum of the hashes of the elements of tensor `name` at `positions` holding `values` (their
-    integer bits), modulo 2**64. int64 products wrap, so the sum is exact modulo 2**64."""
-    b = values.to(torch.int64)
+def weights_table(device: torch.device | str) -> torch.Tensor:
+    """`SPAN` fixed pseudo-random int32 weights, one per position within a span (the same on every
+    machine: a seeded generator on the CPU)."""
+    g = torch.Generator().manual_seed(0x5EED)
+    return torch.randint(-(2**31), 2**31 - 1, (SPAN,), dtype=torch.int32, generator=g).to(device)
+
+
+def element_hash(name: str, positions: torch.Tensor, values: torch.Tensor, table: torch.Tensor) -> int:
+    """The checksum's terms of the elements of tensor `name` at flat `positions` holding `values`
+    (their integer bits), summed modulo 2**64: bits x the position's table weight (wrapped to 32
+    bits) x an odd factor of the position's span, x the tensor's `salt`."""
     p = positions.to(torch.int64)
-    h = (b + _ADD) * ((p * 2 + salt(name)) * _MUL | 1)
-    h = h ^ (h >> 29)
-    return int(h.sum()) & MASK64
+    term = (values * table[p & (SPAN - 1)]).to(torch.int64) * ((p >> SPAN_BITS) * 2 + 1)
+    return (int(term.sum()) * salt(name)) & MASK64
 
 
-def tensor_checksum(name: str, t: torch.Tensor) -> int:
-    """The checksum of a whole tensor (chunked: bounded temporaries)."""
+def tensor_checksum(name: str, t: torch.Tensor, table: torch.Tensor) -> int:
+    """The checksum's terms of a whole tensor: `element_hash` over every position, a block of spans
+    at a time (one product with the table per element; bounded temporaries)."""
     flat = bits(t)
-    total = 0
-    for start in range(0, flat.numel(), CHUNK):
-        part = flat[start : start + CHUNK]
-        pos = torch.arange(start, start + part.numel(), dtype=torch.int64, device=part.device)
-        total += element_hash(name, pos, part)
-    return total & MASK64
+    n, total = flat.numel(), 0
+    whole = n // SPAN * SPAN
+    rows = flat[:whole].view(-1, SPAN)
+    for r0 in range(0, rows.shape[0], BLOCK):
+        block = rows[r0 : r0 + BLOCK]
+        sums = (block * table).sum(dim=1, dtype=torch.int64)  # (int32 products wrap, as in element_hash)
+        factors = torch.arange(r0, r0 + block.shape[0], dtype=torch.int64, device=block.device) * 2 + 1
+        total += int((sums * factors).sum())
+    if whole < n:
+        total += int((flat[whole:] * table[: n - whole]).sum(dtype=torch.int64)) * (whole // SPAN * 2 + 1)
+    return (total * salt(name)) & MASK64
 
 
 def state_checksum(state: dict[str, torch.Tensor], dtype_of: dict[str, torch.dtype] | None = None) -> int:
     """The checksum of a state dict (a tied weight counted once, under its first name); each tensor
     cast to `dtype_of[name]` first where given (an engine whose dtype is not the published one)."""
     same = aliases(state)
+    tables: dict[torch.device, torch.Tensor] = {}
     total = 0
     for k, v in state.items():
         if k in same:
             continue
         if dtype_of is not None and k in dtype_of and v.dtype != dtype_of[k]:
             v = v.to(dtype_of[k])
-        total += tensor_checksum(k, v)
+        if v.device not in tables:
+            tables[v.device] = weights_table(v.device)
+        total += tensor_checksum(k, v, tables[v.device])
     return total & MASK64
 
 
@@ -240,10 +256,11 @@ class DeltaEncoder:
                                changed_elements=total, total_elements=total, full=self.shadow)
         assert self.shadow is not None
         base, checksum, changes, changed = self.checksum, self.checksum, {}, 0
+        table = weights_table("cpu")
         for k, v in state.items():
             if k in same:
                 continue
-            change, delta_sum, n = encode_tensor(k, v, self.shadow[k])
+            change, delta_sum, n = encode_tensor(k, v, self.shadow[k], table)
             if change is not None:
                 changes[k] = change
                 checksum += delta_sum
@@ -258,23 +275,24 @@ class DeltaEncoder:
             shadow[k].shape == v.shape and shadow[k].dtype == v.dtype for k, v in state.items())
 
 
-def encode_tensor(name: str, new: torch.Tensor, shadow: torch.Tensor) -> tuple[Change | None, int, int]:
+def encode_tensor(name: str, new: torch.Tensor, shadow: torch.Tensor,
+                  table: torch.Tensor) -> tuple[Change | None, int, int]:
     """The change from `shadow` to `new` (None: equal bit for bit), the checksum's difference, and
     the changed element count; `shadow` is updated to `new`. Sparse (indices + values) while that
     is smaller than the whole tensor."""
-    a, b = bits(new.detach().cpu()), bits(shadow)
-    differs = a != b
-    n = int(differs.sum())
+    flat_new = new.detach().cpu().contiguous().reshape(-1)
+    a, b = bits(flat_new), bits(shadow)
+    idx = (a != b).nonzero().reshape(-1)  # (one pass for the mask, one for the indices)
+    n = idx.numel()
     if n == 0:
         return None, 0, 0
+    new_bits = a[idx]
+    delta = element_hash(name, idx, new_bits, table) - element_hash(name, idx, b[idx], table)
     index_dtype = torch.int32 if a.numel() < 2**31 else torch.int64
-    idx = differs.nonzero().reshape(-1)
-    delta = element_hash(name, idx, a[idx]) - element_hash(name, idx, b[idx])
-    flat_new = new.detach().cpu().contiguous().reshape(-1)
     cost_sparse = n * (flat_new.element_size() + torch.empty((), dtype=index_dtype).element_size())
     if cost_sparse < flat_new.numel() * flat_new.element_size():
-        change = Change(flat_new[idx].clone(), idx.to(index_dtype))
-        b[idx] = a[idx]  # (the shadow's own memory: `bits` is a view of it)
+        change = Change(new_bits.view(flat_new.dtype), idx.to(index_dtype))
+        b[idx] = new_bits  # (the shadow's own memory: `bits` is a view of it)
     else:
         change = Change(flat_new.clone())
         b.copy_(a)
@@ -306,8 +324,12 @@ class HeldWeights:
         if bad:
             raise WeightsRefused(f"weight publication {pub.seq}: the delta does not fit tensors {bad[:3]}")
         checksum = self.checksum or 0
+        tables: dict[torch.device, torch.Tensor] = {}
         for k, c in pub.changes.items():
-            checksum += write_change(k, c, params[k], pub.dtypes[k])
+            device = params[k].device
+            if device not in tables:
+                tables[device] = weights_table(device)
+            checksum += write_change(k, c, params[k], pub.dtypes[k], tables[device])
             for alias, target in pub.same.items():  # (an engine whose copy of a tied weight is its own tensor)
                 if target == k and alias in params and params[alias].data_ptr() != params[k].data_ptr():
                     params[alias].copy_(params[k])
@@ -330,17 +352,17 @@ class HeldParams(dict[str, torch.Tensor]):
         self.held = held
 
 
-def write_change(name: str, change: Change, target: torch.Tensor, dtype: torch.dtype) -> int:
+def write_change(name: str, change: Change, target: torch.Tensor, dtype: torch.dtype, table: torch.Tensor) -> int:
     """Write one tensor's change into `target` (any device and dtype); the checksum's difference,
     from what `target` held and holds after, read back in the published `dtype`."""
     flat = target.view(-1)
     values = change.values.to(flat.device)
     if change.indices is None:
-        before = tensor_checksum(name, flat.to(dtype))
+        before = tensor_checksum(name, flat.to(dtype), table)
         flat.copy_(values)
-        return tensor_checksum(name, flat.to(dtype)) - before
+        return tensor_checksum(name, flat.to(dtype), table) - before
     idx = change.indices.to(flat.device, torch.int64)
     old = bits(flat[idx].to(dtype))
     flat[idx] = values.to(flat.dtype)
     new = bits(flat[idx].to(dtype))
-    return element_hash(name, idx, new) - element_hash(name, idx, old)
+    return element_hash(name, idx, new, table) - element_hash(name, idx, old, table)
