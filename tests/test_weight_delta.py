@@ -178,3 +178,13 @@ def test_lora_adapter_deltas_merge_as_the_full_adapter_does(tiny_model: Any) -> 
     finally:
         by_delta.shutdown()
         by_full.shutdown()
+
+
+def test_delta_sync_with_an_fsdp_trainer_is_refused_naming_the_key() -> None:
+    from asyncflow.config import load_config
+    from asyncflow.errors import UserError
+
+    cfg, _ = load_config(None, ["task=arith", "runtime.weight_sync_delta=true"])
+    assert cfg.runtime.weight_sync_delta is True
+    with pytest.raises(UserError, match=r"^runtime\.weight_sync_delta: needs train\.engine=torch"):
+        load_config(None, ["task=arith", "train.engine=fsdp", "runtime.weight_sync_delta=true"])
