@@ -437,8 +437,8 @@ class HFEngine(InferenceEngine):
             held.forget()
             return error
         self.counts["full_loads"] = self.counts.get("full_loads", 0) + 1
-        if lora_adapter.is_adapter(full):
-            held.mirror = {k: v.detach().to("cpu", copy=True) for k, v in full.items()}
+        held.mirror = ({k: v.detach().to("cpu", copy=True) for k, v in full.items()}
+                       if lora_adapter.is_adapter(full) else None)  # (a delta of an adapter updates its copy)
         if not held.verify_full(pub, held.mirror if held.mirror is not None else self.model.state_dict()):
             held.forget()
             self._torn = True
