@@ -155,3 +155,36 @@ def test_asyncflow_serve_applies_delta_folders_and_asks_for_the_full_weights_aft
         http.shutdown()
         http.server_close()
         app.engine.shutdown()
+
+
+class _RemoteEngine:
+    """A rollout actor as the driver sees it (`RemoteEngine`): its `load_weights` refuses a delta as
+    the actor's engine does (`ResyncNeeded`, wrapped by Ray) and loads anything else."""
+
+    def __init__(self) -> None:
+        self.handle, self.loaded = self, []
+        self.load_weights = self
+
+    def remote(self, state: Any, version: int, mode: str) -> Any:
+        return state, version
+
+    async def unless_down(self, call: Any, what: str) -> Any:
+        import ray
+
+        state, version = call
+        if state == "delta":
+            raise ray.exceptions.RayTaskError("load_weights", "", ResyncNeeded("the delta does not apply", 7))
+        self.loaded.append((state, version))
+        return {"seconds": 0.0}
+
+
+def test_the_driver_has_an_actor_that_refused_a_delta_load_that_publications_full_weights() -> None:
+    from asyncflow.runtime.ray_weights import StoredWeights
+
+    engine = _RemoteEngine()
+    asked: list[int | None] = []
+    stored = StoredWeights("delta", resync=lambda seq: asked.append(seq) or f"full of {seq}")
+    assert asyncio.run(stored.deliver(engine, 3, "swap")) == {"seconds": 0.0}
+    assert asked == [7] and engine.loaded == [("full of 7", 3)]
+    assert stored.catch_up() == "full of None"  # (a restarted actor: the last publication's full weights)
+    assert pickle.loads(pickle.dumps(ResyncNeeded("why", 7))).seq == 7
