@@ -270,6 +270,9 @@ def _validate_engines(cfg: Config, explicit: set[str]) -> None:
             if f"train.{key}" in explicit:
                 raise UserError(f"train.{key}: only used with train.engine=fsdp (engine is {t.engine})")
     else:
+        if cfg.runtime.weight_sync_delta:
+            raise UserError("runtime.weight_sync_delta: needs train.engine=torch (an FSDP trainer's export is "
+                            "gathered on its rank 0, where no last published copy is kept)")
         if t.batch_size % (t.world_size * t.mini_batches):
             raise UserError(
                 f"train.world_size: batch_size={t.batch_size} is not divisible by world_size x mini_batches="

@@ -504,6 +504,16 @@ class RuntimeConfig:
         "have GPUs, gloo otherwise); an actor that restarted or missed one takes that version from the object "
         "store. Server engines (rollout.engine: openai) always load from rollout.sync_dir. docs/ray.md.",
     )
+    weight_sync_delta: bool = _f(
+        False,
+        "Publish each new version as a delta: the trainer keeps the last published copy in the rollout dtype "
+        "(model.dtype) and sends, per tensor, the indices and values of the elements that changed (or the whole "
+        "tensor where that is smaller); engines write them in place and check a checksum of the result. An engine "
+        "that missed a version, or whose checksum differs, loads the full weights of that version. The first "
+        "publication is full. Every path (in process, runtime.weight_sync object_store and collective, server "
+        "weight folders). Needs a trainer that exports in this process or its own actor (train.engine: torch). "
+        "docs/concepts.md.",
+    )
     weight_bucket_mb: float = _f(256.0, "Bucket size of the collective weight broadcast, in MiB (ray).", lo=0.001)
     placement_timeout_s: float = _f(
         120.0,

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncflow.engines.weight_delta import ResyncNeeded
 from asyncflow.openai_prompts import chat_ids, chat_messages, fits, longest_token_chars, prompt_list
 from asyncflow.openai_text import TokenFeed, finish_choice
 from asyncflow.openai_wire import (
@@ -468,7 +469,10 @@ class OpenAIServer:
                                kind="timeout")
         try:
             state = read_weights(folder, self.engine.model, self.weights_root)
-            seconds = self._wait_loaded(self.engine.request_weights(state, version, mode), deadline)
+            try:
+                seconds = self._wait_loaded(self.engine.request_weights(state, version, mode), deadline)
+            except ResyncNeeded as exc:  # (a delta that does not apply here: the client sends the full weights)
+                raise RequestError(f"path: {exc}", status=409, kind="resync_needed", param="path") from None
             del state  # (the engine holds it until loaded; not this thread past that)
         finally:
             self._loading.release()

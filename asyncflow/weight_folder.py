@@ -34,11 +34,57 @@ def _check_inside(path: Path, root: Path) -> None:
                            "links are resolved first)", status=403, kind="permission_error", param="path")
 
 
-def read_weights(folder: Path, model: Any, root: Path | None = None) -> dict[str, Any]:
+def read_weights(folder: Path, model: Any, root: Path | None = None) -> Any:
     """A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) as a published
     adapter, which the engine merges onto its base weights (asyncflow.engines.lora); else the `*.safetensors` tensors of `folder` as a full state dict of `model` (a weight tied to a
     loaded one may be absent, as `save_pretrained` writes it); any other mismatch is a 400. With a
-    `root`, every file must resolve inside it (a link in the folder must not lead out)."""
+    `root`, every file must resolve inside it (a link in the folder must not lead out). A folder
+    with a `publication.json` (delta weight sync) is a `Publication`: a delta's changes, or the
+    full weights read as above with the checksum the engine proves."""
+    from dataclasses import replace
+
+    from asyncflow.engines.weight_delta import PUBLICATION_FILE, skeleton_from_json
+
+    if not (folder / PUBLICATION_FILE).is_file():
+        return _read_state(folder, model, root)
+    if root is not None:
+        _check_inside(folder / PUBLICATION_FILE, root)
+    try:
+        skeleton = skeleton_from_json((folder / PUBLICATION_FILE).read_text())
+    except (ValueError, OSError) as exc:
+        raise RequestError(f"path: {folder / PUBLICATION_FILE}: {exc}", param="path") from None
+    if skeleton.is_delta:
+        return _read_delta(folder, model, root, skeleton)
+    return replace(skeleton, tensors=_read_state(folder, model, root))
+
+
+def _read_delta(folder: Path, model: Any, root: Path | None, skeleton: Any) -> Any:
+    """A delta publication folder (`DELTA_FILE` + `PUBLICATION_FILE`); changes to tensors the
+    model lacks are a 400."""
+    from asyncflow.engines.safetensors_io import FileReplaced, map_file
+    from asyncflow.engines.weight_delta import DELTA_FILE, join
+
+    path = folder / DELTA_FILE
+    if root is not None:
+        _check_inside(path, root)
+    try:
+        pub = join(skeleton, map_file(path))
+    except FileReplaced as exc:
+        raise RequestError(f"path: {folder} is gone: {exc}; load a newer version", status=404,
+                           kind="not_found_error", param="path") from None
+    except Exception as exc:  # (a missing or malformed file)
+        raise RequestError(f"path: {path} cannot be read as a weight delta ({type(exc).__name__}: {exc})",
+                           param="path") from None
+    from asyncflow.engines.lora import ADAPTER_KEY
+
+    unknown = sorted(set(pub.changes) - set(model.state_dict()))
+    if unknown and ADAPTER_KEY not in pub.dtypes:  # (an adapter's delta changes the adapter the engine keeps)
+        raise RequestError(f"path: {folder} changes weights this model does not have: {', '.join(unknown[:3])}",
+                           param="path")
+    return pub
+
+
+def _read_state(folder: Path, model: Any, root: Path | None) -> dict[str, Any]:
     from asyncflow.engines import lora
     from asyncflow.engines.safetensors_io import FileReplaced, map_file
 

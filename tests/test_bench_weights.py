@@ -31,6 +31,21 @@ def test_every_path_delivers_the_trainers_weights_to_every_engine(ray_session) -
     assert copies[("object_store", 2)] == 4 and copies[("broadcast", 2)] == 5 and copies[("folder", 1)] == 3
 
 
+@pytest.mark.ray
+def test_delta_rows_move_only_the_changed_elements_on_every_path(ray_session) -> None:
+    """Each delta row starts with a full publication (`first_s`) and then publishes deltas, which
+    every engine applies and holds bit for bit (checked by the workload after each)."""
+    from asyncflow.bench.weights import PATHS, run_weights
+
+    rows = run_weights(["shapes=tiny", "engines=1,2", "modes=swap", "sync=delta", "repeats=2"])
+    assert [(r["sync"], r["path"], r["engines"]) for r in rows] == [("delta", p, n) for p in PATHS for n in (1, 2)]
+    for row in rows:
+        assert set(row) >= FIELDS | {"first_s", "changed_frac", "full_bytes"}, row
+        # `mark` changes the first element of every tensor: each goes as one index and one value
+        assert 0 < row["changed_frac"] < 0.01 and 0 < row["bytes"] < row["full_bytes"] / 100
+        assert row["match"] is True and row["first_s"] > 0 and row["runs"] == 2
+
+
 @pytest.mark.parametrize(
     ("setting", "needle"),
     [
@@ -42,6 +57,8 @@ def test_every_path_delivers_the_trainers_weights_to_every_engine(ray_session) -
         ("bucket_mb=-1", "--set bucket_mb: must be > 0"),
         ("sync_dir=/no/such/folder", "--set sync_dir: /no/such/folder is not a folder"),
         ("colour=red", "--set: expected one of"),
+        ("sync=half", "--set sync: unknown ['half']"),
+        ("model=/no/such/folder", "--set model: /no/such/folder is not a Hugging Face model folder"),
     ],
 )
 def test_bad_bench_weights_values_are_one_line_naming_the_key(setting: str, needle: str, one_line_error: Any) -> None:
@@ -57,6 +74,7 @@ def test_the_bench_trainer_exports_into_its_last_exports_memory_as_the_runtime_t
         trainer = BenchTrainer("tiny", "bfloat16", 2**20, 10.0, 1)
     finally:
         torch.set_num_threads(threads)
+    trainer.sync("full")
     first = {k: v.data_ptr() for k, v in trainer.engine.export_weights().items()}
     trainer.new_version(2)
     second = trainer.engine.export_weights()

@@ -50,13 +50,21 @@ from asyncflow.errors import UserError
 
 PATHS = ("object_store", "broadcast", "folder")
 MODES = ("drain", "swap", "abort")
-_KNOWN = ("shapes", "engines", "paths", "modes", "bucket_mb", "repeats", "timeout_s", "sync_dir")
+SYNCS = ("full", "delta")
+_KNOWN = ("shapes", "engines", "paths", "modes", "bucket_mb", "repeats", "timeout_s", "sync_dir", "sync", "model", "lr")
 MODE_NOTE = "same byte path in every mode (idle engines)"
 
 
 def copies(path: str, engines: int) -> int:
     """The memory copies of the whole state `path` must make at the least (module docstring)."""
     return {"object_store": 2 + engines, "broadcast": 1 + 2 * engines, "folder": 2 + engines}[path]
+
+
+def delta_copies(path: str, engines: int, share: float) -> float:
+    """A delta publication's copies of the whole state, at the least: the export and its comparison
+    with the last published copy (a pass that reads both: counted as one copy), then the path's
+    copies of the delta's bytes (`share` of the whole)."""
+    return 2 + copies(path, engines) * share
 
 
 PROBE_BYTES = 256 * 2**20  # far beyond any cache: the copy time per byte is the memory's
@@ -83,7 +91,8 @@ def copy_seconds(nbytes: int, repeats: int = 3) -> float:
 
 
 def run_weights(overrides: list[str], report: Any = None) -> list[dict[str, Any]]:
-    """Rows per shape x path x engine count x mode (each the best of `repeats` publications)."""
+    """Rows per shape (or model) x sync x path x engine count x mode: each row's first publication,
+    and the median of `repeats` publications after it (the steady state)."""
     opts = parse(overrides)
     rows: list[dict[str, Any]] = []
     from asyncflow.runtime.ray_init import ensure_ray
@@ -91,16 +100,14 @@ def run_weights(overrides: list[str], report: Any = None) -> list[dict[str, Any]
     ensure_ray(None)
     for shape in opts["shapes"]:
         with Bench(shape, opts) as bench:
-            for path in opts["paths"]:
-                # untimed: a path's first publication also faults in fresh pages (the export, the
-                # store, buffers, the group's connections); the rows measure the steady state
-                bench.publish(path, max(opts["engines"]), opts["modes"][0])
-                for n in opts["engines"]:
-                    for mode in opts["modes"]:
-                        row = bench.row(path, n, mode)
-                        rows.append(row)
-                        if report is not None:
-                            report(row)
+            for sync in opts["sync"]:
+                for path in opts["paths"]:
+                    for n in opts["engines"]:
+                        for mode in opts["modes"]:
+                            row = bench.row(sync, path, n, mode)
+                            rows.append(row)
+                            if report is not None:
+                                report(row)
     return rows
 
 
@@ -115,7 +122,7 @@ class Bench:
         self.shape, self.opts = shape, opts
         bucket = int(opts["bucket_mb"] * 2**20)
         self.timeout_s = float(opts["timeout_s"])
-        args = (shape, "bfloat16", bucket, self.timeout_s, 1)
+        args = (shape, "bfloat16", bucket, self.timeout_s, 1, opts["model"], opts["lr"])
         trainer_cls: Any = ray.remote(BenchTrainer)
         rollout_cls: Any = ray.remote(BenchRollout)
         self.trainer = trainer_cls.options(num_cpus=0).remote(*args)
@@ -129,7 +136,12 @@ class Bench:
         self.tmp = tempfile.TemporaryDirectory(prefix="asyncflow-weights-", dir=opts["sync_dir"])
         self.model_dir = Path(self.tmp.name) / "model"
         self.model_dir.mkdir()
-        (self.model_dir / "config.json").write_text(json.dumps({"model_type": "qwen2", "shape": shape}))
+        if opts["model"] is not None:  # (the served folder's config files: the model's own)
+            for f in Path(opts["model"]).iterdir():
+                if f.suffix in (".json", ".txt") and f.is_file():
+                    (self.model_dir / f.name).write_bytes(f.read_bytes())
+        else:
+            (self.model_dir / "config.json").write_text(json.dumps({"model_type": "qwen2", "shape": shape}))
         self.session = secrets.token_hex(4)
 
     def __enter__(self) -> Bench:
@@ -150,22 +162,36 @@ class Bench:
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"bench weights: timed out after {self.timeout_s:.0f} s waiting for {what}") from None
 
-    def row(self, path: str, n: int, mode: str) -> dict[str, Any]:
-        """Publish `repeats` versions over `path` to the first `n` engines; the fastest one's row."""
+    def row(self, sync: str, path: str, n: int, mode: str) -> dict[str, Any]:
+        """Publish 1 + `repeats` versions over `path` to the first `n` engines: the first one's
+        seconds (`first_s`; a delta row's first publication is full: it starts the delta stream),
+        and the median of the others (`seconds`, the steady state; `bytes` and `changed_frac` theirs)."""
+        import statistics
+
+        self._get(self.trainer.sync.remote(sync), "the trainer to switch its publications")
+        first = self.publish(path, n, mode)
         runs = [self.publish(path, n, mode) for _ in range(self.opts["repeats"])]
-        seconds, trainer_s = min(runs)
-        bound = self.copy_s * copies(path, n)
-        row = {"shape": self.shape, "path": path, "engines": n, "mode": mode, "params": self.params,
-               "bytes": self.bytes, "seconds": round(seconds, 4), "GB_per_s": round(self.bytes * n / seconds / 1e9, 3),
-               "trainer_s": round(trainer_s, 4), "copies": copies(path, n),
-               "copy_GB_per_s": round(self.bytes / self.copy_s / 1e9, 2), "bound_s": float(f"{bound:.4g}"),
-               "ratio_to_bound": round(seconds / bound, 2), "match": True, "note": MODE_NOTE,
-               **({"sync_dir": self.opts["sync_dir"]} if path == "folder" else {})}
+        seconds = statistics.median(r[0] for r in runs)
+        trainer_s = statistics.median(r[1] for r in runs)
+        sent = [r[2] for r in runs]
+        nbytes = int(statistics.median(b for b, _ in sent)) if sync == "delta" else self.bytes
+        bound = self.copy_s * (copies(path, n) if sync == "full" else delta_copies(path, n, nbytes / self.bytes))
+        row = {"shape": self.shape, "sync": sync, "path": path, "engines": n, "mode": mode, "params": self.params,
+               "bytes": nbytes, "full_bytes": self.bytes,
+               "changed_frac": float(f"{statistics.median(c for _, c in sent):.4g}") if sync == "delta" else None,
+               "first_s": round(first[0], 4), "seconds": round(seconds, 4), "runs": len(runs),
+               "GB_per_s": round(nbytes * n / seconds / 1e9, 3), "trainer_s": round(trainer_s, 4),
+               "copies": copies(path, n), "copy_GB_per_s": round(self.bytes / self.copy_s / 1e9, 2),
+               "bound_s": float(f"{bound:.4g}"), "ratio_to_bound": round(seconds / bound, 2),
+               "first_ratio_to_bound": round(first[0] / (self.copy_s * copies(path, n)), 2),
+               "versions_by": "train steps" if self.opts["model"] is not None else "mark",
+               "match": True, "note": MODE_NOTE, **({"sync_dir": self.opts["sync_dir"]} if path == "folder" else {})}
         return row
 
-    def publish(self, path: str, n: int, mode: str) -> tuple[float, float]:
+    def publish(self, path: str, n: int, mode: str) -> tuple[float, float, tuple[Any, Any]]:
         """One version to the first `n` engines; (seconds until all loaded it, seconds the trainer was
-        busy). Every engine's weights are checked against the trainer's afterwards."""
+        busy, (bytes, changed share) of a delta). Every engine's weights are checked against the
+        trainer's afterwards."""
         import ray
 
         self.version += 1
@@ -195,7 +221,7 @@ class Bench:
         got = self._get([e.digest.remote() for e in engines], "the engines' weights")
         if any(abs(g - expected) > 1e-6 * max(1.0, abs(expected)) for g in got):
             raise RuntimeError(f"bench weights: after {path} ({mode}) the engines hold {got}, the trainer {expected}")
-        return seconds, trainer_s
+        return seconds, trainer_s, self._get(self.trainer.last_publication.remote(), "the publication's size")
 
     def _join(self, n: int) -> None:
         """A weight group of the trainer and the first `n` engines (as `WeightChannel` builds it)."""
@@ -212,13 +238,19 @@ def parse(overrides: list[str]) -> dict[str, Any]:
     raw = read_sets("weights", overrides, _KNOWN)
     from asyncflow.bench.weights_actors import SHAPES
 
+    model = raw.get("model")
+    if model is not None and not (Path(model) / "config.json").is_file():
+        raise UserError(f"bench weights --set model: {model} is not a Hugging Face model folder (no config.json)")
     return {
-        "shapes": names("weights", raw, "shapes", "0.5b", tuple(SHAPES)),
+        "shapes": [f"model:{Path(model).name}"] if model is not None else names("weights", raw, "shapes", "0.5b", tuple(SHAPES)),
+        "model": None if model is None else str(Path(model).resolve()),
+        "sync": names("weights", raw, "sync", "full", SYNCS),
+        "lr": positive("weights", "lr", raw.get("lr", "1e-5"), float),
         "paths": names("weights", raw, "paths", ",".join(PATHS), PATHS),
         "modes": names("weights", raw, "modes", ",".join(MODES), MODES),
         "engines": [positive("weights", "engines", v, int) for v in raw.get("engines", "1,2,4").split(",")],
         "bucket_mb": positive("weights", "bucket_mb", raw.get("bucket_mb", "256"), float),
-        "repeats": positive("weights", "repeats", raw.get("repeats", "1"), int),
+        "repeats": positive("weights", "repeats", raw.get("repeats", "3"), int),
         "timeout_s": positive("weights", "timeout_s", raw.get("timeout_s", "600"), float),
         "sync_dir": _folder(raw.get("sync_dir")),
     }

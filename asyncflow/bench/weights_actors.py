@@ -1,7 +1,8 @@
 """The processes of `asyncflow bench weights`: a trainer and rollout engines as Ray actors.
 
 They are the runtime's own actor classes (`TrainerActor`, `RolloutActor`) built around a model
-made from a config in memory instead of a run's config and model folder, so every publication takes
+made from a config in memory (or a model folder: `model=DIR`, whose new versions come from train
+steps) instead of a run's config, so every publication takes
 the runtime's code path: `export_weights` / `send_weights` on the trainer, `load_weights` /
 `receive_weights` on a rollout actor, `WeightPort` for the broadcast group. The folder path for
 server engines writes with `WeightFolderWriter` (what an `openai` engine does) and loads the way
@@ -70,18 +71,36 @@ def digest(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> 
 
 
 class BenchTrainer(TrainerActor):
-    """The trainer: a `TorchTrainEngine` (float32 master weights, `dtype` exports) around a fresh model."""
+    """The trainer: a `TorchTrainEngine` (float32 master weights, `dtype` exports) around a fresh model
+    of `shape`, or the model in `model_dir`; publishing full weights, or deltas (`sync`)."""
 
-    def __init__(self, shape: str, dtype: str, bucket_bytes: int, timeout_s: float, threads: int) -> None:
+    def __init__(self, shape: str, dtype: str, bucket_bytes: int, timeout_s: float, threads: int,
+                 model_dir: str | None = None, lr: float = 1e-5) -> None:
         from asyncflow.engines.torch_train import TorchTrainEngine
 
         torch.set_num_threads(threads)
         torch.manual_seed(0)
-        model = build_model(shape, torch.float32, initialise=True)
-        self.torch_engine = TorchTrainEngine(model, lr=1e-5, dtype=getattr(torch, dtype))
-        self.engine = self.torch_engine
+        model: Any = model_dir if model_dir is not None else build_model(shape, torch.float32, initialise=True)
+        self.torch_engine = TorchTrainEngine(model, lr=lr, dtype=getattr(torch, dtype))
+        self.engine: Any = self.torch_engine
         self.engine.reuse_export_memory()  # (as `TrainerActor.__init__`: the runtime's trainer does)
         self.port = WeightPort(bucket_bytes, timeout_s)
+        self.train = model_dir is not None  # new versions by train steps (else `mark`)
+        self.vocab = int(self.torch_engine.model.config.vocab_size)
+
+    def sync(self, kind: str) -> None:
+        """Publish full weights from now on, or deltas (a new encoder: its first publication is full)."""
+        from asyncflow.engines.delta_train import DeltaTrainEngine
+
+        self.engine = DeltaTrainEngine(self.torch_engine) if kind == "delta" else self.torch_engine
+
+    def last_publication(self) -> tuple[int | None, float | None]:
+        """(bytes, share of the elements that changed) of the last delta publication; (None, None) for
+        a full one."""
+        last = getattr(self.engine, "last", None)
+        if last is None or not last.is_delta:
+            return None, None
+        return last.nbytes, last.changed_elements / max(last.total_elements, 1)
 
     def params(self) -> tuple[int, int]:
         """(parameters, bytes of one export in the compute dtype), tied weights counted once."""
@@ -92,8 +111,12 @@ class BenchTrainer(TrainerActor):
         return n, n * torch.empty((), dtype=self.torch_engine.dtype).element_size()
 
     def new_version(self, version: int) -> float:
-        """Change the weights for `version`; the digest of what the engines must then hold."""
-        mark(self.torch_engine.model, version)
+        """Change the weights for `version` (a train step of the real model, else `mark`); the digest
+        of what the engines must then hold."""
+        if self.train:
+            self.torch_engine.train_step(pg_batch(self.vocab, version), pg_loss, 1.0)
+        else:
+            mark(self.torch_engine.model, version)
         return digest(self.torch_engine.model.state_dict(), self.torch_engine.dtype)
 
     def write_folder(self, root: str, model_dir: str, version: int, session: str) -> str:
@@ -105,17 +128,35 @@ class BenchTrainer(TrainerActor):
         return str(asyncio.run(writer.folder_for(self.engine.export_weights(), version)))
 
 
+def pg_batch(vocab: int, seed: int, rows: int = 4, length: int = 48) -> Any:
+    """A policy-gradient batch of random token sequences (the last 3/4 of each trained, advantages
+    +1 and -1): a train step moves the weights as an RL step of that size does."""
+    from asyncflow.engines.base import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, length), generator=g)
+    mask = torch.zeros(rows, length - 1)
+    mask[:, length // 4 :] = 1.0
+    adv = torch.tensor([1.0, -1.0] * (rows // 2))
+    return TrainBatch(ids, torch.ones_like(ids), mask, adv, torch.zeros(rows, length - 1))
+
+
+def pg_loss(logp: torch.Tensor, mb: Any, norm: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return -(logp * mb.response_mask * mb.advantages[:, None]).sum() / norm.tokens, {}
+
+
 class BenchRollout(RolloutActor):
     """A rollout actor holding an `HFEngine` of the same shape (no rollout loop: it only loads)."""
 
-    def __init__(self, index: int, shape: str, dtype: str, bucket_bytes: int, timeout_s: float, threads: int) -> None:
+    def __init__(self, index: int, shape: str, dtype: str, bucket_bytes: int, timeout_s: float, threads: int,
+                 model_dir: str | None = None, lr: float = 0.0) -> None:
         from asyncflow.engines.hf import HFEngine
 
         sys.setswitchinterval(0.001)  # (as `RolloutActor`: the decode thread gets the GIL back sooner)
         torch.set_num_threads(threads)
         self.index = index
-        self.hf = HFEngine(build_model(shape, getattr(torch, dtype), initialise=False), eos_token_id=0,
-                           dtype=getattr(torch, dtype), name=f"rollout-{index}")
+        model: Any = model_dir if model_dir is not None else build_model(shape, getattr(torch, dtype), initialise=False)
+        self.hf = HFEngine(model, eos_token_id=0, dtype=getattr(torch, dtype), name=f"rollout-{index}")
         self.engine = self.hf
         self.connected = None
         self.port = WeightPort(bucket_bytes, timeout_s)

@@ -249,7 +249,11 @@ class TrainEngine(abc.ABC):
 
 def state_bytes(state: Any) -> int | None:
     """Bytes a weight publication moves (its tensors' payload), or None where the state is not at hand
-    (a Ray object-store reference or a collective broadcast)."""
+    (a Ray object-store reference or a collective broadcast). A delta publication moves its changes."""
+    from asyncflow.engines.weight_delta import Publication
+
+    if isinstance(state, Publication):
+        return state.nbytes
     if not isinstance(state, dict):
         return None
     tensors = {k: t for k, t in state.items() if isinstance(t, torch.Tensor)}

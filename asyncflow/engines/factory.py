@@ -46,7 +46,12 @@ def make_train_engine(cfg: Config, model_dir: Path, *, threads: int, device: str
                                seed=cfg.seed, **common)
     from asyncflow.engines.torch_train import TorchTrainEngine
 
-    return TorchTrainEngine(model_dir, device=device or pick_device(cfg.model.device), **common)
+    engine: TrainEngine = TorchTrainEngine(model_dir, device=device or pick_device(cfg.model.device), **common)
+    if cfg.runtime.weight_sync_delta:
+        from asyncflow.engines.delta_train import DeltaTrainEngine
+
+        engine = DeltaTrainEngine(engine)
+    return engine
 
 
 def lr_schedule(cfg: Config) -> LrSchedule:

@@ -40,6 +40,7 @@ from asyncflow.engines.attention_choice import pick_attention
 from asyncflow.engines.base import EngineOutOfMemory, GenRequest, GenResult, InferenceEngine, WeightUpdateMode
 from asyncflow.engines.kv_cache import returned_cache, with_cache
 from asyncflow.engines.sampling import SAMPLING_EPS, sample_tokens, top_alternatives, truncate_logits
+from asyncflow.engines.weight_delta import HeldParams, HeldWeights, Publication, ResyncNeeded
 from asyncflow.engines.weight_sync import WeightsRefused, aliases
 from asyncflow.errors import RunFailed, UserError
 
@@ -77,7 +78,7 @@ class _Row:
 
 @dataclass
 class _PendingWeights:
-    state: dict[str, torch.Tensor] | None  # None: a `fill` writes the weights in place
+    state: dict[str, torch.Tensor] | Publication | None  # None: a `fill` writes the weights in place
     version: int
     mode: WeightUpdateMode
     done: cf.Future[float]
@@ -156,6 +157,7 @@ class HFEngine(InferenceEngine):
         self.steps = 0
         self.counts = {"prefills": 0, "prefill_rows": 0, "decode_rows": 0, "out_of_memory": 0}  # diagnostics
         self._lora_base: dict[str, torch.Tensor] = {}  # LoRA: base weights of the adapted modules (lora.merge_into)
+        self.held = HeldWeights()  # the publication these weights are (delta weight sync)
         self._thread: threading.Thread | None = None  # the decode thread, while one runs (see `_wake`)
         with self._cv:
             self._wake()
@@ -193,8 +195,10 @@ class HFEngine(InferenceEngine):
         futures = [self.submit(r) for r in requests]
         return [f.result(timeout=timeout) for f in futures]
 
-    def request_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> cf.Future[float]:
-        """Ask the decode thread to load `state` as `version`; the future gives seconds until in use."""
+    def request_weights(self, state: dict[str, torch.Tensor] | Publication, version: int,
+                        mode: WeightUpdateMode) -> cf.Future[float]:
+        """Ask the decode thread to load `state` (a state dict, or a publication: full or a delta) as
+        `version`; the future gives seconds until in use."""
         done: cf.Future[float] = cf.Future()
         with self._cv:
             if self._stop:  # no decode thread will pick it up: say why now, not at the caller's timeout
@@ -237,7 +241,8 @@ class HFEngine(InferenceEngine):
         done.cancel()
         return True
 
-    async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
+    async def load_weights(self, state: dict[str, torch.Tensor] | Publication, version: int,  # type: ignore[override]
+                           mode: WeightUpdateMode) -> float:
         return await asyncio.wrap_future(self.request_weights(state, version, mode))
 
     def cancel_older_than(self, min_version: int) -> int:
@@ -380,30 +385,77 @@ class HFEngine(InferenceEngine):
                 pending.done.set_exception(error)
 
     def _load_state(self, pending: _PendingWeights) -> BaseException | None:
-        """Copy a whole state dict (or merge an adapter) into the model; why not, or None."""
+        """Copy a whole state dict (or merge an adapter) into the model, or apply a publication; why
+        not, or None."""
         assert pending.state is not None
-        adapter = lora_adapter.is_adapter(pending.state)
-        problem = (lora_adapter.adapter_mismatch if adapter else _state_mismatch)(self.model, pending.state)
+        if isinstance(pending.state, Publication):
+            return self._load_publication(pending.state, pending.version)
+        self.held.forget()
+        return self._load_dict(pending.state, pending.version)
+
+    def _load_dict(self, state: dict[str, torch.Tensor], version: int) -> BaseException | None:
+        adapter = lora_adapter.is_adapter(state)
+        problem = (lora_adapter.adapter_mismatch if adapter else _state_mismatch)(self.model, state)
         if problem is not None:  # refused before any tensor is copied: the engine keeps serving the old weights
-            return ValueError(f"engine {self.name}: version {pending.version}'s weights do not fit the model: {problem}")
+            return ValueError(f"engine {self.name}: version {version}'s weights do not fit the model: {problem}")
         if adapter:  # a LoRA publication: merged onto the kept base weights of the modules it adapts
-            lora_adapter.merge_into(self.model, pending.state, self._lora_base)
+            lora_adapter.merge_into(self.model, state, self._lora_base)
         else:
             # a tied weight is copied in once, through its first name (the check above saw every name)
             tied = aliases(self.model.state_dict())
-            self.model.load_state_dict({k: v for k, v in pending.state.items() if k not in tied}, strict=not tied)
+            self.model.load_state_dict({k: v for k, v in state.items() if k not in tied}, strict=not tied)
             self._lora_base.clear()  # (full weights replace the base an adapter merges onto)
+        return None
+
+    def _load_publication(self, pub: Publication, version: int) -> BaseException | None:
+        """A delta written in place where it applies to the weights held and its checksum holds;
+        else the full weights (`ResyncNeeded` where they did not come with it: nothing loaded)."""
+        held = self.held
+        if held.applies(pub):
+            adapter = held.mirror is not None
+            try:
+                ok = held.write_delta(pub, held.mirror if held.mirror is not None else self.model.state_dict())
+            except WeightsRefused as exc:  # (nothing written)
+                return exc
+            if ok:
+                if held.mirror is not None:
+                    lora_adapter.merge_into(self.model, held.mirror, self._lora_base)
+                self.counts["delta_loads"] = self.counts.get("delta_loads", 0) + 1
+                return None
+            self.counts["checksum_mismatches"] = self.counts.get("checksum_mismatches", 0) + 1
+            held.forget()
+            if pub.full is None:
+                self._torn = not adapter  # (an adapter's mirror was written, the model not yet)
+                return ResyncNeeded(f"engine {self.name}: version {version}: the checksum after the delta differs "
+                                    "from the trainer's; the full weights of this version are needed", pub.seq)
+        try:
+            full = pub.full_state()
+        except ResyncNeeded as exc:
+            return exc
+        error = self._load_dict(full, version)
+        if error is not None:
+            held.forget()
+            return error
+        self.counts["full_loads"] = self.counts.get("full_loads", 0) + 1
+        held.mirror = ({k: v.detach().to("cpu", copy=True) for k, v in full.items()}
+                       if lora_adapter.is_adapter(full) else None)  # (a delta of an adapter updates its copy)
+        if not held.verify_full(pub, held.mirror if held.mirror is not None else self.model.state_dict()):
+            held.forget()
+            self._torn = True
+            return RuntimeError(f"engine {self.name}: version {version}: the checksum of the full weights loaded "
+                                f"differs from the trainer's (publication {pub.seq})")
         return None
 
     def _fill(self, pending: _PendingWeights) -> BaseException | None:
         """Let the pending fill write the model's tensors in place; why it failed, or None."""
         assert pending.fill is not None
-        try:
-            pending.fill(self.model.state_dict())  # (detached tensors sharing the parameters' memory)
+        try:  # (detached tensors sharing the parameters' memory, and the publication they hold)
+            pending.fill(HeldParams(self.model.state_dict(), self.held))
         except WeightsRefused as exc:  # nothing was written: the old weights stay whole
             return exc
         except Exception as exc:  # (a broadcast that failed midway: some tensors new, some old)
             self._torn = True
+            self.held.forget()
             return exc
         self._lora_base.clear()
         return None

@@ -27,6 +27,7 @@ from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
 from asyncflow.engines.http_client import HTTPError, close_pool, request_json
 from asyncflow.engines.server_sync import WeightFolderWriter, WeightSync, make_weight_sync, sync_root
+from asyncflow.engines.weight_delta import Publication
 from asyncflow.errors import UserError, WaitTimeout
 
 
@@ -108,8 +109,29 @@ class OpenAIEngine(InferenceEngine):
             reason = "cancelled"
         return GenResult(request.uid, ids, logprobs, versions, reason)  # type: ignore[arg-type]
 
-    async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
+    async def load_weights(self, state: dict[str, torch.Tensor] | Publication, version: int,  # type: ignore[override]
+                           mode: WeightUpdateMode) -> float:
+        """A delta publication goes to `asyncflow serve` as a delta folder; where the server answers
+        409 (it missed a version, or its checksum differs) the version's full weights follow
+        (`ResyncNeeded` where they are not in this process). Other servers load the full weights."""
         start = time.monotonic()
+        if isinstance(state, Publication) and (self.server_type != "asyncflow" or self.writer.in_place):
+            state = state.full_state()
+        delta = isinstance(state, Publication) and state.is_delta
+        try:
+            folder = await self._load_folder(state, version, mode)
+        except HTTPError as exc:
+            if not (delta and exc.status == 409) or not isinstance(state, Publication):
+                raise
+            delta = False
+            folder = await self._load_folder(state.as_full(), version, mode)
+        self.version = version
+        if self.server is not None and not delta:  # (a restarted server loads a full folder: it holds no base)
+            self.server.loaded(folder, version)
+        return time.monotonic() - start
+
+    async def _load_folder(self, state: dict[str, torch.Tensor] | Publication, version: int,
+                           mode: WeightUpdateMode) -> Path:
         folder = await self.writer.folder_for(state, version)
         token = await self._token()
         for attempt in range(2):
@@ -124,10 +146,7 @@ class OpenAIEngine(InferenceEngine):
                 if attempt or not self._recoverable(exc):
                     raise
                 await self._recover()
-        self.version = version
-        if self.server is not None:
-            self.server.loaded(folder, version)
-        return time.monotonic() - start
+        return folder
 
     async def _call(self, method: str, path: str, body: Any, timeout: float, retry_safe: bool = False) -> Any:
         """One request; when it meets a dead server the run restarts (`server`), once more after it is back.

@@ -40,6 +40,7 @@ from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import WeightUpdateMode
 from asyncflow.engines.http_client import HTTPError, request_json
 from asyncflow.engines.safetensors_io import try_lock_exclusive, write_file
+from asyncflow.engines.weight_delta import DELTA_FILE, PUBLICATION_FILE, Publication, skeleton_json, split
 from asyncflow.engines.weight_sync import aliases
 from asyncflow.errors import WaitTimeout
 
@@ -218,24 +219,27 @@ class WeightFolderWriter:
         self.reused = 0  # versions written over an old version's files
         self.session = session or secrets.token_hex(8)
         self.lock_timeout_s = lock_timeout_s
-        self._writes: dict[int, asyncio.Task[Path]] = {}
+        self._writes: dict[tuple[int, bool], asyncio.Task[Path]] = {}  # (version, delta) -> its write
 
-    async def folder_for(self, state: dict[str, Any], version: int) -> Path:
-        """The folder holding `version` (written by the first caller; the others wait for it)."""
-        task = self._writes.get(version)
+    async def folder_for(self, state: dict[str, Any] | Publication, version: int) -> Path:
+        """The folder holding `version` (written by the first caller; the others wait for it). A
+        delta `Publication` is written as `root/d<version>/` (`DELTA_FILE` + `PUBLICATION_FILE`), a
+        full one as the plain folder with its `PUBLICATION_FILE`."""
+        key = (version, isinstance(state, Publication) and state.is_delta)
+        task = self._writes.get(key)
         if task is None:
             task = asyncio.ensure_future(asyncio.to_thread(self._write_once, state, version))
-            self._writes[version] = task
-            for old in [v for v in self._writes if v < version - 1]:
+            self._writes[key] = task
+            for old in [k for k in self._writes if k[0] < version - 1]:
                 del self._writes[old]
         return await task
 
-    def _write_once(self, state: dict[str, Any], version: int) -> Path:
+    def _write_once(self, state: dict[str, Any] | Publication, version: int) -> Path:
         """`_write` under the root's lock, unless this session already wrote `version` there."""
-        if lora_adapter.is_adapter(state):
-            folder = self.root / f"a{version:06d}"
+        if isinstance(state, Publication):
+            folder = self.root / f"d{version:06d}" if state.is_delta else self._folder(state.tensors, version)
         else:
-            folder = self.root if self.in_place else self.root / f"v{version:06d}"
+            folder = self._folder(state, version)
         stamp = f"{self.session} {version}"
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / ".asyncflow-write.lock", "a") as lock:
@@ -253,9 +257,39 @@ class WeightFolderWriter:
                 marker = folder / self.MARKER
                 if marker.is_file() and marker.read_text() == stamp:
                     return folder
-                return self._write(state, version, stamp)
+                if not isinstance(state, Publication):
+                    return self._write(state, version, stamp)
+                if state.is_delta:
+                    return self._write_delta(state, version, stamp)
+                written = self._write(state.tensors, version, stamp)
+                if not self.in_place:  # (under the lock: no engine of this session reads it before)
+                    (written / PUBLICATION_FILE).write_text(skeleton_json(state))
+                return written
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _folder(self, state: dict[str, Any], version: int) -> Path:
+        """Where a full state (or an adapter) of `version` is written."""
+        if lora_adapter.is_adapter(state):
+            return self.root / f"a{version:06d}"
+        return self.root if self.in_place else self.root / f"v{version:06d}"
+
+    def _write_delta(self, pub: Publication, version: int, stamp: str) -> Path:
+        """A delta publication as `root/d<version>/` (older ones removed)."""
+        final = self.root / f"d{version:06d}"
+        tmp = self.root / f".d{version:06d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        flat, skeleton = split(pub)
+        write_file(flat, tmp / DELTA_FILE, metadata={"format": "pt"})
+        (tmp / PUBLICATION_FILE).write_text(skeleton_json(skeleton))
+        (tmp / self.MARKER).write_text(stamp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in self.root.glob("d*"):
+            if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
 
     def _write(self, state: dict[str, Any], version: int, stamp: str) -> Path:
         if lora_adapter.is_adapter(state):  # (in a versioned folder even for vLLM: it loads adapters by path)

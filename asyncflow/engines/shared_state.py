@@ -9,6 +9,9 @@ and unpickles as a plain `dict[str, torch.Tensor]` of views of those bytes:
     trainer: export ─► SharedState ─► (Ray) one copy into shared memory
     engine:  views of shared memory ─► load_state_dict copies them into the parameters (one copy)
 
+A weight `Publication` (asyncflow.engines.weight_delta) travels the same way: its tensors (a delta's
+indices and values) as byte arrays, the rest pickled.
+
 The views are read-only memory (do not write into them); they keep the object pinned while alive.
 """
 
@@ -19,27 +22,43 @@ from typing import Any
 
 import torch
 
+from asyncflow.engines.weight_delta import Publication, join, split
 from asyncflow.engines.weight_sync import aliases
 
 
 class SharedState:
     """Wraps a state dict for the trip; what arrives is the dict itself (`unpack_state`)."""
 
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+    def __init__(self, state: dict[str, torch.Tensor] | Publication) -> None:
         self.state = state
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        same = aliases(self.state)  # (a tied weight's bytes go once; its names all view them)
-        specs: list[tuple[str, str, tuple[int, ...], int]] = []
-        arrays: list[Any] = []
-        index: dict[str, int] = {}
-        for name, t in self.state.items():
-            if name not in same:
-                flat = t.detach().cpu().contiguous().reshape(-1)  # (no copy for the CPU tensors an export holds)
-                index[name] = len(arrays)
-                arrays.append(flat.view(torch.uint8).numpy())
-            specs.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), index[same.get(name, name)]))
-        return unpack_state, (specs, arrays)
+        if isinstance(self.state, Publication):  # (its tensors the same way, its skeleton pickled)
+            flat, skeleton = split(self.state)
+            return unpack_publication, (skeleton, *pack_state(flat))
+        return unpack_state, pack_state(self.state)
+
+
+def pack_state(state: dict[str, torch.Tensor]) -> tuple[list[tuple[str, str, tuple[int, ...], int]], list[Any]]:
+    """(name, dtype, shape, array index) per tensor and the byte arrays (a tied weight's bytes once;
+    its names all view them)."""
+    same = aliases(state)
+    specs: list[tuple[str, str, tuple[int, ...], int]] = []
+    arrays: list[Any] = []
+    index: dict[str, int] = {}
+    for name, t in state.items():
+        if name not in same:
+            flat = t.detach().cpu().contiguous().reshape(-1)  # (no copy for the CPU tensors an export holds)
+            index[name] = len(arrays)
+            arrays.append(flat.view(torch.uint8).numpy())
+        specs.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), index[same.get(name, name)]))
+    return specs, arrays
+
+
+def unpack_publication(skeleton: Publication, specs: list[tuple[str, str, tuple[int, ...], int]],
+                       arrays: list[Any]) -> Publication:
+    """The publication, its tensors views of their byte arrays."""
+    return join(skeleton, unpack_state(specs, arrays))
 
 
 def unpack_state(specs: list[tuple[str, str, tuple[int, ...], int]], arrays: list[Any]) -> dict[str, torch.Tensor]:

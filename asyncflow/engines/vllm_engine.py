@@ -45,6 +45,7 @@ import torch
 
 from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine, WeightUpdateMode
+from asyncflow.engines.weight_delta import Publication
 from asyncflow.errors import WaitTimeout
 
 EXTENSION = "asyncflow.engines.vllm_engine.WeightLoaderExtension"
@@ -210,9 +211,13 @@ class VLLMEngine(InferenceEngine):
             asyncio.ensure_future(self.llm.abort(r.request_id))
         return len(rows)
 
-    async def load_weights(self, state: dict[str, torch.Tensor], version: int, mode: WeightUpdateMode) -> float:
+    async def load_weights(self, state: dict[str, torch.Tensor] | Publication, version: int,  # type: ignore[override]
+                           mode: WeightUpdateMode) -> float:
+        """A delta publication loads as its full weights (vLLM's loader takes whole tensors)."""
         from safetensors.torch import save_file
 
+        if isinstance(state, Publication):
+            state = state.full_state()
         if lora_adapter.is_adapter(state):
             return await self._load_adapter(state, version, mode)
         start = time.monotonic()

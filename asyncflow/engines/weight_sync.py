@@ -305,11 +305,13 @@ class BroadcastWeightSender(WeightSender, _Collective):
         self.src, self.group, self.bucket_bytes = src, group, bucket_bytes
         self.device, self.timeout_s, self.direct_bytes = torch.device(device), timeout_s, direct_bytes
 
-    def send(self, state: dict[str, torch.Tensor], version: int) -> None:
+    def send(self, state: dict[str, torch.Tensor], version: int, extra: Any = None) -> None:
+        """`extra`: any picklable value that travels with the metadata (a delta publication's
+        skeleton: asyncflow.engines.weight_delta.split)."""
         same = aliases(state)  # (a tied tensor goes once; receivers give it its other names again)
         state = {k: v for k, v in state.items() if k not in same}
         specs = describe(state)
-        plan = (specs, self.bucket_bytes, same, self.direct_bytes)
+        plan = (specs, self.bucket_bytes, same, self.direct_bytes, extra)
         meta = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
         header = torch.tensor([version, meta.numel()], dtype=torch.int64, device=self.device)
         self._run(header, self.src, self.group, self.timeout_s, f"the header of version {version}")
@@ -327,7 +329,7 @@ class BroadcastWeightSender(WeightSender, _Collective):
             self._run(tensors[i], self.src, self.group, self.timeout_s, f"tensor {specs[i].name} of version {version}")
 
 
-Incoming = tuple[int, list[TensorSpec], int, dict[str, str], int]  # a version's header and metadata
+Incoming = tuple[int, list[TensorSpec], int, dict[str, str], int, Any]  # a version's header and metadata
 
 
 class WeightsRefused(ValueError):
@@ -354,8 +356,10 @@ class BroadcastWeightReceiver(WeightReceiver, _Collective):
     def __init__(self, *, src: int = 0, group: Any = None, device: torch.device | str = "cpu") -> None:
         self.src, self.group, self.device = src, group, torch.device(device)
 
-    def receive(self, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
-        version, specs, bucket_bytes, same, direct_bytes = self.announced(timeout_s)
+    def receive(self, timeout_s: float, incoming: Incoming | None = None) -> tuple[dict[str, torch.Tensor], int]:
+        """The next broadcast (or the one `incoming` announced) in new tensors; its version (its
+        `extra`: `incoming[5]`, from `announced`)."""
+        version, specs, bucket_bytes, same, direct_bytes, _ = incoming or self.announced(timeout_s)
         out = allocate(specs, self.device)
         self._stream(specs, bucket_bytes, direct_bytes, out, version, timeout_s)
         state = {s.name: t for s, t in zip(specs, out, strict=True)}
@@ -368,7 +372,7 @@ class BroadcastWeightReceiver(WeightReceiver, _Collective):
         fit, is still received (into a scratch bucket: the group stays in step) and refused.
         `incoming`: its header, already taken by `announced` (the wait for a publication then
         happens there, and only the bytes here)."""
-        version, specs, bucket_bytes, same, direct_bytes = incoming or self.announced(timeout_s)
+        version, specs, bucket_bytes, same, direct_bytes, _ = incoming or self.announced(timeout_s)
         problem = fit_problem(specs, same, params)
         if problem is None and expect is not None and version != expect:
             problem = f"version {version} arrived where {expect} was announced"
@@ -383,14 +387,14 @@ class BroadcastWeightReceiver(WeightReceiver, _Collective):
 
     def announced(self, timeout_s: float) -> Incoming:
         """The header and metadata of the next version: (version, specs, bucket bytes, aliases,
-        the size from which a tensor goes by itself)."""
+        the size from which a tensor goes by itself, the sender's `extra`)."""
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._run(header, self.src, self.group, timeout_s, "the header of the next version")
         version, meta_len = int(header[0]), int(header[1])
         meta = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
         self._run(meta, self.src, self.group, timeout_s, f"the metadata of version {version}")
-        specs, bucket_bytes, same, direct_bytes = pickle.loads(meta.cpu().numpy().tobytes())
-        return version, specs, bucket_bytes, same, direct_bytes
+        specs, bucket_bytes, same, direct_bytes, extra = pickle.loads(meta.cpu().numpy().tobytes())
+        return version, specs, bucket_bytes, same, direct_bytes, extra
 
     def _stream(self, specs: list[TensorSpec], bucket_bytes: int, direct_bytes: int,
                 out: list[torch.Tensor] | None, version: int, timeout_s: float) -> None:

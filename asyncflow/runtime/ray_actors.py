@@ -15,6 +15,7 @@ import torch
 
 from asyncflow.config import Config, episodic
 from asyncflow.engines.base import GenRequest, GenResult, LossFn, TrainBatch, pick_device, quiet_transformers
+from asyncflow.engines.delta_train import DeltaTrainEngine
 from asyncflow.engines.shared_state import SharedState
 from asyncflow.errors import WaitTimeout
 from asyncflow.malloc_arena import limit_malloc_arenas
@@ -365,6 +366,15 @@ class TrainerActor:
 
     def logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         return self.engine.logprobs(batch, temperature)
+
+    def published_full(self, seq: int | None) -> SharedState | None:
+        """With `runtime.weight_sync_delta`: publication `seq` (None: the last) as full weights, for a
+        rollout actor a delta did not apply to, while it is the last (None: a newer one was published
+        since: the actor gets that one; also None without deltas)."""
+        if not isinstance(self.engine, DeltaTrainEngine):
+            return None
+        full = self.engine.published_full(seq)
+        return None if full is None else SharedState(full)
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, proximal: bool = False) -> dict[str, float]:
         return self.engine.train_step(batch, loss_fn, temperature, proximal=proximal)

@@ -247,6 +247,7 @@ class RemoteTrainEngine(TrainEngine):
         self.channel: WeightChannel | None = None  # set by the runtime for `runtime.weight_sync: collective`
         self._export_bytes: Any = None  # the size of the latest export, asked for with it (`export_weights`)
         self._next_export: Any = None  # the export queued behind the last train step (`train_step`)
+        self.delta = False  # the trainer publishes deltas (`runtime.weight_sync_delta`): set by the runtime
 
     def died(self, exc: BaseException, what: str) -> TrainerDied:
         """The error for the trainer actor's death, found while waiting for it to do `what`."""
@@ -313,7 +314,7 @@ class RemoteTrainEngine(TrainEngine):
         if self.channel is not None:
             publication: Any = self.channel.publish(self.exported)
         else:
-            publication = StoredWeights(self.export_ref())
+            publication = self.stored_weights()
         # asked for now, queued behind the export in the trainer actor: read after the loads, it is
         # there already (asked for then, it was one more round trip per step with the trainer idle)
         if self._export_bytes is not None:  # (never read: its error, if any, is not logged as unhandled)
@@ -324,7 +325,12 @@ class RemoteTrainEngine(TrainEngine):
     def stored_weights(self) -> StoredWeights:
         """The current weights in the object store, not published as a new version (a LoRA resume
         loads the checkpoint's adapter into the engines with them)."""
-        return StoredWeights(self.export_ref())
+        return StoredWeights(self.export_ref(), self.full_ref if self.delta else None)
+
+    def full_ref(self, seq: int | None) -> Any:
+        """A reference to the full weights of the trainer's delta publication `seq` (None: its last),
+        or to None where a newer one was published since (`TrainerActor.published_full`)."""
+        return self.handle.published_full.remote(seq)
 
     # the sender's side of `WeightChannel` (calls return object references; the channel waits)
 

@@ -169,6 +169,7 @@ class RayWorkers:
             actors = _start_actors(cfg, place, store, reward_actors, *setup, hub=hub)
             timeout = cfg.workflow.step_timeout_s
             trainer = RemoteTrainEngine(actors.trainer, timeout, name=f"{prefix}-trainer")
+            trainer.delta = cfg.runtime.weight_sync_delta
             _remember(actors, store, trainer, prefix)
             capacities, pids = _wait_ready(actors, store, place)
         except BaseException:

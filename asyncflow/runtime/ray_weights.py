@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from asyncflow.engines.weight_delta import HeldParams, HeldWeights, Publication, ResyncNeeded, join, split
 from asyncflow.engines.weight_sync import (
     BroadcastWeightReceiver,
     BroadcastWeightSender,
@@ -53,7 +54,7 @@ class WeightPort:
     def __init__(self, bucket_bytes: int, timeout_s: float) -> None:
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.group: WeightGroup | None = None
-        self.last: tuple[dict[str, torch.Tensor], int] | None = None  # the sender's last sent (state, version)
+        self.last: tuple[dict[str, torch.Tensor] | Publication, int] | None = None  # the sender's last sent (state, version)
 
     @staticmethod
     def address() -> tuple[str, int]:
@@ -77,19 +78,27 @@ class WeightPort:
                                "broadcast failed); the driver rebuilds the group at the next publication")
         return self.group
 
-    def send(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Broadcast `state` as `version` to the group; keep it for members that miss it."""
+    def send(self, state: dict[str, torch.Tensor] | Publication, version: int) -> None:
+        """Broadcast `state` as `version` to the group; keep it for members that miss it (a delta
+        publication's tensors go as a flat state, its skeleton with the metadata; a member that
+        misses it takes the version's full weights)."""
         group = self._current(f"send version {version}")
-        self.last = (state, version)
+        extra = None
+        if isinstance(state, Publication):
+            self.last = (state.as_full(), version)
+            flat, extra = split(state)
+            state = flat if state.is_delta else state.tensors  # (whole: the sender sends a tied weight once)
+        else:
+            self.last = (state, version)
         sender = BroadcastWeightSender(src=0, group=group, bucket_bytes=self.bucket_bytes, device=group.device,
                                        timeout_s=self.timeout_s)
         try:
-            sender.send(state, version)
+            sender.send(state, version, extra)
         except BaseException:
             self.group = None  # out of step with the others: rebuilt before the next send
             raise
 
-    def published(self, version: int) -> dict[str, torch.Tensor] | None:
+    def published(self, version: int) -> dict[str, torch.Tensor] | Publication | None:
         """The state last sent, if it is `version` (None: a newer one has been sent since)."""
         return self.last[0] if self.last is not None and self.last[1] == version else None
 
@@ -110,24 +119,56 @@ class WeightPort:
             raise WeightsRefused(f"weight broadcast: cannot receive version {version}: this actor is in no weight "
                                  "group (or its last broadcast failed); the driver rebuilds it at the next publication")
         receiver = BroadcastWeightReceiver(src=0, group=self.group, device=self.group.device)
+        held = params.held if isinstance(params, HeldParams) else None
+        skeleton = incoming[5]
         try:
+            if isinstance(skeleton, Publication) and skeleton.is_delta:
+                flat, got = receiver.receive(self.timeout_s, incoming)
+                apply_received(join(skeleton, flat), params, held, version, got)
+                return
             receiver.receive_into(params, self.timeout_s, expect=version, incoming=incoming)
         except BaseException:
             self.group = None  # (a refused version or state was still received whole, but the driver rebuilds)
             raise
+        if held is not None:
+            if not isinstance(skeleton, Publication):
+                held.forget()  # (a plain state: no checksum to hold)
+            elif not held.verify_full(skeleton, params):
+                raise RuntimeError(f"weight broadcast: version {version}: the checksum of the weights received "
+                                   "differs from the trainer's")
 
-    def receive(self, version: int) -> dict[str, torch.Tensor]:
-        """The broadcast of `version` (anything else is an error: versions are exact)."""
+    def receive(self, version: int) -> Any:
+        """The broadcast of `version` (anything else is an error: versions are exact): a state dict, or
+        a `Publication` where the trainer publishes deltas."""
         group = self._current(f"receive version {version}")
+        receiver = BroadcastWeightReceiver(src=0, group=group, device=group.device)
         try:
-            state, got = BroadcastWeightReceiver(src=0, group=group, device=group.device).receive(self.timeout_s)
+            incoming = receiver.announced(self.timeout_s)
+            state, got = receiver.receive(self.timeout_s, incoming)
         except BaseException:
             self.group = None
             raise
         if got != version:
             self.group = None
             raise RuntimeError(f"weight broadcast: received policy version {got} where {version} was announced")
-        return state
+        skeleton = incoming[5]
+        return join(skeleton, state) if isinstance(skeleton, Publication) else state
+
+
+def apply_received(pub: Publication, params: dict[str, torch.Tensor], held: HeldWeights | None, version: int,
+                   got: int) -> None:
+    """A delta received by broadcast, written into an engine's tensors where it applies to the
+    publication they hold: `WeightsRefused` before any write where not (the member then loads the
+    version's full weights from the object store), an error after the write where the checksum differs."""
+    if got != version:
+        raise WeightsRefused(f"weight broadcast: version {got} arrived where {version} was announced")
+    if held is None or held.mirror is not None or not held.applies(pub):
+        raise ResyncNeeded(f"weight broadcast: the delta of version {version} does not apply to the weights held",
+                           pub.seq)
+    if not held.write_delta(pub, params):
+        held.forget()
+        raise RuntimeError(f"weight broadcast: version {version}: the checksum after the delta differs from the "
+                           "trainer's")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -136,19 +177,31 @@ class WeightPort:
 
 
 class StoredWeights:
-    """One version in the object store: every rollout actor fetches it itself."""
+    """One version in the object store: every rollout actor fetches it itself. Where the trainer
+    publishes deltas (`runtime.weight_sync_delta`), `resync(seq)` is a reference to the full weights
+    of publication `seq` (None: the last), which an actor the delta does not apply to loads instead."""
 
-    def __init__(self, ref: Any) -> None:
-        self.ref = ref
+    def __init__(self, ref: Any, resync: Callable[[int | None], Any] | None = None) -> None:
+        self.ref, self.resync = ref, resync
 
     async def deliver(self, engine: Any, version: int, mode: str) -> Any:
         """Load into one `RemoteEngine`'s actor; its reply, or None if the actor died meanwhile."""
-        return await engine.unless_down(engine.handle.load_weights.remote(self.ref, version, mode),
-                                        f"load policy version {version}")
+        import ray
+
+        try:
+            return await engine.unless_down(engine.handle.load_weights.remote(self.ref, version, mode),
+                                            f"load policy version {version}")
+        except ray.exceptions.RayTaskError as exc:
+            if self.resync is None or not isinstance(exc.cause, ResyncNeeded):
+                raise
+            full = self.resync(exc.cause.seq)
+        return await engine.unless_down(engine.handle.load_weights.remote(full, version, mode),
+                                        f"load the full weights of policy version {version}")
 
     def catch_up(self) -> Any:
-        """The reference a restarted actor loads this version from."""
-        return self.ref
+        """The reference a restarted actor loads this version from (the full weights: it holds none
+        of the versions a delta applies to)."""
+        return self.ref if self.resync is None else self.resync(None)
 
 
 class Broadcast:
@@ -238,7 +291,7 @@ class WeightChannel:
         group could not be rebuilt) through the object store."""
         live = [i for i, e in enumerate(self.engines) if not e.down and e.gone is None]
         if not live:
-            return StoredWeights(self.sender.export_ref())
+            return self.sender.stored_weights()
         if self._send_failed():
             self.failed("the trainer's last broadcast failed; the group is built again")
         members = [(i, self.engines[i].incarnation) for i in live]
@@ -247,7 +300,7 @@ class WeightChannel:
                 self._rebuild(live)
             except (WaitTimeout, RuntimeError) as exc:
                 self.failed(f"could not rebuild the group ({exc}); version {version} goes through the object store")
-                return StoredWeights(self.sender.export_ref())
+                return self.sender.stored_weights()
             self.members = members
         ranks = {self.engines[i].actor_id: k + 1 for k, i in enumerate(live)}
         self.last_send = self.sender.send_weights(version)
