@@ -30,57 +30,27 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import typing
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from asyncflow.clock import Clock
 from asyncflow.envs.base import Env, EnvError, EnvStep
-from asyncflow.errors import UserError
-from asyncflow.user_code import load_attr
+from asyncflow.envs.openenv_types import (
+    environment_class,
+    environment_types,
+    import_openenv,
+    session_limit,
+    text_field,
+)
 
 PREFIX = "openenv:"
 SERVER_PREFIX = "openenv+server:"
 _SKIP_OBS = ("done", "reward", "metadata")
-MAX_SESSIONS = 64  # sessions a local server allows for an environment that supports concurrent ones
 
 
 def is_openenv_spec(spec: str) -> bool:
     return spec.startswith((PREFIX, SERVER_PREFIX))
-
-
-def _import_openenv() -> Any:
-    try:
-        import openenv.core as core
-    except ImportError:
-        raise UserError("rollout.env: openenv environments need the openenv-core package "
-                        "(pip install 'asyncflow[openenv]')") from None
-    return core
-
-
-def environment_types(cls: type) -> tuple[Any, Any]:
-    """(Action class, Observation class) of an `Environment[ActT, ObsT, StateT]` subclass, from its
-    generic parameters; the base classes when it does not name them."""
-    core = _import_openenv()
-    for klass in cls.__mro__:
-        for base in getattr(klass, "__orig_bases__", ()):
-            if typing.get_origin(base) is core.Environment:
-                args = typing.get_args(base)
-                if len(args) >= 2 and all(isinstance(a, type) for a in args[:2]):
-                    return args[0], args[1]
-    return core.Action, core.Observation
-
-
-def text_field(schema: dict[str, Any]) -> str | None:
-    """The one string property of an action's JSON schema besides `metadata`, if it has exactly one
-    property (a one-field text action: the turn's text goes into it)."""
-    props = {k: v for k, v in (schema.get("properties") or {}).items() if k != "metadata"}
-    if len(props) == 1:
-        name, prop = next(iter(props.items()))
-        if prop.get("type") == "string":
-            return name
-    return None
 
 
 def action_payload(text: str, field: str | None) -> dict[str, Any]:
@@ -202,7 +172,7 @@ class InProcessSession:
         self.text_field = text_field(action_cls.model_json_schema())
 
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        core = _import_openenv()
+        core = import_openenv()
         overridden = getattr(type(self.env), f"{name}_async") is not getattr(core.Environment, f"{name}_async")
         if overridden:
             return await getattr(self.env, f"{name}_async")(*args, **kwargs)
@@ -247,7 +217,7 @@ class RemoteSession:
     """One WebSocket session (OpenEnv's own `GenericEnvClient`) with a server at `url`."""
 
     def __init__(self, url: str, field: str | None, timeout_s: float) -> None:
-        core = _import_openenv()
+        core = import_openenv()
         self.client = core.GenericEnvClient(base_url=url, connect_timeout_s=min(timeout_s, 30.0),
                                             message_timeout_s=timeout_s)
         self.text_field = field
@@ -295,14 +265,6 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def environment_class(spec: str, key: str) -> type:
-    core = _import_openenv()
-    found = load_attr(spec, key, "Environment class")
-    if not (isinstance(found, type) and issubclass(found, core.Environment)):
-        raise UserError(f"{key}: {spec!r} is not an openenv.core.Environment subclass")
-    return found
-
-
 def make_openenv_factory(spec: str, *, max_turns: int, timeout_s: float) -> Callable[[Clock], Env]:
     """`rollout.env: openenv:...` -> a factory of one `OpenEnvEpisode` per episode (see the module doc).
     A spec that names nothing importable is bad input here, before the run starts."""
@@ -322,7 +284,7 @@ def make_openenv_factory(spec: str, *, max_turns: int, timeout_s: float) -> Call
         return lambda clock: OpenEnvEpisode(LazyRemote(remote), gate, f"openenv {url}", max_turns)
     cls = environment_class(target, "rollout.env")
     action_cls, _ = environment_types(cls)
-    gate = SessionGate(None if getattr(cls, "SUPPORTS_CONCURRENT_SESSIONS", False) else 1)
+    gate = SessionGate(None if session_limit(cls) > 1 else 1)
     name = f"openenv {cls.__name__}"
     return lambda clock: OpenEnvEpisode(InProcessSession(cls, action_cls), gate, name, max_turns)
 

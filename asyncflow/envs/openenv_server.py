@@ -28,6 +28,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from asyncflow.envs.openenv_types import environment_class, environment_types, session_limit, text_field
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.user_code import load_attr
 
@@ -52,15 +53,12 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     procs.clear()
 
 
-def session_limit(target: str) -> int | None:
+def target_sessions(target: str) -> int | None:
     """How many sessions a server of `target` allows: an Environment class's declaration (one unless
     it supports concurrent sessions); None for an app (its own setting decides)."""
-    from asyncflow.envs.openenv_env import MAX_SESSIONS, environment_class
-
     found = load_attr(target, "rollout.env", "Environment class or FastAPI app")
     if isinstance(found, type):
-        cls = environment_class(target, "rollout.env")
-        return MAX_SESSIONS if getattr(cls, "SUPPORTS_CONCURRENT_SESSIONS", False) else 1
+        return session_limit(environment_class(target, "rollout.env"))
     if not callable(found):
         raise UserError(f"rollout.env: {target!r} is neither an openenv Environment class nor an ASGI app")
     return None
@@ -71,7 +69,7 @@ class LocalServer:
 
     def __init__(self, target: str) -> None:
         self.target = target
-        self.sessions = session_limit(target)  # (also: a target that cannot be imported is bad input now)
+        self.sessions = target_sessions(target)  # (also: a target that cannot be imported is bad input now)
         self.start_timeout_s = START_TIMEOUT_S
         self._lock = threading.Lock()
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -142,8 +140,6 @@ async def action_text_field(url: str, timeout_s: float = 30.0) -> str | None:
     """The action's one text field, from the server's `/schema` (None: a structured action)."""
     import httpx
 
-    from asyncflow.envs.openenv_env import text_field
-
     http = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1)
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         reply = await client.get(f"{http}/schema")
@@ -153,8 +149,6 @@ async def action_text_field(url: str, timeout_s: float = 30.0) -> str | None:
 
 def build_app(target: str, sessions: int) -> Any:
     """The ASGI app of `target`: an app as it is, or OpenEnv's app around an Environment class."""
-    from asyncflow.envs.openenv_env import environment_types
-
     found = load_attr(target, "rollout.env", "Environment class or FastAPI app")
     if not isinstance(found, type):
         return found
