@@ -265,28 +265,38 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def make_openenv_factory(spec: str, *, max_turns: int, timeout_s: float) -> Callable[[Clock], Env]:
+def make_openenv_factory(spec: str, *, max_turns: int, timeout_s: float) -> OpenEnvFactory:
     """`rollout.env: openenv:...` -> a factory of one `OpenEnvEpisode` per episode (see the module doc).
     A spec that names nothing importable is bad input here, before the run starts."""
     if spec.startswith(SERVER_PREFIX):
         from asyncflow.envs.openenv_server import LocalServer
 
         server = LocalServer(spec.removeprefix(SERVER_PREFIX))
+        server.start()
         remote = RemoteTarget(server, timeout_s)
-        gate = SessionGate(server.sessions)
-        name = f"openenv server {server.target}"
-        return lambda clock: OpenEnvEpisode(LazyRemote(remote), gate, name, max_turns)
+        return OpenEnvFactory(lambda: LazyRemote(remote), SessionGate(server.sessions),
+                              f"openenv server {server.target}", max_turns, server)
     target = spec.removeprefix(PREFIX)
     if target.startswith(("http://", "https://", "ws://", "wss://")):
         url = target.rstrip("/")
         remote = RemoteTarget(url, timeout_s)
-        gate = SessionGate(None)  # (the server enforces its own sessions: a refused one fails its episode)
-        return lambda clock: OpenEnvEpisode(LazyRemote(remote), gate, f"openenv {url}", max_turns)
+        # (the server enforces its own session limit: a session it refuses is asked for again)
+        return OpenEnvFactory(lambda: LazyRemote(remote), SessionGate(None), f"openenv {url}", max_turns)
     cls = environment_class(target, "rollout.env")
     action_cls, _ = environment_types(cls)
     gate = SessionGate(None if session_limit(cls) > 1 else 1)
-    name = f"openenv {cls.__name__}"
-    return lambda clock: OpenEnvEpisode(InProcessSession(cls, action_cls), gate, name, max_turns)
+    return OpenEnvFactory(lambda: InProcessSession(cls, action_cls), gate, f"openenv {cls.__name__}", max_turns)
+
+
+class OpenEnvFactory:
+    """`factory(clock)` -> one episode's `OpenEnvEpisode`; `server`: the local server it runs, if any."""
+
+    def __init__(self, session: Callable[[], Any], gate: SessionGate, name: str, max_turns: int,
+                 server: Any = None) -> None:
+        self.session, self.gate, self.name, self.max_turns, self.server = session, gate, name, max_turns, server
+
+    def __call__(self, clock: Clock) -> Env:
+        return OpenEnvEpisode(self.session(), self.gate, self.name, self.max_turns)
 
 
 class RemoteTarget:

@@ -94,12 +94,19 @@ class LocalServer:
         sock.close()  # (the child holds it)
         self._ready = False
 
-    async def url(self) -> str:
-        import httpx
-
+    def start(self) -> None:
+        """Start the server now, if it is not running (the factory does, so that the first episode's
+        reset, bounded by rollout.env_timeout_s, does not wait for a whole start)."""
         with self._lock:
             if not self._procs or self._procs[-1].poll() is not None:
                 self._spawn()
+
+    async def url(self) -> str:
+        """The running server's URL, once it answers /health (started again first if it exited)."""
+        import httpx
+
+        self.start()
+        with self._lock:
             proc, port = self._procs[-1], self._port
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.start_timeout_s
@@ -117,6 +124,12 @@ class LocalServer:
                                       f"{self.target!r} to answer /health: {_tail(self._log)}")
                 await _sleep(0.1)
         return url
+
+    @property
+    def pid(self) -> int | None:
+        """The running server's process id (None before its start or after it exited)."""
+        proc = self._procs[-1] if self._procs else None
+        return proc.pid if proc is not None and proc.poll() is None else None
 
     def stop(self) -> None:
         _stop(self._procs)
