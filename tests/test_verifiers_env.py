@@ -155,16 +155,21 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.slow
-def test_asyncflow_train_runs_a_verifiers_env_and_logs_its_own_rewards(tmp_path: Path) -> None:
-    """`asyncflow train` on the shipped calc model (its weights and tokenizer, given a chat template
-    that joins the messages: the layout the model was warm-started on) with the multi-turn env."""
-    model = tmp_path / "calc-chat"
-    shutil.copytree(ROOT / "asyncflow/tasks/base_models/calc-v1-seed0", model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
+def _calc_chat_model(folder: Path) -> Path:
+    """The shipped calc model (its weights and tokenizer) given a chat template that joins the
+    messages, each assistant turn closed by its EOS: the layout the model was warm-started on."""
+    shutil.copytree(ROOT / "asyncflow/tasks/base_models/calc-v1-seed0", folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<|eos|>"
                                "{% endif %}{% endfor %}")
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.slow
+def test_asyncflow_train_runs_a_verifiers_env_and_logs_its_own_rewards(tmp_path: Path) -> None:
+    """`asyncflow train` on the shipped calc model with the multi-turn env (examples/verifiers/calc.yaml)."""
+    model = _calc_chat_model(tmp_path / "calc-chat")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "asyncflow", "train", str(ROOT / "examples/verifiers/calc.yaml"), "--out", str(out),
            "--set", f"model.path={model}", "--set", f"model.cache_dir={tmp_path / 'cache'}", "--set", "train.max_steps=2", "--set", "train.batch_size=16",
@@ -182,3 +187,22 @@ def test_asyncflow_train_runs_a_verifiers_env_and_logs_its_own_rewards(tmp_path:
         last = s["response"].rsplit("</result>", 1)[-1]
         assert s["reward"] == asyncio.run(_library_reward(CALC, rows[s["prompt"]], last)), s
     assert any(s["turns"] == 2 for s in samples)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_verifiers_env_runs_in_the_rollout_actors_on_ray(ray_session, tmp_path: Path) -> None:
+    from asyncflow.config import load_config
+    from asyncflow.runner import train
+
+    model = _calc_chat_model(tmp_path / "calc-chat")
+    cfg, _ = load_config(ROOT / "examples/verifiers/calc.yaml", [
+        f"rollout.agent={CALC}", f"model.path={model}", f"model.cache_dir={tmp_path / 'cache'}", "runtime.kind=ray",
+        "train.max_steps=2", "train.batch_size=16", "rollout.n=4", "eval.size=8", "logging.progress=false",
+        "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5"])
+    out = tmp_path / "run"
+    summary = train(cfg, out, progress_enabled=False)
+    assert summary["samples"] == 32 and summary["reward_errors"] == 0
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["accounting"]["lost"] == 0 and any(a["role"] == "rollout" for a in saved["actors"])
+    assert any(s["turns"] == 2 for s in _rows(out / "samples.jsonl"))
