@@ -190,7 +190,7 @@ def _validate_agent(cfg: Config, explicit: set[str]) -> None:
     agent = cfg.rollout.agent
     assert agent is not None
     if ":" not in agent:
-        raise UserError(f"rollout.agent: {agent!r} must be 'module:function'")
+        raise UserError(f"rollout.agent: {agent!r} must be 'module:function' or 'verifiers:TASKSET'")
     if cfg.rollout.env is not None:
         raise UserError("rollout.agent: not used with rollout.env (the agent is its own environment); remove one of them")
     if cfg.reward.fn is not None and "reward.fn" in explicit:

@@ -22,6 +22,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ALL = sorted(p.relative_to(EXAMPLES).as_posix() for p in EXAMPLES.rglob("*.yaml"))
 # real models with vLLM on GPUs, fetched from the Hub: loaded here, never run (no GPU, no network)
 NOT_RUN_HERE = {"gsm8k/qwen_gsm8k.yaml", "verl_grpo.yaml"}
+# run by the tests of their libraries' environments, as `asyncflow train` commands (the verifiers one
+# on the calc model given a chat template): tests/test_openenv.py, tests/test_verifiers_env.py
+RUN_ELSEWHERE = {"openenv/config.yaml", "verifiers/calc.yaml"}
 FAST = ["train.max_steps=2", "train.batch_size=16", "rollout.n=4", "eval.every=0", "eval.size=8",
         "logging.progress=false"]
 
@@ -41,17 +44,18 @@ def test_every_example_loads(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 # Ray: tests/test_ray.py; the examples for real models need GPUs and the Hub (they are loaded above)
-@pytest.mark.parametrize("name", [n for n in ALL if n != "arith_ray.yaml" and n not in NOT_RUN_HERE])
+@pytest.mark.parametrize("name", [n for n in ALL if n != "arith_ray.yaml" and n not in NOT_RUN_HERE | RUN_ELSEWHERE])
 def test_example_runs(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     monkeypatch.chdir(EXAMPLES.parent)  # byo/config.yaml names its data and reward module from the repo root
     # the real model's examples on the real model (prepared once by scripts/test.sh), the others on the
     # quickly prepared task folders
-    fixture = "smollm2_dir" if name.startswith("smollm2") else "calc_dir" if name.startswith("calc") else "arith_dir"
+    real = name.startswith(("smollm2", "verifiers/"))
+    fixture = "smollm2_dir" if real else "calc_dir" if name.startswith("calc") else "arith_dir"
     model = request.getfixturevalue(fixture)
     extra = ["train.max_steps=3"] if name == "arith_offpolicy.yaml" else []
     if name.startswith("byo/"):
         extra = ["train.batch_size=16"]
-    if name.startswith("smollm2"):  # (the task's prompts into this test's cache)
+    if real:  # (the task's prompts, or the taskset's, into this test's cache)
         extra = ["rollout.max_new_tokens=24", f"model.cache_dir={tmp_path / 'cache'}"]
     cfg, _ = load_config(EXAMPLES / name, [*FAST, f"model.path={model}", *extra])
     out = tmp_path / "run"
