@@ -20,8 +20,9 @@ from asyncflow.user_code import load_attr
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ALL = sorted(p.relative_to(EXAMPLES).as_posix() for p in EXAMPLES.rglob("*.yaml"))
-# real models with vLLM on GPUs, fetched from the Hub: loaded here, never run (no GPU, no network)
-NOT_RUN_HERE = {"gsm8k/qwen_gsm8k.yaml", "verl_grpo.yaml"}
+# real models with vLLM on GPUs, fetched from the Hub: loaded here, never run (no GPU, no network); and
+# the verifiers example on SmolLM2 (minutes on 2 cores; its taskset is played in tests/test_verifiers_env.py)
+NOT_RUN_HERE = {"gsm8k/qwen_gsm8k.yaml", "verl_grpo.yaml", "verifiers/config.yaml"}
 # run by the tests of their libraries' environments, as `asyncflow train` commands (the verifiers one
 # on the calc model given a chat template): tests/test_openenv.py, tests/test_verifiers_env.py
 RUN_ELSEWHERE = {"openenv/config.yaml", "verifiers/calc.yaml"}
@@ -49,13 +50,12 @@ def test_example_runs(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.chdir(EXAMPLES.parent)  # byo/config.yaml names its data and reward module from the repo root
     # the real model's examples on the real model (prepared once by scripts/test.sh), the others on the
     # quickly prepared task folders
-    real = name.startswith(("smollm2", "verifiers/"))
-    fixture = "smollm2_dir" if real else "calc_dir" if name.startswith("calc") else "arith_dir"
+    fixture = "smollm2_dir" if name.startswith("smollm2") else "calc_dir" if name.startswith("calc") else "arith_dir"
     model = request.getfixturevalue(fixture)
     extra = ["train.max_steps=3"] if name == "arith_offpolicy.yaml" else []
     if name.startswith("byo/"):
         extra = ["train.batch_size=16"]
-    if real:  # (the task's prompts, or the taskset's, into this test's cache)
+    if name.startswith("smollm2"):  # (the task's prompts into this test's cache)
         extra = ["rollout.max_new_tokens=24", f"model.cache_dir={tmp_path / 'cache'}"]
     cfg, _ = load_config(EXAMPLES / name, [*FAST, f"model.path={model}", *extra])
     out = tmp_path / "run"

@@ -21,6 +21,7 @@ from asyncflow.clock import RealClock
 from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
 from asyncflow.envs import make_env_factory
 from asyncflow.errors import UserError
+from asyncflow.user_code import load_attr
 from asyncflow.workflow.episode import EpisodeSettings, run_episode
 
 pytest.importorskip("openenv.core")
@@ -72,6 +73,27 @@ class HangingEnvironment(GridEnvironment):
     def step(self, action: MoveAction, timeout_s: float | None = None, **kwargs: Any) -> GridObservation:
         time.sleep(30)
         return super().step(action)
+
+
+class CountingEnvironment(GridEnvironment):
+    """Counts its live instances (reset to close), the most at once in `peak`."""
+
+    live = 0
+    peak = 0
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GridObservation:
+        type(self).live += 1
+        type(self).peak = max(type(self).peak, type(self).live)
+        return super().reset(seed, episode_id)
+
+    def close(self) -> None:
+        type(self).live -= 1
+
+
+class ConcurrentCountingEnvironment(CountingEnvironment):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+    live = 0
+    peak = 0
 
 
 class _Turns(InferenceEngine):
@@ -159,6 +181,27 @@ def test_in_process_episode_trains_the_generated_ids_and_maps_text_both_ways(tok
     assert "invalid action: dy: Field required" in text
     with pytest.raises(UserError, match="rollout.env: .* not an openenv.core.Environment subclass"):
         make_env_factory(f"openenv:{HERE}:MoveAction")
+
+
+@pytest.mark.parametrize("cls", [CountingEnvironment, ConcurrentCountingEnvironment])
+def test_episodes_run_as_concurrently_as_the_environment_declares(cls: type) -> None:
+    factory = make_env_factory(f"openenv:{HERE}:{cls.__name__}", max_turns=2)
+
+    async def episode() -> float:
+        env = factory(RealClock())
+        try:
+            await env.reset({"prompt": "go"}, 0)
+            await asyncio.sleep(0.05)
+            return (await env.step('{"dx": 2, "dy": 1}')).reward
+        finally:
+            await env.close()
+
+    async def main() -> list[float]:
+        return await asyncio.gather(*(episode() for _ in range(3)))
+
+    assert asyncio.run(main()) == [1.0] * 3
+    played = load_attr(f"{HERE}:{cls.__name__}", "test")  # (the class the factory loaded from this file)
+    assert played.peak == (3 if cls.SUPPORTS_CONCURRENT_SESSIONS else 1) and played.live == 0
 
 
 def test_a_local_server_that_dies_fails_only_its_episode_and_is_started_again(tok: Any) -> None:

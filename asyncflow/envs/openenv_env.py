@@ -31,6 +31,7 @@ import asyncio
 import inspect
 import json
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -86,19 +87,22 @@ class SessionGate:
 
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
-        self._sems: dict[int, asyncio.Semaphore] = {}
+        self._sems: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = \
+            weakref.WeakKeyDictionary()
 
     async def enter(self) -> bool:
+        """Wait for a place (True: one was taken, `leave` it); no wait without a limit (False)."""
         if self.limit is None:
             return False
         loop = asyncio.get_running_loop()
-        sem = self._sems.setdefault(id(loop), asyncio.Semaphore(self.limit))
+        sem = self._sems.get(loop)
+        if sem is None:
+            sem = self._sems[loop] = asyncio.Semaphore(self.limit)
         await sem.acquire()
         return True
 
     def leave(self) -> None:
-        loop = asyncio.get_running_loop()
-        sem = self._sems.get(id(loop))
+        sem = self._sems.get(asyncio.get_running_loop())
         if sem is not None:
             sem.release()
 
