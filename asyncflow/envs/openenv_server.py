@@ -7,9 +7,10 @@
         └─ episodes connect to ws://127.0.0.1:PORT/ws (one session each)
 ```
 
-One server per process that builds the factory (on Ray: per rollout actor). The child dies with
-its parent (Linux: PR_SET_PDEATHSIG) and is terminated when the factory is collected or the process
-exits. A server that exited is started again by the next episode that needs it.
+One server per environment factory: the rollout worker's and the evaluation's (on Ray, each rollout
+actor builds its own). The child dies with its parent (Linux: PR_SET_PDEATHSIG) and is terminated
+when the factory is collected or the process exits. A server that exited is started again by the
+next episode that needs it.
 """
 
 from __future__ import annotations
