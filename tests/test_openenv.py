@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,28 @@ class ConcurrentCountingEnvironment(CountingEnvironment):
     SUPPORTS_CONCURRENT_SESSIONS = True
     live = 0
     peak = 0
+
+
+class ThreadBoundEnvironment(GridEnvironment):
+    """Declares that every call must come from one thread; records the threads it was called on."""
+
+    REQUIRES_SINGLE_THREAD_EXECUTOR = True
+    threads: list[int] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads.append(threading.get_ident())
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GridObservation:
+        self.threads.append(threading.get_ident())
+        return super().reset(seed, episode_id)
+
+    def step(self, action: MoveAction, timeout_s: float | None = None, **kwargs: Any) -> GridObservation:
+        self.threads.append(threading.get_ident())
+        return super().step(action)
+
+    def close(self) -> None:
+        self.threads.append(threading.get_ident())
 
 
 class _Turns(InferenceEngine):
@@ -202,6 +225,23 @@ def test_episodes_run_as_concurrently_as_the_environment_declares(cls: type) -> 
     assert asyncio.run(main()) == [1.0] * 3
     played = load_attr(f"{HERE}:{cls.__name__}", "test")  # (the class the factory loaded from this file)
     assert played.peak == (3 if cls.SUPPORTS_CONCURRENT_SESSIONS else 1) and played.live == 0
+
+
+def test_an_environment_bound_to_one_thread_is_called_from_one_thread_off_the_loop() -> None:
+    factory = make_env_factory(f"openenv:{HERE}:ThreadBoundEnvironment", max_turns=3)
+
+    async def main() -> float:
+        env = factory(RealClock())
+        try:
+            await env.reset({"prompt": "go"}, 0)
+            await env.step('{"dx": 1, "dy": 0}')
+            return (await env.step('{"dx": 1, "dy": 1}')).reward
+        finally:
+            await env.close()
+
+    assert asyncio.run(main()) == 1.0
+    threads = load_attr(f"{HERE}:ThreadBoundEnvironment", "test").threads
+    assert len(threads) == 5 and len(set(threads)) == 1 and threads[0] != threading.get_ident()
 
 
 def test_a_local_server_that_dies_fails_only_its_episode_and_is_started_again(tok: Any) -> None:

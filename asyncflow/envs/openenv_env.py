@@ -28,11 +28,13 @@ stay out of the loss); a local server that died is started again for the next ep
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import uuid
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asyncflow.clock import Clock
@@ -167,23 +169,31 @@ def reset_kwargs(fn: Callable[..., Any], row: dict[str, Any], seed: int) -> dict
 
 class InProcessSession:
     """Calls a fresh instance of the environment class in this process. A sync `reset`/`step` runs
-    in a worker thread (as OpenEnv's server runs it), never on the rollout worker's loop."""
+    in a worker thread (as OpenEnv's server runs it), never on the rollout worker's loop; all in one
+    thread of its own for an environment that declares `REQUIRES_SINGLE_THREAD_EXECUTOR`."""
 
     def __init__(self, make: Callable[[], Any], action_cls: Any) -> None:
         self.make: Callable[[], Any] = make
         self.env: Any = None
         self.action_cls = action_cls
         self.text_field = text_field(action_cls.model_json_schema())
+        one = isinstance(make, type) and getattr(make, "REQUIRES_SINGLE_THREAD_EXECUTOR", False)
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="openenv") if one else None
+
+    async def _sync(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.thread is None:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.thread, functools.partial(fn, *args, **kwargs))
 
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         core = import_openenv()
         overridden = getattr(type(self.env), f"{name}_async") is not getattr(core.Environment, f"{name}_async")
         if overridden:
             return await getattr(self.env, f"{name}_async")(*args, **kwargs)
-        return await asyncio.to_thread(getattr(self.env, name), *args, **kwargs)
+        return await self._sync(getattr(self.env, name), *args, **kwargs)
 
     async def reset(self, row: dict[str, Any], seed: int) -> tuple[dict[str, Any], Any, Any]:
-        self.env = await asyncio.to_thread(self.make)  # (inside reset's bound: construction may be slow)
+        self.env = await self._sync(self.make)  # (inside reset's bound: construction may be slow)
         obs = await self._call("reset", **reset_kwargs(self.env.reset, row, seed))
         return _dumped(obs)
 
@@ -197,8 +207,12 @@ class InProcessSession:
         return _dumped(await self._call("step", action))
 
     async def close(self) -> None:
-        if self.env is not None:
-            await asyncio.to_thread(self.env.close)
+        try:
+            if self.env is not None:
+                await self._sync(self.env.close)
+        finally:
+            if self.thread is not None:
+                self.thread.shutdown(wait=False)
 
 
 def _dumped(obs: Any) -> tuple[dict[str, Any], Any, Any]:
