@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -143,6 +145,117 @@ def test_multi_turn_env_splices_exact_ids_across_its_feedback_turns(smollm2_dir:
     assert _generated(fields) == turns  # both turns exactly as generated, the env's feedback between them
     assert f"<result>{a * b}</result>" in tok.hf.decode(list(fields["response_ids"]))
     assert fields["reward"] == 1.0 == asyncio.run(_library_reward(CALC, row, f"<answer>{a * b}</answer>"))
+
+
+TOOLSET = """
+import verifiers.v1 as vf
+
+
+class MulTools(vf.Toolset[vf.ToolsetConfig]):
+    @vf.tool
+    async def multiply(self, a: int, b: int) -> str:
+        \"\"\"Multiply two integers.\"\"\"
+        return str(a * b)
+
+
+if __name__ == "__main__":
+    MulTools.run()
+"""
+TOOL_TASKSET = """
+import re
+
+import verifiers.v1 as vf
+from af_mul_tools import MulTools
+
+
+class MulData(vf.TaskData):
+    answer: str
+
+
+class MulTask(vf.Task[MulData, vf.State, vf.TaskConfig]):
+    @classmethod
+    def toolsets(cls, config):
+        return [MulTools(vf.ToolsetConfig())]
+
+    @vf.reward
+    async def correct(self, task: MulData, trace: vf.Trace) -> float:
+        numbers = re.findall(r"-?\\d+", trace.last_reply)
+        return 1.0 if numbers and numbers[-1] == task.answer else 0.0
+
+
+class MulTaskset(vf.Taskset[MulTask, vf.TasksetConfig]):
+    def load(self):
+        yield MulTask(MulData(prompt="What is 37 * 48? Use the tool.", answer="1776"))
+
+
+__all__ = ["MulTaskset"]
+"""
+# a Hermes-style template: the tools in a system turn, calls as <tool_call>{...}</tool_call>
+TOOL_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}. Call one as <tool_call>{\"name\": "
+                 "..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>"
+                 "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+                 "<|im_start|>assistant\n{% endif %}")
+
+
+# verifiers' own MCP client calls tenacity with a keyword tenacity deprecates (not asyncflow's call)
+@pytest.mark.filterwarnings("ignore:The 'initial' parameter is deprecated:DeprecationWarning")
+def test_a_tool_env_calls_its_mcp_toolset_and_trains_the_exact_ids(smollm2_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A taskset whose task has an MCP `Toolset` (verifiers serves it as a local subprocess): the
+    model's <tool_call> is run by the toolset, its result is the next turn's context."""
+    (tmp_path / "af_mul_tools.py").write_text(TOOLSET)
+    (tmp_path / "af_tool_taskset.py").write_text(TOOL_TASKSET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    from asyncflow.envs.verifiers_env import taskset_rows
+
+    tok = _smollm2_tok(smollm2_dir)
+    tok.hf.chat_template = TOOL_TEMPLATE
+    spec = "verifiers:af_tool_taskset"
+    prompts: list[str] = []
+
+    def turns(call: int, prompt: str) -> str:
+        prompts.append(prompt)
+        if call == 0:  # (the tool's name as the harness offered it)
+            name = re.search(r'"name": "(\w*multiply)"', prompt)
+            assert name is not None, prompt
+            call = {"name": name.group(1), "arguments": {"a": 37, "b": 48}}
+            return f"<tool_call>{json.dumps(call)}</tool_call>"
+        return "It is 1776"
+
+    fields, generated = _play_live(spec, taskset_rows(spec)[0], tok, turns)
+    assert fields["reward_error"] is None and fields["agent_calls"] == 2 and fields["agent_calls_dropped"] == 0
+    assert _generated(fields) == generated and fields["reward"] == 1.0
+    assert prompts[1].endswith("<|im_start|>tool\n1776<|im_end|>\n<|im_start|>assistant\n")  # the toolset's answer
+
+
+class _Live(_Turns):
+    """Answers each call with `reply(call, prompt text)`, one token per character."""
+
+    def __init__(self, tok: Any, reply: Any) -> None:
+        super().__init__([])
+        self.tok, self.reply = tok, reply
+
+    async def generate(self, request: GenRequest) -> GenResult:
+        text = self.reply(self.calls, self.tok.hf.decode(request.prompt_ids))
+        self.turns.append([*_char_ids(self.tok, text), self.tok.eos_token_id])
+        return await super().generate(request)
+
+
+def _play_live(spec: str, row: dict[str, Any], tok: Any, reply: Any) -> tuple[dict[str, Any], list[list[int]]]:
+    agent = load_agent(spec)
+    engine = _Live(tok, reply)
+
+    async def main() -> dict[str, Any]:
+        proxy = AgentProxy()
+        await proxy.start()
+        try:
+            return (await run_agent_episode(agent=agent, proxy=proxy, engine=engine, clock=RealClock(), tok=tok,
+                                            uid=3, row=row, seed=0, settings=SETTINGS, timeout_s=120.0)).fields
+        finally:
+            await proxy.close()
+
+    return asyncio.run(main()), engine.turns
 
 
 def test_a_failed_verifiers_episode_is_its_sample_s_error(smollm2_dir: Path) -> None:
