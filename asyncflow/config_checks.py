@@ -10,6 +10,7 @@ import importlib.util
 import urllib.parse
 
 from asyncflow.config_schema import Config, clip_defaults, episodic, max_generated_tokens
+from asyncflow.envs.verifiers_env import is_verifiers_spec
 from asyncflow.errors import UserError
 from asyncflow.hub import hub_id
 from asyncflow.rewards.sandbox_verify import PROBED as SANDBOX_LAYERS
@@ -69,7 +70,8 @@ def _validate_sources(cfg: Config, explicit: set[str]) -> None:
         raise UserError("reward.fn: not used with rollout.env (an episode's reward is the sum of its environment's "
                         "step rewards); remove one of them")
     if cfg.task is None:
-        for key in ("model.path", "dataset.path", *(() if episodic(cfg) else ("reward.fn",))):
+        own_tasks = is_verifiers_spec(cfg.rollout.agent)  # (a verifiers environment brings its prompts)
+        for key in ("model.path", *(() if own_tasks else ("dataset.path",)), *(() if episodic(cfg) else ("reward.fn",))):
             section, name = key.split(".")
             if getattr(getattr(cfg, section), name) is None:
                 raise UserError(f"{key}: required when task is null (no task pack to supply it; a pack is named with "
@@ -188,7 +190,7 @@ def _validate_agent(cfg: Config, explicit: set[str]) -> None:
     agent = cfg.rollout.agent
     assert agent is not None
     if ":" not in agent:
-        raise UserError(f"rollout.agent: {agent!r} must be 'module:function'")
+        raise UserError(f"rollout.agent: {agent!r} must be 'module:function' or 'verifiers:TASKSET'")
     if cfg.rollout.env is not None:
         raise UserError("rollout.agent: not used with rollout.env (the agent is its own environment); remove one of them")
     if cfg.reward.fn is not None and "reward.fn" in explicit:

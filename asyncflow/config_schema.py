@@ -152,7 +152,9 @@ class RolloutConfig:
         "`module:factory` or `path/to/file.py:factory` (found as reward.fn is) with factory(clock[, max_turns=, "
         "latency_s=]) -> asyncflow.envs.Env (docs/tasks.md). Each sample is an episode (LLM turn, "
         "env step, next turn); its reward is the sum of the env's step rewards; env tokens are masked "
-        "out of the loss.",
+        "out of the loss. An OpenEnv environment, unchanged: `openenv:module:Class` (in process), "
+        "`openenv+server:module:app` (a local server the run starts) or `openenv:http://host:port` "
+        "(docs/environments.md).",
     )
     max_turns: int = _f(4, "Most LLM turns per episode (multi-turn environments; bounds every env, built-in or not, and the "
                         "model calls of a rollout.agent episode).", lo=1)
@@ -182,7 +184,8 @@ class RolloutConfig:
         "with `reward`). Each sample is one agent episode that talks to its own OpenAI-compatible base_url; its "
         "calls, with exact token ids, become the sample (docs/tasks.md); on Ray the agent and its endpoint run in the "
         "rollout actors (a file by the driver's absolute path; the driver's working directory is searched last for a "
-        "module). Not with rollout.env or reward.fn.",
+        "module). `verifiers:[ENV+]TASKSET` plays a verifiers environment, unchanged: its tasks are the prompts "
+        "and its rubric the reward (docs/environments.md). Not with rollout.env or reward.fn.",
     )
     agent_timeout_s: float = _f(
         600.0, "rollout.agent: longest one agent episode may take; an agent that hangs or raises ends its episode "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncflow.config import Config, episodic
+from asyncflow.envs.verifiers_env import is_verifiers_spec
 from asyncflow.errors import UserError
 from asyncflow.eval_set import draw_held_out, first_prompts, rows_by_prompt
 from asyncflow.run_folder import check_folder_path
@@ -95,6 +96,11 @@ def _data_paths(cfg: Config, task: TaskPack | None, model_dir: Path,
     `data` writes into the cache); and the task's eval prompts where `dataset.path` is not given."""
     if cfg.dataset.path is not None:
         return cfg.dataset.path, None
+    if is_verifiers_spec(cfg.rollout.agent):  # a verifiers environment's own tasks (no eval split: a held-out slice)
+        from asyncflow.envs.verifiers_env import taskset_rows_file
+
+        assert cfg.rollout.agent is not None
+        return str(taskset_rows_file(cfg.rollout.agent, _cache_root(cfg))), None
     if (model_dir / "train.jsonl").is_file():
         held = model_dir / "eval.jsonl"
         return str(model_dir / "train.jsonl"), held if held.is_file() else None

@@ -20,8 +20,12 @@ from asyncflow.user_code import load_attr
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ALL = sorted(p.relative_to(EXAMPLES).as_posix() for p in EXAMPLES.rglob("*.yaml"))
-# real models with vLLM on GPUs, fetched from the Hub: loaded here, never run (no GPU, no network)
-NOT_RUN_HERE = {"gsm8k/qwen_gsm8k.yaml", "verl_grpo.yaml"}
+# real models with vLLM on GPUs, fetched from the Hub: loaded here, never run (no GPU, no network); and
+# the verifiers example on SmolLM2 (minutes on 2 cores; its taskset is played in tests/test_verifiers_env.py)
+NOT_RUN_HERE = {"gsm8k/qwen_gsm8k.yaml", "verl_grpo.yaml", "verifiers/config.yaml"}
+# run by the tests of their libraries' environments, as `asyncflow train` commands (the verifiers one
+# on the calc model given a chat template): tests/test_openenv.py, tests/test_verifiers_env.py
+RUN_ELSEWHERE = {"openenv/config.yaml", "verifiers/calc.yaml"}
 FAST = ["train.max_steps=2", "train.batch_size=16", "rollout.n=4", "eval.every=0", "eval.size=8",
         "logging.progress=false"]
 
@@ -41,7 +45,7 @@ def test_every_example_loads(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 # Ray: tests/test_ray.py; the examples for real models need GPUs and the Hub (they are loaded above)
-@pytest.mark.parametrize("name", [n for n in ALL if n != "arith_ray.yaml" and n not in NOT_RUN_HERE])
+@pytest.mark.parametrize("name", [n for n in ALL if n != "arith_ray.yaml" and n not in NOT_RUN_HERE | RUN_ELSEWHERE])
 def test_example_runs(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     monkeypatch.chdir(EXAMPLES.parent)  # byo/config.yaml names its data and reward module from the repo root
     # the real model's examples on the real model (prepared once by scripts/test.sh), the others on the

@@ -32,12 +32,20 @@ OPTIONAL = {
     "psutil": "bench",
     "tensordict": "bench",
     "omegaconf": "bench",
+    "verifiers": "verifiers",
+    "openai": "verifiers",
+    "openenv": "openenv",
+    "pydantic": "openenv",
+    "httpx": "openenv",
+    "uvicorn": "openenv",
+    "websockets": "openenv",
 }
 # Modules that import an optional package at their top, so they cannot be imported without it
 # (`__main__` runs the CLI when imported).
-OPTIONAL_MODULES = {"asyncflow.bench.tq_baseline": "bench", "asyncflow.__main__": "(runs the CLI)"}
+OPTIONAL_MODULES = {"asyncflow.bench.tq_baseline": "bench", "asyncflow.__main__": "(runs the CLI)",
+                    "asyncflow.envs.verifiers_harness": "verifiers"}
 # Import names that differ from their distribution's name.
-DISTRIBUTION = {"yaml": "pyyaml", "transfer_queue": "transferqueue"}
+DISTRIBUTION = {"yaml": "pyyaml", "transfer_queue": "transferqueue", "openenv": "openenv-core"}
 
 
 def _normal(name: str) -> str:

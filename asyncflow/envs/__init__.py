@@ -6,12 +6,19 @@ from collections.abc import Callable, Mapping
 from asyncflow.clock import Clock
 from asyncflow.envs.base import Env, EnvError, EnvStep, env_call
 from asyncflow.envs.builtin import CalculatorEnv, GuessNumberEnv, safe_arith
+from asyncflow.envs.openenv_env import is_openenv_spec, make_openenv_factory
 from asyncflow.errors import UserError
 from asyncflow.user_code import load_attr
+
+# an OpenEnv server's reply is awaited this long by its client; every environment call is bounded by
+# rollout.env_timeout_s anyway (`env_call`), which ends a hung one first unless set above this
+OPENENV_MESSAGE_TIMEOUT_S = 3600.0
 
 
 def make_env_factory(spec: str, *, latency_s: float = 0.0, max_turns: int = 4) -> Callable[[Clock], Env]:
     """`rollout.env` -> a factory of one fresh `Env` per episode, given the run's clock.
+
+    `openenv:...` / `openenv+server:...` is an OpenEnv environment (`envs/openenv_env.py`).
 
     A `module:factory` is called `factory(clock, max_turns=..., latency_s=...)`, passing each keyword
     it accepts (or all, with `**kwargs`). `rollout.max_turns` bounds every episode: a factory that
@@ -19,6 +26,10 @@ def make_env_factory(spec: str, *, latency_s: float = 0.0, max_turns: int = 4) -
     (an env allowing more turns is capped to it). A `latency_s > 0` that the factory
     cannot take is refused here (it would be ignored).
     """
+    if is_openenv_spec(spec):  # an OpenEnv environment, as its authors wrote it (envs/openenv_env.py)
+        if latency_s > 0:
+            raise UserError("rollout.env_latency_s: not used with an openenv environment (leave it at 0)")
+        return make_openenv_factory(spec, max_turns=max_turns, timeout_s=OPENENV_MESSAGE_TIMEOUT_S)
     if spec == "calculator":
         return lambda clock: CalculatorEnv(clock, latency_s=latency_s, max_turns=max_turns)
     if spec == "guess_number":

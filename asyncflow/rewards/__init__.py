@@ -47,16 +47,32 @@ def load_reward_fn(path: str, *, key: str = "reward.fn") -> RewardFn:
     return fn  # type: ignore[no-any-return]
 
 
+# plugins other components load, whose files are made absolute the same way (`rollout.env`, `rollout.agent`)
+VERIFIERS_PREFIX = "verifiers:"
+PLUGIN_PREFIXES = ("openenv+server:", "openenv:", VERIFIERS_PREFIX)
+
+
 def absolute_reward_path(path: str) -> str:
     """`file.py:function` relative to the current directory made absolute (for Ray actors, whose
-    working directory differs); anything else unchanged. A `verl:` prefix is kept."""
-    prefix = VERL_PREFIX if path.startswith(VERL_PREFIX) else ""
-    module_name, _, attr = path.removeprefix(prefix).rpartition(":")
-    if module_name.endswith(".py") and not Path(module_name).expanduser().is_absolute():
-        here = Path.cwd() / module_name
-        if here.is_file():
-            return f"{prefix}{here.resolve()}:{attr}"
+    working directory differs); anything else unchanged. A `verl:` prefix is kept, and so are the
+    environment plugins' (`openenv:`, `openenv+server:`, `verifiers:`, whose files are made absolute too)."""
+    prefix = next((p for p in (VERL_PREFIX, *PLUGIN_PREFIXES) if path.startswith(p)), "")
+    body = path.removeprefix(prefix)
+    if prefix == VERIFIERS_PREFIX:  # `[ENV+]TASKSET`, each part a package or a .py file (no attribute)
+        return prefix + "+".join(_absolute_file(part) for part in body.split("+"))
+    module_name, _, attr = body.rpartition(":")
+    if module_name.endswith(".py"):
+        return f"{prefix}{_absolute_file(module_name)}:{attr}"
     return path
+
+
+def _absolute_file(name: str) -> str:
+    """A relative `.py` path that names a file here, made absolute; anything else as it is."""
+    if name.endswith(".py") and not Path(name).expanduser().is_absolute():
+        here = Path.cwd() / name
+        if here.is_file():
+            return str(here.resolve())
+    return name
 
 
 @dataclass

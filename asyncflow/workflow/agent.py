@@ -27,6 +27,7 @@ from typing import Any
 
 from asyncflow.clock import Clock
 from asyncflow.engines.base import InferenceEngine
+from asyncflow.envs.verifiers_env import is_verifiers_spec
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.user_code import load_attr
 from asyncflow.workflow.agent_proxy import AgentProxy, Call, EpisodeRecorder, RecorderSettings
@@ -38,7 +39,12 @@ AgentFn = Callable[[str, dict[str, Any], int], Awaitable[Any]]
 
 def load_agent(spec: str) -> AgentFn:
     """`rollout.agent` (`module:function` or `path/to/file.py:function`, found as `reward.fn` is:
-    no folder joins sys.path) -> the async agent function; bad specs are a UserError."""
+    no folder joins sys.path) -> the async agent function; bad specs are a UserError.
+    `verifiers:...` is a verifiers environment played as an agent (`envs/verifiers_env.py`)."""
+    if is_verifiers_spec(spec):
+        from asyncflow.envs.verifiers_env import VerifiersAgent
+
+        return VerifiersAgent(spec)
     fn = load_attr(spec, "rollout.agent")
     if not inspect.iscoroutinefunction(fn):
         raise UserError(f"rollout.agent: {spec!r} must be an async function (base_url, row, seed) -> reward")
