@@ -410,6 +410,13 @@ class WorkflowConfig:
                                    "(a live holder renews its leases every quarter of this: only a dead or hung one loses them).",
                                    lo=1.0)
     step_timeout_s: float = _f(1800.0, "Longest the trainer waits for one batch before failing with a message.", lo=0.001)
+    stall_timeout_s: float = _f(
+        1200.0,
+        "Stall watchdog: when no sample has changed state (put, written, taken, finished) for this long, the run "
+        "writes every process's stacks (threads and asyncio tasks; each Ray actor's) and the store's counts per "
+        "state into the run folder's stall/, and ends with one line naming the stage it waits on (exit 1; "
+        "resumable from the last checkpoint). Keep it above the longest train step, weight load and evaluation. "
+        "0: off.", lo=0.0)
     gc_threshold: int = _f(
         0,
         "Python's young-generation GC threshold while the run lasts, in the process that runs the pipeline (the "

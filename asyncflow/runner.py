@@ -289,7 +289,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
             _restore(pipeline, runtime, resume, saved_store)
         placement: dict[str, Any] = {}
         try:
-            await pipeline.run(remote=runtime.stages())
+            await pipeline.run(remote=runtime.stages(), remote_stacks=runtime.remote_stacks)
             train_seconds = clock.now() - pipeline.t_start  # a resumed run's includes the time before the checkpoint
             final_eval = await hooks.final_eval()
         finally:

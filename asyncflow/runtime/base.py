@@ -47,6 +47,8 @@ class Runtime(Protocol):
     restarts: dict[str, int]  # actor restarts by stage ("rollout/0"), for the summary
     collect_ahead: bool  # the trainer collects its next batch during a train step (`Trainer`)
     stages_elsewhere: bool  # the feeder, rollout and reward stages run in actors (`build_pipeline`)
+    # every other process's stack dump by name, for the stall watchdog (None: there is none)
+    remote_stacks: Callable[[], Awaitable[dict[str, str]]] | None
 
     def stages(self) -> dict[str, Awaitable[None]] | None:
         """The stage loops that run elsewhere, by name, for `Pipeline.run(remote=...)`; None: all here."""

@@ -26,6 +26,7 @@ class LocalRuntime:
     restarts_from_start: bool = False  # no actor is ever rebuilt from the folder the run started from
     collect_ahead = False  # the store answers in this process: the trainer asks for a batch once it published
     stages_elsewhere = False
+    remote_stacks = None  # (no other process: the stall watchdog dumps this one's stacks)
     store = None
     gate = None
 

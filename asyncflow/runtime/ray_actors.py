@@ -21,6 +21,7 @@ from asyncflow.errors import WaitTimeout
 from asyncflow.malloc_arena import limit_malloc_arenas
 from asyncflow.rewards.sandbox import require_layers
 from asyncflow.runtime.ray_weights import WeightPort
+from asyncflow.stacks import process_stacks
 from asyncflow.workflow.build import episode_components, make_gate
 from asyncflow.workflow.context import StageContext
 from asyncflow.workflow.feeder import Feeder
@@ -211,6 +212,10 @@ class RolloutActor:
     def where(self) -> dict[str, Any]:
         return where()
 
+    async def stacks(self) -> str:
+        """This process's threads and asyncio tasks (the stall watchdog's dump)."""
+        return process_stacks(asyncio.get_running_loop(), f"rollout/{self.index} actor")
+
     def cancel_older_than(self, min_version: int) -> int:
         self.parts.ctx.board.raise_floor(min_version)  # (this actor's episodes check it per turn)
         return self.engine.cancel_older_than(min_version)
@@ -243,6 +248,9 @@ class FeederActor:
 
     def where(self) -> dict[str, Any]:
         return where()
+
+    async def stacks(self) -> str:
+        return process_stacks(asyncio.get_running_loop(), "feeder actor")
 
     def rows(self) -> list[dict[str, Any]]:
         """The prompt rows, for the rollout and reward actors (again after a restart)."""
@@ -299,6 +307,9 @@ class RewardActor:
 
     def where(self) -> dict[str, Any]:
         return where()
+
+    async def stacks(self) -> str:
+        return process_stacks(asyncio.get_running_loop(), f"reward/{self.index} actor")
 
     def stats(self) -> dict[str, float]:
         """This process's reward call counts (all its reward loops')."""
@@ -403,6 +414,10 @@ class TrainerActor:
     def published(self, version: int) -> SharedState | None:
         state = self.port.published(version)
         return None if state is None else SharedState(state)
+
+    def stacks(self) -> str:
+        """This process's threads (its calls run one at a time: answered between two of them)."""
+        return process_stacks(None, "trainer actor")
 
     def placement(self) -> list[dict[str, Any]]:
         """Where the trainer runs, for the run's summary."""

@@ -95,6 +95,7 @@ __all__ = [
 ]
 
 STORE_CALL_TIMEOUT_S = 60.0  # one supervision call to the store controller
+STACKS_TIMEOUT_S = 30.0  # one actor's stack dump for the stall watchdog (a busy trainer actor answers after its call)
 
 
 @dataclass
@@ -355,6 +356,30 @@ class RayWorkers:
             counters.reward_call_failures = int(sum(s["reward_call_failures"] for s in rstats))
         except ray.exceptions.RayError as exc:
             self.log(f"[asyncflow] ray: the reward actors' call counts are missing ({type(exc).__name__})")
+
+    @property
+    def remote_stacks(self) -> Any:
+        """Every actor's stack dump, for the stall watchdog (`actor_stacks`)."""
+        return self.actor_stacks
+
+    async def actor_stacks(self) -> dict[str, str]:
+        """Each actor's threads and asyncio tasks by its stage name, asked of all at once; an actor
+        that does not answer within `STACKS_TIMEOUT_S` (busy, or its event loop blocked) says so."""
+        named = [(f"rollout/{i}", a) for i, a in enumerate(self.rollout_actors)]
+        named += [(f"reward/{j}", a) for j, a in enumerate(self.reward_actors)]
+        named += [("trainer", self.trainer_actor), ("feeder", self.feeder_actor), ("store", self.store.handle)]
+        distinct = [(name, a) for k, (name, a) in enumerate(named) if all(a is not b for _, b in named[:k])]
+
+        async def one(actor: Any) -> str:
+            try:
+                return str(await asyncio.wait_for(actor.stacks.remote(), STACKS_TIMEOUT_S))
+            except asyncio.TimeoutError:
+                return f"(no answer within {STACKS_TIMEOUT_S:.0f} s: the actor is busy or its event loop is blocked)\n"
+            except Exception as exc:  # (a dead actor: its death is the run's error, not this dump's)
+                return f"(no stacks: {type(exc).__name__}: {one_line(str(exc))})\n"
+
+        texts = await asyncio.gather(*(one(a) for _, a in distinct))
+        return {name: text for (name, _), text in zip(distinct, texts, strict=True)}
 
     def row_fields(self) -> dict[str, float]:
         return {"restarts": self.restarts_total}

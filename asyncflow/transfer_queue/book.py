@@ -58,6 +58,9 @@ class SampleBook:
         self._max_group_size = 1
         self._bytes_put = 0
         self._expired_leases = 0
+        # writes and lease ends so far; with the uids and leases handed out, every change to a
+        # sample's state is counted (`changes` in `metrics`: a stall watchdog's progress signal)
+        self._changes = 0
         self._restored_wait_s: dict[str, float] = {}  # restored wait totals of stages not registered yet
         self._closed = False
         self._on_remove = on_remove
@@ -146,6 +149,7 @@ class SampleBook:
     def _write_locked(self, s: SampleRecord, fields: dict[str, Any], version: int | None) -> None:
         s.fields.update(fields)
         self._bytes_put += payload_bytes(fields)
+        self._changes += 1
         if version is not None:
             s.version = version if s.version is None else min(s.version, version)
         # a write can only make ready the stages that read one of the fields it wrote; which those
@@ -342,6 +346,7 @@ class SampleBook:
 
     def _end_lease(self, rec: LeaseRecord) -> list[SampleRecord]:
         """Clear the lease's marks on its live samples and groups; return those samples."""
+        self._changes += 1
         st = self._stages[rec.stage]
         live = []
         name, lid, samples = rec.stage, rec.id, self._samples
@@ -386,6 +391,7 @@ class SampleBook:
 
     # ----------------------------------------------------------------------------- removal
     def _remove_many(self, uids: Iterable[int]) -> None:
+        self._changes += 1
         by_group: dict[int, list[int]] = {}
         for uid in dict.fromkeys(uids):
             s = self._samples.get(uid)

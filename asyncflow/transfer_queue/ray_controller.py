@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from asyncflow.errors import WaitTimeout
+from asyncflow.stacks import process_stacks
 from asyncflow.transfer_queue.api import Lease, NewSample
 from asyncflow.transfer_queue.put_buffer import Part
 from asyncflow.transfer_queue.ray_data import LOST, SLOTS, PartRef, RowsSlot, Slot, compact_views
@@ -86,6 +87,10 @@ class StoreController:
     # ------------------------------------------------------------------ API
     def ping(self) -> bool:
         return True
+
+    async def stacks(self) -> str:
+        """This process's threads and asyncio tasks (the stall watchdog's dump)."""
+        return process_stacks(asyncio.get_running_loop(), f"{type(self).__name__} actor")
 
     def where(self) -> dict[str, Any]:
         """The node and process the controller runs in."""

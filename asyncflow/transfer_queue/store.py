@@ -469,6 +469,8 @@ class TransferQueue(SampleBook):
             out["groups_put"] = float(self._next_group)  # group ids are numbered from 0: groups admitted so far
             out["bytes_put"] = float(self._bytes_put)
             out["expired_leases"] = float(self._expired_leases)
+            # grows with every put, write, take and lease end: unchanged means no sample moved
+            out["changes"] = float(self._changes + self._next_lease + self._next_uid)
             return out
 
     def metrics_async(self) -> asyncio.Future[dict[str, float]]:

@@ -42,6 +42,7 @@ from asyncflow.workflow.reward import RewardWorker
 from asyncflow.workflow.rollout import RolloutWorker
 from asyncflow.workflow.settings import PipelineSettings
 from asyncflow.workflow.trainer import Trainer
+from asyncflow.workflow.watchdog import RemoteStacks, StallWatchdog
 
 
 class Pipeline:
@@ -71,6 +72,7 @@ class Pipeline:
         self._last_row_time = self.t_start
         self._last_busy = (0.0, 0.0)
         self.final_accounting: dict[str, int] = {}
+        self.remote_stacks: RemoteStacks | None = None  # (given to `run`)
         self.register_stages()
 
     @property
@@ -141,13 +143,15 @@ class Pipeline:
         return min(r, 1.0), min(t, 1.0)
 
     async def run(self, remote: dict[str, Awaitable[None]] | None = None, *,
-                  worker_context: contextvars.Context | None = None) -> None:
+                  worker_context: contextvars.Context | None = None, remote_stacks: RemoteStacks | None = None) -> None:
         """Run every stage until the trainer finishes; the first failing stage stops them all.
 
         `remote`: stages that run elsewhere (Ray actors), by name, as awaitables that end when the
         stage ends; they are supervised as the local ones are. `worker_context`: the context the
-        rollout and reward loops run in (PIPE tells their callbacks apart by it).
+        rollout and reward loops run in (PIPE tells their callbacks apart by it). `remote_stacks`:
+        the other processes' stack dumps, for the stall watchdog (`workflow.stall_timeout_s`).
         """
+        self.remote_stacks = remote_stacks
         gc_before = gc.get_threshold()
         if self.settings.gc_threshold:
             gc.set_threshold(self.settings.gc_threshold, *gc_before[1:])
@@ -181,7 +185,20 @@ class Pipeline:
             stages.append(asyncio.create_task(self.feeder.run(), name="feeder"))
         if self.reference is not None:  # runs where the trainer runs (its reference model lives there)
             stages.append(asyncio.create_task(self.reference.run(), name="reference"))
+        if self.settings.stall_timeout_s > 0:
+            watchdog = StallWatchdog(self.ctx.store, self.ctx.clock, self.settings.stall_timeout_s,
+                                     folder=self.ctx.samples.log.out, stages=self.stage_names(),
+                                     busy=lambda: sum(e.busy_seconds() for e in self.engines),
+                                     remote_stacks=self.remote_stacks)
+            stages.append(asyncio.create_task(watchdog.run(), name="stall watchdog"))
         return stages
+
+    def stage_names(self) -> list[str]:
+        """The store's stage names, rollout first (as `register_stages` registers them)."""
+        names = list(self.settings.rollout_stages)
+        names += [] if self.episodic else ["reward"]
+        names += [] if self.reference is None else ["reference"]
+        return [*names, "train"]
 
     async def _run(self, remote: dict[str, Awaitable[None]], worker_context: contextvars.Context | None) -> None:
         tasks = self._start(remote, worker_context)

@@ -187,8 +187,9 @@ class PipelineSettings:
     gc_threshold: int  # the young generation's threshold while the run lasts (0: Python's)
     env_timeout_s: float  # a stopping episode's grace to close its environment
     sandbox_require: tuple[str, ...]  # isolation layers every scoring process requires (`reward.sandbox_require`)
+    stall_timeout_s: float = 0.0  # the stall watchdog's (`workflow.stall_timeout_s`; 0: off)
 
     @classmethod
     def from_config(cls, cfg: Config) -> PipelineSettings:
         return cls(cfg.rollout.n, tuple(rollout_stage_names(cfg)), cfg.rollout.affinity, cfg.workflow.gc_threshold,
-                   cfg.rollout.env_timeout_s, tuple(cfg.reward.sandbox_require or ()))
+                   cfg.rollout.env_timeout_s, tuple(cfg.reward.sandbox_require or ()), cfg.workflow.stall_timeout_s)
