@@ -21,7 +21,8 @@ with rewards. Sync mode is the same code with `max_staleness = 0`: the next step
 admitted only after the new weights are loaded, which is the barrier.
 
 Every wait is bounded (`workflow.step_timeout_s`, `rollout.request_timeout_s`, `reward.timeout_s`)
-and says what it waited for. All time and waiting goes through the injected `Clock`.
+and says what it waited for; a stall watchdog (`workflow.stall_timeout_s`, watchdog.py) ends a run in
+which no sample moved for that long. All time and waiting goes through the injected `Clock`.
 """
 
 from __future__ import annotations

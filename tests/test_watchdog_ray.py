@@ -1,0 +1,101 @@
+"""The stall watchdog on the Ray runtime: a hang planted in an actor (a reward function in a reward
+actor; an environment step in the colocated rollout actor) ends the run with one line naming the
+stage, and stall/ holds the driver's and every actor's stacks, the planted function among them.
+Two short arith runs on the session's Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from asyncflow.workflow.watchdog import StallDetected
+
+pytestmark = pytest.mark.ray
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "arith_ray.yaml"
+
+HANGING_REWARD = '''
+import asyncio
+import os
+
+from asyncflow.tasks.arith import reward_fn as arith
+
+CALLS = [0]
+
+
+async def reward_fn(prompts, completions, answer, **kw):
+    CALLS[0] += 1
+    if os.getpid() != DRIVER and CALLS[0] > 6:  # the planted hang: the actor's 7th call (the driver evaluates)
+        await asyncio.Event().wait()
+    return arith(prompts, completions, answer, **kw)
+'''
+
+HANGING_ENV = '''
+import asyncio
+import os
+
+from asyncflow.envs.base import Env, EnvStep
+
+STEPS = [0]
+
+
+class StuckEnv(Env):
+    name = "stuck"
+    max_turns = 1
+
+    async def reset(self, row, seed):
+        return ""
+
+    async def step(self, action):
+        STEPS[0] += 1
+        if os.getpid() != DRIVER and STEPS[0] > 24:  # the planted hang: the actor's 25th step
+            await asyncio.Event().wait()
+        return EnvStep("", reward=float(len(action) % 2), done=True)
+
+
+def make(clock):
+    return StuckEnv()
+'''
+
+
+def _stall(arith_dir: Path, out: Path, *extra: str) -> str:
+    from asyncflow.config import load_config
+    from asyncflow.runner import train
+
+    cfg, _ = load_config(EXAMPLE, [
+        f"model.path={arith_dir}", "train.max_steps=6", "train.batch_size=16", "rollout.n=4", "eval.every=0",
+        "eval.size=8", "logging.progress=false", "workflow.step_timeout_s=600", "runtime.rollout_cpus=0.5",
+        "runtime.train_cpus=0.5", "workflow.stall_timeout_s=10", *extra])
+    with pytest.raises(StallDetected) as info:
+        train(cfg, out, progress_enabled=False)
+    line = str(info.value)
+    assert "\n" not in line and line.startswith("stalled: no sample changed state for ")
+    return line
+
+
+def test_a_hung_reward_actor_is_named_and_its_stacks_dumped(ray_session, arith_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "hang_reward.py").write_text(f"DRIVER = {os.getpid()}\n{HANGING_REWARD}")
+    out = tmp_path / "run"
+    line = _stall(arith_dir, out, f"reward.fn={tmp_path / 'hang_reward.py'}:reward_fn", "reward.timeout_s=100000",
+                  "runtime.colocate=false")
+    assert "stage reward holds" in line, line
+    stall = out / "stall"
+    assert {"driver.txt", "rollout-0.txt", "reward-0.txt", "trainer.txt", "feeder.txt", "store.txt",
+            "store.json"} <= {p.name for p in stall.iterdir()}
+    reward = (stall / "reward-0.txt").read_text()
+    assert "== asyncio tasks" in reward and "in reward_fn\n" in reward and "hang_reward.py" in reward
+    assert json.loads((stall / "store.json").read_text())["counts"]["reward"]["taken"] > 0
+
+
+def test_a_hung_environment_step_in_the_colocated_rollout_actor_is_named(ray_session, arith_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    (tmp_path / "stuck_env.py").write_text(f"DRIVER = {os.getpid()}\n{HANGING_ENV}")
+    out = tmp_path / "run"
+    line = _stall(arith_dir, out, f"rollout.env={tmp_path / 'stuck_env.py'}:make", "rollout.env_timeout_s=100000",
+                  "reward.fn=null", "runtime.colocate=true")
+    assert "stage rollout holds" in line, line
+    rollout = (out / "stall" / "rollout-0.txt").read_text()
+    assert "in step\n" in rollout and "stuck_env.py" in rollout
