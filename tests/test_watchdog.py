@@ -200,3 +200,35 @@ def test_a_run_that_keeps_moving_is_not_stopped(tmp_path: Path) -> None:
     pipeline = run_virtual(main)
     assert pipeline.counters.trained == 48
     assert not (tmp_path / "stall").exists()
+
+
+def test_the_store_counts_every_change_of_a_sample_and_nothing_else() -> None:
+    """The watchdog's progress signal: a put, a take, a write, an ack, a release and a removal each
+    move `changes`; a lease renewal (what a hung holder still does) and a read do not."""
+    from asyncflow.transfer_queue import NewSample, TransferQueue
+
+    q = TransferQueue(capacity=16, lease_timeout_s=60)
+    q.register_stage("score", ["prompt"])
+    seen = [q.metrics()["changes"]]
+
+    def moved() -> bool:
+        seen.append(q.metrics()["changes"])
+        return seen[-1] > seen[-2]
+
+    uids = q.put_blocking([NewSample(0, 2, {"prompt": 1}), NewSample(0, 2, {"prompt": 2})])
+    assert moved()
+    lease = q.take_blocking("score", 1)
+    assert moved()
+    q.renew([lease])
+    q.metrics()
+    assert not moved()
+    q.write(lease.samples[0].uid, {"score": 1.0})
+    assert moved()
+    q.ack(lease)
+    assert moved()
+    other = q.take_blocking("score", 1)
+    assert moved()
+    q.release(other)
+    assert moved()
+    q.remove(uids)
+    assert moved()
