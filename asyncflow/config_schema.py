@@ -415,7 +415,7 @@ class WorkflowConfig:
         "Stall watchdog: when no sample has changed state (put, written, taken, finished) for this long, the run "
         "writes every process's stacks (threads and asyncio tasks; each Ray actor's) and the store's counts per "
         "state into the run folder's stall/, and ends with one line naming the stage it waits on (exit 1; "
-        "resumable from the last checkpoint). Keep it above the longest train step, weight load and evaluation. "
+        "resumable from the last checkpoint). Keep it above the longest train step, weight load, evaluation and checkpoint save. "
         "0: off.", lo=0.0)
     gc_threshold: int = _f(
         0,

@@ -85,6 +85,7 @@ def test_a_hung_reward_actor_is_named_and_its_stacks_dumped(ray_session, arith_d
     stall = out / "stall"
     assert {"driver.txt", "rollout-0.txt", "reward-0.txt", "trainer.txt", "feeder.txt", "store.txt",
             "store.json"} <= {p.name for p in stall.iterdir()}
+    assert (stall / "trainer.txt").read_text().startswith("=== trainer actor (pid ")  # (its own concurrency group)
     reward = (stall / "reward-0.txt").read_text()
     assert "== asyncio tasks" in reward and "in reward_fn\n" in reward and "hang_reward.py" in reward
     assert json.loads((stall / "store.json").read_text())["counts"]["reward"]["taken"] > 0

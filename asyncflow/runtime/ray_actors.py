@@ -416,7 +416,8 @@ class TrainerActor:
         return None if state is None else SharedState(state)
 
     def stacks(self) -> str:
-        """This process's threads (its calls run one at a time: answered between two of them)."""
+        """This process's threads; called in a concurrency group of its own (`ray_placement.WATCH_GROUP`),
+        so it answers while a train step or export hangs."""
         return process_stacks(None, "trainer actor")
 
     def placement(self) -> list[dict[str, Any]]:

@@ -95,6 +95,7 @@ __all__ = [
 ]
 
 STORE_CALL_TIMEOUT_S = 60.0  # one supervision call to the store controller
+WATCH_GROUP = "watch"  # the trainer actor's second concurrency group: its stack dump, answered mid-call
 STACKS_TIMEOUT_S = 30.0  # one actor's stack dump for the stall watchdog (a busy trainer actor answers after its call)
 
 
@@ -371,8 +372,10 @@ class RayWorkers:
         distinct = [(name, a) for k, (name, a) in enumerate(named) if all(a is not b for _, b in named[:k])]
 
         async def one(actor: Any) -> str:
+            # (the trainer's calls run one at a time: its dump goes in a group of its own, beside a hung one)
+            call = actor.stacks.options(concurrency_group=WATCH_GROUP) if actor is self.trainer_actor else actor.stacks
             try:
-                return str(await asyncio.wait_for(actor.stacks.remote(), STACKS_TIMEOUT_S))
+                return str(await asyncio.wait_for(call.remote(), STACKS_TIMEOUT_S))
             except asyncio.TimeoutError:
                 return f"(no answer within {STACKS_TIMEOUT_S:.0f} s: the actor is busy or its event loop is blocked)\n"
             except Exception as exc:  # (a dead actor: its death is the run's error, not this dump's)
@@ -496,7 +499,9 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
     w = cfg.rollout.workers
     rollout_cls: Any = ray.remote(RolloutActor)
     reward_cls: Any = ray.remote(RewardActor)
-    trainer_cls: Any = ray.remote(TrainerActor)
+    # (its calls run one at a time; the stall watchdog's stack dump has a group of its own, beside them)
+    watched: Any = ray.remote(concurrency_groups={WATCH_GROUP: 1})  # type: ignore[call-overload]  # (not in Ray's stubs)
+    trainer_cls: Any = watched(TrainerActor)
     feeder_cls: Any = ray.remote(FeederActor)
     cwd = plugin_cwd(cfg)
     cfg = _absolute_paths(cfg)
@@ -525,7 +530,7 @@ def _start_actors(cfg: Config, place: Placement, store: Any, n_reward: int, mode
         from asyncflow.runtime.ray_fsdp import FSDPTrainerActor
 
         ranks = [opts(w + r, f"trainer-rank-{r}") for r in range(cfg.train.world_size)]
-        trainer_actor = ray.remote(FSDPTrainerActor).options(
+        trainer_actor = watched(FSDPTrainerActor).options(
             num_cpus=0, max_concurrency=1, name=f"{prefix}-trainer", scheduling_strategy=driver_node(),
         ).remote(cfg, model_dir, max(1, round(cfg.runtime.train_cpus)), ranks)
     else:
