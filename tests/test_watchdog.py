@@ -232,3 +232,17 @@ def test_the_store_counts_every_change_of_a_sample_and_nothing_else() -> None:
     assert moved()
     q.remove(uids)
     assert moved()
+
+
+def test_the_blame_falls_to_a_stage_that_takes_nothing_then_to_the_feeder() -> None:
+    """With no publication, train step or held sample: the first stage with samples ready that it
+    does not take; with none ready anywhere, the trainer's batch that nothing produces."""
+    from asyncflow.workflow.watchdog import blame
+
+    stages = ["rollout", "reward", "train"]
+    stage, what = blame({"depth/rollout": 0.0, "depth/reward": 8.0, "leased/reward": 0.0}, {}, stages)
+    assert stage == "reward" and "takes none of the 8 sample(s) ready" in what
+    stage, what = blame({"depth/train": 4.0}, {}, stages)
+    assert stage == "train" and "4 sample(s) ready" in what and "feeder admits no prompts" in what
+    stage, what = blame({"leased/rollout": 2.0, "leased/reward": 4.0}, {}, stages)
+    assert stage == "rollout" and what.startswith("holds 2 sample(s)")

@@ -416,7 +416,7 @@ class TrainerActor:
         return None if state is None else SharedState(state)
 
     def stacks(self) -> str:
-        """This process's threads; called in a concurrency group of its own (`ray_placement.WATCH_GROUP`),
+        """This process's threads; called in a concurrency group of its own (`ray_runtime.WATCH_GROUP`),
         so it answers while a train step or export hangs."""
         return process_stacks(None, "trainer actor")
 

@@ -96,7 +96,7 @@ __all__ = [
 
 STORE_CALL_TIMEOUT_S = 60.0  # one supervision call to the store controller
 WATCH_GROUP = "watch"  # the trainer actor's second concurrency group: its stack dump, answered mid-call
-STACKS_TIMEOUT_S = 30.0  # one actor's stack dump for the stall watchdog (a busy trainer actor answers after its call)
+STACKS_TIMEOUT_S = 30.0  # one actor's stack dump for the stall watchdog
 
 
 @dataclass
