@@ -100,3 +100,31 @@ def test_a_hung_environment_step_in_the_colocated_rollout_actor_is_named(ray_ses
     assert "stage rollout holds" in line, line
     rollout = (out / "stall" / "rollout-0.txt").read_text()
     assert "in step\n" in rollout and "stuck_env.py" in rollout
+
+
+def test_a_hung_trainer_actor_call_is_named_and_the_actor_still_dumps_its_stacks(
+        ray_session, arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted hang: the second train step is a call that blocks inside the trainer actor (a save
+    into a named pipe nobody reads). Its calls run one at a time, yet it answers the dump beside it."""
+    from asyncflow.runtime.ray_remote import RemoteTrainEngine
+
+    fifo_dir = tmp_path / "never_read"
+    fifo_dir.mkdir()
+    os.mkfifo(fifo_dir / "config.json")  # (written in place: the weights go through a renamed temporary)
+    real_step = RemoteTrainEngine.train_step
+    calls = [0]
+
+    def second_step_hangs(self: RemoteTrainEngine, *args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] == 2:
+            import ray
+
+            ray.get(self.handle.save.remote(str(fifo_dir), False))  # (ends when the actor is killed)
+        return real_step(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RemoteTrainEngine, "train_step", second_step_hangs)
+    out = tmp_path / "run"
+    line = _stall(arith_dir, out)
+    assert "stage train is in a train step" in line, line
+    trainer = (out / "stall" / "trainer.txt").read_text()
+    assert trainer.startswith("=== trainer actor (pid ") and "in save\n" in trainer, trainer[-3000:]
