@@ -1,7 +1,7 @@
 """The stall watchdog on the Ray runtime: a hang planted in an actor (a reward function in a reward
-actor; an environment step in the colocated rollout actor) ends the run with one line naming the
-stage, and stall/ holds the driver's and every actor's stacks, the planted function among them.
-Two short arith runs on the session's Ray."""
+actor; an environment step in the colocated rollout actor; a call inside the trainer actor) ends the
+run with one line naming the stage, and stall/ holds the driver's and every actor's stacks, the
+planted function among them. Three short arith runs on the session's Ray."""
 
 from __future__ import annotations
 
