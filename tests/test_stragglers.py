@@ -5,6 +5,7 @@ The real pipeline on a virtual clock (simulated engines and trainer, as PIPE) wi
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import random
@@ -60,11 +61,12 @@ def _run(tmp_path: Path, settings: list[str], stuck_frac: float) -> tuple[Any, R
     async def main(clock: VirtualClock) -> tuple[Any, RecordingLearner]:
         cfg, _ = load_config(None, ["task=arith", "logging.progress=false", *settings])
         engines = [SimEngine(clock, lengths=lengths, capacity=8, step_s=0.03, load_s=1.0, seed=0)]
-        trainer = SimTrainer(clock, token_s=1e-3, devices=1)
+        trainer: Any = SimTrainer(clock, token_s=1e-3, devices=1)  # (a TrainEngine in all that PIPE uses)
         learner = RecordingLearner(trainer)
+        tokenizer: Any = _SimTokenizer()
         log = RunLog(tmp_path, metrics=False)
         pipeline = build_pipeline(
-            cfg, rows=[{"prompt": i} for i in range(512)], tokenizer=_SimTokenizer(), reward_fn=_alternating,
+            cfg, rows=[{"prompt": i} for i in range(512)], tokenizer=tokenizer, reward_fn=_alternating,
             engines=engines, train_engine=trainer, learner=learner, clock=clock, log=log,
             tracer=Tracer(now=clock.now, max_events=0))
         try:
@@ -164,3 +166,36 @@ def test_a_cancelled_request_leaves_the_simulated_engine_after_the_step_under_wa
 def test_straggler_settings_that_cannot_be_honoured_are_refused(settings: list[str], needle: str) -> None:
     with pytest.raises(UserError, match=needle.replace(".", r"\.")):
         load_config(None, ["task=arith", *settings])
+
+
+@pytest.mark.slow
+def test_a_real_run_with_stuck_requests_trains_partial_groups_and_loses_nothing(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`asyncflow train` on arith (the real hf engine and trainer) where every fifth request is stuck
+    (its engine never answers): each is aborted at the deadline, its group trains without it."""
+    from asyncflow.engines.hf import HFEngine
+    from asyncflow.runner import train
+
+    real = HFEngine.start_generate
+
+    def stuck_or_real(self: HFEngine, request: GenRequest) -> Any:
+        if request.uid >= 0 and request.uid % 5 == 0:  # (evaluation requests have uid < 0)
+            return asyncio.get_running_loop().create_future()  # never answered: only its cancellation ends it
+        return real(self, request)
+
+    monkeypatch.setattr(HFEngine, "start_generate", stuck_or_real)
+    cfg, _ = load_config(None, ["task=arith", "train.batch_size=32", "rollout.n=4", "rollout.max_new_tokens=4",
+                                "train.max_steps=3", "eval.size=16", "eval.every=100", "logging.progress=false",
+                                "rollout.group_timeout_s=2"])
+    summary = train(cfg, tmp_path / "run", progress_enabled=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    acc = summary["accounting"]
+    assert acc["lost"] == 0
+    assert audit(acc, collections.Counter(r["status"] for r in rows)) == []
+    assert not [r for r in rows if r["status"] == "trained" and r["uid"] % 5 == 0]
+    stragglers = [r for r in rows if r["status"] == "aborted" and r["error"] == STRAGGLER]
+    assert any(r["uid"] % 5 == 0 for r in stragglers)  # (a request slowed by a loaded machine may be one too)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [m for m in metrics if m["kind"] == "train"][-1]
+    assert last["stragglers_aborted"] == len(stragglers) and last["groups_partial"] > 0
+    assert last["samples"] == sum(1 for r in rows if r["status"] == "trained") < 3 * 32
