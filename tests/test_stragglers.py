@@ -52,8 +52,11 @@ class RecordingLearner(SimLearner):
         return await super().step(samples, valid, rewards, version)
 
 
-def _run(tmp_path: Path, settings: list[str], stuck_frac: float) -> tuple[Any, RecordingLearner, list[dict[str, Any]]]:
-    """The sim pipeline to its end with a share `stuck_frac` of requests planted as stragglers."""
+def _run(tmp_path: Path, settings: list[str], stuck_frac: float,
+         collect_ahead: bool = False) -> tuple[Any, RecordingLearner, list[dict[str, Any]]]:
+    """The sim pipeline to its end with a share `stuck_frac` of requests planted as stragglers;
+    `collect_ahead`: the trainer collects the next batch during a step, as with a store in another
+    process (the Ray runtime)."""
 
     def lengths(rng: random.Random) -> int:
         return STUCK if rng.random() < stuck_frac else rng.randint(5, 50)
@@ -68,7 +71,7 @@ def _run(tmp_path: Path, settings: list[str], stuck_frac: float) -> tuple[Any, R
         pipeline = build_pipeline(
             cfg, rows=[{"prompt": i} for i in range(512)], tokenizer=tokenizer, reward_fn=_alternating,
             engines=engines, train_engine=trainer, learner=learner, clock=clock, log=log,
-            tracer=Tracer(now=clock.now, max_events=0))
+            tracer=Tracer(now=clock.now, max_events=0), collect_ahead=collect_ahead)
         try:
             await pipeline.run()
         finally:
@@ -94,8 +97,10 @@ def _check_accounting(pipeline: Any, rows: list[dict[str, Any]]) -> None:
     assert pipeline.gate.admitted == int(pipeline.store.metrics()["groups_put"]) - dropped
 
 
-def test_stragglers_are_aborted_and_their_groups_train_on_the_samples_that_finished(tmp_path: Path) -> None:
-    pipeline, learner, rows = _run(tmp_path, BASE, stuck_frac=0.2)
+@pytest.mark.parametrize("collect_ahead", [False, True])
+def test_stragglers_are_aborted_and_their_groups_train_on_the_samples_that_finished(tmp_path: Path,
+                                                                                     collect_ahead: bool) -> None:
+    pipeline, learner, rows = _run(tmp_path, BASE, stuck_frac=0.2, collect_ahead=collect_ahead)
     _check_accounting(pipeline, rows)
     c = pipeline.counters
     stragglers = [r for r in rows if r["status"] == "aborted" and r["error"] == STRAGGLER]
