@@ -29,6 +29,9 @@ ended. For `rlvr` a request is a sample; an `agentic` sample is an episode of 5-
 `store_us_per_sample` (the store controller), `workers_us_per_sample` (rollout and reward workers,
 episodes included), `trainer_us_per_sample` (feeder, gate, trainer loop) and `loop_us_per_sample`
 (the event loop's own iteration); see `SplitMeter`.
+`--set group_timeout_s=T` runs with `rollout.group_timeout_s` (stragglers aborted, their groups
+trained partial); rows then count `stragglers_aborted` and `groups_partial`, and `token_efficiency`
+says what `efficiency` does in trained tokens rather than samples (aborted responses are the long ones).
 """
 
 from __future__ import annotations
