@@ -64,6 +64,7 @@ def _validate_sources(cfg: Config, explicit: set[str]) -> None:
     """Where the model, prompts and rewards come from: the task pack, an agent, an environment or reward.fn."""
     if cfg.rollout.agent is not None:
         _validate_agent(cfg, explicit)
+    _validate_group_timeout(cfg, explicit)
     if cfg.rollout.turn_barrier and cfg.rollout.env is None:
         raise UserError("rollout.turn_barrier: only used with rollout.env (multi-turn episodes)")
     if cfg.rollout.env is not None and cfg.reward.fn is not None and "reward.fn" in explicit:
@@ -84,6 +85,22 @@ def _validate_sources(cfg: Config, explicit: set[str]) -> None:
     if cfg.rollout.env is not None and cfg.rollout.env not in ENV_NAMES and ":" not in cfg.rollout.env:
         raise UserError(f"rollout.env: {cfg.rollout.env!r} is neither a built-in ({', '.join(ENV_NAMES)}) nor 'module:factory'")
     _validate_reward_fns(cfg)
+
+
+def _validate_group_timeout(cfg: Config, explicit: set[str]) -> None:
+    """The straggler deadline cuts single-turn requests, before the request timeout fails them."""
+    ro = cfg.rollout
+    if ro.group_timeout_s is None:
+        if "rollout.group_min_samples" in explicit:
+            raise UserError("rollout.group_min_samples: only used with rollout.group_timeout_s")
+        return
+    if episodic(cfg):
+        raise UserError("rollout.group_timeout_s: single-turn requests only (not with rollout.env or rollout.agent)")
+    if ro.group_timeout_s >= ro.request_timeout_s:
+        raise UserError(f"rollout.group_timeout_s: {ro.group_timeout_s:g} must be below rollout.request_timeout_s="
+                        f"{ro.request_timeout_s:g} (a request past that fails the run)")
+    if ro.group_min_samples > ro.n:
+        raise UserError(f"rollout.group_min_samples: {ro.group_min_samples} is more than rollout.n={ro.n}")
 
 
 def _validate_reward_fns(cfg: Config) -> None:

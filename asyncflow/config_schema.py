@@ -146,6 +146,18 @@ class RolloutConfig:
     top_k: int = _f(0, "Sample from the k most likely tokens (0: off); like top_p, only with algorithm.loss=reinforce.", lo=0)
     max_batch: int = _f(256, "Most sequences one engine decodes at once (continuous-batching slots).", lo=1)
     request_timeout_s: float = _f(600.0, "Longest one generation request may take before it is failed.", lo=0.001)
+    group_timeout_s: float | None = _f(
+        None,
+        "Straggler deadline: a generation request still running this long after its worker took it is aborted "
+        "(cancelled in the engine) and logged with status `aborted`; its group trains on the samples that finished "
+        "(advantages over those), or, with fewer than rollout.group_min_samples of them, is not trained (its samples "
+        "logged `aborted`). Counted in the train rows' `groups_partial` and `stragglers_aborted`. Single-turn "
+        "requests only (not with rollout.env or rollout.agent); below rollout.request_timeout_s. A request is "
+        "aborted between 1 and 1.125 times this after it started. null: off (a group waits for its slowest sample).",
+        lo=0.001)
+    group_min_samples: int = _f(
+        2, "rollout.group_timeout_s: fewest finished samples a group past its deadline needs to be trained "
+           "(a group-relative advantage needs 2).", lo=1)
     env: str | None = _f(
         None,
         "Multi-turn environment: null (single-turn, scored by reward.fn), calculator, guess_number, or "

@@ -131,6 +131,8 @@ class StepHooks:
             **{f"response_len/{k}": c.response_tokens[k] / n for k, n in c.response_count.items() if n},
             "reward_errors": c.reward_errors,
             "cancelled": c.cancelled,
+            "groups_partial": c.groups_partial,
+            "stragglers_aborted": c.stragglers_aborted,
             **self.runtime.row_fields(),
             **{f"store/{k}": v for k, v in store.items()},
         }

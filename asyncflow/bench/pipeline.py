@@ -29,6 +29,9 @@ ended. For `rlvr` a request is a sample; an `agentic` sample is an episode of 5-
 `store_us_per_sample` (the store controller), `workers_us_per_sample` (rollout and reward workers,
 episodes included), `trainer_us_per_sample` (feeder, gate, trainer loop) and `loop_us_per_sample`
 (the event loop's own iteration); see `SplitMeter`.
+`--set group_timeout_s=T` runs with `rollout.group_timeout_s` (stragglers aborted, their groups
+trained partial); rows then count `stragglers_aborted` and `groups_partial`, and `token_efficiency`
+says what `efficiency` does in trained tokens rather than samples (aborted responses are the long ones).
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class PipeSpec:
     reward: str = "async"  # the verifier stand-in: async (awaited on the loop, as a remote verifier) or thread
     trace: str = ""  # a folder: write one trace.json per row there (first 200,000 spans)
     split: str = "false"  # true: also say where the scheduler's CPU goes (store, workers, trainer, loop; `SplitMeter`)
+    group_timeout_s: float = 0.0  # rollout.group_timeout_s: abort stragglers past it (0: off)
+    group_min_samples: int = 2  # rollout.group_min_samples
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,12 @@ def _run_one(spec: PipeSpec, profile: Profile, devices: int, mode: str) -> dict[
         "scheduler_us_per_request": round(sched / max(result["requests"], 1) * 1e6, 1),
         "max_staleness": 0 if mode == "sync" else spec.max_staleness, "staleness_max": result["staleness_max"],
         "steps": spec.steps, "samples": result["samples"], "dropped": result["dropped"],
+        "group_timeout_s": spec.group_timeout_s, "groups_partial": result["groups_partial"],
+        "stragglers_aborted": result["stragglers_aborted"], "aborted": result["aborted"],
         "mean_tokens_profile": round(profile.mean_tokens, 1), "mean_tokens_trained": round(result["mean_tokens"], 1),
+        # trained tokens per second over the ideal's: what efficiency says when the trained samples
+        # are shorter than the profile's (aborted stragglers are the long ones)
+        "token_efficiency": round(rate / ideal * result["mean_tokens"] / profile.mean_tokens, 4),
         "virtual_s": round(result["virtual_s"], 1), "wall_s": round(wall, 1), **parts,
     }
 
@@ -228,6 +238,8 @@ def _sim_config(spec: PipeSpec, profile: Profile, mode: str, batch: int) -> Any:
     ]
     if not sync:
         settings.append(f"workflow.max_staleness={spec.max_staleness}")
+    if spec.group_timeout_s > 0:
+        settings += [f"rollout.group_timeout_s={spec.group_timeout_s}", f"rollout.group_min_samples={spec.group_min_samples}"]
     cfg, _ = load_config(None, ["task=arith", *settings])
     if profile.turns is not None:  # its environments come from _env_factory, not rollout.env (20 turns at most)
         cfg.rollout.env_timeout_s = 1000.0
@@ -266,6 +278,7 @@ def _totals(pipeline: Any, engines: Sequence[Any], meter: Any) -> dict[str, Any]
     c = pipeline.counters
     return {
         "samples": c.trained, "dropped": c.dropped_stale + c.cancelled + c.filtered,
+        "groups_partial": c.groups_partial, "stragglers_aborted": c.stragglers_aborted, "aborted": c.aborted,
         "samples_seen": c.produced, "requests": sum(e.requests for e in engines),
         "staleness_max": pipeline.trainer.learner.staleness_max, "sim_cpu_s": meter.seconds, "meter_entries": meter.entries,
         "mean_tokens": c.tokens / max(c.trained, 1),
@@ -490,6 +503,7 @@ _BOUNDS: tuple[tuple[str, float, bool], ...] = (
     ("slots", 1, True), ("n", 1, True), ("prompts_per_device", 1, True), ("steps", 1, True),
     ("warmup_steps", 0, True), ("max_staleness", 0, True), ("seed", 0, True),
     ("step_s", 0, False), ("train_token_s", 0, False), ("switch_s", 0, True), ("weight_sync_s", 0, True),
+    ("group_timeout_s", 0, True), ("group_min_samples", 1, True),
 )
 
 

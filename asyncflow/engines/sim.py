@@ -61,6 +61,21 @@ class _Seq:
         return self.admitted_at + self.target - self.produced
 
 
+class _RequestFuture(asyncio.Future[GenResult]):
+    """A request's result future whose cancellation by its caller (an abandoned straggler) frees the
+    request's slot at the next step boundary, as a real engine does."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_cancel: Callable[[], None]) -> None:
+        super().__init__(loop=loop)
+        self.on_cancel = on_cancel
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        self.on_cancel()
+        return True
+
+
 @dataclass(eq=False)
 class _Load:
     version: int
@@ -175,8 +190,8 @@ class SimEngine(InferenceEngine):
         """The request's own result future (resolved by the server loop; cancelling it abandons it)."""
         with self.meter:
             natural = max(1, self.lengths(self.rng))
-            seq = _Seq(request, min(natural, request.max_new_tokens), natural <= request.max_new_tokens,
-                       asyncio.get_running_loop().create_future())
+            done = _RequestFuture(asyncio.get_running_loop(), lambda: self._abandon(seq))
+            seq = _Seq(request, min(natural, request.max_new_tokens), natural <= request.max_new_tokens, done)
             self._waiting.append(seq)
             if len(self._running) < self._capacity:
                 self._kick()  # a free slot: join at the next step boundary
@@ -211,6 +226,15 @@ class SimEngine(InferenceEngine):
         if n:
             self._kick()
         return n
+
+    def _abandon(self, seq: _Seq) -> None:
+        """Its caller cancelled the request: it leaves the batch after the step under way."""
+        with self.meter:
+            if seq.cancelled or self._state == "closed":
+                return
+            seq.cancelled = True
+            self._cancels += 1
+            self._kick()
 
     async def close(self) -> None:
         if self._timer is not None:
@@ -319,10 +343,10 @@ class SimEngine(InferenceEngine):
 
     def _finish(self, seq: _Seq, reason: str) -> None:
         self.requests += 1  # (also one its caller abandoned: it ran in the engine all the same)
-        if seq.done.done():
-            return
         if seq.cancelled:
             self._cancels -= 1
+        if seq.done.done():
+            return
         n = sum(c for _, c in seq.runs)
         ids = Runs([(FILL, n - 1), (EOS, 1)]) if reason == "stop" else Runs([(FILL, n)])
         seq.done.set_result(GenResult(seq.request.uid, ids, Runs([(-1.0, n)]), Runs(seq.runs),  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 # the statuses a sample is logged with (`Pipeline.accounting` counts each)
-LOGGED = ("trained", "reward_error", "filtered", "dropped_stale", "cancelled")
+LOGGED = ("trained", "reward_error", "filtered", "dropped_stale", "cancelled", "aborted")
 
 
 def summary_accounting(run_dir: Path) -> dict[str, Any] | None:

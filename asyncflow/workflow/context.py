@@ -20,6 +20,8 @@ from asyncflow.workflow.lease_keeper import LeaseKeeper
 from asyncflow.workflow.settings import ContextSettings
 
 CANCELLED = "cancelled: could no longer meet max_staleness"
+STRAGGLER = "aborted: still generating at rollout.group_timeout_s"
+ABORTED = "aborted"  # the finish_reason a straggler's sample is written with
 
 # (sample, the version that trained it, status, error) per samples.jsonl row
 LoggedSample = tuple[SampleView, "int | None", str, "str | None"]
@@ -41,6 +43,9 @@ class Counters:
     response_count: dict[str, int] = field(default_factory=dict)
     reward_errors: int = 0
     cancelled: int = 0
+    aborted: int = 0  # samples logged `aborted`: stragglers, and the finished samples of a group left too small
+    stragglers_aborted: int = 0  # stragglers among them (requests cut at rollout.group_timeout_s)
+    groups_partial: int = 0  # groups trained without their aborted stragglers
     reward_calls: int = 0  # reward calls made by this process (a resume starts them again: fail-fast)
     reward_call_failures: int = 0
     episodes: int = 0  # multi-turn episodes ended (environment or agent), and those that failed (likewise)

@@ -127,7 +127,7 @@ class Pipeline:
         c = self.ctx.counters
         admitted = int(m["groups_put"]) * self.settings.n
         logged = {"trained": c.trained, "reward_error": c.reward_errors, "filtered": c.filtered,
-                  "dropped_stale": c.dropped_stale, "cancelled": c.cancelled}
+                  "dropped_stale": c.dropped_stale, "cancelled": c.cancelled, "aborted": c.aborted}
         live = int(m["samples"])
         return {"admitted": admitted, **logged, "in_store_at_end": live,
                 "lost": admitted - sum(logged.values()) - live}

@@ -23,7 +23,7 @@ from asyncflow.rewards import (
 from asyncflow.tokenizer import Tokenizer
 from asyncflow.transfer_queue import Lease, QueueClosed, SampleView
 from asyncflow.workflow.batch import by_group
-from asyncflow.workflow.context import CANCELLED, StageContext
+from asyncflow.workflow.context import ABORTED, CANCELLED, StageContext
 from asyncflow.workflow.flight import Children, Flight
 from asyncflow.workflow.settings import RewardSettings
 
@@ -97,12 +97,21 @@ class RewardWorker:
     async def _reward_take(self, lease: Lease) -> None:
         """Score the groups of one reward lease and write their rewards (or errors)."""
         groups = by_group(lease.samples)
-        # a group with a cancelled sample is never trained: do not spend a reward call on it
-        live = [g for g in groups if "cancelled" not in [s.fields.get("finish_reason") for s in g]]
+        writes: dict[int, dict[str, Any]] = {}
+        live = []
+        for i, g in enumerate(groups):
+            reasons = [s.fields.get("finish_reason") for s in g]
+            if ABORTED in reasons:  # aborted stragglers (rollout.group_timeout_s) are not scored: no reward, no
+                # error (the trainer logs them as `aborted`); their group is its finished samples
+                writes.update({s.uid: {"reward": None, "reward_error": None} for s, r in zip(g, reasons, strict=True) if r == ABORTED})
+                groups[i] = g = [s for s, r in zip(g, reasons, strict=True) if r != ABORTED]
+            if g and "cancelled" not in reasons:  # a group with a cancelled sample is never trained: no reward call
+                live.append(g)
         with self.ctx.keeper.holding(lease):
             scored = dict(zip((g[0].group_id for g in live), await self._score_groups(live), strict=True))
-        writes = {}
         for group in groups:
+            if not group:  # (its every sample was a straggler)
+                continue
             outcome = scored.get(group[0].group_id, _CANCELLED_OUTCOME)
             rewards, error, parts = outcome.rewards, outcome.error, outcome.parts
             for i, s in enumerate(group):

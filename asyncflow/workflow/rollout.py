@@ -20,7 +20,7 @@ from asyncflow.tokenizer import Tokenizer
 from asyncflow.transfer_queue import Lease, QueueClosed
 from asyncflow.workflow.agent import AgentFn, run_agent_episode
 from asyncflow.workflow.agent_proxy import AgentProxy
-from asyncflow.workflow.context import StageContext
+from asyncflow.workflow.context import ABORTED, StageContext
 from asyncflow.workflow.episode import (
     EpisodeResult,
     TurnBarrier,
@@ -44,6 +44,13 @@ def response_fields(res: GenResult) -> tuple[dict[str, Any], int]:
         "behavior_version": version,
         "finish_reason": res.finish_reason,
     }, version
+
+
+def straggler_fields() -> dict[str, Any]:
+    """What an aborted straggler's sample is written with: no tokens (its request was abandoned), no
+    version (its group's version floor is its finished samples'), finish_reason `aborted`."""
+    return {"response_ids": [], "behavior_logprobs": [], "token_versions": [], "behavior_version": None,
+            "finish_reason": ABORTED}
 
 
 def _held(deadlines: dict[asyncio.Future[Any], tuple[float, int, Lease]]) -> list[Lease]:
@@ -91,6 +98,7 @@ class RolloutWorker:
         # in a functools.partial per request: request_done is the future's callback as it is.)
         deadlines: dict[asyncio.Future[Any], tuple[float, int, Lease]] = {}
         expired: dict[asyncio.Future[Any], str] = {}
+        aborted: set[asyncio.Future[Any]] = set()  # stragglers cut at rollout.group_timeout_s (see _watch)
         ro = self.settings
         # in process: a finished request's write and its slot's next sample in one store call
         fused = ctx.store.complete_and_take if ctx.store.in_process and not self.episodic else None
@@ -117,11 +125,11 @@ class RolloutWorker:
             try:
                 if expired and fut in expired:
                     fail(WaitTimeout(expired.pop(fut)))
-                elif not fut.cancelled():  # cancelled otherwise: this worker is stopping
+                elif not fut.cancelled() or (aborted and fut in aborted):  # else: this worker is stopping
+                    fields, version = (straggler_fields(), None) if fut.cancelled() else response_fields(fut.result())
                     if fused is None or episodes.errors:
-                        self._write_response(lease, fut.result())
+                        self._write_response(lease, fields, version)
                     else:  # write, and refill the freed slot without a wake-up
-                        fields, version = response_fields(fut.result())
                         written, new = fused(lease, fields, version=version, stage=stage)
                         if written:
                             self.ctx.counters.produced += 1
@@ -132,10 +140,11 @@ class RolloutWorker:
             except Exception as exc:
                 fail(exc)
             finally:
+                aborted.discard(fut)
                 flight.release()
 
         proxy = await self._agent_proxy()
-        watchdog = asyncio.create_task(self._watch(deadlines, expired))
+        watchdog = asyncio.create_task(self._watch(deadlines, expired, aborted))
         in_flight = functools.partial(_held, deadlines)  # renewed too: request_timeout_s may exceed lease_timeout_s
         self.ctx.keeper.watch(in_flight)
         try:
@@ -215,29 +224,38 @@ class RolloutWorker:
             self.ctx.tracer.span(track, "generating", start, self.ctx.clock.now())
 
     async def _watch(self, deadlines: dict[asyncio.Future[Any], tuple[float, int, Lease]],
-                     expired: dict[asyncio.Future[Any], str]) -> None:
+                     expired: dict[asyncio.Future[Any], str], aborted: set[asyncio.Future[Any]]) -> None:
         """Cancel generation requests past `rollout.request_timeout_s`, checking every eighth of it:
         one timer per worker instead of one per request, which keeps the event loop's timer heap
         small (measured: per-request timers cost ~40 us per sample at 1,500 requests in flight).
-        A request therefore fails between 1 and 1.125 times its timeout after it started."""
-        timeout = self.settings.request_timeout_s
+        A request therefore fails between 1 and 1.125 times its timeout after it started. With
+        `rollout.group_timeout_s`, a request past that (checked every eighth of it) is a straggler:
+        abandoned in the engine (its future cancelled) and written as `aborted` (`request_done`)."""
+        timeout, cut = self.settings.request_timeout_s, self.settings.group_timeout_s
+        early = timeout - cut if cut is not None else -1.0  # a straggler's deadline is this much before its timeout
         while True:
-            await self.ctx.clock.sleep(timeout / 8)
+            await self.ctx.clock.sleep(min(timeout, cut or timeout) / 8)
             now = self.ctx.clock.now()
             for fut, (deadline, uid, _) in list(deadlines.items()):
-                if now >= deadline and not fut.done():
+                if fut.done():
+                    continue
+                if now >= deadline:
                     expired[fut] = f"timed out after {timeout:g} s waiting for generation of sample {uid}"
                     fut.cancel()
+                elif now >= deadline - early:
+                    aborted.add(fut)
+                    fut.cancel()
 
-    def _write_response(self, lease: Lease, res: GenResult) -> None:
-        """Write one single-turn request's response and end its lease (the request's done callback)."""
+    def _write_response(self, lease: Lease, fields: dict[str, Any], version: int | None) -> None:
+        """Write one single-turn request's response (`response_fields`, or an aborted straggler's
+        `straggler_fields` with no version) and end its lease (the request's done callback)."""
         # A cancelled request (it could no longer meet max_staleness) is written like any other,
         # with its partial response: its group then reaches the trainer, which drops the whole
-        # group and frees its admission slot. Removing it here would leak that slot.
+        # group and frees its admission slot. Removing it here would leak that slot. (Likewise a
+        # straggler: its group becomes complete, and the trainer logs it and trains the rest.)
         uid = lease.samples[0].uid
-        fields, version = response_fields(res)
         try:
-            if self.ctx.store.complete(lease, {uid: fields}, versions={uid: version}):
+            if self.ctx.store.complete(lease, {uid: fields}, versions=None if version is None else {uid: version}):
                 self.ctx.counters.produced += 1
         except (QueueClosed, KeyError):
             return  # the run is ending, or the sample was removed meanwhile

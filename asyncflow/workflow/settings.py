@@ -99,6 +99,7 @@ class RolloutSettings:
     fail_fast_calls: int  # the first this many episodes all failed: stop the run (`reward.fail_fast_calls`)
     episode: EpisodeSettings
     recorder: RecorderSettings
+    group_timeout_s: float | None = None  # a request running this long is aborted as a straggler (None: never)
 
     @classmethod
     def from_config(cls, cfg: Config, max_context: int | None = None) -> RolloutSettings:
@@ -108,7 +109,8 @@ class RolloutSettings:
                                   ro.top_p, ro.top_k, max_context)
         return cls(ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k, ro.request_timeout_s, ro.env_timeout_s,
                    ro.agent_timeout_s, cfg.workflow.step_timeout_s, ro.affinity, ro.turn_barrier, cfg.seed,
-                   cfg.reward.fail_fast_calls, episode, recorder_settings(cfg, ro.temperature, max_context))
+                   cfg.reward.fail_fast_calls, episode, recorder_settings(cfg, ro.temperature, max_context),
+                   ro.group_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class TrainerSettings:
     filter_budget: int  # most equal-reward groups one step filters; past it they train (`filter_overflow`)
     weight_update: WeightUpdateMode
     threads: int  # torch threads of a weight export
+    group_min_samples: int = 2  # a group with aborted stragglers trains on its finished samples if this many
 
     @classmethod
     def from_config(cls, cfg: Config) -> TrainerSettings:
@@ -159,7 +162,8 @@ class TrainerSettings:
         a = cfg.algorithm
         return cls(cfg.train.max_steps, cfg.train.batch_size, cfg.rollout.n, gps, cfg.staleness,
                    cfg.workflow.step_timeout_s, cfg.checkpoint.every, a.filter_groups,
-                   a.filter_max_groups_per_step or 4 * gps, cfg.workflow.weight_update, torch_threads(cfg))
+                   a.filter_max_groups_per_step or 4 * gps, cfg.workflow.weight_update, torch_threads(cfg),
+                   cfg.rollout.group_min_samples)
 
 
 @dataclass(frozen=True)

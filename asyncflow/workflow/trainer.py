@@ -20,7 +20,7 @@ from asyncflow.workflow.batch import (
     batch_metrics,
     by_group,
 )
-from asyncflow.workflow.context import CANCELLED, LoggedSample, StageContext
+from asyncflow.workflow.context import ABORTED, CANCELLED, STRAGGLER, LoggedSample, StageContext
 from asyncflow.workflow.gate import GateControl
 from asyncflow.workflow.learner import Learner
 from asyncflow.workflow.settings import TrainerSettings
@@ -173,7 +173,6 @@ class Trainer:
 
     async def _collect_into(self, leases: list[Lease], version: int, wait: BatchWait) -> Batch:
         groups: list[list[SampleView]] = []
-        have = 0
         filtered = 0
         failed = 0  # groups whose every reward call failed, in this batch's wait
         # one deadline for the whole batch, not per take: while every group fails (a verifier that went
@@ -186,7 +185,7 @@ class Trainer:
                     raise WaitTimeout("the batch's deadline passed")
                 # the rest of the batch in one lease, woken once when all of it is ready: not a wake-up,
                 # a lease and an ack per group (PIPE: ~10% of a sample's scheduling CPU)
-                need = self.settings.batch_size - have
+                need = (self.settings.groups_per_step - len(groups)) * self.settings.n  # (a partial group is one)
                 lease = await self.ctx.store.take(
                     "train",
                     max(self.settings.n, need),
@@ -206,9 +205,14 @@ class Trainer:
             leases.append(lease)
             self._drop_stale(lease, version)
             for group in by_group(lease.samples):
-                if any(s.fields.get("finish_reason") == "cancelled" for s in group):
+                reasons = [s.fields.get("finish_reason") for s in group]
+                if "cancelled" in reasons:
                     self._drop_groups(group, "dropped with its group: a sample of the group was cancelled")
                     continue
+                if ABORTED in reasons:
+                    group = self._without_stragglers(group, reasons)
+                    if not group:
+                        continue
                 if all(s.fields["reward_error"] is not None for s in group):
                     failed += 1
                     self.ctx.counters.reward_errors += len(group)
@@ -231,8 +235,27 @@ class Trainer:
                         continue
                     self.ctx.counters.filter_overflow += 1
                 groups.append(group)
-                have += len(group)
         return groups, leases, filtered
+
+    def _without_stragglers(self, group: list[SampleView], reasons: list[Any]) -> list[SampleView]:
+        """The group less its aborted stragglers (rollout.group_timeout_s; `reasons`: the samples'
+        finish reasons), which are logged as `aborted` and leave the store now (the group's slot
+        stays: it trains); [] when fewer than `group_min_samples` finished, the whole group then
+        dropped and its slot freed."""
+        present = [s for s, r in zip(group, reasons, strict=True) if r != ABORTED]
+        least = self.settings.group_min_samples
+        if len(present) < least:
+            self._drop_groups(group, f"aborted with its group: {len(present)} of its samples finished by "
+                                     f"rollout.group_timeout_s, fewer than rollout.group_min_samples={least}",
+                              status="aborted")
+            return []
+        stragglers = [s for s, r in zip(group, reasons, strict=True) if r == ABORTED]
+        self.ctx.counters.aborted += len(stragglers)
+        self.ctx.counters.stragglers_aborted += len(stragglers)
+        self.ctx.samples.write([(s, None, "aborted", STRAGGLER) for s in stragglers])
+        # (the lease's ack or release skips them; the store then offers the rest as the whole group)
+        self.ctx.store.remove([s.uid for s in stragglers])
+        return present
 
     def _drop_stale(self, lease: Lease, version: int) -> None:
         """Drop groups below the version floor, freeing their admission slots. A sample whose
@@ -241,16 +264,25 @@ class Trainer:
             return
         self._drop_groups(lease.expired, f"older than max_staleness={self.settings.max_staleness} at trainer version {version}")
 
-    def _drop_groups(self, samples: list[SampleView], msg: str) -> None:
-        """Log whole groups as never trained (`cancelled` samples as such, the rest `dropped_stale`)
-        and free their admission slots."""
+    def _drop_groups(self, samples: list[SampleView], msg: str, status: str = "dropped_stale") -> None:
+        """Log whole groups as never trained (`cancelled` samples and aborted stragglers as such, the
+        rest with `status`: `dropped_stale` or `aborted`) and free their admission slots."""
         logged: list[LoggedSample] = []
+        c = self.ctx.counters
         for s in samples:
-            if s.fields.get("finish_reason") == "cancelled":
-                self.ctx.counters.cancelled += 1
+            reason = s.fields.get("finish_reason")
+            if reason == "cancelled":
+                c.cancelled += 1
                 logged.append((s, None, "cancelled", CANCELLED))
+            elif reason == ABORTED:
+                c.aborted += 1
+                c.stragglers_aborted += 1
+                logged.append((s, None, "aborted", STRAGGLER))
+            elif status == "aborted":
+                c.aborted += 1
+                logged.append((s, None, "aborted", msg))
             else:
-                self.ctx.counters.dropped_stale += 1
+                c.dropped_stale += 1
                 logged.append((s, None, "dropped_stale", msg))
         self.ctx.samples.write(logged)
         self._discard(samples)
@@ -276,6 +308,7 @@ class Trainer:
         (the engines' loads, then the step's row: `on_step`), running. `after`, the previous step's
         publication, ends before this step's samples are logged: each row counts its own step."""
         samples = [s for g in groups for s in g]
+        self.ctx.counters.groups_partial += sum(1 for g in groups if len(g) < self.settings.n)
         valid: list[bool] = []
         rewards: list[float] = []
         reward_sum = 0.0
