@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -65,13 +67,13 @@ def test_a_hung_reward_actor_is_named_and_its_stacks_dumped(ray_session, arith_d
 
 def test_a_hung_trainer_actor_call_is_named_and_the_actor_still_dumps_its_stacks(
         ray_session, arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planted hang: the second train step is a call that blocks inside the trainer actor (a save
-    into a named pipe nobody reads). Its calls run one at a time, yet it answers the dump beside it."""
+    """The planted hang: the second train step is a call that blocks inside the trainer actor (a load
+    from a named pipe nobody writes). Its calls run one at a time, yet it answers the dump beside it."""
     from asyncflow.runtime.ray_remote import RemoteTrainEngine
 
-    fifo_dir = tmp_path / "never_read"
+    fifo_dir = tmp_path / "never_written"
     fifo_dir.mkdir()
-    os.mkfifo(fifo_dir / "config.json")  # (written in place: the weights go through a renamed temporary)
+    os.mkfifo(fifo_dir / "optimizer.pt")
     real_step = RemoteTrainEngine.train_step
     calls = [0]
 
@@ -80,12 +82,25 @@ def test_a_hung_trainer_actor_call_is_named_and_the_actor_still_dumps_its_stacks
         if calls[0] == 2:
             import ray
 
-            ray.get(self.handle.save.remote(str(fifo_dir), False))  # (ends when the actor is killed)
+            ray.get(self.handle.load_optimizer.remote(str(fifo_dir)))  # (fails once the pipe is closed)
         return real_step(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(RemoteTrainEngine, "train_step", second_step_hangs)
     out = tmp_path / "run"
+
+    def release_once_dumped() -> None:
+        """End the load (an empty pipe) once stall/ is written, so the shutdown's calls into the
+        trainer actor, queued behind it, are answered now rather than at their timeout."""
+        deadline = time.monotonic() + 600
+        while not all((out / "stall" / n).exists() for n in ("trainer.txt", "store.json")):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        with open(fifo_dir / "optimizer.pt", "wb"):
+            pass
+
+    threading.Thread(target=release_once_dumped, daemon=True).start()
     line = _stall(arith_dir, out)
     assert "stage train is in a train step" in line, line
     trainer = (out / "stall" / "trainer.txt").read_text()
-    assert trainer.startswith("=== trainer actor (pid ") and "in save\n" in trainer, trainer[-3000:]
+    assert trainer.startswith("=== trainer actor (pid ") and "in load_optimizer\n" in trainer, trainer[-3000:]
