@@ -314,6 +314,31 @@ def _validate_lora(cfg: Config) -> None:
         raise UserError("model.lora.target_modules: empty (name modules, e.g. [q_proj, v_proj], or all-linear)")
 
 
+def _validate_distill(cfg: Config, explicit: set[str]) -> None:
+    """`algorithm.distill`: a teacher named; a server's prompt log-probs are the unscaled model's."""
+    d = cfg.algorithm.distill
+    assert d is not None
+    if not d.teacher:
+        raise UserError("algorithm.distill.teacher: required (a model folder, or a server's http://HOST:PORT/v1)")
+    server = is_server_teacher(d.teacher)
+    if server and cfg.rollout.temperature != 1.0:
+        raise UserError(f"algorithm.distill.teacher: a server teacher's prompt log-probs are the model's at temperature "
+                        f"1, but rollout.temperature is {cfg.rollout.temperature:g} (the reverse KL compares "
+                        "log-probs at the sampling temperature); use a teacher folder or temperature 1")
+    for key in ("timeout_s", "token_env"):
+        if not server and f"algorithm.distill.{key}" in explicit:
+            raise UserError(f"algorithm.distill.{key}: only used by a server teacher (http://...)")
+    if server and "algorithm.distill.device" in explicit:
+        raise UserError("algorithm.distill.device: only used by a teacher folder (the server places its own model)")
+    if d.coef == 0 and d.reward_coef == 0:
+        raise UserError("algorithm.distill: coef and reward_coef are both 0 (every advantage would be 0)")
+
+
+def is_server_teacher(teacher: str) -> bool:
+    """A distillation teacher reached over HTTP (else a model folder)."""
+    return teacher.startswith(("http://", "https://"))
+
+
 # algorithm.* keys each loss reads; a key set explicitly for a loss that does not read it is refused
 _LOSS_KEYS: dict[str, tuple[str, ...]] = {
     "ppo": ("clip_low", "clip_high", "dual_clip"),
@@ -353,6 +378,8 @@ def _validate_algorithm(cfg: Config, explicit: set[str]) -> None:
                         "(the window is [1/cap, cap]): any engine/trainer difference masks every token; use a cap > 1")
     if "algorithm.kl_estimator" in explicit and a.kl_coef == 0:
         raise UserError("algorithm.kl_estimator: not used while algorithm.kl_coef is 0 (no KL term); set kl_coef > 0")
+    if a.distill is not None:
+        _validate_distill(cfg, explicit)
     if a.norm_length is not None and a.agg != "dr_grpo":
         raise UserError(f"algorithm.norm_length: only used with algorithm.agg=dr_grpo (agg is {a.agg})")
     if "algorithm.overlong_penalty" in explicit and a.overlong_buffer == 0:

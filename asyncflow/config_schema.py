@@ -302,6 +302,25 @@ class TrainConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation: a teacher scores every token the policy samples; each token's advantage
+    gains -coef x (policy log-prob - teacher log-prob), the per-token reverse KL (docs/algorithms.md)."""
+
+    teacher: str | None = _f(None, "The teacher: a Hugging Face causal-LM folder with the policy's vocabulary (e.g. a "
+                                   "run's final/ or checkpoints/step_N/; a LoRA run's final/merged), or an OpenAI-compatible server's base URL "
+                                   "(http://HOST:PORT/v1) whose /v1/completions returns prompt log-probs (echo with "
+                                   "logprobs: vLLM, asyncflow serve). Required.")
+    coef: float = _f(1.0, "Weight of the per-token reverse KL in each token's advantage.", lo=0.0)
+    reward_coef: float = _f(1.0, "Weight of the task reward's advantage beside it. 0: distillation alone (rewards are "
+                                 "still computed and logged, so the run's accuracy stays measured).", lo=0.0)
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "Where a teacher folder runs (in the driver process). auto: "
+                                                        "the KL reference model's device (model.device).")
+    timeout_s: float = _f(120.0, "A server teacher: most seconds one scoring request may take.", lo=0.001)
+    token_env: str = _f("", "A server teacher: environment variable holding its bearer token (empty: none is sent; "
+                            "the token never goes into config.yaml).")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimator and policy loss."""
 
@@ -393,6 +412,10 @@ class AlgorithmConfig:
         "step), so a run where nothing varies cannot stall.",
         lo=0,
     )
+    distill: DistillConfig | None = field(default=None, metadata={"doc": "On-policy distillation (a mapping: "
+                                          "algorithm.distill.teacher, ...): the teacher's per-token log-probs of each "
+                                          "sampled response join its advantage; a stage of its own, like the KL "
+                                          "reference's. null: off. docs/algorithms.md (On-policy distillation)."})
 
 
 @dataclass

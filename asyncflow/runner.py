@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import random
 import signal
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 
 from asyncflow.atomic_files import write_dir_atomic, write_text_atomic
 from asyncflow.config import Config, episodic
+from asyncflow.config_checks import is_server_teacher
 from asyncflow.config_schema import clip_defaults, torch_threads
 from asyncflow.engines.http_client import HTTPError
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
@@ -171,6 +173,11 @@ def _load_checked(cfg: Config, resume: Any, explicit: Collection[str],
 
     # (a LoRA checkpoint holds the adapter alone: the policy's weights are the base model's)
     check_weights_match_config(inputs.model_dir if resume is None or cfg.model.lora is not None else resume.path)
+    distill = cfg.algorithm.distill
+    if distill is not None and distill.teacher is not None and not is_server_teacher(distill.teacher):
+        from asyncflow.engines.teacher import KEY, check_teacher_folder
+
+        check_weights_match_config(check_teacher_folder(distill.teacher, inputs.model_dir), key=KEY)
     return inputs, reward_fn, hf_tok, episodes
 
 
@@ -257,6 +264,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
     engines, trainer = list(runtime.engines), runtime.trainer
     await _probe_logprobs(cfg, engines, trainer, inputs, tok)  # (before the run folder is written)
     ref_fn = _reference_model(cfg, runtime, inputs.model_dir) if cfg.algorithm.kl_coef > 0 else None
+    teacher_fn = _teacher(cfg, runtime)
     saved_store = None if resume is None else _saved_store(resume)  # (read before the logs are cut)
     out = folder.open()  # the run is built: from here on it writes its folder
     redo_eval = resume is not None and evaluates_again(cfg, resume.step, resume.state["eval_history"])
@@ -279,7 +287,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         pipeline = build_pipeline(
             cfg, rows=inputs.train_rows, tokenizer=tok, reward_fn=reward_fn, engines=engines, train_engine=trainer,
             loss_fn=make_loss_fn(loss_settings(cfg)), clock=clock, log=log, tracer=tracer,
-            ref_logprobs=ref_fn, on_step=hooks.on_step, on_trained=hooks.on_trained, store=runtime.store, gate=runtime.gate,
+            ref_logprobs=ref_fn, teacher_logprobs=teacher_fn, on_step=hooks.on_step, on_trained=hooks.on_trained, store=runtime.store, gate=runtime.gate,
             env_factory=episodes[0], agent=episodes[1], collect_ahead=runtime.collect_ahead,
             stages_elsewhere=runtime.stages_elsewhere, max_context=inputs.positions,
         )
@@ -330,16 +338,42 @@ def _reference_model(cfg: Config, runtime: Any, model_dir: Path) -> Any:
     if cfg.model.lora is not None:  # the trainer's own base model, its adapter off: no second copy
         return functools.partial(runtime.trainer.reference_logprobs, temperature=cfg.rollout.temperature)
 
-    from asyncflow.engines.base import pick_device
     from asyncflow.engines.torch_train import ReferenceModel
 
-    # it runs in this process: beside the torch trainer on its device (model.device); on the CPU
-    # with Ray (the driver is given no GPU; the actors hold them), with fsdp (an unsharded copy on
-    # rank 0's GPU is what sharding saves) and with local vllm (it holds its GPU's memory)
-    beside_trainer = runtime.trainer_here and cfg.train.engine == "torch" and cfg.rollout.engine != "vllm"
     return ReferenceModel(model_dir, temperature=cfg.rollout.temperature,
                           micro_batch_size=cfg.train.micro_batch_size, dtype=getattr(torch, cfg.model.dtype),
-                          device=pick_device(cfg.model.device) if beside_trainer else "cpu")
+                          device=_driver_model_device(cfg, runtime))
+
+
+def _driver_model_device(cfg: Config, runtime: Any, setting: str = "auto") -> str:
+    """Where a model the driver runs (the KL reference, a teacher folder) goes: `setting`, or with
+    auto beside the torch trainer on its device (model.device); on the CPU with Ray (the driver is
+    given no GPU; the actors hold them), with fsdp (an unsharded copy on rank 0's GPU is what
+    sharding saves) and with local vllm (it holds its GPU's memory)."""
+    from asyncflow.engines.base import pick_device
+
+    if setting != "auto":
+        return pick_device(setting)
+    beside_trainer = runtime.trainer_here and cfg.train.engine == "torch" and cfg.rollout.engine != "vllm"
+    return pick_device(cfg.model.device) if beside_trainer else "cpu"
+
+
+def _teacher(cfg: Config, runtime: Any) -> Any:
+    """The distillation teacher's log-probs (`algorithm.distill`; None: off): a server, or a folder
+    run in this process as the KL reference is."""
+    d = cfg.algorithm.distill
+    if d is None or d.teacher is None:
+        return None
+    if is_server_teacher(d.teacher):
+        from asyncflow.engines.teacher import ServerTeacher
+
+        return ServerTeacher(d.teacher, timeout_s=d.timeout_s, token=os.environ.get(d.token_env) if d.token_env else None)
+    import torch
+
+    from asyncflow.engines.torch_train import ReferenceModel
+
+    return ReferenceModel(d.teacher, temperature=cfg.rollout.temperature, micro_batch_size=cfg.train.micro_batch_size,
+                          dtype=getattr(torch, cfg.model.dtype), device=_driver_model_device(cfg, runtime, d.device))
 
 
 def _saved_store(resume: Any) -> Any:

@@ -201,9 +201,45 @@ class OpenAIServer:
 
     def _completions(self, req: dict[str, Any]) -> Reply:
         prompts = prompt_list(req.get("prompt"))
-        params = sampling_params(req, {**UNSUPPORTED, "suffix": None, "echo": False})
+        params = sampling_params(req, {**UNSUPPORTED, "suffix": None})
+        echo = req.get("echo", False)
+        if not isinstance(echo, bool) or (echo and params["stream"]):
+            raise RequestError("echo: expected true or false, and not with stream", param="echo")
         self._check_size(prompts, params)
-        return self._answer(self._prompts(prompts), params, chat=False)
+        ids = self._prompts(prompts)
+        reply = self._answer(ids, params, chat=False)
+        if echo:  # (after generating: the prompts' pass then runs on the weights the choices ended on)
+            self._echo(reply, ids, params["logprobs"])
+        return reply
+
+    def _echo(self, reply: Any, prompts: list[list[int]], logprobs: bool) -> None:
+        """`echo`: each choice's text, ids and log-probs preceded by its prompt's, as OpenAI's legacy
+        completions give them (the first prompt token has log-prob None: nothing conditions it). The
+        prompt's log-probs are the model's at temperature 1, one scoring pass for all the prompts."""
+        assert isinstance(reply, dict)
+        scored = [p for p in prompts if len(p) > 1]
+        lps = iter(self._score(scored) if logprobs and scored else [])
+        per_prompt = [[None, *next(lps)] if logprobs and len(p) > 1 else [None] * len(p) for p in prompts]
+        for choice in reply["choices"]:
+            ids = prompts[choice["prompt_index"]]
+            choice["text"] = self._text(ids) + choice["text"]
+            choice["prompt_token_ids"] = list(ids)
+            lp = choice["logprobs"]
+            lp["token_logprobs"] = per_prompt[choice["prompt_index"]] + lp["token_logprobs"]
+            if "tokens" in lp:
+                lp["tokens"] = [self._piece(t) for t in ids] + lp["tokens"]
+            if lp.get("top_logprobs") is not None:
+                lp["top_logprobs"] = [None] * len(ids) + lp["top_logprobs"]
+
+    def _score(self, prompts: list[list[int]]) -> list[list[float]]:
+        score = getattr(self.engine, "submit_score", None)
+        if score is None:
+            raise RequestError("echo with logprobs: this engine cannot score prompts", param="echo")
+        try:
+            return score(prompts).result(timeout=self.request_timeout_s)  # type: ignore[no-any-return]
+        except cf.TimeoutError:
+            raise RequestError(f"echo: the prompts' log-probs took over {self.request_timeout_s:g} s", status=504,
+                               kind="timeout") from None
 
     def _check_size(self, prompts: list[Any], params: dict[str, Any]) -> None:
         """Refuse a request by its counts before any prompt is converted (the body limit admits

@@ -464,14 +464,15 @@ def test_weight_modes_keep_versions_right_on_either_path(ray_session, tiny_model
 
 @pytest.mark.slow
 def test_short_training_run_on_ray(ray_session, arith_dir: Path, tmp_path: Path) -> None:
-    """Also the test of examples/arith_ray.yaml (its base config)."""
+    """Also the test of examples/arith_ray.yaml (its base config), with a distillation teacher (a
+    stage in the driver, over the store controller's client)."""
     from asyncflow.config import load_config
     from asyncflow.runner import train
 
     example = Path(__file__).resolve().parent.parent / "examples" / "arith_ray.yaml"
     cfg, _ = load_config(example, [ f"model.path={arith_dir}", "train.max_steps=4", "train.batch_size=32", "rollout.n=4",
         "eval.every=2", "eval.size=40", "logging.progress=false", "workflow.weight_update=abort",
-        "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5",
+        "runtime.rollout_cpus=0.5", "runtime.train_cpus=0.5", f"algorithm.distill.teacher={arith_dir}",
     ])
     out = tmp_path / "run"
     summary = train(cfg, out, progress_enabled=False)
@@ -481,6 +482,7 @@ def test_short_training_run_on_ray(ray_session, arith_dir: Path, tmp_path: Path)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert [r["policy_version"] for r in steps] == [1, 2, 3, 4]
     assert all(r["weight_sync_s"] > 0 and r["staleness_max"] <= 1 for r in steps)
+    assert abs(steps[0]["distill_reverse_kl"]) < 1e-3  # (the teacher is the starting policy)
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 2, 4]
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     trained = [s for s in samples if s["status"] == "trained"]
@@ -490,7 +492,7 @@ def test_short_training_run_on_ray(ray_session, arith_dir: Path, tmp_path: Path)
     assert not others & {s["uid"] for s in trained}
     trace = json.loads((out / "trace.json").read_text())
     names = {e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
-    assert {"rollout/0", "reward/0", "trainer", "weight sync"} <= names
+    assert {"rollout/0", "reward/0", "trainer", "weight sync", "teacher"} <= names
     assert (out / "final" / "config.json").is_file()
     assert not ray_session.util.placement_group_table() or all(
         pg["state"] == "REMOVED" for pg in ray_session.util.placement_group_table().values()

@@ -92,6 +92,17 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalt
     return -penalty * over / buffer
 
 
+def distill_advantages(advantages: torch.Tensor, behavior_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                       mask: torch.Tensor, coef: float, reward_coef: float) -> torch.Tensor:
+    """On-policy distillation's per-token advantages [B, T]: `reward_coef` x the sequence's advantage
+    (`advantages` [B]) minus `coef` x the sampled token's reverse KL, log mu - log teacher (the policy
+    that sampled it against the teacher: a one-sample estimate of KL(mu || teacher) at that position).
+    0 off `mask`. Taken at the behavior log-probs, so the advantage is fixed when the batch is built,
+    whatever the loss then does with ratios."""
+    reverse_kl = (behavior_logprobs - teacher_logprobs) * mask
+    return (reward_coef * advantages.unsqueeze(-1) * mask - coef * reverse_kl).to(torch.float32)
+
+
 ADVANTAGES: dict[str, AdvantageFn] = {
     "grpo": compute_grpo_advantages,
     "dr_grpo": compute_dr_grpo_advantages,

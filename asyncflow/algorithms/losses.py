@@ -173,7 +173,7 @@ def policy_loss(
     """The loss `settings.loss` for one micro-batch, plus metric sums.
 
     Shapes: logprobs/behavior_logprobs/proximal_logprobs/ref_logprobs/mask [B, T]; advantages [B]
-    (broadcast over tokens). Per-token objectives to minimise, with r = pi_theta / mu, A the advantage,
+    (broadcast over tokens) or [B, T] (per token: on-policy distillation). Per-token objectives to minimise, with r = pi_theta / mu, A the advantage,
     sg the stop-gradient:
     - `ppo`: max(-A r, -A clip(r, 1-cl, 1+ch)) (dual clip optional)
     - `decoupled_ppo`: w * max(-A r', -A clip(r')) with r' = pi_theta / pi_prox and
@@ -192,7 +192,8 @@ def policy_loss(
     """
     s = settings
     mask = mask.to(logprobs.dtype)
-    adv = advantages.to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+    adv = advantages.to(logprobs.dtype)
+    adv = adv if adv.dim() == 2 else adv.unsqueeze(-1).expand_as(logprobs)
     t = max(norm.tokens, 1.0)
     # current vs behavior, 0 off the mask; clamped (as verl does) so exp never overflows: past e^20 a
     # ratio's clip or cap has long taken over, but exp(89) is inf and the clipped branch's gradient NaN

@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.attention_choice import pick_attention
 from asyncflow.engines.base import EngineOutOfMemory, GenRequest, GenResult, InferenceEngine, WeightUpdateMode
+from asyncflow.engines.head_logprobs import token_logprobs
 from asyncflow.engines.kv_cache import returned_cache, with_cache
 from asyncflow.engines.sampling import SAMPLING_EPS, sample_tokens, top_alternatives, truncate_logits
 from asyncflow.engines.weight_delta import HeldParams, HeldWeights, Publication, ResyncNeeded
@@ -74,6 +75,13 @@ class _Row:
             extra: dict[str, Any] = {"top_logprobs": self.top} if self.req.top_logprobs > 0 else {}
             self.future.set_result(GenResult(self.req.uid, self.tokens, self.logprobs, self.versions, reason,  # type: ignore[arg-type]
                                              extra))
+
+
+@dataclass
+class _Score:
+    rows: list[list[int]]
+    temperature: float
+    future: cf.Future[list[list[float]]]
 
 
 @dataclass
@@ -159,6 +167,7 @@ class HFEngine(InferenceEngine):
         self._lora_base: dict[str, torch.Tensor] = {}  # LoRA: base weights of the adapted modules (lora.merge_into)
         self.held = HeldWeights()  # the publication these weights are (delta weight sync)
         self._thread: threading.Thread | None = None  # the decode thread, while one runs (see `_wake`)
+        self._scores: deque[_Score] = deque()  # scoring passes asked for (`submit_score`)
         with self._cv:
             self._wake()
 
@@ -181,6 +190,20 @@ class HFEngine(InferenceEngine):
             self._waiting.append(row)
             self._wake()
         return row.future
+
+    def submit_score(self, rows: list[list[int]], temperature: float = 1.0) -> cf.Future[list[list[float]]]:
+        """Queue a scoring pass: each row's log-probs of its tokens 1.. under softmax(logits /
+        `temperature`), on the weights in use (the decode thread runs it between two decode steps,
+        never during a load)."""
+        if not rows or any(len(r) < 2 for r in rows):
+            raise ValueError("submit_score: every row needs at least 2 tokens (the first is only conditioned on)")
+        job = _Score(rows, temperature, cf.Future())
+        with self._cv:
+            if self._stop:
+                raise RuntimeError(f"engine {self.name} is closed")
+            self._scores.append(job)
+            self._wake()
+        return job.future
 
     async def generate(self, request: GenRequest) -> GenResult:
         return await self.start_generate(request)
@@ -308,8 +331,11 @@ class HFEngine(InferenceEngine):
                     pending = self._fills[0] if self._fills else self._pending
                     admit = self._take_admissions(pending)
                     self._admitting = admit  # (under the lock: cancel_older_than sees every row)
+                    scores, self._scores = list(self._scores), deque()
                 t0 = time.perf_counter()
                 with torch.inference_mode():
+                    for job in scores:
+                        self._score(job)
                     if pending is not None:
                         self._maybe_load(pending)
                     try:
@@ -332,7 +358,44 @@ class HFEngine(InferenceEngine):
 
     def _idle(self) -> bool:
         """Nothing to do (under `self._cv`): no load asked for, and no row to decode or admit."""
-        return self._pending is None and not self._fills and (self._torn or (not self._rows and not self._waiting))
+        return self._pending is None and not self._fills and not self._scores and (
+            self._torn or (not self._rows and not self._waiting))
+
+    def _score(self, job: _Score) -> None:
+        """A scoring pass, in chunks of at most `max_prefill_tokens` padded tokens (right-padded rows)."""
+        if job.future.cancelled():
+            return
+        if self._torn:
+            job.future.set_exception(RuntimeError(f"engine {self.name}: its weights are mid-load (a failed fill)"))
+            return
+        out: list[list[float]] = []
+        try:
+            start = 0
+            while start < len(job.rows):
+                width = len(job.rows[start])
+                end = start + 1
+                while end < len(job.rows) and (end - start + 1) * max(width, len(job.rows[end])) <= self.max_prefill_tokens:
+                    width = max(width, len(job.rows[end]))
+                    end += 1
+                out += self._score_chunk(job.rows[start:end], width, job.temperature)
+                start = end
+        except Exception as exc:  # (this job's failure, e.g. out of memory: the engine serves on)
+            with contextlib.suppress(cf.InvalidStateError):
+                job.future.set_exception(exc)
+            return
+        with contextlib.suppress(cf.InvalidStateError):
+            job.future.set_result(out)
+
+    def _score_chunk(self, rows: list[list[int]], width: int, temperature: float) -> list[list[float]]:
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[i, : len(r)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pick_attention(self.model, self.device, width, width)
+        lp, _ = token_logprobs(self.model, ids, mask, mask[:, 1:].float(), temperature)
+        return [lp[i, : len(r) - 1].tolist() for i, r in enumerate(rows)]
 
     def _take_admissions(self, pending: _PendingWeights | None) -> list[_Row]:
         if self._torn or (pending is not None and pending.mode == "drain"):
@@ -609,6 +672,10 @@ class HFEngine(InferenceEngine):
             self._rows, self._waiting, self._admitting = [], deque(), []
             pending, self._pending = self._pending, None
             fills, self._fills = list(self._fills), deque()
+            scores, self._scores = list(self._scores), deque()
+        for job in scores:
+            with contextlib.suppress(cf.InvalidStateError):
+                job.future.set_exception(exc or RuntimeError(f"engine {self.name} closed before scoring"))
         for row in rows:
             if row.future.done():
                 continue

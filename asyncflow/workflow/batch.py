@@ -13,7 +13,7 @@ from asyncflow.engines.base import TrainBatch
 from asyncflow.transfer_queue import SampleView
 
 TRAIN_FIELDS = ("prompt_ids", "response_ids", "behavior_logprobs", "token_versions", "behavior_version", "reward_error",
-                "row", "finish_reason", "reward", "loss_mask", "turns", "ref_logprobs", "agent_calls", "agent_calls_dropped",
+                "row", "finish_reason", "reward", "loss_mask", "turns", "ref_logprobs", "teacher_logprobs", "agent_calls", "agent_calls_dropped",
                 "reward_parts")
 
 

@@ -72,6 +72,7 @@ def build_pipeline(
     loss_fn: LossFn | None = None,
     learner: Learner | None = None,
     ref_logprobs: ReferenceFn | None = None,
+    teacher_logprobs: ReferenceFn | None = None,
     on_step: Callable[[StepResult], Awaitable[None]] | None = None,
     on_trained: Callable[[], None] | None = None,
     store: StoreClient | None = None,
@@ -87,7 +88,8 @@ def build_pipeline(
     default: `train_engine`'s with `loss_fn`. `env_factory`/`agent`: multi-turn episodes (see
     `episode_components`). `collect_ahead`: the trainer collects its next batch during a train step
     (the runtime says when that pays: a store in another process). `stages_elsewhere`: the feeder,
-    rollout and reward stages run in actors; only the trainer (and the reference) run here.
+    rollout and reward stages run in actors; only the trainer (and the reference and teacher) run here.
+    `ref_logprobs`, `teacher_logprobs`: the KL reference's and the distillation teacher's log-probs.
     `max_context`: the model's positions, for multi-turn episodes."""
     ps = PipelineSettings.from_config(cfg)
     require_layers(ps.sandbox_require)  # (a reward function, environment or agent may run code in the sandbox)
@@ -99,15 +101,19 @@ def build_pipeline(
     if learner is None:
         if loss_fn is None:
             raise ValueError("build_pipeline: give a loss_fn (for the train engine's step) or a learner")
+        if cfg.algorithm.distill is not None and teacher_logprobs is None:
+            raise ValueError("build_pipeline: algorithm.distill is on: give the teacher's teacher_logprobs")
         learner = EngineLearner(LearnerSettings.from_config(cfg), train_engine, loss_fn,
                                 pad_token_id=tokenizer.pad_token_id, with_reference=ref_logprobs is not None)
     trainer = Trainer(ctx, TrainerSettings.from_config(cfg), learner=learner, engine=train_engine, engines=engines,
                       gate=the_gate, collect_ahead=collect_ahead, on_step=on_step, on_trained=on_trained)
     episodic = env_factory is not None or agent is not None
-    reference = None if ref_logprobs is None else ReferenceWorker(
-        ctx, ReferenceSettings.from_config(cfg), ref_logprobs=ref_logprobs, pad_token_id=tokenizer.pad_token_id)
+    scorers = [ReferenceWorker(ctx, ReferenceSettings.from_config(cfg), ref_logprobs=fn,
+                               pad_token_id=tokenizer.pad_token_id, stage=stage, field=field)
+               for fn, stage, field in ((ref_logprobs, "reference", "ref_logprobs"),
+                                        (teacher_logprobs, "teacher", "teacher_logprobs")) if fn is not None]
     parts: dict[str, Any] = {"trainer": trainer, "gate": the_gate, "engines": engines, "episodic": episodic,
-                             "reference": reference, "own_store": own_store}
+                             "scorers": scorers, "own_store": own_store}
     if stages_elsewhere:
         return Pipeline(ctx, ps, **parts)
     if not isinstance(the_gate, StalenessGate):

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from asyncflow.algorithms.advantages import make_advantage_fn, overlong_penalty
+from asyncflow.algorithms.advantages import distill_advantages, make_advantage_fn, overlong_penalty
 from asyncflow.algorithms.losses import NEEDS_PROXIMAL
 from asyncflow.compute_thread import in_own_thread
 from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine
@@ -27,6 +27,17 @@ class Learner(Protocol):
         reward 0, masked out) with the weights of policy `version`; returns the step's metrics and
         the number of trained tokens."""
         ...
+
+
+def aligned(samples: list[SampleView], field: str, like: torch.Tensor) -> torch.Tensor:
+    """The samples' per-response-token `field` (reference or teacher log-probs) placed as a padded
+    batch's response columns are (`like`'s shape; 0 elsewhere)."""
+    out = torch.zeros_like(like)
+    for i, s in enumerate(samples):
+        start = len(s.fields["prompt_ids"]) - 1
+        values = s.fields[field]
+        out[i, start : start + len(values)] = torch.tensor(values, dtype=out.dtype)
+    return out
 
 
 def current_version_mask(samples: list[SampleView], version: int, response_mask: torch.Tensor) -> torch.Tensor:
@@ -100,12 +111,15 @@ class EngineLearner:
             [s.fields.get("loss_mask") for s in samples],
         )
         if self.with_reference:
-            ref = torch.zeros_like(batch.behavior_logprobs)
-            for i, s in enumerate(samples):
-                start = len(s.fields["prompt_ids"]) - 1
-                values = s.fields["ref_logprobs"]
-                ref[i, start : start + len(values)] = torch.tensor(values, dtype=ref.dtype)
-            batch.ref_logprobs = ref
+            batch.ref_logprobs = aligned(samples, "ref_logprobs", batch.behavior_logprobs)
+        if algo.distill:
+            teacher = aligned(samples, "teacher_logprobs", batch.behavior_logprobs)
+            mask = batch.response_mask
+            batch.advantages = distill_advantages(adv, batch.behavior_logprobs, teacher, mask, algo.distill_coef,
+                                                  algo.reward_coef)
+            tokens = float(mask.sum())
+            # the reverse KL per trained token, estimated on the sampled tokens (k1: log mu - log teacher)
+            extra["distill_reverse_kl"] = float(((batch.behavior_logprobs - teacher) * mask).sum()) / max(tokens, 1.0)
         return batch, extra
 
     def compute_step(self, batch: TrainBatch, temperature: float, samples: list[SampleView],

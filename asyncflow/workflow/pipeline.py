@@ -54,10 +54,11 @@ class Pipeline:
     def __init__(self, ctx: StageContext, settings: PipelineSettings, *, trainer: Trainer, gate: GateControl,
                  engines: Sequence[InferenceEngine], episodic: bool, feeder: Feeder | None = None,
                  rollout: Sequence[RolloutWorker] = (), rewards: Sequence[RewardWorker] = (),
-                 reference: ReferenceWorker | None = None, own_store: TransferQueue | None = None) -> None:
+                 scorers: Sequence[ReferenceWorker] = (), own_store: TransferQueue | None = None) -> None:
         """`episodic`: samples are multi-turn episodes carrying their own reward (no reward stage).
-        `feeder`, `rollout`, `rewards`: none where those stages run elsewhere. `own_store`: the store
-        when this pipeline made it (it ends with the run)."""
+        `feeder`, `rollout`, `rewards`: none where those stages run elsewhere. `scorers`: the KL
+        reference and the distillation teacher, where on (they run here, beside the trainer).
+        `own_store`: the store when this pipeline made it (it ends with the run)."""
         self.ctx = ctx
         self.settings = settings
         self.trainer = trainer
@@ -67,7 +68,7 @@ class Pipeline:
         self.feeder = feeder
         self.rollout = list(rollout)
         self.rewards = list(rewards)
-        self.reference = reference
+        self.scorers = list(scorers)
         self.own_store = own_store
         self.t_start = ctx.clock.now()
         self._last_row_time = self.t_start
@@ -95,19 +96,23 @@ class Pipeline:
     def stop_early(self) -> int:
         return self.trainer.stop_early()
 
-    def register_stages(self) -> None:
-        """Each stage's readiness rule: the fields a sample needs before that stage may take it."""
-        store, s = self.ctx.store, self.settings
-        for i, stage in enumerate(s.rollout_stages):
-            store.register_stage(stage, ["prompt_ids", f"to/{i}"] if s.affinity else ["prompt_ids"])
+    def stage_rules(self) -> list[tuple[str, list[str], bool]]:
+        """Each stage's readiness rule, rollout first: (name, the fields a sample needs before that
+        stage may take it, whether it takes whole groups)."""
+        s = self.settings
+        rules = [(stage, ["prompt_ids", f"to/{i}"] if s.affinity else ["prompt_ids"], False)
+                 for i, stage in enumerate(s.rollout_stages)]
         if not self.episodic:  # multi-turn episodes carry their environment's (or agent's) reward: no reward stage
-            store.register_stage("reward", ["response_ids"], groups=True)
-        # reference log-probs (KL to the frozen initial policy) are a stage of their own: computed as
-        # responses arrive, off the trainer's critical path; the trainer then needs that field too
-        with_reference = self.reference is not None
-        if with_reference:
-            store.register_stage("reference", ["response_ids"])
-        store.register_stage("train", ["reward", "ref_logprobs"] if with_reference else ["reward"], groups=True)
+            rules.append(("reward", ["response_ids"], True))
+        # the reference's and the teacher's log-probs are stages of their own: computed as responses
+        # arrive, off the trainer's critical path; the trainer then needs their fields too
+        rules += [(w.stage, ["response_ids"], False) for w in self.scorers]
+        rules.append(("train", ["reward", *(w.field for w in self.scorers)], True))
+        return rules
+
+    def register_stages(self) -> None:
+        for name, fields, groups in self.stage_rules():
+            self.ctx.store.register_stage(name, fields, groups=groups)
 
     def restore(self, step: int, version: int, counters: dict[str, Any], elapsed_s: float) -> None:
         """Resume after `step` of a checkpoint: the trainer at `version` (its weights are loaded by the
@@ -184,8 +189,8 @@ class Pipeline:
                    for j, r in enumerate(self.rewards)]
         if self.feeder is not None:
             stages.append(asyncio.create_task(self.feeder.run(), name="feeder"))
-        if self.reference is not None:  # runs where the trainer runs (its reference model lives there)
-            stages.append(asyncio.create_task(self.reference.run(), name="reference"))
+        # (they run where the trainer runs: the reference model lives there)
+        stages += [asyncio.create_task(w.run(), name=w.stage) for w in self.scorers]
         if self.settings.stall_timeout_s > 0:
             watchdog = StallWatchdog(self.ctx.store, self.ctx.clock, self.settings.stall_timeout_s,
                                      folder=self.ctx.samples.log.out, stages=self.stage_names(),
@@ -195,11 +200,8 @@ class Pipeline:
         return stages
 
     def stage_names(self) -> list[str]:
-        """The store's stage names, rollout first (as `register_stages` registers them)."""
-        names = list(self.settings.rollout_stages)
-        names += [] if self.episodic else ["reward"]
-        names += [] if self.reference is None else ["reference"]
-        return [*names, "train"]
+        """The store's stage names, rollout first."""
+        return [name for name, _, _ in self.stage_rules()]
 
     async def _run(self, remote: dict[str, Awaitable[None]], worker_context: contextvars.Context | None) -> None:
         tasks = self._start(remote, worker_context)

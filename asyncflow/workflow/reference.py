@@ -1,10 +1,13 @@
-"""The reference stage: the KL term's reference log-probs of each response as soon as it is written,
-off the trainer's critical path. It waits for any written response.
+"""Stages that score each response with another model as soon as it is written, off the trainer's
+critical path: the KL term's reference (`ref_logprobs`) and the distillation teacher
+(`teacher_logprobs`). Each waits for any written response.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import cast
 
 import torch
 
@@ -16,25 +19,31 @@ from asyncflow.workflow.batch import build_train_batch
 from asyncflow.workflow.context import StageContext
 from asyncflow.workflow.settings import ReferenceSettings
 
-ReferenceFn = Callable[[TrainBatch], torch.Tensor]  # a padded batch -> per-token log-probs
+# a padded batch -> per-token log-probs [B, L-1]: blocking (a model pass, run in a worker thread) or
+# a coroutine function (a server's)
+ReferenceFn = Callable[[TrainBatch], torch.Tensor] | Callable[[TrainBatch], Awaitable[torch.Tensor]]
 
 
 class ReferenceWorker:
-    """The reference loop: up to a batch of responses per forward pass, in a worker thread, stored as
-    each sample's `ref_logprobs` field."""
+    """A scoring loop: up to a batch of responses per pass, stored as each sample's `field` (stage
+    `stage`): `reference` / `ref_logprobs` (the KL term), `teacher` / `teacher_logprobs` (distillation)."""
 
     def __init__(self, ctx: StageContext, settings: ReferenceSettings, *, ref_logprobs: ReferenceFn,
-                 pad_token_id: int) -> None:
+                 pad_token_id: int, stage: str = "reference", field: str = "ref_logprobs") -> None:
         self.ctx = ctx
         self.settings = settings
         self.ref_logprobs = ref_logprobs
         self.pad_token_id = pad_token_id
+        self.stage = stage
+        self.field = field
+        self.is_async = inspect.iscoroutinefunction(ref_logprobs) or inspect.iscoroutinefunction(
+            type(ref_logprobs).__call__)  # (a server teacher: an object with an async __call__)
 
     async def run(self) -> None:
         ctx, st = self.ctx, self.settings
         while True:
             try:
-                lease = await ctx.store.take("reference", st.batch_size, timeout=st.step_timeout_s,
+                lease = await ctx.store.take(self.stage, st.batch_size, timeout=st.step_timeout_s,
                                              fields_extra=["prompt_ids"])
             except WaitTimeout:
                 continue
@@ -43,19 +52,30 @@ class ReferenceWorker:
             samples = lease.samples
             start = ctx.clock.now()
             with ctx.keeper.holding(lease):
-                rows = await ctx.clock.wait_for(
-                    in_own_thread(self.rows_of, samples, threads=st.threads), st.step_timeout_s,
-                    f"reference log-probs of {len(samples)} samples",
-                )
-            ctx.tracer.span("reference", f"ref log-probs x{len(samples)}", start, ctx.clock.now())
-            ctx.store.complete(lease, {s.uid: {"ref_logprobs": r} for s, r in zip(samples, rows, strict=True)})
+                rows = await ctx.clock.wait_for(self.score(samples), st.step_timeout_s,
+                                                f"{self.stage} log-probs of {len(samples)} samples")
+            ctx.tracer.span(self.stage, f"{self.stage} log-probs x{len(samples)}", start, ctx.clock.now())
+            ctx.store.complete(lease, {s.uid: {self.field: r} for s, r in zip(samples, rows, strict=True)})
 
-    def rows_of(self, samples: list[SampleView]) -> list[list[float]]:
-        """Each response's reference log-probs (one forward pass over the padded batch)."""
-        prompts = [s.fields["prompt_ids"] for s in samples]
+    async def score(self, samples: list[SampleView]) -> list[list[float]]:
+        """Each response's log-probs (one pass over the padded batch)."""
+        if self.is_async:
+            return self.rows_of(samples, await cast(Awaitable[torch.Tensor], self.ref_logprobs(self.batch_of(samples))))
+        return await in_own_thread(
+            lambda: self.rows_of(samples, cast(torch.Tensor, self.ref_logprobs(self.batch_of(samples)))),
+            threads=self.settings.threads)
+
+    def batch_of(self, samples: list[SampleView]) -> TrainBatch:
         responses = [s.fields["response_ids"] for s in samples]
-        batch = build_train_batch(prompts, responses, [[0.0] * len(r) for r in responses],
-                                  torch.zeros(len(samples)), [True] * len(samples), self.pad_token_id)
-        lp = self.ref_logprobs(batch)
-        return [lp[i, len(p) - 1 : len(p) - 1 + len(r)].tolist()
-                for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
+        return build_train_batch([s.fields["prompt_ids"] for s in samples], responses,
+                                 [[0.0] * len(r) for r in responses], torch.zeros(len(samples)),
+                                 [True] * len(samples), self.pad_token_id)
+
+    @staticmethod
+    def rows_of(samples: list[SampleView], lp: torch.Tensor) -> list[list[float]]:
+        """Each response's slice of the batch's log-probs."""
+        out = []
+        for i, s in enumerate(samples):
+            start = len(s.fields["prompt_ids"]) - 1
+            out.append(lp[i, start : start + len(s.fields["response_ids"])].tolist())
+        return out

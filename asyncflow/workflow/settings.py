@@ -175,12 +175,16 @@ class LearnerSettings:
     max_generated_tokens: int  # the longest response (the over-long penalty's reference)
     temperature: float  # the rollout's: the trainer's log-probs are taken at it
     threads: int
+    distill: bool = False  # the samples carry `teacher_logprobs` (`algorithm.distill`)
+    distill_coef: float = 0.0  # the per-token reverse KL's weight in each token's advantage
+    reward_coef: float = 1.0  # the task reward's advantage's weight beside it
 
     @classmethod
     def from_config(cls, cfg: Config) -> LearnerSettings:
-        a = cfg.algorithm
+        a, d = cfg.algorithm, cfg.algorithm.distill
         return cls(a.advantage, a.loss, a.overlong_buffer, a.overlong_penalty, max_generated_tokens(cfg),
-                   cfg.rollout.temperature, torch_threads(cfg))
+                   cfg.rollout.temperature, torch_threads(cfg), distill=d is not None,
+                   distill_coef=0.0 if d is None else d.coef, reward_coef=1.0 if d is None else d.reward_coef)
 
 
 @dataclass(frozen=True)
