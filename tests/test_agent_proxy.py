@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_doubles import ScriptedEngine
 
 from asyncflow.clock import RealClock
 from asyncflow.config import load_config
@@ -27,31 +28,9 @@ SETTINGS = RecorderSettings(max_new_tokens=4, temperature=1.0, train_temperature
                             max_calls=4)
 
 
-class _Scripted(InferenceEngine):
-    """Answers call i with `turns[i]` (a test double, not an engine)."""
-
-    def __init__(self, turns: list[list[int]]) -> None:
-        self.turns, self.prompts, self.version = turns, [], 2
-
-    async def generate(self, request: GenRequest) -> GenResult:
-        self.prompts.append(list(request.prompt_ids))
-        ids = self.turns[len(self.prompts) - 1]
-        return GenResult(request.uid, ids, [-0.25 * (k + 1) for k in range(len(ids))], [len(self.prompts)] * len(ids),
-                         "stop")
-
-    async def load_weights(self, state: Any, version: int, mode: Any) -> float:
-        return 0.0
-
-    def cancel_older_than(self, min_version: int) -> int:
-        return 0
-
-    def load(self) -> int:
-        return 0
-
-    @property
-    def capacity(self) -> int:
-        return 4
-
+def _scripted(turns: list[list[int]]) -> ScriptedEngine:
+    """Token k of a turn: log-prob -0.25 (k + 1), its version the call's number; the engine at version 2."""
+    return ScriptedEngine(turns, logprob=lambda k: -0.25 * (k + 1), version=2, versions_by_call=True)
 
 def _tiny(tiny_model: Any) -> tuple[Any, InferenceEngine]:
     """A char-level tokenizer over `tiny_model`'s 32-token vocabulary (eos=1, pad=0) and an HFEngine."""
@@ -171,7 +150,7 @@ def test_a_turn_ended_on_a_stop_id_the_template_closes_with_is_spliced_once() ->
     hf.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}q {{ m['content'] }}\n"
                         "{% else %}a {{ m['content'] }}<eot>\n{% endif %}{% endfor %}"
                         "{% if add_generation_prompt %}a {% endif %}")
-    engine = _Scripted([[*tok.encode("3"), eot], [*tok.encode("4"), eot]])
+    engine = _scripted([[*tok.encode("3"), eot], [*tok.encode("4"), eot]])
 
     async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
         msgs: list[dict[str, Any]] = [{"role": "user", "content": "1+2="}]
@@ -191,7 +170,7 @@ def test_a_turn_ended_on_a_stop_id_the_template_closes_with_is_spliced_once() ->
 
 def test_a_rewritten_history_keeps_the_longest_consistent_prefix_of_calls() -> None:
     tok = _FakeTok()
-    engine = _Scripted([[10, 11], [12, 1], [13]])
+    engine = _scripted([[10, 11], [12, 1], [13]])
 
     async def agent(base_url: str, row: dict[str, Any], seed: int) -> float:
         c1 = await _post(base_url, "/completions", {"prompt": [5, 6]})
@@ -225,11 +204,11 @@ def test_an_agent_episode_under_the_staleness_floor_is_refused_its_next_call_and
             raise
         return 1.0
 
-    f = _episode(_Scripted([[10, 11], [12]]), _FakeTok(), agent, floor=lambda: floor["v"])
+    f = _episode(_scripted([[10, 11], [12]]), _FakeTok(), agent, floor=lambda: floor["v"])
     assert f["finish_reason"] == "cancelled" and f["agent_calls"] == 1
     assert seen and "HTTP 409" in seen[0] and "older than workflow.max_staleness allows" in seen[0]
     floor["v"] = 1.0  # at the floor, not under it: the episode plays on
-    f = _episode(_Scripted([[10, 11], [12]]), _FakeTok(), agent, floor=lambda: floor["v"] - 1.0)
+    f = _episode(_scripted([[10, 11], [12]]), _FakeTok(), agent, floor=lambda: floor["v"] - 1.0)
     assert f["finish_reason"] == "stop" and f["agent_calls"] == 2 and f["reward"] == 1.0
 
 
@@ -245,7 +224,7 @@ def test_the_staleness_floor_reads_the_first_call_that_generated_tokens() -> Non
         await _post(base_url, "/completions", {"prompt": [5, 6, 7, 10, 11]})
         return 1.0
 
-    f = _episode(_Scripted([[], [10, 11], [12]]), _FakeTok(), agent, floor=lambda: floor["v"])
+    f = _episode(_scripted([[], [10, 11], [12]]), _FakeTok(), agent, floor=lambda: floor["v"])
     assert f["finish_reason"] == "cancelled" and f["agent_calls"] == 2
 
 
@@ -255,27 +234,27 @@ def test_hung_failing_or_silent_agents_end_their_episode_with_reward_error() -> 
         await asyncio.sleep(30)
         return 1.0
 
-    f = _episode(_Scripted([[9]]), _FakeTok(), hangs, timeout_s=0.3)
+    f = _episode(_scripted([[9]]), _FakeTok(), hangs, timeout_s=0.3)
     assert f["reward"] is None and "agent hung" in f["reward_error"] and "agent_timeout_s=0.3" in f["reward_error"]
     assert list(f["response_ids"]) == [9]  # what it generated is still recorded (and logged, untrained)
 
     async def raises(base_url: str, row: dict[str, Any], seed: int) -> float:
         raise RuntimeError("tool crashed")
 
-    f = _episode(_Scripted([]), _FakeTok(), raises)
+    f = _episode(_scripted([]), _FakeTok(), raises)
     assert f["reward"] is None and "RuntimeError: tool crashed" in f["reward_error"]
 
     async def silent(base_url: str, row: dict[str, Any], seed: int) -> float:
         return 1.0
 
-    f = _episode(_Scripted([]), _FakeTok(), silent)
+    f = _episode(_scripted([]), _FakeTok(), silent)
     assert f["reward_error"] == "agent made no model call" and list(f["response_ids"]) == []
 
     async def bad_reward(base_url: str, row: dict[str, Any], seed: int) -> Any:
         await _post(base_url, "/completions", {"prompt": [5]})
         return "yes"
 
-    f = _episode(_Scripted([[9]]), _FakeTok(), bad_reward)
+    f = _episode(_scripted([[9]]), _FakeTok(), bad_reward)
     assert f["reward"] is None and "expected a finite number" in f["reward_error"]
 
 
@@ -307,7 +286,7 @@ def test_the_endpoint_refuses_what_it_cannot_record_faithfully() -> None:
         assert models["data"][0]["id"] == "asyncflow-policy"
         return 0.0
 
-    engine = _Scripted([[9]] * SETTINGS.max_calls)
+    engine = _scripted([[9]] * SETTINGS.max_calls)
     f = _episode(engine, _FakeTok(), agent)
     assert f["reward_error"] is None, f["reward_error"]
     assert "rollout.temperature=1" in seen[0] and "n:" in seen[1] and "stop" in seen[2] and "vocabulary" in seen[3]
@@ -322,7 +301,7 @@ def test_an_agent_call_gets_at_most_the_positions_its_prompt_leaves() -> None:
 
     asked: list[int] = []
 
-    class _Asked(_Scripted):
+    class _Asked(ScriptedEngine):
         async def generate(self, request: GenRequest) -> GenResult:
             asked.append(request.max_new_tokens)
             return await super().generate(request)
@@ -430,7 +409,7 @@ def test_an_agent_may_return_a_numpy_number_as_its_reward() -> None:
         await _post(base_url, "/completions", {"prompt": [5]})
         return {"reward": np.float32(0.5)}
 
-    f = _episode(_Scripted([[9]]), _FakeTok(), agent)
+    f = _episode(_scripted([[9]]), _FakeTok(), agent)
     assert f["reward"] == 0.5 and f["reward_error"] is None
 
 
@@ -479,7 +458,7 @@ def test_a_call_past_its_limits_is_refused_before_its_prompt_is_converted() -> N
         await _post(base_url, "/completions", {"prompt": "aaa"})
         return 1.0
 
-    f = _episode(_Scripted([[9]]), tok, agent, settings=dataclasses.replace(SETTINGS, max_context=6))
+    f = _episode(_scripted([[9]]), tok, agent, settings=dataclasses.replace(SETTINGS, max_context=6))
     assert f["reward"] == 1.0 and f["turns"] == 1 and hf.converted == 1, f
     assert all("HTTP 400" in e for e in seen), seen
     assert "11 characters fill the model's 6 positions (a token here is at most 2 characters)" in seen[0]
@@ -516,7 +495,7 @@ def _proxy_test(body: Callable[[AgentProxy, str], Awaitable[None]], **limits: An
         proxy = AgentProxy(**limits)
         await proxy.start()
         try:
-            url = proxy.register(EpisodeRecorder(_Scripted([[9]]), _FakeTok(), 3, SETTINGS, RealClock()))
+            url = proxy.register(EpisodeRecorder(_scripted([[9]]), _FakeTok(), 3, SETTINGS, RealClock()))
             await body(proxy, url.split("/")[-2])
         finally:
             await proxy.close()
@@ -630,7 +609,7 @@ def test_an_async_agent_calling_its_endpoint_synchronously_completes_its_episode
         return 1.0
 
     start = time.monotonic()
-    f = _bounded(lambda: _episode(_Scripted([[9], [10]]), _FakeTok(), agent, timeout_s=30.0), 25.0)
+    f = _bounded(lambda: _episode(_scripted([[9], [10]]), _FakeTok(), agent, timeout_s=30.0), 25.0)
     assert f["reward_error"] is None and f["reward"] == 1.0
     assert f["agent_calls"] == 2 and f["agent_calls_dropped"] == 0 and list(f["response_ids"]) == [9, 7, 10]
     assert time.monotonic() - start < 10
@@ -643,7 +622,7 @@ def test_an_agent_blocking_past_its_timeout_ends_its_episode_with_an_error_namin
         return 1.0
 
     start = time.monotonic()
-    f = _bounded(lambda: _episode(_Scripted([[9]]), _FakeTok(), agent, timeout_s=0.5), 25.0)
+    f = _bounded(lambda: _episode(_scripted([[9]]), _FakeTok(), agent, timeout_s=0.5), 25.0)
     assert time.monotonic() - start < 2.5  # ended at its timeout, not when the sleep returned
     assert f["reward"] is None and f["reward_error"].startswith(
         "agent hung: episode 7 took longer than rollout.agent_timeout_s=0.5 s; its event loop is blocked in a "

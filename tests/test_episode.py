@@ -7,8 +7,9 @@ import sys
 from typing import Any
 
 import pytest
+from engine_doubles import ScriptedEngine
 
-from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
+from asyncflow.engines.base import GenRequest, GenResult
 from asyncflow.envs import Env, EnvStep
 from asyncflow.runs import Runs, concat, oldest, total
 from asyncflow.virtual_loop import VirtualClock, run_virtual
@@ -61,40 +62,13 @@ def test_an_engine_that_resolves_its_own_future_is_awaited_without_a_coroutine_p
     from asyncflow.engines.base import requester
     from asyncflow.engines.sim import SimEngine
 
-    class Plain(_Scripted):
+    class Plain(ScriptedEngine):
         pass
 
     plain = Plain([[1]])
     assert requester(plain) == plain.generate  # the default start_generate would make a task per request
     sim = SimEngine.__new__(SimEngine)
     assert requester(sim) == sim.start_generate
-
-class _Scripted(InferenceEngine):
-    """Returns scripted turns; records the prompts it was given (a test double, not an engine)."""
-
-    def __init__(self, turns: list[list[int]]) -> None:
-        self.turns = turns
-        self.prompts: list[list[int]] = []
-        self.version = 3
-
-    async def generate(self, request: GenRequest) -> GenResult:
-        self.prompts.append(list(request.prompt_ids))
-        ids = self.turns[len(self.prompts) - 1]
-        return GenResult(request.uid, ids, [-0.5] * len(ids), [len(self.prompts)] * len(ids), "stop")
-
-    async def load_weights(self, state: Any, version: int, mode: Any) -> float:
-        return 0.0
-
-    def cancel_older_than(self, min_version: int) -> int:
-        return 0
-
-    def load(self) -> int:
-        return 0
-
-    @property
-    def capacity(self) -> int:
-        return 1
-
 
 class _Tok:
     eos_token_id = 1
@@ -126,7 +100,10 @@ class _Echo(Env):
         return EnvStep("OB", reward=0.5, done=self.steps == 2)
 
 
-def _play(env: _Echo, engine: _Scripted) -> Any:
+def _scripted(turns: list[list[int]]) -> ScriptedEngine:
+    return ScriptedEngine(turns, version=3, versions_by_call=True, capacity=1)
+
+def _play(env: _Echo, engine: ScriptedEngine) -> Any:
     async def main(clock: VirtualClock) -> Any:
         return await run_episode(env=env, engine=engine, clock=clock, tok=_Tok(), uid=9, prompt_ids=[100, 101], row={},
                                  seed=0, settings=EpisodeSettings(8, 1.0, 60.0, 5.0))
@@ -135,7 +112,7 @@ def _play(env: _Echo, engine: _Scripted) -> Any:
 
 
 def test_episode_tokens_are_exactly_the_generated_ones_plus_masked_env_text() -> None:
-    engine = _Scripted([[65, 66, 1], [67, 1]])  # "AB"+EOS, then "C"+EOS
+    engine = _scripted([[65, 66, 1], [67, 1]])  # "AB"+EOS, then "C"+EOS
     env = _Echo()
     f = _play(env, engine).fields
     r, o, b = ord("R"), ord("O"), ord("B")
@@ -182,7 +159,7 @@ def test_what_an_environment_returns_is_checked_and_ends_only_its_episode(value:
     """Unchecked, a NaN reward made its group's advantages NaN (or silently 0 under grpo), "False"
     ended the episode as done, and a wrong type raised outside the episode's error handling: a
     traceback that stopped the run. Each is now this episode's `reward_error`."""
-    f = _play(_Returns(value, on_reset), _Scripted([[65, 1], [66, 1]])).fields
+    f = _play(_Returns(value, on_reset), _scripted([[65, 1], [66, 1]])).fields
     assert f["reward"] is None and needle in f["reward_error"] and f["reward_error"].startswith("environment 'echo' ")
 
 
@@ -191,7 +168,7 @@ def test_an_episode_never_asks_for_more_tokens_than_the_model_has_positions_left
     at most what is left and an episode with no room left ends as `length`. It used to send the
     request anyway: a server refused it (ending the run), a learned-position model hit an index error."""
 
-    class _Limits(_Scripted):
+    class _Limits(ScriptedEngine):
         async def generate(self, request: GenRequest) -> GenResult:
             self.asked = [*getattr(self, "asked", []), request.max_new_tokens]
             res = await super().generate(request)
@@ -224,7 +201,7 @@ def test_an_episode_never_asks_for_more_tokens_than_the_model_has_positions_left
 
 
 def test_a_hung_environment_ends_its_episode_with_an_error() -> None:
-    f = _play(_Echo(hang_on_step=1), _Scripted([[65, 1]])).fields
+    f = _play(_Echo(hang_on_step=1), _scripted([[65, 1]])).fields
     assert f["reward"] is None and "hung" in f["reward_error"] and "echo" in f["reward_error"]
     assert list(f["loss_mask"]) == [0, 1, 1]  # what was generated is kept (the sample is not trained)
 

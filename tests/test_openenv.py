@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_doubles import ScriptedEngine
 
 from asyncflow.clock import RealClock
-from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
 from asyncflow.envs import make_env_factory
 from asyncflow.errors import UserError
 from asyncflow.user_code import load_attr
@@ -119,33 +119,6 @@ class ThreadBoundEnvironment(GridEnvironment):
         self.threads.append(threading.get_ident())
 
 
-class _Turns(InferenceEngine):
-    """Answers call i with the ids `turns[i]`; `before(i)` runs first (a test double for the policy)."""
-
-    def __init__(self, turns: list[list[int]], before: Any = None) -> None:
-        self.turns, self.calls, self.before = turns, 0, before
-
-    async def generate(self, request: GenRequest) -> GenResult:
-        if self.before is not None:
-            self.before(self.calls)
-        ids = self.turns[self.calls]
-        self.calls += 1
-        return GenResult(request.uid, ids, [-0.5] * len(ids), [0] * len(ids), "stop")
-
-    async def load_weights(self, state: Any, version: int, mode: Any) -> float:
-        return 0.0
-
-    def cancel_older_than(self, min_version: int) -> int:
-        return 0
-
-    def load(self) -> int:
-        return 0
-
-    @property
-    def capacity(self) -> int:
-        return 4
-
-
 @pytest.fixture(scope="module")
 def tok(smollm2_dir: Path) -> Any:
     from transformers import AutoTokenizer
@@ -167,7 +140,7 @@ def _episode(factory: Any, tok: Any, texts: list[str], row: dict[str, Any], befo
     turns = [[*_char_ids(tok, t), tok.eos_token_id] for t in texts]
 
     async def main() -> dict[str, Any]:
-        result = await run_episode(env=factory(RealClock()), engine=_Turns(turns, before), clock=RealClock(), tok=tok,
+        result = await run_episode(env=factory(RealClock()), engine=ScriptedEngine(turns, before=before), clock=RealClock(), tok=tok,
                                    uid=1, prompt_ids=tok.encode(row["prompt"]), row=row, seed=5, settings=settings)
         return result.fields
 

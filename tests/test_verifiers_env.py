@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_doubles import ScriptedEngine
 
 from asyncflow.clock import RealClock
-from asyncflow.engines.base import GenRequest, GenResult, InferenceEngine
+from asyncflow.engines.base import GenRequest, GenResult
 from asyncflow.errors import UserError
 from asyncflow.workflow.agent import load_agent, run_agent_episode
 from asyncflow.workflow.agent_proxy import AgentProxy, RecorderSettings
@@ -29,31 +30,6 @@ ARITH = f"verifiers:{ROOT / 'examples/verifiers/arith_taskset.py'}"
 CALC = f"verifiers:{ROOT / 'examples/verifiers/calc_tool_env.py'}"
 SETTINGS = RecorderSettings(max_new_tokens=64, temperature=1.0, train_temperature=1.0, request_timeout_s=60.0,
                             max_calls=4)
-
-
-class _Turns(InferenceEngine):
-    """Answers call i with the ids `turns[i]` (a test double for the policy)."""
-
-    def __init__(self, turns: list[list[int]]) -> None:
-        self.turns, self.calls = turns, 0
-
-    async def generate(self, request: GenRequest) -> GenResult:
-        ids = self.turns[self.calls]
-        self.calls += 1
-        return GenResult(request.uid, ids, [-0.5] * len(ids), [0] * len(ids), "stop")
-
-    async def load_weights(self, state: Any, version: int, mode: Any) -> float:
-        return 0.0
-
-    def cancel_older_than(self, min_version: int) -> int:
-        return 0
-
-    def load(self) -> int:
-        return 0
-
-    @property
-    def capacity(self) -> int:
-        return 4
 
 
 def _smollm2_tok(smollm2_dir: Path) -> Any:
@@ -78,7 +54,7 @@ def _play(spec: str, row: dict[str, Any], tok: Any, turns: list[list[int]]) -> d
         proxy = AgentProxy()
         await proxy.start()
         try:
-            return (await run_agent_episode(agent=agent, proxy=proxy, engine=_Turns(turns), clock=RealClock(), tok=tok,
+            return (await run_agent_episode(agent=agent, proxy=proxy, engine=ScriptedEngine(turns), clock=RealClock(), tok=tok,
                                             uid=3, row=row, seed=0, settings=SETTINGS, timeout_s=120.0)).fields
         finally:
             await proxy.close()
@@ -229,7 +205,7 @@ def test_a_tool_env_calls_its_mcp_toolset_and_trains_the_exact_ids(smollm2_dir: 
     assert prompts[1].endswith("<|im_start|>tool\n1776<|im_end|>\n<|im_start|>assistant\n")  # the toolset's answer
 
 
-class _Live(_Turns):
+class _Live(ScriptedEngine):
     """Answers each call with `reply(call, prompt text)`, one token per character."""
 
     def __init__(self, tok: Any, reply: Any) -> None:
