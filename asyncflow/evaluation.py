@@ -58,11 +58,18 @@ class Evaluator:
         env_factory: Callable[[Any], Any] | None = None,
         clock: Any = None,
         lenient_fn: RewardFn | None = None,
+        agent: Any = None,
     ) -> None:
         """`env_factory`/`clock`: evaluate greedy episodes of this environment instead of single
         completions scored by `reward_fn`. `rows` may hold copies of a prompt: it is evaluated once.
-        `lenient_fn` (`eval.lenient_fn`): also score each answer given `eval.lenient_tokens` tokens."""
+        `lenient_fn` (`eval.lenient_fn`): also score each answer given `eval.lenient_tokens` tokens.
+        `agent`: `rollout.agent`'s function, as the run loaded it (loaded here when not given)."""
         self.cfg = cfg
+        if agent is None and cfg.rollout.agent is not None:
+            from asyncflow.workflow.agent import load_agent
+
+            agent = load_agent(cfg.rollout.agent)
+        self.agent = agent
         self.prompts: list[EvalPrompt] = distinct_prompts(rows, cfg.dataset.prompt_key)
         self.tok = tokenizer
         self.reward_fn = reward_fn
@@ -240,12 +247,11 @@ class Evaluator:
         """Greedy agent episodes through a recording endpoint of their own, one per distinct row of each
         prompt; a prompt whose episode failed is None."""
         from asyncflow.clock import RealClock
-        from asyncflow.workflow.agent import load_agent, run_agent_episode
+        from asyncflow.workflow.agent import run_agent_episode
         from asyncflow.workflow.agent_proxy import AgentProxy
         from asyncflow.workflow.settings import recorder_settings
 
-        assert self.cfg.rollout.agent is not None
-        agent = load_agent(self.cfg.rollout.agent)
+        agent = self.agent
         clock = self.clock or RealClock()
         proxy = AgentProxy(wait_s=self.cfg.rollout.request_timeout_s)  # (a queued connection waits behind calls)
         await proxy.start()

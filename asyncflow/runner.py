@@ -276,7 +276,7 @@ async def _run(cfg: Config, folder: RunFolder, progress: Any, inputs: Inputs, re
         # the metric sinks (a W&B run left "running", TensorBoard's last events unflushed), the engines'
         # connections and threads, the reward threads, and the trace of what ran
         evaluator = Evaluator(cfg, inputs.eval_rows, tok, reward_fn, engines[0], log, tracer, episodes[0], clock,
-                              lenient_fn=lenient_fn(inputs))
+                              lenient_fn=lenient_fn(inputs), agent=episodes[1])
         evaluator.max_context = inputs.positions
         # Ray actors that restart are built from the folder the run started from: keep it while they may
         actors_from = resume.path if resume is not None and runtime.restarts_from_start else None
