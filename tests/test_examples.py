@@ -24,8 +24,9 @@ ALL = sorted(p.relative_to(EXAMPLES).as_posix() for p in EXAMPLES.rglob("*.yaml"
 # the verifiers example on SmolLM2 (minutes on 2 cores; its taskset is played in tests/test_verifiers_env.py)
 NOT_RUN_HERE = {"gsm8k/qwen_gsm8k.yaml", "verl_grpo.yaml", "verifiers/config.yaml"}
 # run by the tests of their libraries' environments, as `asyncflow train` commands (the verifiers one
-# on the calc model given a chat template): tests/test_openenv.py, tests/test_verifiers_env.py
-RUN_ELSEWHERE = {"openenv/config.yaml", "verifiers/calc.yaml"}
+# on the calc model given a chat template): tests/test_openenv.py, tests/test_verifiers_env.py; and
+# the real model's chat example, trained, checkpointed and resumed by tests/test_real_model.py
+RUN_ELSEWHERE = {"openenv/config.yaml", "verifiers/calc.yaml", "smollm2_chat_arith.yaml"}
 FAST = ["train.max_steps=2", "train.batch_size=16", "rollout.n=4", "eval.every=0", "eval.size=8",
         "logging.progress=false"]
 
@@ -55,8 +56,8 @@ def test_example_runs(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     extra = ["train.max_steps=3"] if name == "arith_offpolicy.yaml" else []
     if name.startswith("byo/"):
         extra = ["train.batch_size=16"]
-    if name.startswith("smollm2"):  # (the task's prompts into this test's cache)
-        extra = ["rollout.max_new_tokens=24", f"model.cache_dir={tmp_path / 'cache'}"]
+    if name.startswith("smollm2"):  # (the task's prompts into this test's cache; one step of the real model)
+        extra = ["rollout.max_new_tokens=24", f"model.cache_dir={tmp_path / 'cache'}", "train.max_steps=1"]
     cfg, _ = load_config(EXAMPLES / name, [*FAST, f"model.path={model}", *extra])
     out = tmp_path / "run"
     summary = train(cfg, out, progress_enabled=False)

@@ -28,14 +28,14 @@ def test_chat_arith_trains_the_real_model_checkpoints_and_resumes(smollm2_dir: P
     from asyncflow.telemetry.report import write_report
 
     out = tmp_path / "run"
-    sets = [f"model.path={smollm2_dir}", f"model.cache_dir={tmp_path / 'cache'}", *FEW, "checkpoint.every=2"]
-    cfg, _ = load_config(Path("examples/smollm2_chat_arith.yaml"), [*sets, "train.max_steps=2"])
+    sets = [f"model.path={smollm2_dir}", f"model.cache_dir={tmp_path / 'cache'}", *FEW, "checkpoint.every=1"]
+    cfg, _ = load_config(Path("examples/smollm2_chat_arith.yaml"), [*sets, "train.max_steps=1"])
     train(cfg, out, progress_enabled=False)
-    assert (out / "checkpoints" / "step_2").is_dir()
-    cfg, _ = load_config(Path("examples/smollm2_chat_arith.yaml"), [*sets, "train.max_steps=3", "checkpoint.resume=auto"])
+    assert (out / "checkpoints" / "step_1").is_dir()
+    cfg, _ = load_config(Path("examples/smollm2_chat_arith.yaml"), [*sets, "train.max_steps=2", "checkpoint.resume=auto"])
     summary = train(cfg, out, progress_enabled=False)
-    assert [r["step"] for r in _rows(out, "train")] == [1, 2, 3]
-    assert summary["accounting"]["lost"] == 0 and summary["samples"] == 3 * 16
+    assert [r["step"] for r in _rows(out, "train")] == [1, 2]
+    assert summary["accounting"]["lost"] == 0 and summary["samples"] == 2 * 16
     evals = _rows(out, "eval")
     assert evals and all("eval_lenient_accuracy" in r and r["eval_size"] == 8 for r in evals)
     final = json.loads((out / "final" / "config.json").read_text())

@@ -1,7 +1,8 @@
-"""The stall watchdog on the Ray runtime: a hang planted in an actor (a reward function in a reward
-actor; a call inside the trainer actor) ends the run with one line naming the stage, and stall/ holds
-the driver's and every actor's stacks, the planted function among them. Two short arith runs on the
-session's Ray (an environment step that hangs is tests/test_watchdog.py's, on the local runtime)."""
+"""The stall watchdog on the Ray runtime: a planted hang (a reward function in a reward actor; a call
+inside the trainer actor; the driver's load of a version into a rollout actor) ends the run with one
+line naming the stage, and stall/ holds the driver's and every actor's stacks, the planted function
+among them. Three short arith runs on the session's Ray (an environment step and an engine request
+that hang are tests/test_watchdog.py's, on the local runtime)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,25 @@ def test_a_hung_trainer_actor_call_is_named_and_the_actor_still_dumps_its_stacks
     assert "stage train is in a train step" in line, line
     trainer = (out / "stall" / "trainer.txt").read_text()
     assert trainer.startswith("=== trainer actor (pid ") and "in load_optimizer\n" in trainer, trainer[-3000:]
+
+
+def test_a_weight_load_that_never_ends_is_named_with_the_publication(
+        ray_session, arith_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted hang: the driver's load of version 2 into the rollout actor never returns."""
+    import asyncio
+
+    from asyncflow.runtime.ray_remote import RemoteEngine
+
+    real_load = RemoteEngine.load_weights
+
+    async def version_2_never_loads(self: RemoteEngine, state: object, version: int, mode: object) -> float:
+        if version == 2:
+            await asyncio.Event().wait()
+        return await real_load(self, state, version, mode)
+
+    monkeypatch.setattr(RemoteEngine, "load_weights", version_2_never_loads)
+    out = tmp_path / "run"
+    line = _stall(arith_dir, out)
+    assert "stage train is loading weights into the engines (publish v2)" in line, line
+    assert "in version_2_never_loads\n" in (out / "stall" / "driver.txt").read_text()
+    assert "rollout-0.txt" in {p.name for p in (out / "stall").iterdir()}
