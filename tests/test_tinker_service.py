@@ -1,0 +1,203 @@
+"""`asyncflow tinker-serve` driven by the official `tinker` SDK on loopback, on the tiny arith model:
+the calls of tinker-cookbook's basic supervised and RL loops (training clients, losses, optimizer
+steps, samplers, saves and loads), two clients on one base model, and the error shape.
+
+`tinker` is in the test extra: this module fails at import without it (no skip)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from asyncflow.tinker.server import make_service, start
+
+BASE = "tiny-base"  # the name the clients ask for (the service trains whatever --model it was given)
+PROMPT = [1, 5, 9, 4, 7]
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_dir: Path) -> Iterator[str]:
+    """The service on a free loopback port (the SDK's telemetry off: it would post batches too)."""
+    os.environ["TINKER_TELEMETRY"] = "0"
+    service = make_service(serve_dir)
+    server, _ = start(service, "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    service.sampling.shutdown()
+    service.training.shutdown()
+
+
+@pytest.fixture(scope="module")
+def service_client(base_url: str) -> Any:
+    return tinker.ServiceClient(base_url=base_url, api_key="tml-test")
+
+
+def sft_batch() -> list[types.Datum]:
+    rows = [[1, 5, 9, 4, 7, 3], [2, 6, 8, 10, 3], [1, 11, 12, 4, 13, 14, 3]]
+    return [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
+                        loss_fn_inputs={"target_tokens": r[1:], "weights": [0.0] + [1.0] * (len(r) - 2)})
+            for r in rows]
+
+
+def logprobs(client: Any, data: list[types.Datum]) -> list[np.ndarray]:
+    out = client.forward(data, "cross_entropy").result()
+    return [np.asarray(o["logprobs"].tolist()) for o in out.loss_fn_outputs]
+
+
+def test_session_starts_and_get_info_names_the_base_model(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    info = tc.get_info()
+    assert info.model_data.model_name == BASE and info.lora_rank == 4
+    assert tc.model_id.endswith(":train:" + tc.model_id.rsplit(":", 1)[1])
+
+
+def test_cross_entropy_steps_lower_the_loss_on_a_fixed_batch(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+    data = sft_batch()
+    first = tc.forward_backward(data, "cross_entropy").result()
+    losses = [first.metrics["loss:sum"]]
+    # loss:sum is -sum(weights * logprobs), the logprobs being one per input token
+    lps = [np.asarray(o["logprobs"].tolist()) for o in first.loss_fn_outputs]
+    weights = [np.asarray(d.loss_fn_inputs["weights"].tolist()) for d in data]
+    assert [len(lp) for lp in lps] == [d.model_input.length for d in data]
+    assert losses[0] == pytest.approx(-sum(float((w * lp).sum()) for w, lp in zip(weights, lps, strict=True)), rel=1e-4)
+    tc.optim_step(types.AdamParams(learning_rate=3e-3, eps=1e-8)).result()
+    for _ in range(5):
+        losses.append(tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        tc.optim_step(types.AdamParams(learning_rate=3e-3, eps=1e-8)).result()
+    after = -sum(float((w * lp).sum()) for w, lp in zip(weights, logprobs(tc, data), strict=True))
+    assert all(x > y for x, y in zip(losses, losses[1:] + [after])) and after < 0.85 * losses[0], (losses, after)
+
+
+def rl_datum(prompt: list[int], seq: Any, advantage: float) -> types.Datum:
+    """The cookbook's RL datum: input = prompt + sampled[:-1], targets shifted, sampled tokens' logprobs
+    and advantages (0 over the prompt)."""
+    tokens, n = list(prompt) + list(seq.tokens), len(prompt) - 1
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": [0.0] * n + list(seq.logprobs),
+                                       "advantages": [0.0] * n + [advantage] * len(seq.tokens)})
+
+
+def test_importance_sampling_with_positive_advantages_raises_the_sampled_tokens_logprobs(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=8, seed=1).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    result = sampler.sample(types.ModelInput.from_ints(PROMPT), 4, types.SamplingParams(max_tokens=4, seed=3)).result()
+    data = [rl_datum(PROMPT, seq, 1.0) for seq in result.sequences]
+    n = len(PROMPT) - 1
+    before = logprobs(tc, data)
+    for seq, lp in zip(result.sequences, before, strict=True):  # the sampler's logprobs are the trainer's
+        np.testing.assert_allclose(lp[n:], seq.logprobs, atol=2e-3)
+    for _ in range(3):
+        out = tc.forward_backward(data, "importance_sampling").result()
+        assert set(out.metrics) >= {"loss:sum"}
+        tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    after = logprobs(tc, data)
+    gains = [float(a[n:].sum() - b[n:].sum()) for a, b in zip(after, before, strict=True)]
+    assert all(g > 0 for g in gains), gains
+
+
+@pytest.mark.parametrize("loss", ["ppo", "cispo"])
+def test_clipped_losses_train_towards_positive_advantages(service_client: Any, loss: str) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=3, seed=5)).result().sequences[0]
+    data = [rl_datum(PROMPT, seq, 1.0)]
+    before = logprobs(tc, data)[0][len(PROMPT) - 1:].sum()
+    tc.forward_backward(data, loss).result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert logprobs(tc, data)[0][len(PROMPT) - 1:].sum() > before
+
+
+def test_two_training_clients_train_independent_adapters(service_client: Any) -> None:
+    a = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    b = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=4).result()
+    data = sft_batch()
+    b_before, a_before = logprobs(b, data), logprobs(a, data)
+    for x, y in zip(a_before, b_before, strict=True):  # (fresh adapters: both are the base model)
+        np.testing.assert_allclose(x, y, atol=1e-5)
+    b.forward_backward(data[:1], "cross_entropy").result()  # b's gradient, pending while a steps
+    for _ in range(3):
+        a.forward_backward(data, "cross_entropy").result()
+        a.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    for x, y in zip(logprobs(b, data), b_before, strict=True):
+        np.testing.assert_array_equal(x, y)
+    a_after = logprobs(a, data)
+    assert sum(float(x.sum()) for x in a_after) > sum(float(x.sum()) for x in a_before)
+    b.optim_step(types.AdamParams(learning_rate=3e-3)).result()  # b applies its own pending gradient only
+    b_after = logprobs(b, data)
+    assert float(b_after[0].sum()) > float(b_before[0].sum())
+    assert not np.allclose(np.concatenate(b_after), np.concatenate(a_after), atol=1e-4)
+
+
+def test_sampling_clients_return_tokens_logprobs_and_stop_reasons(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    tc.forward_backward(sft_batch(), "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    assert sampler.get_base_model() == BASE
+    prompt = types.ModelInput.from_ints(PROMPT)
+    res = sampler.sample(prompt, 3, types.SamplingParams(max_tokens=4, temperature=1.0, seed=11)).result()
+    assert len(res.sequences) == 3 and len({s.sequence_id for s in res.sequences}) == 3
+    for s in res.sequences:
+        assert 1 <= len(s.tokens) <= 4 and len(s.logprobs) == len(s.tokens)
+        assert all(lp <= 0 for lp in s.logprobs) and s.stop_reason in ("length", "stop")
+    greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0)).result().sequences[0]
+    stopped = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0,
+                                                             stop=[greedy.tokens[0]])).result().sequences[0]
+    assert stopped.tokens == greedy.tokens[:1] and stopped.stop_reason == "stop"
+    prompt_lps = sampler.compute_logprobs(prompt).result()
+    assert len(prompt_lps) == len(PROMPT) and prompt_lps[0] is None
+    assert all(lp is not None and lp < 0 and math.isfinite(lp) for lp in prompt_lps[1:])
+    # a named snapshot, then a sampling client from its path (create_sampling_session + GET samplers/{id})
+    path = tc.save_weights_for_sampler("step1").result().path
+    assert path == f"tinker://{tc.model_id}/sampler_weights/step1"
+    again = tc.create_sampling_client(path).result()
+    same = again.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0)).result().sequences[0]
+    assert same.tokens == greedy.tokens
+
+
+def test_save_state_and_load_state_round_trip(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=6).result()
+    data = sft_batch()
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    saved = logprobs(tc, data)
+    path = tc.save_state("mid").result().path
+    assert path == f"tinker://{tc.model_id}/weights/mid"
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert not np.allclose(np.concatenate(logprobs(tc, data)), np.concatenate(saved))
+    with pytest.warns(FutureWarning, match="deprecated"):  # (the SDK's own warning; the call still works)
+        tc.load_state_with_optimizer(path).result()
+    for x, y in zip(logprobs(tc, data), saved, strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6)
+    fresh = service_client.create_training_client_from_state_with_optimizer(path).result()
+    for x, y in zip(logprobs(fresh, data), saved, strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6)
+    for client in (tc, fresh):  # the same step from the same weights and Adam moments: the same result
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    for x, y in zip(logprobs(tc, data), logprobs(fresh, data), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+def test_unknown_route_is_a_404_with_a_body_naming_it(base_url: str) -> None:
+    with pytest.raises(tinker.NotFoundError) as caught:
+        tinker.RestClient(base_url=base_url, api_key="tml-test").get_training_run("sess-x:train:0").result()
+    assert caught.value.status_code == 404
+    assert "/api/v1/training_runs/sess-x:train:0" in str(caught.value)
+
+
+def test_an_unsupported_loss_is_a_failed_future_naming_the_supported_ones(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
+    with pytest.raises(tinker.RequestFailedError, match="gspo.*cross_entropy"):
+        tc.forward_backward(sft_batch(), "gspo").result()
