@@ -334,8 +334,10 @@ def _tinker_serve(args: argparse.Namespace) -> int:
         raise UserError(f"tinker-serve: --model {args.model} is not a Hugging Face model folder (no config.json)")
     if not 0 <= args.port <= 65535:
         raise UserError(f"tinker-serve: --port {args.port} must be 0-65535")
-    from asyncflow.tinker.server import run
-
+    try:
+        from asyncflow.tinker.server import run
+    except ImportError as exc:
+        raise UserError(f"tinker-serve: {exc}") from None
     run(args.model, args.host, args.port, api_key=args.api_key, log=lambda line: print(line, flush=True))
     return 0
 

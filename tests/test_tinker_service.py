@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import select
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +22,7 @@ import pytest
 import tinker
 from tinker import types
 
+from asyncflow.cli import main
 from asyncflow.tinker.server import make_service, start
 
 BASE = "tiny-base"  # the name the clients ask for (the service trains whatever --model it was given)
@@ -37,8 +43,9 @@ def base_url(serve_dir: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def service_client(base_url: str) -> Any:
-    return tinker.ServiceClient(base_url=base_url, api_key="tml-test")
+def service_client(base_url: str) -> Iterator[Any]:
+    with tinker.ServiceClient(base_url=base_url, api_key="tml-test") as client:  # (its exit: sessions/{id}/finish)
+        yield client
 
 
 def sft_batch() -> list[types.Datum]:
@@ -75,7 +82,7 @@ def test_cross_entropy_steps_lower_the_loss_on_a_fixed_batch(service_client: Any
         losses.append(tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
         tc.optim_step(types.AdamParams(learning_rate=3e-3, eps=1e-8)).result()
     after = -sum(float((w * lp).sum()) for w, lp in zip(weights, logprobs(tc, data), strict=True))
-    assert all(x > y for x, y in zip(losses, losses[1:] + [after])) and after < 0.85 * losses[0], (losses, after)
+    assert all(x > y for x, y in zip(losses, losses[1:] + [after], strict=True)) and after < 0.85 * losses[0], (losses, after)
 
 
 def rl_datum(prompt: list[int], seq: Any, advantage: float) -> types.Datum:
@@ -201,3 +208,24 @@ def test_an_unsupported_loss_is_a_failed_future_naming_the_supported_ones(servic
     tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
     with pytest.raises(tinker.RequestFailedError, match="gspo.*cross_entropy"):
         tc.forward_backward(sft_batch(), "gspo").result()
+
+
+def test_the_command_serves_the_sdk_and_refuses_a_folder_without_a_model(serve_dir: Path, tmp_path: Path) -> None:
+    assert main(["tinker-serve", "--model", str(tmp_path)]) == 2
+    proc = subprocess.Popen([sys.executable, "-m", "asyncflow", "tinker-serve", "--model", str(serve_dir), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "TINKER_TELEMETRY": "0"})
+    try:
+        assert proc.stdout is not None
+        deadline, line = time.monotonic() + 120, ""
+        while "listening on" not in line and time.monotonic() < deadline and proc.poll() is None:
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                line = proc.stdout.readline()
+        found = re.search(r"listening on (http://\S+)", line)
+        assert found, f"no 'listening on' line within 120 s (last line: {line!r})"
+        with tinker.ServiceClient(base_url=found.group(1), api_key="tml-test") as client:
+            tc = client.create_lora_training_client(base_model=BASE, rank=2).result()
+            assert tc.get_info().model_data.model_name == BASE
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
