@@ -229,3 +229,22 @@ def test_the_command_serves_the_sdk_and_refuses_a_folder_without_a_model(serve_d
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_forward_backward_custom_trains_through_the_cross_entropy_path(service_client: Any) -> None:
+    """The SDK's client-side custom loss: a forward, then a backward with weights = -dLoss/dlogprobs."""
+    import torch
+
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=8).result()
+    data = sft_batch()
+
+    def loss_fn(batch: list[types.Datum], lps: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = -sum(lp[1:].sum() for lp in lps)  # (the same as cross_entropy with these weights)
+        return loss, {"tokens:sum": float(sum(len(lp) - 1 for lp in lps))}
+
+    before = sum(float(lp[1:].sum()) for lp in logprobs(tc, data))
+    out = tc.forward_backward_custom(data, loss_fn).result()
+    assert out.metrics["loss:sum"] == pytest.approx(-before, rel=1e-4)
+    assert out.metrics["surrogate_loss:sum"] == pytest.approx(-before, rel=1e-4)
+    tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    assert sum(float(lp[1:].sum()) for lp in logprobs(tc, data)) > before
