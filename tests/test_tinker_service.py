@@ -248,3 +248,29 @@ def test_forward_backward_custom_trains_through_the_cross_entropy_path(service_c
     assert out.metrics["surrogate_loss:sum"] == pytest.approx(-before, rel=1e-4)
     tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
     assert sum(float(lp[1:].sum()) for lp in logprobs(tc, data)) > before
+
+
+def test_an_rl_loop_as_the_cookbook_writes_it_raises_the_reward(service_client: Any) -> None:
+    """rl_loop.py's calls per iteration: a sampler from the current weights, a group of samples per
+    prompt, advantages = reward - the group's mean, importance_sampling, optim_step. Reward 1 for
+    sampling token GOOD; the policy's expected reward, p(GOOD | prompt), is read exactly through
+    compute_logprobs each iteration."""
+    good, prompts = 7, [[1, 5, 9], [2, 6, 8, 10]]
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=8, seed=9).result()
+    expected = []
+    for step in range(8):
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        expected.append(sum(math.exp(sampler.compute_logprobs(types.ModelInput.from_ints(p + [good])).result()[-1])
+                            for p in prompts) / len(prompts))
+        futures = [sampler.sample(types.ModelInput.from_ints(p), 32, types.SamplingParams(max_tokens=1, seed=100 * step + i))
+                   for i, p in enumerate(prompts)]
+        data = []
+        for prompt, future in zip(prompts, futures, strict=True):
+            group = future.result().sequences
+            rewards = [float(good in s.tokens) for s in group]
+            mean = sum(rewards) / len(rewards)
+            data += [rl_datum(prompt, s, r - mean) for s, r in zip(group, rewards, strict=True) if r != mean]
+        if data:  # (a step where every sample scored the same has nothing to learn from)
+            tc.forward_backward(data, "importance_sampling").result()
+            tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    assert expected[-1] > 2 * expected[0], expected

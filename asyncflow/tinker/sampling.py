@@ -27,7 +27,7 @@ from asyncflow.engines.hf import HFEngine
 from asyncflow.errors import UserError
 from asyncflow.tinker.wire import Sequence, sample_response
 
-MAX_ENGINES = 8
+MAX_ENGINES = 4
 LOAD_TIMEOUT_S = 120.0  # an engine taking its snapshot's adapter
 SAMPLE_TIMEOUT_S = 600.0  # one sample request's generation
 DEFAULT_MAX_TOKENS = 64  # where a request names no max_tokens
