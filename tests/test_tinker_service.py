@@ -274,3 +274,33 @@ def test_an_rl_loop_as_the_cookbook_writes_it_raises_the_reward(service_client: 
             tc.forward_backward(data, "importance_sampling").result()
             tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
     assert expected[-1] > 2 * expected[0], expected
+
+
+def test_a_training_request_sent_twice_with_one_seq_id_runs_once(service_client: Any, base_url: str) -> None:
+    """The SDK re-sends a submit whose answer timed out; the copy gets the first one's future."""
+    import json
+    import urllib.request
+
+    from tinker.proto import tinker_public_pb2 as pb
+
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=2, seed=10).result()
+    msg = pb.ForwardBackwardRequest(model_id=tc.model_id, seq_id=1, loss_fn="cross_entropy")
+    datum = msg.data.add()
+    datum.model_input.add().encoded_text.tokens = np.asarray([1, 2, 3], np.int32).tobytes()
+    datum.loss_fn_inputs["target_tokens"].dense = np.asarray([2, 3, 4], np.int64).tobytes()
+    datum.loss_fn_inputs["target_tokens"].dtype = pb.DTYPE_INT64
+    datum.loss_fn_inputs["target_tokens"].shape.append(3)
+
+    def post(route: str, body: bytes, kind: str) -> dict[str, Any]:
+        req = urllib.request.Request(f"{base_url}/api/v1/{route}", body, {"Content-Type": kind, "X-API-Key": "tml-test"})
+        with urllib.request.urlopen(req, timeout=30) as reply:
+            return json.loads(reply.read())  # type: ignore[no-any-return]
+
+    first, again = (post("forward_backward", msg.SerializeToString(), "application/x-protobuf") for _ in range(2))
+    assert first["request_id"] == again["request_id"]
+    step = json.dumps({"model_id": tc.model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}}).encode()
+    assert post("optim_step", step, "application/json") == post("optim_step", step, "application/json")
+    other = pb.ForwardBackwardRequest()
+    other.CopyFrom(msg)
+    other.seq_id = 3
+    assert post("forward_backward", other.SerializeToString(), "application/x-protobuf")["request_id"] != first["request_id"]

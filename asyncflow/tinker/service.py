@@ -15,6 +15,7 @@ import concurrent.futures as cf
 import itertools
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from asyncflow.tinker.training import SavedState, TrainingModels
 from asyncflow.tinker.wire import forward_backward_output, parse_forward_backward
 
 PREFIX = "/api/v1"
+MAX_REMEMBERED = 10_000  # training submits remembered for deduplication (the most recent)
 PROTO = "application/x-protobuf"
 # what the SDK's client/config asks: no JWT exchange, a fwd/bwd call's chunks sent in seq order (this
 # server runs a client's requests in arrival order), uncompressed bodies, one retrieve_future per sample
@@ -57,11 +59,13 @@ class TinkerService:
         self.training, self.sampling, self.api_key = training, sampling, api_key
         self.futures = futures or FutureStore()
         self._lock = threading.Lock()
+        self._submit_lock = threading.Lock()
         self._ids = itertools.count()
         self.sessions: dict[str, bool] = {}  # session id -> finished
         self.base_models: dict[str, str] = {}  # model id -> the base model name it was created with
         self.checkpoints: dict[str, SavedState] = {}  # tinker://<model>/weights/<name>
         self.sampler_weights: dict[str, Snapshot] = {}  # tinker://<model>/sampler_weights/<name>
+        self._submitted: OrderedDict[tuple[str, int], dict[str, Any]] = OrderedDict()  # (model, seq_id) -> answer
 
     def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
         """Answer one request; never raises."""
@@ -131,6 +135,19 @@ class TinkerService:
     def _future(self, kind: str, future: cf.Future[Any], **extra: Any) -> dict[str, Any]:
         return {"request_id": self.futures.add(kind, future), **extra}
 
+    def _once(self, model_id: str, seq_id: Any, submit: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """`submit()`'s answer, or the answer already given to this client's request `seq_id`: the SDK
+        re-sends a submit whose answer it did not get (a timeout), and a training call must run once."""
+        if seq_id is None:
+            return submit()
+        key = (model_id, int(seq_id))
+        with self._submit_lock:  # (held while submitting: the re-sent copy waits for the first one's answer)
+            if key not in self._submitted:
+                self._submitted[key] = submit()
+                while len(self._submitted) > MAX_REMEMBERED:
+                    self._submitted.popitem(last=False)
+            return self._submitted[key]
+
     def _retrieve(self, request: dict[str, Any]) -> Reply:
         request_id = str(request.get("request_id"))
         found = self.futures.poll(request_id)
@@ -178,13 +195,14 @@ class TinkerService:
                                                           req.forward_only)
             return forward_backward_output(lps, metrics)
 
-        return self._future("proto", self.training.submit(run), model_id=req.model_id)
+        return self._once(req.model_id, req.seq_id,
+                          lambda: self._future("proto", self.training.submit(run), model_id=req.model_id))
 
     def _optim_step(self, request: dict[str, Any]) -> dict[str, Any]:
         model_id = str(request["model_id"])
         adam = request.get("adam_params") or request.get("optim_params") or request.get("optimizer_params") or {}
-        future = self.training.submit(lambda: {"metrics": self.training.optim_step(model_id, adam)})
-        return self._future("json", future, model_id=model_id)
+        return self._once(model_id, request.get("seq_id"), lambda: self._future(
+            "json", self.training.submit(lambda: {"metrics": self.training.optim_step(model_id, adam)}), model_id=model_id))
 
     def _save_weights(self, request: dict[str, Any]) -> dict[str, Any]:
         model_id, name = str(request["model_id"]), str(request.get("path") or self._new_id("state"))
@@ -194,7 +212,8 @@ class TinkerService:
             self.checkpoints[path] = self.training.save(model_id)
             return {"path": path, "type": "save_weights"}
 
-        return self._future("json", self.training.submit(save), model_id=model_id)
+        return self._once(model_id, request.get("seq_id"),
+                          lambda: self._future("json", self.training.submit(save), model_id=model_id))
 
     def _load_weights(self, request: dict[str, Any]) -> dict[str, Any]:
         path, with_optimizer = str(request["path"]), bool(request.get("optimizer", False))
@@ -216,7 +235,8 @@ class TinkerService:
             self.training.load(model_id, saved, with_optimizer)
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
-        return self._future("json", self.training.submit(load), model_id=model_id)
+        return self._once(model_id, request.get("seq_id", 0 if create else None),
+                          lambda: self._future("json", self.training.submit(load), model_id=model_id))
 
     # ---------------------------------------------------------------- sampling
 
@@ -234,7 +254,8 @@ class TinkerService:
             self.sampling.add(session_id, snapshot)
             return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
 
-        return self._future("json", self.training.submit(save), model_id=model_id)
+        return self._once(model_id, request.get("seq_id"),
+                          lambda: self._future("json", self.training.submit(save), model_id=model_id))
 
     def _create_sampling_session(self, request: dict[str, Any]) -> dict[str, Any]:
         path = request.get("model_path")
