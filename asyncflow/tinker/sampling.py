@@ -18,19 +18,20 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from asyncflow.engines.base import GenRequest, GenResult
 from asyncflow.engines.hf import HFEngine
-from asyncflow.errors import UserError
+from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.tinker.wire import Sequence, sample_response
 
 MAX_ENGINES = 4
 LOAD_TIMEOUT_S = 120.0  # an engine taking its snapshot's adapter
 SAMPLE_TIMEOUT_S = 600.0  # one sample request's generation
 DEFAULT_MAX_TOKENS = 64  # where a request names no max_tokens
+T = TypeVar("T")
 
 
 @dataclass
@@ -52,6 +53,14 @@ def _stop_check(stop: Any, tokenizer: Any) -> tuple[Any, list[str]]:
     if texts and tokenizer is None:
         raise UserError("asample: stop strings need the model folder's tokenizer, which did not load")
     return ids, texts
+
+
+def wait(future: cf.Future[T], timeout_s: float, what: str) -> T:
+    """`future`'s result within `timeout_s`, else `WaitTimeout` saying what was waited for."""
+    try:
+        return future.result(timeout=timeout_s)
+    except cf.TimeoutError:
+        raise WaitTimeout(f"tinker-serve: {what} did not finish within {timeout_s:g} s") from None
 
 
 class SamplingPool:
@@ -96,7 +105,7 @@ class SamplingPool:
                 while len(self._engines) > self.max_engines:
                     _, (old, _) = self._engines.popitem(last=False)
                     old.shutdown()
-        ready.result(timeout=LOAD_TIMEOUT_S)
+        wait(ready, LOAD_TIMEOUT_S, f"sampling session {session_id}: merging its adapter into its engine")
         return engine
 
     def submit(self, request: dict[str, Any]) -> cf.Future[bytes]:
@@ -116,10 +125,10 @@ class SamplingPool:
         futures = [engine.submit(self._request(prompt, params, stop_ids, stop_texts,
                                                None if seed is None else int(seed) + i)) for i in range(n)]
         scores = engine.submit_score([prompt]) if request.get("prompt_logprobs") and len(prompt) > 1 else None
-        results = [f.result(timeout=SAMPLE_TIMEOUT_S) for f in futures]
+        results = [wait(f, SAMPLE_TIMEOUT_S, f"a sample of {len(prompt)} prompt tokens") for f in futures]
         prompt_lp = None
         if request.get("prompt_logprobs"):
-            prompt_lp = scores.result(timeout=SAMPLE_TIMEOUT_S)[0] if scores is not None else []
+            prompt_lp = wait(scores, SAMPLE_TIMEOUT_S, "the prompt's log-probs")[0] if scores is not None else []
         return sample_response([self._sequence(r) for r in results], prompt_lp)
 
     def _request(self, prompt: list[int], params: dict[str, Any], stop_ids: Any, stop_texts: list[str],
