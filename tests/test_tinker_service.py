@@ -64,6 +64,8 @@ def test_session_starts_and_get_info_names_the_base_model(service_client: Any) -
     tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
     info = tc.get_info()
     assert info.model_data.model_name == BASE and info.lora_rank == 4
+    tokenizer = tc.get_tokenizer()  # (from the served folder, named by get_info's tokenizer_id)
+    assert tokenizer.decode(tokenizer.encode("12+3=", add_special_tokens=False)) == "12+3="
     assert tc.model_id.endswith(":train:" + tc.model_id.rsplit(":", 1)[1])
 
 

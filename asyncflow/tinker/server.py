@@ -101,7 +101,7 @@ def make_service(model_dir: Path, *, api_key: str | None = None, max_batch: int 
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{key}: cannot load the model in {model_dir}: {type(exc).__name__}: {exc}") from None
     sampling = SamplingPool(model_dir, tok, [eos, *generation_stop_ids(model_dir, eos)], pad, max_batch=max_batch)
-    return TinkerService(training, sampling, api_key=api_key)
+    return TinkerService(training, sampling, api_key=api_key, tokenizer_id=str(model_dir.resolve()))
 
 
 def run(model_dir: Path, host: str, port: int, *, api_key: str | None = None,

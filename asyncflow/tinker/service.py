@@ -55,8 +55,11 @@ class TinkerService:
     """The API's state: sessions, training clients, sampling sessions, checkpoints, futures."""
 
     def __init__(self, training: TrainingModels, sampling: SamplingPool, *, api_key: str | None = None,
-                 futures: FutureStore | None = None) -> None:
+                 tokenizer_id: str | None = None, futures: FutureStore | None = None) -> None:
+        """`tokenizer_id`: what `get_info` tells the SDK to load the tokenizer from (`get_tokenizer()`):
+        the model folder, where its path has no ':' (the SDK cuts the id there)."""
         self.training, self.sampling, self.api_key = training, sampling, api_key
+        self.tokenizer_id = tokenizer_id if tokenizer_id and ":" not in tokenizer_id else None
         self.futures = futures or FutureStore()
         self._lock = threading.Lock()
         self._submit_lock = threading.Lock()
@@ -183,8 +186,9 @@ class TinkerService:
             raise UserError(f"get_info: model_id {model_id!r}: no such training client")
         name = self.base_models[model_id]
         rank = self.training.clients[model_id].rank if model_id in self.training.clients else None
-        return {"model_id": model_id, "model_data": {"arch": "lora", "model_name": name}, "is_lora": True,
-                "lora_rank": rank, "model_name": name, "type": "get_info"}
+        data = {"arch": "lora", "model_name": name, "tokenizer_id": self.tokenizer_id}
+        return {"model_id": model_id, "model_data": data, "is_lora": True, "lora_rank": rank, "model_name": name,
+                "type": "get_info"}
 
     def _forward_backward(self, body: bytes) -> dict[str, Any]:
         req = parse_forward_backward(body)
