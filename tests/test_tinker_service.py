@@ -306,3 +306,32 @@ def test_a_training_request_sent_twice_with_one_seq_id_runs_once(service_client:
     other.CopyFrom(msg)
     other.seq_id = 3
     assert post("forward_backward", other.SerializeToString(), "application/x-protobuf")["request_id"] != first["request_id"]
+
+
+def test_clients_of_two_sessions_training_at_once_get_what_each_would_alone(service_client: Any, base_url: str) -> None:
+    import threading
+
+    data_a, data_b = sft_batch()[:2], sft_batch()[2:]
+
+    def train(client: Any, data: list[types.Datum], out: list[Any]) -> None:
+        for _ in range(3):
+            client.forward_backward(data, "cross_entropy").result()
+            client.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+        out.append(logprobs(client, data))
+
+    alone: list[Any] = []
+    train(service_client.create_lora_training_client(base_model=BASE, rank=4, seed=20).result(), data_a, alone)
+    together: list[Any] = []
+    with tinker.ServiceClient(base_url=base_url, api_key="tml-test") as other:
+        a = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=20).result()
+        b = other.create_lora_training_client(base_model=BASE, rank=4, seed=21).result()
+        threads = [threading.Thread(target=train, args=(c, d, together)) for c, d in ((a, data_a), (b, data_b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert len(together) == 2, "a training thread did not finish within 120 s"
+    # the other session has finished (its client closed): this one's client goes on
+    mine = logprobs(a, data_a)
+    for x, y in zip(mine, alone[0], strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6)
