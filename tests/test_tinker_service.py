@@ -335,3 +335,17 @@ def test_clients_of_two_sessions_training_at_once_get_what_each_would_alone(serv
     mine = logprobs(a, data_a)
     for x, y in zip(mine, alone[0], strict=True):
         np.testing.assert_allclose(x, y, atol=1e-6)
+
+
+def test_a_malformed_body_is_a_400_with_a_detail(base_url: str) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    for route, body in (("create_model", b"[1, 2]"), ("forward_backward", b"not a protobuf \xff"), ("get_info", b"{}")):
+        req = urllib.request.Request(f"{base_url}/api/v1/{route}", body, {"Content-Type": "application/json",
+                                                                         "X-API-Key": "tml-test"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(req, timeout=30)
+        assert caught.value.code == 400, route
+        assert json.loads(caught.value.read())["detail"], route

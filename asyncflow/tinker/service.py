@@ -81,8 +81,10 @@ class TinkerService:
             return json_reply(404, {"detail": f"no route: {method} {route} (not supported by asyncflow tinker-serve)"})
         except UserError as exc:
             return json_reply(400, {"detail": str(exc)})
-        except (ValueError, KeyError, TypeError) as exc:  # a body that is not the shape this route reads
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a body not of the shape this route reads
             return json_reply(400, {"detail": f"{route}: bad request body ({type(exc).__name__}: {exc})"})
+        except Exception as exc:  # (the server's own failure: a 500, which the SDK retries; the server goes on)
+            return json_reply(500, {"detail": f"{route}: {type(exc).__name__}: {exc}"})
 
     def _route(self, method: str, route: str, body: bytes) -> Reply:
         if not route.startswith(PREFIX):
