@@ -23,6 +23,8 @@ import tinker
 from tinker import types
 
 from asyncflow.cli import main
+from asyncflow.errors import UserError
+from asyncflow.tinker.sampling import SamplingPool, Snapshot
 from asyncflow.tinker.server import make_service, start
 
 BASE = "tiny-base"  # the name the clients ask for (the service trains whatever --model it was given)
@@ -349,3 +351,13 @@ def test_a_malformed_body_is_a_400_with_a_detail(base_url: str) -> None:
             urllib.request.urlopen(req, timeout=30)
         assert caught.value.code == 400, route
         assert json.loads(caught.value.read())["detail"], route
+
+
+def test_only_the_newest_sampling_sessions_are_kept(serve_dir: Path) -> None:
+    pool = SamplingPool(serve_dir, None, [1], 0, max_sessions=2)
+    for i in range(3):
+        pool.add(f"s{i}", Snapshot(BASE, None))
+    with pytest.raises(UserError, match="only the newest 2"):
+        pool.get("s0")
+    assert [pool.get(f"s{i}").base_model for i in (1, 2)] == [BASE, BASE]
+    pool.shutdown()

@@ -28,6 +28,7 @@ from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.tinker.wire import Sequence, sample_response
 
 MAX_ENGINES = 4
+MAX_SESSIONS = 256  # sampling sessions kept (an RL loop makes one per step); the oldest is forgotten first
 LOAD_TIMEOUT_S = 120.0  # an engine taking its snapshot's adapter
 SAMPLE_TIMEOUT_S = 600.0  # one sample request's generation
 DEFAULT_MAX_TOKENS = 64  # where a request names no max_tokens
@@ -67,10 +68,11 @@ class SamplingPool:
     """Snapshots by sampling session id, and the engines that serve them."""
 
     def __init__(self, model_dir: Path, tokenizer: Any, eos_ids: list[int], pad_id: int, *, max_engines: int = MAX_ENGINES,
-                 max_batch: int = 64, workers: int = 16) -> None:
+                 max_sessions: int = MAX_SESSIONS, max_batch: int = 64, workers: int = 16) -> None:
         self.model_dir, self.tokenizer, self.eos_ids, self.pad_id = model_dir, tokenizer, eos_ids, pad_id
         self.max_engines, self.max_batch = max_engines, max_batch
-        self.snapshots: dict[str, Snapshot] = {}
+        self.max_sessions = max_sessions
+        self.snapshots: OrderedDict[str, Snapshot] = OrderedDict()
         self._engines: OrderedDict[str, tuple[HFEngine, cf.Future[float]]] = OrderedDict()
         self._lock = threading.Lock()
         self._uids = itertools.count()
@@ -79,11 +81,16 @@ class SamplingPool:
     def add(self, session_id: str, snapshot: Snapshot) -> None:
         with self._lock:
             self.snapshots[session_id] = snapshot
+            while len(self.snapshots) > self.max_sessions:
+                old, _ = self.snapshots.popitem(last=False)
+                if old in self._engines:
+                    self._engines.pop(old)[0].shutdown()
 
     def get(self, session_id: str) -> Snapshot:
         with self._lock:
             if session_id not in self.snapshots:
-                raise UserError(f"sampling_session_id {session_id!r}: no such sampling session")
+                raise UserError(f"sampling_session_id {session_id!r}: no such sampling session (only the newest "
+                                f"{self.max_sessions} are kept)")
             return self.snapshots[session_id]
 
     def engine(self, session_id: str) -> HFEngine:
