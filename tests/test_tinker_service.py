@@ -168,6 +168,10 @@ def test_sampling_clients_return_tokens_logprobs_and_stop_reasons(service_client
     prompt_lps = sampler.compute_logprobs(prompt).result()
     assert len(prompt_lps) == len(PROMPT) and prompt_lps[0] is None
     assert all(lp is not None and lp < 0 and math.isfinite(lp) for lp in prompt_lps[1:])
+    with pytest.raises(tinker.BadRequestError, match="topk_sample_logprobs"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2), topk_sample_logprobs=3).result()
+    last_two = sampler.compute_logprobs(prompt, prompt_logprobs_last_n=2).result()
+    assert last_two[:-2] == [None] * (len(PROMPT) - 2) and last_two[-2:] == pytest.approx(prompt_lps[-2:], abs=1e-5)
     # a named snapshot, then a sampling client from its path (create_sampling_session + GET samplers/{id})
     path = tc.save_weights_for_sampler("step1").result().path
     assert path == f"tinker://{tc.model_id}/sampler_weights/step1"

@@ -136,7 +136,8 @@ class SamplingPool:
         prompt_lp = None
         if request.get("prompt_logprobs"):
             prompt_lp = wait(scores, SAMPLE_TIMEOUT_S, "the prompt's log-probs")[0] if scores is not None else []
-        return sample_response([self._sequence(r) for r in results], prompt_lp)
+        last_n = request.get("prompt_logprobs_last_n")
+        return sample_response([self._sequence(r) for r in results], prompt_lp, None if last_n is None else int(last_n))
 
     def _request(self, prompt: list[int], params: dict[str, Any], stop_ids: Any, stop_texts: list[str],
                  seed: int | None) -> GenRequest:

@@ -284,5 +284,13 @@ class TinkerService:
         n = int(request.get("num_samples", 1))
         if n < 1:
             raise UserError(f"asample: num_samples must be at least 1, not {n}")
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if request.get(key):
+                raise UserError(f"asample: {key} is not supported by asyncflow tinker-serve (0 only)")
+        kinds = {c.get("type", "encoded_text") for c in request["prompt"]["chunks"]} - {"encoded_text"}
+        if kinds:
+            raise UserError(f"asample: prompt chunks of type {sorted(kinds)} are not supported (encoded_text only)")
+        if request.get("target_prompt_logprobs") is not None:
+            raise UserError("asample: target_prompt_logprobs is not supported by asyncflow tinker-serve")
         future = self.sampling.submit(request)
         return self._future("proto", future, sample_sequence_ids=[self._new_id("seq") for _ in range(n)])

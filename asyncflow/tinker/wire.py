@@ -107,9 +107,10 @@ class Sequence:
     stopped: bool  # a stop token, stop string or EOS ended it (else its length limit)
 
 
-def sample_response(sequences: list[Sequence], prompt_logprobs: list[float] | None) -> bytes:
+def sample_response(sequences: list[Sequence], prompt_logprobs: list[float] | None,
+                    last_n: int | None = None) -> bytes:
     """SampleResponse: the sequences (generated tokens only) and, when asked, the prompt's log-probs
-    (NaN at position 0, which nothing predicts)."""
+    (NaN at position 0, which nothing predicts, and, with `last_n`, everywhere before the last n)."""
     out = pb.SampleResponse()
     for s in sequences:
         seq = out.sequences.add()
@@ -117,5 +118,8 @@ def sample_response(sequences: list[Sequence], prompt_logprobs: list[float] | No
         seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
     if prompt_logprobs is not None:
-        out.prompt_logprobs = np.asarray([math.nan, *prompt_logprobs], dtype=np.float32).tobytes()
+        values = np.asarray([math.nan, *prompt_logprobs], dtype=np.float32)
+        if last_n is not None:
+            values[: max(0, len(values) - last_n)] = math.nan
+        out.prompt_logprobs = values.tobytes()
     return bytes(out.SerializeToString())
