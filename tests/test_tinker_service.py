@@ -26,6 +26,7 @@ from asyncflow.cli import main
 from asyncflow.errors import UserError
 from asyncflow.tinker.sampling import SamplingPool, Snapshot
 from asyncflow.tinker.server import make_service, start
+from asyncflow.tinker.training import TrainingModels
 
 BASE = "tiny-base"  # the name the clients ask for (the service trains whatever --model it was given)
 PROMPT = [1, 5, 9, 4, 7]
@@ -365,3 +366,17 @@ def test_only_the_newest_sampling_sessions_are_kept(serve_dir: Path) -> None:
         pool.get("s0")
     assert [pool.get(f"s{i}").base_model for i in (1, 2)] == [BASE, BASE]
     pool.shutdown()
+
+
+def test_train_attn_and_train_mlp_choose_the_layers_an_adapter_covers(serve_dir: Path, service_client: Any) -> None:
+    models = TrainingModels(serve_dir)
+    models.create("attn", 2, 0, (True, False))
+    models.create("mlp", 2, 0, (False, True))
+    for model_id, part, other in (("attn", "self_attn", "mlp"), ("mlp", "mlp", "self_attn")):
+        keys = [k for k in models.adapter(model_id) if "lora_A" in k]
+        assert keys and all(part in k and other not in k for k in keys), (model_id, keys)
+    with pytest.raises(UserError, match="trains no layer"):
+        models.create("none", 2, 0, (False, False))
+    models.shutdown()
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=2, train_attn=False).result()
+    assert tc.forward_backward(sft_batch(), "cross_entropy").result().metrics["loss:sum"] > 0

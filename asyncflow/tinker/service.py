@@ -177,7 +177,8 @@ class TinkerService:
         self.base_models[model_id] = str(request.get("base_model") or "")
 
         def create() -> dict[str, Any]:
-            self.training.create(model_id, int(lora.get("rank", 32)), lora.get("seed"))
+            layers = (bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True)))
+            self.training.create(model_id, int(lora.get("rank", 32)), lora.get("seed"), layers)
             return {"model_id": model_id, "type": "create_model"}
 
         return self._future("json", self.training.submit(create), model_id=model_id)
@@ -237,7 +238,7 @@ class TinkerService:
 
         def load() -> dict[str, Any]:
             if create is not None:
-                self.training.create(create, saved.rank, None)
+                self.training.create(create, saved.rank, None, saved.layers)
             self.training.load(model_id, saved, with_optimizer)
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 

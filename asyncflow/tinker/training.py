@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ T = TypeVar("T")
 class Client:
     adapter: str  # its PEFT adapter name
     rank: int
+    layers: tuple[bool, bool]  # (attention, MLP): which linear layers its adapter covers
     optimizer: torch.optim.AdamW
     params: list[torch.nn.Parameter]
 
@@ -48,6 +50,7 @@ class SavedState:
     """A client's adapter tensors and optimizer state (`save_weights`), kept in memory."""
 
     rank: int
+    layers: tuple[bool, bool]
     tensors: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
 
@@ -93,6 +96,10 @@ class TrainingModels:
         self.base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         for p in self.base.parameters():
             p.requires_grad_(False)
+        head = self.base.get_output_embeddings()
+        # the body's linear layers (read before PEFT wraps them), by whether they sit in attention
+        self.linear = {n: any(k in n.lower() for k in ("attn", "attention")) for n, m in self.base.named_modules()
+                       if isinstance(m, torch.nn.Linear) and m is not head}
         self.peft: Any = None
         self.clients: dict[str, Client] = {}
         self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
@@ -109,14 +116,23 @@ class TrainingModels:
             raise UserError(f"model_id {model_id!r}: no such training client")
         return self.clients[model_id]
 
-    def create(self, model_id: str, rank: int, seed: int | None) -> None:
-        """A fresh adapter (B = 0: the client starts as the base model) and its optimizer."""
+    def targets(self, layers: tuple[bool, bool]) -> str:
+        """PEFT's `target_modules` (a regex over module names) for the attention and/or MLP layers."""
+        names = [n for n, in_attn in self.linear.items() if layers[0 if in_attn else 1]]
+        if not names:
+            raise UserError("create_model: lora_config trains no layer (train_attn and train_mlp are both false, "
+                            "or the model has none of the kind asked for)")
+        return "|".join(re.escape(n) for n in names)
+
+    def create(self, model_id: str, rank: int, seed: int | None, layers: tuple[bool, bool] = (True, True)) -> None:
+        """A fresh adapter (B = 0: the client starts as the base model) on the attention and/or MLP
+        layers (`layers`), and its optimizer."""
         import peft
 
         if rank < 1:
             raise UserError(f"create_model: lora_config.rank must be at least 1, not {rank}")
         name = f"client{len(self.clients)}"
-        config = peft.LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear",
+        config = peft.LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=self.targets(layers),
                                  task_type="CAUSAL_LM")
         if seed is not None:
             torch.manual_seed(seed)
@@ -130,7 +146,7 @@ class TrainingModels:
         for p in params:
             p.requires_grad_(True)
         optimizer = torch.optim.AdamW(params, lr=1e-4)
-        self.clients[model_id] = Client(name, rank, optimizer, params)
+        self.clients[model_id] = Client(name, rank, layers, optimizer, params)
 
     def forward_backward(self, model_id: str, loss_name: str, config: dict[str, float], data: list[Datum],
                          forward_only: bool) -> tuple[list[np.ndarray], dict[str, float]]:
@@ -173,7 +189,7 @@ class TrainingModels:
 
         client = self.client(model_id)
         tensors = peft.get_peft_model_state_dict(self.peft, adapter_name=client.adapter)
-        return SavedState(client.rank, {k: v.detach().clone() for k, v in tensors.items()},
+        return SavedState(client.rank, client.layers, {k: v.detach().clone() for k, v in tensors.items()},
                           copy.deepcopy(client.optimizer.state_dict()))
 
     def load(self, model_id: str, saved: SavedState, with_optimizer: bool) -> None:
@@ -181,8 +197,9 @@ class TrainingModels:
         import peft
 
         client = self.client(model_id)
-        if saved.rank != client.rank:
-            raise UserError(f"load_weights: the checkpoint's LoRA rank is {saved.rank}, the client's {client.rank}")
+        if (saved.rank, saved.layers) != (client.rank, client.layers):
+            raise UserError(f"load_weights: the checkpoint's LoRA (rank {saved.rank}, attention/MLP {saved.layers}) "
+                            f"is not the client's (rank {client.rank}, {client.layers})")
         peft.set_peft_model_state_dict(self.peft, saved.tensors, adapter_name=client.adapter)
         client.optimizer.zero_grad(set_to_none=True)
         if with_optimizer:
