@@ -39,11 +39,13 @@ OPTIONAL = {
     "httpx": "openenv",
     "uvicorn": "openenv",
     "websockets": "openenv",
+    "tinker": "tinker",
 }
 # Modules that import an optional package at their top, so they cannot be imported without it
 # (`__main__` runs the CLI when imported).
 OPTIONAL_MODULES = {"asyncflow.bench.tq_baseline": "bench", "asyncflow.__main__": "(runs the CLI)",
-                    "asyncflow.envs.verifiers_harness": "verifiers"}
+                    "asyncflow.envs.verifiers_harness": "verifiers",
+                    **{f"asyncflow.tinker.{m}": "tinker" for m in ("wire", "training", "sampling", "service", "server")}}
 # Import names that differ from their distribution's name.
 DISTRIBUTION = {"yaml": "pyyaml", "transfer_queue": "transferqueue", "openenv": "openenv-core"}
 

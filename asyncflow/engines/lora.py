@@ -43,14 +43,16 @@ def set_dropout(model: Any, on: bool) -> None:
             module.training = on
 
 
-def adapter_state(model: Any, dtype: torch.dtype, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def adapter_state(model: Any, dtype: torch.dtype, state_dict: dict[str, torch.Tensor] | None = None,
+                  adapter: str = "default") -> dict[str, torch.Tensor]:
     """The adapter's tensors (CPU copies in `dtype`) and the marker entry: what a publication sends.
-    `state_dict`: the model's parameters as gathered elsewhere (FSDP), else the model's own."""
+    `state_dict`: the model's parameters as gathered elsewhere (FSDP), else the model's own; `adapter`:
+    which of the PEFT model's named adapters (its keys then carry no adapter name, as PEFT saves them)."""
     import peft
 
-    adapter = peft.get_peft_model_state_dict(model, state_dict=state_dict)
-    state = {k: v.detach().to("cpu", dtype=dtype, copy=True) for k, v in adapter.items()}
-    state[ADAPTER_KEY] = _encode(model.peft_config["default"].to_dict())
+    tensors = peft.get_peft_model_state_dict(model, state_dict=state_dict, adapter_name=adapter)
+    state = {k: v.detach().to("cpu", dtype=dtype, copy=True) for k, v in tensors.items()}
+    state[ADAPTER_KEY] = _encode(model.peft_config[adapter].to_dict())
     return state
 
 

@@ -1,0 +1,382 @@
+"""`asyncflow tinker-serve` driven by the official `tinker` SDK on loopback, on the tiny arith model:
+the calls of tinker-cookbook's basic supervised and RL loops (training clients, losses, optimizer
+steps, samplers, saves and loads), two clients on one base model, and the error shape.
+
+`tinker` is in the test extra: this module fails at import without it (no skip)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from asyncflow.cli import main
+from asyncflow.errors import UserError
+from asyncflow.tinker.sampling import SamplingPool, Snapshot
+from asyncflow.tinker.server import make_service, start
+from asyncflow.tinker.training import TrainingModels
+
+BASE = "tiny-base"  # the name the clients ask for (the service trains whatever --model it was given)
+PROMPT = [1, 5, 9, 4, 7]
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_dir: Path) -> Iterator[str]:
+    """The service on a free loopback port (the SDK's telemetry off: it would post batches too)."""
+    os.environ["TINKER_TELEMETRY"] = "0"
+    service = make_service(serve_dir)
+    server, _ = start(service, "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    service.sampling.shutdown()
+    service.training.shutdown()
+
+
+@pytest.fixture(scope="module")
+def service_client(base_url: str) -> Iterator[Any]:
+    with tinker.ServiceClient(base_url=base_url, api_key="tml-test") as client:  # (its exit: sessions/{id}/finish)
+        yield client
+
+
+def sft_batch() -> list[types.Datum]:
+    rows = [[1, 5, 9, 4, 7, 3], [2, 6, 8, 10, 3], [1, 11, 12, 4, 13, 14, 3]]
+    return [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
+                        loss_fn_inputs={"target_tokens": r[1:], "weights": [0.0] + [1.0] * (len(r) - 2)})
+            for r in rows]
+
+
+def logprobs(client: Any, data: list[types.Datum]) -> list[np.ndarray]:
+    out = client.forward(data, "cross_entropy").result()
+    return [np.asarray(o["logprobs"].tolist()) for o in out.loss_fn_outputs]
+
+
+def test_session_starts_and_get_info_names_the_base_model(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    info = tc.get_info()
+    assert info.model_data.model_name == BASE and info.lora_rank == 4
+    tokenizer = tc.get_tokenizer()  # (from the served folder, named by get_info's tokenizer_id)
+    assert tokenizer.decode(tokenizer.encode("12+3=", add_special_tokens=False)) == "12+3="
+    assert tc.model_id.endswith(":train:" + tc.model_id.rsplit(":", 1)[1])
+
+
+def test_cross_entropy_steps_lower_the_loss_on_a_fixed_batch(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+    data = sft_batch()
+    first = tc.forward_backward(data, "cross_entropy").result()
+    losses = [first.metrics["loss:sum"]]
+    # loss:sum is -sum(weights * logprobs), the logprobs being one per input token
+    lps = [np.asarray(o["logprobs"].tolist()) for o in first.loss_fn_outputs]
+    weights = [np.asarray(d.loss_fn_inputs["weights"].tolist()) for d in data]
+    assert [len(lp) for lp in lps] == [d.model_input.length for d in data]
+    assert losses[0] == pytest.approx(-sum(float((w * lp).sum()) for w, lp in zip(weights, lps, strict=True)), rel=1e-4)
+    tc.optim_step(types.AdamParams(learning_rate=3e-3, eps=1e-8)).result()
+    for _ in range(5):
+        losses.append(tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        tc.optim_step(types.AdamParams(learning_rate=3e-3, eps=1e-8)).result()
+    after = -sum(float((w * lp).sum()) for w, lp in zip(weights, logprobs(tc, data), strict=True))
+    assert all(x > y for x, y in zip(losses, losses[1:] + [after], strict=True)) and after < 0.85 * losses[0], (losses, after)
+
+
+def rl_datum(prompt: list[int], seq: Any, advantage: float) -> types.Datum:
+    """The cookbook's RL datum: input = prompt + sampled[:-1], targets shifted, sampled tokens' logprobs
+    and advantages (0 over the prompt)."""
+    tokens, n = list(prompt) + list(seq.tokens), len(prompt) - 1
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": [0.0] * n + list(seq.logprobs),
+                                       "advantages": [0.0] * n + [advantage] * len(seq.tokens)})
+
+
+def test_importance_sampling_with_positive_advantages_raises_the_sampled_tokens_logprobs(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=8, seed=1).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    result = sampler.sample(types.ModelInput.from_ints(PROMPT), 4, types.SamplingParams(max_tokens=4, seed=3)).result()
+    data = [rl_datum(PROMPT, seq, 1.0) for seq in result.sequences]
+    n = len(PROMPT) - 1
+    before = logprobs(tc, data)
+    for seq, lp in zip(result.sequences, before, strict=True):  # the sampler's logprobs are the trainer's
+        np.testing.assert_allclose(lp[n:], seq.logprobs, atol=2e-3)
+    for _ in range(3):
+        out = tc.forward_backward(data, "importance_sampling").result()
+        assert set(out.metrics) >= {"loss:sum"}
+        tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    after = logprobs(tc, data)
+    gains = [float(a[n:].sum() - b[n:].sum()) for a, b in zip(after, before, strict=True)]
+    assert all(g > 0 for g in gains), gains
+
+
+@pytest.mark.parametrize("loss", ["ppo", "cispo"])
+def test_clipped_losses_train_towards_positive_advantages(service_client: Any, loss: str) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=3, seed=5)).result().sequences[0]
+    data = [rl_datum(PROMPT, seq, 1.0)]
+    before = logprobs(tc, data)[0][len(PROMPT) - 1:].sum()
+    tc.forward_backward(data, loss).result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert logprobs(tc, data)[0][len(PROMPT) - 1:].sum() > before
+
+
+def test_two_training_clients_train_independent_adapters(service_client: Any) -> None:
+    a = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    b = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=4).result()
+    data = sft_batch()
+    b_before, a_before = logprobs(b, data), logprobs(a, data)
+    for x, y in zip(a_before, b_before, strict=True):  # (fresh adapters: both are the base model)
+        np.testing.assert_allclose(x, y, atol=1e-5)
+    b.forward_backward(data[:1], "cross_entropy").result()  # b's gradient, pending while a steps
+    for _ in range(3):
+        a.forward_backward(data, "cross_entropy").result()
+        a.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    for x, y in zip(logprobs(b, data), b_before, strict=True):
+        np.testing.assert_array_equal(x, y)
+    a_after = logprobs(a, data)
+    assert sum(float(x.sum()) for x in a_after) > sum(float(x.sum()) for x in a_before)
+    b.optim_step(types.AdamParams(learning_rate=3e-3)).result()  # b applies its own pending gradient only
+    b_after = logprobs(b, data)
+    assert float(b_after[0].sum()) > float(b_before[0].sum())
+    assert not np.allclose(np.concatenate(b_after), np.concatenate(a_after), atol=1e-4)
+
+
+def test_sampling_clients_return_tokens_logprobs_and_stop_reasons(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    tc.forward_backward(sft_batch(), "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    assert sampler.get_base_model() == BASE
+    prompt = types.ModelInput.from_ints(PROMPT)
+    res = sampler.sample(prompt, 3, types.SamplingParams(max_tokens=4, temperature=1.0, seed=11)).result()
+    assert len(res.sequences) == 3 and len({s.sequence_id for s in res.sequences}) == 3
+    for s in res.sequences:
+        assert 1 <= len(s.tokens) <= 4 and len(s.logprobs) == len(s.tokens)
+        assert all(lp <= 0 for lp in s.logprobs) and s.stop_reason in ("length", "stop")
+    greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0)).result().sequences[0]
+    stopped = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0,
+                                                             stop=[greedy.tokens[0]])).result().sequences[0]
+    assert stopped.tokens == greedy.tokens[:1] and stopped.stop_reason == "stop"
+    prompt_lps = sampler.compute_logprobs(prompt).result()
+    assert len(prompt_lps) == len(PROMPT) and prompt_lps[0] is None
+    assert all(lp is not None and lp < 0 and math.isfinite(lp) for lp in prompt_lps[1:])
+    with pytest.raises(tinker.BadRequestError, match="topk_sample_logprobs"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2), topk_sample_logprobs=3).result()
+    last_two = sampler.compute_logprobs(prompt, prompt_logprobs_last_n=2).result()
+    assert last_two[:-2] == [None] * (len(PROMPT) - 2) and last_two[-2:] == pytest.approx(prompt_lps[-2:], abs=1e-5)
+    # a named snapshot, then a sampling client from its path (create_sampling_session + GET samplers/{id})
+    path = tc.save_weights_for_sampler("step1").result().path
+    assert path == f"tinker://{tc.model_id}/sampler_weights/step1"
+    again = tc.create_sampling_client(path).result()
+    same = again.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0)).result().sequences[0]
+    assert same.tokens == greedy.tokens
+
+
+def test_save_state_and_load_state_round_trip(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=6).result()
+    data = sft_batch()
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    saved = logprobs(tc, data)
+    path = tc.save_state("mid").result().path
+    assert path == f"tinker://{tc.model_id}/weights/mid"
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert not np.allclose(np.concatenate(logprobs(tc, data)), np.concatenate(saved))
+    with pytest.warns(FutureWarning, match="deprecated"):  # (the SDK's own warning; the call still works)
+        tc.load_state_with_optimizer(path).result()
+    for x, y in zip(logprobs(tc, data), saved, strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6)
+    fresh = service_client.create_training_client_from_state_with_optimizer(path).result()
+    for x, y in zip(logprobs(fresh, data), saved, strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6)
+    for client in (tc, fresh):  # the same step from the same weights and Adam moments: the same result
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    for x, y in zip(logprobs(tc, data), logprobs(fresh, data), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+def test_unknown_route_is_a_404_with_a_body_naming_it(base_url: str) -> None:
+    with pytest.raises(tinker.NotFoundError) as caught:
+        tinker.RestClient(base_url=base_url, api_key="tml-test").get_training_run("sess-x:train:0").result()
+    assert caught.value.status_code == 404
+    assert "/api/v1/training_runs/sess-x:train:0" in str(caught.value)
+
+
+def test_an_unsupported_loss_is_a_failed_future_naming_the_supported_ones(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
+    with pytest.raises(tinker.RequestFailedError, match="gspo.*cross_entropy"):
+        tc.forward_backward(sft_batch(), "gspo").result()
+
+
+def test_the_command_serves_the_sdk_and_refuses_a_folder_without_a_model(serve_dir: Path, tmp_path: Path) -> None:
+    assert main(["tinker-serve", "--model", str(tmp_path)]) == 2
+    proc = subprocess.Popen([sys.executable, "-m", "asyncflow", "tinker-serve", "--model", str(serve_dir), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "TINKER_TELEMETRY": "0"})
+    try:
+        assert proc.stdout is not None
+        deadline, line = time.monotonic() + 120, ""
+        while "listening on" not in line and time.monotonic() < deadline and proc.poll() is None:
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                line = proc.stdout.readline()
+        found = re.search(r"listening on (http://\S+)", line)
+        assert found, f"no 'listening on' line within 120 s (last line: {line!r})"
+        with tinker.ServiceClient(base_url=found.group(1), api_key="tml-test") as client:
+            tc = client.create_lora_training_client(base_model=BASE, rank=2).result()
+            assert tc.get_info().model_data.model_name == BASE
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_forward_backward_custom_trains_through_the_cross_entropy_path(service_client: Any) -> None:
+    """The SDK's client-side custom loss: a forward, then a backward with weights = -dLoss/dlogprobs."""
+    import torch
+
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=8).result()
+    data = sft_batch()
+
+    def loss_fn(batch: list[types.Datum], lps: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = -sum(lp[1:].sum() for lp in lps)  # (the same as cross_entropy with these weights)
+        return loss, {"tokens:sum": float(sum(len(lp) - 1 for lp in lps))}
+
+    before = sum(float(lp[1:].sum()) for lp in logprobs(tc, data))
+    out = tc.forward_backward_custom(data, loss_fn).result()
+    assert out.metrics["loss:sum"] == pytest.approx(-before, rel=1e-4)
+    assert out.metrics["surrogate_loss:sum"] == pytest.approx(-before, rel=1e-4)
+    tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    assert sum(float(lp[1:].sum()) for lp in logprobs(tc, data)) > before
+
+
+def test_an_rl_loop_as_the_cookbook_writes_it_raises_the_reward(service_client: Any) -> None:
+    """rl_loop.py's calls per iteration: a sampler from the current weights, a group of samples per
+    prompt, advantages = reward - the group's mean, importance_sampling, optim_step. Reward 1 for
+    sampling token GOOD; the policy's expected reward, p(GOOD | prompt), is read exactly through
+    compute_logprobs each iteration."""
+    good, prompts = 7, [[1, 5, 9], [2, 6, 8, 10]]
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=8, seed=9).result()
+    expected = []
+    for step in range(8):
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        expected.append(sum(math.exp(sampler.compute_logprobs(types.ModelInput.from_ints(p + [good])).result()[-1])
+                            for p in prompts) / len(prompts))
+        futures = [sampler.sample(types.ModelInput.from_ints(p), 32, types.SamplingParams(max_tokens=1, seed=100 * step + i))
+                   for i, p in enumerate(prompts)]
+        data = []
+        for prompt, future in zip(prompts, futures, strict=True):
+            group = future.result().sequences
+            rewards = [float(good in s.tokens) for s in group]
+            mean = sum(rewards) / len(rewards)
+            data += [rl_datum(prompt, s, r - mean) for s, r in zip(group, rewards, strict=True) if r != mean]
+        if data:  # (a step where every sample scored the same has nothing to learn from)
+            tc.forward_backward(data, "importance_sampling").result()
+            tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    assert expected[-1] > 2 * expected[0], expected
+
+
+def test_a_training_request_sent_twice_with_one_seq_id_runs_once(service_client: Any, base_url: str) -> None:
+    """The SDK re-sends a submit whose answer timed out; the copy gets the first one's future."""
+    import json
+    import urllib.request
+
+    from tinker.proto import tinker_public_pb2 as pb
+
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=2, seed=10).result()
+    msg = pb.ForwardBackwardRequest(model_id=tc.model_id, seq_id=1, loss_fn="cross_entropy")
+    datum = msg.data.add()
+    datum.model_input.add().encoded_text.tokens = np.asarray([1, 2, 3], np.int32).tobytes()
+    datum.loss_fn_inputs["target_tokens"].dense = np.asarray([2, 3, 4], np.int64).tobytes()
+    datum.loss_fn_inputs["target_tokens"].dtype = pb.DTYPE_INT64
+    datum.loss_fn_inputs["target_tokens"].shape.append(3)
+
+    def post(route: str, body: bytes, kind: str) -> dict[str, Any]:
+        req = urllib.request.Request(f"{base_url}/api/v1/{route}", body, {"Content-Type": kind, "X-API-Key": "tml-test"})
+        with urllib.request.urlopen(req, timeout=30) as reply:
+            return json.loads(reply.read())  # type: ignore[no-any-return]
+
+    first, again = (post("forward_backward", msg.SerializeToString(), "application/x-protobuf") for _ in range(2))
+    assert first["request_id"] == again["request_id"]
+    step = json.dumps({"model_id": tc.model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}}).encode()
+    assert post("optim_step", step, "application/json") == post("optim_step", step, "application/json")
+    other = pb.ForwardBackwardRequest()
+    other.CopyFrom(msg)
+    other.seq_id = 3
+    assert post("forward_backward", other.SerializeToString(), "application/x-protobuf")["request_id"] != first["request_id"]
+
+
+def test_clients_of_two_sessions_training_at_once_get_what_each_would_alone(service_client: Any, base_url: str) -> None:
+    import threading
+
+    data_a, data_b = sft_batch()[:2], sft_batch()[2:]
+
+    def train(client: Any, data: list[types.Datum], out: list[Any]) -> None:
+        for _ in range(3):
+            client.forward_backward(data, "cross_entropy").result()
+            client.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+        out.append(logprobs(client, data))
+
+    alone: list[Any] = []
+    train(service_client.create_lora_training_client(base_model=BASE, rank=4, seed=20).result(), data_a, alone)
+    together: list[Any] = []
+    with tinker.ServiceClient(base_url=base_url, api_key="tml-test") as other:
+        a = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=20).result()
+        b = other.create_lora_training_client(base_model=BASE, rank=4, seed=21).result()
+        threads = [threading.Thread(target=train, args=(c, d, together)) for c, d in ((a, data_a), (b, data_b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert len(together) == 2, "a training thread did not finish within 120 s"
+    # the other session has finished (its client closed): this one's client goes on
+    mine = logprobs(a, data_a)
+    for x, y in zip(mine, alone[0], strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6)
+
+
+def test_a_malformed_body_is_a_400_with_a_detail(base_url: str) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    for route, body in (("create_model", b"[1, 2]"), ("forward_backward", b"not a protobuf \xff"), ("get_info", b"{}")):
+        req = urllib.request.Request(f"{base_url}/api/v1/{route}", body, {"Content-Type": "application/json",
+                                                                         "X-API-Key": "tml-test"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(req, timeout=30)
+        assert caught.value.code == 400, route
+        assert json.loads(caught.value.read())["detail"], route
+
+
+def test_only_the_newest_sampling_sessions_are_kept(serve_dir: Path) -> None:
+    pool = SamplingPool(serve_dir, None, [1], 0, max_sessions=2)
+    for i in range(3):
+        pool.add(f"s{i}", Snapshot(BASE, None))
+    with pytest.raises(UserError, match="only the newest 2"):
+        pool.get("s0")
+    assert [pool.get(f"s{i}").base_model for i in (1, 2)] == [BASE, BASE]
+    pool.shutdown()
+
+
+def test_train_attn_and_train_mlp_choose_the_layers_an_adapter_covers(serve_dir: Path, service_client: Any) -> None:
+    models = TrainingModels(serve_dir)
+    models.create("attn", 2, 0, (True, False))
+    models.create("mlp", 2, 0, (False, True))
+    for model_id, part, other in (("attn", "self_attn", "mlp"), ("mlp", "mlp", "self_attn")):
+        keys = [k for k in models.adapter(model_id) if "lora_A" in k]
+        assert keys and all(part in k and other not in k for k in keys), (model_id, keys)
+    with pytest.raises(UserError, match="trains no layer"):
+        models.create("none", 2, 0, (False, False))
+    models.shutdown()
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=2, train_attn=False).result()
+    assert tc.forward_backward(sft_batch(), "cross_entropy").result().metrics["loss:sum"] > 0
