@@ -167,7 +167,7 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model name in replies (default: the folder's name)")
     add_serve_arguments(serve, _path)
     tinker = sub.add_parser("tinker-serve", help="serve a model folder as a Tinker-compatible training service")
-    tinker.add_argument("--model", type=_path, required=True, help="Hugging Face model folder: the base model")
+    tinker.add_argument("model_dir", type=_path, help="Hugging Face model folder: the base model every client trains")
     tinker.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     tinker.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     tinker.add_argument("--api-key", default=None, help="the X-API-Key clients must send (default: any)")
@@ -330,15 +330,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _tinker_serve(args: argparse.Namespace) -> int:
-    if not (args.model / "config.json").is_file():
-        raise UserError(f"tinker-serve: --model {args.model} is not a Hugging Face model folder (no config.json)")
+    if not (args.model_dir / "config.json").is_file():
+        raise UserError(f"tinker-serve: {args.model_dir} is not a Hugging Face model folder (no config.json)")
     if not 0 <= args.port <= 65535:
         raise UserError(f"tinker-serve: --port {args.port} must be 0-65535")
     try:
         from asyncflow.tinker.server import run
     except ImportError as exc:
         raise UserError(f"tinker-serve: {exc}") from None
-    run(args.model, args.host, args.port, api_key=args.api_key, log=lambda line: print(line, flush=True))
+    run(args.model_dir, args.host, args.port, api_key=args.api_key, log=lambda line: print(line, flush=True))
     return 0
 
 

@@ -28,7 +28,7 @@ from asyncflow.tinker.sampling import SamplingPool, Snapshot
 from asyncflow.tinker.server import make_service, start
 from asyncflow.tinker.training import TrainingModels
 
-BASE = "tiny-base"  # the name the clients ask for (the service trains whatever --model it was given)
+BASE = "tiny-base"  # the name the clients ask for (the service trains whatever folder it serves)
 PROMPT = [1, 5, 9, 4, 7]
 
 
@@ -220,8 +220,8 @@ def test_an_unsupported_loss_is_a_failed_future_naming_the_supported_ones(servic
 
 
 def test_the_command_serves_the_sdk_and_refuses_a_folder_without_a_model(serve_dir: Path, tmp_path: Path) -> None:
-    assert main(["tinker-serve", "--model", str(tmp_path)]) == 2
-    proc = subprocess.Popen([sys.executable, "-m", "asyncflow", "tinker-serve", "--model", str(serve_dir), "--port", "0"],
+    assert main(["tinker-serve", str(tmp_path)]) == 2
+    proc = subprocess.Popen([sys.executable, "-m", "asyncflow", "tinker-serve", str(serve_dir), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "TINKER_TELEMETRY": "0"})
     try:

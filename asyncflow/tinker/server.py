@@ -91,7 +91,7 @@ def make_service(model_dir: Path, *, api_key: str | None = None, max_batch: int 
     from asyncflow.tinker.training import TrainingModels
     from asyncflow.tokenizer import load_tokenizer
 
-    key = "tinker-serve --model"
+    key = "tinker-serve MODEL_DIR"
     check_model_dir(model_dir, key=key)
     tok = load_tokenizer(model_dir, key=key)
     eos = int(tok.eos_token_id)
