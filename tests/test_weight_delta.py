@@ -8,13 +8,14 @@ import asyncio
 import copy
 import importlib.util
 import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from asyncflow.config import LoraConfig
-from asyncflow.engines.base import TrainBatch, state_bytes
+from asyncflow.engines.base import TrainBatch, changed_share, state_bytes
 from asyncflow.engines.delta_train import DeltaTrainEngine
 from asyncflow.engines.hf import HFEngine
 from asyncflow.engines.torch_train import TorchTrainEngine
@@ -65,7 +66,7 @@ def test_delta_round_trip_equals_the_full_weights_bit_for_bit(tiny_model: Any) -
     trainer, engine = _trainer(tiny_model), _engine(tiny_model)
     try:
         first = trainer.export_weights()
-        assert not first.is_delta
+        assert not first.is_delta and changed_share(first) == 1.0  # (the full publication starting the stream)
         _load(engine, first, 0)
         assert _same_bits(engine, trainer)
         for version in range(1, 4):
@@ -73,6 +74,7 @@ def test_delta_round_trip_equals_the_full_weights_bit_for_bit(tiny_model: Any) -
             pub = trainer.export_weights()
             assert pub.is_delta and 0 < pub.changed_elements < pub.total_elements
             assert state_bytes(pub) == pub.nbytes < state_bytes(first)  # (only what changed travels)
+            assert changed_share(pub) == pub.changed_elements / pub.total_elements
             _load(engine, pub, version)
             assert _same_bits(engine, trainer)
             assert engine.held.checksum == pub.checksum == state_checksum(trainer.inner.export_weights())
@@ -188,3 +190,22 @@ def test_delta_sync_with_an_fsdp_trainer_is_refused_naming_the_key() -> None:
     assert cfg.runtime.weight_sync_delta is True
     with pytest.raises(UserError, match=r"^runtime\.weight_sync_delta: needs train\.engine=torch"):
         load_config(None, ["task=arith", "train.engine=fsdp", "runtime.weight_sync_delta=true"])
+
+
+@pytest.mark.slow
+def test_a_run_with_delta_sync_logs_the_share_of_elements_each_publication_changed(arith_dir: Path,
+                                                                                   tmp_path: Path) -> None:
+    import json
+
+    from asyncflow.config import load_config
+    from asyncflow.runner import train
+
+    cfg, _ = load_config(None, ["task=arith", f"model.path={arith_dir}", "runtime.weight_sync_delta=true",
+                                "train.max_steps=3", "train.batch_size=16", "rollout.n=4", "rollout.max_new_tokens=4",
+                                "eval.size=8", "eval.every=0", "logging.progress=false", "train.lr=0.01"])
+    assert train(cfg, tmp_path / "run", progress_enabled=False)["accounting"]["lost"] == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    shares = [r["weight_sync_changed_frac"] for r in rows if r["kind"] == "train"]
+    # the first publication is full (it starts the stream); in float32 a step that moves the weights
+    # changes nearly every element, one with no gradient (equal rewards in every group) none
+    assert len(shares) == 3 and shares[0] == 1.0 and all(0.0 <= s <= 1.0 for s in shares), shares

@@ -261,6 +261,17 @@ def state_bytes(state: Any) -> int | None:
     return sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in same)
 
 
+def changed_share(state: Any) -> float | None:
+    """The share of the published elements a delta publication carries as changed (1.0 for the full
+    publication that starts the stream), or None where the state is no publication at hand (full
+    weights, a Ray reference)."""
+    from asyncflow.engines.weight_delta import Publication
+
+    if not isinstance(state, Publication) or not state.total_elements:
+        return None
+    return state.changed_elements / state.total_elements
+
+
 def requester(engine: InferenceEngine) -> Callable[[GenRequest], Awaitable[GenResult]]:
     """The cheapest way to await one request on `engine`, for a caller that awaits each request in
     place (a multi-turn episode): `start_generate` where the engine resolves a future per request

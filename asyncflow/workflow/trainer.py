@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncflow.compute_thread import in_own_thread
-from asyncflow.engines.base import InferenceEngine, TrainEngine, state_bytes
+from asyncflow.engines.base import InferenceEngine, TrainEngine, changed_share, state_bytes
 from asyncflow.errors import WaitTimeout
 from asyncflow.transfer_queue import Lease, SampleView
 from asyncflow.workflow.batch import (
@@ -407,6 +407,9 @@ class Trainer:
             sent = await asyncio.to_thread(self.engine.export_bytes)
         if sent is not None:
             metrics["weight_sync_bytes"] = float(sent)
+        share = changed_share(state)
+        if share is not None:
+            metrics["weight_sync_changed_frac"] = share
         metrics.update(after_sync)
         if self.on_step is not None:
             await self.on_step(StepResult(step, new_version, metrics))
