@@ -6,6 +6,7 @@ steps, samplers, saves and loads), two clients on one base model, and the error 
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
 import os
 import re
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import tinker
 from tinker import types
 
@@ -380,3 +382,54 @@ def test_train_attn_and_train_mlp_choose_the_layers_an_adapter_covers(serve_dir:
     models.shutdown()
     tc = service_client.create_lora_training_client(base_model=BASE, rank=2, train_attn=False).result()
     assert tc.forward_backward(sft_batch(), "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def _prompt_logprobs(pool: SamplingPool, session_id: str) -> cf.Future[np.ndarray]:
+    """The session's log-probs of PROMPT, as the service's compute_logprobs asks for them."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    request = {"sampling_session_id": session_id, "prompt": {"chunks": [{"tokens": PROMPT}]}, "num_samples": 1,
+               "sampling_params": {"max_tokens": 1, "temperature": 0.0}, "prompt_logprobs": True}
+    out: cf.Future[np.ndarray] = cf.Future()
+
+    def parse(done: cf.Future[bytes]) -> None:
+        msg = pb.SampleResponse()
+        msg.ParseFromString(done.result())
+        out.set_result(np.frombuffer(msg.prompt_logprobs, dtype=np.float32)[1:])
+
+    pool.submit(request).add_done_callback(parse)
+    return out
+
+
+def test_one_engine_serves_sessions_in_turn_each_with_its_own_weights(serve_dir: Path) -> None:
+    models = TrainingModels(serve_dir)
+    models.create("attn", 2, 0, (True, False))
+    models.create("mlp", 2, 1, (False, True))
+    with torch.no_grad():  # (adapters that change the model: B starts at 0)
+        for model_id in ("attn", "mlp"):
+            for p in models.clients[model_id].params:
+                p.add_(0.5 * torch.randn_like(p))
+    snapshots = {"base": Snapshot(BASE, None), "attn": Snapshot(BASE, models.adapter("attn")),
+                 "mlp": Snapshot(BASE, models.adapter("mlp"))}
+    models.shutdown()
+    alone = {}
+    for name, snapshot in snapshots.items():  # each snapshot on an engine of its own
+        pool = SamplingPool(serve_dir, None, [1], 0)
+        pool.add(name, snapshot)
+        alone[name] = _prompt_logprobs(pool, name).result(timeout=120)
+        pool.shutdown()
+    assert not np.allclose(alone["attn"], alone["base"]) and not np.allclose(alone["mlp"], alone["attn"])
+    shared = SamplingPool(serve_dir, None, [1], 0, max_engines=1)
+    for name, snapshot in snapshots.items():
+        shared.add(name, snapshot)
+    for name in ("attn", "mlp", "base", "attn", "base", "mlp"):  # adapters of other layers, and none
+        assert _prompt_logprobs(shared, name).result(timeout=120) == pytest.approx(alone[name], abs=1e-5), name
+    assert shared.counts == {"engines_built": 1, "snapshot_loads": 6}
+    # an engine in use is not reloaded: another session's request waits for it, then gets its own weights
+    held = shared.acquire("attn")
+    waiting = _prompt_logprobs(shared, "base")
+    time.sleep(1.0)
+    assert not waiting.done()
+    shared.release(held)
+    assert waiting.result(timeout=120) == pytest.approx(alone["base"], abs=1e-5)
+    shared.shutdown()

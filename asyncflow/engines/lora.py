@@ -103,14 +103,23 @@ def adapter_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
 
 @torch.no_grad()
 def merge_into(model: torch.nn.Module, state: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> None:
-    """Set each adapted weight of `model` to its base weight plus the adapter's update. `base` keeps
-    the base weights (filled on first use): every version merges onto the base, not onto the last merge."""
+    """Set each adapted weight of `model` to its base weight plus the adapter's update, and every weight
+    an earlier adapter changed but this one does not back to its base. `base` keeps the base weights
+    (filled on first use): every version merges onto the base, not onto the last merge."""
     params = dict(model.named_parameters())
-    for name, delta in deltas(state).items():
+    updates = deltas(state)
+    for name in base.keys() - updates.keys():
+        params[name].copy_(base[name])
+    for name, delta in updates.items():
         param = params[name]
         if name not in base:
             base[name] = param.detach().clone()
         param.copy_((base[name].float() + delta.to(param.device)).to(param.dtype))
+
+
+def no_adapter() -> dict[str, torch.Tensor]:
+    """An adapter that changes no weight: merged, it puts back the base model's weights."""
+    return {ADAPTER_KEY: _encode({"r": 1, "lora_alpha": 1})}
 
 
 def write_folder(state: dict[str, torch.Tensor], path: str | Path) -> None:

@@ -2,9 +2,10 @@
 adapter (or the base model), served by an `HFEngine` whose weights are the base model with that adapter
 merged in (`lora.merge_into`, through the engine's own `request_weights`).
 
-One engine per snapshot: simple and exact (a sampler keeps its weights while its training client moves
-on), and cheap only because the models this serves on CPU are small. At most `max_engines` are kept;
-the least recently used one is shut down and rebuilt from its snapshot when sampled again.
+Engines are few and reused: a sampling session takes an idle engine and loads its snapshot there
+(the adapter merged onto the base weights the engine keeps), so an RL loop that makes a session per
+step loads the model once. A new engine is built only while all are busy, up to `max_engines`; an
+engine is never reloaded while it serves a request, so every sample comes from its session's snapshot.
 
     asample ──► job thread ──► engine of the snapshot ──submit x num_samples──► SampleResponse (protobuf)
     compute_logprobs (asample with prompt_logprobs) ──► the same, plus submit_score(prompt)
@@ -15,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import GenRequest, GenResult
 from asyncflow.engines.hf import HFEngine
 from asyncflow.errors import UserError, WaitTimeout
@@ -56,6 +59,12 @@ def _stop_check(stop: Any, tokenizer: Any) -> tuple[Any, list[str]]:
     return ids, texts
 
 
+def _done(value: float) -> cf.Future[float]:
+    future: cf.Future[float] = cf.Future()
+    future.set_result(value)
+    return future
+
+
 def wait(future: cf.Future[T], timeout_s: float, what: str) -> T:
     """`future`'s result within `timeout_s`, else `WaitTimeout` saying what was waited for."""
     try:
@@ -64,8 +73,21 @@ def wait(future: cf.Future[T], timeout_s: float, what: str) -> T:
         raise WaitTimeout(f"tinker-serve: {what} did not finish within {timeout_s:g} s") from None
 
 
+@dataclass
+class _Slot:
+    """An engine and the sampling session whose snapshot it holds (None: none yet, or forgotten)."""
+
+    engine: HFEngine
+    session: str | None
+    ready: cf.Future[float]  # its snapshot's weights in use
+    users: int = 0  # sample requests running on it: a slot in use is never rebound
+
+
 class SamplingPool:
-    """Snapshots by sampling session id, and the engines that serve them."""
+    """Snapshots by sampling session id, and the engines that serve them: an engine whose requests have
+    all finished takes the next session's snapshot in place (its adapter merged onto the kept base
+    weights), so a loop that makes a sampling session per step reuses one engine rather than loading
+    the model again. A new engine is built only while every engine is busy, up to `max_engines`."""
 
     def __init__(self, model_dir: Path, tokenizer: Any, eos_ids: list[int], pad_id: int, *, max_engines: int = MAX_ENGINES,
                  max_sessions: int = MAX_SESSIONS, max_batch: int = 64, workers: int = 16) -> None:
@@ -73,47 +95,79 @@ class SamplingPool:
         self.max_engines, self.max_batch = max_engines, max_batch
         self.max_sessions = max_sessions
         self.snapshots: OrderedDict[str, Snapshot] = OrderedDict()
-        self._engines: OrderedDict[str, tuple[HFEngine, cf.Future[float]]] = OrderedDict()
-        self._lock = threading.Lock()
+        self.counts = {"engines_built": 0, "snapshot_loads": 0}
+        self._slots: list[_Slot] = []  # least recently used first
+        self._cv = threading.Condition()
         self._uids = itertools.count()
+        self._versions = itertools.count(1)  # (each load is a new engine weights version)
         self._jobs = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tinker-sample")
 
     def add(self, session_id: str, snapshot: Snapshot) -> None:
-        with self._lock:
+        with self._cv:
             self.snapshots[session_id] = snapshot
             while len(self.snapshots) > self.max_sessions:
                 old, _ = self.snapshots.popitem(last=False)
-                if old in self._engines:
-                    self._engines.pop(old)[0].shutdown()
+                for slot in self._slots:
+                    if slot.session == old:
+                        slot.session = None
 
     def get(self, session_id: str) -> Snapshot:
-        with self._lock:
+        with self._cv:
             if session_id not in self.snapshots:
                 raise UserError(f"sampling_session_id {session_id!r}: no such sampling session (only the newest "
                                 f"{self.max_sessions} are kept)")
             return self.snapshots[session_id]
 
-    def engine(self, session_id: str) -> HFEngine:
-        """The snapshot's engine, built (and its adapter merged, once) on first use."""
+    def acquire(self, session_id: str) -> _Slot:
+        """An engine holding the session's snapshot, counted as in use until `release`: the session's own,
+        else the least recently used idle one, loaded with the snapshot, else a new one."""
         snapshot = self.get(session_id)
-        with self._lock:
-            if session_id in self._engines:
-                self._engines.move_to_end(session_id)
-                engine, ready = self._engines[session_id]
-            else:
-                engine = HFEngine(self.model_dir, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-                                  max_batch=self.max_batch, name=f"sampler {session_id}")
-                ready = cf.Future()
-                if snapshot.adapter is None:
-                    ready.set_result(0.0)
-                else:
-                    ready = engine.request_weights(snapshot.adapter, 1, "swap")
-                self._engines[session_id] = (engine, ready)
-                while len(self._engines) > self.max_engines:
-                    _, (old, _) = self._engines.popitem(last=False)
-                    old.shutdown()
-        wait(ready, LOAD_TIMEOUT_S, f"sampling session {session_id}: merging its adapter into its engine")
-        return engine
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        with self._cv:
+            while True:
+                self._slots = [s for s in self._slots if s.engine.error is None or s.users]
+                slot = next((s for s in self._slots if s.session == session_id), None)
+                if slot is None:
+                    slot = self._bind(session_id, snapshot)
+                if slot is not None:
+                    break
+                if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise WaitTimeout(f"tinker-serve: sampling session {session_id}: all {self.max_engines} sampling "
+                                      f"engines stayed busy for {LOAD_TIMEOUT_S:g} s")
+            slot.users += 1
+            self._slots.remove(slot)
+            self._slots.append(slot)
+        try:
+            wait(slot.ready, LOAD_TIMEOUT_S, f"sampling session {session_id}: loading its weights into an engine")
+        except BaseException:
+            self.release(slot)
+            raise
+        return slot
+
+    def _bind(self, session_id: str, snapshot: Snapshot) -> _Slot | None:
+        """Give the snapshot an idle engine or a new one (under the lock); None while none can be had."""
+        idle = next((s for s in self._slots if s.users == 0), None)
+        if idle is None and len(self._slots) >= self.max_engines:
+            return None
+        if idle is None:
+            engine = HFEngine(self.model_dir, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+                              max_batch=self.max_batch, name=f"sampler {len(self._slots)}")
+            idle = _Slot(engine, None, _done(0.0))
+            self._slots.append(idle)
+            self.counts["engines_built"] += 1
+            if snapshot.adapter is None:  # (a new engine holds the base model already)
+                idle.session = session_id
+                return idle
+        idle.session = session_id
+        idle.ready = idle.engine.request_weights(snapshot.adapter if snapshot.adapter is not None
+                                                 else lora_adapter.no_adapter(), next(self._versions), "swap")
+        self.counts["snapshot_loads"] += 1
+        return idle
+
+    def release(self, slot: _Slot) -> None:
+        with self._cv:
+            slot.users -= 1
+            self._cv.notify_all()
 
     def submit(self, request: dict[str, Any]) -> cf.Future[bytes]:
         """Run one asample request (JSON body) on a job thread; the future gives the SampleResponse bytes."""
@@ -121,7 +175,13 @@ class SamplingPool:
         return self._jobs.submit(self._sample, request)
 
     def _sample(self, request: dict[str, Any]) -> bytes:
-        engine = self.engine(str(request["sampling_session_id"]))
+        slot = self.acquire(str(request["sampling_session_id"]))
+        try:
+            return self._generate(slot.engine, request)
+        finally:
+            self.release(slot)
+
+    def _generate(self, engine: HFEngine, request: dict[str, Any]) -> bytes:
         prompt = [int(t) for c in request["prompt"]["chunks"] for t in c.get("tokens", [])]
         if not prompt:
             raise UserError("asample: the prompt is empty (encoded_text chunks with tokens expected)")
@@ -164,7 +224,7 @@ class SamplingPool:
 
     def shutdown(self) -> None:
         self._jobs.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            for engine, _ in self._engines.values():
-                engine.shutdown()
-            self._engines.clear()
+        with self._cv:
+            for slot in self._slots:
+                slot.engine.shutdown()
+            self._slots.clear()
