@@ -171,6 +171,9 @@ def make_parser() -> argparse.ArgumentParser:
     tinker.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     tinker.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     tinker.add_argument("--api-key", default=None, help="the X-API-Key clients must send (default: any)")
+    tinker.add_argument("--max-staleness", type=int, default=0, metavar="N",
+                        help="stream: answer training calls early and let a new sampler use weights up to N optim "
+                             "steps behind the client's, so sampling overlaps training (default 0: the plain loop)")
     return p
 
 
@@ -334,11 +337,14 @@ def _tinker_serve(args: argparse.Namespace) -> int:
         raise UserError(f"tinker-serve: {args.model_dir} is not a Hugging Face model folder (no config.json)")
     if not 0 <= args.port <= 65535:
         raise UserError(f"tinker-serve: --port {args.port} must be 0-65535")
+    if args.max_staleness < 0:
+        raise UserError(f"tinker-serve: --max-staleness {args.max_staleness} must be 0 or more")
     try:
         from asyncflow.tinker.server import run
     except ImportError as exc:
         raise UserError(f"tinker-serve: {exc}") from None
-    run(args.model_dir, args.host, args.port, api_key=args.api_key, log=lambda line: print(line, flush=True))
+    run(args.model_dir, args.host, args.port, api_key=args.api_key, max_staleness=args.max_staleness,
+        log=lambda line: print(line, flush=True))
     return 0
 
 

@@ -13,6 +13,7 @@ import re
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,8 +44,7 @@ def base_url(serve_dir: Path) -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
-    service.sampling.shutdown()
-    service.training.shutdown()
+    service.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -433,3 +433,80 @@ def test_one_engine_serves_sessions_in_turn_each_with_its_own_weights(serve_dir:
     shared.release(held)
     assert waiting.result(timeout=120) == pytest.approx(alone["base"], abs=1e-5)
     shared.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stream_service(serve_dir: Path) -> Iterator[tuple[Any, Any]]:
+    """A second service, streaming with samplers at most one step behind, and an SDK client of it."""
+    os.environ["TINKER_TELEMETRY"] = "0"
+    service = make_service(serve_dir, max_staleness=1)
+    server, _ = start(service, "127.0.0.1", 0)
+    with tinker.ServiceClient(base_url=f"http://127.0.0.1:{server.server_address[1]}", api_key="tml-test") as client:
+        yield service, client
+    server.shutdown()
+    server.server_close()
+    service.shutdown()
+
+
+def _newest_snapshot(service: Any) -> Snapshot:
+    return list(service.sampling.snapshots.values())[-1]
+
+
+def test_streaming_samples_during_training_within_the_bound_and_trains_as_the_plain_loop(
+        stream_service: tuple[Any, Any], service_client: Any) -> None:
+    service, client = stream_service
+    data = sft_batch()
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=21).result()
+    first = tc.save_weights_and_get_sampling_client().result()
+    assert (_newest_snapshot(service).version, _newest_snapshot(service).behind) == (0, 0)
+    gate = threading.Event()
+    service.training.submit(lambda: gate.wait(timeout=120))  # the training thread busy until the gate opens
+    try:
+        trained = tc.forward_backward(data, "cross_entropy")
+        step = tc.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=30)  # answered, not yet run
+        assert step.metrics["stream/steps_pending"] == 1.0
+        sampler = tc.save_weights_and_get_sampling_client().result(timeout=30)  # one version behind: allowed
+        assert (_newest_snapshot(service).version, _newest_snapshot(service).behind) == (0, 1)
+        prompt = types.ModelInput.from_ints(PROMPT)
+        greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+        ahead = sampler.sample(prompt, 1, greedy).result(timeout=60)  # sampling while training waits
+        assert ahead.sequences[0].tokens == first.sample(prompt, 1, greedy).result().sequences[0].tokens
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=30)
+        behind = tc.save_weights_and_get_sampling_client()  # two versions behind: it waits for training
+        with pytest.raises(cf.TimeoutError):
+            behind.result(timeout=1.0)
+    finally:
+        gate.set()
+    behind.result(timeout=120)
+    assert _newest_snapshot(service).version >= 1 and _newest_snapshot(service).behind <= 1
+    assert trained.result(timeout=120).metrics["loss:sum"] > 0
+    # the same calls on the plain service give the same weights: streaming changes what samples see, not training
+    plain = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=21).result()
+    plain.forward_backward(data, "cross_entropy").result()
+    for _ in range(2):
+        plain.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    assert np.concatenate(logprobs(tc, data)) == pytest.approx(np.concatenate(logprobs(plain, data)), abs=1e-5)
+    assert not np.allclose(np.concatenate(logprobs(tc, data)), np.concatenate(logprobs(
+        service_client.create_lora_training_client(base_model=BASE, rank=4, seed=21).result(), data)))
+
+
+def test_a_streamed_step_that_fails_after_its_answer_fails_the_clients_next_call(
+        stream_service: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    service, client = stream_service
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    saved = tc.save_state("before").result().path
+
+    def broken(model_id: str, adam: dict[str, Any]) -> dict[str, float]:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(service.training, "optim_step", broken)
+    tc.forward_backward(sft_batch(), "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=30)  # answered before it ran
+    with pytest.raises(tinker.RequestFailedError, match="answered before it ran then failed.*out of memory"):
+        tc.save_weights_and_get_sampling_client().result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="answered before it ran then failed"):
+        tc.forward_backward(sft_batch(), "cross_entropy").result(timeout=60)
+    monkeypatch.undo()
+    with pytest.warns(FutureWarning, match="deprecated"):  # (the SDK's warning; the call still works)
+        tc.load_state(saved).result()  # a load gives the client known weights again
+    assert tc.forward_backward(sft_batch(), "cross_entropy").result().metrics["loss:sum"] > 0

@@ -45,6 +45,8 @@ class Snapshot:
     base_model: str
     adapter: dict[str, torch.Tensor] | None  # a published adapter (`lora.adapter_state`); None: the base model
     model_path: str | None = None
+    version: int | None = None  # streaming: the training client's weights version (optim steps applied)
+    behind: int = 0  # streaming: how many versions the client had asked for beyond `version`
 
 
 def _stop_check(stop: Any, tokenizer: Any) -> tuple[Any, list[str]]:

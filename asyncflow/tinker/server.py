@@ -83,11 +83,14 @@ def start(service: TinkerService, host: str, port: int) -> tuple[TinkerHTTPServe
     return server, thread
 
 
-def make_service(model_dir: Path, *, api_key: str | None = None, max_batch: int = 64) -> TinkerService:
-    """The service over the model folder: its base model for training, its tokenizer for stops."""
+def make_service(model_dir: Path, *, api_key: str | None = None, max_batch: int = 64,
+                 max_staleness: int = 0) -> TinkerService:
+    """The service over the model folder: its base model for training, its tokenizer for stops;
+    `max_staleness` > 0 turns streaming on (`stream.py`)."""
     from asyncflow.data import generation_stop_ids
     from asyncflow.model_folder import check_model_dir
     from asyncflow.tinker.sampling import SamplingPool
+    from asyncflow.tinker.stream import StreamState
     from asyncflow.tinker.training import TrainingModels
     from asyncflow.tokenizer import load_tokenizer
 
@@ -101,16 +104,18 @@ def make_service(model_dir: Path, *, api_key: str | None = None, max_batch: int 
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{key}: cannot load the model in {model_dir}: {type(exc).__name__}: {exc}") from None
     sampling = SamplingPool(model_dir, tok, [eos, *generation_stop_ids(model_dir, eos)], pad, max_batch=max_batch)
-    return TinkerService(training, sampling, api_key=api_key, tokenizer_id=str(model_dir.resolve()))
+    return TinkerService(training, sampling, api_key=api_key, tokenizer_id=str(model_dir.resolve()),
+                         stream=StreamState(max_staleness))
 
 
-def run(model_dir: Path, host: str, port: int, *, api_key: str | None = None,
+def run(model_dir: Path, host: str, port: int, *, api_key: str | None = None, max_staleness: int = 0,
         log: Callable[[str], None] = print) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM); prints one line with the address once listening."""
-    service = make_service(model_dir, api_key=api_key)
+    service = make_service(model_dir, api_key=api_key, max_staleness=max_staleness)
     server, thread = start(service, host, port)
     log(f"asyncflow tinker-serve: {model_dir} listening on http://{host}:{server.server_address[1]} "
-        f"(base_url for tinker.ServiceClient; api_key: {'the one given' if api_key else 'any tml-... key'})")
+        f"(base_url for tinker.ServiceClient; api_key: {'the one given' if api_key else 'any tml-... key'}; "
+        f"{f'streaming, samplers up to {max_staleness} steps behind' if max_staleness else 'plain loop'})")
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -124,5 +129,4 @@ def run(model_dir: Path, host: str, port: int, *, api_key: str | None = None,
     finally:
         server.shutdown()
         server.server_close()
-        service.sampling.shutdown()
-        service.training.shutdown()
+        service.shutdown()

@@ -23,8 +23,9 @@ from typing import Any
 from asyncflow.errors import UserError
 from asyncflow.tinker.futures import FutureStore
 from asyncflow.tinker.sampling import SamplingPool, Snapshot
+from asyncflow.tinker.stream import StreamState
 from asyncflow.tinker.training import SavedState, TrainingModels
-from asyncflow.tinker.wire import forward_backward_output, parse_forward_backward
+from asyncflow.tinker.wire import FwdBwdRequest, forward_backward_output, parse_forward_backward
 
 PREFIX = "/api/v1"
 MAX_REMEMBERED = 10_000  # training submits remembered for deduplication (the most recent)
@@ -55,10 +56,14 @@ class TinkerService:
     """The API's state: sessions, training clients, sampling sessions, checkpoints, futures."""
 
     def __init__(self, training: TrainingModels, sampling: SamplingPool, *, api_key: str | None = None,
-                 tokenizer_id: str | None = None, futures: FutureStore | None = None) -> None:
+                 tokenizer_id: str | None = None, futures: FutureStore | None = None,
+                 stream: StreamState | None = None) -> None:
         """`tokenizer_id`: what `get_info` tells the SDK to load the tokenizer from (`get_tokenizer()`):
-        the model folder, where its path has no ':' (the SDK cuts the id there)."""
+        the model folder, where its path has no ':' (the SDK cuts the id there). `stream`: the
+        streaming option's state (`stream.py`); none or a bound of 0 is the plain loop."""
         self.training, self.sampling, self.api_key = training, sampling, api_key
+        self.stream = stream or StreamState(0)
+        self._waits = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")  # samplers waiting for training
         self.tokenizer_id = tokenizer_id if tokenizer_id and ":" not in tokenizer_id else None
         self.futures = futures or FutureStore()
         self._lock = threading.Lock()
@@ -69,6 +74,11 @@ class TinkerService:
         self.checkpoints: dict[str, SavedState] = {}  # tinker://<model>/weights/<name>
         self.sampler_weights: dict[str, Snapshot] = {}  # tinker://<model>/sampler_weights/<name>
         self._submitted: OrderedDict[tuple[str, int], dict[str, Any]] = OrderedDict()  # (model, seq_id) -> answer
+
+    def shutdown(self) -> None:
+        self._waits.shutdown(wait=False, cancel_futures=True)
+        self.sampling.shutdown()
+        self.training.shutdown()
 
     def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
         """Answer one request; never raises."""
@@ -179,6 +189,8 @@ class TinkerService:
         def create() -> dict[str, Any]:
             layers = (bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True)))
             self.training.create(model_id, int(lora.get("rank", 32)), lora.get("seed"), layers)
+            if self.stream.on:
+                self.stream.reset(model_id, self.training.adapter(model_id))
             return {"model_id": model_id, "type": "create_model"}
 
         return self._future("json", self.training.submit(create), model_id=model_id)
@@ -196,6 +208,10 @@ class TinkerService:
     def _forward_backward(self, body: bytes) -> dict[str, Any]:
         req = parse_forward_backward(body)
         self.training.client(req.model_id)  # (an unknown model fails the POST)
+        self.stream.check(req.model_id)
+        if self.stream.on and not req.forward_only:
+            return self._once(req.model_id, req.seq_id,
+                              lambda: self._future("proto", self._answered_after_forward(req), model_id=req.model_id))
 
         def run() -> bytes:
             lps, metrics = self.training.forward_backward(req.model_id, req.loss_fn, req.config, req.data,
@@ -205,11 +221,51 @@ class TinkerService:
         return self._once(req.model_id, req.seq_id,
                           lambda: self._future("proto", self.training.submit(run), model_id=req.model_id))
 
+    def _answered_after_forward(self, req: FwdBwdRequest) -> cf.Future[bytes]:
+        """Streaming: a future that gets the outputs once the forward has run; the backward follows on
+        the training thread, and a failure after the answer fails the client's later calls."""
+        answer: cf.Future[bytes] = cf.Future()
+
+        def run() -> None:
+            try:
+                self.training.forward_backward(req.model_id, req.loss_fn, req.config, req.data, False,
+                                               on_forward=lambda out: answer.set_result(forward_backward_output(*out)))
+            except Exception as exc:
+                if answer.done():
+                    self.stream.failed(req.model_id, exc)
+                else:
+                    answer.set_exception(exc)
+
+        self.training.submit(run)
+        return answer
+
     def _optim_step(self, request: dict[str, Any]) -> dict[str, Any]:
         model_id = str(request["model_id"])
         adam = request.get("adam_params") or request.get("optim_params") or request.get("optimizer_params") or {}
+        self.training.client(model_id)
+        self.stream.check(model_id)
+        if self.stream.on:
+            return self._once(model_id, request.get("seq_id"), lambda: self._optim_step_answered_first(model_id, adam))
         return self._once(model_id, request.get("seq_id"), lambda: self._future(
             "json", self.training.submit(lambda: {"metrics": self.training.optim_step(model_id, adam)}), model_id=model_id))
+
+    def _optim_step_answered_first(self, model_id: str, adam: dict[str, Any]) -> dict[str, Any]:
+        """Streaming: the step is queued on the training thread and answered at once, with how many of
+        the client's steps are not applied yet and how far behind its newest sampler was."""
+        self.stream.ask(model_id)
+
+        def step() -> None:
+            try:
+                self.training.optim_step(model_id, adam)
+                self.stream.applied(model_id, self.training.adapter(model_id))
+            except Exception as exc:
+                self.stream.failed(model_id, exc)
+
+        self.training.submit(step)
+        pending, lag = self.stream.behind(model_id)
+        metrics = {"optim/lr": float(adam.get("learning_rate", 1e-4)), "stream/steps_pending": float(pending),
+                   "stream/sampler_lag": float(lag)}
+        return {"request_id": self.futures.done("json", {"metrics": metrics}), "model_id": model_id}
 
     def _save_weights(self, request: dict[str, Any]) -> dict[str, Any]:
         model_id, name = str(request["model_id"]), str(request.get("path") or self._new_id("state"))
@@ -240,6 +296,8 @@ class TinkerService:
             if create is not None:
                 self.training.create(create, saved.rank, None, saved.layers)
             self.training.load(model_id, saved, with_optimizer)
+            if self.stream.on:
+                self.stream.reset(model_id, self.training.adapter(model_id))
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
         return self._once(model_id, request.get("seq_id", 0 if create else None),
@@ -250,6 +308,9 @@ class TinkerService:
     def _save_for_sampler(self, request: dict[str, Any]) -> dict[str, Any]:
         model_id, name = str(request["model_id"]), request.get("path")
         self.training.client(model_id)
+        if self.stream.on and not name:  # (a named one is a checkpoint: taken in order, after every step)
+            return self._once(model_id, request.get("seq_id"), lambda: self._future(
+                "json", self._waits.submit(self._newest_sampler, model_id), model_id=model_id))
 
         def save() -> dict[str, Any]:
             snapshot = Snapshot(self.base_models.get(model_id, ""), self.training.adapter(model_id))
@@ -263,6 +324,13 @@ class TinkerService:
 
         return self._once(model_id, request.get("seq_id"),
                           lambda: self._future("json", self.training.submit(save), model_id=model_id))
+
+    def _newest_sampler(self, model_id: str) -> dict[str, Any]:
+        version, asked, adapter = self.stream.newest(model_id)
+        snapshot = Snapshot(self.base_models.get(model_id, ""), adapter, version=version, behind=asked - version)
+        session_id = self._new_id("sampler")
+        self.sampling.add(session_id, snapshot)
+        return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
 
     def _create_sampling_session(self, request: dict[str, Any]) -> dict[str, Any]:
         path = request.get("model_path")
@@ -279,7 +347,10 @@ class TinkerService:
 
     def _get_sampler(self, session_id: str) -> dict[str, Any]:
         snapshot = self.sampling.get(session_id)
-        return {"sampler_id": session_id, "base_model": snapshot.base_model, "model_path": snapshot.model_path}
+        info = {"sampler_id": session_id, "base_model": snapshot.base_model, "model_path": snapshot.model_path}
+        if snapshot.version is not None:  # (streaming: which weights its samples come from)
+            info.update(weights_version=snapshot.version, versions_behind=snapshot.behind)
+        return info
 
     def _asample(self, request: dict[str, Any]) -> dict[str, Any]:
         n = int(request.get("num_samples", 1))

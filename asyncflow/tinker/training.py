@@ -34,6 +34,7 @@ from asyncflow.tinker.wire import Datum
 
 LORA_ALPHA = 32  # the adapters' alpha (their update is scaled by alpha / rank)
 T = TypeVar("T")
+Outputs = tuple[list[np.ndarray], dict[str, float]]  # each datum's target log-probs, and the metrics
 
 
 @dataclass
@@ -149,20 +150,25 @@ class TrainingModels:
         self.clients[model_id] = Client(name, rank, layers, optimizer, params)
 
     def forward_backward(self, model_id: str, loss_name: str, config: dict[str, float], data: list[Datum],
-                         forward_only: bool) -> tuple[list[np.ndarray], dict[str, float]]:
+                         forward_only: bool, on_forward: Callable[[Outputs], None] | None = None) -> Outputs:
         """Each datum's target log-probs and the summed loss (`loss:sum`); unless `forward_only`, the
-        loss's gradient is added to the client's accumulated gradients."""
+        loss's gradient is added to the client's accumulated gradients. `on_forward` gets the outputs
+        as soon as they are known, before the backward pass."""
         client = self.client(model_id)
         fn = loss_fn(loss_name)
         if not data:
-            return [], {"loss:sum": 0.0}
-        self.peft.set_adapter(client.adapter)
-        with torch.set_grad_enabled(not forward_only):
-            lps = target_logprobs(self.peft, data)
-            loss = sum((fn(lp, d.inputs, config) for lp, d in zip(lps, data, strict=True)), torch.zeros(()))
-        if not forward_only:
+            outputs: Outputs = ([], {"loss:sum": 0.0})
+        else:
+            self.peft.set_adapter(client.adapter)
+            with torch.set_grad_enabled(not forward_only):
+                lps = target_logprobs(self.peft, data)
+                loss = sum((fn(lp, d.inputs, config) for lp, d in zip(lps, data, strict=True)), torch.zeros(()))
+            outputs = ([lp.detach().numpy().copy() for lp in lps], {"loss:sum": float(loss.detach())})
+        if on_forward is not None:
+            on_forward(outputs)
+        if data and not forward_only:
             loss.backward()
-        return [lp.detach().numpy().copy() for lp in lps], {"loss:sum": float(loss.detach())}
+        return outputs
 
     def optim_step(self, model_id: str, adam: dict[str, Any]) -> dict[str, float]:
         """Apply the accumulated gradients with AdamW set from this call's AdamParams, then clear them."""
