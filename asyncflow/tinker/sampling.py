@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from asyncflow.engines.base import GenRequest, GenResult
 from asyncflow.engines.hf import HFEngine
 from asyncflow.errors import UserError, WaitTimeout
+from asyncflow.tinker.stability import Record, SequenceRecords
 from asyncflow.tinker.wire import Sequence, sample_response
 
 MAX_ENGINES = 4
@@ -68,10 +70,13 @@ class SamplingPool:
     """Snapshots by sampling session id, and the engines that serve them."""
 
     def __init__(self, model_dir: Path, tokenizer: Any, eos_ids: list[int], pad_id: int, *, max_engines: int = MAX_ENGINES,
-                 max_sessions: int = MAX_SESSIONS, max_batch: int = 64, workers: int = 16) -> None:
+                 max_sessions: int = MAX_SESSIONS, max_batch: int = 64, workers: int = 16,
+                 records: SequenceRecords | None = None) -> None:
+        """`records`: where samples asked with `record_stability_info` are recorded, by sequence id."""
         self.model_dir, self.tokenizer, self.eos_ids, self.pad_id = model_dir, tokenizer, eos_ids, pad_id
         self.max_engines, self.max_batch = max_engines, max_batch
         self.max_sessions = max_sessions
+        self.records = records if records is not None else SequenceRecords()
         self.snapshots: OrderedDict[str, Snapshot] = OrderedDict()
         self._engines: OrderedDict[str, tuple[HFEngine, cf.Future[float]]] = OrderedDict()
         self._lock = threading.Lock()
@@ -115,12 +120,13 @@ class SamplingPool:
         wait(ready, LOAD_TIMEOUT_S, f"sampling session {session_id}: merging its adapter into its engine")
         return engine
 
-    def submit(self, request: dict[str, Any]) -> cf.Future[bytes]:
-        """Run one asample request (JSON body) on a job thread; the future gives the SampleResponse bytes."""
+    def submit(self, request: dict[str, Any], sequence_ids: list[str] | None = None) -> cf.Future[bytes]:
+        """Run one asample request (JSON body) on a job thread; the future gives the SampleResponse bytes.
+        `sequence_ids`: one per sample, the ids its sequences are recorded under (`record_stability_info`)."""
         self.get(str(request.get("sampling_session_id")))  # (an unknown session fails the POST, not the future)
-        return self._jobs.submit(self._sample, request)
+        return self._jobs.submit(self._sample, request, sequence_ids)
 
-    def _sample(self, request: dict[str, Any]) -> bytes:
+    def _sample(self, request: dict[str, Any], sequence_ids: list[str] | None = None) -> bytes:
         engine = self.engine(str(request["sampling_session_id"]))
         prompt = [int(t) for c in request["prompt"]["chunks"] for t in c.get("tokens", [])]
         if not prompt:
@@ -137,7 +143,16 @@ class SamplingPool:
         if request.get("prompt_logprobs"):
             prompt_lp = wait(scores, SAMPLE_TIMEOUT_S, "the prompt's log-probs")[0] if scores is not None else []
         last_n = request.get("prompt_logprobs_last_n")
-        return sample_response([self._sequence(r) for r in results], prompt_lp, None if last_n is None else int(last_n))
+        sequences = [self._sequence(r) for r in results]
+        if request.get("record_stability_info") and sequence_ids:
+            self._record(prompt, sequences, sequence_ids)
+        return sample_response(sequences, prompt_lp, None if last_n is None else int(last_n))
+
+    def _record(self, prompt: list[int], sequences: list[Sequence], sequence_ids: list[str]) -> None:
+        prompt_arr = np.asarray(prompt, dtype=np.int64)  # (one array, shared by the request's samples)
+        for sequence_id, s in zip(sequence_ids, sequences, strict=True):
+            self.records.add(sequence_id, Record(prompt_arr, np.asarray(s.tokens, dtype=np.int64),
+                                                 np.asarray(s.logprobs, dtype=np.float32)))
 
     def _request(self, prompt: list[int], params: dict[str, Any], stop_ids: Any, stop_texts: list[str],
                  seed: int | None) -> GenRequest:

@@ -23,6 +23,7 @@ from typing import Any
 from asyncflow.errors import UserError
 from asyncflow.tinker.futures import FutureStore
 from asyncflow.tinker.sampling import SamplingPool, Snapshot
+from asyncflow.tinker.stability import add_stability_inputs
 from asyncflow.tinker.training import SavedState, TrainingModels
 from asyncflow.tinker.wire import forward_backward_output, parse_forward_backward
 
@@ -196,6 +197,8 @@ class TinkerService:
     def _forward_backward(self, body: bytes) -> dict[str, Any]:
         req = parse_forward_backward(body)
         self.training.client(req.model_id)  # (an unknown model fails the POST)
+        if req.loss_fn == "stable_reinforce":  # (so does provenance naming no recorded sequence)
+            add_stability_inputs(req.data, self.sampling.records)
 
         def run() -> bytes:
             lps, metrics = self.training.forward_backward(req.model_id, req.loss_fn, req.config, req.data,
@@ -293,5 +296,5 @@ class TinkerService:
             raise UserError(f"asample: prompt chunks of type {sorted(kinds)} are not supported (encoded_text only)")
         if request.get("target_prompt_logprobs") is not None:
             raise UserError("asample: target_prompt_logprobs is not supported by asyncflow tinker-serve")
-        future = self.sampling.submit(request)
-        return self._future("proto", future, sample_sequence_ids=[self._new_id("seq") for _ in range(n)])
+        sequence_ids = [self._new_id("seq") for _ in range(n)]
+        return self._future("proto", self.sampling.submit(request, sequence_ids), sample_sequence_ids=sequence_ids)
