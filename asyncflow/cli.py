@@ -171,6 +171,9 @@ def make_parser() -> argparse.ArgumentParser:
     tinker.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     tinker.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     tinker.add_argument("--api-key", default=None, help="the X-API-Key clients must send (default: any)")
+    tinker.add_argument("--state-dir", type=_path, default=None, metavar="DIR",
+                        help="write saved states and named sampler weights under DIR, where a restarted service "
+                             "finds them by path (default: memory only)")
     return p
 
 
@@ -338,7 +341,8 @@ def _tinker_serve(args: argparse.Namespace) -> int:
         from asyncflow.tinker.server import run
     except ImportError as exc:
         raise UserError(f"tinker-serve: {exc}") from None
-    run(args.model_dir, args.host, args.port, api_key=args.api_key, log=lambda line: print(line, flush=True))
+    run(args.model_dir, args.host, args.port, api_key=args.api_key, state_dir=args.state_dir,
+        log=lambda line: print(line, flush=True))
     return 0
 
 

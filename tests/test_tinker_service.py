@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,20 @@ def base_url(serve_dir: Path) -> Iterator[str]:
     server.server_close()
     service.sampling.shutdown()
     service.training.shutdown()
+
+
+@contextmanager
+def served(serve_dir: Path, **options: Any) -> Iterator[str]:
+    """A service of its own on a free loopback port, stopped on exit."""
+    service = make_service(serve_dir, **options)
+    server, _ = start(service, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        service.sampling.shutdown()
+        service.training.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +219,46 @@ def test_save_state_and_load_state_round_trip(service_client: Any) -> None:
         client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     for x, y in zip(logprobs(tc, data), logprobs(fresh, data), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+def test_checkpoints_in_a_state_dir_are_found_by_path_after_a_restart(serve_dir: Path, tmp_path: Path) -> None:
+    """save_state and save_weights_for_sampler(name) under --state-dir: a second service on the same
+    folder loads the adapter and the AdamW moments (its next step is the first service's) and samples
+    from the named weights."""
+    data, state_dir, prompt = sft_batch(), tmp_path / "state", types.ModelInput.from_ints(PROMPT)
+    with served(serve_dir, state_dir=state_dir) as url, tinker.ServiceClient(base_url=url, api_key="tml-test") as client:
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=30).result()
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        state = tc.save_state("s1").result().path
+        sampler_path = tc.save_weights_for_sampler("w1").result().path
+        saved = logprobs(tc, data)
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        stepped = logprobs(tc, data)
+        prompt_lps = client.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result()
+        first_id = tc.model_id
+    assert len(list((state_dir / "weights").rglob("*.pt"))) == len(list((state_dir / "sampler_weights").rglob("*.pt"))) == 1
+    with served(serve_dir, state_dir=state_dir) as url, tinker.ServiceClient(base_url=url, api_key="tml-test") as client:
+        fresh = client.create_training_client_from_state_with_optimizer(state).result()
+        assert fresh.model_id != first_id and fresh.get_info().model_data.model_name == BASE
+        for x, y in zip(logprobs(fresh, data), saved, strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-6)
+        fresh.forward_backward(data, "cross_entropy").result()
+        fresh.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        for x, y in zip(logprobs(fresh, data), stepped, strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+        again = client.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result()
+        assert again[1:] == pytest.approx(prompt_lps[1:], abs=1e-5)
+        with pytest.raises(tinker.BadRequestError, match="no such checkpoint"):
+            client.create_training_client_from_state(state.replace("/s1", "/s2")).result()
+
+
+def test_a_state_dir_that_cannot_be_a_folder_is_refused_with_the_option_named(serve_dir: Path, tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "taken").write_text("a file")
+    assert main(["tinker-serve", str(serve_dir), "--port", "0", "--state-dir", str(tmp_path / "taken")]) == 2
+    assert "--state-dir" in capsys.readouterr().err
 
 
 def test_unknown_route_is_a_404_with_a_body_naming_it(base_url: str) -> None:
