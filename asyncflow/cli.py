@@ -174,6 +174,9 @@ def make_parser() -> argparse.ArgumentParser:
     tinker.add_argument("--max-staleness", type=int, default=0, metavar="N",
                         help="stream: answer training calls early and let a new sampler use weights up to N optim "
                              "steps behind the client's, so sampling overlaps training (default 0: the plain loop)")
+    tinker.add_argument("--state-dir", type=_path, default=None, metavar="DIR",
+                        help="write saved states and named sampler weights under DIR, where a restarted service "
+                             "finds them by path (default: memory only)")
     return p
 
 
@@ -344,6 +347,7 @@ def _tinker_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise UserError(f"tinker-serve: {exc}") from None
     run(args.model_dir, args.host, args.port, api_key=args.api_key, max_staleness=args.max_staleness,
+        state_dir=args.state_dir,
         log=lambda line: print(line, flush=True))
     return 0
 

@@ -1,5 +1,6 @@
 """The parts of `asyncflow tinker-serve` that need no SDK: Tinker's losses against hand-computed values,
-and the future store's long-poll and retention."""
+the stability records and the resolution of provenance spans, and the future store's long-poll and
+retention."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ import torch
 from asyncflow.errors import UserError
 from asyncflow.tinker.futures import FutureStore
 from asyncflow.tinker.losses import loss_fn
+from asyncflow.tinker.stability import (
+    RECORDED_LOGPROBS,
+    SAMPLED,
+    Record,
+    SequenceRecords,
+    add_stability_inputs,
+)
+from asyncflow.tinker.wire import Datum, Span
 
 LP = [math.log(0.5), math.log(0.2), math.log(0.9)]
 Q = [math.log(0.25), math.log(0.2), math.log(0.6)]  # ratios r = 2.0, 1.0, 1.5
@@ -66,9 +75,70 @@ def test_dro_needs_beta_and_penalizes_the_squared_log_ratio() -> None:
     assert loss == pytest.approx(want, rel=1e-5)
 
 
+def test_gspo_gives_every_token_the_clipped_length_normalized_sequence_ratio() -> None:
+    inputs = {"target_tokens": [1, 2, 3], "logprobs": Q, "advantages": ADV, "sequence_ratio_mask": [0.0, 1.0, 1.0]}
+    loss, grad = run("gspo", inputs)
+    s = math.sqrt(1.5)  # exp(mean(log 1, log 1.5)) over the marked tokens; position 0 is not in the ratio
+    # s = 1.22 > 1.2: A = 1 takes the clipped 1.2 (no gradient); A < 0 takes s A, gradient -A s
+    assert loss == pytest.approx(-(1.2 * 1 + s * -2 + s * -1), rel=1e-5)
+    assert grad == pytest.approx([0.0, 2 * s, s], rel=1e-5)
+    loose, loose_grad = run("gspo", inputs, {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0})
+    assert loose == pytest.approx(-s * sum(ADV), rel=1e-5) and loose_grad == pytest.approx([-s * a for a in ADV], rel=1e-5)
+    with pytest.raises(UserError, match="sequence_ratio_mask"):
+        run("gspo", {**inputs, "sequence_ratio_mask": [0.0, 0.0, 0.0]})
+    with pytest.raises(UserError, match="sequence_ratio_mask"):
+        run("gspo", {"target_tokens": [1, 2, 3], "logprobs": Q, "advantages": ADV})
+
+
+def test_stable_reinforce_truncates_the_recorded_ratio_at_one_over_the_sampled_targets() -> None:
+    # targets 0 and 1 sampled (w = 2 and 1, both weighted 1), target 2 a prompt token (no loss)
+    inputs = {"target_tokens": [1, 2, 3], "advantages": ADV, RECORDED_LOGPROBS: Q, SAMPLED: [1.0, 1.0, 0.0]}
+    loss, grad = run("stable_reinforce", inputs)
+    assert loss == pytest.approx(-(LP[0] * 1 + LP[1] * -2), rel=1e-5)
+    assert grad == pytest.approx([-1.0, 2.0, 0.0], rel=1e-5)
+    # kl_coeff * sum(w - 1 - log w): its gradient is kl_coeff * (w - 1)
+    loss, grad = run("stable_reinforce", inputs, {"kl_coeff": 0.5})
+    assert loss == pytest.approx(-(LP[0] - 2 * LP[1]) + 0.5 * (2.0 - 1 - math.log(2.0)), rel=1e-5)
+    assert grad == pytest.approx([-1.0 + 0.5, 2.0, 0.0], rel=1e-5)
+
+
+def recorded(records: SequenceRecords) -> None:
+    """seq-a: prompt [1, 5, 9], sampled [4, 7, 3]."""
+    records.add("seq-a", Record(np.asarray([1, 5, 9]), np.asarray([4, 7, 3]), np.asarray([-0.5, -1.0, -2.0], np.float32)))
+
+
+def test_provenance_resolves_each_sampled_target_to_its_recorded_logprob() -> None:
+    records = SequenceRecords()
+    recorded(records)
+    full = [1, 5, 9, 4, 7, 3]  # (the cookbook's datum: input full[:-1], targets full[1:], spans shifted to match)
+    datum = Datum(full[:-1], {"target_tokens": np.asarray(full[1:])},
+                  input_spans=[Span(False, "seq-a", 0, 3), Span(True, "seq-a", 0, 2)],
+                  target_spans=[Span(False, "seq-a", 1, 2), Span(True, "seq-a", 0, 3)])
+    add_stability_inputs([datum], records)
+    assert datum.inputs[SAMPLED].tolist() == [0, 0, 1, 1, 1]
+    assert datum.inputs[RECORDED_LOGPROBS].tolist() == [0, 0, -0.5, -1.0, -2.0]
+    wrong = Datum(full[:-1], {"target_tokens": np.asarray([5, 9, 4, 8, 3])}, datum.input_spans, datum.target_spans)
+    with pytest.raises(UserError, match=r"datum 0: target_tokens 2..4 are not the tokens sampled as sequence 'seq-a'"):
+        add_stability_inputs([wrong], records)
+    with pytest.raises(UserError, match="datum 0 has no provenance"):
+        add_stability_inputs([Datum(full[:-1], {"target_tokens": np.asarray(full[1:])})], records)
+
+
+def test_only_the_newest_sequences_are_kept_and_a_use_makes_one_newest_again() -> None:
+    records = SequenceRecords(max_sequences=2)
+    record = Record(np.asarray([1]), np.asarray([2]), np.asarray([-0.1], np.float32))
+    records.add("seq-1", record)
+    records.add("seq-2", record)
+    records.get("seq-1", "here")  # (seq-2 is now the oldest)
+    records.add("seq-3", record)
+    assert records.get("seq-1", "here") is record and len(records) == 2
+    with pytest.raises(UserError, match="forward_backward: datum 4: sequence_id 'seq-2' has no stability info here"):
+        records.get("seq-2", "forward_backward: datum 4")
+
+
 def test_an_unknown_loss_names_the_supported_ones() -> None:
-    with pytest.raises(UserError, match="'gspo' is not supported.*cross_entropy"):
-        loss_fn("gspo")
+    with pytest.raises(UserError, match="'grpo' is not supported.*cross_entropy"):
+        loss_fn("grpo")
     with pytest.raises(UserError, match="advantages"):
         run("importance_sampling", {"target_tokens": [1, 2, 3], "logprobs": Q})
 

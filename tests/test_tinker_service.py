@@ -16,13 +16,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 import tinker
+import torch
 from tinker import types
 
 from asyncflow.cli import main
@@ -45,6 +46,20 @@ def base_url(serve_dir: Path) -> Iterator[str]:
     server.shutdown()
     server.server_close()
     service.shutdown()
+
+
+@contextmanager
+def served(serve_dir: Path, **options: Any) -> Iterator[str]:
+    """A service of its own on a free loopback port, stopped on exit."""
+    service = make_service(serve_dir, **options)
+    server, _ = start(service, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        service.sampling.shutdown()
+        service.training.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +223,46 @@ def test_save_state_and_load_state_round_trip(service_client: Any) -> None:
         np.testing.assert_allclose(x, y, atol=1e-5)
 
 
+def test_checkpoints_in_a_state_dir_are_found_by_path_after_a_restart(serve_dir: Path, tmp_path: Path) -> None:
+    """save_state and save_weights_for_sampler(name) under --state-dir: a second service on the same
+    folder loads the adapter and the AdamW moments (its next step is the first service's) and samples
+    from the named weights."""
+    data, state_dir, prompt = sft_batch(), tmp_path / "state", types.ModelInput.from_ints(PROMPT)
+    with served(serve_dir, state_dir=state_dir) as url, tinker.ServiceClient(base_url=url, api_key="tml-test") as client:
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=30).result()
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        state = tc.save_state("s1").result().path
+        sampler_path = tc.save_weights_for_sampler("w1").result().path
+        saved = logprobs(tc, data)
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        stepped = logprobs(tc, data)
+        prompt_lps = client.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result()
+        first_id = tc.model_id
+    assert len(list((state_dir / "weights").rglob("*.pt"))) == len(list((state_dir / "sampler_weights").rglob("*.pt"))) == 1
+    with served(serve_dir, state_dir=state_dir) as url, tinker.ServiceClient(base_url=url, api_key="tml-test") as client:
+        fresh = client.create_training_client_from_state_with_optimizer(state).result()
+        assert fresh.model_id != first_id and fresh.get_info().model_data.model_name == BASE
+        for x, y in zip(logprobs(fresh, data), saved, strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-6)
+        fresh.forward_backward(data, "cross_entropy").result()
+        fresh.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        for x, y in zip(logprobs(fresh, data), stepped, strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+        again = client.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result()
+        assert again[1:] == pytest.approx(prompt_lps[1:], abs=1e-5)
+        with pytest.raises(tinker.BadRequestError, match="no such checkpoint"):
+            client.create_training_client_from_state(state.replace("/s1", "/s2")).result()
+
+
+def test_a_state_dir_that_cannot_be_a_folder_is_refused_with_the_option_named(serve_dir: Path, tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "taken").write_text("a file")
+    assert main(["tinker-serve", str(serve_dir), "--port", "0", "--state-dir", str(tmp_path / "taken")]) == 2
+    assert "--state-dir" in capsys.readouterr().err
+
+
 def test_unknown_route_is_a_404_with_a_body_naming_it(base_url: str) -> None:
     with pytest.raises(tinker.NotFoundError) as caught:
         tinker.RestClient(base_url=base_url, api_key="tml-test").get_training_run("sess-x:train:0").result()
@@ -217,8 +272,8 @@ def test_unknown_route_is_a_404_with_a_body_naming_it(base_url: str) -> None:
 
 def test_an_unsupported_loss_is_a_failed_future_naming_the_supported_ones(service_client: Any) -> None:
     tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
-    with pytest.raises(tinker.RequestFailedError, match="gspo.*cross_entropy"):
-        tc.forward_backward(sft_batch(), "gspo").result()
+    with pytest.raises(tinker.RequestFailedError, match="grpo.*cross_entropy"):
+        tc.forward_backward(sft_batch(), "grpo").result()  # type: ignore[arg-type]
 
 
 def test_the_command_serves_the_sdk_and_refuses_a_folder_without_a_model(serve_dir: Path, tmp_path: Path) -> None:
@@ -244,8 +299,6 @@ def test_the_command_serves_the_sdk_and_refuses_a_folder_without_a_model(serve_d
 
 def test_forward_backward_custom_trains_through_the_cross_entropy_path(service_client: Any) -> None:
     """The SDK's client-side custom loss: a forward, then a backward with weights = -dLoss/dlogprobs."""
-    import torch
-
     tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=8).result()
     data = sft_batch()
 
@@ -259,6 +312,67 @@ def test_forward_backward_custom_trains_through_the_cross_entropy_path(service_c
     assert out.metrics["surrogate_loss:sum"] == pytest.approx(-before, rel=1e-4)
     tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
     assert sum(float(lp[1:].sum()) for lp in logprobs(tc, data)) > before
+
+
+def test_gspo_with_the_sampled_tokens_in_the_ratio_trains_towards_positive_advantages(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=12).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=3, seed=6)).result().sequences[0]
+    plain = rl_datum(PROMPT, seq, 1.0)
+    n = len(PROMPT) - 1
+    mask = [0.0] * n + [1.0] * len(seq.tokens)  # (as tinker-cookbook's rl_loop.py marks it)
+    data = [types.Datum(model_input=plain.model_input, loss_fn_inputs={**plain.loss_fn_inputs, "sequence_ratio_mask": mask})]
+    before = logprobs(tc, data)[0]
+    out = tc.forward_backward(data, "gspo").result()
+    s = math.exp(float(np.mean(before[n:] - np.asarray(seq.logprobs))))  # ~1: on-policy, inside the clip
+    assert out.metrics["loss:sum"] == pytest.approx(-s * len(seq.tokens), rel=1e-3)
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert logprobs(tc, data)[0][n:].sum() > before[n:].sum()
+
+
+def with_cookbook_provenance(datum: types.Datum, prompt_len: int, sampled_len: int, sequence_id: str) -> types.Datum:
+    """Provenance as tinker-cookbook's rl/data_processing.py attaches it to a one-turn trajectory's datum:
+    a prompt run and a sampled run over the full sequence, the input's without its last position and
+    the targets' without its first."""
+    return datum.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id=sequence_id, length=prompt_len)]
+        + ([types.SampledProvenanceSpan(sequence_id=sequence_id, length=sampled_len - 1)] if sampled_len > 1 else []),
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sequence_id, offset=1, length=prompt_len - 1),
+                        types.SampledProvenanceSpan(sequence_id=sequence_id, length=sampled_len)])
+
+
+def test_stable_reinforce_trains_on_sequences_sampled_with_stability_info(service_client: Any) -> None:
+    """loss = -sum(min(w, 1) A lp) + kl_coeff sum(w - 1 - log w) over the sampled targets, w the ratio
+    to the sampler's recorded log-prob; the sampled tokens' log-probs rise with A = 1."""
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=8, seed=11).result()
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    group = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=4, seed=7)).result().sequences
+    assert len({s.sequence_id for s in group}) == 2 and all(s.sequence_id for s in group)
+    data = [with_cookbook_provenance(rl_datum(PROMPT, s, 1.0), len(PROMPT), len(s.tokens), s.sequence_id) for s in group]
+    n = len(PROMPT) - 1
+    before = logprobs(tc, data)
+    out = tc.forward_backward(data, "stable_reinforce", {"kl_coeff": 0.1}).result()
+    want = 0.0
+    for s, lp in zip(group, before, strict=True):
+        log_w = lp[n:] - np.asarray(s.logprobs)
+        w = np.exp(log_w)
+        want += float(-(np.minimum(w, 1.0) * lp[n:]).sum() + 0.1 * (w - 1 - log_w).sum())
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
+    tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    after = logprobs(tc, data)
+    assert all(a[n:].sum() > b[n:].sum() for a, b in zip(after, before, strict=True))
+
+
+def test_stable_reinforce_refuses_a_datum_without_recorded_provenance(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=13).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()  # (record_stability_info off)
+    seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2, seed=1)).result().sequences[0]
+    datum = rl_datum(PROMPT, seq, 1.0)
+    with pytest.raises(tinker.BadRequestError, match=f"sequence_id '{seq.sequence_id}' has no stability info"):
+        tc.forward_backward([with_cookbook_provenance(datum, len(PROMPT), len(seq.tokens), seq.sequence_id)],
+                            "stable_reinforce").result()
+    with pytest.raises(tinker.BadRequestError, match="datum 0 has no provenance"):
+        tc.forward_backward([datum], "stable_reinforce").result()
 
 
 def test_an_rl_loop_as_the_cookbook_writes_it_raises_the_reward(service_client: Any) -> None:

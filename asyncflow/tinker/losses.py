@@ -10,6 +10,11 @@ Each takes `lp` (the current model's log-prob of each target token, [N], differe
     ppo                  -sum(min(r * A, clip(r, lo, hi) * A))        lo, hi default 0.8, 1.2
     cispo                -sum(stopgrad(clip(r, lo, hi)) * lp * A)
     dro                  -sum(lp * A - beta / 2 * (lp - q)^2)         beta from loss_fn_config
+    gspo                 -sum(min(s_t * A, clip(s_t, lo, hi) * A))    s_t = exp(sg(L) + lp - sg(lp)), with
+                         L = mean(lp - q) over the tokens that `sequence_ratio_mask` marks (GSPO-token)
+    stable_reinforce     -sum_S(sg(min(w, 1)) * A * lp) + kl_coeff * sum_S(w - 1 - log w)
+                         over the sampled targets S, w = exp(lp - q_rec), q_rec the sampler's recorded
+                         log-prob (`stability.add_stability_inputs`); kl_coeff default 0
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import numpy as np
 import torch
 
 from asyncflow.errors import UserError
+from asyncflow.tinker.stability import RECORDED_LOGPROBS, SAMPLED
 
 CLIP_LOW, CLIP_HIGH = 0.8, 1.2  # ppo / cispo thresholds where loss_fn_config does not set them
 
@@ -70,9 +76,30 @@ def dro(lp: torch.Tensor, inputs: Mapping[str, np.ndarray], config: Mapping[str,
     return -(lp * adv - 0.5 * float(config["beta"]) * (lp - q) ** 2).sum()
 
 
+def gspo(lp: torch.Tensor, inputs: Mapping[str, np.ndarray], config: Mapping[str, float]) -> torch.Tensor:
+    q = _input(inputs, "logprobs", "gspo", lp)
+    adv = _input(inputs, "advantages", "gspo", lp)
+    in_ratio = _input(inputs, "sequence_ratio_mask", "gspo", lp) != 0
+    if not bool(in_ratio.any()):
+        raise UserError("forward_backward: loss_fn 'gspo': a datum's sequence_ratio_mask marks no token")
+    log_ratio = (lp.detach() - q)[in_ratio].mean()
+    ratio = torch.exp(log_ratio + lp - lp.detach())  # (the sequence ratio's value, each token's own gradient)
+    low, high = _clip(config)
+    return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv).sum()
+
+
+def stable_reinforce(lp: torch.Tensor, inputs: Mapping[str, np.ndarray], config: Mapping[str, float]) -> torch.Tensor:
+    adv = _input(inputs, "advantages", "stable_reinforce", lp)
+    sampled = _input(inputs, SAMPLED, "stable_reinforce", lp) != 0  # (set from the datum's provenance)
+    log_w = (lp - _input(inputs, RECORDED_LOGPROBS, "stable_reinforce", lp))[sampled]
+    w = torch.exp(log_w)
+    policy = -(w.detach().clamp(max=1.0) * adv[sampled] * lp[sampled]).sum()
+    return policy + float(config.get("kl_coeff", 0.0)) * (w - 1.0 - log_w).sum()
+
+
 LossFn = Callable[[torch.Tensor, Mapping[str, np.ndarray], Mapping[str, float]], torch.Tensor]
 LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling,
-                             "ppo": ppo, "cispo": cispo, "dro": dro}
+                             "ppo": ppo, "cispo": cispo, "dro": dro, "gspo": gspo, "stable_reinforce": stable_reinforce}
 
 
 def loss_fn(name: str) -> LossFn:

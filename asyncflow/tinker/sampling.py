@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import GenRequest, GenResult
 from asyncflow.engines.hf import HFEngine
 from asyncflow.errors import UserError, WaitTimeout
+from asyncflow.tinker.stability import Record, SequenceRecords
 from asyncflow.tinker.wire import Sequence, sample_response
 
 MAX_ENGINES = 4
@@ -92,10 +94,13 @@ class SamplingPool:
     the model again. A new engine is built only while every engine is busy, up to `max_engines`."""
 
     def __init__(self, model_dir: Path, tokenizer: Any, eos_ids: list[int], pad_id: int, *, max_engines: int = MAX_ENGINES,
-                 max_sessions: int = MAX_SESSIONS, max_batch: int = 64, workers: int = 16) -> None:
+                 max_sessions: int = MAX_SESSIONS, max_batch: int = 64, workers: int = 16,
+                 records: SequenceRecords | None = None) -> None:
+        """`records`: where samples asked with `record_stability_info` are recorded, by sequence id."""
         self.model_dir, self.tokenizer, self.eos_ids, self.pad_id = model_dir, tokenizer, eos_ids, pad_id
         self.max_engines, self.max_batch = max_engines, max_batch
         self.max_sessions = max_sessions
+        self.records = records if records is not None else SequenceRecords()
         self.snapshots: OrderedDict[str, Snapshot] = OrderedDict()
         self.counts = {"engines_built": 0, "snapshot_loads": 0}
         self._slots: list[_Slot] = []  # least recently used first
@@ -171,19 +176,20 @@ class SamplingPool:
             slot.users -= 1
             self._cv.notify_all()
 
-    def submit(self, request: dict[str, Any]) -> cf.Future[bytes]:
-        """Run one asample request (JSON body) on a job thread; the future gives the SampleResponse bytes."""
+    def submit(self, request: dict[str, Any], sequence_ids: list[str] | None = None) -> cf.Future[bytes]:
+        """Run one asample request (JSON body) on a job thread; the future gives the SampleResponse bytes.
+        `sequence_ids`: one per sample, the ids its sequences are recorded under (`record_stability_info`)."""
         self.get(str(request.get("sampling_session_id")))  # (an unknown session fails the POST, not the future)
-        return self._jobs.submit(self._sample, request)
+        return self._jobs.submit(self._sample, request, sequence_ids)
 
-    def _sample(self, request: dict[str, Any]) -> bytes:
+    def _sample(self, request: dict[str, Any], sequence_ids: list[str] | None = None) -> bytes:
         slot = self.acquire(str(request["sampling_session_id"]))
         try:
-            return self._generate(slot.engine, request)
+            return self._generate(slot.engine, request, sequence_ids)
         finally:
             self.release(slot)
 
-    def _generate(self, engine: HFEngine, request: dict[str, Any]) -> bytes:
+    def _generate(self, engine: HFEngine, request: dict[str, Any], sequence_ids: list[str] | None) -> bytes:
         prompt = [int(t) for c in request["prompt"]["chunks"] for t in c.get("tokens", [])]
         if not prompt:
             raise UserError("asample: the prompt is empty (encoded_text chunks with tokens expected)")
@@ -199,7 +205,16 @@ class SamplingPool:
         if request.get("prompt_logprobs"):
             prompt_lp = wait(scores, SAMPLE_TIMEOUT_S, "the prompt's log-probs")[0] if scores is not None else []
         last_n = request.get("prompt_logprobs_last_n")
-        return sample_response([self._sequence(r) for r in results], prompt_lp, None if last_n is None else int(last_n))
+        sequences = [self._sequence(r) for r in results]
+        if request.get("record_stability_info") and sequence_ids:
+            self._record(prompt, sequences, sequence_ids)
+        return sample_response(sequences, prompt_lp, None if last_n is None else int(last_n))
+
+    def _record(self, prompt: list[int], sequences: list[Sequence], sequence_ids: list[str]) -> None:
+        prompt_arr = np.asarray(prompt, dtype=np.int64)  # (one array, shared by the request's samples)
+        for sequence_id, s in zip(sequence_ids, sequences, strict=True):
+            self.records.add(sequence_id, Record(prompt_arr, np.asarray(s.tokens, dtype=np.int64),
+                                                 np.asarray(s.logprobs, dtype=np.float32)))
 
     def _request(self, prompt: list[int], params: dict[str, Any], stop_ids: Any, stop_texts: list[str],
                  seed: int | None) -> GenRequest:

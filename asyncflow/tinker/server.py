@@ -84,9 +84,10 @@ def start(service: TinkerService, host: str, port: int) -> tuple[TinkerHTTPServe
 
 
 def make_service(model_dir: Path, *, api_key: str | None = None, max_batch: int = 64,
-                 max_staleness: int = 0) -> TinkerService:
+                 max_staleness: int = 0, state_dir: Path | None = None) -> TinkerService:
     """The service over the model folder: its base model for training, its tokenizer for stops;
-    `max_staleness` > 0 turns streaming on (`stream.py`)."""
+    `max_staleness` > 0 turns streaming on (`stream.py`); checkpoints in memory, or in files under
+    `state_dir` (created if missing)."""
     from asyncflow.data import generation_stop_ids
     from asyncflow.model_folder import check_model_dir
     from asyncflow.tinker.sampling import SamplingPool
@@ -95,6 +96,11 @@ def make_service(model_dir: Path, *, api_key: str | None = None, max_batch: int 
     from asyncflow.tokenizer import load_tokenizer
 
     key = "tinker-serve MODEL_DIR"
+    if state_dir is not None:
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"tinker-serve --state-dir {state_dir}: cannot create the folder: {exc}") from None
     check_model_dir(model_dir, key=key)
     tok = load_tokenizer(model_dir, key=key)
     eos = int(tok.eos_token_id)
@@ -105,13 +111,13 @@ def make_service(model_dir: Path, *, api_key: str | None = None, max_batch: int 
         raise UserError(f"{key}: cannot load the model in {model_dir}: {type(exc).__name__}: {exc}") from None
     sampling = SamplingPool(model_dir, tok, [eos, *generation_stop_ids(model_dir, eos)], pad, max_batch=max_batch)
     return TinkerService(training, sampling, api_key=api_key, tokenizer_id=str(model_dir.resolve()),
-                         stream=StreamState(max_staleness))
+                         stream=StreamState(max_staleness), state_dir=state_dir)
 
 
 def run(model_dir: Path, host: str, port: int, *, api_key: str | None = None, max_staleness: int = 0,
-        log: Callable[[str], None] = print) -> None:
+        state_dir: Path | None = None, log: Callable[[str], None] = print) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM); prints one line with the address once listening."""
-    service = make_service(model_dir, api_key=api_key, max_staleness=max_staleness)
+    service = make_service(model_dir, api_key=api_key, max_staleness=max_staleness, state_dir=state_dir)
     server, thread = start(service, host, port)
     log(f"asyncflow tinker-serve: {model_dir} listening on http://{host}:{server.server_address[1]} "
         f"(base_url for tinker.ServiceClient; api_key: {'the one given' if api_key else 'any tml-... key'}; "

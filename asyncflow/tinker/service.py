@@ -6,7 +6,8 @@ Long calls (create_model, forward_backward, optim_step, the saves and loads, asa
 with a request id at once and run on the training thread or a sampling job; `retrieve_future` long-polls
 them. A bad request is a 400 `{"detail": ...}` on the POST or, found while running, a failed future
 `{"error": ..., "category": "user"}`; an unknown route is a 404 `{"detail": ...}` naming it.
-Checkpoints (`save_weights`, named `save_weights_for_sampler`) are kept in this process's memory.
+Checkpoints (`save_weights`, named `save_weights_for_sampler`) are kept in this process's memory, or
+with a state folder in files there (`checkpoints.py`), found again by path after a restart.
 """
 
 from __future__ import annotations
@@ -14,17 +15,21 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import json
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from asyncflow.errors import UserError
+from asyncflow.tinker.checkpoints import StoredState, make_stores
 from asyncflow.tinker.futures import FutureStore
 from asyncflow.tinker.sampling import SamplingPool, Snapshot
+from asyncflow.tinker.stability import add_stability_inputs
 from asyncflow.tinker.stream import StreamState
-from asyncflow.tinker.training import SavedState, TrainingModels
+from asyncflow.tinker.training import TrainingModels
 from asyncflow.tinker.wire import FwdBwdRequest, forward_backward_output, parse_forward_backward
 
 PREFIX = "/api/v1"
@@ -57,10 +62,11 @@ class TinkerService:
 
     def __init__(self, training: TrainingModels, sampling: SamplingPool, *, api_key: str | None = None,
                  tokenizer_id: str | None = None, futures: FutureStore | None = None,
-                 stream: StreamState | None = None) -> None:
+                 stream: StreamState | None = None, state_dir: Path | None = None) -> None:
         """`tokenizer_id`: what `get_info` tells the SDK to load the tokenizer from (`get_tokenizer()`):
         the model folder, where its path has no ':' (the SDK cuts the id there). `stream`: the
-        streaming option's state (`stream.py`); none or a bound of 0 is the plain loop."""
+        streaming option's state (`stream.py`); none or a bound of 0 is the plain loop. `state_dir`:
+        the folder checkpoints are written to and read from (None: memory)."""
         self.training, self.sampling, self.api_key = training, sampling, api_key
         self.stream = stream or StreamState(0)
         self._waits = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")  # samplers waiting for training
@@ -71,8 +77,10 @@ class TinkerService:
         self._ids = itertools.count()
         self.sessions: dict[str, bool] = {}  # session id -> finished
         self.base_models: dict[str, str] = {}  # model id -> the base model name it was created with
-        self.checkpoints: dict[str, SavedState] = {}  # tinker://<model>/weights/<name>
-        self.sampler_weights: dict[str, Snapshot] = {}  # tinker://<model>/sampler_weights/<name>
+        # tinker://<model>/weights/<name> and tinker://<model>/sampler_weights/<name>
+        self.checkpoints, self.sampler_weights = make_stores(state_dir)
+        # session (so model) ids unlike any an earlier process saved under, where saves outlive it
+        self._run_tag = "" if state_dir is None else f"-{secrets.token_hex(4)}"
         self._submitted: OrderedDict[tuple[str, int], dict[str, Any]] = OrderedDict()  # (model, seq_id) -> answer
 
     def shutdown(self) -> None:
@@ -136,7 +144,7 @@ class TinkerService:
             return f"{prefix}-{next(self._ids)}"
 
     def _create_session(self, request: dict[str, Any]) -> dict[str, Any]:
-        session_id = self._new_id("sess")
+        session_id = self._new_id(f"sess{self._run_tag}")
         self.sessions[session_id] = False
         return {"session_id": session_id, "type": "create_session"}
 
@@ -208,6 +216,8 @@ class TinkerService:
     def _forward_backward(self, body: bytes) -> dict[str, Any]:
         req = parse_forward_backward(body)
         self.training.client(req.model_id)  # (an unknown model fails the POST)
+        if req.loss_fn == "stable_reinforce":  # (so does provenance naming no recorded sequence)
+            add_stability_inputs(req.data, self.sampling.records)
         self.stream.check(req.model_id)
         if self.stream.on and not req.forward_only:
             return self._once(req.model_id, req.seq_id,
@@ -272,7 +282,7 @@ class TinkerService:
         path = f"tinker://{model_id}/weights/{name}"
 
         def save() -> dict[str, Any]:
-            self.checkpoints[path] = self.training.save(model_id)
+            self.checkpoints[path] = StoredState(self.training.save(model_id), self.base_models.get(model_id, ""))
             return {"path": path, "type": "save_weights"}
 
         return self._once(model_id, request.get("seq_id"),
@@ -282,14 +292,15 @@ class TinkerService:
         path, with_optimizer = str(request["path"]), bool(request.get("optimizer", False))
         if path not in self.checkpoints:
             raise UserError(f"load_weights: {path!r}: no such checkpoint (save_state paths of this server only)")
-        saved = self.checkpoints[path]
+        stored = self.checkpoints[path]
+        saved = stored.saved
         if "model_id" in request:  # load_state on an existing client
             model_id = str(request["model_id"])
             create = None
         else:  # create_training_client_from_state: a new client, then the load
             model_id = f"{request['session_id']}:train:{int(request['model_seq_id'])}"
             source = path.removeprefix("tinker://").split("/")[0]
-            self.base_models[model_id] = str(request.get("base_model") or self.base_models.get(source, ""))
+            self.base_models[model_id] = str(request.get("base_model") or self.base_models.get(source) or stored.base_model)
             create = model_id
 
         def load() -> dict[str, Any]:
@@ -347,7 +358,8 @@ class TinkerService:
 
     def _get_sampler(self, session_id: str) -> dict[str, Any]:
         snapshot = self.sampling.get(session_id)
-        info = {"sampler_id": session_id, "base_model": snapshot.base_model, "model_path": snapshot.model_path}
+        info: dict[str, Any] = {"sampler_id": session_id, "base_model": snapshot.base_model,
+                                "model_path": snapshot.model_path}
         if snapshot.version is not None:  # (streaming: which weights its samples come from)
             info.update(weights_version=snapshot.version, versions_behind=snapshot.behind)
         return info
@@ -364,5 +376,5 @@ class TinkerService:
             raise UserError(f"asample: prompt chunks of type {sorted(kinds)} are not supported (encoded_text only)")
         if request.get("target_prompt_logprobs") is not None:
             raise UserError("asample: target_prompt_logprobs is not supported by asyncflow tinker-serve")
-        future = self.sampling.submit(request)
-        return self._future("proto", future, sample_sequence_ids=[self._new_id("seq") for _ in range(n)])
+        sequence_ids = [self._new_id("seq") for _ in range(n)]
+        return self._future("proto", self.sampling.submit(request, sequence_ids), sample_sequence_ids=sequence_ids)

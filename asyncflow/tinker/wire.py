@@ -26,12 +26,25 @@ except ImportError as exc:  # (the `tinker` extra)
 _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
 
+@dataclass(frozen=True)
+class Span:
+    """One provenance run: `length` datum positions that are positions `[offset, offset + length)` of the
+    named sequence's sampled tokens (`sampled`) or of its sampling request's prompt."""
+
+    sampled: bool
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclass
 class Datum:
     """One training example: the input tokens and its loss inputs, each as long as the input."""
 
     tokens: list[int]
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    input_spans: list[Span] | None = None  # provenance of each input token (`Datum.with_provenance`), tiling it
+    target_spans: list[Span] | None = None  # provenance of each target token, tiling target_tokens
 
 
 @dataclass
@@ -61,6 +74,23 @@ def _tensor(name: str, t: Any) -> np.ndarray:
     return arr.reshape(shape) if shape else arr
 
 
+def _spans(messages: Any, length: int, where: str) -> list[Span]:
+    """ProvenanceSpan messages as `Span`s, checked to tile a field of `length` positions."""
+    spans = []
+    for m in messages:
+        arm = m.WhichOneof("span")
+        if arm is None:
+            raise UserError(f"forward_backward: {where} has a span that is neither prompt_tokens nor sampled_tokens")
+        s = getattr(m, arm)
+        if not s.sequence_id or s.length < 0 or s.offset < 0:
+            raise UserError(f"forward_backward: {where} has a span with no sequence_id or a negative length/offset")
+        spans.append(Span(arm == "sampled_tokens", s.sequence_id, int(s.offset), int(s.length)))
+    total = sum(s.length for s in spans)
+    if total != length:
+        raise UserError(f"forward_backward: {where} cover {total} positions, the field has {length}")
+    return spans
+
+
 def parse_forward_backward(body: bytes) -> FwdBwdRequest:
     """A ForwardBackwardRequest body (uncompressed protobuf) as plain Python and numpy values."""
     msg = pb.ForwardBackwardRequest()
@@ -79,7 +109,13 @@ def parse_forward_backward(body: bytes) -> FwdBwdRequest:
             if chunk.WhichOneof("chunk") != "encoded_text":
                 raise UserError(f"forward_backward: datum {i} has a {chunk.WhichOneof('chunk')} chunk (text only)")
             tokens += np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
-        data.append(Datum(tokens, {k: _tensor(k, v) for k, v in d.loss_fn_inputs.items()}))
+        datum = Datum(tokens, {k: _tensor(k, v) for k, v in d.loss_fn_inputs.items()})
+        if len(d.model_input_spans) or len(d.loss_fn_input_spans):
+            targets = datum.inputs.get("target_tokens")
+            datum.input_spans = _spans(d.model_input_spans, len(tokens), f"datum {i} model_input_spans")
+            datum.target_spans = _spans(d.loss_fn_input_spans, len(tokens) if targets is None else len(targets),
+                                        f"datum {i} loss_fn_input_spans")
+        data.append(datum)
     return FwdBwdRequest(msg.model_id, int(msg.seq_id), msg.loss_fn, bool(msg.forward_only), config, data)
 
 
