@@ -171,6 +171,9 @@ def make_parser() -> argparse.ArgumentParser:
     tinker.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     tinker.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     tinker.add_argument("--api-key", default=None, help="the X-API-Key clients must send (default: any)")
+    tinker.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where training and sampling run (auto: GPUs when the process sees any, else the CPU; "
+                             "training on the first GPU, sampling engines spread over all)")
     tinker.add_argument("--max-staleness", type=int, default=0, metavar="N",
                         help="stream: answer training calls early and let a new sampler use weights up to N optim "
                              "steps behind the client's, so sampling overlaps training (default 0: the plain loop)")
@@ -342,13 +345,16 @@ def _tinker_serve(args: argparse.Namespace) -> int:
         raise UserError(f"tinker-serve: --port {args.port} must be 0-65535")
     if args.max_staleness < 0:
         raise UserError(f"tinker-serve: --max-staleness {args.max_staleness} must be 0 or more")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("tinker-serve: --device cuda, but this process sees no GPU (torch.cuda.is_available() is False)")
     try:
         from asyncflow.tinker.server import run
     except ImportError as exc:
         raise UserError(f"tinker-serve: {exc}") from None
     run(args.model_dir, args.host, args.port, api_key=args.api_key, max_staleness=args.max_staleness,
-        state_dir=args.state_dir,
-        log=lambda line: print(line, flush=True))
+        state_dir=args.state_dir, device=args.device, log=lambda line: print(line, flush=True))
     return 0
 
 

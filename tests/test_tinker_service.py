@@ -276,8 +276,16 @@ def test_an_unsupported_loss_is_a_failed_future_naming_the_supported_ones(servic
         tc.forward_backward(sft_batch(), "grpo").result()  # type: ignore[arg-type]
 
 
-def test_the_command_serves_the_sdk_and_refuses_a_folder_without_a_model(serve_dir: Path, tmp_path: Path) -> None:
+def test_the_command_serves_the_sdk_and_refuses_bad_options(serve_dir: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["tinker-serve", str(tmp_path)]) == 2
+    assert main(["tinker-serve", str(serve_dir), "--max-staleness", "-1"]) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["tinker-serve", str(serve_dir), "--device", "cuda"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 3, errors  # (one line each)
+    assert "no config.json" in errors[0] and "--max-staleness -1" in errors[1] and "--device cuda" in errors[2]
     proc = subprocess.Popen([sys.executable, "-m", "asyncflow", "tinker-serve", str(serve_dir), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "TINKER_TELEMETRY": "0"})
@@ -616,10 +624,12 @@ def test_a_streamed_step_that_fails_after_its_answer_fails_the_clients_next_call
     monkeypatch.setattr(service.training, "optim_step", broken)
     tc.forward_backward(sft_batch(), "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=30)  # answered before it ran
-    with pytest.raises(tinker.RequestFailedError, match="answered before it ran then failed.*out of memory"):
+    service.training.submit(lambda: None).result(timeout=60)  # (the training thread has run the step)
+    with pytest.raises(tinker.BadRequestError, match="answered before it ran then failed.*out of memory"):
         tc.save_weights_and_get_sampling_client().result(timeout=60)
-    with pytest.raises(tinker.BadRequestError, match="answered before it ran then failed"):
-        tc.forward_backward(sft_batch(), "cross_entropy").result(timeout=60)
+    for call in (lambda: tc.forward_backward(sft_batch(), "cross_entropy"), lambda: tc.save_state("after")):
+        with pytest.raises(tinker.BadRequestError, match="answered before it ran then failed"):
+            call().result(timeout=60)
     monkeypatch.undo()
     with pytest.warns(FutureWarning, match="deprecated"):  # (the SDK's warning; the call still works)
         tc.load_state(saved).result()  # a load gives the client known weights again

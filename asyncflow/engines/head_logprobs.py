@@ -28,6 +28,18 @@ CHUNK_BYTES = 128 * 2**20  # float32 logits of one chunk of tokens
 _FALLBACK = "_asyncflow_full_logits"  # set on a model whose head's output is post-processed
 
 
+def right_pad(rows: list[list[int]], pad_id: int = 0, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows as one id tensor [len(rows), width] (default: the longest row's), right-padded with
+    `pad_id`, and its attention mask (1 on each row's tokens)."""
+    width = max(len(r) for r in rows) if width is None else width
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
 def chunk_tokens(vocab: int) -> int:
     """Tokens per chunk: their float32 logits take about `CHUNK_BYTES`."""
     return max(16, CHUNK_BYTES // (4 * vocab))

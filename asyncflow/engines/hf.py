@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.attention_choice import pick_attention
 from asyncflow.engines.base import EngineOutOfMemory, GenRequest, GenResult, InferenceEngine, WeightUpdateMode
-from asyncflow.engines.head_logprobs import token_logprobs
+from asyncflow.engines.head_logprobs import right_pad, token_logprobs
 from asyncflow.engines.kv_cache import returned_cache, with_cache
 from asyncflow.engines.sampling import SAMPLING_EPS, sample_tokens, top_alternatives, truncate_logits
 from asyncflow.engines.weight_delta import HeldParams, HeldWeights, Publication, ResyncNeeded
@@ -387,11 +387,7 @@ class HFEngine(InferenceEngine):
             job.future.set_result(out)
 
     def _score_chunk(self, rows: list[list[int]], width: int, temperature: float) -> list[list[float]]:
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            mask[i, : len(r)] = 1
+        ids, mask = right_pad(rows, self.pad_token_id, width)
         ids, mask = ids.to(self.device), mask.to(self.device)
         pick_attention(self.model, self.device, width, width)
         lp, _ = token_logprobs(self.model, ids, mask, mask[:, 1:].float(), temperature)

@@ -33,7 +33,7 @@ CLIP_LOW, CLIP_HIGH = 0.8, 1.2  # ppo / cispo thresholds where loss_fn_config do
 def _input(inputs: Mapping[str, np.ndarray], key: str, loss: str, like: torch.Tensor) -> torch.Tensor:
     if key not in inputs:
         raise UserError(f"forward_backward: loss_fn {loss!r} needs loss_fn_inputs[{key!r}]")
-    value = torch.tensor(np.asarray(inputs[key], dtype=np.float32)).reshape(like.shape)  # (a copy: wire arrays are read-only)
+    value = torch.tensor(np.asarray(inputs[key], dtype=np.float32), device=like.device).reshape(like.shape)  # (a copy: wire arrays are read-only)
     return value.to(like.device)
 
 

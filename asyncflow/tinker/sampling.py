@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from asyncflow.engines import lora as lora_adapter
-from asyncflow.engines.base import GenRequest, GenResult
+from asyncflow.engines.base import GenRequest, GenResult, pick_device
 from asyncflow.engines.hf import HFEngine
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.tinker.stability import Record, SequenceRecords
@@ -95,11 +95,12 @@ class SamplingPool:
 
     def __init__(self, model_dir: Path, tokenizer: Any, eos_ids: list[int], pad_id: int, *, max_engines: int = MAX_ENGINES,
                  max_sessions: int = MAX_SESSIONS, max_batch: int = 64, workers: int = 16,
-                 records: SequenceRecords | None = None) -> None:
-        """`records`: where samples asked with `record_stability_info` are recorded, by sequence id."""
+                 records: SequenceRecords | None = None, device: str = "cpu") -> None:
+        """`records`: where samples asked with `record_stability_info` are recorded, by sequence id;
+        `device`: cpu, cuda or auto, as `model.device` (engines spread over the GPUs this process sees)."""
         self.model_dir, self.tokenizer, self.eos_ids, self.pad_id = model_dir, tokenizer, eos_ids, pad_id
         self.max_engines, self.max_batch = max_engines, max_batch
-        self.max_sessions = max_sessions
+        self.max_sessions, self.device = max_sessions, device
         self.records = records if records is not None else SequenceRecords()
         self.snapshots: OrderedDict[str, Snapshot] = OrderedDict()
         self.counts = {"engines_built": 0, "snapshot_loads": 0}
@@ -158,7 +159,8 @@ class SamplingPool:
             return None
         if idle is None:
             engine = HFEngine(self.model_dir, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-                              max_batch=self.max_batch, name=f"sampler {len(self._slots)}")
+                              max_batch=self.max_batch, device=pick_device(self.device, len(self._slots)),
+                              name=f"sampler {len(self._slots)}")
             idle = _Slot(engine, None, _done(0.0))
             self._slots.append(idle)
             self.counts["engines_built"] += 1

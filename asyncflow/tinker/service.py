@@ -280,6 +280,7 @@ class TinkerService:
     def _save_weights(self, request: dict[str, Any]) -> dict[str, Any]:
         model_id, name = str(request["model_id"]), str(request.get("path") or self._new_id("state"))
         path = f"tinker://{model_id}/weights/{name}"
+        self.stream.check(model_id)  # (a client whose answered step failed has no weights worth saving)
 
         def save() -> dict[str, Any]:
             self.checkpoints[path] = StoredState(self.training.save(model_id), self.base_models.get(model_id, ""))
@@ -319,6 +320,7 @@ class TinkerService:
     def _save_for_sampler(self, request: dict[str, Any]) -> dict[str, Any]:
         model_id, name = str(request["model_id"]), request.get("path")
         self.training.client(model_id)
+        self.stream.check(model_id)
         if self.stream.on and not name:  # (a named one is a checkpoint: taken in order, after every step)
             return self._once(model_id, request.get("seq_id"), lambda: self._future(
                 "json", self._waits.submit(self._newest_sampler, model_id), model_id=model_id))

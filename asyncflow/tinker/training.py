@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from asyncflow.engines import lora as lora_adapter
-from asyncflow.engines.head_logprobs import token_logprobs
+from asyncflow.engines.head_logprobs import right_pad, token_logprobs
 from asyncflow.errors import UserError
 from asyncflow.tinker.losses import loss_fn
 from asyncflow.tinker.wire import Datum
@@ -56,16 +56,6 @@ class SavedState:
     optimizer: dict[str, Any]
 
 
-def _pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, : len(r)] = 1
-    return ids, mask
-
-
 def target_logprobs(model: Any, data: list[Datum]) -> list[torch.Tensor]:
     """Per datum, log p(target_tokens[i] | tokens[: i + 1]) for every position i ([N], differentiable).
     Where the targets are the input shifted by one (the usual case) the output head is applied to the
@@ -75,26 +65,28 @@ def target_logprobs(model: Any, data: list[Datum]) -> list[torch.Tensor]:
         if len(t) != len(d.tokens) or not d.tokens:
             raise UserError(f"forward_backward: target_tokens has {len(t)} tokens, model_input {len(d.tokens)} "
                             "(they must be as long, and not empty)")
+    device = next(model.parameters()).device
     if all(t[:-1] == d.tokens[1:] for d, t in zip(data, targets, strict=True)):
-        ids, mask = _pad([d.tokens + t[-1:] for d, t in zip(data, targets, strict=True)])
+        ids, mask = (x.to(device) for x in right_pad([d.tokens + t[-1:] for d, t in zip(data, targets, strict=True)]))
         lp, _ = token_logprobs(model, ids, mask, mask[:, 1:].float(), 1.0)
         return [lp[i, : len(d.tokens)] for i, d in enumerate(data)]
-    ids, mask = _pad([d.tokens for d in data])
+    ids, mask = (x.to(device) for x in right_pad([d.tokens for d in data]))
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
     out = []
     for i, t in enumerate(targets):
         z = torch.log_softmax(logits[i, : len(t)], dim=-1)
-        out.append(z.gather(-1, torch.tensor(t)[:, None]).squeeze(-1))
+        out.append(z.gather(-1, torch.tensor(t, device=device)[:, None]).squeeze(-1))
     return out
 
 
 class TrainingModels:
-    """The base model (float32, CPU) with one LoRA adapter per training client."""
+    """The base model (float32, on `device`) with one LoRA adapter per training client."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
         self.base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.base.to(torch.device(device))
         for p in self.base.parameters():
             p.requires_grad_(False)
         head = self.base.get_output_embeddings()
@@ -163,7 +155,7 @@ class TrainingModels:
             with torch.set_grad_enabled(not forward_only):
                 lps = target_logprobs(self.peft, data)
                 loss = sum((fn(lp, d.inputs, config) for lp, d in zip(lps, data, strict=True)), torch.zeros(()))
-            outputs = ([lp.detach().numpy().copy() for lp in lps], {"loss:sum": float(loss.detach())})
+            outputs = ([lp.detach().cpu().numpy().copy() for lp in lps], {"loss:sum": float(loss.detach())})
         if on_forward is not None:
             on_forward(outputs)
         if data and not forward_only:
