@@ -1,19 +1,22 @@
 """The parts of `asyncflow tinker-serve` that need no SDK: Tinker's losses against hand-computed values,
-the stability records and the resolution of provenance spans, and the future store's long-poll and
-retention."""
+the stability records and the resolution of provenance spans, the future store's long-poll and
+retention, and the files of the checkpoint and run stores."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from asyncflow.errors import UserError
+from asyncflow.tinker.checkpoints import PathStore
 from asyncflow.tinker.futures import FutureStore
 from asyncflow.tinker.losses import loss_fn
+from asyncflow.tinker.runs import RunStore
 from asyncflow.tinker.stability import (
     RECORDED_LOGPROBS,
     SAMPLED,
@@ -161,3 +164,25 @@ def test_finished_results_past_the_cap_are_dropped_oldest_first() -> None:
     store = FutureStore(poll_s=0.01, max_kept=2)
     ids = [store.done("json", i) for i in range(4)]
     assert [store.poll(i).state for i in ids] == ["unknown", "unknown", "done", "done"]
+
+
+def test_runs_in_a_folder_are_read_back_by_a_new_store_and_unreadable_files_skipped(tmp_path: Path) -> None:
+    RunStore(tmp_path).add("sess-1:train:0", "base", 4, {"renderer_name": "r"})
+    (tmp_path / "runs" / "junk.json").write_text("not json")
+    later = RunStore(tmp_path)
+    run = later.get("sess-1:train:0")
+    assert run is not None and (run.base_model, run.lora_rank, run.user_metadata) == ("base", 4, {"renderer_name": "r"})
+    assert [r.run_id for r in later.all()] == ["sess-1:train:0"] and later.get("junk") is None
+    assert RunStore(None).get("sess-1:train:0") is None
+
+
+def test_checkpoint_files_are_listed_by_path_and_a_deleted_one_is_gone(tmp_path: Path) -> None:
+    store: PathStore[dict[str, int]] = PathStore(tmp_path, dict, dict)
+    paths = ["tinker://sess-1:train:0/weights/a b", "tinker://sess-1:train:1/weights/%x"]
+    for n, path in enumerate(paths):
+        store[path] = {"n": n}
+    assert sorted(e.path for e in PathStore(tmp_path, dict, dict).entries("weights")) == sorted(paths)
+    del store[paths[0]]
+    assert [e.path for e in store.entries("weights")] == [paths[1]] and paths[0] not in store
+    with pytest.raises(KeyError):
+        del store[paths[0]]

@@ -12,11 +12,12 @@ path is named, so a restarted service finds what an earlier one saved.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import torch
 
@@ -38,6 +39,16 @@ class StoredState:
     base_model: str
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One stored checkpoint as the listings show it: its path, when it was saved (Unix seconds) and
+    its file's size (None in memory)."""
+
+    path: str
+    saved_at: float
+    size_bytes: int | None
+
+
 def _file(folder: Path, path: str) -> Path | None:
     """`tinker://MODEL_ID/KIND/NAME` -> folder/KIND/MODEL_ID/NAME.pt, the parts %-quoted (no '/'), or
     None for a path of another shape (nothing outside the folder is ever named)."""
@@ -54,7 +65,7 @@ class PathStore(Generic[V]):
     def __init__(self, folder: Path | None, encode: Callable[[V], dict[str, Any]],
                  decode: Callable[[dict[str, Any]], V]) -> None:
         self.folder, self._encode, self._decode = folder, encode, decode
-        self._memory: dict[str, V] = {}
+        self._memory: dict[str, tuple[V, float]] = {}  # path -> (value, when saved)
 
     def __contains__(self, path: object) -> bool:
         if not isinstance(path, str):
@@ -66,7 +77,7 @@ class PathStore(Generic[V]):
 
     def __getitem__(self, path: str) -> V:
         if self.folder is None:
-            return self._memory[path]
+            return self._memory[path][0]
         file = _file(self.folder, path)
         if file is None:
             raise KeyError(path)
@@ -78,7 +89,7 @@ class PathStore(Generic[V]):
 
     def __setitem__(self, path: str, value: V) -> None:
         if self.folder is None:
-            self._memory[path] = value
+            self._memory[path] = (value, time.time())
             return
         target = _file(self.folder, path)
         if target is None:
@@ -87,6 +98,31 @@ class PathStore(Generic[V]):
         temporary = target.with_name(target.name + ".tmp")
         torch.save(self._encode(value), temporary)
         os.replace(temporary, target)
+
+    def __delitem__(self, path: str) -> None:
+        """Forget `path` (its file removed); a KeyError where nothing is stored there."""
+        if self.folder is None:
+            del self._memory[path]
+            return
+        file = _file(self.folder, path)
+        if file is None or not file.is_file():
+            raise KeyError(path)
+        file.unlink(missing_ok=True)
+
+    def entries(self, kind: str) -> list[Entry]:
+        """What is stored (`kind`: weights or sampler_weights, this store's), in memory or as files
+        under the folder, whichever process wrote them."""
+        if self.folder is None:
+            return [Entry(path, saved_at, None) for path, (_, saved_at) in list(self._memory.items())]
+        found = []
+        for file in sorted((self.folder / kind).glob("*/*.pt")):
+            path = f"{PREFIX}{unquote(file.parent.name)}/{kind}/{unquote(file.name.removesuffix('.pt'))}"
+            try:
+                stat = file.stat()
+            except OSError:  # (deleted while listing)
+                continue
+            found.append(Entry(path, stat.st_mtime, stat.st_size))
+        return found
 
 
 def _encode_state(state: StoredState) -> dict[str, Any]:
