@@ -36,21 +36,11 @@ BASE = "tiny-base"  # the name the clients ask for (the service trains whatever 
 PROMPT = [1, 5, 9, 4, 7]
 
 
-@pytest.fixture(scope="module")
-def base_url(serve_dir: Path) -> Iterator[str]:
-    """The service on a free loopback port (the SDK's telemetry off: it would post batches too)."""
-    os.environ["TINKER_TELEMETRY"] = "0"
-    service = make_service(serve_dir)
-    server, _ = start(service, "127.0.0.1", 0)
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    service.shutdown()
-
-
 @contextmanager
 def served(serve_dir: Path, **options: Any) -> Iterator[str]:
-    """A service of its own on a free loopback port, stopped on exit."""
+    """A service of its own on a free loopback port, stopped on exit (the SDK's telemetry off: it would
+    post batches too)."""
+    os.environ["TINKER_TELEMETRY"] = "0"
     service = make_service(serve_dir, **options)
     server, _ = start(service, "127.0.0.1", 0)
     try:
@@ -58,8 +48,13 @@ def served(serve_dir: Path, **options: Any) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
-        service.sampling.shutdown()
-        service.training.shutdown()
+        service.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_dir: Path) -> Iterator[str]:
+    with served(serve_dir) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -263,11 +258,20 @@ def test_a_state_dir_that_cannot_be_a_folder_is_refused_with_the_option_named(se
     assert "--state-dir" in capsys.readouterr().err
 
 
-def test_unknown_route_is_a_404_with_a_body_naming_it(base_url: str) -> None:
+def cookbook_rest_client(client: Any) -> Any:
+    """The RestClient as tinker-cookbook 0.6.1 gets one (a call this SDK warns is deprecated)."""
+    with pytest.warns(FutureWarning, match="create_rest_client"):
+        return client.create_rest_client()
+
+
+def test_unsupported_rest_calls_and_unknown_runs_are_404s_naming_them(base_url: str) -> None:
+    rest = tinker.RestClient(base_url=base_url, api_key="tml-test")
     with pytest.raises(tinker.NotFoundError) as caught:
-        tinker.RestClient(base_url=base_url, api_key="tml-test").get_training_run("sess-x:train:0").result()
+        rest.publish_checkpoint_from_tinker_path("tinker://sess-x:train:0/weights/w").result()
     assert caught.value.status_code == 404
-    assert "/api/v1/training_runs/sess-x:train:0" in str(caught.value)
+    assert "publish_checkpoint_from_tinker_path" in str(caught.value) and "not supported" in str(caught.value)
+    with pytest.raises(tinker.NotFoundError, match="'sess-x:train:0': no such training run"):
+        rest.get_training_run("sess-x:train:0").result()
 
 
 def test_an_unsupported_loss_is_a_failed_future_naming_the_supported_ones(service_client: Any) -> None:
@@ -634,3 +638,81 @@ def test_a_streamed_step_that_fails_after_its_answer_fails_the_clients_next_call
     with pytest.warns(FutureWarning, match="deprecated"):  # (the SDK's warning; the call still works)
         tc.load_state(saved).result()  # a load gives the client known weights again
     assert tc.forward_backward(sft_batch(), "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+# ---------------------------------------------------------------- the REST API (RestClient)
+
+
+def test_rest_client_reads_training_runs_with_their_user_metadata(serve_dir: Path) -> None:
+    """Runs as the cookbook creates them (user_metadata naming the renderer) and reads them back by a
+    checkpoint's path, both kinds; a client from a saved state keeps its source's metadata."""
+    meta = {"renderer_name": "role_colon", "wandb_link": "none"}
+    with served(serve_dir) as url, tinker.ServiceClient(base_url=url, api_key="tml-test",
+                                                       user_metadata={"purpose": "test"}) as client:
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=40, user_metadata=meta).result()
+        plain = client.create_lora_training_client(base_model=BASE, rank=2, seed=41).result()
+        state = tc.save_state("s1").result().path
+        sampler_path = tc.save_weights_for_sampler("w1").result().path
+        resumed = client.create_training_client_from_state(state).result()
+        rest = cookbook_rest_client(client)
+        for path in (state, sampler_path):
+            run = rest.get_training_run_by_tinker_path(path).result()
+            assert run.training_run_id == tc.model_id and run.user_metadata == meta
+            assert run.base_model == BASE and run.lora_rank == 4 and run.is_lora
+        run = rest.get_training_run(tc.model_id).result()
+        assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == state
+        assert run.last_sampler_checkpoint is not None and run.last_sampler_checkpoint.tinker_path == sampler_path
+        assert rest.get_training_run(plain.model_id).result().user_metadata is None
+        assert rest.get_training_run(resumed.model_id).result().user_metadata == meta
+        listed = rest.list_training_runs().result()
+        assert [r.training_run_id for r in listed.training_runs] == [resumed.model_id, plain.model_id, tc.model_id]
+        assert listed.cursor.total_count == 3
+        page = rest.list_training_runs(limit=1, offset=1).result()
+        assert [r.training_run_id for r in page.training_runs] == [plain.model_id]
+        assert (page.cursor.offset, page.cursor.limit, page.cursor.total_count) == (1, 1, 3)
+        session_id = tc.model_id.split(":train:")[0]
+        assert rest.list_sessions().result().sessions == [session_id]
+        session = rest.get_session(session_id).result()
+        assert session.training_run_ids == [tc.model_id, plain.model_id, resumed.model_id]
+        assert session.user_metadata == {"purpose": "test"}
+        capabilities = rest.get_server_capabilities().result()
+        assert [m.model_name for m in capabilities.supported_models] == [serve_dir.name]
+
+
+def test_rest_client_lists_and_deletes_checkpoints_also_after_a_restart(serve_dir: Path, tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    with served(serve_dir, state_dir=state_dir) as url, tinker.ServiceClient(base_url=url, api_key="tml-test") as client:
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=42, user_metadata={"k": "v"}).result()
+        first, second = tc.save_state("a").result().path, tc.save_state("b").result().path
+        sampler_path = tc.save_weights_for_sampler("w").result().path
+    with served(serve_dir, state_dir=state_dir) as url, tinker.ServiceClient(base_url=url, api_key="tml-test") as client:
+        rest = tinker.RestClient(base_url=url, api_key="tml-test")
+        assert rest.get_training_run_by_tinker_path(first).result().user_metadata == {"k": "v"}
+        listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+        assert {c.tinker_path for c in listed} == {first, second, sampler_path}
+        assert {c.checkpoint_id: c.checkpoint_type for c in listed} == {
+            "weights/a": "training", "weights/b": "training", "sampler_weights/w": "sampler"}
+        assert all(c.size_bytes and c.size_bytes > 0 for c in listed)
+        assert {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints} == {first, second, sampler_path}
+        rest.delete_checkpoint_from_tinker_path(first).result()
+        rest.delete_checkpoint_from_tinker_path(sampler_path).result()
+        assert [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [second]
+        with pytest.raises(tinker.BadRequestError, match="no such checkpoint"):
+            client.create_training_client_from_state(first).result()
+        with pytest.raises(tinker.BadRequestError, match="no such sampler weights"):
+            client.create_sampling_client(model_path=sampler_path).result()
+        with pytest.raises(tinker.NotFoundError, match="no such checkpoint"):
+            rest.delete_checkpoint_from_tinker_path(first).result()
+        client.create_training_client_from_state(second).result()  # (the other one is still there)
+
+
+def test_rest_client_deletes_a_checkpoint_kept_in_memory(service_client: Any) -> None:
+    tc = service_client.create_lora_training_client(base_model=BASE, rank=4, seed=43).result()
+    path = tc.save_state("gone").result().path
+    rest = cookbook_rest_client(service_client)
+    assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == ["weights/gone"]
+    assert path in {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints}
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
+    with pytest.raises(tinker.BadRequestError, match="no such checkpoint"):
+        service_client.create_training_client_from_state(path).result()

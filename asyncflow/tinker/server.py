@@ -114,7 +114,7 @@ def make_service(model_dir: Path, *, api_key: str | None = None, max_batch: int 
     sampling = SamplingPool(model_dir, tok, [eos, *generation_stop_ids(model_dir, eos)], pad, max_batch=max_batch,
                             device=device)
     return TinkerService(training, sampling, api_key=api_key, tokenizer_id=str(model_dir.resolve()),
-                         stream=StreamState(max_staleness), state_dir=state_dir)
+                         stream=StreamState(max_staleness), state_dir=state_dir, model_name=model_dir.name)
 
 
 def run(model_dir: Path, host: str, port: int, *, log: Callable[[str], None] = print, **options: Any) -> None:

@@ -26,6 +26,8 @@ from typing import Any
 from asyncflow.errors import UserError
 from asyncflow.tinker.checkpoints import StoredState, make_stores
 from asyncflow.tinker.futures import FutureStore
+from asyncflow.tinker.rest import NotFound, RestApi, Session
+from asyncflow.tinker.runs import RunStore, metadata
 from asyncflow.tinker.sampling import SamplingPool, Snapshot
 from asyncflow.tinker.stability import add_stability_inputs
 from asyncflow.tinker.stream import StreamState
@@ -62,11 +64,12 @@ class TinkerService:
 
     def __init__(self, training: TrainingModels, sampling: SamplingPool, *, api_key: str | None = None,
                  tokenizer_id: str | None = None, futures: FutureStore | None = None,
-                 stream: StreamState | None = None, state_dir: Path | None = None) -> None:
+                 stream: StreamState | None = None, state_dir: Path | None = None, model_name: str = "") -> None:
         """`tokenizer_id`: what `get_info` tells the SDK to load the tokenizer from (`get_tokenizer()`):
         the model folder, where its path has no ':' (the SDK cuts the id there). `stream`: the
         streaming option's state (`stream.py`); none or a bound of 0 is the plain loop. `state_dir`:
-        the folder checkpoints are written to and read from (None: memory)."""
+        the folder checkpoints are written to and read from (None: memory). `model_name`: the model
+        `get_server_capabilities` names."""
         self.training, self.sampling, self.api_key = training, sampling, api_key
         self.stream = stream or StreamState(0)
         self._waits = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")  # samplers waiting for training
@@ -75,10 +78,12 @@ class TinkerService:
         self._lock = threading.Lock()
         self._submit_lock = threading.Lock()
         self._ids = itertools.count()
-        self.sessions: dict[str, bool] = {}  # session id -> finished
+        self.sessions: dict[str, Session] = {}
         self.base_models: dict[str, str] = {}  # model id -> the base model name it was created with
         # tinker://<model>/weights/<name> and tinker://<model>/sampler_weights/<name>
         self.checkpoints, self.sampler_weights = make_stores(state_dir)
+        self.runs = RunStore(state_dir)
+        self.rest = RestApi(self.runs, self.checkpoints, self.sampler_weights, self.sessions, model_name)
         # session (so model) ids unlike any an earlier process saved under, where saves outlive it
         self._run_tag = "" if state_dir is None else f"-{secrets.token_hex(4)}"
         self._submitted: OrderedDict[tuple[str, int], dict[str, Any]] = OrderedDict()  # (model, seq_id) -> answer
@@ -90,13 +95,16 @@ class TinkerService:
 
     def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
         """Answer one request; never raises."""
-        route = path.split("?", 1)[0].rstrip("/")
+        route, _, query = path.partition("?")
+        route = route.rstrip("/")
         try:
             if self.api_key is not None and headers.get("x-api-key") != self.api_key:
                 return json_reply(401, {"detail": "a valid X-API-Key header is required"})
-            return self._route(method, route, body)
+            return self._route(method, route, query, body)
         except RouteNotFound:
             return json_reply(404, {"detail": f"no route: {method} {route} (not supported by asyncflow tinker-serve)"})
+        except NotFound as exc:
+            return json_reply(404, {"detail": str(exc)})
         except UserError as exc:
             return json_reply(400, {"detail": str(exc)})
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a body not of the shape this route reads
@@ -104,10 +112,13 @@ class TinkerService:
         except Exception as exc:  # (the server's own failure: a 500, which the SDK retries; the server goes on)
             return json_reply(500, {"detail": f"{route}: {type(exc).__name__}: {exc}"})
 
-    def _route(self, method: str, route: str, body: bytes) -> Reply:
+    def _route(self, method: str, route: str, query: str, body: bytes) -> Reply:
         if not route.startswith(PREFIX):
             raise RouteNotFound
         name = route[len(PREFIX) + 1:]
+        answer = self.rest.answer(method, name, query)
+        if answer is not None:
+            return json_reply(200, answer)
         if method == "GET":
             if name.startswith("samplers/"):
                 return json_reply(200, self._get_sampler(name.removeprefix("samplers/")))
@@ -145,15 +156,23 @@ class TinkerService:
 
     def _create_session(self, request: dict[str, Any]) -> dict[str, Any]:
         session_id = self._new_id(f"sess{self._run_tag}")
-        self.sessions[session_id] = False
+        name = request.get("display_name")
+        self.sessions[session_id] = Session(metadata(request.get("user_metadata")), None if name is None else str(name))
         return {"session_id": session_id, "type": "create_session"}
 
     def _heartbeat(self, request: dict[str, Any]) -> dict[str, Any]:
         return {"type": "session_heartbeat"}
 
     def _finish(self, session_id: str) -> dict[str, Any]:
-        self.sessions[session_id] = True
+        self.sessions.setdefault(session_id, Session()).finished = True
         return {}
+
+    def _add_sampler(self, session_id: str, snapshot: Snapshot) -> str:
+        """A new sampling session's id, listed under `session_id` (the SDK's session)."""
+        sampler_id = self._new_id("sampler")
+        self.sampling.add(sampler_id, snapshot)
+        self.sessions.setdefault(session_id, Session()).sampler_ids.append(sampler_id)
+        return sampler_id
 
     def _future(self, kind: str, future: cf.Future[Any], **extra: Any) -> dict[str, Any]:
         return {"request_id": self.futures.add(kind, future), **extra}
@@ -193,6 +212,8 @@ class TinkerService:
         model_id = f"{request['session_id']}:train:{int(request['model_seq_id'])}"
         lora = request.get("lora_config") or {}
         self.base_models[model_id] = str(request.get("base_model") or "")
+        self.runs.add(model_id, self.base_models[model_id], int(lora.get("rank", 32)),
+                      metadata(request.get("user_metadata")))
 
         def create() -> dict[str, Any]:
             layers = (bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True)))
@@ -302,6 +323,10 @@ class TinkerService:
             model_id = f"{request['session_id']}:train:{int(request['model_seq_id'])}"
             source = path.removeprefix("tinker://").split("/")[0]
             self.base_models[model_id] = str(request.get("base_model") or self.base_models.get(source) or stored.base_model)
+            source_run = self.runs.get(source)  # (its user_metadata kept where the request gives none)
+            given = metadata(request.get("user_metadata"))
+            self.runs.add(model_id, self.base_models[model_id], saved.rank,
+                          given if given is not None or source_run is None else source_run.user_metadata)
             create = model_id
 
         def load() -> dict[str, Any]:
@@ -331,9 +356,8 @@ class TinkerService:
                 snapshot.model_path = f"tinker://{model_id}/sampler_weights/{name}"
                 self.sampler_weights[snapshot.model_path] = snapshot
                 return {"path": snapshot.model_path, "type": "save_weights_for_sampler"}
-            session_id = self._new_id("sampler")
-            self.sampling.add(session_id, snapshot)
-            return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
+            sampler_id = self._add_sampler(model_id.split(":train:")[0], snapshot)
+            return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         return self._once(model_id, request.get("seq_id"),
                           lambda: self._future("json", self.training.submit(save), model_id=model_id))
@@ -341,9 +365,8 @@ class TinkerService:
     def _newest_sampler(self, model_id: str) -> dict[str, Any]:
         version, asked, adapter = self.stream.newest(model_id)
         snapshot = Snapshot(self.base_models.get(model_id, ""), adapter, version=version, behind=asked - version)
-        session_id = self._new_id("sampler")
-        self.sampling.add(session_id, snapshot)
-        return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
+        sampler_id = self._add_sampler(model_id.split(":train:")[0], snapshot)
+        return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
     def _create_sampling_session(self, request: dict[str, Any]) -> dict[str, Any]:
         path = request.get("model_path")
@@ -354,9 +377,8 @@ class TinkerService:
             snapshot = self.sampler_weights[path]
         else:
             snapshot = Snapshot(str(request.get("base_model") or ""), None)
-        session_id = self._new_id("sampler")
-        self.sampling.add(session_id, snapshot)
-        return {"sampling_session_id": session_id, "type": "create_sampling_session"}
+        sampler_id = self._add_sampler(str(request.get("session_id", "")), snapshot)
+        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
     def _get_sampler(self, session_id: str) -> dict[str, Any]:
         snapshot = self.sampling.get(session_id)
