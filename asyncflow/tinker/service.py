@@ -7,7 +7,8 @@ with a request id at once and run on the training thread or a sampling job; `ret
 them. A bad request is a 400 `{"detail": ...}` on the POST or, found while running, a failed future
 `{"error": ..., "category": "user"}`; an unknown route is a 404 `{"detail": ...}` naming it.
 Checkpoints (`save_weights`, named `save_weights_for_sampler`) are kept in this process's memory, or
-with a state folder in files there (`checkpoints.py`), found again by path after a restart.
+with a state folder in files there (`checkpoints.py`), found again by path after a restart. The REST
+API's routes (training runs, checkpoint listings and deletes, sessions) are `rest.py`'s.
 """
 
 from __future__ import annotations
