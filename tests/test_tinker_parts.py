@@ -16,6 +16,7 @@ from asyncflow.errors import UserError
 from asyncflow.tinker.checkpoints import PathStore
 from asyncflow.tinker.futures import FutureStore
 from asyncflow.tinker.losses import loss_fn
+from asyncflow.tinker.rest import NotFound, RestApi
 from asyncflow.tinker.runs import RunStore
 from asyncflow.tinker.stability import (
     RECORDED_LOGPROBS,
@@ -186,3 +187,15 @@ def test_checkpoint_files_are_listed_by_path_and_a_deleted_one_is_gone(tmp_path:
     assert [e.path for e in store.entries("weights")] == [paths[1]] and paths[0] not in store
     with pytest.raises(KeyError):
         del store[paths[0]]
+
+
+def test_rest_routes_tell_a_checkpoint_named_like_a_sub_call_from_the_unsupported_call() -> None:
+    weights: PathStore[dict[str, int]] = PathStore(None, dict, dict)
+    rest = RestApi(RunStore(None), weights, PathStore(None, dict, dict), {}, "m")
+    weights["tinker://r:train:0/weights/publish"] = {"n": 1}
+    with pytest.raises(NotFound, match="unpublish_checkpoint_from_tinker_path"):
+        rest.answer("DELETE", "training_runs/r:train:0/checkpoints/weights/publish/publish", "")
+    assert rest.answer("DELETE", "training_runs/r:train:0/checkpoints/weights/publish", "") == {}
+    assert "tinker://r:train:0/weights/publish" not in weights
+    with pytest.raises(UserError, match="limit"):
+        rest.answer("GET", "checkpoints", "limit=x")

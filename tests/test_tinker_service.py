@@ -654,6 +654,7 @@ def test_rest_client_reads_training_runs_with_their_user_metadata(serve_dir: Pat
         state = tc.save_state("s1").result().path
         sampler_path = tc.save_weights_for_sampler("w1").result().path
         resumed = client.create_training_client_from_state(state).result()
+        tc.save_weights_and_get_sampling_client()
         rest = cookbook_rest_client(client)
         for path in (state, sampler_path):
             run = rest.get_training_run_by_tinker_path(path).result()
@@ -674,7 +675,7 @@ def test_rest_client_reads_training_runs_with_their_user_metadata(serve_dir: Pat
         assert rest.list_sessions().result().sessions == [session_id]
         session = rest.get_session(session_id).result()
         assert session.training_run_ids == [tc.model_id, plain.model_id, resumed.model_id]
-        assert session.user_metadata == {"purpose": "test"}
+        assert session.user_metadata == {"purpose": "test"} and len(session.sampler_ids) == 1
         capabilities = rest.get_server_capabilities().result()
         assert [m.model_name for m in capabilities.supported_models] == [serve_dir.name]
 

@@ -18,12 +18,13 @@ from asyncflow.tinker.checkpoints import KINDS, PREFIX, Entry, PathStore
 from asyncflow.tinker.runs import Run, RunStore
 
 CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
+CHECKPOINT = r"training_runs/[^/]+/checkpoints/[^/]+/[^/]+"  # (a checkpoint id is KIND/NAME)
 # (method, route pattern) -> the SDK call it serves, for the REST calls this service does not support
 UNSUPPORTED = [
-    ("POST", r"training_runs/.+/checkpoints/.+/publish", "RestClient.publish_checkpoint_from_tinker_path"),
-    ("DELETE", r"training_runs/.+/checkpoints/.+/publish", "RestClient.unpublish_checkpoint_from_tinker_path"),
-    ("PUT", r"training_runs/.+/checkpoints/.+/ttl", "RestClient.set_checkpoint_ttl_from_tinker_path"),
-    ("GET", r"training_runs/.+/checkpoints/.+/external_weights_urls", "RestClient.get_external_weights_urls"),
+    ("POST", CHECKPOINT + "/publish", "RestClient.publish_checkpoint_from_tinker_path"),
+    ("DELETE", CHECKPOINT + "/publish", "RestClient.unpublish_checkpoint_from_tinker_path"),
+    ("PUT", CHECKPOINT + "/ttl", "RestClient.set_checkpoint_ttl_from_tinker_path"),
+    ("GET", CHECKPOINT + "/external_weights_urls", "RestClient.get_external_weights_urls"),
     ("POST", r"weights_info", "RestClient.get_weights_info_by_tinker_path"),
     ("POST", r"copy_weights", "RestClient.copy_weights"),
     ("POST", r"save_weights_external", "TrainingClient.save_weights_external"),
@@ -127,7 +128,7 @@ class RestApi:
 
     def _sessions(self, parts: list[str], query: dict[str, list[str]]) -> Any:
         if not parts:
-            page, _ = _page(list(reversed(self.sessions)), query, 20)
+            page, _ = _page(list(self.sessions)[::-1], query, 20)
             return {"sessions": page}
         session = self.sessions.get(parts[0])
         if session is None:
