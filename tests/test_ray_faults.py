@@ -6,7 +6,9 @@ test, of the CLI's exit code, needs none)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
 import time
 from collections import Counter
@@ -101,17 +103,32 @@ def _killer(ray: Any, watch: _Watch, out: Path, role: str, *, after_step: int, r
         handle = ray.get_actor(f"{prefix}-{role}")
         if hasattr(handle, "pid"):
             info["pid"] = ray.get(handle.pid.remote(), timeout=30)
-        store = ray.get_actor(f"{prefix}-store")
-        while while_leased is not None and time.monotonic() < deadline:
-            if ray.get(store.in_flight.remote(while_leased), timeout=30) > 0:
-                break
-            time.sleep(0.02)
-        ray.kill(handle, no_restart=not restart)
+        if while_leased is not None:
+            if not _kill_while_leased(ray, ray.get_actor(f"{prefix}-store"), while_leased, info["pid"], deadline):
+                info["error"] = f"{role} never held a lease of {while_leased!r} before the deadline"
+                return
+        else:
+            ray.kill(handle, no_restart=not restart)
         info["killed_at"] = time.monotonic()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, info
+
+
+def _kill_while_leased(ray: Any, store: Any, stage: str, pid: int, deadline: float) -> bool:
+    """SIGKILL the actor process `pid` while it holds leases of `stage`: stopped (SIGSTOP) first, so
+    the leases the store counts cannot be finished and given back between the count and the kill;
+    let go again (SIGCONT) when it held none. Ray restarts the process as after any crash."""
+    while time.monotonic() < deadline:
+        if ray.get(store.in_flight.remote(stage), timeout=30) > 0:
+            os.kill(pid, signal.SIGSTOP)
+            if ray.get(store.in_flight.remote(stage), timeout=30) > 0:
+                os.kill(pid, signal.SIGKILL)
+                return True
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.02)
+    return False
 
 
 def _check_samples(out: Path) -> list[dict[str, Any]]:
