@@ -366,13 +366,17 @@ class RayTransferQueue:
     def _drop_batches(self, ref: Any, wait_s: float = 1.0) -> None:
         """A `take_batches` call nobody will read: its leases released once it is answered (a read-ahead
         of ready batches is, within ms), or, still waiting for samples after `wait_s`, the call
-        cancelled (a lease it gets all the same ends at its deadline)."""
+        cancelled and waited for (up to `wait_s` again), so that samples put after this returns are not
+        leased to it; an answer that beat the cancel has its leases released too (a lease it gets
+        later all the same ends at its deadline)."""
         import ray
 
         ready, _ = ray.wait([ref], timeout=wait_s)
         if not ready:
             ray.cancel(ref)
-            return
+            ready, _ = ray.wait([ref], timeout=wait_s)
+            if not ready:
+                return
         with contextlib.suppress(Exception):  # (it failed: it holds no lease)
             for compact, _ in ray.get(ref):
                 self._updates.add("release", (compact[0], compact[1]))
