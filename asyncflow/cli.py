@@ -12,10 +12,14 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncflow.errors import RunFailed, UserError, WaitTimeout
 from asyncflow.malloc_arena import limit_malloc_arenas
 from asyncflow.serve_options import add_serve_arguments
+
+if TYPE_CHECKING:
+    from asyncflow.tinker.settings import ServeSettings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -167,16 +171,23 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model name in replies (default: the folder's name)")
     add_serve_arguments(serve, _path)
     tinker = sub.add_parser("tinker-serve", help="serve a model folder as a Tinker-compatible training service")
-    tinker.add_argument("model_dir", type=_path, help="Hugging Face model folder: the base model every client trains")
+    tinker.add_argument("model_dir", type=_path, nargs="?", default=None,
+                        help="Hugging Face model folder: the base model every client trains (or model.path in --config)")
+    tinker.add_argument("--config", type=_path, default=None, metavar="FILE",
+                        help="an asyncflow run config: its model, engines (rollout.engine, train.engine), devices and "
+                             "Ray placement (runtime.*) (docs/tinker.md lists the keys used)")
+    tinker.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (implies a config, the defaults where no --config is given)")
     tinker.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     tinker.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     tinker.add_argument("--api-key", default=None, help="the X-API-Key clients must send (default: any)")
-    tinker.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where training and sampling run (auto: GPUs when the process sees any, else the CPU; "
-                             "training on the first GPU, sampling engines spread over all)")
-    tinker.add_argument("--max-staleness", type=int, default=0, metavar="N",
+    tinker.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                        help="where training and sampling run (auto, the default: GPUs when the process sees any, else "
+                             "the CPU; training on the first GPU, sampling engines spread over all; over model.device)")
+    tinker.add_argument("--max-staleness", type=int, default=None, metavar="N",
                         help="stream: answer training calls early and let a new sampler use weights up to N optim "
-                             "steps behind the client's, so sampling overlaps training (default 0: the plain loop)")
+                             "steps behind the client's, so sampling overlaps training (default 0, the plain loop, or "
+                             "workflow.max_staleness)")
     tinker.add_argument("--state-dir", type=_path, default=None, metavar="DIR",
                         help="write saved states and named sampler weights under DIR, where a restarted service "
                              "finds them by path (default: memory only)")
@@ -339,23 +350,41 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _tinker_serve(args: argparse.Namespace) -> int:
-    if not (args.model_dir / "config.json").is_file():
-        raise UserError(f"tinker-serve: {args.model_dir} is not a Hugging Face model folder (no config.json)")
     if not 0 <= args.port <= 65535:
         raise UserError(f"tinker-serve: --port {args.port} must be 0-65535")
-    if args.max_staleness < 0:
+    if args.max_staleness is not None and args.max_staleness < 0:
         raise UserError(f"tinker-serve: --max-staleness {args.max_staleness} must be 0 or more")
+    settings = _tinker_settings(args)
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("tinker-serve: --device cuda, but this process sees no GPU (torch.cuda.is_available() is False)")
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("tinker-serve: --device cuda (or model.device: cuda), but this process sees no GPU "
+                        "(torch.cuda.is_available() is False)")
     try:
         from asyncflow.tinker.server import run
     except ImportError as exc:
         raise UserError(f"tinker-serve: {exc}") from None
-    run(args.model_dir, args.host, args.port, api_key=args.api_key, max_staleness=args.max_staleness,
-        state_dir=args.state_dir, device=args.device, log=lambda line: print(line, flush=True))
+    run(settings, args.host, args.port, api_key=args.api_key, state_dir=args.state_dir,
+        log=lambda line: print(line, flush=True))
     return 0
+
+
+def _tinker_settings(args: argparse.Namespace) -> ServeSettings:
+    """The service's settings: from MODEL_DIR and the options, or from --config / --set under them."""
+    from asyncflow.config import load_config
+    from asyncflow.tinker.settings import ServeSettings, from_config, with_options
+
+    if args.config is None and not args.set:
+        if args.model_dir is None:
+            raise UserError("tinker-serve: give a model folder (MODEL_DIR) or a run config (--config FILE)")
+        if not (args.model_dir / "config.json").is_file():
+            raise UserError(f"tinker-serve: {args.model_dir} is not a Hugging Face model folder (no config.json)")
+        return with_options(ServeSettings(args.model_dir), args)
+    overrides = list(args.set) + ([f"model.path={args.model_dir}"] if args.model_dir is not None else [])
+    cfg, explicit = load_config(args.config, overrides, sources=False)
+    if cfg.model.path is None and cfg.task is None:
+        raise UserError("tinker-serve: the config names no model (model.path or task); give MODEL_DIR or set model.path")
+    return with_options(from_config(cfg, explicit, log=lambda line: print(line, flush=True)), args)
 
 
 if __name__ == "__main__":

@@ -296,10 +296,11 @@ _REPR.maxstring, _REPR.maxother = 200, 200
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
-                require_packages: bool = True) -> tuple[Config, set[str]]:
+                require_packages: bool = True, sources: bool = True) -> tuple[Config, set[str]]:
     """Build the resolved config. Returns it with the set of dotted keys the user set explicitly.
     `require_packages=False`: an optional package the config needs may be missing (`missing_packages`
-    lists them); everything else is checked as for a run."""
+    lists them); everything else is checked as for a run. `sources=False`: no prompts or rewards are
+    required (a service's clients bring them: `validate`)."""
     user = read_yaml(path) if path is not None else {}
     cli = parse_set(overrides or [])
     _check_sections(user, cli)
@@ -320,7 +321,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         value = getattr(holder, key)
         if isinstance(value, str) and value.startswith("~"):
             setattr(holder, key, os.path.expanduser(value))
-    validate(cfg, _flatten(explicit), require_packages=require_packages)
+    validate(cfg, _flatten(explicit), require_packages=require_packages, sources=sources)
     return cfg, _flatten(explicit)
 
 

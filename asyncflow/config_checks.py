@@ -17,10 +17,11 @@ from asyncflow.rewards.sandbox_verify import PROBED as SANDBOX_LAYERS
 from asyncflow.tasks import TASK_NAMES
 
 
-def validate(cfg: Config, explicit: set[str], *, require_packages: bool = True) -> None:
+def validate(cfg: Config, explicit: set[str], *, require_packages: bool = True, sources: bool = True) -> None:
     """Cross-field checks: settings that cannot be honoured together are refused, never ignored.
     `require_packages`: an optional package the config needs and this Python lacks is refused too
-    (last: every other check runs first; `missing_packages` lists them without refusing)."""
+    (last: every other check runs first; `missing_packages` lists them without refusing). `sources`
+    False: where prompts and rewards come from is not checked (tinker-serve: its clients bring them)."""
     if cfg.train.batch_size % cfg.rollout.n:
         raise UserError(
             f"train.batch_size: {cfg.train.batch_size} is not divisible by rollout.n={cfg.rollout.n} (a batch is whole groups)"
@@ -32,7 +33,8 @@ def validate(cfg: Config, explicit: set[str], *, require_packages: bool = True) 
             f"workflow.max_staleness: {cfg.workflow.max_staleness} contradicts workflow.mode=sync (sync is staleness 0)"
         )
     # (in this order: of several problems, the first one found is the one reported)
-    _validate_sources(cfg, explicit)
+    if sources:
+        _validate_sources(cfg, explicit)
     _validate_algorithm(cfg, explicit)
     _validate_servers(cfg, explicit)
     _validate_engines(cfg, explicit)

@@ -81,6 +81,17 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None], saved_rows: str | No
                   positions=model_positions(model_dir))
 
 
+def resolve_model_dir(cfg: Config, log: Callable[[str], None]) -> Path:
+    """The policy's model folder alone (what `resolve_inputs` finds first): `model.path` checked, or
+    the task pack's model prepared."""
+    task = None
+    if cfg.task is not None:
+        from asyncflow.tasks import get_task
+
+        task = get_task(cfg.task)
+    return _model_dir(cfg, task, log)
+
+
 def _note_hub(log: Callable[[str], None], key: str, path: str) -> None:
     """Say so where `key`'s rows were read from the Hugging Face Hub."""
     from asyncflow.hub import hub_id, hub_note

@@ -28,8 +28,10 @@ from tinker import types
 
 from asyncflow.cli import main
 from asyncflow.errors import UserError
+from asyncflow.tinker.build import make_service
 from asyncflow.tinker.sampling import SamplingPool, Snapshot
-from asyncflow.tinker.server import make_service, start
+from asyncflow.tinker.server import start
+from asyncflow.tinker.settings import ServeSettings
 from asyncflow.tinker.training import TrainingModels
 
 BASE = "tiny-base"  # the name the clients ask for (the service trains whatever folder it serves)
@@ -37,11 +39,11 @@ PROMPT = [1, 5, 9, 4, 7]
 
 
 @contextmanager
-def served(serve_dir: Path, **options: Any) -> Iterator[str]:
+def served(serve_dir: Path, state_dir: Path | None = None, **settings: Any) -> Iterator[str]:
     """A service of its own on a free loopback port, stopped on exit (the SDK's telemetry off: it would
     post batches too)."""
     os.environ["TINKER_TELEMETRY"] = "0"
-    service = make_service(serve_dir, **options)
+    service = make_service(ServeSettings(serve_dir, device="cpu", **settings), state_dir=state_dir)
     server, _ = start(service, "127.0.0.1", 0)
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -565,7 +567,7 @@ def test_one_engine_serves_sessions_in_turn_each_with_its_own_weights(serve_dir:
 def stream_service(serve_dir: Path) -> Iterator[tuple[Any, Any]]:
     """A second service, streaming with samplers at most one step behind, and an SDK client of it."""
     os.environ["TINKER_TELEMETRY"] = "0"
-    service = make_service(serve_dir, max_staleness=1)
+    service = make_service(ServeSettings(serve_dir, device="cpu", max_staleness=1))
     server, _ = start(service, "127.0.0.1", 0)
     with tinker.ServiceClient(base_url=f"http://127.0.0.1:{server.server_address[1]}", api_key="tml-test") as client:
         yield service, client

@@ -15,7 +15,9 @@ import pytest
 import tinker
 from tinker import types
 
-from asyncflow.tinker.server import make_service, start
+from asyncflow.tinker.build import make_service
+from asyncflow.tinker.server import start
+from asyncflow.tinker.settings import ServeSettings
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is 2 + 3? Answer with a number."
@@ -24,7 +26,7 @@ QUESTION = "What is 2 + 3? Answer with a number."
 @pytest.fixture(scope="module")
 def client(smollm2_dir: Path) -> Iterator[Any]:
     os.environ["TINKER_TELEMETRY"] = "0"
-    service = make_service(smollm2_dir, max_staleness=1)
+    service = make_service(ServeSettings(smollm2_dir, device="cpu", max_staleness=1))
     server, _ = start(service, "127.0.0.1", 0)
     with tinker.ServiceClient(base_url=f"http://127.0.0.1:{server.server_address[1]}", api_key="tml-test") as sdk:
         yield sdk

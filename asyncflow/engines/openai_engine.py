@@ -109,6 +109,25 @@ class OpenAIEngine(InferenceEngine):
             reason = "cancelled"
         return GenResult(request.uid, ids, logprobs, versions, reason)  # type: ignore[arg-type]
 
+    async def score_prompt(self, prompt_ids: list[int]) -> list[float]:
+        """log p(prompt[i] | prompt[:i]) for i >= 1 at temperature 1, under the weights the server
+        holds: the legacy completions' `echo` with log-probs (asyncflow serve, vLLM), one token drawn."""
+        body: dict[str, Any] = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": 1, "temperature": 1.0,
+                                "echo": True, "logprobs": 0}
+        if self.adapter is not None:
+            body["model" if self.server_type == "vllm" else "lora_path"] = self.adapter
+        reply = await self._call("POST", "/v1/completions", body, self.request_timeout_s, retry_safe=True)
+        try:
+            values = reply["choices"][0]["logprobs"]["token_logprobs"][1: len(prompt_ids)]
+            scores = [float(x) for x in values]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise HTTPError(200, f"{self.base_url}/v1/completions: echo with logprobs sent no prompt log-probs "
+                                 "(choices[0].logprobs.token_logprobs)") from None
+        if len(scores) != len(prompt_ids) - 1:
+            raise HTTPError(200, f"{self.base_url}/v1/completions: echo gave {len(scores)} prompt log-probs for "
+                                 f"{len(prompt_ids)} prompt tokens")
+        return scores
+
     async def load_weights(self, state: dict[str, torch.Tensor] | Publication, version: int,  # type: ignore[override]
                            mode: WeightUpdateMode) -> float:
         """A delta publication goes to `asyncflow serve` as a delta folder; where the server answers

@@ -195,6 +195,28 @@ class VLLMEngine(InferenceEngine):
             finish = "cancelled"
         return GenResult(request.uid, row.tokens, logprobs, row.versions, finish)  # type: ignore[arg-type]
 
+    async def score_prompt(self, prompt_ids: list[int]) -> list[float]:
+        """log p(prompt[i] | prompt[:i]) for i >= 1 (vLLM's prompt log-probs, one token drawn), under the
+        served adapter if one is loaded. Untested (no GPU here)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        await self._admitted()
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        adapter = self._lora[0] if self._lora is not None else None
+        extra = {} if adapter is None else {"lora_request": adapter}
+        last = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+                                           f"score-{next(self._ids)}", **extra):
+            last = out
+        rows = (last.prompt_logprobs or [])[1:] if last is not None else []
+        return [float(row[tok].logprob) for row, tok in zip(rows, prompt_ids[1:], strict=True)]
+
+    def use_base(self, version: int) -> None:
+        """Generate with the base model again (no LoRA request) from now on, as weights `version`."""
+        self._lora = None
+        self.version = version
+
     async def _admitted(self) -> None:
         """Wait until no abort-mode weight load holds new requests back (bounded by the request timeout)."""
         try:

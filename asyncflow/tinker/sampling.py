@@ -1,14 +1,14 @@
 """The sampling clients of a Tinker service: a sampler is a frozen snapshot of a training client's
-adapter (or the base model), served by an `HFEngine` whose weights are the base model with that adapter
-merged in (`lora.merge_into`, through the engine's own `request_weights`).
+adapter (or the base model), served by one of the pool's engines (`sampler_engines.py`: asyncflow's
+`HFEngine` with the adapter merged in, vLLM, or an OpenAI-compatible server; here or in Ray actors).
 
 Engines are few and reused: a sampling session takes an idle engine and loads its snapshot there
 (the adapter merged onto the base weights the engine keeps), so an RL loop that makes a session per
 step loads the model once. A new engine is built only while all are busy, up to `max_engines`; an
 engine is never reloaded while it serves a request, so every sample comes from its session's snapshot.
 
-    asample ──► job thread ──► engine of the snapshot ──submit x num_samples──► SampleResponse (protobuf)
-    compute_logprobs (asample with prompt_logprobs) ──► the same, plus submit_score(prompt)
+    asample ──► job thread ──► engine of the snapshot ──generate x num_samples──► SampleResponse (protobuf)
+    compute_logprobs (asample with prompt_logprobs) ──► the same, plus score(prompt)
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,10 +26,10 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from asyncflow.engines import lora as lora_adapter
 from asyncflow.engines.base import GenRequest, GenResult, pick_device
 from asyncflow.engines.hf import HFEngine
 from asyncflow.errors import UserError, WaitTimeout
+from asyncflow.tinker.sampler_engines import HFSampler, SamplerEngine, cut_at_stop
 from asyncflow.tinker.stability import Record, SequenceRecords
 from asyncflow.tinker.wire import Sequence, sample_response
 
@@ -81,7 +82,7 @@ def wait(future: cf.Future[T], timeout_s: float, what: str) -> T:
 class _Slot:
     """An engine and the sampling session whose snapshot it holds (None: none yet, or forgotten)."""
 
-    engine: HFEngine
+    engine: SamplerEngine
     session: str | None
     ready: cf.Future[float]  # its snapshot's weights in use
     users: int = 0  # sample requests running on it: a slot in use is never rebound
@@ -95,12 +96,15 @@ class SamplingPool:
 
     def __init__(self, model_dir: Path, tokenizer: Any, eos_ids: list[int], pad_id: int, *, max_engines: int = MAX_ENGINES,
                  max_sessions: int = MAX_SESSIONS, max_batch: int = 64, workers: int = 16,
-                 records: SequenceRecords | None = None, device: str = "cpu") -> None:
+                 records: SequenceRecords | None = None, device: str = "cpu",
+                 make_engine: Callable[[int], SamplerEngine] | None = None) -> None:
         """`records`: where samples asked with `record_stability_info` are recorded, by sequence id;
-        `device`: cpu, cuda or auto, as `model.device` (engines spread over the GPUs this process sees)."""
+        `device`: cpu, cuda or auto, as `model.device` (engines spread over the GPUs this process sees);
+        `make_engine(i)`: engine number i, holding the base model (None: an `HFEngine` here on `device`)."""
         self.model_dir, self.tokenizer, self.eos_ids, self.pad_id = model_dir, tokenizer, eos_ids, pad_id
         self.max_engines, self.max_batch = max_engines, max_batch
         self.max_sessions, self.device = max_sessions, device
+        self.make_engine = make_engine or self._hf_engine
         self.records = records if records is not None else SequenceRecords()
         self.snapshots: OrderedDict[str, Snapshot] = OrderedDict()
         self.counts = {"engines_built": 0, "snapshot_loads": 0}
@@ -158,20 +162,21 @@ class SamplingPool:
         if idle is None and len(self._slots) >= self.max_engines:
             return None
         if idle is None:
-            engine = HFEngine(self.model_dir, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-                              max_batch=self.max_batch, device=pick_device(self.device, len(self._slots)),
-                              name=f"sampler {len(self._slots)}")
-            idle = _Slot(engine, None, _done(0.0))
+            idle = _Slot(self.make_engine(len(self._slots)), None, _done(0.0))
             self._slots.append(idle)
             self.counts["engines_built"] += 1
             if snapshot.adapter is None:  # (a new engine holds the base model already)
                 idle.session = session_id
                 return idle
         idle.session = session_id
-        idle.ready = idle.engine.request_weights(snapshot.adapter if snapshot.adapter is not None
-                                                 else lora_adapter.no_adapter(), next(self._versions), "swap")
+        idle.ready = idle.engine.load(snapshot.adapter, next(self._versions))
         self.counts["snapshot_loads"] += 1
         return idle
+
+    def _hf_engine(self, index: int) -> SamplerEngine:
+        return HFSampler(HFEngine(self.model_dir, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+                                  max_batch=self.max_batch, device=pick_device(self.device, index),
+                                  name=f"sampler {index}"))
 
     def release(self, slot: _Slot) -> None:
         with self._cv:
@@ -191,7 +196,7 @@ class SamplingPool:
         finally:
             self.release(slot)
 
-    def _generate(self, engine: HFEngine, request: dict[str, Any], sequence_ids: list[str] | None) -> bytes:
+    def _generate(self, engine: SamplerEngine, request: dict[str, Any], sequence_ids: list[str] | None) -> bytes:
         prompt = [int(t) for c in request["prompt"]["chunks"] for t in c.get("tokens", [])]
         if not prompt:
             raise UserError("asample: the prompt is empty (encoded_text chunks with tokens expected)")
@@ -199,13 +204,15 @@ class SamplingPool:
         stop_ids, stop_texts = _stop_check(params.get("stop"), self.tokenizer)
         n = int(request.get("num_samples", 1))
         seed = params.get("seed")
-        futures = [engine.submit(self._request(prompt, params, stop_ids, stop_texts,
-                                               None if seed is None else int(seed) + i)) for i in range(n)]
-        scores = engine.submit_score([prompt]) if request.get("prompt_logprobs") and len(prompt) > 1 else None
+        futures = [engine.generate(self._request(prompt, params, stop_ids, stop_texts, engine.stops_early,
+                                                 None if seed is None else int(seed) + i)) for i in range(n)]
+        scores = engine.score(prompt) if request.get("prompt_logprobs") and len(prompt) > 1 else None
         results = [wait(f, SAMPLE_TIMEOUT_S, f"a sample of {len(prompt)} prompt tokens") for f in futures]
+        if not engine.stops_early and (stop_ids or stop_texts):
+            results = [cut_at_stop(r, stop_ids, stop_texts, self.tokenizer) for r in results]
         prompt_lp = None
         if request.get("prompt_logprobs"):
-            prompt_lp = wait(scores, SAMPLE_TIMEOUT_S, "the prompt's log-probs")[0] if scores is not None else []
+            prompt_lp = wait(scores, SAMPLE_TIMEOUT_S, "the prompt's log-probs") if scores is not None else []
         last_n = request.get("prompt_logprobs_last_n")
         sequences = [self._sequence(r) for r in results]
         if request.get("record_stability_info") and sequence_ids:
@@ -219,7 +226,7 @@ class SamplingPool:
                                                  np.asarray(s.logprobs, dtype=np.float32)))
 
     def _request(self, prompt: list[int], params: dict[str, Any], stop_ids: Any, stop_texts: list[str],
-                 seed: int | None) -> GenRequest:
+                 stops_early: bool, seed: int | None) -> GenRequest:
         generated: list[int] = []
 
         def on_token(token: int, logprob: float, version: int, top: Any) -> bool:
@@ -235,7 +242,8 @@ class SamplingPool:
         return GenRequest(uid=next(self._uids), prompt_ids=prompt,
                           max_new_tokens=int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
                           temperature=float(params.get("temperature", 1.0)), top_p=float(params.get("top_p", 1.0)),
-                          top_k=max(0, top_k), seed=seed, on_token=on_token if stop_ids or stop_texts else None)
+                          top_k=max(0, top_k), seed=seed,
+                          on_token=on_token if stops_early and (stop_ids or stop_texts) else None)
 
     @staticmethod
     def _sequence(result: GenResult) -> Sequence:

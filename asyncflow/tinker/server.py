@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.errors import UserError
+from asyncflow.tinker.build import make_service
 from asyncflow.tinker.service import Reply, TinkerService
+from asyncflow.tinker.settings import ServeSettings
 
 IDLE_S = 120.0  # a keep-alive connection with no request for this long is closed
 MAX_BODY_BYTES = 256 * 2**20
@@ -83,49 +85,20 @@ def start(service: TinkerService, host: str, port: int) -> tuple[TinkerHTTPServe
     return server, thread
 
 
-def make_service(model_dir: Path, *, api_key: str | None = None, max_batch: int = 64,
-                 max_staleness: int = 0, state_dir: Path | None = None, device: str = "cpu") -> TinkerService:
-    """The service over the model folder: its base model for training, its tokenizer for stops;
-    `max_staleness` > 0 turns streaming on (`stream.py`); checkpoints in memory, or in files under
-    `state_dir` (created if missing); `device` (cpu, cuda, auto) places training on the first GPU and
-    the sampling engines spread over all of them."""
-    from asyncflow.data import generation_stop_ids
-    from asyncflow.engines.base import pick_device
-    from asyncflow.model_folder import check_model_dir
-    from asyncflow.tinker.sampling import SamplingPool
-    from asyncflow.tinker.stream import StreamState
-    from asyncflow.tinker.training import TrainingModels
-    from asyncflow.tokenizer import load_tokenizer
-
-    key = "tinker-serve MODEL_DIR"
-    if state_dir is not None:
-        try:
-            state_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"tinker-serve --state-dir {state_dir}: cannot create the folder: {exc}") from None
-    check_model_dir(model_dir, key=key)
-    tok = load_tokenizer(model_dir, key=key)
-    eos = int(tok.eos_token_id)
-    pad = int(tok.pad_token_id if tok.pad_token_id is not None else eos)
+def run(settings: ServeSettings, host: str, port: int, *, api_key: str | None = None, state_dir: Path | None = None,
+        log: Callable[[str], None] = print) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM); prints one line with the address once listening."""
+    service = make_service(settings, api_key=api_key, state_dir=state_dir)
     try:
-        training = TrainingModels(model_dir, pick_device(device, 0))
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"{key}: cannot load the model in {model_dir}: {type(exc).__name__}: {exc}") from None
-    sampling = SamplingPool(model_dir, tok, [eos, *generation_stop_ids(model_dir, eos)], pad, max_batch=max_batch,
-                            device=device)
-    return TinkerService(training, sampling, api_key=api_key, tokenizer_id=str(model_dir.resolve()),
-                         stream=StreamState(max_staleness), state_dir=state_dir, model_name=model_dir.name)
-
-
-def run(model_dir: Path, host: str, port: int, *, log: Callable[[str], None] = print, **options: Any) -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM); prints one line with the address once listening.
-    `options`: `make_service`'s."""
-    service = make_service(model_dir, **options)
-    api_key, max_staleness = options.get("api_key"), options.get("max_staleness", 0)
-    server, thread = start(service, host, port)
-    log(f"asyncflow tinker-serve: {model_dir} listening on http://{host}:{server.server_address[1]} "
+        server, thread = start(service, host, port)
+    except BaseException:
+        service.shutdown()
+        raise
+    n = settings.max_staleness
+    where = f"{settings.sampler} sampling, {settings.trainer} training{' on Ray' if settings.ray else ''}"
+    log(f"asyncflow tinker-serve: {settings.model_dir} listening on http://{host}:{server.server_address[1]} "
         f"(base_url for tinker.ServiceClient; api_key: {'the one given' if api_key else 'any tml-... key'}; "
-        f"{f'streaming, samplers up to {max_staleness} steps behind' if max_staleness else 'plain loop'})")
+        f"{f'streaming, samplers up to {n} steps behind' if n else 'plain loop'}; {where})")
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt

@@ -88,11 +88,18 @@ class TinkerService:
         # session (so model) ids unlike any an earlier process saved under, where saves outlive it
         self._run_tag = "" if state_dir is None else f"-{secrets.token_hex(4)}"
         self._submitted: OrderedDict[tuple[str, int], dict[str, Any]] = OrderedDict()  # (model, seq_id) -> answer
+        self._closers: list[Callable[[], None]] = []
+
+    def on_shutdown(self, fn: Callable[[], None]) -> None:
+        """Call `fn` at `shutdown`, after the engines have stopped (what they ran on: Ray's placement...)."""
+        self._closers.append(fn)
 
     def shutdown(self) -> None:
         self._waits.shutdown(wait=False, cancel_futures=True)
         self.sampling.shutdown()
         self.training.shutdown()
+        for fn in self._closers:
+            fn()
 
     def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
         """Answer one request; never raises."""

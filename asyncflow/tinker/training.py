@@ -95,6 +95,7 @@ class TrainingModels:
                        if isinstance(m, torch.nn.Linear) and m is not head}
         self.peft: Any = None
         self.clients: dict[str, Client] = {}
+        self._loss: torch.Tensor | None = None  # a forward pass's loss awaiting `backward`
         self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
 
     def submit(self, fn: Callable[..., T], *args: Any) -> cf.Future[T]:
@@ -146,21 +147,34 @@ class TrainingModels:
         """Each datum's target log-probs and the summed loss (`loss:sum`); unless `forward_only`, the
         loss's gradient is added to the client's accumulated gradients. `on_forward` gets the outputs
         as soon as they are known, before the backward pass."""
-        client = self.client(model_id)
-        fn = loss_fn(loss_name)
-        if not data:
-            outputs: Outputs = ([], {"loss:sum": 0.0})
-        else:
-            self.peft.set_adapter(client.adapter)
-            with torch.set_grad_enabled(not forward_only):
-                lps = target_logprobs(self.peft, data)
-                loss = sum((fn(lp, d.inputs, config) for lp, d in zip(lps, data, strict=True)), torch.zeros(()))
-            outputs = ([lp.detach().cpu().numpy().copy() for lp in lps], {"loss:sum": float(loss.detach())})
+        outputs = self.forward(model_id, loss_name, config, data, forward_only)
         if on_forward is not None:
             on_forward(outputs)
-        if data and not forward_only:
-            loss.backward()
+        self.backward()
         return outputs
+
+    def forward(self, model_id: str, loss_name: str, config: dict[str, float], data: list[Datum],
+                forward_only: bool) -> Outputs:
+        """`forward_backward`'s forward pass; unless `forward_only`, its loss waits for `backward`, the
+        next call on the training thread (what a remote caller sends in two calls)."""
+        client = self.client(model_id)
+        fn = loss_fn(loss_name)
+        self._loss = None
+        if not data:
+            return [], {"loss:sum": 0.0}
+        self.peft.set_adapter(client.adapter)
+        with torch.set_grad_enabled(not forward_only):
+            lps = target_logprobs(self.peft, data)
+            loss = sum((fn(lp, d.inputs, config) for lp, d in zip(lps, data, strict=True)), torch.zeros(()))
+        if not forward_only:
+            self._loss = loss
+        return [lp.detach().cpu().numpy().copy() for lp in lps], {"loss:sum": float(loss.detach())}
+
+    def backward(self) -> None:
+        """Add the last `forward`'s loss gradient to its client's accumulated gradients (none: nothing)."""
+        loss, self._loss = self._loss, None
+        if loss is not None:
+            loss.backward()
 
     def optim_step(self, model_id: str, adam: dict[str, Any]) -> dict[str, float]:
         """Apply the accumulated gradients with AdamW set from this call's AdamParams, then clear them."""
