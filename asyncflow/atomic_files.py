@@ -43,6 +43,11 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_path(path.parent)
 
 
+def is_temporary(path: Path) -> bool:
+    """Whether `path` is a temp file `replace_file` is writing (a listing skips it)."""
+    return path.name.startswith(".") and ".tmp" in path.name
+
+
 def replace_file(path: Path, write: Callable[[Path], object]) -> None:
     """Replace `path` with what `write(tmp)` writes into a new file beside it, created exclusively
     under a fresh name: a symlink planted at `path` or at a temp name is replaced, never followed.

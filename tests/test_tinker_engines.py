@@ -154,4 +154,8 @@ def test_on_ray_training_and_sampling_run_in_placed_actors(serve_dir: Path, tmp_
         names = [n for n in list_named_actors() if n.startswith("asyncflow-tinker-")]  # (samplers start on demand)
         assert any("-train-" in n for n in names) and any("-sampler0-" in n for n in names), names
         assert service.sampling.counts["engines_built"] == 1
+        # a sampler actor that dies is replaced by a new one when the next session needs an engine
+        ray_session.kill(ray_session.get_actor(next(n for n in names if "-sampler0-" in n)))
+        base = sampler_logprobs(sdk.create_sampling_client(base_model=BASE).result())
+        assert np.isfinite(base).all() and service.sampling.counts["engines_built"] == 2
     assert not [n for n in list_named_actors() if n.startswith("asyncflow-tinker-")]  # (stopped with the service)

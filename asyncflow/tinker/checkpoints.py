@@ -11,7 +11,6 @@ path is named, so a restarted service finds what an earlier one saved.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from urllib.parse import quote, unquote
 
 import torch
 
+from asyncflow.atomic_files import is_temporary, replace_file
 from asyncflow.errors import UserError
 from asyncflow.tinker.sampling import Snapshot
 from asyncflow.tinker.training import SavedState
@@ -95,9 +95,8 @@ class PathStore(Generic[V]):
         if target is None:
             raise UserError(f"{path}: not a tinker://MODEL_ID/weights|sampler_weights/NAME path")
         target.parent.mkdir(parents=True, exist_ok=True)
-        temporary = target.with_name(target.name + ".tmp")
-        torch.save(self._encode(value), temporary)
-        os.replace(temporary, target)
+        encoded = self._encode(value)
+        replace_file(target, lambda tmp: torch.save(encoded, tmp))
 
     def __delitem__(self, path: str) -> None:
         """Forget `path` (its file removed); a KeyError where nothing is stored there."""
@@ -116,6 +115,8 @@ class PathStore(Generic[V]):
             return [Entry(path, saved_at, None) for path, (_, saved_at) in list(self._memory.items())]
         found = []
         for file in sorted((self.folder / kind).glob("*/*.pt")):
+            if is_temporary(file):
+                continue
             path = f"{PREFIX}{unquote(file.parent.name)}/{kind}/{unquote(file.name.removesuffix('.pt'))}"
             try:
                 stat = file.stat()

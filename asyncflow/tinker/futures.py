@@ -17,11 +17,21 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 POLL_S = 20.0  # how long one retrieve_future waits (the SDK's own read timeout for it is 45 s)
 TTL_S = 3600.0
 MAX_KEPT = 10_000
+
+
+T = TypeVar("T")
+
+
+def resolved(value: T) -> cf.Future[T]:
+    """A future already resolved with `value`."""
+    future: cf.Future[T] = cf.Future()
+    future.set_result(value)
+    return future
 
 
 @dataclass
@@ -59,9 +69,7 @@ class FutureStore:
 
     def done(self, kind: str, value: Any) -> str:
         """A future already resolved with `value`."""
-        future: cf.Future[Any] = cf.Future()
-        future.set_result(value)
-        return self.add(kind, future)
+        return self.add(kind, resolved(value))
 
     def poll(self, request_id: str, wait_s: float | None = None) -> Poll:
         """Wait up to `wait_s` (default `poll_s`) for the request's result."""

@@ -107,15 +107,21 @@ class RaySampler(SamplerEngine):
         return self._error
 
     def _call(self, ref: Any) -> cf.Future[Any]:
-        future: cf.Future[Any] = ref.future()
+        """The call's result as a future; a dead actor is noted (`error`) before the future fails, so a
+        caller that sees the failure sees the engine as dead too (the pool then stops using it)."""
+        out: cf.Future[Any] = cf.Future()
 
-        def note(done: cf.Future[Any]) -> None:
+        def settle(done: cf.Future[Any]) -> None:
             exc = done.exception()
-            if exc is not None and type(exc).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
-                self._error = exc  # (a dead actor: the pool stops using it)
+            if exc is None:
+                out.set_result(done.result())
+                return
+            if type(exc).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
+                self._error = exc
+            out.set_exception(exc)
 
-        future.add_done_callback(note)
-        return future
+        ref.future().add_done_callback(settle)
+        return out
 
     def load(self, adapter: Adapter, version: int) -> cf.Future[float]:
         return self._call(self.actor.load.remote(adapter, version))

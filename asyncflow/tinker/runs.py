@@ -11,13 +11,14 @@ the runs whose checkpoints it finds:
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
+
+from asyncflow.atomic_files import is_temporary, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,8 @@ class RunStore:
             self._runs[run_id] = run
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
-            target = self.folder / (quote(run_id, safe="") + ".json")
-            temporary = target.with_name(target.name + ".tmp")
             fields = {k: v for k, v in asdict(run).items() if k != "run_id"}
-            temporary.write_text(json.dumps(fields))
-            os.replace(temporary, target)
+            write_text_atomic(self.folder / (quote(run_id, safe="") + ".json"), json.dumps(fields))
         return run
 
     def get(self, run_id: str) -> Run | None:
@@ -71,6 +69,8 @@ class RunStore:
             runs = dict(self._runs)
         if self.folder is not None and self.folder.is_dir():
             for file in self.folder.glob("*.json"):
+                if is_temporary(file):
+                    continue
                 run = self._read(file)
                 if run is not None:
                     runs.setdefault(run.run_id, run)

@@ -29,6 +29,7 @@ import torch
 from asyncflow.engines.base import GenRequest, GenResult, pick_device
 from asyncflow.engines.hf import HFEngine
 from asyncflow.errors import UserError, WaitTimeout
+from asyncflow.tinker.futures import resolved
 from asyncflow.tinker.sampler_engines import HFSampler, SamplerEngine, cut_at_stop
 from asyncflow.tinker.stability import Record, SequenceRecords
 from asyncflow.tinker.wire import Sequence, sample_response
@@ -62,12 +63,6 @@ def _stop_check(stop: Any, tokenizer: Any) -> tuple[Any, list[str]]:
     if texts and tokenizer is None:
         raise UserError("asample: stop strings need the model folder's tokenizer, which did not load")
     return ids, texts
-
-
-def _done(value: float) -> cf.Future[float]:
-    future: cf.Future[float] = cf.Future()
-    future.set_result(value)
-    return future
 
 
 def wait(future: cf.Future[T], timeout_s: float, what: str) -> T:
@@ -132,8 +127,22 @@ class SamplingPool:
 
     def acquire(self, session_id: str) -> _Slot:
         """An engine holding the session's snapshot, counted as in use until `release`: the session's own,
-        else the least recently used idle one, loaded with the snapshot, else a new one."""
+        else the least recently used idle one, loaded with the snapshot, else a new one. An engine found
+        dead while loading (a killed Ray actor) is dropped, and the session tries once more."""
         snapshot = self.get(session_id)
+        for attempt in range(2):
+            slot = self._take(session_id, snapshot)
+            try:
+                wait(slot.ready, LOAD_TIMEOUT_S, f"sampling session {session_id}: loading its weights into an engine")
+            except BaseException:
+                self.release(slot)
+                if attempt == 0 and slot.engine.error is not None:
+                    continue
+                raise
+            return slot
+        raise AssertionError("unreachable")
+
+    def _take(self, session_id: str, snapshot: Snapshot) -> _Slot:
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         with self._cv:
             while True:
@@ -149,12 +158,7 @@ class SamplingPool:
             slot.users += 1
             self._slots.remove(slot)
             self._slots.append(slot)
-        try:
-            wait(slot.ready, LOAD_TIMEOUT_S, f"sampling session {session_id}: loading its weights into an engine")
-        except BaseException:
-            self.release(slot)
-            raise
-        return slot
+            return slot
 
     def _bind(self, session_id: str, snapshot: Snapshot) -> _Slot | None:
         """Give the snapshot an idle engine or a new one (under the lock); None while none can be had."""
@@ -162,7 +166,7 @@ class SamplingPool:
         if idle is None and len(self._slots) >= self.max_engines:
             return None
         if idle is None:
-            idle = _Slot(self.make_engine(len(self._slots)), None, _done(0.0))
+            idle = _Slot(self.make_engine(len(self._slots)), None, resolved(0.0))
             self._slots.append(idle)
             self.counts["engines_built"] += 1
             if snapshot.adapter is None:  # (a new engine holds the base model already)
