@@ -140,6 +140,22 @@ def test_only_the_newest_sequences_are_kept_and_a_use_makes_one_newest_again() -
         records.get("seq-2", "forward_backward: datum 4")
 
 
+def test_a_sequence_unused_for_longer_than_the_ttl_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr("asyncflow.tinker.stability.time.monotonic", lambda: now[0])
+    records = SequenceRecords(ttl_s=60.0)
+    record = Record(np.asarray([1]), np.asarray([2]), np.asarray([-0.1], np.float32))
+    records.add("seq-old", record)
+    now[0] += 40.0
+    records.add("seq-new", record)
+    now[0] += 30.0  # (seq-old was recorded 70 s ago, seq-new 30 s ago)
+    assert records.get("seq-new", "here") is record
+    with pytest.raises(UserError, match="'seq-old' has no stability info.*0.0166667 h after its last use"):
+        records.get("seq-old", "here")
+    now[0] += 50.0  # (the get above made seq-new's last use 50 s ago)
+    assert records.get("seq-new", "here") is record and len(records) == 1
+
+
 def test_an_unknown_loss_names_the_supported_ones() -> None:
     with pytest.raises(UserError, match="'grpo' is not supported.*cross_entropy"):
         loss_fn("grpo")

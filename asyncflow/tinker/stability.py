@@ -7,13 +7,15 @@ A record is the request's prompt, the sampled tokens and the sampler's log-prob 
 the target reproduces; resolving them gives the loss the sampler's own log-prob at each sampled target
 (`RECORDED_LOGPROBS`) and which targets were sampled (`SAMPLED`). Prompt runs carry no loss.
 
-Bounded: the newest `max_sequences` records are kept, and a training request that names one makes it
-the newest again; a datum naming one no longer (or never) kept is a one-line `UserError`.
+Bounded: the newest `max_sequences` records are kept, each for a day (`TTL_S`) after it was recorded
+or last named, and a training request that names one makes it the newest again; a datum naming one no
+longer (or never) kept is a one-line `UserError`.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ from asyncflow.errors import UserError
 from asyncflow.tinker.wire import Datum, Span
 
 MAX_SEQUENCES = 65_536
+TTL_S = 86_400.0  # a record is forgotten a day after it was recorded or last named
 RECORDED_LOGPROBS = "recorded_logprobs"  # the loss inputs a resolution adds (float32, one per target)
 SAMPLED = "sampled"
 
@@ -37,9 +40,9 @@ class Record:
 class SequenceRecords:
     """Recorded sequences by sequence id, newest last (thread-safe: sampling jobs add, requests read)."""
 
-    def __init__(self, max_sequences: int = MAX_SEQUENCES) -> None:
-        self.max_sequences = max_sequences
-        self._records: OrderedDict[str, Record] = OrderedDict()
+    def __init__(self, max_sequences: int = MAX_SEQUENCES, ttl_s: float = TTL_S) -> None:
+        self.max_sequences, self.ttl_s = max_sequences, ttl_s
+        self._records: OrderedDict[str, tuple[Record, float]] = OrderedDict()  # id -> (record, last use)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -47,19 +50,27 @@ class SequenceRecords:
 
     def add(self, sequence_id: str, record: Record) -> None:
         with self._lock:
-            self._records[sequence_id] = record
-            while len(self._records) > self.max_sequences:
-                self._records.popitem(last=False)
+            self._records[sequence_id] = (record, time.monotonic())
+            self._expire()
+
+    def _expire(self) -> None:
+        """Drop the oldest records past the count or the age bound (under the lock)."""
+        old = time.monotonic() - self.ttl_s
+        while self._records and (len(self._records) > self.max_sequences or next(iter(self._records.values()))[1] < old):
+            self._records.popitem(last=False)
 
     def get(self, sequence_id: str, where: str) -> Record:
         """The record, made the newest again; an unknown id is a `UserError` saying `where` it was named."""
         with self._lock:
-            record = self._records.get(sequence_id)
-            if record is None:
+            self._expire()
+            entry = self._records.get(sequence_id)
+            if entry is None:
                 raise UserError(f"{where}: sequence_id {sequence_id!r} has no stability info here (sample with "
-                                f"record_stability_info=True; only the newest {self.max_sequences} sequences are kept)")
+                                f"record_stability_info=True; only the newest {self.max_sequences} sequences are kept, "
+                                f"each for {self.ttl_s / 3600:g} h after its last use)")
+            self._records[sequence_id] = (entry[0], time.monotonic())
             self._records.move_to_end(sequence_id)
-            return record
+            return entry[0]
 
 
 def _run(record: Record, span: Span, where: str) -> np.ndarray:
