@@ -159,3 +159,21 @@ def test_on_ray_training_and_sampling_run_in_placed_actors(serve_dir: Path, tmp_
         base = sampler_logprobs(sdk.create_sampling_client(base_model=BASE).result())
         assert np.isfinite(base).all() and service.sampling.counts["engines_built"] == 2
     assert not [n for n in list_named_actors() if n.startswith("asyncflow-tinker-")]  # (stopped with the service)
+
+
+@pytest.mark.ray
+def test_on_ray_the_service_starts_its_own_servers_and_samples_on_them(serve_dir: Path, tmp_path: Path,
+                                                                      ray_session: Any) -> None:
+    from ray.util import list_named_actors
+
+    config = write_config(tmp_path, {
+        "model": {"path": str(serve_dir), "device": "cpu"},
+        "rollout": {"engine": "openai", "launch_servers": "asyncflow", "workers": 1, "server_start_timeout_s": 120},
+        "runtime": {"kind": "ray", "rollout_cpus": 0.5, "train_cpus": 0.5},
+    })
+    with served_config(config) as (service, sdk):
+        names = [n for n in list_named_actors() if n.startswith("asyncflow-tinker-")]
+        assert any(n.endswith("-server-0") for n in names) and any("-train-" in n for n in names), names
+        check_samplers_match_training(sdk)
+        assert service.sampling.counts["engines_built"] == 1
+    assert not [n for n in list_named_actors() if n.startswith("asyncflow-tinker-")]

@@ -5,6 +5,7 @@ part fails to start."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import secrets
 import shutil
@@ -59,21 +60,34 @@ def make_service(settings: ServeSettings, *, api_key: str | None = None,
 
 class Parts:
     """What the settings ask for, built on demand: Ray (joined or started) and its placement group,
-    the sync folder of server samplers; `close` frees them."""
+    the servers it starts (`rollout.launch_servers`), the work folder of server samplers (adapter
+    folders, server logs); `close` frees them."""
 
     def __init__(self, settings: ServeSettings, eos_ids: list[int], pad_id: int) -> None:
         self.settings, self.eos_ids, self.pad_id = settings, eos_ids, pad_id
         self.placement: Any = None
-        self.sync_dir: str | None = None
+        self.servers: Any = None  # `ray_servers.Servers` started for the service
+        self._work_dir: Path | None = None
         self._names = iter(range(1 << 30))
 
     def close(self) -> None:
+        if self.servers is not None:
+            self.servers.stop()
+            self.servers = None
         if self.placement is not None:
-            self.placement.remove()
+            with contextlib.suppress(Exception):  # (a failed server start removed it already)
+                self.placement.remove()
             self.placement = None
-        if self.sync_dir is not None:
-            shutil.rmtree(self.sync_dir, ignore_errors=True)
-            self.sync_dir = None
+        if self._work_dir is not None:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
+            self._work_dir = None
+
+    @property
+    def work_dir(self) -> Path:
+        """A temporary folder of the service's: adapter folders for servers without `rollout.sync_dir`."""
+        if self._work_dir is None:
+            self._work_dir = Path(tempfile.mkdtemp(prefix="asyncflow-tinker-"))
+        return self._work_dir
 
     def training(self) -> Any:
         s = self.settings
@@ -103,8 +117,8 @@ class Parts:
             ensure_ray(cfg.runtime.address)
             rollout = dataclasses.replace(cfg.rollout, workers=self.settings.max_engines)
             runtime = cfg.runtime
-            if self.settings.sampler == "openai":  # (servers sample: no sampler actors to place)
-                runtime = dataclasses.replace(runtime, rollout_cpus=0.0, rollout_gpus=0.0, rollout_resource=None)
+            if self.settings.sampler == "openai" and rollout.launch_servers is None:  # (the user's servers: nothing
+                runtime = dataclasses.replace(runtime, rollout_cpus=0.0, rollout_gpus=0.0, rollout_resource=None)  # to place)
             self.placement = reserve(dataclasses.replace(cfg, rollout=rollout, runtime=runtime), 0,
                                      prefix=f"asyncflow-tinker-{secrets.token_hex(4)}")
         return self.placement
@@ -135,6 +149,8 @@ class Parts:
         """The pool's engine factory (None: its own, `HFEngine`s here)."""
         s = self.settings
         if s.sampler == "openai":
+            if s.cfg is not None and s.cfg.rollout.launch_servers is not None:
+                self._launched()  # (started now: a server that cannot start fails the command, not a request)
             return self._server_sampler
         if s.ray or s.sampler == "vllm":
             return self._engine_sampler
@@ -160,11 +176,16 @@ class Parts:
         from asyncflow.tinker.sampler_engines import LoopSampler
 
         cfg = self.settings.cfg
-        assert cfg is not None and cfg.rollout.server_urls  # (config validation requires them)
-        if self.sync_dir is None and cfg.rollout.sync_dir is None:
-            self.sync_dir = tempfile.mkdtemp(prefix="asyncflow-tinker-sync-")
-        engine = make_openai_engine(cfg.rollout, index, self.settings.model_dir, Path(self.sync_dir or "."),
-                                    session=f"tinker-{index}")
+        assert cfg is not None  # (openai sampling comes from a config)
+        rollout, link = cfg.rollout, None
+        if rollout.launch_servers is not None:
+            from asyncflow.runtime.ray_servers import server_link
+
+            rollout = dataclasses.replace(rollout, server_urls=self._launched().urls)
+            link = server_link(cfg, self.placement.prefix, index)
+        assert rollout.server_urls  # (config validation requires them, or launch_servers)
+        engine = make_openai_engine(rollout, index, self.settings.model_dir, self.work_dir, session=f"tinker-{index}")
+        engine.server = link  # (a started server: its token, and its restart when it dies)
         sampler = LoopSampler(engine, f"server sampler {index} ({engine.base_url})",
                               merges_adapters=cfg.rollout.server_type == "asyncflow")
         try:
@@ -173,6 +194,18 @@ class Parts:
             sampler.shutdown()
             raise
         return sampler
+
+
+    def _launched(self) -> Any:
+        """The servers `rollout.launch_servers` names, started once in the samplers' bundles."""
+        if self.servers is None:
+            from asyncflow.runtime.ray_servers import start_servers
+
+            cfg = self.settings.cfg
+            assert cfg is not None
+            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, workers=self.settings.max_engines))
+            self.servers = start_servers(cfg, self._reserve(), str(self.settings.model_dir), self.work_dir)
+        return self.servers
 
 
 def _device(setting: str) -> str:

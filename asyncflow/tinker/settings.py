@@ -25,6 +25,7 @@ from asyncflow.config import Config
 
 MAX_ENGINES = 4  # sampling engines built on demand when nothing sets rollout.workers
 USED = ("model.", "rollout.engine", "rollout.workers", "rollout.max_batch", "rollout.server_", "rollout.sync_",
+        "rollout.launch_servers",
         "rollout.request_timeout_s", "train.engine", "train.world_size", "train.worker_timeout_s", "runtime.",
         "workflow.max_staleness", "seed", "task")
 
@@ -65,7 +66,8 @@ def from_config(cfg: Config, explicit: set[str], log: Callable[[str], None]) -> 
     if "rollout.workers" in explicit:
         engines = r.workers
     else:
-        engines = len(r.server_urls or []) if r.engine == "openai" else 1 if r.engine == "vllm" else MAX_ENGINES
+        servers = r.workers if r.launch_servers is not None else len(r.server_urls or [])
+        engines = servers if r.engine == "openai" else 1 if r.engine == "vllm" else MAX_ENGINES
     return ServeSettings(
         model_dir=resolve_model_dir(cfg, log), device=cfg.model.device, dtype=cfg.model.dtype, sampler=r.engine,
         max_engines=max(1, engines), max_batch=r.max_batch if "rollout.max_batch" in explicit else 64,
