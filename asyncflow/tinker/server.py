@@ -13,10 +13,13 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncflow.errors import UserError
 from asyncflow.tinker.service import Reply, TinkerService
+
+if TYPE_CHECKING:
+    from asyncflow.tinker.training import TrainingBackend
 
 IDLE_S = 120.0  # a keep-alive connection with no request for this long is closed
 MAX_BODY_BYTES = 256 * 2**20
@@ -84,11 +87,13 @@ def start(service: TinkerService, host: str, port: int) -> tuple[TinkerHTTPServe
 
 
 def make_service(model_dir: Path, *, api_key: str | None = None, max_batch: int = 64,
-                 max_staleness: int = 0, state_dir: Path | None = None, device: str = "cpu") -> TinkerService:
+                 max_staleness: int = 0, state_dir: Path | None = None, device: str = "cpu",
+                 training: TrainingBackend | None = None) -> TinkerService:
     """The service over the model folder: its base model for training, its tokenizer for stops;
     `max_staleness` > 0 turns streaming on (`stream.py`); checkpoints in memory, or in files under
     `state_dir` (created if missing); `device` (cpu, cuda, auto) places training on the first GPU and
-    the sampling engines spread over all of them."""
+    the sampling engines spread over all of them. `training`: the training clients, when not the
+    folder's model in this process (`TrainingModels`), e.g. `fsdp_training.FSDPTrainingModels`."""
     from asyncflow.data import generation_stop_ids
     from asyncflow.engines.base import pick_device
     from asyncflow.model_folder import check_model_dir
@@ -108,7 +113,8 @@ def make_service(model_dir: Path, *, api_key: str | None = None, max_batch: int 
     eos = int(tok.eos_token_id)
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else eos)
     try:
-        training = TrainingModels(model_dir, pick_device(device, 0))
+        if training is None:
+            training = TrainingModels(model_dir, pick_device(device, 0))
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{key}: cannot load the model in {model_dir}: {type(exc).__name__}: {exc}") from None
     sampling = SamplingPool(model_dir, tok, [eos, *generation_stop_ids(model_dir, eos)], pad, max_batch=max_batch,

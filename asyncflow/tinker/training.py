@@ -18,10 +18,10 @@ import concurrent.futures as cf
 import copy
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -54,6 +54,44 @@ class SavedState:
     layers: tuple[bool, bool]
     tensors: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
+
+
+class ClientInfo(Protocol):
+    """What the service reads of a training client."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def layers(self) -> tuple[bool, bool]: ...
+
+
+class TrainingBackend(Protocol):
+    """What a Tinker service needs of its training clients: `TrainingModels` (one process) or
+    `asyncflow.tinker.fsdp_training.FSDPTrainingModels` (FSDP2 ranks). Every call but `submit`,
+    `shutdown`, `clients` and `client` runs on the training thread (`submit`)."""
+
+    @property
+    def clients(self) -> Mapping[str, ClientInfo]: ...
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> cf.Future[T]: ...
+
+    def shutdown(self) -> None: ...
+
+    def client(self, model_id: str) -> ClientInfo: ...
+
+    def create(self, model_id: str, rank: int, seed: int | None, layers: tuple[bool, bool] = (True, True)) -> None: ...
+
+    def forward_backward(self, model_id: str, loss_name: str, config: dict[str, float], data: list[Datum],
+                         forward_only: bool, on_forward: Callable[[Outputs], None] | None = None) -> Outputs: ...
+
+    def optim_step(self, model_id: str, adam: dict[str, Any]) -> dict[str, float]: ...
+
+    def adapter(self, model_id: str) -> dict[str, torch.Tensor]: ...
+
+    def save(self, model_id: str) -> SavedState: ...
+
+    def load(self, model_id: str, saved: SavedState, with_optimizer: bool) -> None: ...
 
 
 def target_tokens(data: list[Datum]) -> list[list[int]]:
