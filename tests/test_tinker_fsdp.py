@@ -5,7 +5,10 @@ and samples through a service built on it."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,9 +160,30 @@ def test_states_saved_on_either_backend_load_on_the_other(serve_dir: Path, fsdp:
     assert_same_adapter(fsdp.adapter("back"), one.adapter("dst"))
 
 
-def test_the_sdk_trains_and_samples_through_a_service_on_fsdp_ranks(serve_dir: Path) -> None:
+def test_a_rank_that_dies_during_a_call_is_an_error_naming_it_and_stops_the_ranks(serve_dir: Path) -> None:
+    models = FSDPTrainingModels(serve_dir, world_size=2, timeout_s=60.0)
+    procs = models.links.procs  # type: ignore[union-attr]  (PipeLinks: local processes)
+    try:
+        models.create("x", 2, 0)
+        os.kill(procs[0].pid, signal.SIGSTOP)  # rank 0 cannot answer: the next call waits on both ranks
+        with cf.ThreadPoolExecutor(1) as pool:
+            call = pool.submit(models.forward_backward, "x", "cross_entropy", {}, sft(ROWS), False)
+            time.sleep(1.0)  # (the request on its way; a rank killed before it is named as dead alike)
+            procs[1].kill()
+            with pytest.raises(RuntimeError, match="rank 1 died"):
+                call.result(timeout=60)
+        with pytest.raises(RuntimeError, match="stopped"):
+            models.optim_step("x", ADAM)
+        procs[0].join(timeout=30)
+        assert not procs[0].is_alive()
+    finally:
+        models.shutdown()
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])  # 1: streaming (answered after the forward pass)
+def test_the_sdk_trains_and_samples_through_a_service_on_fsdp_ranks(serve_dir: Path, max_staleness: int) -> None:
     os.environ["TINKER_TELEMETRY"] = "0"
-    service = make_service(serve_dir, training=FSDPTrainingModels(serve_dir, world_size=2))
+    service = make_service(serve_dir, max_staleness=max_staleness, training=FSDPTrainingModels(serve_dir, world_size=2))
     server, _ = start(service, "127.0.0.1", 0)
     try:
         with tinker.ServiceClient(base_url=f"http://127.0.0.1:{server.server_address[1]}", api_key="tml-test") as client:

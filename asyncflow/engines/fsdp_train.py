@@ -430,7 +430,12 @@ class PipeLinks:
                     if rank in replies:
                         continue
                     if conn.poll(POLL_S / self.world_size):
-                        status, value = conn.recv()
+                        try:
+                            status, value = conn.recv()
+                        except EOFError:  # (a pipe polls readable at its end: the worker died mid-call)
+                            proc.join(timeout=5)
+                            raise RuntimeError(f"FSDP worker rank {rank} died (exit code {proc.exitcode}) while the "
+                                               f"engine waited for it to {what}") from None
                         if status == "error":
                             raise RuntimeError(f"FSDP worker rank {rank} failed to {what}:\n{value}")
                         replies[rank] = value

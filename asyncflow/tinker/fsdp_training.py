@@ -245,6 +245,11 @@ class FSDPTrainingModels:
             self.shutdown()
             raise
 
+    @property
+    def links(self) -> RankLinks | None:
+        """The transport to the ranks (None: it failed to start)."""
+        return self._links
+
     def _call(self, method: RankMethod, args: tuple[Any, ...] | list[tuple[Any, ...]], what: str) -> list[Any]:
         """`method` on every rank (with `args`, or rank r with `args[r]`), waiting at most `timeout_s`;
         the replies by rank. A dead, failing or silent rank is an error naming it (all ranks stop)."""
