@@ -138,6 +138,11 @@ def test_bad_input_is_a_user_error_and_the_ranks_keep_serving(fsdp: FSDPTraining
         fsdp.forward_backward("bad", "cross_entropy", {}, sft([[1, 2, 10**6]]), False)
     with pytest.raises(UserError, match="no such training client"):
         fsdp.optim_step("nobody", ADAM)
+    saved = fsdp.save("bad")
+    key = next(iter(saved.tensors))
+    saved.tensors[key] = saved.tensors[key][:1]
+    with pytest.raises(UserError, match="do not fit"):
+        fsdp.load("bad", saved, with_optimizer=False)
     lps, _ = fsdp.forward_backward("bad", "cross_entropy", {}, sft(ROWS[:2]), True)
     assert [len(x) for x in lps] == [len(r) - 1 for r in ROWS[:2]]
 

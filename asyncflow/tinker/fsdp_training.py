@@ -103,13 +103,17 @@ class TinkerRank:
     def run(self, method: RankMethod, args: tuple[Any, ...]) -> Any:
         return getattr(self, method)(*args) if isinstance(method, str) else method(self, *args)
 
-    def create(self, name: str, rank: int, targets: str, seed: int | None) -> None:
+    def create(self, name: str, rank: int, targets: str, seed: int | None) -> dict[str, tuple[int, ...]]:
+        """Add the adapter; the shapes of its tensors by their saved (PEFT state-dict) names."""
+        import peft
         import torch.distributed as dist
 
         self.peft, params = add_adapter(self.peft, self.base, name, rank, targets, seed)
         for p in params:  # (equal replicas whatever each rank's random state)
             dist.broadcast(p.data, src=0)
         self.adapters[name] = RankAdapter(params, torch.optim.AdamW(params, lr=1e-4))
+        saved = peft.get_peft_model_state_dict(self.peft, state_dict=self.lora_params(), adapter_name=name)
+        return {k: tuple(v.shape) for k, v in saved.items()}
 
     def forward(self, name: str, loss_name: str, config: dict[str, float], share: list[Datum], dummy: Datum,
                 grad: bool) -> tuple[list[np.ndarray], float]:
@@ -164,8 +168,12 @@ class TinkerRank:
         if self.rank != 0:
             return None
         tensors = peft.get_peft_model_state_dict(self.peft, state_dict=self.lora_params(), adapter_name=name)
-        return ({k: v.detach().clone() for k, v in tensors.items()},
-                copy.deepcopy(self.adapters[name].optimizer.state_dict()))
+        # CPU copies (what the driver keeps must not be a GPU rank's memory)
+        optimizer = self.adapters[name].optimizer.state_dict()
+        state = {i: {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                 for i, s in optimizer["state"].items()}
+        return ({k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
+                {"state": state, "param_groups": copy.deepcopy(optimizer["param_groups"])})
 
     def load(self, name: str, tensors: dict[str, torch.Tensor], optimizer: dict[str, Any] | None) -> None:
         import peft
@@ -190,6 +198,7 @@ class RemoteClient:
     adapter: str  # its PEFT adapter name (the same on every rank)
     rank: int
     layers: tuple[bool, bool]  # (attention, MLP): which linear layers its adapter covers
+    shapes: dict[str, tuple[int, ...]]  # its saved tensors' shapes by name (what a load must match)
 
 
 def split(data: list[Datum], world_size: int) -> list[list[Datum]]:
@@ -279,8 +288,8 @@ class FSDPTrainingModels:
         if rank < 1:
             raise UserError(f"create_model: lora_config.rank must be at least 1, not {rank}")
         name = f"client{len(self.clients)}"
-        self._call("create", (name, rank, target_modules(self.linear, layers), seed), "add a client's adapter")
-        self.clients[model_id] = RemoteClient(name, rank, layers)
+        shapes = self._call("create", (name, rank, target_modules(self.linear, layers), seed), "add a client's adapter")[0]
+        self.clients[model_id] = RemoteClient(name, rank, layers, shapes)
 
     def forward_backward(self, model_id: str, loss_name: str, config: dict[str, float], data: list[Datum],
                          forward_only: bool, on_forward: Callable[[Outputs], None] | None = None) -> Outputs:
@@ -343,5 +352,7 @@ class FSDPTrainingModels:
         if (saved.rank, saved.layers) != (client.rank, client.layers):
             raise UserError(f"load_weights: the checkpoint's LoRA (rank {saved.rank}, attention/MLP {saved.layers}) "
                             f"is not the client's (rank {client.rank}, {client.layers})")
+        if {k: tuple(v.shape) for k, v in saved.tensors.items()} != client.shapes:  # (a rank would fail: all stop)
+            raise UserError("load_weights: the checkpoint's adapter tensors do not fit this base model's layers")
         self._call("load", (client.adapter, saved.tensors, saved.optimizer if with_optimizer else None),
                    "load a client's state")
