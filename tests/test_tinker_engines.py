@@ -141,18 +141,22 @@ def test_the_command_reads_a_config_and_refuses_a_bad_one_in_one_line(serve_dir:
 
 
 @pytest.mark.ray
-def test_on_ray_training_and_sampling_run_in_placed_actors(serve_dir: Path, tmp_path: Path, ray_session: Any) -> None:
+@pytest.mark.parametrize("trainer", ["torch", "fsdp"])  # fsdp: 2 ranks, each an actor
+def test_on_ray_training_and_sampling_run_in_placed_actors(serve_dir: Path, tmp_path: Path, ray_session: Any,
+                                                          trainer: str) -> None:
     from ray.util import list_named_actors
 
     config = write_config(tmp_path, {
         "model": {"path": str(serve_dir), "device": "cpu"},
         "rollout": {"workers": 1},
+        "train": {"engine": trainer, **({"world_size": 2} if trainer == "fsdp" else {})},
         "runtime": {"kind": "ray", "rollout_cpus": 0.5, "train_cpus": 0.5},
     })
     with served_config(config) as (service, sdk):
         check_samplers_match_training(sdk)
         names = [n for n in list_named_actors() if n.startswith("asyncflow-tinker-")]  # (samplers start on demand)
-        assert any("-train-" in n for n in names) and any("-sampler0-" in n for n in names), names
+        trainers = [n for n in names if "-train-" in n]
+        assert len(trainers) == (2 if trainer == "fsdp" else 1) and any("-sampler0-" in n for n in names), names
         assert service.sampling.counts["engines_built"] == 1
         # a sampler actor that dies is replaced by a new one when the next session needs an engine
         ray_session.kill(ray_session.get_actor(next(n for n in names if "-sampler0-" in n)))

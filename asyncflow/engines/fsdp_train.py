@@ -91,6 +91,9 @@ class WorkerSpec:
     own_gpu_only: bool = False  # the process sees exactly its own GPU (a Ray actor's CUDA_VISIBLE_DEVICES): cuda:0
     gradient_checkpointing: bool = False
     lora: Any = None  # the `model.lora` section (None: full fine-tuning; asyncflow.engines.fsdp_lora)
+    # what each rank builds, `rank_class(rank, spec)` with a `run(method, args)` (picklable by reference;
+    # None: `FSDPRank`); another kind of rank serves the same transport (asyncflow.tinker.fsdp_training)
+    rank_class: Any = None
 
 
 def _free_port() -> int:
@@ -107,28 +110,52 @@ def _free_port() -> int:
 RankMethod = str | Callable[..., Any]  # an `FSDPRank` method's name, or `f(rank, *args)` (picklable)
 
 
+def join_process_group(rank: int, spec: WorkerSpec) -> torch.device:
+    """Set this process up as rank `rank` (threads, seed, device) and join the process group at
+    `spec`'s rendezvous; returns the rank's device."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed)
+    if spec.device == "cuda":
+        device = torch.device("cuda", 0 if spec.own_gpu_only else rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        "nccl" if spec.device == "cuda" else "gloo",
+        init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout_s),
+    )
+    return device
+
+
+def shard(model: torch.nn.Module, dtype: torch.dtype) -> Any:
+    """`fully_shard` each decoder layer, then the root (computing in `dtype`, reducing gradients in
+    float32); gradients are summed over the ranks, not averaged."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=policy)
+    sharded: Any = fully_shard(model, mp_policy=policy)
+    # losses are normalised by the whole mini-batch: rank contributions add up, so sum gradients
+    # (gloo has no pre-multiplied sum: force a plain SUM reduction); the setting is per FSDP module
+    for module in sharded.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return sharded
+
+
 class FSDPRank:
     """One rank's shard of the policy and of the optimizer state (built in the rank's own process)."""
 
     def __init__(self, rank: int, spec: WorkerSpec) -> None:
-        import torch.distributed as dist
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
         self.rank, self.spec = rank, spec
-        torch.set_num_threads(spec.threads)
-        torch.manual_seed(spec.seed)
-        if spec.device == "cuda":
-            self.device = torch.device("cuda", 0 if spec.own_gpu_only else rank)
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-        dist.init_process_group(
-            "nccl" if spec.device == "cuda" else "gloo",
-            init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
-            rank=rank,
-            world_size=spec.world_size,
-            timeout=timedelta(seconds=spec.timeout_s),
-        )
+        self.device = join_process_group(rank, spec)
         # float32 master weights and AdamW states; a lower model.dtype is FSDP's compute dtype (its
         # mixed-precision policy casts the gathered parameters; gradients are reduced in float32)
         model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
@@ -148,17 +175,7 @@ class FSDPRank:
             enable_gradient_checkpointing(model)
         if spec.lora is not None:  # before fully_shard, so FSDP shards the PEFT model (fsdp_lora)
             model = lora_adapter.wrap(model, spec.lora)
-        policy = MixedPrecisionPolicy(param_dtype=None if self.dtype == torch.float32 else self.dtype,
-                                      reduce_dtype=torch.float32)
-        for layer in decoder_layers(model):
-            fully_shard(layer, mp_policy=policy)
-        sharded: Any = fully_shard(model, mp_policy=policy)
-        # losses are normalised by the whole mini-batch: rank contributions add up, so sum gradients
-        # (gloo has no pre-multiplied sum: force a plain SUM reduction); the setting is per FSDP module
-        for module in sharded.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+        sharded = shard(model, self.dtype)
         self.model: Any = eval_mode(sharded, spec.gradient_checkpointing)  # no dropout (as the plain engine)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # (LoRA: the adapter's)
         self.optimizer = torch.optim.AdamW(self.trainable, lr=spec.lr, weight_decay=spec.weight_decay)
@@ -275,12 +292,17 @@ class FSDPRank:
         return restored_steps(self.optimizer, mini_batches)
 
 
+def build_rank(rank: int, spec: WorkerSpec) -> Any:
+    """This process's rank: `spec.rank_class`'s, by default an `FSDPRank`."""
+    return (spec.rank_class or FSDPRank)(rank, spec)
+
+
 def _worker_main(rank: int, spec: WorkerSpec, conn: Any) -> None:
     """A rank's command loop: ("method", args) in, ("ok", result) or ("error", traceback) out."""
     try:
         quiet_transformers()
         limit_malloc_arenas()  # (asyncflow.malloc_arena says why)
-        worker = FSDPRank(rank, spec)
+        worker = build_rank(rank, spec)
         conn.send(("ok", None))
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -408,7 +430,12 @@ class PipeLinks:
                     if rank in replies:
                         continue
                     if conn.poll(POLL_S / self.world_size):
-                        status, value = conn.recv()
+                        try:
+                            status, value = conn.recv()
+                        except EOFError:  # (a pipe polls readable at its end: the worker died mid-call)
+                            proc.join(timeout=5)
+                            raise RuntimeError(f"FSDP worker rank {rank} died (exit code {proc.exitcode}) while the "
+                                               f"engine waited for it to {what}") from None
                         if status == "error":
                             raise RuntimeError(f"FSDP worker rank {rank} failed to {what}:\n{value}")
                         replies[rank] = value

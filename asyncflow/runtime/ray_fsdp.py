@@ -30,7 +30,7 @@ from typing import Any
 
 from asyncflow.config import Config
 from asyncflow.engines.base import quiet_transformers, state_bytes
-from asyncflow.engines.fsdp_train import FSDPRank, FSDPTrainEngine, RankMethod, WorkerSpec
+from asyncflow.engines.fsdp_train import FSDPRank, FSDPTrainEngine, RankMethod, WorkerSpec, build_rank
 from asyncflow.engines.shared_state import SharedState
 from asyncflow.errors import WaitTimeout
 from asyncflow.malloc_arena import limit_malloc_arenas
@@ -49,7 +49,7 @@ class FSDPRankActor:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.worker: FSDPRank | None = None
+        self.worker: Any = None  # (an `FSDPRank` unless the spec names another `rank_class`)
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a port free on it now: the rendezvous, asked of rank 0's actor."""
@@ -64,7 +64,7 @@ class FSDPRankActor:
         """Join the process group at `spec`'s rendezvous, load and shard the model."""
         quiet_transformers()
         limit_malloc_arenas()  # (asyncflow.malloc_arena says why)
-        self.worker = FSDPRank(self.rank, spec)
+        self.worker = build_rank(self.rank, spec)
 
     def run(self, method: RankMethod, args: tuple[Any, ...]) -> Any:
         if self.worker is None:

@@ -1,5 +1,5 @@
 """The routes of a Tinker-compatible service (`asyncflow tinker-serve`): what the official `tinker` SDK
-sends under /api/v1, answered from the training clients (`training.TrainingModels`), the samplers
+sends under /api/v1, answered from the training clients (`training.TrainingBackend`), the samplers
 (`sampling.SamplingPool`) and the futures (`futures.FutureStore`).
 
 Long calls (create_model, forward_backward, optim_step, the saves and loads, asample) answer their POST
@@ -32,7 +32,7 @@ from asyncflow.tinker.runs import RunStore, metadata
 from asyncflow.tinker.sampling import SamplingPool, Snapshot
 from asyncflow.tinker.stability import add_stability_inputs
 from asyncflow.tinker.stream import StreamState
-from asyncflow.tinker.training import TrainingModels
+from asyncflow.tinker.training import TrainingBackend
 from asyncflow.tinker.wire import FwdBwdRequest, forward_backward_output, parse_forward_backward
 
 PREFIX = "/api/v1"
@@ -63,7 +63,7 @@ class RouteNotFound(Exception):
 class TinkerService:
     """The API's state: sessions, training clients, sampling sessions, checkpoints, futures."""
 
-    def __init__(self, training: TrainingModels, sampling: SamplingPool, *, api_key: str | None = None,
+    def __init__(self, training: TrainingBackend, sampling: SamplingPool, *, api_key: str | None = None,
                  tokenizer_id: str | None = None, futures: FutureStore | None = None,
                  stream: StreamState | None = None, state_dir: Path | None = None, model_name: str = "") -> None:
         """`tokenizer_id`: what `get_info` tells the SDK to load the tokenizer from (`get_tokenizer()`):
