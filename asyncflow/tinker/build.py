@@ -27,11 +27,13 @@ def make_service(settings: ServeSettings, *, api_key: str | None = None,
     """The service: base model for training, its tokenizer for stops, the sampling engines; checkpoints
     in memory or in files under `state_dir` (created if missing)."""
     from asyncflow.data import generation_stop_ids
+    from asyncflow.engines.base import quiet_transformers
     from asyncflow.model_folder import check_model_dir
     from asyncflow.tinker.sampling import SamplingPool
     from asyncflow.tinker.stream import StreamState
     from asyncflow.tokenizer import load_tokenizer
 
+    quiet_transformers()  # (engines load models while the service runs: no progress bars between its lines)
     model_dir, key = settings.model_dir, settings.key
     if state_dir is not None:
         try:
