@@ -141,22 +141,20 @@ def test_the_command_reads_a_config_and_refuses_a_bad_one_in_one_line(serve_dir:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("trainer", ["torch", "fsdp"])  # fsdp: 2 ranks, each an actor
-def test_on_ray_training_and_sampling_run_in_placed_actors(serve_dir: Path, tmp_path: Path, ray_session: Any,
-                                                          trainer: str) -> None:
+def test_on_ray_training_and_sampling_run_in_placed_actors(serve_dir: Path, tmp_path: Path, ray_session: Any) -> None:
+    """FSDP ranks (2, each an actor) and an hf sampler actor; the torch trainer's actor is the next test's."""
     from ray.util import list_named_actors
 
     config = write_config(tmp_path, {
         "model": {"path": str(serve_dir), "device": "cpu"},
         "rollout": {"workers": 1},
-        "train": {"engine": trainer, **({"world_size": 2} if trainer == "fsdp" else {})},
+        "train": {"engine": "fsdp", "world_size": 2},
         "runtime": {"kind": "ray", "rollout_cpus": 0.5, "train_cpus": 0.5},
     })
     with served_config(config) as (service, sdk):
         check_samplers_match_training(sdk)
         names = [n for n in list_named_actors() if n.startswith("asyncflow-tinker-")]  # (samplers start on demand)
-        trainers = [n for n in names if "-train-" in n]
-        assert len(trainers) == (2 if trainer == "fsdp" else 1) and any("-sampler0-" in n for n in names), names
+        assert len([n for n in names if "-train-rank" in n]) == 2 and any("-sampler0-" in n for n in names), names
         assert service.sampling.counts["engines_built"] == 1
         # a sampler actor that dies is replaced by a new one when the next session needs an engine
         ray_session.kill(ray_session.get_actor(next(n for n in names if "-sampler0-" in n)))
@@ -177,7 +175,7 @@ def test_on_ray_the_service_starts_its_own_servers_and_samples_on_them(serve_dir
     })
     with served_config(config) as (service, sdk):
         names = [n for n in list_named_actors() if n.startswith("asyncflow-tinker-")]
-        assert any(n.endswith("-server-0") for n in names) and any("-train-" in n for n in names), names
+        assert any(n.endswith("-server-0") for n in names) and any("-train-0" in n for n in names), names
         check_samplers_match_training(sdk)
         assert service.sampling.counts["engines_built"] == 1
     assert not [n for n in list_named_actors() if n.startswith("asyncflow-tinker-")]

@@ -8,9 +8,12 @@ futures' poll time (20 s), and a connection idle for `IDLE_S` is closed.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import signal
+import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from asyncflow.tinker.settings import ServeSettings
 
 IDLE_S = 120.0  # a keep-alive connection with no request for this long is closed
 MAX_BODY_BYTES = 256 * 2**20
+CLOSE_WAIT_S = 30.0  # closing: how long connection threads get to finish (a retrieve_future waits up to 20 s)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -64,13 +68,44 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 class TinkerHTTPServer(http.server.ThreadingHTTPServer):
+    """Closing the server also closes its open connections and waits (bounded) for their threads: a
+    connection thread left blocked on a kept-alive socket held the service (and its tensors) past the
+    interpreter's exit, where freeing them from that thread aborted the process."""
+
     daemon_threads = True
-    block_on_close = False
+    block_on_close = False  # (its own join covers daemon threads only with this off: `server_close`)
     request_queue_size = 1024  # (the SDK opens many connections at once)
 
     def __init__(self, address: tuple[str, int], service: TinkerService) -> None:
         self.service = service
+        self._connections: dict[threading.Thread, socket.socket] = {}
+        self._lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        thread = threading.Thread(target=self._serve_connection, args=(request, client_address), daemon=True,
+                                  name="tinker-connection")
+        with self._lock:
+            self._connections[thread] = request
+        thread.start()
+
+    def _serve_connection(self, request: Any, client_address: Any) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self._lock:
+                self._connections.pop(threading.current_thread(), None)
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._lock:
+            open_now = dict(self._connections)
+        for sock in open_now.values():
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # (wakes a thread waiting for the next request)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for thread in open_now:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def start(service: TinkerService, host: str, port: int) -> tuple[TinkerHTTPServer, threading.Thread]:
