@@ -99,7 +99,7 @@ class Parts:
             from asyncflow.tinker.fsdp_training import FSDPTrainingModels
 
             return FSDPTrainingModels(s.model_dir, world_size=s.world_size, device=_device(s.device),
-                                      timeout_s=s.worker_timeout_s)
+                                      threads=self._rank_threads(), timeout_s=s.worker_timeout_s)
         from asyncflow.engines.base import pick_device
         from asyncflow.tinker.training import TrainingModels
 
@@ -107,6 +107,18 @@ class Parts:
             return TrainingModels(s.model_dir, pick_device(s.device, 0))
         except (OSError, ValueError, KeyError) as exc:
             raise UserError(f"{s.key}: cannot load the model in {s.model_dir}: {type(exc).__name__}: {exc}") from None
+
+    def _rank_threads(self) -> int:
+        """torch threads per FSDP rank: `runtime.torch_threads`; else, on Ray, the rank's reserved CPUs,
+        and here this process's cores shared by the ranks."""
+        from asyncflow.config_schema import usable_cores
+
+        s, cfg = self.settings, self.settings.cfg
+        if cfg is not None and cfg.runtime.torch_threads is not None:
+            return cfg.runtime.torch_threads
+        if s.ray and cfg is not None:
+            return max(1, int(cfg.runtime.train_cpus))
+        return max(1, usable_cores() // s.world_size)
 
     def _reserve(self) -> Any:
         """Ray joined or started (`runtime.address`) and the placement group reserved, once."""
@@ -140,7 +152,8 @@ class Parts:
 
             options = [self._options(first + r, f"train-rank{r}") for r in range(s.world_size)]
             return FSDPTrainingModels(s.model_dir, world_size=s.world_size, device=_device(s.device),
-                                      timeout_s=s.worker_timeout_s, links=lambda spec: RayRankLinks(spec, options))
+                                      threads=self._rank_threads(), timeout_s=s.worker_timeout_s,
+                                      links=lambda spec: RayRankLinks(spec, options))
         from asyncflow.tinker.remote import RemoteTraining
 
         assert s.cfg is not None
