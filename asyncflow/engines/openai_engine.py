@@ -91,8 +91,7 @@ class OpenAIEngine(InferenceEngine):
         }
         if request.top_k > 0:
             body["top_k"] = request.top_k
-        if self.adapter is not None:  # a served LoRA adapter: vLLM takes its name as the model, SGLang as lora_path
-            body["model" if self.server_type == "vllm" else "lora_path"] = self.adapter
+        self._name_adapter(body)
         if self.server_type == "vllm":  # vLLM's documented extras: generated ids in the reply
             body.update(return_token_ids=True, return_tokens_as_token_ids=True)
         sent_version = self.version
@@ -109,13 +108,23 @@ class OpenAIEngine(InferenceEngine):
             reason = "cancelled"
         return GenResult(request.uid, ids, logprobs, versions, reason)  # type: ignore[arg-type]
 
+    def _name_adapter(self, body: dict[str, Any]) -> None:
+        """A served LoRA adapter in a completion request: vLLM takes its name as the model, SGLang as
+        lora_path (none loaded, or merged by the server: nothing)."""
+        if self.adapter is not None:
+            body["model" if self.server_type == "vllm" else "lora_path"] = self.adapter
+
+    def use_base(self, version: int) -> None:
+        """Requests name the base model again (a server that serves adapters by name), as weights `version`."""
+        self.adapter = None
+        self.version = version
+
     async def score_prompt(self, prompt_ids: list[int]) -> list[float]:
         """log p(prompt[i] | prompt[:i]) for i >= 1 at temperature 1, under the weights the server
         holds: the legacy completions' `echo` with log-probs (asyncflow serve, vLLM), one token drawn."""
         body: dict[str, Any] = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": 1, "temperature": 1.0,
                                 "echo": True, "logprobs": 0}
-        if self.adapter is not None:
-            body["model" if self.server_type == "vllm" else "lora_path"] = self.adapter
+        self._name_adapter(body)
         reply = await self._call("POST", "/v1/completions", body, self.request_timeout_s, retry_safe=True)
         try:
             values = reply["choices"][0]["logprobs"]["token_logprobs"][1: len(prompt_ids)]

@@ -210,7 +210,6 @@ class Parts:
             raise
         return sampler
 
-
     def _launched(self) -> Any:
         """The servers `rollout.launch_servers` names, started once in the samplers' bundles."""
         if self.servers is None:

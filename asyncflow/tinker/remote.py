@@ -19,6 +19,7 @@ from typing import Any
 
 from asyncflow.engines.base import GenRequest, GenResult
 from asyncflow.errors import UserError, WaitTimeout
+from asyncflow.runtime.ray_errors import dead_actor_error
 from asyncflow.tinker.sampler_engines import Adapter, SamplerEngine
 from asyncflow.tinker.training import Outputs, SavedState
 
@@ -116,7 +117,7 @@ class RaySampler(SamplerEngine):
             if exc is None:
                 out.set_result(done.result())
                 return
-            if type(exc).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
+            if dead_actor_error(exc) is not None:
                 self._error = exc
             out.set_exception(exc)
 
@@ -181,9 +182,8 @@ class RemoteTraining:
         _get(actor.ready.remote(), timeout_s, "the training actor loading the model")
         return cls(actor)
 
-    def _call(self, method: str, *args: Any, what: str | None = None, timeout_s: float | None = None) -> Any:
-        return _get(self.actor.call.remote(method, *args), timeout_s or self.timeout_s,
-                    what or f"the training actor's {method}")
+    def _call(self, method: str, *args: Any) -> Any:
+        return _get(self.actor.call.remote(method, *args), self.timeout_s, f"the training actor's {method}")
 
     def submit(self, fn: Any, *args: Any) -> cf.Future[Any]:
         return self._worker.submit(fn, *args)

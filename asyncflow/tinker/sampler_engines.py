@@ -100,16 +100,15 @@ class LoopSampler(SamplerEngine):
 
     def __init__(self, engine: InferenceEngine, name: str, *, merges_adapters: bool) -> None:
         """`merges_adapters`: the engine takes the base model back as an adapter that changes nothing
-        (`asyncflow serve` merges adapters); else it stops naming an adapter (`use_base`)."""
+        (`asyncflow serve` merges adapters); else it stops naming an adapter (the engine's `use_base`)."""
         self.engine, self.name, self.merges_adapters = engine, name, merges_adapters
-        self._error: BaseException | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"tinker-{name}", daemon=True)
         self._thread.start()
 
     @property
     def error(self) -> BaseException | None:
-        return self._error
+        return None  # (a failing server or vLLM fails its requests; the engine stays in the pool)
 
     def _run(self, coro: Awaitable[T]) -> cf.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
@@ -125,12 +124,7 @@ class LoopSampler(SamplerEngine):
                                                   version, "drain"))
 
     async def _use_base(self, version: int) -> float:
-        use_base = getattr(self.engine, "use_base", None)
-        if use_base is not None:
-            use_base(version)
-        else:  # (an OpenAI server that names adapters: requests name the base model again)
-            self.engine.adapter = None  # type: ignore[attr-defined]
-            self.engine.version = version
+        self.engine.use_base(version)  # type: ignore[attr-defined]  # (on the loop, as every engine call)
         return 0.0
 
     def generate(self, request: GenRequest) -> cf.Future[GenResult]:
@@ -146,17 +140,23 @@ class LoopSampler(SamplerEngine):
         self._thread.join(timeout=5.0)
 
 
+def ends_at_stop(tokens: list[int], stop_ids: Any, stop_texts: list[str], tokenizer: Any) -> bool:
+    """Whether `tokens` end with a stop: their last token is a stop token, or their text ends with a
+    stop string (`tokens` may be only the tail of a sample, enough tokens to spell one)."""
+    if tokens[-1] in stop_ids:
+        return True
+    if stop_texts:
+        text = tokenizer.decode(tokens)
+        return any(text.endswith(s) for s in stop_texts)
+    return False
+
+
 def cut_at_stop(result: GenResult, stop_ids: Any, stop_texts: list[str], tokenizer: Any) -> GenResult:
     """`result` ended at its first stop token (kept) or at the token completing a stop string, as an
     engine that stops while decoding would have ended it (finish "stop"); unchanged without one."""
     reach = max((len(s) for s in stop_texts), default=0) + 2  # (tokens enough to spell the longest stop string)
-    for i, token in enumerate(result.response_ids):
-        hit = token in stop_ids
-        if not hit and stop_texts:
-            text = tokenizer.decode(result.response_ids[max(0, i + 1 - reach): i + 1])
-            hit = any(text.endswith(s) for s in stop_texts)
-        if hit:
-            n = i + 1
+    for n in range(1, len(result.response_ids) + 1):
+        if ends_at_stop(result.response_ids[max(0, n - reach): n], stop_ids, stop_texts, tokenizer):
             return GenResult(result.uid, result.response_ids[:n], result.behavior_logprobs[:n],
                              result.token_versions[:n], "stop", result.extra)
     return result

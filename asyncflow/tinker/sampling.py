@@ -30,11 +30,11 @@ from asyncflow.engines.base import GenRequest, GenResult, pick_device
 from asyncflow.engines.hf import HFEngine
 from asyncflow.errors import UserError, WaitTimeout
 from asyncflow.tinker.futures import resolved
-from asyncflow.tinker.sampler_engines import HFSampler, SamplerEngine, cut_at_stop
+from asyncflow.tinker.sampler_engines import HFSampler, SamplerEngine, cut_at_stop, ends_at_stop
+from asyncflow.tinker.settings import MAX_BATCH, MAX_ENGINES
 from asyncflow.tinker.stability import Record, SequenceRecords
 from asyncflow.tinker.wire import Sequence, sample_response
 
-MAX_ENGINES = 4
 MAX_SESSIONS = 256  # sampling sessions kept (an RL loop makes one per step); the oldest is forgotten first
 LOAD_TIMEOUT_S = 120.0  # an engine taking its snapshot's adapter
 SAMPLE_TIMEOUT_S = 600.0  # one sample request's generation
@@ -90,7 +90,7 @@ class SamplingPool:
     the model again. A new engine is built only while every engine is busy, up to `max_engines`."""
 
     def __init__(self, model_dir: Path, tokenizer: Any, eos_ids: list[int], pad_id: int, *, max_engines: int = MAX_ENGINES,
-                 max_sessions: int = MAX_SESSIONS, max_batch: int = 64, workers: int = 16,
+                 max_sessions: int = MAX_SESSIONS, max_batch: int = MAX_BATCH, workers: int = 16,
                  records: SequenceRecords | None = None, device: str = "cpu",
                  make_engine: Callable[[int], SamplerEngine] | None = None) -> None:
         """`records`: where samples asked with `record_stability_info` are recorded, by sequence id;
@@ -235,12 +235,7 @@ class SamplingPool:
 
         def on_token(token: int, logprob: float, version: int, top: Any) -> bool:
             generated.append(token)
-            if token in stop_ids:
-                return True
-            if stop_texts:
-                text = self.tokenizer.decode(generated)
-                return any(text.endswith(s) for s in stop_texts)
-            return False
+            return ends_at_stop(generated, stop_ids, stop_texts, self.tokenizer)
 
         top_k = int(params.get("top_k", -1))
         return GenRequest(uid=next(self._uids), prompt_ids=prompt,

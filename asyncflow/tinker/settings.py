@@ -24,6 +24,8 @@ from typing import Any
 from asyncflow.config import Config
 
 MAX_ENGINES = 4  # sampling engines built on demand when nothing sets rollout.workers
+MAX_BATCH = 64  # sequences one sampling engine decodes at once when nothing sets rollout.max_batch
+LORA_RANK = 64  # vllm: the largest adapter rank its samplers serve when model.lora sets none
 USED = ("model.", "rollout.engine", "rollout.workers", "rollout.max_batch", "rollout.server_", "rollout.sync_",
         "rollout.launch_servers",
         "rollout.request_timeout_s", "train.engine", "train.world_size", "train.worker_timeout_s", "runtime.",
@@ -37,14 +39,14 @@ class ServeSettings:
     dtype: str = "float32"  # the sampling engines' compute dtype (training keeps float32)
     sampler: str = "hf"  # hf, vllm, openai (rollout.engine)
     max_engines: int = MAX_ENGINES
-    max_batch: int = 64
+    max_batch: int = MAX_BATCH
     trainer: str = "torch"  # torch, fsdp (train.engine)
     world_size: int = 1
     worker_timeout_s: float = 600.0
     ray: bool = False
     max_staleness: int = 0
     seed: int = 0
-    lora_rank: int = 64  # vllm: the largest adapter rank its samplers serve
+    lora_rank: int = LORA_RANK
     cfg: Config | None = None  # the run config (servers, Ray placement), if one was given
 
     @property
@@ -70,10 +72,10 @@ def from_config(cfg: Config, explicit: set[str], log: Callable[[str], None]) -> 
         engines = servers if r.engine == "openai" else 1 if r.engine == "vllm" else MAX_ENGINES
     return ServeSettings(
         model_dir=resolve_model_dir(cfg, log), device=cfg.model.device, dtype=cfg.model.dtype, sampler=r.engine,
-        max_engines=max(1, engines), max_batch=r.max_batch if "rollout.max_batch" in explicit else 64,
+        max_engines=max(1, engines), max_batch=r.max_batch if "rollout.max_batch" in explicit else MAX_BATCH,
         trainer=cfg.train.engine, world_size=cfg.train.world_size, worker_timeout_s=cfg.train.worker_timeout_s,
         ray=cfg.runtime.kind == "ray", max_staleness=cfg.workflow.max_staleness or 0, seed=cfg.seed,
-        lora_rank=cfg.model.lora.r if cfg.model.lora is not None else 64, cfg=cfg)
+        lora_rank=cfg.model.lora.r if cfg.model.lora is not None else LORA_RANK, cfg=cfg)
 
 
 def with_options(settings: ServeSettings, args: Any) -> ServeSettings:
